@@ -1,0 +1,35 @@
+"""Model adapters: what kvzoo needs to know about a model family to run its attention.
+
+``adapter_for(model, policy)`` returns the adapter or raises a ValueError naming the supported
+architectures. GQA/MHA (Llama family) is here; MLA (DeepSeek-V2/V3, Kimi Linear) comes with the
+MLA runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzoo.framework.adapters.gqa import GQA_MODEL_TYPES, GQAAdapter
+from kvzoo.framework.policy import Policy
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = GQA_MODEL_TYPES
+
+
+def adapter_for(model: torch.nn.Module, policy: Policy) -> GQAAdapter:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in GQA_MODEL_TYPES:
+        adapter = GQAAdapter(model)
+    else:
+        raise ValueError(
+            f"kvzoo does not support model_type={model_type!r} ({type(model).__name__}); "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if adapter.layout not in policy.layouts:
+        raise ValueError(
+            f"policy {policy.name!r} supports layouts {policy.layouts}, but {type(model).__name__} is {adapter.layout!r}"
+        )
+    return adapter
+
+
+__all__ = ["adapter_for", "GQAAdapter", "SUPPORTED_MODEL_TYPES"]

@@ -1,0 +1,389 @@
+"""``TieredCache``: a transformers ``Cache`` that holds each layer's rows in two tiers.
+
+Per layer and sequence, every row ever appended is in exactly one place (DESIGN.md §1):
+
+* the **attended tier** -- ``keys``/``values`` tensors that every step attends to; they really
+  shrink at a compression event (new, smaller tensors; nothing is masked instead of removed);
+* the **archive** -- evicted rows, bit-exact, with their slots; or, with ``archive=False``,
+  nowhere, and counted in ``dropped_rows``.
+
+The cache honours transformers' narrow cache contract (``update``, ``get_seq_length``,
+``get_mask_sizes``), so ``model.generate(..., cache=cache)`` works unchanged.
+``get_seq_length`` reports the *true* sequence length (rows ever seen), so positions and masks
+keep counting real tokens after eviction, and decoding continues at the true position.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvzoo.framework.policy import Event, Policy, RowsView
+from kvzoo.kernels.attention import window_attention
+
+# The layer whose ``update`` ran last in this context; the attention function picks it up and
+# checks that the key tensor it was handed is that layer's attended tier (identity, not equality).
+ACTIVE_LAYER: contextvars.ContextVar[TieredLayer | None] = contextvars.ContextVar("kvzoo_active_layer", default=None)
+
+
+class Archive:
+    """Evicted rows of one layer, bit-exact, as appended segments ``[B, G, m_i, ...]``."""
+
+    def __init__(self) -> None:
+        self.segments: list[dict[str, torch.Tensor]] = []
+        self._joined: dict[str, torch.Tensor] | None = None
+
+    def add(self, **rows: torch.Tensor) -> None:
+        self.segments.append(rows)
+        self._joined = None
+
+    @property
+    def num_rows(self) -> int:
+        return sum(seg["slots"].shape[2] for seg in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for seg in self.segments for k, t in seg.items() if k != "valid")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """All archived rows joined along the row axis (cached until the next ``add``)."""
+        if self._joined is None:
+            if not self.segments:
+                return {}
+            keys = self.segments[0].keys()
+            self._joined = {k: torch.cat([seg[k] for seg in self.segments], dim=2) for k in keys}
+            self.segments = [self._joined]
+        return self._joined
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.segments = [{k: t.index_select(0, index) for k, t in seg.items()} for seg in self.segments]
+        self._joined = None
+
+
+class TieredLayer(CacheLayerMixin):
+    """One layer's attended tier, archive and policy state."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: TieredCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.slots: torch.Tensor | None = None  # [B, G, n] int64
+        self.valid: torch.Tensor | None = None  # [B, G, n] bool
+        self.row_stats: dict[str, torch.Tensor] = {}  # name -> [B, G, n] fp32
+        self.archive = Archive()
+        self.seen = 0  # rows appended per (batch, group): the true sequence length
+        self.since_event = 0  # rows appended since this layer's last event
+        self.new_rows = 0  # rows appended by the forward pass in flight
+        self.dropped_rows = 0
+        self.events = 0
+        self.budget: int | None = None  # fixed at the first event
+        self.scaling: float | None = None
+        self.window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries
+        self.fetched_rows = 0
+
+    # --- transformers' layer contract --------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, G, _, D = key_states.shape
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = key_states.new_empty(B, G, 0, D)
+        self.values = value_states.new_empty(B, G, 0, value_states.shape[-1])
+        self.slots = torch.empty(B, G, 0, dtype=torch.long, device=self.device)
+        self.valid = torch.empty(B, G, 0, dtype=torch.bool, device=self.device)
+        self.row_stats = {
+            name: torch.empty(B, G, 0, dtype=torch.float32, device=self.device)
+            for name in self.cache.policy.new_row_stats()
+        }
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Append this forward's rows (``[B, G, q, D]``) to the attended tier; return the tier."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, G, q, _ = key_states.shape
+        new_slots = torch.arange(self.seen, self.seen + q, device=self.device).expand(B, G, q)
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        self.slots = torch.cat([self.slots, new_slots], dim=2)
+        # valid until the attention call tells us which new rows are padding (mark_padding)
+        self.valid = torch.cat([self.valid, torch.ones(B, G, q, dtype=torch.bool, device=self.device)], dim=2)
+        for name, stat in self.row_stats.items():
+            self.row_stats[name] = torch.cat([stat, stat.new_zeros(B, G, q)], dim=2)
+        self.seen += q
+        self.since_event += q
+        self.new_rows = q
+        ACTIVE_LAYER.set(self)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Masks are sized by true sequence length; the attention function maps rows to columns by slot.
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.cache, self.layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = indices.to(self.device)
+        self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
+        self.slots, self.valid = self.slots.index_select(0, idx), self.valid.index_select(0, idx)
+        self.row_stats = {k: v.index_select(0, idx) for k, v in self.row_stats.items()}
+        if self.window_queries is not None:
+            self.window_queries = self.window_queries.index_select(0, idx)
+        self.archive.select_batch(idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise RuntimeError(
+            "TieredCache cannot be cropped (assisted/speculative decoding rolls back rows that may already "
+            "be archived); use greedy or sampling generation"
+        )
+
+    # --- bookkeeping the attention function calls ---------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def mark_padding(self, padding_mask: torch.Tensor | None) -> None:
+        """Set ``valid`` of the rows appended by this forward from the 2-D padding mask.
+
+        ``padding_mask`` is ``[B, seen]`` bool over slots (True = real token), or None (no padding).
+        """
+        if padding_mask is None or self.new_rows == 0:
+            return
+        new = padding_mask[:, self.seen - self.new_rows : self.seen].to(torch.bool)  # [B, q]
+        self.valid[:, :, -self.new_rows :] = new[:, None, :]
+
+    def record_queries(self, query: torch.Tensor, window: int) -> None:
+        """Keep the latest ``window`` queries ``[B, H, w, D]`` (for observation-window attention)."""
+        if window <= 0:
+            return
+        joined = query if self.window_queries is None else torch.cat([self.window_queries, query], dim=2)
+        self.window_queries = joined[:, :, -window:].detach()
+
+    def view(self) -> RowsView:
+        """The attended tier as a :class:`RowsView` for the selector."""
+        policy = self.cache.policy
+        win = None
+        if "window" in policy.observes and self.window_queries is not None:
+            w = self.window_queries.shape[2]
+            q_slots = torch.arange(self.seen - w, self.seen, device=self.device)
+            win = self.cache.adapter.window_attention(
+                self.window_queries, q_slots, self.keys, self.slots, self.valid, self.scaling
+            )
+        return RowsView(
+            keys=self.keys,
+            values=None if self.cache.adapter.layout == "mla" else self.values,
+            slots=self.slots,
+            valid=self.valid,
+            layer_idx=self.layer_idx,
+            num_layers=len(self.cache.layers),
+            layout=self.cache.adapter.layout,
+            first_new=max(0, self.num_rows - self.since_event),
+            window_attention=win,
+            row_stats=self.row_stats,
+            shared=self.cache.policy_shared,
+        )
+
+    # --- events -------------------------------------------------------------------------------
+    def after_forward(self) -> None:
+        """Fire this forward's scheduled event, if the policy has one."""
+        policy = self.cache.policy
+        self.new_rows = 0
+        if policy.schedule == "step":
+            self.fire("step")
+        elif policy.schedule == "block" and policy.block_size and self.since_event >= policy.block_size:
+            self.fire("block")
+
+    def fire(self, event: Event) -> None:
+        """Run the policy's selector for ``event`` and move the rows it does not keep."""
+        if not self.is_initialized:
+            return
+        policy = self.cache.policy
+        n = self.num_rows
+        target = policy.target_rows(event, rows_seen=self.seen, resident=n, fixed_budget=self.budget)
+        if self.budget is None:
+            self.budget = policy.resolve_budget(self.seen)
+        self.since_event = 0
+        if target is None or target >= n:
+            return
+        keep = policy.select(self.view(), target)
+        self._check_keep(keep, target, n)
+        self.evict_all_but(keep)
+        self.events += 1
+
+    def _check_keep(self, keep: torch.Tensor, target: int, n: int) -> None:
+        B, G = self.keys.shape[:2]
+        name = self.cache.policy.name
+        if keep.shape != (B, G, target) or keep.dtype != torch.long:
+            raise RuntimeError(
+                f"policy {name!r} select() must return int64 indices of shape {(B, G, target)}, "
+                f"got {keep.dtype} {tuple(keep.shape)}"
+            )
+        if target and (keep.min() < 0 or keep.max() >= n or (keep.diff(dim=-1) <= 0).any()):
+            raise RuntimeError(f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")
+
+    def evict_all_but(self, keep: torch.Tensor) -> None:
+        """Keep rows ``keep [B, G, k]`` (sorted) attended; archive or drop the others."""
+        n = self.num_rows
+        kept_mask = torch.zeros_like(self.valid).scatter_(2, keep, True)
+        # stable sort of the 0/1 mask puts evicted rows first, in sequence order
+        evict = torch.sort(kept_mask.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - keep.shape[2]]
+
+        def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 4:
+                return t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
+            return t.gather(2, idx)
+
+        if self.cache.policy.archive:
+            self.archive.add(
+                keys=take(self.keys, evict),
+                values=take(self.values, evict),
+                slots=take(self.slots, evict),
+                valid=take(self.valid, evict),
+            )
+        else:
+            self.dropped_rows += evict.shape[2]
+        self.keys, self.values = take(self.keys, keep), take(self.values, keep)
+        self.slots, self.valid = take(self.slots, keep), take(self.valid, keep)
+        self.row_stats = {k: take(v, keep) for k, v in self.row_stats.items()}
+
+    def stats(self) -> LayerStats:
+        def nbytes(*ts: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        return LayerStats(
+            layer=self.layer_idx,
+            seen_rows=self.seen,
+            resident_rows=self.num_rows,
+            resident_bytes=nbytes(self.keys, self.values) if self.is_initialized else 0,
+            archived_rows=self.archive.num_rows,
+            archived_bytes=self.archive.nbytes,
+            dropped_rows=self.dropped_rows,
+            events=self.events,
+            fetched_rows=self.fetched_rows,
+        )
+
+
+@dataclass
+class LayerStats:
+    """Rows are counted per sequence and KV group (one token's entry); bytes over the whole batch."""
+
+    layer: int
+    seen_rows: int
+    resident_rows: int
+    resident_bytes: int
+    archived_rows: int
+    archived_bytes: int
+    dropped_rows: int
+    events: int
+    fetched_rows: int
+
+
+@dataclass
+class CacheStats:
+    policy: dict[str, Any]
+    layers: list[LayerStats] = field(default_factory=list)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        keys = [k for k in LayerStats.__dataclass_fields__ if k != "layer"]
+        return {k: sum(getattr(s, k) for s in self.layers) for k in keys}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "totals": self.totals, "layers": [vars(s) for s in self.layers]}
+
+    def __str__(self) -> str:
+        t = self.totals
+        n = max(1, len(self.layers))
+        head = (
+            f"policy {self.policy.get('name')}: {len(self.layers)} layers, "
+            f"resident {t['resident_rows'] / n:.0f} rows/layer ({t['resident_bytes'] / 2**20:.2f} MiB), "
+            f"archived {t['archived_rows'] / n:.0f} rows/layer ({t['archived_bytes'] / 2**20:.2f} MiB), "
+            f"dropped {t['dropped_rows'] / n:.0f} rows/layer, seen {t['seen_rows'] / n:.0f} rows/layer, "
+            f"events {t['events']}, fetched {t['fetched_rows']}"
+        )
+        rows = ["layer  seen  resident  archived  dropped  events  resident_KiB"]
+        for s in self.layers:
+            rows.append(
+                f"{s.layer:5d} {s.seen_rows:5d} {s.resident_rows:9d} {s.archived_rows:9d} {s.dropped_rows:8d} "
+                f"{s.events:7d} {s.resident_bytes / 1024:13.1f}"
+            )
+        return head + "\n" + "\n".join(rows)
+
+
+class TieredCache(Cache):
+    """A two-tier KV cache driven by a kvzoo policy. Drop-in for ``model.generate``.
+
+    >>> cache = TieredCache(model, registry.get("streaming_llm", ratio=4))
+    >>> out = model.generate(**inputs, cache=cache, max_new_tokens=32)
+
+    Creating the cache attaches kvzoo's attention to ``model`` (``kvzoo.framework.runtime.attach``);
+    with any other cache that attention behaves exactly like SDPA. Policies with a ``step`` or
+    ``block`` schedule compress by themselves during ``generate``; a ``context_end`` compression
+    happens when you call :meth:`compress` (``kvzoo.pipeline`` does it after the context).
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: Policy | str | None = None) -> None:
+        from kvzoo.framework.adapters import adapter_for
+        from kvzoo.framework.runtime import attach
+
+        self.policy = _resolve_policy(policy)
+        self.adapter = adapter_for(model, self.policy)
+        attach(model)
+        self.policy_shared: dict[str, Any] = {}
+        num_layers = self.adapter.num_layers
+        super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
+
+    def compress(self) -> None:
+        """The context ended: fire the ``context_end`` event on every layer."""
+        for layer in self.layers:
+            layer.fire("context_end")
+
+    def stats(self) -> CacheStats:
+        return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.layers])
+
+    def __repr__(self) -> str:
+        return f"TieredCache(policy={self.policy!r}, layers={len(self.layers)})"
+
+
+def _resolve_policy(policy: Policy | str | None) -> Policy:
+    if policy is None:
+        from kvzoo.policies.full import Full
+
+        policy = Full()
+    elif isinstance(policy, str):
+        from kvzoo import registry
+
+        policy = registry.get(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy must be a kvzoo Policy, a registered name (see kvzoo.registry.available()) or None, "
+            f"got {type(policy).__name__}"
+        )
+    if policy.retriever is not None:
+        raise ValueError(
+            f"retriever={policy.retriever!r}: no retrievers are available in this version of kvzoo yet; "
+            "use retriever=None"
+        )
+    return policy
+
+
+__all__ = ["TieredCache", "TieredLayer", "CacheStats", "LayerStats", "Archive", "ACTIVE_LAYER", "window_attention"]

@@ -1,0 +1,216 @@
+"""Question-after-compression generation and teacher-forced scoring.
+
+The order of events is the point (VestigeKV's setting, kvpress's leaderboard format): the context
+is prefilled and compressed *before* the question exists, so a policy cannot use the question to
+decide what to keep. ``question_position="before"`` is the other column (question inside the
+compressed prefix).
+
+Prompts: with a tokenizer that has a chat template, context and question go into one user turn
+(``context + "\\n\\n" + question``); the rendered prompt is split where the question starts, and
+the two halves are tokenized separately (both the full and the compressed runs use the same ids).
+Without a chat template, or given token ids, the context and question are used as they are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvzoo.framework.cache import CacheStats, TieredCache
+from kvzoo.framework.policy import Policy
+
+QUESTION_POSITIONS = ("after", "before")
+TokenInput = str | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class GenerationResult:
+    answer: str
+    token_ids: list[int]
+    stats: CacheStats
+    timings: dict[str, float]
+    context_tokens: int
+    question_tokens: int
+    cache: TieredCache = field(repr=False)
+
+
+@dataclass
+class ScoreResult:
+    """Teacher-forced negative log-likelihood (nats) of the answer tokens after compression."""
+
+    nll: float  # summed over answer tokens
+    token_nll: list[float]
+    stats: CacheStats
+    answer_tokens: int
+    cache: TieredCache = field(repr=False)
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / max(1, self.answer_tokens)
+
+
+def build_prompt(tokenizer: Any, context: TokenInput, question: TokenInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[1, n]`` of the prefix (everything before the question) and of the rest."""
+    if not isinstance(context, str) and not isinstance(question, str):
+        return _as_ids(context), _as_ids(question)
+    if tokenizer is None:
+        raise ValueError("context/question given as text need a tokenizer; pass token ids to run without one")
+    if not isinstance(context, str) or not isinstance(question, str):
+        raise TypeError("give context and question both as text or both as token ids")
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": context + "\n\n" + question}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        split = rendered.rindex(question)
+        prefix_text, rest_text = rendered[:split], rendered[split:]
+        prefix = tokenizer(prefix_text, add_special_tokens=False, return_tensors="pt").input_ids
+        rest = tokenizer(rest_text, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        prefix = tokenizer(context + "\n\n", return_tensors="pt").input_ids
+        rest = tokenizer(question + "\n", add_special_tokens=False, return_tensors="pt").input_ids
+    return prefix, rest
+
+
+def _as_ids(x: TokenInput) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=torch.long)
+    t = t.long()
+    if t.dim() == 1:
+        t = t[None]
+    if t.dim() != 2 or t.shape[0] != 1:
+        raise ValueError(f"token ids must be a 1-D sequence or a [1, n] tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def _prefill(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """Run ``ids`` through the model into ``cache`` (in chunks if asked); return the last logits."""
+    step = ids.shape[1] if not chunk_size else chunk_size
+    logits = None
+    for start in range(0, ids.shape[1], step):
+        out = model(input_ids=ids[:, start : start + step].to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+    return logits
+
+
+def _check(question_position: str, chunk_size: int | None) -> None:
+    if question_position not in QUESTION_POSITIONS:
+        raise ValueError(f"question_position must be one of {QUESTION_POSITIONS}, got {question_position!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None (one-shot prefill) or an int >= 1, got {chunk_size!r}")
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    context: TokenInput,
+    question: TokenInput,
+    policy: Policy | str | None = None,
+    *,
+    max_new_tokens: int = 32,
+    question_position: str = "after",
+    chunk_size: int | None = None,
+) -> GenerationResult:
+    """Prefill ``context``, compress it, then prefill ``question`` and decode greedily.
+
+    ``policy``: a Policy, a registered name, or None (``full``). Returns the decoded answer, the
+    new token ids, ``cache.stats()`` and timings (``prefill_s`` context prefill, ``compress_s``
+    the context-end event, ``question_s`` question prefill, ``decode_s`` the decode loop).
+    """
+    _check(question_position, chunk_size)
+    prefix, rest = build_prompt(tokenizer, context, question)
+    if question_position == "before":
+        prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
+    cache = TieredCache(model, policy)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    logits = _prefill(model, cache, prefix, chunk_size)
+    t1 = time.perf_counter()
+    cache.compress()
+    t2 = time.perf_counter()
+    if rest.shape[1]:
+        logits = _prefill(model, cache, rest, chunk_size)
+    t3 = time.perf_counter()
+    eos = _eos_ids(model, tokenizer)
+    new_tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits.argmax(-1))
+        new_tokens.append(token)
+        if token in eos or len(new_tokens) == max_new_tokens:
+            break
+        out = model(input_ids=torch.tensor([[token]], device=model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+    t4 = time.perf_counter()
+    timings.update(prefill_s=t1 - t0, compress_s=t2 - t1, question_s=t3 - t2, decode_s=t4 - t3)
+    answer_ids = [t for t in new_tokens if t not in eos]
+    answer = tokenizer.decode(answer_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    return GenerationResult(
+        answer=answer,
+        token_ids=new_tokens,
+        stats=cache.stats(),
+        timings=timings,
+        context_tokens=prefix.shape[1],
+        question_tokens=rest.shape[1],
+        cache=cache,
+    )
+
+
+@torch.no_grad()
+def score(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    context: TokenInput,
+    question: TokenInput,
+    answer: TokenInput,
+    policy: Policy | str | None = None,
+    *,
+    question_position: str = "after",
+    chunk_size: int | None = None,
+) -> ScoreResult:
+    """Teacher-forced NLL (nats) of ``answer`` given the compressed context and the question.
+
+    The answer tokens are fed in one forward after the question, exactly as greedy decoding would
+    see them if it produced them; the NLL of token i is ``-log p(answer_i | everything before)``.
+    """
+    _check(question_position, chunk_size)
+    prefix, rest = build_prompt(tokenizer, context, question)
+    if isinstance(answer, str):
+        if tokenizer is None:
+            raise ValueError("an answer given as text needs a tokenizer")
+        answer_ids = tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        answer_ids = _as_ids(answer)
+    if answer_ids.shape[1] == 0:
+        raise ValueError("answer is empty: nothing to score")
+    if question_position == "before":
+        prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
+    cache = TieredCache(model, policy)
+    first_logits = _prefill(model, cache, prefix, chunk_size)
+    cache.compress()
+    tail = torch.cat([rest, answer_ids], dim=1).to(model.device)
+    n_ans = answer_ids.shape[1]
+    if rest.shape[1]:
+        out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n_ans + 1)
+        logits = out.logits[0, :n_ans].float()  # position -n_ans-1 predicts answer token 0
+    else:  # question inside the prefix: its last logits predict answer token 0
+        out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n_ans)
+        logits = torch.cat([first_logits.float(), out.logits[0, :-1].float()], dim=0)
+    logp = torch.log_softmax(logits, dim=-1)
+    token_nll = -logp.gather(-1, answer_ids[0].to(logp.device)[:, None])[:, 0]
+    return ScoreResult(
+        nll=float(token_nll.sum()),
+        token_nll=token_nll.tolist(),
+        stats=cache.stats(),
+        answer_tokens=n_ans,
+        cache=cache,
+    )

@@ -1,0 +1,230 @@
+"""The policy interface: a selector, an optional retriever, and a schedule.
+
+A *policy* decides which cache rows live in the attended tier; the runtime (``framework/cache.py``
+and ``framework/runtime.py``) owns the rows, moves them between tiers and attends over them.
+Everything a policy sees arrives as tensors in a :class:`RowsView`, so a selector can be called
+from any runtime -- kvzoo's own, or kvpress's pipeline in an environment that pins an older
+transformers -- without touching a cache object.
+
+Vocabulary (DESIGN.md §1):
+
+* a *row* is one token's entry for one KV group: on GQA models the key and value of one KV head,
+  on MLA models the 576-dim latent ``[c ; r]`` shared by all heads (one group per layer);
+* a *slot* is the index of the row's token in the sequence as fed to the model (padding
+  included); it is what causality and padding are decided by, and it never changes;
+* the *attended tier* is what every decode step attends to; the *archive* holds evicted rows
+  bit-exact (or they are dropped and counted when ``archive=False``).
+
+Events (when :meth:`Policy.select` is called), per layer:
+
+* ``"context_end"`` -- ``cache.compress()``, i.e. the pipeline's compression point after the
+  context and before the question. Fires for every policy.
+* ``"step"`` -- after the attention of every forward pass (one decode step, or one prefill
+  chunk), for policies whose ``schedule`` is ``"step"``.
+* ``"block"`` -- when ``block_size`` rows have been appended since the layer's last event, for
+  policies whose ``schedule`` is ``"block"`` (checked after the attention of each forward).
+
+Budget: ``ratio`` keeps ``floor(rows / ratio)`` rows (``ratio=32`` is the paper's 32x) and
+``budget`` keeps an absolute number of rows. Sinks and the recent window count *inside* the
+budget. The budget of a layer is resolved at its first event, from the rows it has seen then,
+and stays fixed afterwards (H2O's "one in, one out"); a policy can override
+:meth:`Policy.target_rows` to do otherwise (VestigeKV compresses each closed block on its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+Event = Literal["context_end", "step", "block"]
+Schedule = Literal["context_end", "step", "block"]
+SCHEDULES: tuple[str, ...] = ("context_end", "step", "block")
+LAYOUTS: tuple[str, ...] = ("gqa", "mla")
+
+
+@dataclass
+class RowsView:
+    """What a selector may read about one layer's attended tier, as plain tensors.
+
+    Shapes: ``B`` batch, ``G`` KV groups (KV heads on GQA, 1 on MLA), ``N`` rows in the attended
+    tier, ``D`` key (or latent row) width, ``H`` query heads, ``w`` observation-window queries.
+    """
+
+    keys: torch.Tensor  # [B, G, N, D] rotated keys (GQA) or latent rows [c ; r] (MLA)
+    values: torch.Tensor | None  # [B, G, N, Dv]; None on MLA (the latent row is both)
+    slots: torch.Tensor  # [B, G, N] int64, the row's index in the sequence (padding counted)
+    valid: torch.Tensor  # [B, G, N] bool, False for padding rows
+    layer_idx: int
+    num_layers: int
+    layout: str = "gqa"  # "gqa" or "mla"
+    first_new: int = 0  # rows [first_new:] arrived since this layer's previous event
+    # observation window: the last w queries of the layer attending to the rows, softmax in fp32,
+    # causal (a query never sees a row from its future). None unless the policy asked for it.
+    window_attention: torch.Tensor | None = None  # [B, H, w, N]
+    # per-row statistics the policy keeps (e.g. H2O's accumulated attention), [B, G, N] each;
+    # the runtime gathers them along with the rows, so they follow rows when rows move.
+    row_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    # cross-layer scratch of this policy on this cache (ChunkKV's index reuse); plain dict.
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV group (0 when no window attention was recorded)."""
+        if self.window_attention is None:
+            return 0
+        return self.window_attention.shape[1] // self.keys.shape[1]
+
+
+@dataclass
+class Policy(ABC):
+    """Base class of every kvzoo policy: a dataclass whose fields are its hyperparameters.
+
+    Subclasses set the class attributes below and implement :meth:`select`. Fields shared by all:
+
+    * ``ratio`` / ``budget`` -- how many rows stay attended (exactly one may be set; ``full``
+      sets neither);
+    * ``archive`` -- True: evicted rows go to the bit-exact archive; False: they are dropped and
+      counted;
+    * ``retriever`` -- name of the retriever over the archive (DESIGN.md §2), or None.
+    """
+
+    ratio: float | None = None
+    budget: int | None = None
+    archive: bool = True
+    retriever: str | None = None
+
+    # --- class attributes a subclass sets -------------------------------------------------
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    layouts: ClassVar[tuple[str, ...]] = LAYOUTS
+    # Observations the runtime must record for this policy:
+    #   "window"     -> RowsView.window_attention (last `observation_window` queries)
+    #   "accumulate" -> row_stats["attention"]: the attention each row received, summed over every
+    #                   query of every forward pass and over the query heads of its group
+    observes: ClassVar[frozenset[str]] = frozenset()
+    requires_budget: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # --- configuration -----------------------------------------------------------------------
+    @property
+    def schedule(self) -> str:
+        """When this policy's selector fires besides ``context_end`` (see the module docstring)."""
+        return "context_end"
+
+    @property
+    def observation_window(self) -> int:
+        """How many of the latest queries to keep for ``window_attention`` (0: none)."""
+        return 0
+
+    @property
+    def block_size(self) -> int | None:
+        """Rows per block for ``schedule == "block"``."""
+        return None
+
+    def validate(self) -> None:
+        """Raise ValueError/TypeError naming the bad field and what is valid."""
+        if self.ratio is not None and self.budget is not None:
+            raise ValueError(
+                f"{self.name or type(self).__name__}: give either ratio= or budget=, not both "
+                f"(got ratio={self.ratio}, budget={self.budget})"
+            )
+        if self.ratio is not None:
+            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+                raise TypeError(f"ratio must be a number >= 1 (keep 1/ratio of the rows), got {self.ratio!r}")
+            if not math.isfinite(self.ratio) or self.ratio < 1:
+                raise ValueError(f"ratio must be a finite number >= 1 (keep 1/ratio of the rows), got {self.ratio}")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, int):
+                raise TypeError(f"budget must be an int >= 1 (rows kept per layer and KV group), got {self.budget!r}")
+            if self.budget < 1:
+                raise ValueError(f"budget must be >= 1 (rows kept per layer and KV group), got {self.budget}")
+        if self.requires_budget and self.ratio is None and self.budget is None:
+            raise ValueError(
+                f"{self.name or type(self).__name__} needs a budget: pass ratio= (e.g. ratio=4 keeps 1/4 of the "
+                f"rows) or budget= (rows kept per layer and KV group)"
+            )
+        if not isinstance(self.archive, bool):
+            raise TypeError(f"archive must be True (keep evicted rows) or False (drop them), got {self.archive!r}")
+        if self.retriever is not None and not isinstance(self.retriever, str):
+            raise TypeError(f"retriever must be a registered retriever name or None, got {self.retriever!r}")
+
+    def config(self) -> dict[str, Any]:
+        """The full configuration: name plus every field (what results files record)."""
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    # --- budget ----------------------------------------------------------------------------
+    def resolve_budget(self, rows_seen: int) -> int | None:
+        """Rows to keep for a layer that has seen ``rows_seen`` rows; None means keep all."""
+        if self.budget is not None:
+            return self.budget
+        if self.ratio is not None:
+            return max(1, int(rows_seen / self.ratio))
+        return None
+
+    def target_rows(self, event: Event, *, rows_seen: int, resident: int, fixed_budget: int | None) -> int | None:
+        """How many rows the attended tier should hold after ``event``, or None to leave it.
+
+        ``fixed_budget`` is the layer's budget resolved at its first event (None before that).
+        The default: resolve once, then hold the attended tier at that budget.
+        """
+        budget = fixed_budget if fixed_budget is not None else self.resolve_budget(rows_seen)
+        if budget is None or resident <= budget:
+            return None
+        return budget
+
+    # --- the selector ----------------------------------------------------------------------
+    @abstractmethod
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """Indices of the rows to keep: int64 ``[B, G, keep]``, each row sorted ascending.
+
+        ``keep < rows.num_rows`` always holds when the runtime calls this. Rows not named move to
+        the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
+        """
+
+    def new_row_stats(self) -> tuple[str, ...]:
+        """Names of the per-row statistics this policy keeps (zero for a new row)."""
+        return ("attention",) if "accumulate" in self.observes else ()
+
+
+def sorted_keep(indices: torch.Tensor) -> torch.Tensor:
+    """Sort kept indices ascending along the last dim so kept rows stay in sequence order."""
+    return indices.sort(dim=-1).values
+
+
+def recent_and_sinks(valid: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """Bool mask ``[B, G, N]`` of the first ``sinks`` and the last ``recent`` valid rows.
+
+    Rows are assumed to be in sequence order (the attended tier always is). Padding rows are never
+    sinks or recent; they rank below every valid row.
+    """
+    valid_rank = valid.long().cumsum(-1) - 1  # 0-based rank among valid rows
+    n_valid = valid.long().sum(-1, keepdim=True)
+    is_sink = valid & (valid_rank < sinks)
+    is_recent = valid & (valid_rank >= n_valid - recent)
+    return is_sink | is_recent
+
+
+def topk_with_forced(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
+    """Keep the ``forced`` rows, fill the rest of ``keep`` by highest ``scores``; sorted indices.
+
+    ``scores`` float ``[B, G, N]``; ``forced``/``valid`` bool ``[B, G, N]``. Padding rows get the
+    lowest priority; forced rows the highest. Ties break toward the earlier row.
+    """
+    priority = scores.float().clone()
+    priority = torch.where(valid, priority, torch.full_like(priority, -math.inf))
+    priority = torch.where(forced, torch.full_like(priority, math.inf), priority)
+    # stable tie-break toward earlier rows: sort descending with stable=True
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    return sorted_keep(order[..., :keep])

@@ -1,0 +1,43 @@
+"""The kvzoo plugin hook: one function, returning policy classes.
+
+A plugin is an ordinary module (or object) with a marked function::
+
+    import kvzoo.registry
+
+    @kvzoo.registry.hookimpl
+    def kvzoo_policies():
+        return [MyPolicy]
+
+installed through the ``kvzoo`` entry-point group of its distribution::
+
+    [project.entry-points.kvzoo]
+    my_policies = "my_package.kvzoo_plugin"
+
+or registered at run time with :func:`kvzoo.registry.register_plugin`. kvzoo's own policies are
+loaded through the same hook (the built-in plugin in :mod:`kvzoo.registry` reads
+``registry.toml``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from kvzoo.framework.policy import Policy
+
+PROJECT_NAME = "kvzoo"  # pluggy project name and entry-point group
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def kvzoo_policies() -> Sequence[type[Policy]]:
+    """Return the policy classes this plugin provides.
+
+    Each must be a subclass of :class:`kvzoo.framework.policy.Policy` with a non-empty ``name``
+    that no other plugin (nor a built-in) claims; the registry builds them by that name.
+    """

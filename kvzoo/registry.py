@@ -1,0 +1,409 @@
+"""Policies by name: ``get("streaming_llm", ratio=4)`` returns a configured policy.
+
+Every policy reaches the registry through one pluggy hook, :func:`kvzoo.hookspecs.kvzoo_policies`:
+
+* kvzoo's own policies come from :class:`BuiltinPolicies`, a plugin that reads ``registry.toml``
+  and imports the classes it lists;
+* third-party packages declare a plugin module in the ``kvzoo`` entry-point group;
+* tests and scripts call :func:`register_plugin`.
+
+Discovery runs on the first lookup and is cached; :func:`reload` re-reads the entry points and
+:func:`reset` also forgets the plugins given to :func:`register_plugin`. A name claimed twice, or a
+plugin handing back something that is not a named :class:`~kvzoo.framework.policy.Policy` subclass,
+is a :class:`RegistryError` that names the plugins involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from kvzoo import hookspecs
+from kvzoo.hookspecs import PROJECT_NAME, hookimpl
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli is the same parser, if it is installed
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
+
+if TYPE_CHECKING:
+    from kvzoo.framework.policy import Policy
+
+__all__ = [
+    "BUILTIN_PLUGIN_NAME",
+    "ENTRY_POINT_GROUP",
+    "REGISTRY_TOML",
+    "BuiltinPolicies",
+    "RegistryError",
+    "UnknownPolicyError",
+    "available",
+    "get",
+    "hookimpl",
+    "info",
+    "policy_class",
+    "read_manifest",
+    "register_plugin",
+    "reload",
+    "reset",
+    "unregister_plugin",
+]
+
+REGISTRY_TOML = Path(__file__).with_name("registry.toml")
+ENTRY_POINT_GROUP = PROJECT_NAME
+BUILTIN_PLUGIN_NAME = "kvzoo.builtins"
+
+
+class RegistryError(Exception):
+    """The set of plugins is inconsistent: a name claimed twice, a malformed plugin or manifest."""
+
+
+class UnknownPolicyError(KeyError):
+    """No policy of that name. A KeyError whose message reads as a sentence (no repr quoting)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+# --- the built-in plugin -------------------------------------------------------------------------
+
+
+def read_manifest(path: Path = REGISTRY_TOML) -> list[dict[str, Any]]:
+    """The ``[[policy]]`` tables of ``registry.toml``, in file order, checked for required keys."""
+    if tomllib is None:
+        raise RegistryError(f"reading {path.name} needs tomllib (Python >= 3.11) or the tomli package: pip install tomli")
+    try:
+        with path.open("rb") as f:
+            manifest = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RegistryError(f"cannot read the built-in policy manifest {path}: {exc}") from exc
+    entries = manifest.get("policy")
+    if not isinstance(entries, list) or not entries:
+        raise RegistryError(f"{path} must list the built-in policies as [[policy]] tables")
+    for i, entry in enumerate(entries):
+        for key, kind in (("name", str), ("module", str), ("summary", str), ("paper", str),
+                          ("layouts", list), ("defaults", dict)):
+            if not isinstance(entry.get(key), kind):
+                raise RegistryError(
+                    f"{path}: [[policy]] #{i + 1} ({entry.get('name', '?')!r}) needs {key} = <{kind.__name__}> "
+                    "(keys: name, module = 'package.module:Class', summary, paper, layouts, defaults)"
+                )
+    return entries
+
+
+def _import_object(spec: str) -> Any:
+    """Import ``"package.module:Attr"`` (dots after the colon walk attributes)."""
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise RegistryError(f"module spec {spec!r} must read 'package.module:Class'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for attr in attr_path.split("."):
+            obj = getattr(obj, attr)
+    except (ImportError, AttributeError) as exc:
+        raise RegistryError(f"cannot import {spec!r} listed in {REGISTRY_TOML.name}: {exc}") from exc
+    return obj
+
+
+class BuiltinPolicies:
+    """The plugin that provides kvzoo's own policies: the classes ``registry.toml`` lists."""
+
+    def __init__(self, manifest_path: Path = REGISTRY_TOML) -> None:
+        self.manifest_path = manifest_path
+
+    @hookimpl
+    def kvzoo_policies(self) -> list[type[Policy]]:
+        classes = []
+        for entry in read_manifest(self.manifest_path):
+            cls = _import_object(entry["module"])
+            if getattr(cls, "name", None) != entry["name"]:
+                raise RegistryError(
+                    f"{self.manifest_path.name}: entry {entry['name']!r} points at {entry['module']}, whose "
+                    f"name is {getattr(cls, 'name', None)!r}; make the two agree"
+                )
+            classes.append(cls)
+        return classes
+
+
+# --- discovery -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Entry:
+    cls: type[Policy]
+    plugin: str  # the pluggy plugin name
+    source: str  # where it came from, for messages and info()
+
+
+_registered: list[tuple[object, str]] = []  # plugins given to register_plugin(), in order
+_entries: dict[str, _Entry] | None = None  # the cache; None until the first lookup
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _describe_plugin(plugin_name: str, dist: Any) -> str:
+    if plugin_name == BUILTIN_PLUGIN_NAME:
+        return f"built-in plugin {plugin_name!r} ({REGISTRY_TOML.name})"
+    if dist is not None:
+        return f"plugin {plugin_name!r} (entry point of {dist.metadata['Name']} {dist.version})"
+    return f"plugin {plugin_name!r}"
+
+
+def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    try:
+        pm.register(plugin, name=name)
+    except ValueError as exc:  # pluggy: name taken, or the same object under another name
+        raise RegistryError(f"cannot register plugin {name!r}: {exc}") from exc
+    except pluggy.PluginValidationError as exc:
+        raise RegistryError(f"plugin {name!r} does not match the kvzoo hook spec: {exc}") from exc
+
+
+def _policy_classes(result: object, where: str) -> list[type[Policy]]:
+    """Check what one plugin's ``kvzoo_policies()`` returned; the classes, in order."""
+    from kvzoo.framework.policy import LAYOUTS, Policy
+
+    if result is None:
+        return []
+    if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
+        raise RegistryError(f"{where}: kvzoo_policies() must return a list of Policy subclasses, got {result!r}")
+    classes: list[type[Policy]] = []
+    for cls in result:
+        if not (inspect.isclass(cls) and issubclass(cls, Policy)):
+            raise RegistryError(
+                f"{where}: kvzoo_policies() returned {cls!r}, which is not a Policy subclass; return classes "
+                "deriving from kvzoo.framework.policy.Policy"
+            )
+        if not isinstance(cls.name, str) or not cls.name:
+            raise RegistryError(
+                f"{where}: policy class {_class_path(cls)} has no name; set the class attribute "
+                "name: ClassVar[str] = '<policy name>' (a non-empty string)"
+            )
+        if inspect.isabstract(cls):
+            missing = ", ".join(sorted(cls.__abstractmethods__))
+            raise RegistryError(f"{where}: policy {cls.name!r} ({_class_path(cls)}) does not implement {missing}")
+        if not cls.layouts or not set(cls.layouts) <= set(LAYOUTS):
+            raise RegistryError(
+                f"{where}: policy {cls.name!r} has layouts={cls.layouts!r}; use a non-empty subset of {LAYOUTS}"
+            )
+        if cls not in classes:
+            classes.append(cls)
+    return classes
+
+
+def _discover() -> dict[str, _Entry]:
+    """Build the name -> class table: built-ins in manifest order, then plugins' by name."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    _register(pm, BuiltinPolicies(), BUILTIN_PLUGIN_NAME)
+    try:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    except RegistryError:
+        raise
+    except Exception as exc:  # an entry point that fails to import or to register
+        raise RegistryError(
+            f"loading the {ENTRY_POINT_GROUP!r} entry-point plugins failed ({type(exc).__name__}: {exc}); "
+            "fix or uninstall the plugin shown in the traceback"
+        ) from exc
+    for plugin, name in _registered:
+        _register(pm, plugin, name)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise RegistryError(f"{exc}; the only kvzoo hook is kvzoo_policies()") from exc
+
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    impls = sorted(
+        pm.hook.kvzoo_policies.get_hookimpls(),
+        key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name),
+    )
+    builtins: list[_Entry] = []
+    others: list[_Entry] = []
+    claimed: dict[str, _Entry] = {}
+    for impl in impls:
+        where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
+        try:
+            result = impl.function()
+        except RegistryError:
+            raise
+        except Exception as exc:
+            raise RegistryError(f"{where}: kvzoo_policies() raised {type(exc).__name__}: {exc}") from exc
+        for cls in _policy_classes(result, where):
+            entry = _Entry(cls, impl.plugin_name, f"{where}, class {_class_path(cls)}")
+            if cls.name in claimed:
+                raise RegistryError(
+                    f"policy name {cls.name!r} is claimed twice: by {claimed[cls.name].source} and by "
+                    f"{entry.source}; policy names must be unique, so rename one (its class attribute `name`) "
+                    "or uninstall one of the plugins"
+                )
+            claimed[cls.name] = entry
+            (builtins if impl.plugin_name == BUILTIN_PLUGIN_NAME else others).append(entry)
+    others.sort(key=lambda entry: entry.cls.name)
+    return {entry.cls.name: entry for entry in builtins + others}
+
+
+def _table() -> dict[str, _Entry]:
+    global _entries
+    if _entries is None:
+        _entries = _discover()
+    return _entries
+
+
+def reload() -> None:
+    """Forget the cached table and discover again now (entry points re-read; registered plugins kept)."""
+    global _entries
+    _entries = None
+    _table()
+
+
+def reset() -> None:
+    """Unregister every plugin given to :func:`register_plugin` and forget the cached table."""
+    global _entries
+    _registered.clear()
+    _entries = None
+
+
+def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str:
+    """Register a plugin (a module or object with a ``@hookimpl`` ``kvzoo_policies``) without installing it.
+
+    Returns the plugin's name (``name``, else the module's ``__name__``). The registry is rebuilt
+    at once, so a bad plugin fails here with a :class:`RegistryError`, and is not kept.
+    Registering the same object again is a no-op.
+    """
+    global _entries
+    for known, known_name in _registered:
+        if known is plugin:
+            return known_name
+    if name is None:
+        name = getattr(plugin, "__name__", None) or f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+    if name == BUILTIN_PLUGIN_NAME or any(name == known_name for _, known_name in _registered):
+        raise RegistryError(f"a plugin named {name!r} is already registered; pass register_plugin(plugin, name=...)")
+    _registered.append((plugin, name))
+    _entries = None
+    try:
+        _table()
+    except Exception:
+        _registered.pop()
+        _entries = None
+        raise
+    return name
+
+
+def unregister_plugin(plugin_or_name: ModuleType | object | str) -> None:
+    """Undo :func:`register_plugin` (by the plugin object or its name); KeyError if it is not registered."""
+    global _entries
+    for i, (plugin, name) in enumerate(_registered):
+        if plugin is plugin_or_name or name == plugin_or_name:
+            del _registered[i]
+            _entries = None
+            return
+    names = ", ".join(name for _, name in _registered) or "none"
+    raise KeyError(f"{plugin_or_name!r} is not a registered plugin (registered: {names})")
+
+
+# --- lookups -------------------------------------------------------------------------------------
+
+
+def _entry(name: str) -> _Entry:
+    table = _table()
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        pass
+    close = difflib.get_close_matches(str(name), list(table), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else "."
+    raise UnknownPolicyError(
+        f"unknown policy {name!r}{hint} Available policies: {', '.join(table)} "
+        "(kvzoo.registry.available() lists them with summaries)"
+    )
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The policy class registered as ``name``; :class:`UnknownPolicyError` (a KeyError) if none."""
+    return _entry(name).cls
+
+
+def available() -> dict[str, str]:
+    """Every registered policy name with its one-line summary: built-ins first, then plugins' by name."""
+    return {name: entry.cls.summary for name, entry in _table().items()}
+
+
+def _parameters(cls: type[Policy]) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+def _names_policy(exc: Exception, name: str) -> Exception:
+    """``exc`` if its message names the policy, else the same exception type prefixed with the name."""
+    message = str(exc)
+    if re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message):
+        return exc
+    try:
+        return type(exc)(f"{name}: {message}")
+    except Exception:  # an exception type whose constructor takes other arguments
+        return (TypeError if isinstance(exc, TypeError) else ValueError)(f"{name}: {message}")
+
+
+def get(name: str, **params: Any) -> Policy:
+    """A configured instance of the policy ``name``: ``get("streaming_llm", ratio=4, sinks=8)``.
+
+    ``params`` are the policy's dataclass fields (its hyperparameters plus the common ``ratio``,
+    ``budget``, ``archive``, ``retriever``). Raises :class:`UnknownPolicyError` (a KeyError) for an
+    unknown name, TypeError for an unknown parameter, and the policy's own ValueError/TypeError,
+    prefixed with its name, for a bad value.
+    """
+    cls = policy_class(name)
+    valid = [f.name for f in _parameters(cls)]
+    unknown = [p for p in params if p not in valid]
+    if unknown:
+        close = {p: difflib.get_close_matches(p, valid, n=1, cutoff=0.6) for p in unknown}
+        if len(unknown) == 1:
+            hints = f"; did you mean {close[unknown[0]][0]!r}?" if close[unknown[0]] else "."
+        else:
+            hints = "".join(f"; did you mean {m[0]!r} for {p!r}?" for p, m in close.items() if m) or "."
+        raise TypeError(
+            f"{name}: unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}{hints} "
+            f"Valid parameters of {name}: {', '.join(valid)}"
+        )
+    try:
+        return cls(**params)
+    except (TypeError, ValueError) as exc:
+        named = _names_policy(exc, name)
+        if named is exc:
+            raise
+        raise named from exc
+
+
+def info(name: str) -> dict[str, Any]:
+    """What the registry knows of ``name``: summary, paper, layouts, parameter defaults, source."""
+    entry = _entry(name)
+    cls = entry.cls
+    defaults: dict[str, Any] = {}
+    for f in _parameters(cls):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return {
+        "name": cls.name,
+        "summary": cls.summary,
+        "paper": cls.paper,
+        "layouts": list(cls.layouts),
+        "defaults": defaults,
+        "parameters": [f.name for f in _parameters(cls)],
+        "source": entry.source,
+        "plugin": entry.plugin,
+        "class": _class_path(cls),
+    }
