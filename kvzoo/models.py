@@ -17,6 +17,8 @@ import functools
 import importlib.util
 import os
 import pathlib
+import shutil
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,24 +97,24 @@ def _quiet_gguf_conversion() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """SmolLM2-135M-Instruct as ``(model, tokenizer)``, in eval mode, cached per process and on disk.
 
-    The first call in a fresh environment converts the GGUF file (~20 s) and saves the result to
-    :func:`smollm2_cache_dir`; later calls (any process) load that in under a second. The same
+    The first call in a fresh environment converts the GGUF file (~15 s) and saves the result to
+    :func:`smollm2_cache_dir`; later calls (any process) load that in about a second. The same
     objects are returned to every caller in one process: do not modify them in place.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     cache_dir = smollm2_cache_dir(dtype)
-    if (cache_dir / _CACHE_COMPLETE).is_file():
-        model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
-        return model.eval(), tokenizer
-
-    gguf = smollm2_gguf_path()
     with _quiet_gguf_conversion():
+        if (cache_dir / _CACHE_COMPLETE).is_file():
+            model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=dtype, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
+            return model.eval(), tokenizer
+
+        gguf = smollm2_gguf_path()
         # dequantize=True: a plain dense model that save_pretrained accepts (a model that keeps
         # its GGUF quantizer attached refuses to be saved), and the same on every machine whether
         # or not GGUF matmul kernels are installed.
@@ -120,17 +122,36 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
             gguf.parent, gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(cache_dir)
-        tokenizer.save_pretrained(cache_dir)
-        # Written last: a half-written cache (interrupted save) is never read.
-        (cache_dir / _CACHE_COMPLETE).write_text(f"{gguf}\n")
-    except OSError as err:  # a read-only home must not stop the model from loading
-        import warnings
-
-        warnings.warn(f"could not cache the converted SmolLM2 model in {cache_dir}: {err}", stacklevel=2)
+        _save_cache(model, tokenizer, cache_dir, source=gguf)
     return model.eval(), tokenizer
+
+
+def _save_cache(model: Any, tokenizer: Any, cache_dir: pathlib.Path, source: pathlib.Path) -> None:
+    """Write the converted pair to ``cache_dir`` atomically: a half-written cache is never read.
+
+    The pair is saved to a private folder and renamed into place, so two processes converting at
+    once cannot mix their files; the loser of the race discards its copy. Failing to write (a
+    read-only home) only costs the next process another conversion.
+    """
+    staging = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _CACHE_COMPLETE).write_text(f"converted from {source}\n")
+        if cache_dir.exists() and not (cache_dir / _CACHE_COMPLETE).is_file():
+            shutil.rmtree(cache_dir)  # left by an older, non-atomic writer
+        os.replace(staging, cache_dir)
+    except OSError as err:
+        if not (cache_dir / _CACHE_COMPLETE).is_file():
+            warnings.warn(
+                f"could not cache the converted SmolLM2 model in {cache_dir} ({err}); the next process "
+                "will convert the GGUF file again. Set KVZOO_CACHE_DIR to a writable folder to fix this.",
+                stacklevel=3,
+            )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[Any, None]:

@@ -279,16 +279,16 @@ def reset() -> None:
 def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str:
     """Register a plugin (a module or object with a ``@hookimpl`` ``kvzoo_policies``) without installing it.
 
-    Returns the plugin's name (``name``, else the module's ``__name__``). The registry is rebuilt
-    at once, so a bad plugin fails here with a :class:`RegistryError`, and is not kept.
-    Registering the same object again is a no-op.
+    Returns the plugin's name: ``name``, else the module's ``__name__``, else its type and id.
+    The registry is rebuilt at once, so a bad plugin fails here with a :class:`RegistryError` and
+    is not kept. Registering the same object again is a no-op.
     """
     global _entries
     for known, known_name in _registered:
         if known is plugin:
             return known_name
     if name is None:
-        name = getattr(plugin, "__name__", None) or f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        name = getattr(plugin, "__name__", None) or f"{type(plugin).__module__}.{type(plugin).__qualname__}@{id(plugin):#x}"
     if name == BUILTIN_PLUGIN_NAME or any(name == known_name for _, known_name in _registered):
         raise RegistryError(f"a plugin named {name!r} is already registered; pass register_plugin(plugin, name=...)")
     _registered.append((plugin, name))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -78,10 +79,17 @@ def kvzoo_attention(
 
 
 def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor:  # noqa: ANN001
+    """Ordinary causal attention for a cache that is not a TieredCache (or no cache)."""
     B, _, q_len, _ = query.shape
     n = key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4:  # a caller-made mask: use it as is
+        hpg = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(hpg, dim=1), value.repeat_interleave(hpg, dim=1)
+        mask = attention_mask[..., :n]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous()
     slots = torch.arange(n, device=query.device).expand(B, key.shape[1], n)
-    if attention_mask is not None and attention_mask.dim() == 2:
+    if attention_mask is not None:
         valid = attention_mask[:, -n:].to(torch.bool)[:, None, :].expand_as(slots)
     else:
         valid = torch.ones_like(slots, dtype=torch.bool)

