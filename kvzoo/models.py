@@ -173,7 +173,6 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
         rope_theta=10000.0,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
-        attn_implementation="eager",
     )
     params.update(overrides)
     config = LlamaConfig(**params)

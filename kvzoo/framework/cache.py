@@ -88,6 +88,7 @@ class TieredLayer(CacheLayerMixin):
         self.scaling: float | None = None
         self.window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries
         self.fetched_rows = 0
+        self.policy_info: dict[str, float] = {}  # counters the policy reports (RowsView.info)
 
     # --- transformers' layer contract --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -200,6 +201,7 @@ class TieredLayer(CacheLayerMixin):
             window_attention=win,
             row_stats=self.row_stats,
             shared=self.cache.policy_shared,
+            info=self.policy_info,
         )
 
     # --- events -------------------------------------------------------------------------------
@@ -279,6 +281,7 @@ class TieredLayer(CacheLayerMixin):
             dropped_rows=self.dropped_rows,
             events=self.events,
             fetched_rows=self.fetched_rows,
+            policy_info=dict(self.policy_info),
         )
 
 
@@ -295,6 +298,7 @@ class LayerStats:
     dropped_rows: int
     events: int
     fetched_rows: int
+    policy_info: dict[str, float] = field(default_factory=dict)  # the policy's own counters
 
 
 @dataclass
@@ -303,9 +307,14 @@ class CacheStats:
     layers: list[LayerStats] = field(default_factory=list)
 
     @property
-    def totals(self) -> dict[str, int]:
-        keys = [k for k in LayerStats.__dataclass_fields__ if k != "layer"]
-        return {k: sum(getattr(s, k) for s in self.layers) for k in keys}
+    def totals(self) -> dict[str, float]:
+        """Sums over layers of every counter, the policy's own counters included."""
+        keys = [k for k in LayerStats.__dataclass_fields__ if k not in ("layer", "policy_info")]
+        out: dict[str, float] = {k: sum(getattr(s, k) for s in self.layers) for k in keys}
+        for s in self.layers:
+            for k, v in s.policy_info.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "totals": self.totals, "layers": [vars(s) for s in self.layers]}
@@ -320,6 +329,9 @@ class CacheStats:
             f"dropped {t['dropped_rows'] / n:.0f} rows/layer, seen {t['seen_rows'] / n:.0f} rows/layer, "
             f"events {t['events']}, fetched {t['fetched_rows']}"
         )
+        extra = {k: v for k, v in t.items() if k not in LayerStats.__dataclass_fields__}
+        if extra:
+            head += ", " + ", ".join(f"{k} {v:g}" for k, v in extra.items())
         rows = ["layer  seen  resident  archived  dropped  events  resident_KiB"]
         for s in self.layers:
             rows.append(

@@ -71,6 +71,8 @@ class RowsView:
     row_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # cross-layer scratch of this policy on this cache (ChunkKV's index reuse); plain dict.
     shared: dict[str, Any] = field(default_factory=dict)
+    # per-layer counters the policy reports; the runtime shows them in cache.stats() (int/float values)
+    info: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
