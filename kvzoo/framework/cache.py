@@ -89,6 +89,7 @@ class TieredLayer(CacheLayerMixin):
         self.window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries
         self.fetched_rows = 0
         self.policy_info: dict[str, float] = {}  # counters the policy reports (RowsView.info)
+        self.no_padding = True  # no padding row was ever appended (lets attention skip trivial masks)
 
     # --- transformers' layer contract --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -171,6 +172,8 @@ class TieredLayer(CacheLayerMixin):
             return
         new = padding_mask[:, self.seen - self.new_rows : self.seen].to(torch.bool)  # [B, q]
         self.valid[:, :, -self.new_rows :] = new[:, None, :]
+        if not bool(new.all()):
+            self.no_padding = False
 
     def record_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest ``window`` queries ``[B, H, w, D]`` (for observation-window attention)."""

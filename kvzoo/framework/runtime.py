@@ -111,7 +111,9 @@ def _tiered_attention(layer: TieredLayer, query: torch.Tensor, attention_mask, s
         )
         layer.row_stats["attention"] += sums
     else:
-        out = attention_sdpa(query, layer.keys, layer.values, layer.slots, layer.valid, q_slots, scaling)
+        out = attention_sdpa(
+            query, layer.keys, layer.values, layer.slots, layer.valid, q_slots, scaling, all_valid=layer.no_padding
+        )
     layer.after_forward()
     return out.transpose(1, 2).contiguous()
 

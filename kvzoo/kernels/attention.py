@@ -74,17 +74,26 @@ def attention_sdpa(
     key_valid: torch.Tensor,
     query_slots: torch.Tensor,
     scaling: float,
+    *,
+    all_valid: bool = False,
 ) -> torch.Tensor:
-    """Same output as :func:`attention_reference` through torch's fused SDPA (no probabilities)."""
+    """Same output as :func:`attention_reference` through torch's fused SDPA (no probabilities).
+
+    ``all_valid=True`` promises no padding row and rows in slot order ending at the last query
+    (true for any tier: new rows are appended at the end); the mask is then skipped where it is
+    trivial -- a single query sees every row, and a first forward (``q == n``) is plain causal --
+    which lets SDPA take its fused kernels.
+    """
     B, H, q_len, _ = query.shape
-    G = keys.shape[1]
+    G, n = keys.shape[1], keys.shape[2]
     hpg = H // G
+    if all_valid and (q_len == 1 or q_len == n):
+        return F.scaled_dot_product_attention(
+            query, keys, values, is_causal=q_len > 1, scale=scaling, enable_gqa=hpg > 1
+        )
     allowed = row_mask(key_slots, key_valid, query_slots)  # [B, G, q, n]
-    allowed = allowed[:, :, None].expand(B, G, hpg, q_len, allowed.shape[-1]).reshape(B, H, q_len, -1)
-    if hpg > 1:
-        keys = keys.repeat_interleave(hpg, dim=1)
-        values = values.repeat_interleave(hpg, dim=1)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling)
+    allowed = allowed[:, :, None].expand(B, G, hpg, q_len, n).reshape(B, H, q_len, n)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling, enable_gqa=hpg > 1)
 
 
 def window_attention(

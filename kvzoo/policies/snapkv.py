@@ -1,0 +1,161 @@
+"""``snapkv``: the last window's attention, pooled, picks each KV head's rows; the window stays.
+
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024,
+https://arxiv.org/abs/2404.14469 (reference code: github.com/FasterDecoding/SnapKV,
+``snapkv/monkeypatch/snapkv_utils.py``, ``SnapKVCluster.update_kv``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, topk_with_forced
+
+POOLINGS = ("maxpool", "avgpool")
+AGGREGATES = ("sum", "mean", "max")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def window_rows_mask(rows: RowsView) -> torch.Tensor:
+    """Bool ``[B, G, N]``: the rows of the observation window's own tokens (the last ``w`` valid rows).
+
+    The window queries are the latest ``w`` tokens and their rows were appended last, so they are
+    the last ``w`` rows of the tier (sequence order); padding rows are never counted as window rows.
+    """
+    if rows.window_attention is None:
+        raise RuntimeError(
+            "the observation window was not recorded for this layer; the policy must list 'window' in "
+            "`observes` and return a positive `observation_window`"
+        )
+    return recent_and_sinks(rows.valid, 0, rows.window_attention.shape[2])
+
+
+def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
+    """ValueError when the always-kept window does not fit in ``keep`` rows."""
+    w = rows.window_attention.shape[2] if rows.window_attention is not None else 0
+    if keep < w:
+        raise ValueError(
+            f"{name}: layer {rows.layer_idx} may keep {keep} rows, fewer than the observation window of {w} rows "
+            f"that is always kept (the tier holds {rows.num_rows} rows); use a smaller window= (<= {keep}), a "
+            f"larger budget=, or a smaller ratio= (<= {rows.num_rows / w:g})"
+        )
+
+
+@dataclass
+class SnapKV(Policy):
+    """At the end of the context, the last ``window`` queries vote for the rows each KV head keeps.
+
+    The algorithm (the reference's ``update_kv``): the window queries' softmax attention over all
+    rows (causal: a window query never sees later window rows) is summed over the window, the sums
+    of the non-window rows are pooled along the sequence (``kernel_size``, stride 1, padding
+    ``kernel_size // 2``; the window's own rows are left out of the pooling, as the reference slices
+    them off first), and each KV head keeps its ``keep - w`` best non-window rows plus the ``w``
+    window rows. The budget counts the window (the reference's ``max_capacity_prompt``).
+
+    Defaults and where they come from:
+
+    * ``window=32`` -- the paper's observation window and the reference code's ``window_size``
+      (``init_snapkv`` and the LongBench configurations ``experiments/LongBench/config/
+      ablation_c*_w32_k7_maxpool.json``).
+    * ``kernel_size=7``, ``pooling="maxpool"`` -- the paper's LongBench setting, i.e. those same
+      configuration files. Known paper/code difference: when no configuration is given, the
+      reference's ``init_snapkv`` falls back to ``kernel_size=5`` with ``pooling='avgpool'`` (the
+      values kvpress's ``SnapKVPress`` also uses, with a 64-query window). ``"avgpool"`` is
+      ``F.avg_pool1d`` with its default ``count_include_pad=True`` (the zero padding counts in the
+      mean at both ends), exactly as the reference calls it. ``kernel_size=1`` switches pooling off.
+    * ``aggregate="mean"`` -- how the scores of the query heads that share one KV head (GQA) become
+      that KV head's score: ``"mean"`` (default), ``"sum"`` or ``"max"``. The paper scores per
+      attention head (MHA); on GQA models kvzoo keeps one selection per KV head, so that the cache
+      really shrinks, and averages the group's pooled scores like kvpress's ``SnapKVPress`` (which
+      follows the discussion in FasterDecoding/SnapKV issue #22). ``"sum"`` ranks rows exactly like
+      ``"mean"`` (a constant factor); ``"max"`` keeps a row that any one query head of the group
+      needs. Pooling is applied per query head, then the group is aggregated (kvpress's order).
+
+    Deviations from the reference, all known:
+
+    * scores and softmax stay fp32 (the reference casts the softmax back to the model dtype before
+      summing);
+    * ties (frequent with max pooling, which copies a peak to its neighbours) go to the earlier row;
+      the reference's ``topk`` leaves tie order unspecified;
+    * padding rows (batched left padding) are never kept while valid rows are available, and the
+      window is the last ``w`` *valid* rows; the reference assumes unpadded sequences;
+    * the reference leaves a prompt shorter than ``max_capacity_prompt`` alone; here the runtime
+      does nothing when the budget is not smaller than the rows held (the same), and a budget
+      smaller than the window is an error (ValueError) instead of a silent over-budget cache;
+    * with a chunked prefill the window is the last ``w`` queries across chunks (the reference
+      compresses a single prefill).
+
+    Only the context is compressed (event ``context_end``); rows added afterwards (question,
+    generated tokens) stay, as in the reference, which compresses the prompt only.
+    """
+
+    window: int = 32
+    kernel_size: int = 7
+    pooling: str = "maxpool"
+    aggregate: str = "mean"
+
+    name: ClassVar[str] = "snapkv"
+    summary: ClassVar[str] = "last-window attention, pooled, per-KV-head top-k; the window is kept"
+    paper: ClassVar[str] = "https://arxiv.org/abs/2404.14469"
+    observes: ClassVar[frozenset[str]] = frozenset({"window"})
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def validate(self) -> None:
+        super().validate()
+        if not _is_int(self.window) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1 (observation-window queries, always kept), got {self.window!r}")
+        if not _is_int(self.kernel_size) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(
+                f"kernel_size must be an odd int >= 1 (pooling width; stride 1 with padding kernel_size // 2 "
+                f"keeps one score per row only for odd widths; 1 = no pooling), got {self.kernel_size!r}"
+            )
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(
+                f"aggregate must be one of {AGGREGATES} (how the query heads of one KV head combine), "
+                f"got {self.aggregate!r}"
+            )
+        if self.budget is not None and self.budget < self.window:
+            raise ValueError(
+                f"window ({self.window}) is larger than budget ({self.budget}): the observation window is always "
+                f"kept inside the budget; use window <= {self.budget} or budget >= {self.window}"
+            )
+
+    def scores(self, rows: RowsView) -> torch.Tensor:
+        """Pooled, group-aggregated votes ``[B, G, N]`` fp32; the window rows' own votes are zeroed."""
+        attn = rows.window_attention  # [B, H, w, N]
+        window = window_rows_mask(rows)  # [B, G, N]
+        B, H, _, N = attn.shape
+        G = rows.keys.shape[1]
+        hpg = H // G
+        votes = attn.float().sum(dim=2)  # [B, H, N]
+        # the reference pools only the non-window rows; a zero there equals its padding (avg counts
+        # the zero pad; max over non-negative votes is unchanged by a 0 in place of -inf)
+        in_window = window[:, :, None, :].expand(B, G, hpg, N).reshape(B, H, N)
+        votes = votes.masked_fill(in_window, 0.0)
+        if self.kernel_size > 1:
+            pool = F.max_pool1d if self.pooling == "maxpool" else F.avg_pool1d
+            votes = pool(votes.reshape(B * H, 1, N), kernel_size=self.kernel_size, stride=1,
+                         padding=self.kernel_size // 2).reshape(B, H, N)
+        grouped = votes.view(B, G, hpg, N)
+        if self.aggregate == "sum":
+            return grouped.sum(dim=2)
+        if self.aggregate == "mean":
+            return grouped.mean(dim=2)
+        return grouped.amax(dim=2)
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        window = window_rows_mask(rows)
+        check_window_fits(self.name, rows, keep)
+        return topk_with_forced(self.scores(rows), window, rows.valid, keep)
