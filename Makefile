@@ -23,14 +23,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check kvzoo tests benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvzoo tests benchmarks
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
