@@ -90,14 +90,16 @@ class TieredLayer(CacheLayerMixin):
         self.fetched_rows = 0
         self.policy_info: dict[str, float] = {}  # counters the policy reports (RowsView.info)
         self.no_padding = True  # no padding row was ever appended (lets attention skip trivial masks)
+        self.peak_rows = 0  # most rows the attended tier ever held (right after an append)
 
     # --- transformers' layer contract --------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
         B, G, _, D = key_states.shape
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.keys = key_states.new_empty(B, G, 0, D)
-        self.values = value_states.new_empty(B, G, 0, value_states.shape[-1])
+        # MLA rows carry keys and values in one latent row: no separate value tensor
+        self.values = None if value_states is None else value_states.new_empty(B, G, 0, value_states.shape[-1])
         self.slots = torch.empty(B, G, 0, dtype=torch.long, device=self.device)
         self.valid = torch.empty(B, G, 0, dtype=torch.bool, device=self.device)
         self.row_stats = {
@@ -106,14 +108,18 @@ class TieredLayer(CacheLayerMixin):
         }
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        """Append this forward's rows (``[B, G, q, D]``) to the attended tier; return the tier."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, *args: Any, **kwargs: Any):
+        """Append this forward's rows (``[B, G, q, D]``) to the attended tier; return the tier.
+
+        ``value_states`` is None for MLA layers, whose latent row serves as key and value.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, G, q, _ = key_states.shape
         new_slots = torch.arange(self.seen, self.seen + q, device=self.device).expand(B, G, q)
         self.keys = torch.cat([self.keys, key_states], dim=2)
-        self.values = torch.cat([self.values, value_states], dim=2)
+        if self.values is not None:
+            self.values = torch.cat([self.values, value_states], dim=2)
         self.slots = torch.cat([self.slots, new_slots], dim=2)
         # valid until the attention call tells us which new rows are padding (mark_padding)
         self.valid = torch.cat([self.valid, torch.ones(B, G, q, dtype=torch.bool, device=self.device)], dim=2)
@@ -122,8 +128,15 @@ class TieredLayer(CacheLayerMixin):
         self.seen += q
         self.since_event += q
         self.new_rows = q
+        self.peak_rows = max(self.peak_rows, self.num_rows)
         ACTIVE_LAYER.set(self)
         return self.keys, self.values
+
+    def value_rows(self) -> torch.Tensor:
+        """What attention reads as values: ``values`` (GQA) or the latent part ``c`` of MLA rows (a view)."""
+        if self.values is not None:
+            return self.values
+        return self.keys[..., : self.cache.adapter.kv_lora_rank]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Masks are sized by true sequence length; the attention function maps rows to columns by slot.
@@ -145,7 +158,8 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         idx = indices.to(self.device)
-        self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
+        self.keys = self.keys.index_select(0, idx)
+        self.values = None if self.values is None else self.values.index_select(0, idx)
         self.slots, self.valid = self.slots.index_select(0, idx), self.valid.index_select(0, idx)
         self.row_stats = {k: v.index_select(0, idx) for k, v in self.row_stats.items()}
         if self.window_queries is not None:
@@ -223,9 +237,10 @@ class TieredLayer(CacheLayerMixin):
             return
         policy = self.cache.policy
         n = self.num_rows
-        target = policy.target_rows(event, rows_seen=self.seen, resident=n, fixed_budget=self.budget)
+        basis = max(self.seen, self.cache.context_length or 0)  # ratio budgets count the whole context
+        target = policy.target_rows(event, rows_seen=basis, resident=n, fixed_budget=self.budget)
         if self.budget is None:
-            self.budget = policy.resolve_budget(self.seen)
+            self.budget = policy.resolve_budget(basis)
         self.since_event = 0
         if target is None or target >= n:
             return
@@ -252,18 +267,18 @@ class TieredLayer(CacheLayerMixin):
         # stable sort of the 0/1 mask puts evicted rows first, in sequence order
         evict = torch.sort(kept_mask.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - keep.shape[2]]
 
-        def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        def take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+            if t is None:
+                return None
             if t.dim() == 4:
                 return t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
             return t.gather(2, idx)
 
         if self.cache.policy.archive:
-            self.archive.add(
-                keys=take(self.keys, evict),
-                values=take(self.values, evict),
-                slots=take(self.slots, evict),
-                valid=take(self.valid, evict),
-            )
+            rows = {"keys": take(self.keys, evict), "slots": take(self.slots, evict), "valid": take(self.valid, evict)}
+            if self.values is not None:
+                rows["values"] = take(self.values, evict)
+            self.archive.add(**rows)
         else:
             self.dropped_rows += evict.shape[2]
         self.keys, self.values = take(self.keys, keep), take(self.values, keep)
@@ -278,6 +293,7 @@ class TieredLayer(CacheLayerMixin):
             layer=self.layer_idx,
             seen_rows=self.seen,
             resident_rows=self.num_rows,
+            peak_resident_rows=self.peak_rows,
             resident_bytes=nbytes(self.keys, self.values) if self.is_initialized else 0,
             archived_rows=self.archive.num_rows,
             archived_bytes=self.archive.nbytes,
@@ -295,6 +311,7 @@ class LayerStats:
     layer: int
     seen_rows: int
     resident_rows: int
+    peak_resident_rows: int
     resident_bytes: int
     archived_rows: int
     archived_bytes: int
@@ -312,8 +329,9 @@ class CacheStats:
     @property
     def totals(self) -> dict[str, float]:
         """Sums over layers of every counter, the policy's own counters included."""
-        keys = [k for k in LayerStats.__dataclass_fields__ if k not in ("layer", "policy_info")]
+        keys = [k for k in LayerStats.__dataclass_fields__ if k not in ("layer", "policy_info", "peak_resident_rows")]
         out: dict[str, float] = {k: sum(getattr(s, k) for s in self.layers) for k in keys}
+        out["peak_resident_rows"] = max((s.peak_resident_rows for s in self.layers), default=0)  # per layer, max
         for s in self.layers:
             for k, v in s.policy_info.items():
                 out[k] = out.get(k, 0) + v
@@ -356,24 +374,39 @@ class TieredCache(Cache):
     happens when you call :meth:`compress` (``kvzoo.pipeline`` does it after the context).
     """
 
-    def __init__(self, model: torch.nn.Module, policy: Policy | str | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, policy: Policy | str | None = None, *, context_length: int | None = None
+    ) -> None:
+        from transformers.cache_utils import LinearAttentionLayer
+
         from kvzoo.framework.adapters import adapter_for
         from kvzoo.framework.runtime import attach
 
         self.policy = _resolve_policy(policy)
         self.adapter = adapter_for(model, self.policy)
+        self.adapter.attach()
         attach(model)
         self.policy_shared: dict[str, Any] = {}
-        num_layers = self.adapter.num_layers
-        super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
+        # ratio budgets are fractions of the context; with streaming prefill the pipeline says how
+        # long the context will be, so the first chunk's event does not fix a budget of chunk/ratio
+        self.context_length = context_length
+        layers = [
+            TieredLayer(self, i) if self.adapter.is_tiered(i) else LinearAttentionLayer()  # Kimi's KDA layers
+            for i in range(self.adapter.num_layers)
+        ]
+        super().__init__(layers=layers)
+
+    @property
+    def tiered_layers(self) -> list[TieredLayer]:
+        return [layer for layer in self.layers if isinstance(layer, TieredLayer)]
 
     def compress(self) -> None:
         """The context ended: fire the ``context_end`` event on every layer."""
-        for layer in self.layers:
+        for layer in self.tiered_layers:
             layer.fire("context_end")
 
     def stats(self) -> CacheStats:
-        return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.layers])
+        return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers])
 
     def __repr__(self) -> str:
         return f"TieredCache(policy={self.policy!r}, layers={len(self.layers)})"

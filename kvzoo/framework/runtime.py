@@ -75,7 +75,7 @@ def kvzoo_attention(
                 f"(the model transformed them after Cache.update); {type(module).__name__} is not supported"
             )
         return _plain_attention(query, key, value, attention_mask, scaling), None
-    return _tiered_attention(layer, query, attention_mask, scaling), None
+    return tiered_attention(layer, query, attention_mask, scaling).transpose(1, 2).contiguous(), None
 
 
 def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor:  # noqa: ANN001
@@ -98,24 +98,31 @@ def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor
     return out.transpose(1, 2).contiguous()
 
 
-def _tiered_attention(layer: TieredLayer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:  # noqa: ANN001
+def tiered_attention(layer: TieredLayer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:  # noqa: ANN001
+    """Attention of ``query [B, H, q, D]`` over ``layer``'s attended tier; returns ``[B, H, q, Dv]``.
+
+    The rows of this forward must already be appended (``layer.update``). Fires the policy's
+    scheduled event for the layer afterwards.
+    """
+    ACTIVE_LAYER.set(None)
     policy = layer.cache.policy
     q_len = query.shape[2]
     layer.scaling = scaling
     layer.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
     layer.record_queries(query, policy.observation_window)
     q_slots = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
+    values = layer.value_rows()
     if "accumulate" in policy.observes:
         out, sums = attention_reference(
-            query, layer.keys, layer.values, layer.slots, layer.valid, q_slots, scaling, column_sums=True
+            query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling, column_sums=True
         )
         layer.row_stats["attention"] += sums
     else:
         out = attention_sdpa(
-            query, layer.keys, layer.values, layer.slots, layer.valid, q_slots, scaling, all_valid=layer.no_padding
+            query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling, all_valid=layer.no_padding
         )
     layer.after_forward()
-    return out.transpose(1, 2).contiguous()
+    return out
 
 
 def register() -> None:
@@ -125,7 +132,12 @@ def register() -> None:
 
 
 def attach(model: torch.nn.Module) -> None:
-    """Make ``model`` use kvzoo's attention; remembers the previous implementation for :func:`detach`."""
+    """Make ``model`` use kvzoo's attention; remembers the previous implementation for :func:`detach`.
+
+    Every model switches to the registered ``"kvzoo"`` attention and mask functions; an MLA
+    adapter additionally runs its layers' forward itself (``MLAAdapter.attach``, which
+    ``TieredCache`` calls).
+    """
     register()
     config = model.config
     if config._attn_implementation == ATTN_NAME:
@@ -135,7 +147,10 @@ def attach(model: torch.nn.Module) -> None:
 
 
 def detach(model: torch.nn.Module) -> None:
-    """Restore the attention implementation ``model`` had before :func:`attach`."""
+    """Restore the attention implementation (and MLA forwards) ``model`` had before :func:`attach`."""
+    from kvzoo.framework.adapters import MLAAdapter
+
+    MLAAdapter.detach(model)
     previous = getattr(model.config, "_kvzoo_previous_attn", None)
     if previous is not None:
         model.set_attn_implementation(previous)

@@ -1,8 +1,7 @@
 """Model adapters: what kvzoo needs to know about a model family to run its attention.
 
 ``adapter_for(model, policy)`` returns the adapter or raises a ValueError naming the supported
-architectures. GQA/MHA (Llama family) is here; MLA (DeepSeek-V2/V3, Kimi Linear) comes with the
-MLA runtime.
+architectures. GQA/MHA (Llama family) in ``gqa.py``; MLA (DeepSeek-V2/V3, Kimi Linear) in ``mla.py``.
 """
 
 from __future__ import annotations
@@ -10,16 +9,19 @@ from __future__ import annotations
 import torch
 
 from kvzoo.framework.adapters.gqa import GQA_MODEL_TYPES, GQAAdapter
+from kvzoo.framework.adapters.mla import MLA_MODEL_TYPES, MLAAdapter
 from kvzoo.framework.policy import Policy
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = GQA_MODEL_TYPES
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = GQA_MODEL_TYPES + MLA_MODEL_TYPES
 
 
-def adapter_for(model: torch.nn.Module, policy: Policy) -> GQAAdapter:
+def adapter_for(model: torch.nn.Module, policy: Policy) -> GQAAdapter | MLAAdapter:
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = getattr(getattr(config, "get_text_config", lambda **_: config)(decoder=True), "model_type", None)
     if model_type in GQA_MODEL_TYPES:
         adapter = GQAAdapter(model)
+    elif model_type in MLA_MODEL_TYPES:
+        adapter = MLAAdapter(model)
     else:
         raise ValueError(
             f"kvzoo does not support model_type={model_type!r} ({type(model).__name__}); "
@@ -32,4 +34,4 @@ def adapter_for(model: torch.nn.Module, policy: Policy) -> GQAAdapter:
     return adapter
 
 
-__all__ = ["adapter_for", "GQAAdapter", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["adapter_for", "GQAAdapter", "MLAAdapter", "SUPPORTED_MODEL_TYPES"]

@@ -31,6 +31,12 @@ class GQAAdapter:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
 
+    def is_tiered(self, layer_idx: int) -> bool:
+        return True
+
+    def attach(self) -> None:
+        """Nothing to replace: transformers' attention modules call kvzoo's registered attention."""
+
     @staticmethod
     def window_attention(queries, query_slots, keys, key_slots, key_valid, scaling) -> torch.Tensor:  # noqa: ANN001
         return window_attention(queries, query_slots, keys, key_slots, key_valid, scaling)
