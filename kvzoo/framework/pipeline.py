@@ -131,7 +131,7 @@ def generate(
     prefix, rest = build_prompt(tokenizer, context, question)
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
-    cache = TieredCache(model, policy)
+    cache = TieredCache(model, policy, context_length=prefix.shape[1])
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     logits = _prefill(model, cache, prefix, chunk_size)
@@ -194,7 +194,7 @@ def score(
         raise ValueError("answer is empty: nothing to score")
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
-    cache = TieredCache(model, policy)
+    cache = TieredCache(model, policy, context_length=prefix.shape[1])
     first_logits = _prefill(model, cache, prefix, chunk_size)
     cache.compress()
     tail = torch.cat([rest, answer_ids], dim=1).to(model.device)

@@ -59,9 +59,10 @@ class RowsView:
     values: torch.Tensor | None  # [B, G, N, Dv]; None on MLA (the latent row is both)
     slots: torch.Tensor  # [B, G, N] int64, the row's index in the sequence (padding counted)
     valid: torch.Tensor  # [B, G, N] bool, False for padding rows
-    layer_idx: int
-    num_layers: int
+    layer_idx: int  # the model's layer index
+    num_layers: int  # layers kvzoo compresses (Kimi Linear: its MLA layers only, not the KDA ones)
     layout: str = "gqa"  # "gqa" or "mla"
+    layer_rank: int = 0  # this layer's index among those num_layers (== layer_idx when all layers attend)
     first_new: int = 0  # rows [first_new:] arrived since this layer's previous event
     # observation window: the last w queries of the layer attending to the rows, softmax in fp32,
     # causal (a query never sees a row from its future). None unless the policy asked for it.
