@@ -199,13 +199,15 @@ class TieredLayer(CacheLayerMixin):
     def view(self) -> RowsView:
         """The attended tier as a :class:`RowsView` for the selector."""
         policy = self.cache.policy
-        win = None
+        window_fn = None
         if "window" in policy.observes and self.window_queries is not None:
-            w = self.window_queries.shape[2]
-            q_slots = torch.arange(self.seen - w, self.seen, device=self.device)
-            win = self.cache.adapter.window_attention(
-                self.window_queries, q_slots, self.keys, self.slots, self.valid, self.scaling
-            )
+            queries = self.window_queries
+            q_slots = torch.arange(self.seen - queries.shape[2], self.seen, device=self.device)
+            keys, slots, valid, scaling = self.keys, self.slots, self.valid, self.scaling
+
+            def window_fn() -> torch.Tensor:  # w x n, computed only if the selector reads it
+                return self.cache.adapter.window_attention(queries, q_slots, keys, slots, valid, scaling)
+
         return RowsView(
             keys=self.keys,
             values=None if self.cache.adapter.layout == "mla" else self.values,
@@ -216,7 +218,7 @@ class TieredLayer(CacheLayerMixin):
             layout=self.cache.adapter.layout,
             layer_rank=self.cache.tiered_layers.index(self),
             first_new=max(0, self.num_rows - self.since_event),
-            window_attention=win,
+            window_fn=window_fn,
             row_stats=self.row_stats,
             shared=self.cache.policy_shared,
             info=self.policy_info,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -66,7 +67,9 @@ class RowsView:
     first_new: int = 0  # rows [first_new:] arrived since this layer's previous event
     # observation window: the last w queries of the layer attending to the rows, softmax in fp32,
     # causal (a query never sees a row from its future). None unless the policy asked for it.
+    # Read it with observed_window(): the runtime computes it only when a selector asks.
     window_attention: torch.Tensor | None = None  # [B, H, w, N]
+    window_fn: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
     # per-row statistics the policy keeps (e.g. H2O's accumulated attention), [B, G, N] each;
     # the runtime gathers them along with the rows, so they follow rows when rows move.
     row_stats: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -79,12 +82,19 @@ class RowsView:
     def num_rows(self) -> int:
         return self.keys.shape[2]
 
+    def observed_window(self) -> torch.Tensor | None:
+        """The observation-window attention ``[B, H, w, N]`` (computed on first use, then kept)."""
+        if self.window_attention is None and self.window_fn is not None:
+            self.window_attention = self.window_fn()
+        return self.window_attention
+
     @property
     def group_size(self) -> int:
         """Query heads per KV group (0 when no window attention was recorded)."""
-        if self.window_attention is None:
+        window = self.observed_window()
+        if window is None:
             return 0
-        return self.window_attention.shape[1] // self.keys.shape[1]
+        return window.shape[1] // self.keys.shape[1]
 
 
 @dataclass

@@ -29,17 +29,17 @@ def window_rows_mask(rows: RowsView) -> torch.Tensor:
     The window queries are the latest ``w`` tokens and their rows were appended last, so they are
     the last ``w`` rows of the tier (sequence order); padding rows are never counted as window rows.
     """
-    if rows.window_attention is None:
+    if rows.observed_window() is None:
         raise RuntimeError(
             "the observation window was not recorded for this layer; the policy must list 'window' in "
             "`observes` and return a positive `observation_window`"
         )
-    return recent_and_sinks(rows.valid, 0, rows.window_attention.shape[2])
+    return recent_and_sinks(rows.valid, 0, rows.observed_window().shape[2])
 
 
 def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
     """ValueError when the always-kept window does not fit in ``keep`` rows."""
-    w = rows.window_attention.shape[2] if rows.window_attention is not None else 0
+    w = rows.observed_window().shape[2] if rows.observed_window() is not None else 0
     if keep < w:
         raise ValueError(
             f"{name}: layer {rows.layer_idx} may keep {keep} rows, fewer than the observation window of {w} rows "
@@ -134,7 +134,7 @@ class SnapKV(Policy):
 
     def scores(self, rows: RowsView) -> torch.Tensor:
         """Pooled, group-aggregated votes ``[B, G, N]`` fp32; the window rows' own votes are zeroed."""
-        attn = rows.window_attention  # [B, H, w, N]
+        attn = rows.observed_window()  # [B, H, w, N]
         window = window_rows_mask(rows)  # [B, G, N]
         B, H, _, N = attn.shape
         G = rows.keys.shape[1]

@@ -1,0 +1,169 @@
+"""``chunkkv``: keep whole chunks of tokens ranked by observation-window attention; reuse indices across layers.
+
+Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
+Inference", NeurIPS 2025, https://arxiv.org/abs/2502.00299 (Algorithm 1, ChunkKV; and its
+layer-wise index reuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvzoo.framework.policy import Policy, RowsView, sorted_keep
+from kvzoo.policies.snapkv import check_window_fits, window_rows_mask
+
+# rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
+SHARED_KEY = "chunkkv_kept_slots"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class ChunkKV(Policy):
+    """At the end of the context, keep the chunks of ``chunk_size`` tokens the last window attends to most.
+
+    The algorithm (Algorithm 1 of the paper): the last ``window`` queries attend to all rows
+    (softmax, causal); a row's score is that attention summed over the window queries and over
+    *all* query heads of the layer, so one selection serves every KV head of the layer, made per
+    batch element. The rows outside the window are cut into chunks of ``chunk_size`` consecutive
+    tokens, from each sequence's first token on; the last chunk is partial when the count does not
+    divide (``ceil(P / c)`` chunks for ``P`` non-window rows). A chunk's score is the *sum* of its
+    rows' scores. Chunks are ranked by score and their rows concatenated best chunk first; the first
+    ``keep - w`` of those rows are kept, plus the ``w`` window rows. Algorithm 1 takes the top
+    ``floor(L_max / c)`` chunks and keeps ``concat(K'[0 : L_max - w], K[T - w : T])`` without saying
+    in which order ``K'`` holds the chosen chunks; kvzoo reads it as best chunk first, so the
+    budget is met exactly with whole chunks, except that the lowest-ranked chunk taken may be cut
+    (its leading rows are kept) when ``keep - w`` is not a multiple of ``chunk_size``.
+
+    Layer-wise index reuse: layers are taken in groups of ``reuse`` consecutive layers
+    (0..N-1, N..2N-1, ...); the first layer of each group scores and selects, the others keep
+    the same token positions (slots) without scoring. ``ceil(num_layers / reuse)`` layers score.
+    Groups count the layers that hold rows (``RowsView.layer_rank``): on a hybrid model (Kimi
+    Linear: MLA layers hold rows, KDA layers none) a group is ``reuse`` consecutive MLA layers.
+    ``cache.stats()`` reports ``chunkkv_scored`` and ``chunkkv_reused``: how many layers did each.
+
+    Defaults and where they come from:
+
+    * ``chunk_size=10`` -- the paper's default (its chunk-size ablation finds 10 the most robust);
+      kvpress's ``ChunkKVPress`` uses ``chunk_length=20``.
+    * ``reuse=2`` -- the paper's ``N_reuse = 2`` (every other layer reuses its predecessor's
+      indices); ``reuse=1`` switches reuse off.
+    * ``window=32`` -- Algorithm 1 takes the observation window ``w`` as an input without fixing
+      it in the algorithm; ChunkKV builds on SnapKV's observation window, so kvzoo uses SnapKV's
+      ``w = 32`` and the two policies compare at equal windows. Set ``window=`` to match a
+      particular experiment's script.
+
+    Deviations, all known:
+
+    * the window is left out of the chunking: Algorithm 1 chunks all ``T`` rows and then appends
+      the window, which can take a window row twice; here the window is kept once and chunks tile
+      the rows before it (chunk boundaries are the same as the paper's, counted from the first
+      token);
+    * in a left-padded batch chunks start at each sequence's first real token (padding is never
+      chunked or kept while valid rows remain), so a padded sequence keeps what it would alone;
+    * ties between chunks go to the earlier chunk (``topk`` leaves tie order unspecified);
+    * scores and softmax are fp32; no pooling (Algorithm 1 has none);
+    * kvpress's ``ChunkKVPress`` averages scores inside a chunk, scores with another press, uses
+      ``chunk_length=20``, takes batch element 0's chunks for the whole batch and has no index
+      reuse; none of that is followed here.
+
+    Reusing layers still receive the window attention from the runtime (it is computed for every
+    layer of a policy that observes ``"window"``); they do not score with it.
+    """
+
+    window: int = 32
+    chunk_size: int = 10
+    reuse: int = 2
+
+    name: ClassVar[str] = "chunkkv"
+    summary: ClassVar[str] = "top chunks of c tokens by observation-window attention + the window; layer-wise index reuse"
+    paper: ClassVar[str] = "https://arxiv.org/abs/2502.00299"
+    observes: ClassVar[frozenset[str]] = frozenset({"window"})
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def validate(self) -> None:
+        super().validate()
+        if not _is_int(self.window) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1 (observation-window queries, always kept), got {self.window!r}")
+        if not _is_int(self.chunk_size) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1 (tokens per chunk; the paper uses 10), got {self.chunk_size!r}")
+        if not _is_int(self.reuse) or self.reuse < 1:
+            raise ValueError(
+                f"reuse must be an int >= 1 (layers sharing one layer's indices; 1 = no reuse, the paper uses 2), "
+                f"got {self.reuse!r}"
+            )
+        if self.budget is not None and self.budget < self.window:
+            raise ValueError(
+                f"window ({self.window}) is larger than budget ({self.budget}): the observation window is always "
+                f"kept inside the budget; use window <= {self.budget} or budget >= {self.window}"
+            )
+
+    def row_scores(self, rows: RowsView) -> torch.Tensor:
+        """The scorer: each row's window attention summed over window queries and all heads, ``[B, N]`` fp32."""
+        return rows.observed_window().float().sum(dim=(1, 2))
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        check_window_fits(self.name, rows, keep)
+        B, G, N = rows.slots.shape
+        rank = rows.layer_rank  # position among the layers that hold rows (groups skip Kimi's KDA layers)
+        if rank % self.reuse == 0:  # the first layer of its reuse group: score and choose
+            kept = self._choose(rows, keep)  # [B, keep]
+            rows.shared.setdefault(SHARED_KEY, {})[rank] = (
+                rows.slots[:, 0].gather(1, kept), rows.slots[:, 0, -1].clone(), rows.layer_idx
+            )
+            rows.info.update(chunkkv_scored=1, chunkkv_reused=0)
+            return kept[:, None, :].expand(B, G, keep).contiguous()
+        rows.info.update(chunkkv_scored=0, chunkkv_reused=1)
+        return self._reuse(rows, keep, rank - rank % self.reuse)
+
+    def _choose(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """Row indices ``[B, keep]`` (sorted) chosen from this layer's scores, shared by its KV heads."""
+        valid = rows.valid[:, 0]  # [B, N]; padding is per token, the same for every KV head
+        window = window_rows_mask(rows)[:, 0]
+        scores = self.row_scores(rows)
+        B, N = valid.shape
+        chunked = valid & ~window
+        chunk = (chunked.long().cumsum(-1) - 1).clamp(min=0) // self.chunk_size  # [B, N], meaningful where chunked
+        n_chunks = max(1, -(-N // self.chunk_size))
+        chunk_scores = torch.zeros(B, n_chunks, dtype=torch.float32, device=scores.device)
+        chunk_scores.scatter_add_(1, chunk, torch.where(chunked, scores, torch.zeros_like(scores)))
+        # rank 0 = best chunk; ties toward the earlier chunk
+        order = torch.sort(chunk_scores, dim=-1, descending=True, stable=True).indices
+        chunk_rank = torch.empty_like(order)
+        chunk_rank.scatter_(1, order, torch.arange(n_chunks, device=order.device).expand_as(order))
+        position = torch.arange(N, device=valid.device).expand(B, N)
+        # one sort key per row, smaller = kept first: window rows, then chunk rows best chunk first
+        # (in sequence order inside a chunk), then padding (never chunked)
+        priority = chunk_rank.gather(1, chunk) * N + position
+        priority = torch.where(window, position - N, priority)
+        priority = torch.where(valid, priority, n_chunks * N + position)
+        return sorted_keep(priority.topk(keep, dim=-1, largest=False).indices)
+
+    def _reuse(self, rows: RowsView, keep: int, first_rank: int) -> torch.Tensor:
+        """Indices of the slots that the first layer of this layer's reuse group kept at this event."""
+        B, G, N = rows.slots.shape
+        stored = rows.shared.get(SHARED_KEY, {}).get(first_rank)
+        first = stored[2] if stored is not None else f"#{first_rank} (counting layers that hold rows)"
+        if stored is None or not torch.equal(stored[1], rows.slots[:, 0, -1]) or stored[0].shape != (B, keep):
+            raise RuntimeError(
+                f"chunkkv: layer {rows.layer_idx} reuses the indices of layer {first} (reuse={self.reuse}), but that "
+                f"layer made no selection of {keep} rows at this event; index reuse needs all layers to hold the "
+                "same rows and to be compressed in order 0..L-1 at each event -- use reuse=1 otherwise"
+            )
+        kept_slots = stored[0][:, None, :].expand(B, G, keep).contiguous()
+        # tier rows are in slot order, so a binary search finds each kept slot's row
+        idx = torch.searchsorted(rows.slots.contiguous(), kept_slots).clamp(max=N - 1)
+        if not torch.equal(rows.slots.gather(2, idx), kept_slots):
+            raise RuntimeError(
+                f"chunkkv: layer {rows.layer_idx} does not hold every slot that layer {first} kept, so it cannot "
+                f"reuse that layer's indices (reuse={self.reuse}); the layers' attended tiers differ -- use reuse=1"
+            )
+        return idx
