@@ -117,6 +117,11 @@ def tiered_attention(layer: TieredLayer, query: torch.Tensor, attention_mask, sc
             query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling, column_sums=True
         )
         layer.row_stats["attention"] += sums
+    elif values.shape[-1] != layer.keys.shape[-1]:
+        # MLA (576-dim keys, 512-dim latent values): batched matmuls over the one shared group, in
+        # query chunks; SDPA would copy the group out to every head and, with unequal key/value
+        # widths, fall back to materialising the whole score matrix (3 GB at 8k tokens).
+        out, _ = attention_reference(query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling)
     else:
         out = attention_sdpa(
             query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling, all_valid=layer.no_padding
