@@ -204,8 +204,10 @@ def test_unsupported_architecture_names_supported():
 def test_bad_policy_arguments(tiny):
     with pytest.raises(TypeError, match="registered name"):
         TieredCache(tiny, 3)
-    with pytest.raises(ValueError, match="no retrievers"):
-        TieredCache(tiny, StreamingLLM(ratio=4, retriever="quest"))
+    with pytest.raises(ValueError, match="not a retriever; valid: vestige, quest"):
+        StreamingLLM(ratio=4, retriever="pages")
+    with pytest.raises(ValueError, match="archive=False"):
+        TieredCache(tiny, StreamingLLM(ratio=4, retriever="quest", archive=False))
     with pytest.raises(ValueError, match="either ratio= or budget="):
         StreamingLLM(ratio=4, budget=10)
     with pytest.raises(ValueError, match="needs a budget"):

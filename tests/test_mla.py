@@ -157,9 +157,13 @@ def test_every_policy_runs_on_mla_rows(mla, name):
     policy = registry.get(name, **params)
     r = pipeline.generate(mla, None, _ids(400, seed=6)[0], _ids(8, seed=7)[0], policy, max_new_tokens=4)
     assert len(r.token_ids) == 4
-    for s in r.stats.layers:
-        # budget of the context + the question and decode rows a context_end policy adds on top
-        assert s.resident_rows <= (400 if name == "full" else 400 // 8) + 8 + 4
+    for rank, s in enumerate(r.stats.layers):
+        if policy.is_dense(rank):  # quest keeps its first two layers dense (all the tiny models have)
+            assert s.resident_rows == s.seen_rows
+            continue
+        # the context's budget + the question and decode rows a context_end policy adds on top
+        # (quest attends to 4 sinks + a 16-row page; vestige keeps per block; full keeps all)
+        assert s.resident_rows <= (400 if name == "full" else max(400 // 8, 20)) + 8 + 4
 
 
 def test_checkpoint_roundtrip(tmp_path, mla):

@@ -91,6 +91,9 @@ class TieredLayer(CacheLayerMixin):
         self.policy_info: dict[str, float] = {}  # counters the policy reports (RowsView.info)
         self.no_padding = True  # no padding row was ever appended (lets attention skip trivial masks)
         self.peak_rows = 0  # most rows the attended tier ever held (right after an append)
+        # the retriever's per-layer state (index over this layer's archive), or None
+        self.retrieval = cache.retriever.new_state(self) if cache.retriever is not None else None
+        self.last_step: dict[str, float] = {}  # the latest forward's retrieval accounting
 
     # --- transformers' layer contract --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
@@ -217,6 +220,7 @@ class TieredLayer(CacheLayerMixin):
             num_layers=len(self.cache.tiered_layers),
             layout=self.cache.adapter.layout,
             layer_rank=self.cache.tiered_layers.index(self),
+            branch_dim=getattr(self.cache.adapter, "rope_dim", 0),
             first_new=max(0, self.num_rows - self.since_event),
             window_fn=window_fn,
             row_stats=self.row_stats,
@@ -239,15 +243,21 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         policy = self.cache.policy
+        if policy.is_dense(self.cache.tiered_layers.index(self)):
+            return
         n = self.num_rows
         basis = max(self.seen, self.cache.context_length or 0)  # ratio budgets count the whole context
-        target = policy.target_rows(event, rows_seen=basis, resident=n, fixed_budget=self.budget)
+        target = policy.target_rows(
+            event, rows_seen=basis, resident=n, fixed_budget=self.budget, block_rows=min(self.since_event, n)
+        )
         if self.budget is None:
             self.budget = policy.resolve_budget(basis)
-        self.since_event = 0
         if target is None or target >= n:
+            self.since_event = 0
             return
-        keep = policy.select(self.view(), target)
+        rows = self.view()  # before since_event resets: the view marks where the closed block starts
+        self.since_event = 0
+        keep = policy.select(rows, target)
         self._check_keep(keep, target, n)
         self.evict_all_but(keep)
         self.events += 1
@@ -281,6 +291,8 @@ class TieredLayer(CacheLayerMixin):
             rows = {"keys": take(self.keys, evict), "slots": take(self.slots, evict), "valid": take(self.valid, evict)}
             if self.values is not None:
                 rows["values"] = take(self.values, evict)
+            if self.retrieval is not None:  # index the rows before they leave (the block is still whole)
+                self.retrieval.index(self, rows, block_keys=self.keys)
             self.archive.add(**rows)
         else:
             self.dropped_rows += evict.shape[2]
@@ -304,6 +316,7 @@ class TieredLayer(CacheLayerMixin):
             events=self.events,
             fetched_rows=self.fetched_rows,
             policy_info=dict(self.policy_info),
+            last_step=dict(self.last_step),
         )
 
 
@@ -321,7 +334,8 @@ class LayerStats:
     dropped_rows: int
     events: int
     fetched_rows: int
-    policy_info: dict[str, float] = field(default_factory=dict)  # the policy's own counters
+    policy_info: dict[str, float] = field(default_factory=dict)  # the policy's and retriever's counters
+    last_step: dict[str, float] = field(default_factory=dict)  # the latest forward's retrieval figures
 
 
 @dataclass
@@ -332,7 +346,8 @@ class CacheStats:
     @property
     def totals(self) -> dict[str, float]:
         """Sums over layers of every counter, the policy's own counters included."""
-        keys = [k for k in LayerStats.__dataclass_fields__ if k not in ("layer", "policy_info", "peak_resident_rows")]
+        skip = ("layer", "policy_info", "last_step", "peak_resident_rows")
+        keys = [k for k in LayerStats.__dataclass_fields__ if k not in skip]
         out: dict[str, float] = {k: sum(getattr(s, k) for s in self.layers) for k in keys}
         out["peak_resident_rows"] = max((s.peak_resident_rows for s in self.layers), default=0)  # per layer, max
         for s in self.layers:
@@ -378,14 +393,29 @@ class TieredCache(Cache):
     """
 
     def __init__(
-        self, model: torch.nn.Module, policy: Policy | str | None = None, *, context_length: int | None = None
+        self,
+        model: torch.nn.Module,
+        policy: Policy | str | None = None,
+        *,
+        context_length: int | None = None,
+        audit: bool = False,
     ) -> None:
         from transformers.cache_utils import LinearAttentionLayer
 
         from kvzoo.framework.adapters import adapter_for
+        from kvzoo.framework.retrieval import build_retriever
         from kvzoo.framework.runtime import attach
 
         self.policy = _resolve_policy(policy)
+        self.retriever = build_retriever(self.policy.retriever)
+        if self.retriever is not None and not self.policy.archive:
+            raise ValueError(
+                f"policy {self.policy.name!r} has retriever={self.retriever.name!r} but archive=False: a retriever "
+                "fetches from the archive; use archive=True or retriever=None"
+            )
+        # audit=True: every retrieval step also scores all archived rows exactly, to count bound
+        # violations and the recall of the true top rows (slow: it reads the whole archive)
+        self.audit = audit
         self.adapter = adapter_for(model, self.policy)
         self.adapter.attach()
         attach(model)
@@ -428,11 +458,6 @@ def _resolve_policy(policy: Policy | str | None) -> Policy:
         raise TypeError(
             f"policy must be a kvzoo Policy, a registered name (see kvzoo.registry.available()) or None, "
             f"got {type(policy).__name__}"
-        )
-    if policy.retriever is not None:
-        raise ValueError(
-            f"retriever={policy.retriever!r}: no retrievers are available in this version of kvzoo yet; "
-            "use retriever=None"
         )
     return policy
 

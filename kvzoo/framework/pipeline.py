@@ -120,18 +120,21 @@ def generate(
     max_new_tokens: int = 32,
     question_position: str = "after",
     chunk_size: int | None = None,
+    audit: bool = False,
 ) -> GenerationResult:
     """Prefill ``context``, compress it, then prefill ``question`` and decode greedily.
 
     ``policy``: a Policy, a registered name, or None (``full``). Returns the decoded answer, the
     new token ids, ``cache.stats()`` and timings (``prefill_s`` context prefill, ``compress_s``
     the context-end event, ``question_s`` question prefill, ``decode_s`` the decode loop).
+    ``chunk_size`` prefills in chunks (streaming prefill); ``audit=True`` makes the retrieval tier
+    score every archived row exactly too, to count bound violations and recall (slow).
     """
     _check(question_position, chunk_size)
     prefix, rest = build_prompt(tokenizer, context, question)
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
-    cache = TieredCache(model, policy, context_length=prefix.shape[1])
+    cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     logits = _prefill(model, cache, prefix, chunk_size)
@@ -176,6 +179,7 @@ def score(
     *,
     question_position: str = "after",
     chunk_size: int | None = None,
+    audit: bool = False,
 ) -> ScoreResult:
     """Teacher-forced NLL (nats) of ``answer`` given the compressed context and the question.
 
@@ -194,7 +198,7 @@ def score(
         raise ValueError("answer is empty: nothing to score")
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
-    cache = TieredCache(model, policy, context_length=prefix.shape[1])
+    cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     first_logits = _prefill(model, cache, prefix, chunk_size)
     cache.compress()
     tail = torch.cat([rest, answer_ids], dim=1).to(model.device)

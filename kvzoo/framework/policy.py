@@ -64,6 +64,7 @@ class RowsView:
     num_layers: int  # layers kvzoo compresses (Kimi Linear: its MLA layers only, not the KDA ones)
     layout: str = "gqa"  # "gqa" or "mla"
     layer_rank: int = 0  # this layer's index among those num_layers (== layer_idx when all layers attend)
+    branch_dim: int = 0  # MLA: width of the decoupled branch r at the end of each row (64); GQA: 0
     first_new: int = 0  # rows [first_new:] arrived since this layer's previous event
     # observation window: the last w queries of the layer attending to the rows, softmax in fp32,
     # causal (a query never sees a row from its future). None unless the policy asked for it.
@@ -113,7 +114,7 @@ class Policy(ABC):
     ratio: float | None = None
     budget: int | None = None
     archive: bool = True
-    retriever: str | None = None
+    retriever: Any = None  # a retriever name, a Retriever object, or None
 
     # --- class attributes a subclass sets -------------------------------------------------
     name: ClassVar[str] = ""
@@ -170,8 +171,20 @@ class Policy(ABC):
             )
         if not isinstance(self.archive, bool):
             raise TypeError(f"archive must be True (keep evicted rows) or False (drop them), got {self.archive!r}")
-        if self.retriever is not None and not isinstance(self.retriever, str):
-            raise TypeError(f"retriever must be a registered retriever name or None, got {self.retriever!r}")
+        if self.retriever is not None:
+            from kvzoo.framework.retrieval import Retriever, retriever_names
+
+            if isinstance(self.retriever, str):
+                if self.retriever not in retriever_names():
+                    raise ValueError(
+                        f"retriever={self.retriever!r} is not a retriever; valid: {', '.join(retriever_names())} "
+                        "or None (eviction only)"
+                    )
+            elif not isinstance(self.retriever, Retriever):
+                raise TypeError(
+                    f"retriever must be a retriever name ({', '.join(retriever_names())}), a Retriever object "
+                    f"(kvzoo.framework.retrieval.build_retriever(name, **params)) or None, got {self.retriever!r}"
+                )
 
     def config(self) -> dict[str, Any]:
         """The full configuration: name plus every field (what results files record)."""
@@ -186,11 +199,14 @@ class Policy(ABC):
             return max(1, int(rows_seen / self.ratio))
         return None
 
-    def target_rows(self, event: Event, *, rows_seen: int, resident: int, fixed_budget: int | None) -> int | None:
+    def target_rows(
+        self, event: Event, *, rows_seen: int, resident: int, fixed_budget: int | None, block_rows: int = 0
+    ) -> int | None:
         """How many rows the attended tier should hold after ``event``, or None to leave it.
 
-        ``fixed_budget`` is the layer's budget resolved at its first event (None before that).
-        The default: resolve once, then hold the attended tier at that budget.
+        ``fixed_budget`` is the layer's budget resolved at its first event (None before that);
+        ``block_rows`` how many of the ``resident`` rows arrived since the layer's previous event
+        (the closing block). The default: resolve once, then hold the attended tier at that budget.
         """
         budget = fixed_budget if fixed_budget is not None else self.resolve_budget(rows_seen)
         if budget is None or resident <= budget:
@@ -205,6 +221,10 @@ class Policy(ABC):
         ``keep < rows.num_rows`` always holds when the runtime calls this. Rows not named move to
         the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
         """
+
+    def is_dense(self, layer_rank: int) -> bool:
+        """True for layers this policy never compresses (Quest keeps its first two layers dense)."""
+        return False
 
     def new_row_stats(self) -> tuple[str, ...]:
         """Names of the per-row statistics this policy keeps (zero for a new row)."""

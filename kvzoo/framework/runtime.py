@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvzoo.framework.cache import ACTIVE_LAYER, TieredLayer
+from kvzoo.framework.retrieval import retrieve
 from kvzoo.kernels.attention import attention_reference, attention_sdpa
 
 ATTN_NAME = "kvzoo"
@@ -111,21 +112,20 @@ def tiered_attention(layer: TieredLayer, query: torch.Tensor, attention_mask, sc
     layer.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
     layer.record_queries(query, policy.observation_window)
     q_slots = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
-    values = layer.value_rows()
+    n = layer.num_rows
+    # attended tier + the archived rows the retriever fetches back for this forward (if any)
+    keys, values, slots, valid = retrieve(layer, query, q_slots, scaling)
     if "accumulate" in policy.observes:
-        out, sums = attention_reference(
-            query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling, column_sums=True
-        )
-        layer.row_stats["attention"] += sums
-    elif values.shape[-1] != layer.keys.shape[-1]:
+        out, sums = attention_reference(query, keys, values, slots, valid, q_slots, scaling, column_sums=True)
+        layer.row_stats["attention"] += sums[..., :n]  # fetched rows are not resident: no accumulator
+    elif values.shape[-1] != keys.shape[-1]:
         # MLA (576-dim keys, 512-dim latent values): batched matmuls over the one shared group, in
         # query chunks; SDPA would copy the group out to every head and, with unequal key/value
         # widths, fall back to materialising the whole score matrix (3 GB at 8k tokens).
-        out, _ = attention_reference(query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling)
+        out, _ = attention_reference(query, keys, values, slots, valid, q_slots, scaling)
     else:
-        out = attention_sdpa(
-            query, layer.keys, values, layer.slots, layer.valid, q_slots, scaling, all_valid=layer.no_padding
-        )
+        all_valid = layer.no_padding and keys.shape[2] == n
+        out = attention_sdpa(query, keys, values, slots, valid, q_slots, scaling, all_valid=all_valid)
     layer.after_forward()
     return out
 

@@ -1,0 +1,259 @@
+"""``vestige``: VestigeKV -- a query-independent salience score from the decoupled branch, plus a
+certified recall tier over the evicted rows.
+
+In NoPE-MLA models (Kimi Linear) the 64-dim decoupled "RoPE" branch ``r`` of each 576-dim
+latent row is never rotated, and training turns it into a salience channel. The selector reads
+only that branch (11 % of a row) when a block of rows closes -- before any question exists --
+and keeps the rows whose branch carries the most high-frequency energy along the sequence
+(paper §4.1). Evicted rows go to the bit-exact archive; the certified sketch index over them
+(§4.2, Lemma 2) bounds every archived row's score from a few numbers per row, and each step
+fetches back the rows whose bound beats the attended tier's best score. DeepSeek-V2, whose
+branch *is* rotated, is the control where the same selector should fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from kvzoo.framework.policy import Policy, RowsView, topk_with_forced
+from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever
+from kvzoo.kernels.index_scan import sketch_bounds
+
+if TYPE_CHECKING:
+    from kvzoo.framework.cache import TieredLayer
+
+BRANCHES = ("auto", "rope", "content", "row", "key")
+
+
+def branch_sigma(branch: torch.Tensor, kappa: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """σ ``[..., n]``: the norm of each row's branch after removing the lowest ``kappa`` frequency bins.
+
+    ``branch [..., n, d]`` is read along the sequence axis (``n``): ``X = rfft(branch)`` has
+    ``n // 2 + 1`` bins per dim; bins ``0 .. kappa-1`` (DC and the slowest drifts) are zeroed, the
+    rest transformed back, and σ_u is the Euclidean norm over ``d`` of row u of the result.
+    ``kappa = 0`` gives the raw branch norm; ``kappa >= n // 2 + 1`` gives σ = 0 everywhere.
+    Padding rows (``valid`` False) are zeroed before the transform. Computed in fp32.
+    """
+    x = branch.float()
+    if valid is not None:
+        x = x * valid[..., None].to(x.dtype)
+    n = x.shape[-2]
+    spectrum = torch.fft.rfft(x, dim=-2)
+    spectrum[..., : min(kappa, spectrum.shape[-2]), :] = 0
+    return torch.fft.irfft(spectrum, n=n, dim=-2).norm(dim=-1)
+
+
+@dataclass
+class Vestige(Policy):
+    """Keep, per closed block, the top-m rows by branch σ plus 4 sinks and a recent window.
+
+    Schedule ``"block"``: a block closes when ``block_size`` rows have arrived since the last one
+    closed, or at the end of the context (``cache.compress()``: the pipeline's compression point,
+    before the question). Only the closing block's rows are candidates; rows kept by earlier
+    blocks stay (decisions are final). Per block the kept count is ``floor(block_rows / ratio)``
+    (or ``budget`` rows per block): the 4 sinks (first block only), the last ``recent`` rows of
+    the block -- capped at half the block's keep so that σ always chooses at least half -- and the
+    top rows by σ (ties toward earlier rows).
+
+    What σ reads (``branch``): ``"auto"`` = the 64-dim branch ``r`` on MLA rows (the last
+    ``qk_rope_head_dim`` dims) and the whole key on GQA rows (no branch there: the operator can
+    still be measured on RoPE models, where the paper predicts it fails); ``"rope"`` the branch,
+    ``"content"`` the 512-dim latent ``c``, ``"row"`` the whole 576-dim row (MLA only);
+    ``"key"`` the key (GQA). ``cache.stats()`` reports ``selector_bytes_read`` and
+    ``selector_rows_read``: the bytes of the rows the selector read.
+
+    Defaults and where they come from: ``block_size=8192`` (the issue/DESIGN default: blocks of
+    T tokens); ``sinks=4`` (StreamingLLM's sink count, as the paper keeps 4 sinks); ``kappa=8``
+    low-frequency bins removed and ``recent=32`` are kvzoo's choices (no value is fixed in the
+    design we follow); ``retriever="vestige"`` (the certified sketch; ``retriever=None`` is
+    eviction only).
+    """
+
+    kappa: int = 8
+    sinks: int = 4
+    recent: int = 32
+    block_size: int = 8192
+    branch: str = "auto"
+    retriever: Any = "vestige"
+
+    name: ClassVar[str] = "vestige"
+    summary: ClassVar[str] = "branch-σ salience per closed block (question-free) + certified sketch recall tier"
+    paper: ClassVar[str] = "VestigeKV (kvzoo's DESIGN.md §2, paper §4.1-4.2)"
+    schedule: ClassVar[str] = "block"
+
+    def validate(self) -> None:
+        super().validate()
+        for field_name in ("kappa", "sinks", "recent"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field_name} must be an int >= 0, got {value!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1 (rows per closed block), got {self.block_size!r}")
+        if self.branch not in BRANCHES:
+            raise ValueError(f"branch must be one of {BRANCHES}, got {self.branch!r}")
+
+    def block_keep(self, block_rows: int) -> int:
+        if self.budget is not None:
+            return min(block_rows, self.budget)
+        return min(block_rows, max(1, int(block_rows / self.ratio)))
+
+    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0):  # noqa: ANN001 - as base
+        if block_rows <= 0:
+            return None
+        target = resident - block_rows + self.block_keep(block_rows)
+        return target if target < resident else None
+
+    def branch_dims(self, rows: RowsView) -> slice:
+        width = rows.keys.shape[-1]
+        if rows.layout == "mla":
+            rope = rows.branch_dim
+            choice = "rope" if self.branch == "auto" else self.branch
+            dims = {"rope": slice(width - rope, width), "content": slice(0, width - rope), "row": slice(0, width)}
+            if choice not in dims:
+                raise ValueError(f"vestige: branch={self.branch!r} is for GQA rows; on MLA rows use rope, content or row")
+            return dims[choice]
+        if self.branch not in ("auto", "key"):
+            raise ValueError(f"vestige: branch={self.branch!r} needs MLA rows; on GQA rows use auto or key")
+        return slice(0, width)
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        start = rows.first_new  # the closing block is rows[start:]
+        block_rows = rows.num_rows - start
+        block_keep = keep - start
+        dims = self.branch_dims(rows)
+        branch = rows.keys[:, :, start:, dims]  # the only bytes this selector reads
+        sigma = branch_sigma(branch, self.kappa, rows.valid[:, :, start:])  # [B, G, block]
+        B, G, N = rows.valid.shape
+        rows.info["selector_rows_read"] = rows.info.get("selector_rows_read", 0) + B * G * block_rows
+        rows.info["selector_bytes_read"] = rows.info.get("selector_bytes_read", 0) + branch.numel() * branch.element_size()
+        scores = torch.zeros(B, G, N, dtype=torch.float32, device=sigma.device)
+        scores[:, :, start:] = sigma
+        position = torch.arange(N, device=sigma.device)
+        forced = (position < start).expand(B, G, N).clone()  # earlier blocks: decisions are final
+        recent = min(self.recent, block_keep // 2)
+        valid_rank = rows.valid.long().cumsum(-1) - 1
+        forced |= rows.valid & (valid_rank < self.sinks)  # the sequence's first valid rows
+        block_valid_rank = (rows.valid & (position >= start)).long().cumsum(-1)
+        n_valid = block_valid_rank[..., -1:]
+        forced |= rows.valid & (position >= start) & (block_valid_rank > n_valid - recent)
+        return topk_with_forced(scores, forced, rows.valid, keep)
+
+
+@dataclass
+class VestigeRetriever(Retriever):
+    """The certified sketch index over archived rows (paper §4.2; DESIGN.md §2).
+
+    Per archived row u: ``(r_u, z_u = V_r^T c_u, eta_u = ||(I - V_r V_r^T) c_u||)`` with V_r an
+    orthonormal rank-``rank`` basis of the content latents, fitted per layer (per KV head on GQA)
+    from all rows of the layer's first closed block (top eigenvectors of their Gram matrix); with
+    ``refit=True`` it is refitted at every closed block and the index is rebuilt. Per step and head,
+    ``bound = scale (<q_r, r_u> + <V^T q_c', z_u> + ||(I - V V^T) q_c'|| eta_u) >= s(u)``. Default
+    mode fetches the top ``j`` rows whose bound beats s* (the attended tier's best exact score);
+    ``certified=True`` fetches every row with bound >= s* - ``tau``, so the softmax mass left out is
+    at most ``(T - |F|) e^-tau`` relative to the attended tier (Lemma 3). Fetched rows are the
+    union over a group's query heads (and a forward's queries).
+
+    On GQA rows there is no branch: the whole key is the "content" and ``rank`` defaults to a
+    quarter of the head dim (a sound but looser bound). The index is kept in fp32 (an entry is
+    ``(64 + rank + 1) * 4`` bytes on MLA; the design's 258 B figure is for bf16 entries).
+    """
+
+    rank: int | None = None  # None: 64 on MLA rows, head_dim // 4 on GQA rows
+    j: int = 16
+    certified: bool = False
+    tau: float = 8.0
+    refit: bool = False
+
+    name: ClassVar[str] = "vestige"
+
+    def __post_init__(self) -> None:
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1):
+            raise ValueError(f"rank must be None or an int >= 1, got {self.rank!r}")
+        if isinstance(self.j, bool) or not isinstance(self.j, int) or self.j < 1:
+            raise ValueError(f"j must be an int >= 1 (rows fetched per step and head), got {self.j!r}")
+        if not isinstance(self.tau, (int, float)) or self.tau < 0:
+            raise ValueError(f"tau must be a number >= 0, got {self.tau!r}")
+
+    def new_state(self, layer: TieredLayer) -> SketchIndex:
+        return SketchIndex(self)
+
+
+class SketchIndex(RetrievalState):
+    def __init__(self, config: VestigeRetriever) -> None:
+        self.config = config
+        self.basis: torch.Tensor | None = None  # [G, dc, rank]
+        self.z: list[torch.Tensor] = []  # segments [B, G, k, rank], in archive order
+        self.eta: list[torch.Tensor] = []  # [B, G, k]
+        self.branch: list[torch.Tensor] = []  # [B, G, k, dr] (MLA)
+        self.content_dim = 0
+
+    def _split(self, layer: TieredLayer, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if layer.cache.adapter.layout == "mla":
+            dc = layer.cache.adapter.kv_lora_rank
+            return keys[..., :dc], keys[..., dc:]
+        return keys, None
+
+    def _fit(self, layer: TieredLayer, block_keys: torch.Tensor, valid: torch.Tensor) -> None:
+        content, _ = self._split(layer, block_keys)
+        dc = content.shape[-1]
+        rank = self.config.rank or (64 if layer.cache.adapter.layout == "mla" else max(1, dc // 4))
+        rank = min(rank, dc)
+        bases = []
+        for g in range(content.shape[1]):
+            x = content[:, g][valid[:, g]].double()  # [rows, dc]
+            gram = x.T @ x
+            _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
+            bases.append(vectors[:, -rank:].flip(-1).float())
+        self.basis = torch.stack(bases)  # [G, dc, rank], orthonormal columns
+        self.content_dim = dc
+
+    def _entries(self, layer: TieredLayer, keys: torch.Tensor):  # noqa: ANN202
+        content, branch = self._split(layer, keys)
+        c = content.float()
+        z = torch.einsum("bgkd,gdr->bgkr", c, self.basis)
+        eta = (c - torch.einsum("bgkr,gdr->bgkd", z, self.basis)).norm(dim=-1)
+        return z, eta, None if branch is None else branch.float()
+
+    def index(self, layer: TieredLayer, rows: dict[str, torch.Tensor], block_keys: torch.Tensor) -> None:
+        if self.basis is None or self.config.refit:
+            self._fit(layer, block_keys, layer.valid)
+            if self.config.refit and self.z:  # rebuild the index of earlier rows under the new basis
+                archived = layer.archive.tensors()["keys"]
+                z, eta, branch = self._entries(layer, archived)
+                self.z, self.eta, self.branch = [z], [eta], [] if branch is None else [branch]
+        z, eta, branch = self._entries(layer, rows["keys"])
+        self.z.append(z)
+        self.eta.append(eta)
+        if branch is not None:
+            self.branch.append(branch)
+
+    def _joined(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if len(self.z) > 1:
+            self.z, self.eta = [torch.cat(self.z, dim=2)], [torch.cat(self.eta, dim=2)]
+            if self.branch:
+                self.branch = [torch.cat(self.branch, dim=2)]
+        return self.z[0], self.eta[0], self.branch[0] if self.branch else None
+
+    def choose(self, layer, query, q_slots, scaling, best_attended) -> Choice:  # noqa: ANN001
+        z, eta, branch = self._joined()
+        dc = self.content_dim
+        q_content = query[..., :dc]
+        q_branch = query[..., dc:] if branch is not None else None
+        bounds = sketch_bounds(q_content, q_branch, self.basis, z, eta, branch, scaling)  # [B,H,q,m]
+        s_star = best_attended()[..., None]  # [B,H,q,1]
+        cfg = self.config
+        if cfg.certified:
+            chosen = bounds >= s_star - cfg.tau
+        else:
+            beats = bounds > s_star
+            j = min(cfg.j, bounds.shape[-1])
+            top = bounds.masked_fill(~beats, float("-inf")).topk(j, dim=-1).indices
+            chosen = torch.zeros_like(beats).scatter_(-1, top, True) & beats
+        B, H, q_len, m = bounds.shape
+        G = z.shape[1]
+        mask = chosen.view(B, G, H // G, q_len, m).any(dim=(2, 3))  # union over a group's heads and queries
+        entry_bytes = 4 * (z.shape[-1] + 1 + (branch.shape[-1] if branch is not None else 0))
+        return Choice(mask=mask, bounds=bounds, entries_scanned=m, entry_bytes=entry_bytes, audit_top=cfg.j)
