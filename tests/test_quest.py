@@ -1,0 +1,131 @@
+"""Quest's page index, composition of selectors and retrievers, and the retrieval accounting."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvzoo import TieredCache, pipeline, registry
+from kvzoo.framework.retrieval import build_retriever
+from kvzoo.kernels.index_scan import exact_scores, page_bounds
+from kvzoo.policies.quest import PageIndex, QuestRetriever
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 70), d=st.integers(1, 24), heads=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_page_bound_covers_the_best_row_of_each_page(m, d, heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 1, m, d, generator=g) * 4
+    state = PageIndex(QuestRetriever(page_size=16))
+    state.index(None, {"keys": keys, "valid": torch.ones(1, 1, m, dtype=torch.bool)}, keys)
+    q = torch.randn(1, heads, 2, d, generator=g) * 3
+    bounds = page_bounds(q, state.page_min, state.page_max, 0.7)  # [1, H, 2, p]
+    exact = exact_scores(q, keys, 0.7)
+    pages = -(-m // 16)
+    padded = torch.full((1, heads, 2, pages * 16), float("-inf"))
+    padded[..., :m] = exact
+    assert (bounds >= padded.view(1, heads, 2, pages, 16).amax(-1)).all()
+
+
+def test_incremental_index_equals_one_shot():
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 3, 53, 8, generator=g)
+    valid = torch.ones(2, 3, 53, dtype=torch.bool)
+    one, parts = PageIndex(QuestRetriever()), PageIndex(QuestRetriever())
+    one.index(None, {"keys": keys, "valid": valid}, keys)
+    for a, b in [(0, 5), (5, 21), (21, 22), (22, 53)]:
+        parts.index(None, {"keys": keys[:, :, a:b], "valid": valid[:, :, a:b]}, keys)
+    assert torch.equal(one.page_min, parts.page_min) and torch.equal(one.page_max, parts.page_max)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_page_with_the_planted_best_key_is_selected(seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 2, 160, 16, generator=g)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    planted = int(torch.randint(0, 160, (1,), generator=g))
+    keys[0, 1, planted] = q[0, 3, 0] * 3  # KV head 1's best key, for its query head 3
+    state = PageIndex(QuestRetriever(pages=2))
+    state.index(None, {"keys": keys, "valid": torch.ones(1, 2, 160, dtype=torch.bool)}, keys)
+    layer = SimpleNamespace(budget=32)
+    choice = state.choose(layer, q, torch.tensor([200]), 1.0, None)
+    assert choice.mask[0, 1, planted] and int(choice.mask[0, 1].sum()) == 32
+
+
+def test_quest_fetching_every_page_equals_full(tiny):
+    ctx = torch.randint(1, 256, (300,), generator=torch.Generator().manual_seed(2))
+    q, a = ctx[:6], ctx[10:20]
+    everything = build_retriever("quest", pages=10_000)
+    policy = registry.get("quest", ratio=8, dense_layers=0, retriever=everything)
+    full = pipeline.score(tiny, None, ctx, q, a, "full")
+    got = pipeline.score(tiny, None, ctx, q, a, policy)
+    assert got.stats.totals["archived_rows"] > 0
+    assert max(abs(x - y) for x, y in zip(full.token_nll, got.token_nll)) < 1e-4
+
+
+def test_quest_keeps_everything_and_first_layers_dense(tiny):
+    ctx = torch.randint(1, 256, (400,), generator=torch.Generator().manual_seed(3))
+    policy = registry.get("quest", ratio=8, dense_layers=1)
+    r = pipeline.generate(tiny, None, ctx, ctx[:5], policy, max_new_tokens=6, audit=True)
+    layers = r.stats.layers
+    assert layers[0].resident_rows == layers[0].seen_rows and layers[0].archived_rows == 0
+    for s in layers[1:]:
+        assert s.resident_rows == 4 + 16 and s.resident_rows + s.archived_rows == s.seen_rows
+        assert s.dropped_rows == 0
+        # one page of 16 rows per 16 budget rows: ceil(50 / 16) = 4 pages per KV head and forward
+        assert s.last_step["rows_fetched"] == 4 * 16 * 2  # 2 KV heads
+        assert s.policy_info["bound_violations"] == 0
+    with pytest.raises(ValueError, match="archive must be True"):
+        registry.get("quest", ratio=8, archive=False)
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("snapkv", {"retriever": "vestige"}),
+        ("h2o", {"retriever": "quest"}),
+        ("vestige", {"retriever": None}),
+        ("vestige", {}),
+        ("streaming_llm", {"retriever": "vestige"}),
+        ("chunkkv", {"retriever": "quest"}),
+    ],
+)
+def test_any_selector_with_any_retriever(tiny, name, params):
+    policy = registry.get(name, ratio=4, **params)
+    ctx = torch.randint(1, 256, (500,), generator=torch.Generator().manual_seed(4))
+    r = pipeline.generate(tiny, None, ctx, ctx[:6], policy, max_new_tokens=5, audit=True)
+    t = r.stats.totals
+    assert len(r.token_ids) == 5 and t["archived_rows"] > 0
+    if policy.retriever is None:
+        assert t["fetched_rows"] == 0 and "rows_scanned" not in t
+    else:
+        assert t["retrieval_steps"] > 0 and t["rows_scanned"] > 0 and t["bound_violations"] == 0
+        assert t["kv_bytes_read"] == t["attended_bytes_read"] + t["index_bytes_scanned"] + t["fetched_bytes"]
+
+
+def test_vestige_on_gqa_reads_the_key(tiny):
+    policy = registry.get("vestige", ratio=4, retriever=None)
+    ctx = torch.randint(1, 256, (400,), generator=torch.Generator().manual_seed(5))
+    cache = TieredCache(tiny, policy, context_length=400)
+    with torch.no_grad():
+        tiny(input_ids=ctx[None], cache=cache, use_cache=True)
+    cache.compress()
+    t = cache.stats().totals
+    head_dim, kv_heads = tiny.config.head_dim, tiny.config.num_key_value_heads
+    assert t["selector_rows_read"] == 3 * kv_heads * 400
+    assert t["selector_bytes_read"] == t["selector_rows_read"] * head_dim * 4
+    with pytest.raises(ValueError, match="needs MLA rows"):
+        c2 = TieredCache(tiny, registry.get("vestige", ratio=4, branch="rope"))
+        tiny(input_ids=ctx[None], cache=c2, use_cache=True)
+        c2.compress()
+
+
+def test_retriever_errors():
+    with pytest.raises(KeyError, match="valid: vestige, quest"):
+        build_retriever("pages")
+    with pytest.raises(TypeError, match="unknown parameter"):
+        build_retriever("vestige", k=3)
+    with pytest.raises(ValueError, match="j must be"):
+        build_retriever("vestige", j=0)
