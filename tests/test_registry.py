@@ -148,7 +148,7 @@ def test_unknown_parameter_names_it_and_lists_valid_ones():
 
 def test_invalid_value_keeps_type_and_names_policy():
     # StreamingLLM.validate's message does not name the policy: the registry prefixes it
-    with pytest.raises(ValueError, match=r"^streaming_llm: sinks must be an int >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^streaming_llm: sinks must be an int >= 0 \(attention sinks kept at the start\), got -1$"):
         registry.get("streaming_llm", ratio=4, sinks=-1)
     with pytest.raises(TypeError, match=r"^streaming_llm: ratio must be a number >= 1"):
         registry.get("streaming_llm", ratio="4")

@@ -231,6 +231,13 @@ class Policy(ABC):
         return ("attention",) if "accumulate" in self.observes else ()
 
 
+def require_int(value: Any, field_name: str, low: int, meaning: str = "") -> None:
+    """ValueError naming ``field_name`` unless ``value`` is an int (not a bool) ``>= low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = f" ({meaning})" if meaning else ""
+        raise ValueError(f"{field_name} must be an int >= {low}{what}, got {value!r}")
+
+
 def sorted_keep(indices: torch.Tensor) -> torch.Tensor:
     """Sort kept indices ascending along the last dim so kept rows stay in sequence order."""
     return indices.sort(dim=-1).values
@@ -247,6 +254,20 @@ def recent_and_sinks(valid: torch.Tensor, sinks: int, recent: int) -> torch.Tens
     is_sink = valid & (valid_rank < sinks)
     is_recent = valid & (valid_rank >= n_valid - recent)
     return is_sink | is_recent
+
+
+def keep_sinks_and_recent(valid: torch.Tensor, sinks: int, keep: int) -> torch.Tensor:
+    """Indices ``[B, G, keep]`` of the first ``sinks`` and the latest valid rows, ``keep`` in all.
+
+    Where a sequence has fewer valid rows than ``keep`` (left padding), the shortfall is filled
+    with its latest padding rows, so every (batch, group) keeps exactly ``keep`` rows.
+    """
+    sinks = min(sinks, keep)
+    kept = recent_and_sinks(valid, sinks, keep - sinks)
+    n = valid.shape[-1]
+    order = torch.arange(n, device=valid.device).expand_as(kept)
+    priority = torch.where(kept, order + n, order)  # kept rows first, then the latest rows
+    return sorted_keep(priority.topk(keep, dim=-1).indices)
 
 
 def topk_with_forced(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:

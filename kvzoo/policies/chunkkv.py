@@ -12,15 +12,12 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, sorted_keep
+from kvzoo.framework.policy import Policy, RowsView, require_int, sorted_keep
 from kvzoo.policies.snapkv import check_window_fits, window_rows_mask
 
 # rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
 SHARED_KEY = "chunkkv_kept_slots"
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -91,15 +88,9 @@ class ChunkKV(Policy):
 
     def validate(self) -> None:
         super().validate()
-        if not _is_int(self.window) or self.window < 1:
-            raise ValueError(f"window must be an int >= 1 (observation-window queries, always kept), got {self.window!r}")
-        if not _is_int(self.chunk_size) or self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1 (tokens per chunk; the paper uses 10), got {self.chunk_size!r}")
-        if not _is_int(self.reuse) or self.reuse < 1:
-            raise ValueError(
-                f"reuse must be an int >= 1 (layers sharing one layer's indices; 1 = no reuse, the paper uses 2), "
-                f"got {self.reuse!r}"
-            )
+        require_int(self.window, "window", 1, "observation-window queries, always kept")
+        require_int(self.chunk_size, "chunk_size", 1, "tokens per chunk; the paper uses 10")
+        require_int(self.reuse, "reuse", 1, "layers sharing one layer's indices; 1 = no reuse, the paper uses 2")
         if self.budget is not None and self.budget < self.window:
             raise ValueError(
                 f"window ({self.window}) is larger than budget ({self.budget}): the observation window is always "

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, sorted_keep
+from kvzoo.framework.policy import Policy, RowsView, keep_sinks_and_recent, require_int
 from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever
 from kvzoo.kernels.index_scan import page_bounds
 
@@ -53,9 +53,7 @@ class Quest(Policy):
     def validate(self) -> None:
         super().validate()
         for field_name, low in (("sinks", 0), ("recent", 1), ("page_size", 1), ("dense_layers", 0)):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{field_name} must be an int >= {low}, got {value!r}")
+            require_int(getattr(self, field_name), field_name, low)
         if not self.archive:
             raise ValueError("quest deletes nothing: archive must be True (pages are fetched back from it)")
 
@@ -67,10 +65,7 @@ class Quest(Policy):
         return attended if resident > attended else None
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        kept = recent_and_sinks(rows.valid, min(self.sinks, keep), keep - min(self.sinks, keep))
-        order = torch.arange(rows.num_rows, device=kept.device).expand_as(kept)
-        priority = torch.where(kept, order + rows.num_rows, order)
-        return sorted_keep(priority.topk(keep, dim=-1).indices)
+        return keep_sinks_and_recent(rows.valid, self.sinks, keep)
 
 
 @dataclass
@@ -89,8 +84,7 @@ class QuestRetriever(Retriever):
     name: ClassVar[str] = "quest"
 
     def __post_init__(self) -> None:
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {self.page_size!r}")
+        require_int(self.page_size, "page_size", 1, "rows per page")
         if self.pages is not None and (not isinstance(self.pages, int) or self.pages < 1):
             raise ValueError(f"pages must be None (from the budget) or an int >= 1, got {self.pages!r}")
 

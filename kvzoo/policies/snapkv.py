@@ -13,14 +13,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, topk_with_forced
+from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, require_int, topk_with_forced
 
 POOLINGS = ("maxpool", "avgpool")
 AGGREGATES = ("sum", "mean", "max")
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def window_rows_mask(rows: RowsView) -> torch.Tensor:
@@ -112,9 +109,9 @@ class SnapKV(Policy):
 
     def validate(self) -> None:
         super().validate()
-        if not _is_int(self.window) or self.window < 1:
-            raise ValueError(f"window must be an int >= 1 (observation-window queries, always kept), got {self.window!r}")
-        if not _is_int(self.kernel_size) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        require_int(self.window, "window", 1, "observation-window queries, always kept")
+        if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
+                or self.kernel_size % 2 == 0:
             raise ValueError(
                 f"kernel_size must be an odd int >= 1 (pooling width; stride 1 with padding kernel_size // 2 "
                 f"keeps one score per row only for odd widths; 1 = no pooling), got {self.kernel_size!r}"

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, sorted_keep
+from kvzoo.framework.policy import Policy, RowsView, keep_sinks_and_recent, require_int
 
 STREAMING_SCHEDULES = ("step", "block")
 
@@ -46,23 +46,14 @@ class StreamingLLM(Policy):
 
     def validate(self) -> None:
         super().validate()
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {self.sinks!r}")
+        require_int(self.sinks, "sinks", 0, "attention sinks kept at the start")
         if self.schedule not in STREAMING_SCHEDULES:
             raise ValueError(f"schedule must be one of {STREAMING_SCHEDULES}, got {self.schedule!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1 (rows appended between evictions), got {self.block_size!r}")
+        require_int(self.block_size, "block_size", 1, "rows appended between evictions")
         if self.budget is not None and self.budget <= self.sinks:
             raise ValueError(
                 f"budget ({self.budget}) must exceed sinks ({self.sinks}) to leave room for a recent window"
             )
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        sinks = min(self.sinks, keep)
-        kept = recent_and_sinks(rows.valid, sinks, keep - sinks)
-        # Padding rows are never kept by rank; fill any shortfall (fewer valid rows than `keep`)
-        # with the latest padding rows so every (batch, group) keeps exactly `keep` rows.
-        n = rows.num_rows
-        order = torch.arange(n, device=kept.device).expand_as(kept)
-        priority = torch.where(kept, order + n, order)  # kept rows first, then latest rows
-        return sorted_keep(priority.topk(keep, dim=-1).indices)
+        return keep_sinks_and_recent(rows.valid, self.sinks, keep)

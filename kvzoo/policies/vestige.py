@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, topk_with_forced
+from kvzoo.framework.policy import Policy, RowsView, require_int, topk_with_forced
 from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever
 from kvzoo.kernels.index_scan import sketch_bounds
 
@@ -87,11 +87,8 @@ class Vestige(Policy):
     def validate(self) -> None:
         super().validate()
         for field_name in ("kappa", "sinks", "recent"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{field_name} must be an int >= 0, got {value!r}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1 (rows per closed block), got {self.block_size!r}")
+            require_int(getattr(self, field_name), field_name, 0)
+        require_int(self.block_size, "block_size", 1, "rows per closed block")
         if self.branch not in BRANCHES:
             raise ValueError(f"branch must be one of {BRANCHES}, got {self.branch!r}")
 
@@ -170,10 +167,9 @@ class VestigeRetriever(Retriever):
     name: ClassVar[str] = "vestige"
 
     def __post_init__(self) -> None:
-        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1):
-            raise ValueError(f"rank must be None or an int >= 1, got {self.rank!r}")
-        if isinstance(self.j, bool) or not isinstance(self.j, int) or self.j < 1:
-            raise ValueError(f"j must be an int >= 1 (rows fetched per step and head), got {self.j!r}")
+        if self.rank is not None:
+            require_int(self.rank, "rank", 1, "sketch rank; None picks 64 on MLA rows, head_dim // 4 on GQA")
+        require_int(self.j, "j", 1, "rows fetched per step and head")
         if not isinstance(self.tau, (int, float)) or self.tau < 0:
             raise ValueError(f"tau must be a number >= 0, got {self.tau!r}")
 
