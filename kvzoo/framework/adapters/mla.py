@@ -30,7 +30,7 @@ import transformers
 
 from kvzoo.kernels.attention import window_attention
 
-MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "kimi_linear")
+MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "kimi_linear", "kvzoo_mla")
 KIMI_MIN_TRANSFORMERS = (5, 18)
 
 
@@ -69,7 +69,19 @@ def _no_rotation(module: torch.nn.Module, q_r, r, position_embeddings):  # noqa:
     return q_r, r
 
 
-ROTATIONS = {"deepseek_v2": _rotate_deepseek_v2, "deepseek_v3": _rotate_deepseek_v3, "kimi_linear": _no_rotation}
+def _rotate_kvzoo_mla(module: torch.nn.Module, q_r, r, position_embeddings):  # noqa: ANN001
+    # kvzoo's reference twins: RoPE arm when config.rope_branch, NoPE (identity) otherwise
+    from kvzoo.refmodel.modeling import rotate_branch
+
+    return rotate_branch(module, q_r, r, position_embeddings)
+
+
+ROTATIONS = {
+    "deepseek_v2": _rotate_deepseek_v2,
+    "deepseek_v3": _rotate_deepseek_v3,
+    "kimi_linear": _no_rotation,
+    "kvzoo_mla": _rotate_kvzoo_mla,
+}
 
 
 class MLAAdapter:
@@ -86,7 +98,8 @@ class MLAAdapter:
         self.rope_dim = config.qk_rope_head_dim
         self.row_dim = self.kv_lora_rank + self.rope_dim
         self.num_heads = config.num_attention_heads
-        self.rotates_branch = self.model_type != "kimi_linear"
+        # DeepSeek rotates the branch; Kimi never does; kvzoo's reference models say so in their config
+        self.rotates_branch = self.model_type != "kimi_linear" and getattr(config, "rope_branch", True)
         self.modules = {}
         for module in model.modules():
             idx = getattr(module, "layer_idx", None)
