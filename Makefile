@@ -1,6 +1,7 @@
 # Two commands do the whole set-up on a fresh machine:
 #   make demo   runs the main job (creates .venv, installs everything)
 #   make test   runs the test suite (creates .venv, installs everything)
+#   make leaderboard  runs the larger leaderboard grid (every task, ratios 2/4/8, question after and before)
 # TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
 # machines; elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build) before `make`.
 PYTHON     ?= python3
@@ -10,7 +11,7 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
 STAMP      := $(VENV)/.kvzoo-installed
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test demo leaderboard lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +29,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo
+
+leaderboard: $(STAMP)
+	$(PY) -m kvzoo.cli leaderboard --preset leaderboard
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,7 +1,11 @@
 """The ``kvzoo`` command.
 
     kvzoo list                                   the registry: names, summaries, papers
-    kvzoo run --policy streaming_llm --ratio 4   one policy on one prompt; prints answer and stats
+    kvzoo run --policy streaming_llm --ratio 4   one policy on one prompt or task; prints answer and stats
+    kvzoo leaderboard [--preset demo]            runs a grid; prints the markdown leaderboard, writes plots
+    kvzoo plot results/demo.jsonl                the needle heatmap and score-vs-ratio curves (PNG)
+
+``kvzoo <command> --help`` lists every option.
 """
 
 from __future__ import annotations
@@ -9,7 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 from typing import Any
+
+MODEL_HELP = (
+    "smollm2-135m (default; real weights, offline), tiny-llama / tiny-deepseek-v2 / tiny-kimi-linear "
+    "(random, for mechanics), a local directory, or a hub id (needs a network)"
+)
 
 
 def _parse_value(text: str) -> Any:
@@ -34,6 +45,14 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+def _fail(command: str, message: str) -> int:
+    print(f"kvzoo {command}: {message}", file=sys.stderr)
+    return 2
+
+
+# --- list ----------------------------------------------------------------------------------------
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from kvzoo import registry
 
@@ -43,32 +62,49 @@ def cmd_list(args: argparse.Namespace) -> int:
         info = registry.info(name)
         paper = f"  [{info['paper']}]" if info.get("paper") else ""
         print(f"{name:<{width}}  {summary}{paper}")
+        if args.verbose:
+            defaults = ", ".join(f"{k}={v!r}" for k, v in info["defaults"].items())
+            print(f"{'':<{width}}  parameters: {defaults}")
+            print(f"{'':<{width}}  from: {info['source']}")
     return 0
+
+
+# --- run -----------------------------------------------------------------------------------------
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from kvzoo import pipeline, registry
-    from kvzoo.models import load_model
+    from kvzoo.bench import metrics
+    from kvzoo.bench.runner import check_model_name, encode_prompt, load
+    from kvzoo.bench.tasks import QUESTION, TaskSpec, build_needle_context, make_task
 
     try:
         policy = registry.get(args.policy, **_policy_params(args))
     except (KeyError, TypeError, ValueError) as err:
-        print(f"kvzoo run: {err.args[0] if err.args else err}", file=sys.stderr)
-        return 2
+        return _fail("run", str(err.args[0] if err.args else err))
     if args.context_file and not args.question:
-        print("kvzoo run: --question is required with --context-file", file=sys.stderr)
-        return 2
-    model, tokenizer = load_model(args.model)
+        return _fail("run", "--question is required with --context-file")
+    if args.context_file and args.task:
+        return _fail("run", "give either --task or --context-file, not both")
+    spec = None
+    if args.task:
+        try:
+            spec = TaskSpec(args.task, args.context_tokens, args.depth, args.seed, args.haystack)
+        except (TypeError, ValueError) as err:
+            return _fail("run", str(err))
+    try:
+        check_model_name(args.model)
+    except ValueError as err:
+        return _fail("run", str(err))
+    model, tokenizer = load(args.model)
+    task = None
     if args.context_file:
-        with open(args.context_file, encoding="utf-8") as fh:
-            context = fh.read()
-        question = args.question
+        context, question = Path(args.context_file).read_text(encoding="utf-8"), args.question
+    elif spec is not None:
+        task = make_task(spec, tokenizer)
+        ids = encode_prompt(tokenizer, task)
+        context, question = ids.prefix, ids.question  # token ids: the answer prefix follows the question
     else:
-        from kvzoo.demo import QUESTION, build_needle_context
-
-        if tokenizer is None:
-            print(f"kvzoo run: model {args.model!r} has no tokenizer; the needle task needs one", file=sys.stderr)
-            return 2
         context = build_needle_context(tokenizer, context_tokens=args.context_tokens, depth=args.depth).text
         question = args.question or QUESTION
     result = pipeline.generate(
@@ -77,38 +113,197 @@ def cmd_run(args: argparse.Namespace) -> int:
         context,
         question,
         policy,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens or (task.max_new_tokens if task else 24),
         question_position=args.question_position,
         chunk_size=args.chunk_size,
     )
     print(f"policy   : {policy}")
-    print(f"context  : {result.context_tokens} tokens; question {'after' if args.question_position == 'after' else 'before'} compression")
-    print(f"question : {question}")
-    print(f"answer   : {result.answer!r}")
+    print(f"context  : {result.context_tokens} tokens; question {args.question_position} compression")
+    if task is not None:
+        print(f"task     : {spec.key} ({task.context_token_count} context tokens, needle depth "
+              f"{'n/a' if task.needle_depth is None else f'{task.needle_depth:.2f}'})")
+        print(f"question : {task.question} / {task.answer_prefix}")
+        print(f"answer   : {result.answer!r}")
+        score = metrics.string_match(task.metric, result.answer, task.answers)
+        print(f"score    : {score:.2f} ({task.metric}; references {', '.join(task.answers)})")
+    else:
+        print(f"question : {question}")
+        print(f"answer   : {result.answer!r}")
     print("timings  : " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
     print(result.stats)
     return 0
 
 
+# --- leaderboard ---------------------------------------------------------------------------------
+
+
+def _grid_from_args(args: argparse.Namespace) -> Any:
+    """The preset's grid with every option the user gave replacing the preset's value."""
+    import dataclasses
+
+    from kvzoo.bench.runner import PRESETS, Grid, needle_grid
+
+    base: Grid = PRESETS[args.preset]()
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    task_options = ("tasks", "haystacks", "context_tokens", "depths", "seeds")
+    grid_fields = {"models": "models", "policies": "policies", "ratios": "ratios", "positions": "positions",
+                   "max_new_tokens": "max_new_tokens", "chunk_size": "chunk_size",
+                   "continuation_tokens": "continuation_tokens", "dtype": "dtype"}
+    overrides = {field: given[option] for option, field in grid_fields.items() if option in given}
+    if args.audit:
+        overrides["audit"] = True
+    if any(option in given for option in task_options):
+        specs = base.tasks
+        tasks = given.get("tasks") or list(dict.fromkeys(s.task for s in specs))
+        grid = needle_grid(
+            models=overrides.pop("models", base.models),
+            tasks=tasks,
+            haystacks=given.get("haystacks") or [None],
+            context_tokens=given.get("context_tokens") or sorted({s.context_tokens for s in specs}),
+            depths=given.get("depths") or sorted({s.depth for s in specs if s.depth is not None}) or [0.5],
+            seeds=given.get("seeds") or sorted({s.seed for s in specs}),
+        )
+        return dataclasses.replace(base, tasks=grid.tasks, **overrides)
+    return dataclasses.replace(base, **overrides)
+
+
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    from kvzoo.bench import plots, report, runner
+
+    started = time.perf_counter()
+    try:
+        grid = _grid_from_args(args)
+        trials = runner.plan(grid)
+    except (TypeError, ValueError) as err:
+        return _fail("leaderboard", str(err))
+    results = Path(args.out or runner.RESULTS_DIR / f"{args.preset}.jsonl")
+    print(f"kvzoo leaderboard: {len(trials)} trials -> {results} (rerun the same command to resume)", file=sys.stderr)
+    rows = runner.run_grid(grid, results, fresh=args.fresh, progress=not args.no_progress)
+    print(report.render(rows, title=f"kvzoo leaderboard ({args.preset} grid)"))
+    if not args.no_plots:
+        plot_dir = Path(args.plot_dir) if args.plot_dir else results.parent
+        try:
+            for path in plots.write_plots(rows, plot_dir, prefix=results.stem + "-"):
+                print(f"wrote {path}")
+        except ValueError as err:  # nothing plottable (every trial failed)
+            print(f"no plots: {err}", file=sys.stderr)
+    print(f"wall time {time.perf_counter() - started:.0f} s for {len(rows)} trials in {results}")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+# --- plot ----------------------------------------------------------------------------------------
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from kvzoo.bench import plots, runner
+
+    path = Path(args.results)
+    if not path.is_file():
+        return _fail("plot", f"no results file {str(path)!r}; run `kvzoo leaderboard` first (it writes results/<preset>.jsonl)")
+    rows = runner.read_results(path)
+    if args.model:
+        rows = [r for r in rows if r.get("model") == args.model]
+    try:
+        written = plots.write_plots(rows, args.out_dir or path.parent, prefix=path.stem + "-", position=args.position)
+    except ValueError as err:
+        return _fail("plot", str(err))
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+# --- parser --------------------------------------------------------------------------------------
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a ratio is a number >= 1 (keep 1/ratio of the rows), got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"a ratio is a number >= 1 (keep 1/ratio of the rows), got {text!r}")
+    return value
+
+
+def _depth(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a depth is a fraction in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a depth is a fraction in [0, 1], got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvzoo.bench.haystacks import ALL_HAYSTACKS
+    from kvzoo.bench.runner import DTYPES, PRESETS
+    from kvzoo.bench.tasks import TASKS
+    from kvzoo.framework.pipeline import QUESTION_POSITIONS
+
     parser = argparse.ArgumentParser(prog="kvzoo", description="KV-cache policies on one tiered-cache runtime")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{list,run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{list,run,leaderboard,plot}")
+
     p_list = sub.add_parser("list", help="the registered policies")
+    p_list.add_argument("--verbose", "-v", action="store_true", help="also parameters and where each comes from")
     p_list.set_defaults(func=cmd_list)
-    p_run = sub.add_parser("run", help="one policy on one prompt (default: a needle in a generated context)")
+
+    p_run = sub.add_parser("run", help="one policy on one prompt or task (default: a needle in a generated context)")
     p_run.add_argument("--policy", default="full", help="registered name (see `kvzoo list`)")
     p_run.add_argument("--ratio", type=float, help="keep 1/ratio of the rows")
     p_run.add_argument("--budget", type=int, help="keep this many rows per layer and KV group")
     p_run.add_argument("--param", action="append", metavar="KEY=VALUE", help="any other policy parameter")
-    p_run.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-llama, or a local directory")
+    p_run.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    p_run.add_argument("--task", choices=TASKS, help="a RULER-style task instead of the default needle")
+    p_run.add_argument("--haystack", choices=ALL_HAYSTACKS, help="haystack text of --task (default: the task's)")
+    p_run.add_argument("--seed", type=int, default=0, help="seed of --task")
     p_run.add_argument("--context-file", help="a text file to use as the context (needs --question)")
     p_run.add_argument("--question", help="the question asked about the context")
-    p_run.add_argument("--context-tokens", type=int, default=2000, help="needle context length in tokens")
-    p_run.add_argument("--depth", type=float, default=0.35, help="needle depth in [0, 1]")
-    p_run.add_argument("--question-position", choices=["after", "before"], default="after")
-    p_run.add_argument("--max-new-tokens", type=int, default=24)
+    p_run.add_argument("--context-tokens", type=int, default=2000, help="needle/task context length in tokens")
+    p_run.add_argument("--depth", type=_depth, default=0.35, help="needle depth in [0, 1]")
+    p_run.add_argument("--question-position", choices=list(QUESTION_POSITIONS), default="after")
+    p_run.add_argument("--max-new-tokens", type=int, default=None, help="default 24 (with --task: the task's)")
     p_run.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
     p_run.set_defaults(func=cmd_run)
+
+    p_lb = sub.add_parser(
+        "leaderboard",
+        help="run a grid (model x policy x ratio x task x question position); print the table, write plots",
+        description="Runs a preset grid, with any option below replacing the preset's value. Results go to "
+        "a JSONL file (one row per trial); rerunning the same command resumes where it stopped.",
+    )
+    p_lb.add_argument("--preset", choices=list(PRESETS), default="demo",
+                      help="demo: 2k-token single needle, 3 depths, 4x/8x, question after (the `make demo` grid); "
+                      "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); tiny: a tiny random model")
+    p_lb.add_argument("--model", dest="models", action="append", metavar="MODEL", help=MODEL_HELP + " (repeatable)")
+    p_lb.add_argument("--policies", nargs="+", metavar="NAME", help="registered names (default: every registered policy)")
+    p_lb.add_argument("--ratios", nargs="+", type=_ratio, metavar="R", help="compression ratios (keep 1/R of the rows)")
+    p_lb.add_argument("--tasks", nargs="+", choices=TASKS, metavar="TASK", help=f"tasks: {', '.join(TASKS)}")
+    p_lb.add_argument("--haystacks", nargs="+", choices=ALL_HAYSTACKS, metavar="KIND",
+                      help=f"haystacks: {', '.join(ALL_HAYSTACKS)} (default: each task's own)")
+    p_lb.add_argument("--context-tokens", nargs="+", type=int, metavar="N", help="context lengths in tokens")
+    p_lb.add_argument("--depths", nargs="+", type=_depth, metavar="D", help="needle depths in [0, 1]")
+    p_lb.add_argument("--seeds", nargs="+", type=int, metavar="S", help="task seeds")
+    p_lb.add_argument("--positions", nargs="+", choices=list(QUESTION_POSITIONS), metavar="POS",
+                      help="question after and/or before compression")
+    p_lb.add_argument("--max-new-tokens", type=int, help="tokens to generate (default: each task's own)")
+    p_lb.add_argument("--chunk-size", type=int, help="prefill in chunks of this many tokens")
+    p_lb.add_argument("--continuation-tokens", type=int, help="held-out continuation length for ΔCE (default 64)")
+    p_lb.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default float32)")
+    p_lb.add_argument("--audit", action="store_true", help="count the retrieval tier's bound violations (slow)")
+    p_lb.add_argument("--out", help="results JSONL (default results/<preset>.jsonl)")
+    p_lb.add_argument("--plot-dir", help="where the PNGs go (default: beside the results file)")
+    p_lb.add_argument("--fresh", action="store_true", help="discard the results file and start over")
+    p_lb.add_argument("--no-plots", action="store_true", help="do not write the PNGs")
+    p_lb.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_lb.set_defaults(func=cmd_leaderboard)
+
+    p_plot = sub.add_parser("plot", help="needle heatmap (depth x context length, per policy) and score-vs-ratio curves")
+    p_plot.add_argument("results", help="a results JSONL written by `kvzoo leaderboard`")
+    p_plot.add_argument("--out-dir", help="where the PNGs go (default: beside the results file)")
+    p_plot.add_argument("--position", choices=list(QUESTION_POSITIONS), default="after")
+    p_plot.add_argument("--model", help="only this model's rows")
+    p_plot.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -1,0 +1,192 @@
+"""The leaderboard's metrics: each one a small function of numbers the runner collects.
+
+Quality
+    :func:`string_match_all` / :func:`string_match_part` -- RULER's scores (fraction of the
+    reference answers found in the output, case-insensitive / 1 if any is found);
+    :func:`delta_nll` and :func:`is_intact` -- VestigeKV's needle intact test: the teacher-forced NLL
+    (nats, summed over the answer tokens) under the compressed cache minus under the full cache,
+    intact when below 1 nat; :func:`intact_rate` over trials;
+    :func:`delta_ce` -- mean per-token cross-entropy of a held-out continuation, compressed minus full.
+
+Cost (from ``cache.stats().totals`` snapshots; rows and bytes summed over layers)
+    :func:`resident_kv_bytes`, :func:`kv_bytes_freed`;
+    :func:`kv_bytes_read_per_step` -- KV-path bytes one decode step reads: the attended tier's
+    bytes plus what a retrieval tier read that step (index entries scanned, rows fetched);
+    :func:`rows_fetched_per_step`; :func:`bound_violations` (None = "n/a");
+    :func:`peak_rss_bytes` (process-wide high-water mark, VmHWM / ru_maxrss); :class:`Stopwatch` (wall time).
+
+Counters read from ``policy_info`` (summed over layers into ``totals``), when a policy or the
+retrieval tier reports them -- cumulative per layer since the cache was created:
+
+* ``index_bytes_scanned`` -- bytes of index entries scanned to choose rows to fetch;
+* ``fetched_bytes`` -- bytes of archived rows fetched back into a step's attention;
+* ``bound_violations`` -- archived rows (or pages) whose score exceeded the retriever's bound
+  (counted only with ``TieredCache(..., audit=True)``).
+
+Absent keys count as 0, except ``bound_violations``, which is None (reported "n/a").
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+INTACT_THRESHOLD_NATS = 1.0  # VestigeKV: a needle is intact when its answer's ΔNLL < 1 nat
+INDEX_BYTES_KEY = "index_bytes_scanned"
+FETCHED_BYTES_KEY = "fetched_bytes"
+BOUND_VIOLATIONS_KEY = "bound_violations"
+
+
+# --- quality -------------------------------------------------------------------------------------
+
+
+def _clean(prediction: str) -> str:
+    """RULER's post-processing: strip, control characters to newlines."""
+    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip())
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """RULER's ``string_match_all``: the fraction of ``references`` that occur in ``prediction`` (case-insensitive)."""
+    if not references:
+        raise ValueError("string_match_all needs at least one reference answer")
+    pred = _clean(prediction).lower()
+    return sum(ref.lower() in pred for ref in references) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """RULER's ``string_match_part``: 1.0 if any of ``references`` occurs in ``prediction``, else 0.0."""
+    if not references:
+        raise ValueError("string_match_part needs at least one reference answer")
+    pred = _clean(prediction).lower()
+    return float(any(ref.lower() in pred for ref in references))
+
+
+STRING_METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+
+
+def string_match(metric: str, prediction: str, references: Sequence[str]) -> float:
+    """Score ``prediction`` with the named RULER metric (``string_match_all`` or ``string_match_part``)."""
+    if metric not in STRING_METRICS:
+        raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(STRING_METRICS)}")
+    return STRING_METRICS[metric](prediction, references)
+
+
+def delta_nll(compressed_nll: float, full_nll: float) -> float:
+    """ΔNLL (nats): the answer's summed NLL under the compressed cache minus under the full cache."""
+    return compressed_nll - full_nll
+
+
+def is_intact(compressed_nll: float, full_nll: float, threshold: float = INTACT_THRESHOLD_NATS) -> bool:
+    """The needle is intact when ``delta_nll < threshold`` (1 nat)."""
+    return delta_nll(compressed_nll, full_nll) < threshold
+
+
+def intact_rate(intact: Sequence[bool]) -> float:
+    """The fraction of trials whose needle stayed intact."""
+    if not intact:
+        raise ValueError("intact_rate of no trials is undefined")
+    return sum(bool(x) for x in intact) / len(intact)
+
+
+def mean_token_nll(token_nll: Sequence[float]) -> float:
+    """Cross-entropy (nats per token) of a teacher-forced text from its per-token NLLs."""
+    if not token_nll:
+        raise ValueError("no tokens to average")
+    return sum(token_nll) / len(token_nll)
+
+
+def delta_ce(compressed_token_nll: Sequence[float], full_token_nll: Sequence[float]) -> float:
+    """ΔCE (nats/token) of the same continuation: compressed minus full."""
+    if len(compressed_token_nll) != len(full_token_nll):
+        raise ValueError(
+            f"ΔCE compares the same tokens: got {len(compressed_token_nll)} and {len(full_token_nll)} per-token NLLs"
+        )
+    return mean_token_nll(compressed_token_nll) - mean_token_nll(full_token_nll)
+
+
+# --- cost ----------------------------------------------------------------------------------------
+
+
+def resident_kv_bytes(totals: Mapping[str, float]) -> int:
+    """Bytes of the attended tier (keys + values, all layers)."""
+    return int(totals["resident_bytes"])
+
+
+def kv_bytes_freed(totals: Mapping[str, float]) -> int:
+    """Attended-tier bytes no longer held compared with keeping every row: (seen − resident) rows × bytes per row.
+
+    Archived rows still take memory in the archive tier (``archived_bytes``); this counts what the
+    attended tier -- the memory every step reads -- no longer holds.
+    """
+    resident_rows = totals["resident_rows"]
+    if resident_rows == 0:
+        return 0
+    per_row = totals["resident_bytes"] / resident_rows
+    return int(round((totals["seen_rows"] - resident_rows) * per_row))
+
+
+def kv_bytes_read_per_step(start: Mapping[str, float], steps: Sequence[Mapping[str, float]]) -> float | None:
+    """Mean KV-path bytes read per decode step.
+
+    ``start``: totals before the first decode step; ``steps``: totals after each decode step. Step
+    i reads the attended tier (``resident_bytes`` after it) plus the increase of
+    ``index_bytes_scanned`` and ``fetched_bytes`` during it. None when there were no steps.
+    """
+    if not steps:
+        return None
+    total = 0.0
+    previous = start
+    for now in steps:
+        total += now["resident_bytes"]
+        for key in (INDEX_BYTES_KEY, FETCHED_BYTES_KEY):
+            total += now.get(key, 0) - previous.get(key, 0)
+        previous = now
+    return total / len(steps)
+
+
+def rows_fetched_per_step(start: Mapping[str, float], end: Mapping[str, float], steps: int) -> float | None:
+    """Mean archived rows fetched back per decode step (``fetched_rows`` increase / steps); None with no steps."""
+    if steps <= 0:
+        return None
+    return (end.get("fetched_rows", 0) - start.get("fetched_rows", 0)) / steps
+
+
+def bound_violations(totals: Mapping[str, float]) -> int | None:
+    """Bound violations the retrieval tier counted (``policy_info["bound_violations"]``); None if not reported."""
+    value = totals.get(BOUND_VIOLATIONS_KEY)
+    return None if value is None else int(value)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory so far, in bytes: a process-wide high-water mark.
+
+    Linux's ``VmHWM`` (``/proc/self/status``), elsewhere ``getrusage`` ``ru_maxrss``. It covers
+    everything the process ever held (the model, earlier trials), so it never decreases.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+class Stopwatch:
+    """Wall time of a ``with`` block: ``with Stopwatch() as t: ...; t.seconds``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start

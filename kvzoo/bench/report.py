@@ -1,0 +1,187 @@
+"""Markdown tables from results rows (the runner's JSONL rows, or pytest-benchmark ``extra_info``).
+
+The leaderboard table -- stable format, documented in ``benchmarks/README.md``:
+
+* one row per policy, the reference (``full``) first, then policies in registry order;
+* per ratio three columns: ``score`` -- mean string-match score with the question *after*
+  compression; ``after−before`` -- that minus the same mean with the question *before* compression
+  (``n/a`` when the grid ran one position only); ``KV bytes/step`` -- mean KV-path bytes read per
+  decode step (question-after trials);
+* a policy without a ratio (the reference) shows its figures in every ratio column;
+* ``skipped`` / ``error`` where no trial of that cell succeeded; the reasons are listed below.
+
+The detail table has one row per (policy, ratio): trials, needle intact rate, mean ΔNLL, ΔCE,
+resident KV bytes, bytes freed, rows fetched per step, bound violations, prefill+compress time,
+decode time per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+REFERENCE_POLICY = "full"
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536`` -> ``1.5 KiB``; None -> ``n/a``."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _fmt(value: float | None, spec: str = ".2f", signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:+{spec}}" if signed else f"{value:{spec}}"
+
+
+def _ratio_label(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:g}x"
+
+
+def policy_order(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The reference first, then policies in the order they first appear (the runner's plan order)."""
+    names: list[str] = []
+    for row in rows:
+        if row["policy"] not in names:
+            names.append(row["policy"])
+    return sorted(names, key=lambda n: (n != REFERENCE_POLICY, names.index(n)))
+
+
+def ratio_order(rows: Sequence[dict[str, Any]]) -> list[float]:
+    return sorted({float(r["ratio"]) for r in rows if r.get("ratio") is not None})
+
+
+def _cell_rows(rows: Sequence[dict[str, Any]], policy: str, ratio: float | None) -> list[dict[str, Any]]:
+    """Rows of one (policy, ratio); for a policy run without a ratio, its rows whatever ``ratio`` is."""
+    mine = [r for r in rows if r["policy"] == policy]
+    if mine and all(r.get("ratio") is None for r in mine):
+        return mine
+    return [r for r in mine if r.get("ratio") is not None and float(r["ratio"]) == ratio]
+
+
+def _status(cell: list[dict[str, Any]]) -> str | None:
+    """None if some trial succeeded, else ``skipped``/``error``/``n/a``."""
+    if any(r["status"] == "ok" for r in cell):
+        return None
+    if any(r["status"] == "error" for r in cell):
+        return "error"
+    return "skipped" if cell else "n/a"
+
+
+def caption(rows: Sequence[dict[str, Any]]) -> str:
+    """One line saying what the table averages over."""
+    ok = [r for r in rows if r["status"] == "ok"] or list(rows)
+    if not ok:
+        return "no trials"
+
+    def values(key: str) -> str:
+        seen: list[str] = []
+        for r in ok:
+            v = r.get(key)
+            text = "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+            if text not in seen:
+                seen.append(text)
+        return ", ".join(seen)
+
+    tasks = sorted({f"{r['task']} ({r['haystack']})" for r in ok})
+    return (
+        f"model {values('model')}; tasks {', '.join(tasks)}; context {values('context_tokens')} tokens; "
+        f"depths {values('depth')}; seeds {values('seed')}; question {values('question_position')} compression"
+    )
+
+
+def leaderboard_table(rows: Sequence[dict[str, Any]], ratios: Sequence[float] | None = None) -> str:
+    """The markdown leaderboard: rows policies, per ratio score | after−before | KV bytes/step."""
+    ratios = list(ratios) if ratios is not None else ratio_order(rows)
+    columns = ["policy"]
+    for ratio in ratios:
+        label = _ratio_label(ratio)
+        columns += [f"{label} score", f"{label} after−before", f"{label} KV bytes/step"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for policy in policy_order(rows):
+        cells = [policy + (" (reference)" if policy == REFERENCE_POLICY else "")]
+        for ratio in ratios:
+            cell = _cell_rows(rows, policy, ratio)
+            status = _status(cell)
+            if status is not None:
+                cells += [status, "", ""]
+                continue
+            ok = [r for r in cell if r["status"] == "ok"]
+            after = [r for r in ok if r["question_position"] == "after"]
+            before = [r for r in ok if r["question_position"] == "before"]
+            score_after = _mean(r["score"] for r in after)
+            score_before = _mean(r["score"] for r in before)
+            gap = None if score_after is None or score_before is None else score_after - score_before
+            bytes_step = _mean(r.get("kv_bytes_per_step") for r in (after or ok))
+            cells += [_fmt(score_after), _fmt(gap, signed=True), format_bytes(bytes_step)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def detail_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One row per (policy, ratio): intact rate, ΔNLL, ΔCE, memory and time figures (successful trials)."""
+    columns = [
+        "policy", "ratio", "trials", "intact rate", "mean ΔNLL (nats)", "ΔCE (nats/token)", "resident KV",
+        "KV freed", "fetched rows/step", "bound violations", "prefill+compress (s)", "decode (ms/step)",
+    ]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for policy in policy_order(rows):
+        mine = [r for r in rows if r["policy"] == policy and r["status"] == "ok"]
+        for ratio in sorted({r.get("ratio") for r in mine}, key=lambda x: -1.0 if x is None else x):
+            cell = [r for r in mine if r.get("ratio") == ratio]
+            intact = [r["intact"] for r in cell if r.get("intact") is not None]
+            violations = [r["bound_violations"] for r in cell if r.get("bound_violations") is not None]
+            lines.append("| " + " | ".join([
+                policy,
+                _ratio_label(ratio),
+                str(len(cell)),
+                _fmt(sum(intact) / len(intact) if intact else None),
+                _fmt(_mean(r.get("delta_nll") for r in cell), signed=True),
+                _fmt(_mean(r.get("delta_ce") for r in cell), ".3f", signed=True),
+                format_bytes(_mean(r.get("resident_bytes") for r in cell)),
+                format_bytes(_mean(r.get("bytes_freed") for r in cell)),
+                _fmt(_mean(r.get("fetched_rows_per_step") for r in cell), ".1f"),
+                str(sum(violations)) if violations else "n/a",
+                _fmt(_mean((r.get("prefill_s") or 0) + (r.get("compress_s") or 0) for r in cell)),
+                _fmt(_mean(r.get("decode_ms_per_step") for r in cell), ".0f"),
+            ]) + " |")
+    return "\n".join(lines)
+
+
+def problems(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """``policy ratio: status: error`` for each distinct skipped or failed cell."""
+    seen: dict[tuple[str, str, str], str] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            seen.setdefault((r["policy"], _ratio_label(r.get("ratio")), r["status"]), r.get("error") or "")
+    return [f"{policy} {ratio}: {status}: {error}" for (policy, ratio, status), error in seen.items()]
+
+
+def render(rows: Sequence[dict[str, Any]], *, title: str = "kvzoo leaderboard", detail: bool = True) -> str:
+    """Caption, leaderboard table, detail table and the list of skipped/failed cells, per model."""
+    out: list[str] = []
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for model in models:
+        mine = [r for r in rows if r["model"] == model]
+        out += [f"## {title}: {model}", "", caption(mine), "", leaderboard_table(mine), ""]
+        if detail:
+            out += [detail_table(mine), ""]
+        issues = problems(mine)
+        if issues:
+            out += ["Skipped or failed:", *[f"- {line}" for line in issues], ""]
+        peak = max((r.get("peak_rss_bytes") or 0 for r in mine), default=0)
+        if peak:
+            out.append(f"Peak process memory (VmHWM, a process-wide high-water mark): {format_bytes(peak)}.")
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,648 @@
+"""The leaderboard runner: (model × policy × ratio × task × question before/after) → one JSONL row per trial.
+
+:func:`run_grid` runs a :class:`Grid` and appends each finished trial to a results file as one JSON
+line (the policy's full config, the package versions, every metric). Rerun with the same file and
+it resumes: trials whose row says ``"status": "ok"`` are not run again; skipped or failed ones are
+retried. A progress bar (tqdm, on stderr) shows trials done and the ETA.
+
+Policies come from :func:`kvzoo.registry.available` at run time, so a newly registered policy (a
+built-in or a plugin's) joins the grid with no code change. A policy whose class does not need a
+budget (``full``) runs once per task, without a ratio: it is the reference row, and its answer NLL
+and continuation cross-entropy are what ΔNLL and ΔCE are measured against. A policy that
+``registry.get(name, ratio=r)`` refuses is recorded as skipped with the error; one that fails while
+running is recorded as an error; the grid carries on.
+
+One trial (:func:`run_trial`) prefills the context into a :class:`~kvzoo.TieredCache` and compresses
+it once, then forks the compressed cache (a deep copy that shares the model) for three continuations
+-- exactly what ``pipeline.score`` / ``pipeline.generate`` would do from the same point, without
+paying for the prefill three times:
+
+* the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL;
+* the held-out continuation of the haystack, teacher-forced (question after compression only): ΔCE;
+* the question and the answer prefix, then greedy decoding, stopped at EOS, at ``max_new_tokens``,
+  or once every reference answer has appeared (the score cannot change after that): the string-match
+  score, and the per-step KV-path bytes and fetched rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import itertools
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvzoo.bench import metrics
+from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
+from kvzoo.framework.cache import TieredCache
+from kvzoo.framework.pipeline import QUESTION_POSITIONS, build_prompt
+from kvzoo.framework.policy import Policy
+
+RESULTS_DIR = Path("results")
+
+
+# --- the grid ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Grid:
+    """What to run. ``policies=None`` means every registered policy at run time.
+
+    ``max_new_tokens=None`` uses each task's own (:data:`kvzoo.bench.tasks.MAX_NEW_TOKENS`).
+    ``audit=True`` asks the retrieval tier to count bound violations (slow; see ``TieredCache``).
+    """
+
+    models: Sequence[str] = ("smollm2-135m",)
+    policies: Sequence[str] | None = None
+    ratios: Sequence[float] = (4.0, 8.0)
+    tasks: Sequence[TaskSpec] = (TaskSpec(),)
+    positions: Sequence[str] = ("after",)
+    max_new_tokens: int | None = None
+    chunk_size: int | None = None
+    continuation_tokens: int = 64
+    audit: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for position in self.positions:
+            if position not in QUESTION_POSITIONS:
+                raise ValueError(f"question position {position!r} is not one of {QUESTION_POSITIONS}")
+        for ratio in self.ratios:
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio < 1:
+                raise ValueError(f"ratios must be numbers >= 1 (keep 1/ratio of the rows), got {ratio!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not self.models or not self.tasks or not self.positions:
+            raise ValueError("a grid needs at least one model, one task and one question position")
+        self.ratios = tuple(float(r) for r in self.ratios)
+
+    def settings(self) -> dict[str, Any]:
+        """The run settings that change results (recorded in every row, part of each trial's key)."""
+        return {"max_new_tokens": self.max_new_tokens, "chunk_size": self.chunk_size,
+                "continuation_tokens": self.continuation_tokens, "audit": self.audit, "dtype": self.dtype}
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def needle_grid(
+    *,
+    models: Sequence[str] = ("smollm2-135m",),
+    tasks: Sequence[str] = ("niah_single",),
+    haystacks: Sequence[str | None] = (None,),
+    context_tokens: Sequence[int] = (2000,),
+    depths: Sequence[float] = (0.5,),
+    seeds: Sequence[int] = (0,),
+    **grid: Any,
+) -> Grid:
+    """A :class:`Grid` over the product of task names, haystacks, lengths, depths and seeds (cwe: one depth)."""
+    specs: list[TaskSpec] = []
+    for task, haystack, n, depth, seed in itertools.product(tasks, haystacks, context_tokens, depths, seeds):
+        spec = TaskSpec(task=task, context_tokens=n, depth=depth, seed=seed, haystack=haystack)
+        if spec not in specs:
+            specs.append(spec)
+    return Grid(models=tuple(models), tasks=tuple(specs), **grid)
+
+
+PRESETS: dict[str, Callable[[], Grid]] = {
+    # `make demo`: every registered policy, one needle in 2k tokens of essay text at 3 depths, 4x and 8x
+    "demo": lambda: needle_grid(depths=(0.25, 0.5, 0.75), ratios=(4, 8), positions=("after",)),
+    # `make leaderboard`: every RULER task at 2k tokens, the single needle also at 1k and on every haystack,
+    # ratios 2-8, question after and before compression (~500 trials, about an hour on 2 CPU cores)
+    "leaderboard": lambda: Grid(
+        tasks=(
+            *(TaskSpec("niah_single", n, d, 0, "essay") for n in (1000, 2000) for d in (0.1, 0.5, 0.9)),
+            TaskSpec("niah_single", 2000, 0.5, 0, "noise"),
+            TaskSpec("niah_single", 2000, 0.5, 0, "book"),
+            TaskSpec("niah_multikey", 2000, 0.5, 0),
+            TaskSpec("niah_multivalue", 2000, 0.5, 0),
+            TaskSpec("niah_multiquery", 2000, 0.5, 0),
+            TaskSpec("vt", 2000, 0.5, 0),
+            TaskSpec("cwe", 2000, None, 0),
+        ),
+        ratios=(2, 4, 8),
+        positions=("after", "before"),
+    ),
+    # the test suite's: a tiny random Llama, two short needle contexts
+    "tiny": lambda: needle_grid(
+        models=("tiny-llama",), context_tokens=(256,), depths=(0.5,), ratios=(2,), positions=("after", "before"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Trial:
+    model: str
+    task: TaskSpec
+    policy: str
+    ratio: float | None
+    position: str
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def key(self) -> str:
+        ratio = "-" if self.ratio is None else f"{self.ratio:g}"
+        settings = ",".join(f"{k}={v}" for k, v in self.settings)
+        return f"{self.model}|{self.task.key}|{self.policy}|{ratio}|{self.position}|{settings}"
+
+    @property
+    def label(self) -> str:
+        ratio = "" if self.ratio is None else f" {self.ratio:g}x"
+        return f"{self.policy}{ratio} {self.task.task} d={self.task.depth} q-{self.position}"
+
+    def reference(self) -> Trial:
+        """The full-cache trial this one is compared with."""
+        return dataclasses.replace(self, policy=REFERENCE_POLICY, ratio=None)
+
+
+REFERENCE_POLICY = "full"
+
+
+def needs_ratio(name: str) -> bool:
+    """Whether policy ``name`` takes a budget (False for ``full``: the reference row)."""
+    from kvzoo import registry
+
+    return bool(getattr(registry.policy_class(name), "requires_budget", True))
+
+
+def plan(grid: Grid) -> list[Trial]:
+    """Every trial of ``grid``, reference first for each (model, task, position)."""
+    from kvzoo import registry
+
+    available = list(registry.available())
+    names = list(grid.policies) if grid.policies is not None else available
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ValueError(f"unknown policies {', '.join(map(repr, unknown))}; registered policies: {', '.join(available)}")
+    for model in grid.models:
+        check_model_name(model)
+    settings = tuple(grid.settings().items())
+    trials: list[Trial] = []
+    for model, spec, position in itertools.product(grid.models, grid.tasks, grid.positions):
+        trials.append(Trial(model, spec, REFERENCE_POLICY, None, position, settings))
+        for name in names:
+            if name == REFERENCE_POLICY:
+                continue
+            if not needs_ratio(name):
+                trials.append(Trial(model, spec, name, None, position, settings))
+                continue
+            trials.extend(Trial(model, spec, name, ratio, position, settings) for ratio in grid.ratios)
+    return trials
+
+
+# --- models --------------------------------------------------------------------------------------
+
+
+def check_model_name(name: str) -> None:
+    """Raise a ValueError naming the valid models unless ``name`` is one, a local directory, or a hub id."""
+    from kvzoo.models import MODEL_NAMES
+
+    if name in MODEL_NAMES or Path(name).expanduser().is_dir() or _looks_like_hub_id(name):
+        return
+    raise ValueError(
+        f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
+        "transformers model, or a hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
+    )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
+
+
+def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` for the leaderboard; :class:`ByteTokenizer` for models without a tokenizer.
+
+    Names and local directories go through :func:`kvzoo.models.load_model` (offline); a hub id
+    (``owner/name``) that is not a local directory is read with ``from_pretrained``, which
+    downloads it when a network is there.
+    """
+    from kvzoo.models import load_model
+
+    check_model_name(name)
+    if _looks_like_hub_id(name) and not Path(name).expanduser().is_dir():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    else:
+        model, tokenizer = load_model(name, DTYPES[dtype])
+    if tokenizer is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
+        if vocab < 256:
+            raise ValueError(f"model {name!r} has no tokenizer and a vocabulary of {vocab} < 256 byte ids")
+        tokenizer = ByteTokenizer()
+    return model, tokenizer
+
+
+# --- one trial -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptIds:
+    """Token ids ``[1, n]`` of one task's prompt, split where compression happens."""
+
+    prefix: torch.Tensor  # chat template + context (compressed)
+    question: torch.Tensor  # question + answer prefix (after compression, or before in the other column)
+    answer: torch.Tensor  # the reference answer, teacher-forced for the NLL
+    continuation: torch.Tensor  # held-out haystack text after the context, teacher-forced for the CE
+
+
+def encode_prompt(tokenizer: Any, task: Task) -> PromptIds:
+    """Split ``task`` into token ids with ``pipeline.build_prompt`` (chat template when the tokenizer has one)."""
+    prefix, rest = build_prompt(tokenizer, task.context, task.question)
+
+    def ids(text: str) -> torch.Tensor:
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.long()
+
+    return PromptIds(
+        prefix=prefix.long(),
+        question=torch.cat([rest.long(), ids(task.answer_prefix)], dim=1),
+        answer=ids(task.answer_text),
+        continuation=ids(task.continuation),
+    )
+
+
+@dataclass
+class Reference:
+    """The full cache's figures for one (task, position): what ΔNLL and ΔCE subtract."""
+
+    answer_nll: float
+    continuation_ce: float | None
+
+
+def fork_cache(cache: TieredCache, model: torch.nn.Module) -> TieredCache:
+    """A deep copy of ``cache`` (rows, archive, policy state) that shares ``model``'s modules and weights."""
+    shared = itertools.chain([model, getattr(model, "config", None)], model.modules(), model.parameters(), model.buffers())
+    memo = {id(obj): obj for obj in shared if obj is not None}
+    return copy.deepcopy(cache, memo)
+
+
+def _forward(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, keep: int) -> torch.Tensor:
+    return model(input_ids=ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=keep).logits
+
+
+def _prefill(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """As ``pipeline``: run ``ids`` into ``cache`` (in chunks if asked); the last position's logits ``[1, V]``."""
+    step = chunk_size or ids.shape[1]
+    logits = None
+    for start in range(0, ids.shape[1], step):
+        logits = _forward(model, cache, ids[:, start : start + step], 1)[:, -1]
+    return logits
+
+
+def _teacher_forced_nll(
+    model: torch.nn.Module, cache: TieredCache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor
+) -> list[float]:
+    """Per-token NLL of ``target`` fed after ``lead`` (as ``pipeline.score``); ``last_logits`` predict it when ``lead`` is empty."""
+    n = target.shape[1]
+    tail = torch.cat([lead, target], dim=1)
+    if lead.shape[1]:
+        logits = _forward(model, cache, tail, n + 1)[0, :n].float()  # position -n-1 predicts target 0
+    else:
+        logits = torch.cat([last_logits.float(), _forward(model, cache, tail, n)[0, :-1].float()], dim=0)
+    logp = torch.log_softmax(logits, dim=-1)
+    return (-logp.gather(-1, target[0].to(logp.device)[:, None])[:, 0]).tolist()
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def new_cache(model: torch.nn.Module, policy: Policy, context_length: int, audit: bool = False) -> TieredCache:
+    """A ``TieredCache``; ``audit`` is passed only when asked (older runtimes do not take it)."""
+    if audit:
+        return TieredCache(model, policy, context_length=context_length, audit=True)
+    return TieredCache(model, policy, context_length=context_length)
+
+
+@torch.no_grad()
+def run_trial(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    policy: Policy,
+    *,
+    position: str = "after",
+    reference: Reference | None = None,
+    max_new_tokens: int | None = None,
+    chunk_size: int | None = None,
+    audit: bool = False,
+    stop_when_answered: bool = True,
+) -> dict[str, Any]:
+    """Run one trial; the metrics as a flat dict (see the module docstring and ``benchmarks/README.md``).
+
+    With ``reference=None`` the ΔNLL/ΔCE fields are None (the runner fills them for the reference row).
+    """
+    if position not in QUESTION_POSITIONS:
+        raise ValueError(f"question position must be one of {QUESTION_POSITIONS}, got {position!r}")
+    with metrics.Stopwatch() as wall:
+        ids = encode_prompt(tokenizer, task)
+        prefix, rest = ids.prefix, ids.question
+        if position == "before":
+            prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
+        cache = new_cache(model, policy, prefix.shape[1], audit)
+        with metrics.Stopwatch() as t_prefill:
+            first_logits = _prefill(model, cache, prefix, chunk_size)
+        with metrics.Stopwatch() as t_compress:
+            cache.compress()
+        compressed = cache.stats().totals
+
+        with metrics.Stopwatch() as t_score:  # the reference answer, teacher-forced, on a fork
+            answer_nll = _teacher_forced_nll(model, fork_cache(cache, model), rest, ids.answer, first_logits)
+        continuation_nll = None
+        if position == "after" and ids.continuation.shape[1]:  # the held-out continuation, on a fork
+            continuation_nll = _teacher_forced_nll(
+                model, fork_cache(cache, model), rest[:, :0], ids.continuation, first_logits
+            )
+
+        with metrics.Stopwatch() as t_question:
+            logits = _prefill(model, cache, rest, chunk_size) if rest.shape[1] else first_logits
+        budget = max_new_tokens or task.max_new_tokens
+        eos = _eos_ids(model, tokenizer)
+        start = cache.stats().totals
+        steps: list[dict[str, float]] = []
+        new_tokens: list[int] = []
+        with metrics.Stopwatch() as t_decode:
+            for _ in range(budget):
+                token = int(logits.argmax(-1))
+                new_tokens.append(token)
+                if token in eos or len(new_tokens) == budget:
+                    break
+                if stop_when_answered and metrics.string_match(
+                    task.metric, tokenizer.decode([t for t in new_tokens if t not in eos]), task.answers
+                ) == 1.0:
+                    break
+                logits = _forward(model, cache, torch.tensor([[token]]), 1)[:, -1]
+                steps.append(cache.stats().totals)
+        final = cache.stats().totals
+        prediction = tokenizer.decode([t for t in new_tokens if t not in eos], skip_special_tokens=True)
+        # a cache and its layers point at each other: free this trial's rows (and the forks') now,
+        # not whenever the cyclic collector next runs -- otherwise dead caches pile up across trials
+        del cache
+        gc.collect()
+
+    row: dict[str, Any] = {
+        "prediction": prediction,
+        "answers": list(task.answers),
+        "score": metrics.string_match(task.metric, prediction, task.answers),
+        "answer_nll": sum(answer_nll),
+        "answer_tokens": len(answer_nll),
+        "continuation_ce": None if continuation_nll is None else metrics.mean_token_nll(continuation_nll),
+        "continuation_tokens": 0 if continuation_nll is None else len(continuation_nll),
+        "prompt_tokens": int(prefix.shape[1]),
+        "question_tokens": int(rest.shape[1]),
+        "context_tokens_actual": task.context_token_count,
+        "needle_depth_actual": task.needle_depth,
+        "resident_rows": int(compressed["resident_rows"]),
+        "seen_rows": int(compressed["seen_rows"]),
+        "resident_bytes": metrics.resident_kv_bytes(compressed),
+        "bytes_freed": metrics.kv_bytes_freed(compressed),
+        "archived_bytes": int(compressed["archived_bytes"]),
+        "dropped_rows": int(compressed["dropped_rows"]),
+        "peak_resident_rows": int(final["peak_resident_rows"]),
+        "decode_steps": len(steps),
+        "kv_bytes_per_step": metrics.kv_bytes_read_per_step(start, steps),
+        "fetched_rows_per_step": metrics.rows_fetched_per_step(start, final, len(steps)),
+        "bound_violations": metrics.bound_violations(final),
+        "peak_rss_bytes": metrics.peak_rss_bytes(),
+        "prefill_s": t_prefill.seconds,
+        "compress_s": t_compress.seconds,
+        "score_s": t_score.seconds,
+        "question_s": t_question.seconds,
+        "decode_s": t_decode.seconds,
+        "decode_ms_per_step": 1e3 * t_decode.seconds / len(steps) if steps else None,
+        "wall_s": wall.seconds,
+        "policy_info": {k: v for k, v in final.items() if k not in _STAT_FIELDS},
+    }
+    add_reference(row, reference)
+    return row
+
+
+_STAT_FIELDS = {
+    "seen_rows", "resident_rows", "peak_resident_rows", "resident_bytes", "archived_rows", "archived_bytes",
+    "dropped_rows", "events", "fetched_rows",
+}
+
+
+def add_reference(row: dict[str, Any], reference: Reference | None) -> None:
+    """Fill ΔNLL, intact and ΔCE of ``row`` against the full cache's figures (None without a reference)."""
+    row["full_answer_nll"] = row["delta_nll"] = row["intact"] = None
+    row["full_continuation_ce"] = row["delta_ce"] = None
+    if reference is None:
+        return
+    row["full_answer_nll"] = reference.answer_nll
+    row["delta_nll"] = metrics.delta_nll(row["answer_nll"], reference.answer_nll)
+    row["intact"] = metrics.is_intact(row["answer_nll"], reference.answer_nll)
+    if row["continuation_ce"] is not None and reference.continuation_ce is not None:
+        row["full_continuation_ce"] = reference.continuation_ce
+        row["delta_ce"] = row["continuation_ce"] - reference.continuation_ce
+
+
+# --- the results file ----------------------------------------------------------------------------
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL results file (none if it does not exist).
+
+    A line that is not valid JSON -- the tail of a write cut short by an interruption -- is dropped,
+    and the file is rewritten without it so later appends start on a clean line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows: list[dict[str, Any]] = []
+    broken = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            broken = True
+            continue
+        if isinstance(row, dict) and "key" in row:
+            rows.append(row)
+        else:
+            broken = True
+    if broken or not path.read_bytes().endswith(b"\n") and rows:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return rows
+
+
+def append_row(path: str | Path, row: dict[str, Any]) -> None:
+    """Append one row as a JSON line and flush it to disk (so an interruption loses at most the trial in flight)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row, default=_json_default) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    return repr(obj)
+
+
+def versions() -> dict[str, str]:
+    """Versions of what produced the numbers: kvzoo, torch, transformers, Python, platform."""
+    import transformers
+
+    def dist(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "kvzoo": dist("kvzoo"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+    }
+
+
+# --- the grid ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Context:
+    """What a grid run keeps between trials: loaded models, built tasks, references."""
+
+    grid: Grid
+    latest: dict[str, dict[str, Any]]
+    models: dict[str, tuple[torch.nn.Module, Any]] = field(default_factory=dict)
+    tasks: dict[tuple[str, str], Task] = field(default_factory=dict)
+
+    def model(self, name: str) -> tuple[torch.nn.Module, Any]:
+        if name not in self.models:
+            self.models.clear()  # one model in memory at a time
+            self.models[name] = load(name, self.grid.dtype)
+        return self.models[name]
+
+    def task(self, name: str, spec: TaskSpec) -> Task:
+        key = (name, spec.key)
+        if key not in self.tasks:
+            self.tasks[key] = make_task(spec, self.model(name)[1], continuation_tokens=self.grid.continuation_tokens)
+        return self.tasks[key]
+
+    def reference(self, trial: Trial) -> Reference | None:
+        row = self.latest.get(trial.reference().key)
+        if not row or row.get("status") != "ok":
+            return None
+        return Reference(row["answer_nll"], row.get("continuation_ce"))
+
+
+def build_policy(name: str, ratio: float | None) -> Policy:
+    """``registry.get(name)`` or ``registry.get(name, ratio=ratio)``."""
+    from kvzoo import registry
+
+    return registry.get(name) if ratio is None else registry.get(name, ratio=ratio)
+
+
+def _execute(trial: Trial, ctx: _Context) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "key": trial.key,
+        "status": "ok",
+        "error": None,
+        "model": trial.model,
+        **trial.task.as_dict(),
+        "policy": trial.policy,
+        "ratio": trial.ratio,
+        "question_position": trial.position,
+    }
+    try:
+        policy = build_policy(trial.policy, trial.ratio)
+    except (KeyError, TypeError, ValueError) as err:
+        row.update(status="skipped", error=f"{type(err).__name__}: {err.args[0] if err.args else err}")
+        return row
+    row["policy_config"] = policy.config()
+    try:
+        model, tokenizer = ctx.model(trial.model)
+        task = ctx.task(trial.model, trial.task)
+        row["metric"] = task.metric
+        row.update(run_trial(
+            model, tokenizer, task, policy,
+            position=trial.position,
+            reference=ctx.reference(trial),
+            max_new_tokens=ctx.grid.max_new_tokens,
+            chunk_size=ctx.grid.chunk_size,
+            audit=ctx.grid.audit,
+        ))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # a failing policy must not stop the grid; the row says what happened
+        row.update(status="error", error=f"{type(err).__name__}: {err}")
+        return row
+    if trial.policy == REFERENCE_POLICY and trial.ratio is None:
+        add_reference(row, Reference(row["answer_nll"], row["continuation_ce"]))
+    return row
+
+
+def run_grid(
+    grid: Grid,
+    results: str | Path,
+    *,
+    fresh: bool = False,
+    progress: bool = True,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
+
+    ``fresh=True`` deletes ``results`` first. Each finished trial is appended to ``results`` at once.
+    ``on_row`` is called with each new row (after it is written).
+    """
+    path = Path(results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fresh and path.exists():
+        path.unlink()
+    trials = plan(grid)
+    latest = {row["key"]: row for row in read_results(path)}
+    done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
+    ctx = _Context(grid, latest)
+    run_info = {"settings": grid.settings(), "versions": versions()}
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=len(trials), initial=len(done), desc="kvzoo leaderboard", unit="trial",
+        disable=not progress, file=sys.stderr, dynamic_ncols=True,
+    )
+    try:
+        for trial in trials:
+            if trial.key in done:
+                continue
+            bar.set_postfix_str(trial.label, refresh=True)
+            row = _execute(trial, ctx)
+            row.update(run_info, finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+            append_row(path, row)
+            latest[trial.key] = row
+            if row["status"] != "ok":
+                bar.write(f"{trial.label}: {row['status']}: {row['error']}", file=sys.stderr)
+            if on_row is not None:
+                on_row(row)
+            bar.update(1)
+    finally:
+        bar.close()
+    return [latest[t.key] for t in trials if t.key in latest]
+

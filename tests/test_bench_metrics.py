@@ -1,0 +1,156 @@
+"""kvzoo.bench.metrics: every metric on a case whose value is known."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvzoo import registry
+from kvzoo.bench import metrics
+from kvzoo.bench.runner import Reference, add_reference, run_trial
+from kvzoo.bench.tasks import TASKS, ByteTokenizer, make_task
+
+BYTES = ByteTokenizer()
+
+
+# --- quality -------------------------------------------------------------------------------------
+
+
+def test_string_match_all_is_the_fraction_found_case_insensitively():
+    assert metrics.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert metrics.string_match_all("APPLE, pear", ["apple", "Pear"]) == 1.0
+    assert metrics.string_match_all("", ["x"]) == 0.0
+
+
+def test_string_match_part_is_one_if_any_is_found():
+    assert metrics.string_match_part("it was 456", ["123", "456"]) == 1.0
+    assert metrics.string_match_part("nothing", ["123", "456"]) == 0.0
+
+
+def test_rulers_cleaning_turns_control_characters_into_newlines():
+    # "12\x0034" would contain "1234" if the NUL were dropped; RULER turns it into a newline
+    assert metrics.string_match_all("  12\x0034  ", ["1234"]) == 0.0
+    assert metrics.string_match_all("\t7381924\n", ["7381924"]) == 1.0
+
+
+def test_string_match_rejects_no_references_and_unknown_metrics():
+    with pytest.raises(ValueError, match="at least one reference"):
+        metrics.string_match_all("x", [])
+    with pytest.raises(ValueError, match="valid: string_match_all, string_match_part"):
+        metrics.string_match("exact", "x", ["x"])
+
+
+def test_intact_below_one_nat():
+    assert metrics.delta_nll(3.5, 2.0) == pytest.approx(1.5)
+    assert metrics.is_intact(2.99, 2.0) is True
+    assert metrics.is_intact(3.0, 2.0) is False  # exactly 1 nat is not intact
+    assert metrics.is_intact(1.0, 2.0) is True  # better than full is intact
+    assert metrics.intact_rate([True, False, True, True]) == 0.75
+    with pytest.raises(ValueError):
+        metrics.intact_rate([])
+
+
+def test_delta_ce_is_the_difference_of_mean_token_nll():
+    assert metrics.mean_token_nll([1.0, 2.0, 3.0]) == 2.0
+    assert metrics.delta_ce([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert metrics.delta_ce([0.5, 0.5], [0.5, 0.5]) == 0.0
+    with pytest.raises(ValueError, match="same tokens"):
+        metrics.delta_ce([1.0], [1.0, 2.0])
+
+
+# --- cost ----------------------------------------------------------------------------------------
+
+
+def test_resident_and_freed_bytes():
+    totals = {"resident_rows": 100, "resident_bytes": 51_200, "seen_rows": 400}
+    assert metrics.resident_kv_bytes(totals) == 51_200
+    assert metrics.kv_bytes_freed(totals) == 300 * 512
+    assert metrics.kv_bytes_freed({"resident_rows": 0, "resident_bytes": 0, "seen_rows": 0}) == 0
+
+
+def test_bytes_read_per_step_adds_index_scans_and_fetches():
+    start = {"resident_bytes": 900, "index_bytes_scanned": 10, "fetched_bytes": 0}
+    steps = [
+        {"resident_bytes": 1000, "index_bytes_scanned": 110, "fetched_bytes": 64},
+        {"resident_bytes": 1024, "index_bytes_scanned": 210, "fetched_bytes": 128},
+    ]
+    assert metrics.kv_bytes_read_per_step(start, steps) == pytest.approx((1000 + 100 + 64 + 1024 + 100 + 64) / 2)
+    # without a retrieval tier: the attended tier alone
+    assert metrics.kv_bytes_read_per_step({"resident_bytes": 0}, [{"resident_bytes": 10}, {"resident_bytes": 30}]) == 20
+    assert metrics.kv_bytes_read_per_step(start, []) is None
+
+
+def test_rows_fetched_per_step_and_bound_violations():
+    assert metrics.rows_fetched_per_step({"fetched_rows": 10}, {"fetched_rows": 30}, 4) == 5.0
+    assert metrics.rows_fetched_per_step({"fetched_rows": 0}, {"fetched_rows": 0}, 0) is None
+    assert metrics.bound_violations({"resident_rows": 3}) is None  # not reported: "n/a"
+    assert metrics.bound_violations({"bound_violations": 3.0}) == 3
+
+
+def _vm_rss_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_peak_rss_is_a_high_water_mark():
+    block = bytearray(64 * 2**20)  # 64 MiB, touched
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    rss = _vm_rss_bytes()
+    assert metrics.peak_rss_bytes() >= max(rss, 64 * 2**20)
+    del block
+
+
+def test_stopwatch_measures_wall_time():
+    with metrics.Stopwatch() as watch:
+        time.sleep(0.05)
+    assert 0.045 <= watch.seconds < 1.0
+
+
+# --- on a real cache -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task_name", TASKS)
+def test_full_is_intact_with_zero_delta_ce_on_any_task(tiny, task_name: str):
+    task = make_task(task_name, BYTES, context_tokens=800, depth=0.5, continuation_tokens=32)
+    full = registry.get("full")
+    reference_row = run_trial(tiny, BYTES, task, full, max_new_tokens=2)
+    reference = Reference(reference_row["answer_nll"], reference_row["continuation_ce"])
+    row = run_trial(tiny, BYTES, task, full, reference=reference, max_new_tokens=2)
+    assert row["delta_nll"] == 0.0 and row["intact"] is True
+    assert row["delta_ce"] == 0.0
+    assert metrics.intact_rate([row["intact"]]) == 1.0
+    assert row["bytes_freed"] == 0 and row["archived_bytes"] == 0
+
+
+def test_full_cache_bytes_per_step_counts_every_row(tiny):
+    """3 layers x 2 KV heads x 16 dims x (key + value) x 4 bytes = 768 bytes per token; every step reads them all."""
+    task = make_task("niah_single", BYTES, context_tokens=300, depth=0.5)
+    row = run_trial(tiny, BYTES, task, registry.get("full"), max_new_tokens=5, stop_when_answered=False)
+    assert row["decode_steps"] == 4
+    tokens = row["prompt_tokens"] + row["question_tokens"]
+    expected = sum((tokens + k) * 768 for k in range(1, 5)) / 4  # after step k the tier holds tokens + k rows
+    assert row["kv_bytes_per_step"] == expected
+    assert row["resident_bytes"] == row["prompt_tokens"] * 768
+    assert row["fetched_rows_per_step"] == 0.0 and row["bound_violations"] is None
+
+
+def test_eviction_frees_the_rows_it_moves(tiny):
+    task = make_task("niah_single", BYTES, context_tokens=300, depth=0.5)
+    row = run_trial(tiny, BYTES, task, registry.get("streaming_llm", ratio=4), max_new_tokens=3)
+    prompt = row["prompt_tokens"]
+    kept = prompt // 4  # floor(rows / ratio) per layer and KV head
+    assert row["resident_rows"] == 3 * kept  # rows per KV group, summed over the 3 layers
+    assert row["bytes_freed"] == (prompt - kept) * 768
+    assert row["kv_bytes_per_step"] == kept * 768  # step schedule: the tier stays at its budget
+
+
+def test_add_reference_without_one_leaves_deltas_empty():
+    row = {"answer_nll": 2.0, "continuation_ce": 1.0}
+    add_reference(row, None)
+    assert row["delta_nll"] is None and row["intact"] is None and row["delta_ce"] is None
+    add_reference(row, Reference(answer_nll=0.5, continuation_ce=1.25))
+    assert row["delta_nll"] == 1.5 and row["intact"] is False and row["delta_ce"] == -0.25
