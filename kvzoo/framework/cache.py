@@ -71,10 +71,12 @@ class TieredLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, cache: TieredCache, layer_idx: int) -> None:
+    def __init__(self, cache: TieredCache, layer_idx: int, layer_rank: int | None = None) -> None:
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
+        # index among the layers kvzoo compresses (Kimi Linear: MLA layers only); fixed at construction
+        self.layer_rank = layer_idx if layer_rank is None else layer_rank
         self.slots: torch.Tensor | None = None  # [B, G, n] int64
         self.valid: torch.Tensor | None = None  # [B, G, n] bool
         self.row_stats: dict[str, torch.Tensor] = {}  # name -> [B, G, n] fp32
@@ -152,7 +154,7 @@ class TieredLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.cache, self.layer_idx)
+        self.__init__(self.cache, self.layer_idx, self.layer_rank)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -219,7 +221,7 @@ class TieredLayer(CacheLayerMixin):
             layer_idx=self.layer_idx,
             num_layers=len(self.cache.tiered_layers),
             layout=self.cache.adapter.layout,
-            layer_rank=self.cache.tiered_layers.index(self),
+            layer_rank=self.layer_rank,
             branch_dim=getattr(self.cache.adapter, "rope_dim", 0),
             first_new=max(0, self.num_rows - self.since_event),
             window_fn=window_fn,
@@ -243,7 +245,7 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         policy = self.cache.policy
-        if policy.is_dense(self.cache.tiered_layers.index(self)):
+        if policy.is_dense(self.layer_rank):
             return
         n = self.num_rows
         basis = max(self.seen, self.cache.context_length or 0)  # ratio budgets count the whole context
@@ -423,14 +425,16 @@ class TieredCache(Cache):
         # ratio budgets are fractions of the context; with streaming prefill the pipeline says how
         # long the context will be, so the first chunk's event does not fix a budget of chunk/ratio
         self.context_length = context_length
+        tiered = [i for i in range(self.adapter.num_layers) if self.adapter.is_tiered(i)]
         layers = [
-            TieredLayer(self, i) if self.adapter.is_tiered(i) else LinearAttentionLayer()  # Kimi's KDA layers
+            TieredLayer(self, i, tiered.index(i)) if i in tiered else LinearAttentionLayer()  # Kimi's KDA layers
             for i in range(self.adapter.num_layers)
         ]
         super().__init__(layers=layers)
 
     @property
     def tiered_layers(self) -> list[TieredLayer]:
+        """The layers kvzoo compresses, in order (all layers on GQA; the MLA layers on Kimi Linear)."""
         return [layer for layer in self.layers if isinstance(layer, TieredLayer)]
 
     def compress(self) -> None:
