@@ -28,12 +28,22 @@ def _mean(values: list[float]) -> float:
 
 
 def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
-    """One panel per (ratio, policy): mean score by needle depth (rows) and context length (columns)."""
+    """One panel per (ratio, policy): mean score by needle depth (rows) and context length (columns).
+
+    Plots one task on one haystack: ``niah_single`` (else the first needle task) on the haystack
+    with the most trials, so every cell averages the same kind of trial (over seeds).
+    """
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok" and r.get("depth") is not None and r["question_position"] == position]
     if not ok:
         raise ValueError(f"no successful needle trials with the question {position} compression to plot")
-    ok = [r for r in ok if r["task"].startswith("niah")] or ok  # needle tasks when there are any
+    # one task on one haystack, so a cell is one kind of trial: the single needle on its most-run haystack
+    single = [r for r in ok if r["task"] == "niah_single"] or ok
+    counts: dict[tuple[str, str], int] = {}
+    for r in single:
+        counts[(r["task"], r["haystack"])] = counts.get((r["task"], r["haystack"]), 0) + 1
+    task, haystack = max(counts, key=lambda k: (counts[k], k == ("niah_single", "essay")))
+    ok = [r for r in single if (r["task"], r["haystack"]) == (task, haystack)]
     depths = sorted({r["depth"] for r in ok})
     lengths = sorted({r["context_tokens"] for r in ok})
     policies = policy_order(ok)
@@ -63,7 +73,7 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position
                 ax.set_xlabel("context tokens", fontsize=7)
             if j == 0:
                 ax.set_ylabel("needle depth", fontsize=7)
-    fig.suptitle(f"needle score (question {position} compression)", fontsize=9)
+    fig.suptitle(f"{task} score on {haystack} text, question {position} compression", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="score")
     path = Path(path)
