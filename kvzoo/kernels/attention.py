@@ -26,6 +26,16 @@ def row_mask(key_slots: torch.Tensor, key_valid: torch.Tensor, query_slots: torc
     return (key_valid[:, :, None, :] & (ks <= qs)) | (ks == qs)
 
 
+def masked_probs(
+    query: torch.Tensor, keys: torch.Tensor, key_slots: torch.Tensor, key_valid: torch.Tensor,
+    query_slots: torch.Tensor, scaling: float,
+) -> torch.Tensor:
+    """Softmax ``[B, G, H/G, q, n]`` (fp32) of ``query [B,G,H/G,q,D]`` (fp32) over ``keys [B,G,n,D]``."""
+    scores = torch.einsum("bghqd,bgnd->bghqn", query, keys.float()) * scaling
+    allowed = row_mask(key_slots, key_valid, query_slots)[:, :, None]  # [B,G,1,q,n]
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
 def attention_reference(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -56,10 +66,7 @@ def attention_reference(
     sums = torch.zeros(B, G, n, dtype=torch.float32, device=query.device) if column_sums else None
     for start in range(0, q_len, query_chunk):
         stop = min(start + query_chunk, q_len)
-        scores = torch.einsum("bghqd,bgnd->bghqn", q[:, :, :, start:stop], k) * scaling
-        allowed = row_mask(key_slots, key_valid, query_slots[start:stop])[:, :, None]  # [B,G,1,c,n]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = masked_probs(q[:, :, :, start:stop], k, key_slots, key_valid, query_slots[start:stop], scaling)
         out[:, :, :, start:stop] = torch.einsum("bghqn,bgnv->bghqv", probs, v)
         if sums is not None:
             sums += probs.sum(dim=(2, 3))
@@ -111,7 +118,4 @@ def window_attention(
     B, H, w, D = queries.shape
     G = keys.shape[1]
     q = queries.float().view(B, G, H // G, w, D)
-    scores = torch.einsum("bghqd,bgnd->bghqn", q, keys.float()) * scaling
-    allowed = row_mask(key_slots, key_valid, query_slots)[:, :, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1).view(B, H, w, -1)
+    return masked_probs(q, keys, key_slots, key_valid, query_slots, scaling).view(B, H, w, -1)

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from kvzoo.framework.policy import Policy, RowsView, require_int, sorted_keep
-from kvzoo.policies.snapkv import check_window_fits, window_rows_mask
+from kvzoo.policies.snapkv import check_window_fits, validate_window, window_rows_mask
 
 # rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
 SHARED_KEY = "chunkkv_kept_slots"
@@ -88,14 +88,9 @@ class ChunkKV(Policy):
 
     def validate(self) -> None:
         super().validate()
-        require_int(self.window, "window", 1, "observation-window queries, always kept")
+        validate_window(self)
         require_int(self.chunk_size, "chunk_size", 1, "tokens per chunk; the paper uses 10")
         require_int(self.reuse, "reuse", 1, "layers sharing one layer's indices; 1 = no reuse, the paper uses 2")
-        if self.budget is not None and self.budget < self.window:
-            raise ValueError(
-                f"window ({self.window}) is larger than budget ({self.budget}): the observation window is always "
-                f"kept inside the budget; use window <= {self.budget} or budget >= {self.window}"
-            )
 
     def row_scores(self, rows: RowsView) -> torch.Tensor:
         """The scorer: each row's window attention summed over window queries and all heads, ``[B, N]`` fp32."""

@@ -34,6 +34,16 @@ def window_rows_mask(rows: RowsView) -> torch.Tensor:
     return recent_and_sinks(rows.valid, 0, rows.observed_window().shape[2])
 
 
+def validate_window(policy: Policy) -> None:
+    """The observation window's checks shared by SnapKV and ChunkKV (``policy.window``)."""
+    require_int(policy.window, "window", 1, "observation-window queries, always kept")
+    if policy.budget is not None and policy.budget < policy.window:
+        raise ValueError(
+            f"window ({policy.window}) is larger than budget ({policy.budget}): the observation window is always "
+            f"kept inside the budget; use window <= {policy.budget} or budget >= {policy.window}"
+        )
+
+
 def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
     """ValueError when the always-kept window does not fit in ``keep`` rows."""
     w = rows.observed_window().shape[2] if rows.observed_window() is not None else 0
@@ -109,7 +119,7 @@ class SnapKV(Policy):
 
     def validate(self) -> None:
         super().validate()
-        require_int(self.window, "window", 1, "observation-window queries, always kept")
+        validate_window(self)
         if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
                 or self.kernel_size % 2 == 0:
             raise ValueError(
@@ -122,11 +132,6 @@ class SnapKV(Policy):
             raise ValueError(
                 f"aggregate must be one of {AGGREGATES} (how the query heads of one KV head combine), "
                 f"got {self.aggregate!r}"
-            )
-        if self.budget is not None and self.budget < self.window:
-            raise ValueError(
-                f"window ({self.window}) is larger than budget ({self.budget}): the observation window is always "
-                f"kept inside the budget; use window <= {self.budget} or budget >= {self.window}"
             )
 
     def scores(self, rows: RowsView) -> torch.Tensor:
