@@ -116,17 +116,25 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Standard (half-split) RoPE over the ``qk_rope_head_dim`` branch dims; returns ``(cos, sin)``."""
+    """Standard (half-split) RoPE over the ``qk_rope_head_dim`` branch dims; returns ``(cos, sin)``.
+
+    The frequencies are computed from the config at every call, never stored: a non-persistent
+    buffer is not in the checkpoint, and ``from_pretrained`` (which builds modules on the meta
+    device) left it uninitialised, so each load rotated with different garbage frequencies.
+    """
 
     def __init__(self, config: KvzooMLAConfig) -> None:
         super().__init__()
-        dim = config.qk_rope_head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim = config.qk_rope_head_dim
+        self.theta = config.rope_theta
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
+        return 1.0 / (self.theta**exponents)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :].to(x.device)  # [B, T, dim/2]
+        freqs = position_ids[:, :, None].float() * self.inv_freq(x.device)[None, None, :]  # [B, T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
