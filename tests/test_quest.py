@@ -1,16 +1,26 @@
 """Quest's page index, composition of selectors and retrievers, and the retrieval accounting."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvzoo import TieredCache, pipeline, registry
-from kvzoo.framework.retrieval import build_retriever
+from kvzoo.framework.retrieval import ArchiveView, build_retriever
 from kvzoo.kernels.index_scan import exact_scores, page_bounds
 from kvzoo.policies.quest import PageIndex, QuestRetriever
+
+
+def _archive(keys, budget=None):
+    """The archive as a retriever sees it: all of ``keys`` archived, every row valid."""
+    B, G, m = keys.shape[:3]
+    return ArchiveView(keys, torch.arange(m).expand(B, G, m), torch.ones(B, G, m, dtype=torch.bool), budget)
+
+
+def _index(state, keys):
+    """Archive ``keys`` (all valid) into the page index ``state``."""
+    valid = torch.ones(keys.shape[:3], dtype=torch.bool)
+    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -19,7 +29,7 @@ def test_page_bound_covers_the_best_row_of_each_page(m, d, heads, seed):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(1, 1, m, d, generator=g) * 4
     state = PageIndex(QuestRetriever(page_size=16))
-    state.index(None, {"keys": keys, "valid": torch.ones(1, 1, m, dtype=torch.bool)}, keys)
+    _index(state, keys)
     q = torch.randn(1, heads, 2, d, generator=g) * 3
     bounds = page_bounds(q, state.page_min, state.page_max, 0.7)  # [1, H, 2, p]
     exact = exact_scores(q, keys, 0.7)
@@ -32,11 +42,10 @@ def test_page_bound_covers_the_best_row_of_each_page(m, d, heads, seed):
 def test_incremental_index_equals_one_shot():
     g = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 3, 53, 8, generator=g)
-    valid = torch.ones(2, 3, 53, dtype=torch.bool)
     one, parts = PageIndex(QuestRetriever()), PageIndex(QuestRetriever())
-    one.index(None, {"keys": keys, "valid": valid}, keys)
+    _index(one, keys)
     for a, b in [(0, 5), (5, 21), (21, 22), (22, 53)]:
-        parts.index(None, {"keys": keys[:, :, a:b], "valid": valid[:, :, a:b]}, keys)
+        _index(parts, keys[:, :, a:b])
     assert torch.equal(one.page_min, parts.page_min) and torch.equal(one.page_max, parts.page_max)
 
 
@@ -48,10 +57,9 @@ def test_page_with_the_planted_best_key_is_selected(seed):
     planted = int(torch.randint(0, 160, (1,), generator=g))
     keys[0, 1, planted] = q[0, 3, 0] * 3  # KV head 1's best key, for its query head 3
     state = PageIndex(QuestRetriever(pages=2))
-    state.index(None, {"keys": keys, "valid": torch.ones(1, 2, 160, dtype=torch.bool)}, keys)
-    layer = SimpleNamespace(budget=32)
-    choice = state.choose(layer, q, torch.tensor([200]), 1.0, None)
-    assert choice.mask[0, 1, planted] and int(choice.mask[0, 1].sum()) == 32
+    _index(state, keys)
+    choice = state.choose(q, None, 1.0, _archive(keys, budget=32)).as_mask(160)
+    assert choice[0, 1, planted] and int(choice[0, 1].sum()) == 32
 
 
 def test_quest_fetching_every_page_equals_full(tiny):

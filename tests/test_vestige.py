@@ -1,7 +1,6 @@
 """VestigeKV: the branch-σ selector and the certified sketch retriever."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.policy import RowsView
-from kvzoo.framework.retrieval import build_retriever
+from kvzoo.framework.retrieval import ArchiveView, RowGeometry, build_retriever
 from kvzoo.kernels.index_scan import exact_scores, sketch_bounds
 from kvzoo.models import tiny_kimi_linear
 from kvzoo.policies.vestige import SketchIndex, VestigeRetriever, branch_sigma
@@ -115,13 +114,18 @@ def test_sketch_bound_is_sound(m, dc, dr, rank_frac, heads, scale, seed):
     assert (bound >= exact_scores(q, keys, scale)).all()
 
 
+def _archive(keys, budget=None):
+    """The archive as a retriever sees it: all of ``keys`` archived, every row valid."""
+    B, G, m = keys.shape[:3]
+    return ArchiveView(keys, torch.arange(m).expand(B, G, m), torch.ones(B, G, m, dtype=torch.bool), budget)
+
+
 def _index_for(c, r, rank, certified=False, tau=8.0, j=16):
     cfg = VestigeRetriever(rank=rank, certified=certified, tau=tau, j=j)
-    state = SketchIndex(cfg)
-    layer = SimpleNamespace(cache=SimpleNamespace(adapter=SimpleNamespace(layout="mla", kv_lora_rank=c.shape[-1])))
+    state = SketchIndex(cfg, RowGeometry("mla", c.shape[-1], r.shape[-1]))
     keys = torch.cat([c, r], -1)
-    state._fit(layer, keys, torch.ones(keys.shape[:3], dtype=torch.bool))
-    state.index(layer, {"keys": keys}, keys)
+    valid = torch.ones(keys.shape[:3], dtype=torch.bool)
+    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
     return state, keys
 
 
@@ -138,9 +142,9 @@ def test_certified_mode_excluded_mass_lemma3(tau):
     attended[0, 0, :4] += 0.4 * query[0, 0, 0]
     scale = 0.3
     s_att = exact_scores(query, attended, scale)  # [1, 2, 1, 20]
-    choice = state.choose(None, query, torch.tensor([500]), scale, lambda: s_att.amax(-1))
+    choice = state.choose(query, s_att.amax(-1), scale, _archive(keys)).as_mask(T)
     s_arch = exact_scores(query, keys, scale)[0, :, 0]  # [2, T]
-    fetched = choice.mask[0, 0]
+    fetched = choice[0, 0]
     excluded = torch.logsumexp(s_arch[:, ~fetched], dim=-1) - torch.logsumexp(s_att[0, :, 0], dim=-1)
     limit = math.log(T - int(fetched.sum())) - tau
     assert 0 < fetched.sum() < T  # a real test: some rows in, some out
@@ -155,8 +159,8 @@ def test_default_mode_fetches_top_j_that_beat_s_star():
     exact = exact_scores(query, torch.cat([c, r], -1), 1.0)[0, 0, 0]
     ranked = exact.sort(descending=True).values
     s_star = (ranked[2] + ranked[3]) / 2  # exactly 3 rows beat it
-    choice = state.choose(None, query, torch.tensor([200]), 1.0, lambda: s_star.view(1, 1, 1))
-    assert set(choice.mask[0, 0].nonzero().flatten().tolist()) == set(exact.topk(3).indices.tolist())
+    choice = state.choose(query, s_star.view(1, 1, 1), 1.0, _archive(torch.cat([c, r], -1))).as_mask(100)
+    assert set(choice[0, 0].nonzero().flatten().tolist()) == set(exact.topk(3).indices.tolist())
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvzoo.framework.policy import Event, Policy, RowsView
+from kvzoo.framework.retrieval import ArchiveView, RowGeometry, figures, row_bytes
+from kvzoo.framework.store import RowStore
 from kvzoo.kernels.attention import window_attention
 
 # The layer whose ``update`` ran last in this context; the attention function picks it up and
@@ -30,56 +32,46 @@ from kvzoo.kernels.attention import window_attention
 ACTIVE_LAYER: contextvars.ContextVar[TieredLayer | None] = contextvars.ContextVar("kvzoo_active_layer", default=None)
 
 
-class Archive:
-    """Evicted rows of one layer, bit-exact, as appended segments ``[B, G, m_i, ...]``."""
-
-    def __init__(self) -> None:
-        self.segments: list[dict[str, torch.Tensor]] = []
-        self._joined: dict[str, torch.Tensor] | None = None
-
-    def add(self, **rows: torch.Tensor) -> None:
-        self.segments.append(rows)
-        self._joined = None
+class Archive(RowStore):
+    """Evicted rows of one layer, bit-exact, appended in eviction order: ``keys``, ``values`` (GQA),
+    ``slots``, ``valid`` (a :class:`~kvzoo.framework.store.RowStore` that only grows)."""
 
     @property
     def num_rows(self) -> int:
-        return sum(seg["slots"].shape[2] for seg in self.segments)
+        return self.n
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for seg in self.segments for k, t in seg.items() if k != "valid")
+        return self.nbytes_of(("keys", "values", "slots"))
+
+    def nbytes_of(self, names: tuple[str, ...]) -> int:
+        return RowStore.nbytes(self, names)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """All archived rows joined along the row axis (cached until the next ``add``)."""
-        if self._joined is None:
-            if not self.segments:
-                return {}
-            keys = self.segments[0].keys()
-            self._joined = {k: torch.cat([seg[k] for seg in self.segments], dim=2) for k in keys}
-            self.segments = [self._joined]
-        return self._joined
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        self.segments = [{k: t.index_select(0, index) for k, t in seg.items()} for seg in self.segments]
-        self._joined = None
+        """The archived rows per buffer, ``[B, G, m, ...]`` views (empty dict when nothing is archived)."""
+        return {name: self.get(name) for name in self.buffers} if self.n else {}
 
 
 class TieredLayer(CacheLayerMixin):
-    """One layer's attended tier, archive and policy state."""
+    """One layer's attended tier, archive and policy state.
+
+    The tier lives in preallocated buffers (:class:`~kvzoo.framework.store.RowStore`) that later
+    steps write in place. ``keys``, ``values``, ``slots``, ``valid`` and ``row_stats`` are snapshots
+    of the live rows in sequence order (copies, safe to keep); the runtime reads ``tier`` directly,
+    whose rows may be out of order between per-step evictions.
+    """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
     def __init__(self, cache: TieredCache, layer_idx: int, layer_rank: int | None = None) -> None:
-        super().__init__()
+        self.is_initialized = False
         self.cache = cache
         self.layer_idx = layer_idx
         # index among the layers kvzoo compresses (Kimi Linear: MLA layers only); fixed at construction
         self.layer_rank = layer_idx if layer_rank is None else layer_rank
-        self.slots: torch.Tensor | None = None  # [B, G, n] int64
-        self.valid: torch.Tensor | None = None  # [B, G, n] bool
-        self.row_stats: dict[str, torch.Tensor] = {}  # name -> [B, G, n] fp32
+        self.tier = RowStore()  # "keys", "values" (GQA), "slots", "valid", "stat:<name>"
         self.archive = Archive()
         self.seen = 0  # rows appended per (batch, group): the true sequence length
         self.since_event = 0  # rows appended since this layer's last event
@@ -89,28 +81,67 @@ class TieredLayer(CacheLayerMixin):
         self.budget: int | None = None  # fixed at the first event
         self.scaling: float | None = None
         self.window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries
-        self.fetched_rows = 0
-        self.policy_info: dict[str, float] = {}  # counters the policy reports (RowsView.info)
-        self.no_padding = True  # no padding row was ever appended (lets attention skip trivial masks)
+        self.fetched_rows: int | torch.Tensor = 0  # a device tensor once rows are fetched (read by stats())
+        self.policy_info: dict[str, Any] = {}  # counters the policy reports (RowsView.info); tensors allowed
+        # every row appended so far is known to be valid (no padding); single-token forwards that
+        # carry a mask cannot be checked without a host sync, so they clear it
+        self.all_valid = True
         self.peak_rows = 0  # most rows the attended tier ever held (right after an append)
+        self.returned_keys: torch.Tensor | None = None  # the view update() handed the model
+        geometry = RowGeometry(
+            cache.adapter.layout, getattr(cache.adapter, "kv_lora_rank", 0), getattr(cache.adapter, "rope_dim", 0)
+        )
         # the retriever's per-layer state (index over this layer's archive), or None
-        self.retrieval = cache.retriever.new_state(self) if cache.retriever is not None else None
-        self.last_step: dict[str, float] = {}  # the latest forward's retrieval accounting
+        self.retrieval = cache.retriever.new_state(geometry) if cache.retriever is not None else None
+        self.last_step: dict[str, Any] = {}  # the latest forward's KV-path accounting
+
+    # --- the live rows, in sequence order --------------------------------------------------------
+    def _ordered(self, name: str) -> torch.Tensor | None:
+        if not self.is_initialized or name not in self.tier:
+            return None
+        self.tier.ensure_order()
+        return self.tier.get(name).clone()
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._ordered("keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._ordered("values")
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        return self._ordered("slots")
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return self._ordered("valid")
+
+    @property
+    def row_stats(self) -> dict[str, torch.Tensor]:
+        if not self.is_initialized:
+            return {}
+        self.tier.ensure_order()
+        return {name: stat.clone() for name, stat in self._stats().items()}
+
+    def _stats(self) -> dict[str, torch.Tensor]:
+        return {name[5:]: self.tier.get(name) for name in self.tier.buffers if name.startswith("stat:")}
 
     # --- transformers' layer contract --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
         B, G, _, D = key_states.shape
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.keys = key_states.new_empty(B, G, 0, D)
+        fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"keys": ((D,), key_states.dtype)}
         # MLA rows carry keys and values in one latent row: no separate value tensor
-        self.values = None if value_states is None else value_states.new_empty(B, G, 0, value_states.shape[-1])
-        self.slots = torch.empty(B, G, 0, dtype=torch.long, device=self.device)
-        self.valid = torch.empty(B, G, 0, dtype=torch.bool, device=self.device)
-        self.row_stats = {
-            name: torch.empty(B, G, 0, dtype=torch.float32, device=self.device)
-            for name in self.cache.policy.new_row_stats()
-        }
+        if value_states is not None:
+            fields["values"] = ((value_states.shape[-1],), value_states.dtype)
+        fields.update(slots=((), torch.long), valid=((), torch.bool))
+        self.archive.define(B, G, fields, self.device)
+        for name in self.cache.policy.new_row_stats():
+            fields[f"stat:{name}"] = ((), torch.float32)
+        self.tier.define(B, G, fields, self.device, capacity=self.cache.reserve_rows or 0)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, *args: Any, **kwargs: Any):
@@ -120,28 +151,29 @@ class TieredLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        B, G, q, _ = key_states.shape
-        new_slots = torch.arange(self.seen, self.seen + q, device=self.device).expand(B, G, q)
-        self.keys = torch.cat([self.keys, key_states], dim=2)
-        if self.values is not None:
-            self.values = torch.cat([self.values, value_states], dim=2)
-        self.slots = torch.cat([self.slots, new_slots], dim=2)
-        # valid until the attention call tells us which new rows are padding (mark_padding)
-        self.valid = torch.cat([self.valid, torch.ones(B, G, q, dtype=torch.bool, device=self.device)], dim=2)
-        for name, stat in self.row_stats.items():
-            self.row_stats[name] = torch.cat([stat, stat.new_zeros(B, G, q)], dim=2)
+        q = key_states.shape[2]
+        rows: dict[str, Any] = {"keys": key_states, "valid": True}
+        if value_states is not None:
+            rows["values"] = value_states
+        # slots: one scalar fill for a decode step, a range for a prefill chunk
+        rows["slots"] = self.seen if q == 1 else torch.arange(self.seen, self.seen + q, device=self.device)
+        for name in self.tier.buffers:
+            if name.startswith("stat:"):
+                rows[name] = 0.0
+        self.tier.append(rows, count=q)
         self.seen += q
         self.since_event += q
         self.new_rows = q
-        self.peak_rows = max(self.peak_rows, self.num_rows)
+        self.peak_rows = max(self.peak_rows, self.tier.n)
         ACTIVE_LAYER.set(self)
-        return self.keys, self.values
+        self.returned_keys = self.tier.get("keys")
+        return self.returned_keys, (self.tier.get("values") if value_states is not None else None)
 
     def value_rows(self) -> torch.Tensor:
         """What attention reads as values: ``values`` (GQA) or the latent part ``c`` of MLA rows (a view)."""
-        if self.values is not None:
-            return self.values
-        return self.keys[..., : self.cache.adapter.kv_lora_rank]
+        if "values" in self.tier:
+            return self.tier.get("values")
+        return self.tier.get("keys")[..., : self.cache.adapter.kv_lora_rank]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Masks are sized by true sequence length; the attention function maps rows to columns by slot.
@@ -163,13 +195,22 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         idx = indices.to(self.device)
-        self.keys = self.keys.index_select(0, idx)
-        self.values = None if self.values is None else self.values.index_select(0, idx)
-        self.slots, self.valid = self.slots.index_select(0, idx), self.valid.index_select(0, idx)
-        self.row_stats = {k: v.index_select(0, idx) for k, v in self.row_stats.items()}
+        self.tier.select_batch(idx)
+        self.archive.select_batch(idx)
         if self.window_queries is not None:
             self.window_queries = self.window_queries.index_select(0, idx)
-        self.archive.select_batch(idx)
+        if self.retrieval is not None:
+            self.retrieval.select_batch(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not self.is_initialized:
+            return
+        self.tier.repeat_batch(repeats)
+        self.archive.repeat_batch(repeats)
+        if self.window_queries is not None:
+            self.window_queries = self.window_queries.repeat_interleave(repeats, dim=0)
+        if self.retrieval is not None:
+            self.retrieval.repeat_batch(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError(
@@ -180,52 +221,61 @@ class TieredLayer(CacheLayerMixin):
     # --- bookkeeping the attention function calls ---------------------------------------------
     @property
     def num_rows(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self.tier.n
 
     def mark_padding(self, padding_mask: torch.Tensor | None) -> None:
         """Set ``valid`` of the rows appended by this forward from the 2-D padding mask.
 
         ``padding_mask`` is ``[B, seen]`` bool over slots (True = real token), or None (no padding).
+        A multi-token forward checks the new rows on the host (prefill may synchronise); a decode
+        step only writes the flags, and its attention then honours them (no host sync per step).
         """
-        if padding_mask is None or self.new_rows == 0:
+        q = self.new_rows
+        if padding_mask is None or q == 0:
             return
-        new = padding_mask[:, self.seen - self.new_rows : self.seen].to(torch.bool)  # [B, q]
-        self.valid[:, :, -self.new_rows :] = new[:, None, :]
-        if not bool(new.all()):
-            self.no_padding = False
+        new = padding_mask[:, self.seen - q : self.seen].to(torch.bool)  # [B, q]
+        n = self.tier.n
+        self.tier.get("valid")[:, :, n - q : n] = new[:, None, :]
+        if q == 1 or not bool(new.all()):
+            self.all_valid = False
 
-    def record_queries(self, query: torch.Tensor, window: int) -> None:
+    def record_queries(self, query: torch.Tensor | None, window: int) -> None:
         """Keep the latest ``window`` queries ``[B, H, w, D]`` (for observation-window attention)."""
-        if window <= 0:
+        if window <= 0 or query is None:
             return
+        query = query[:, :, -window:]
         joined = query if self.window_queries is None else torch.cat([self.window_queries, query], dim=2)
         self.window_queries = joined[:, :, -window:].detach()
 
-    def view(self) -> RowsView:
-        """The attended tier as a :class:`RowsView` for the selector."""
+    def view(self, ordered: bool = True) -> RowsView:
+        """The attended tier as a :class:`RowsView` for the selector (``ordered=False``: as stored)."""
+        if ordered:
+            self.tier.ensure_order()
+        tier = self.tier
+        keys, slots, valid = tier.get("keys"), tier.get("slots"), tier.get("valid")
         policy = self.cache.policy
         window_fn = None
         if "window" in policy.observes and self.window_queries is not None:
             queries = self.window_queries
             q_slots = torch.arange(self.seen - queries.shape[2], self.seen, device=self.device)
-            keys, slots, valid, scaling = self.keys, self.slots, self.valid, self.scaling
+            scaling = self.scaling
 
             def window_fn() -> torch.Tensor:  # w x n, computed only if the selector reads it
-                return self.cache.adapter.window_attention(queries, q_slots, keys, slots, valid, scaling)
+                return window_attention(queries, q_slots, keys, slots, valid, scaling)
 
         return RowsView(
-            keys=self.keys,
-            values=None if self.cache.adapter.layout == "mla" else self.values,
-            slots=self.slots,
-            valid=self.valid,
+            keys=keys,
+            values=tier.get("values") if "values" in tier else None,
+            slots=slots,
+            valid=valid,
             layer_idx=self.layer_idx,
-            num_layers=len(self.cache.tiered_layers),
+            num_layers=self.cache.num_tiered,
             layout=self.cache.adapter.layout,
             layer_rank=self.layer_rank,
             branch_dim=getattr(self.cache.adapter, "rope_dim", 0),
-            first_new=max(0, self.num_rows - self.since_event),
+            first_new=max(0, self.tier.n - self.since_event),
             window_fn=window_fn,
-            row_stats=self.row_stats,
+            row_stats=self._stats(),
             shared=self.cache.policy_shared,
             info=self.policy_info,
         )
@@ -247,7 +297,7 @@ class TieredLayer(CacheLayerMixin):
         policy = self.cache.policy
         if policy.is_dense(self.layer_rank):
             return
-        n = self.num_rows
+        n = self.tier.n
         basis = max(self.seen, self.cache.context_length or 0)  # ratio budgets count the whole context
         target = policy.target_rows(
             event, rows_seen=basis, resident=n, fixed_budget=self.budget, block_rows=min(self.since_event, n)
@@ -257,6 +307,13 @@ class TieredLayer(CacheLayerMixin):
         if target is None or target >= n:
             self.since_event = 0
             return
+        if event == "step" and target == n - 1:  # one in, one out: O(1) rows move when the policy can say which
+            victim = policy.step_victim(self.view(ordered=False))
+            if victim is not None:
+                self.since_event = 0
+                self._remove_one(victim)
+                self.events += 1
+                return
         rows = self.view()  # before since_event resets: the view marks where the closed block starts
         self.since_event = 0
         keep = policy.select(rows, target)
@@ -265,61 +322,80 @@ class TieredLayer(CacheLayerMixin):
         self.events += 1
 
     def _check_keep(self, keep: torch.Tensor, target: int, n: int) -> None:
-        B, G = self.keys.shape[:2]
+        B, G = self.tier.get("keys").shape[:2]
         name = self.cache.policy.name
         if keep.shape != (B, G, target) or keep.dtype != torch.long:
             raise RuntimeError(
                 f"policy {name!r} select() must return int64 indices of shape {(B, G, target)}, "
                 f"got {keep.dtype} {tuple(keep.shape)}"
             )
-        if target and (keep.min() < 0 or keep.max() >= n or (keep.diff(dim=-1) <= 0).any()):
-            raise RuntimeError(f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")
+        if target:  # checked on the device: no host synchronisation
+            ok = (keep.min() >= 0) & (keep.max() < n) & (keep.diff(dim=-1) > 0).all()
+            torch._assert_async(ok, f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")
+
+    def _archive_rows(self, rows: dict[str, torch.Tensor], count: int) -> None:
+        """Move evicted ``rows`` (``[B, G, count, ...]``, tier buffers) to the archive, indexed; or drop them."""
+        if not self.cache.policy.archive:
+            self.dropped_rows += count
+            return
+        archived = {name: rows[name] for name in self.archive.buffers}
+        if self.retrieval is not None:  # index the rows before they leave (the block is still whole)
+            view = ArchiveView(self.archive.get("keys"), self.archive.get("slots"), self.archive.get("valid"), self.budget)
+            self.retrieval.index(archived, self.tier.get("keys"), self.tier.get("valid"), view)
+        self.archive.append(archived)
 
     def evict_all_but(self, keep: torch.Tensor) -> None:
         """Keep rows ``keep [B, G, k]`` (sorted) attended; archive or drop the others."""
-        n = self.num_rows
-        kept_mask = torch.zeros_like(self.valid).scatter_(2, keep, True)
-        # stable sort of the 0/1 mask puts evicted rows first, in sequence order
-        evict = torch.sort(kept_mask.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - keep.shape[2]]
-
-        def take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if t.dim() == 4:
-                return t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
-            return t.gather(2, idx)
-
+        evicted = self.tier.complement(keep)
         if self.cache.policy.archive:
-            rows = {"keys": take(self.keys, evict), "slots": take(self.slots, evict), "valid": take(self.valid, evict)}
-            if self.values is not None:
-                rows["values"] = take(self.values, evict)
-            if self.retrieval is not None:  # index the rows before they leave (the block is still whole)
-                self.retrieval.index(self, rows, block_keys=self.keys)
-            self.archive.add(**rows)
+            self._archive_rows(self.tier.gather(evicted, tuple(self.archive.buffers)), evicted.shape[2])
         else:
-            self.dropped_rows += evict.shape[2]
-        self.keys, self.values = take(self.keys, keep), take(self.values, keep)
-        self.slots, self.valid = take(self.slots, keep), take(self.valid, keep)
-        self.row_stats = {k: take(v, keep) for k, v in self.row_stats.items()}
+            self.dropped_rows += evicted.shape[2]
+        self.tier.keep(keep)
+
+    def _remove_one(self, victim: torch.Tensor) -> None:
+        B, G = self.tier.get("keys").shape[:2]
+        if victim.shape != (B, G) or victim.dtype != torch.long:
+            raise RuntimeError(
+                f"policy {self.cache.policy.name!r} step_victim() must return int64 indices of shape {(B, G)}, "
+                f"got {victim.dtype} {tuple(victim.shape)}"
+            )
+        # an index out of range fails in the gather below (no separate check on this per-step path)
+        if self.cache.policy.archive:
+            self._archive_rows(self.tier.gather(victim[..., None], tuple(self.archive.buffers)), 1)
+        else:
+            self.dropped_rows += 1
+        self.tier.remove_one(victim)
 
     def stats(self) -> LayerStats:
-        def nbytes(*ts: torch.Tensor | None) -> int:
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
+        names = ("keys", "values")
+        fetched = _number(self.fetched_rows)
+        info = {k: _number(v) for k, v in self.policy_info.items()}
+        if "retrieval_steps" in info:  # cumulative reads of the retrieval tier, derived here from the counts
+            info["rows_fetched"] = fetched
+            info["fetched_bytes"] = fetched * row_bytes(self)
+            info["kv_bytes_read"] = info["attended_bytes_read"] + info["index_bytes_scanned"] + info["fetched_bytes"]
         return LayerStats(
             layer=self.layer_idx,
             seen_rows=self.seen,
-            resident_rows=self.num_rows,
+            resident_rows=self.tier.n,
             peak_resident_rows=self.peak_rows,
-            resident_bytes=nbytes(self.keys, self.values) if self.is_initialized else 0,
+            resident_bytes=self.tier.nbytes(names) if self.is_initialized else 0,
             archived_rows=self.archive.num_rows,
             archived_bytes=self.archive.nbytes,
             dropped_rows=self.dropped_rows,
             events=self.events,
-            fetched_rows=self.fetched_rows,
-            policy_info=dict(self.policy_info),
-            last_step=dict(self.last_step),
+            fetched_rows=fetched,
+            policy_info=info,
+            last_step={k: _number(v) for k, v in figures(self.last_step).items()},
         )
+
+
+def _number(value: Any) -> float:
+    """A counter as a Python number (device tensors are read here, outside the decode step)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return int(value) if float(value).is_integer() else float(value)
 
 
 @dataclass
@@ -401,6 +477,7 @@ class TieredCache(Cache):
         *,
         context_length: int | None = None,
         audit: bool = False,
+        decompress_min_queries: int | None = None,
     ) -> None:
         from transformers.cache_utils import LinearAttentionLayer
 
@@ -425,7 +502,22 @@ class TieredCache(Cache):
         # ratio budgets are fractions of the context; with streaming prefill the pipeline says how
         # long the context will be, so the first chunk's event does not fix a budget of chunk/ratio
         self.context_length = context_length
+        # a policy that never evicts (full) holds the whole context: reserve it once instead of growing
+        self.reserve_rows = context_length if context_length and not self.policy.requires_budget else None
+        # MLA: forwards with at least this many queries attend in decompressed per-head form (SDPA);
+        # fewer (a decode step) in absorbed form over the latent rows. None: the FLOP break-even of
+        # the model's geometry (``MLAAdapter.decompress_min_queries``). Ignored on GQA models.
+        if decompress_min_queries is not None and (
+            isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
+            or decompress_min_queries < 2
+        ):
+            raise ValueError(
+                "decompress_min_queries must be None (the model's FLOP break-even) or an int >= 2 (a decode step "
+                f"of one query always attends in absorbed form), got {decompress_min_queries!r}"
+            )
+        self.decompress_min_queries = decompress_min_queries
         tiered = [i for i in range(self.adapter.num_layers) if self.adapter.is_tiered(i)]
+        self.num_tiered = len(tiered)
         layers = [
             TieredLayer(self, i, tiered.index(i)) if i in tiered else LinearAttentionLayer()  # Kimi's KDA layers
             for i in range(self.adapter.num_layers)

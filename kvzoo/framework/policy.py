@@ -222,6 +222,18 @@ class Policy(ABC):
         the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
         """
 
+    def step_victim(self, rows: RowsView) -> torch.Tensor | None:
+        """For a ``step`` event that evicts exactly one row: int64 ``[B, G]``, the row each gives up.
+
+        The per-step "one in, one out" of StreamingLLM and H2O runs every decode step, so the runtime
+        offers this cheaper path: the named row leaves and the tier's last row takes its place
+        (``O(1)`` rows move, no gather of the tier). The rows of ``rows`` may therefore be in any
+        order: read ``slots``, never positions. It must name exactly the row that
+        ``select(rows, rows.num_rows - 1)`` would leave out (a test holds every built-in to that).
+        Returning None (the default) makes the runtime sort the tier and call :meth:`select`.
+        """
+        return None
+
     def is_dense(self, layer_rank: int) -> bool:
         """True for layers this policy never compresses (Quest keeps its first two layers dense)."""
         return False
@@ -268,6 +280,38 @@ def keep_sinks_and_recent(valid: torch.Tensor, sinks: int, keep: int) -> torch.T
     order = torch.arange(n, device=valid.device).expand_as(kept)
     priority = torch.where(kept, order + n, order)  # kept rows first, then the latest rows
     return sorted_keep(priority.topk(keep, dim=-1).indices)
+
+
+def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch.Tensor:
+    """The row :func:`keep_sinks_and_recent` leaves out when keeping all rows but one, ``[B, G]``.
+
+    Order-free (reads slots): the earliest padding row if there is one, else the oldest valid row
+    that is not a sink.
+    """
+    n = slots.shape[-1]
+    sinks = min(sinks, n - 1)
+    big = torch.iinfo(slots.dtype).max
+    padding_slot = slots.masked_fill(valid, big)
+    first_padding = padding_slot.argmin(dim=-1)
+    oldest_non_sink = slots.masked_fill(~valid, big).topk(sinks + 1, dim=-1, largest=False).indices[..., -1]
+    has_padding = padding_slot.amin(dim=-1) < big
+    return torch.where(has_padding, first_padding, oldest_non_sink)
+
+
+def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The row :func:`topk_with_forced` leaves out when keeping all but one: the lowest ``priority``
+    ``[B, G, n]`` (fp32, ``-inf`` for padding, ``+inf`` for forced rows), ties to the latest slot."""
+    lowest = priority == priority.amin(dim=-1, keepdim=True)
+    return slots.masked_fill(~lowest, -1).argmax(dim=-1)
+
+
+def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
+    """Bool ``[B, G, n]``: the ``count`` valid rows with the largest slots (order-free :func:`recent_and_sinks`)."""
+    if count <= 0:
+        return torch.zeros_like(valid)
+    k = min(count, slots.shape[-1])
+    threshold = slots.masked_fill(~valid, -1).topk(k, dim=-1).values[..., -1:]
+    return valid & (slots >= threshold)
 
 
 def topk_with_forced(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:

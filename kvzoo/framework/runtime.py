@@ -2,12 +2,21 @@
 
 transformers lets a model use a registered attention function by name. kvzoo registers one,
 ``"kvzoo"``, plus a matching mask function, and :func:`attach` switches a model to them (no
-monkey-patching of modules, and :func:`detach` switches back). Per attention call:
+monkey-patching of modules, and :func:`detach` switches back). MLA layers hand their queries to
+:func:`mla_attention` from the adapter's forward. Per attention call:
 
-1. ``TieredCache.update`` has just appended this forward's rows and returned the attended tier;
-2. the attention function marks which new rows are padding (from the 2-D padding mask, indexed
-   by slot), records the observation window's queries if the policy wants them, and attends
-   over the tier with causality decided by slot (``kernels/attention.py``);
+1. ``TieredCache.update`` has just appended this forward's rows to the attended tier;
+2. the attention marks which new rows are padding (from the 2-D padding mask, indexed by slot),
+   records the observation window's queries if the policy wants them, and attends:
+
+   * **a decode step** (one query): over the tier's rows in place (no copy, no upcast of the rows;
+     MLA in absorbed form over the 576-dim latent rows), plus the archived rows the retriever
+     fetches as a second source in the same softmax. No host synchronisation: counters stay on
+     the device until ``stats()`` reads them;
+   * **a multi-token forward** (a prefill chunk, a question): through SDPA's fused kernels with the
+     bottom-right causal mask when the rows allow it; MLA decompresses the rows to per-head K/V
+     first (``k = [W_UK c ; r]``, ``v = W_UV c``), as FlashMLA, vLLM and SGLang prefill, when the
+     forward has at least ``decompress_min_queries`` queries;
 3. it adds the step's attention to the policy's accumulators when the policy asked for that;
 4. it fires the policy's scheduled event (``step`` / ``block``) for this layer.
 
@@ -17,6 +26,8 @@ kvzoo to a model changes nothing for code that does not use a ``TieredCache``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,8 +36,14 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvzoo.framework.cache import ACTIVE_LAYER, TieredLayer
-from kvzoo.framework.retrieval import retrieve
-from kvzoo.kernels.attention import attention_reference, attention_sdpa
+from kvzoo.framework.retrieval import Fetched, fetch, row_bytes
+from kvzoo.kernels.attention import (
+    attend_scores,
+    attention_reference,
+    attention_sdpa,
+    decode_sdpa,
+    row_scores,
+)
 
 ATTN_NAME = "kvzoo"
 
@@ -43,7 +60,9 @@ def padding_mask(
     """kvzoo's mask function: only the 2-D padding mask ``[B, kv_length]`` (True = real token).
 
     Causality is not encoded here: the attention function decides it per row from the row's slot,
-    which stays right after rows are evicted (a 4-D mask indexed by tier position would not).
+    which stays right after rows are evicted (a 4-D mask indexed by tier position would not). A
+    multi-token forward returns None when nothing is padding (one host check per forward); a
+    decode step returns the mask unchecked, so the step never waits for the device.
     """
     if attention_mask is None:
         return None
@@ -51,7 +70,9 @@ def padding_mask(
     if mask.shape[1] < kv_length:  # generate's mask can lag the cache by the new tokens
         pad = torch.ones(mask.shape[0], kv_length - mask.shape[1], dtype=torch.bool, device=mask.device)
         mask = torch.cat([mask, pad], dim=1)
-    return None if bool(mask.all()) else mask
+    if q_length > 1 and bool(mask.all()):
+        return None
+    return mask
 
 
 def kvzoo_attention(
@@ -69,7 +90,7 @@ def kvzoo_attention(
         scaling = query.shape[-1] ** -0.5
     layer = ACTIVE_LAYER.get()
     ACTIVE_LAYER.set(None)
-    if layer is None or key is not layer.keys:
+    if layer is None or key is not layer.returned_keys:
         if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
             raise RuntimeError(
                 f"layer {layer.layer_idx}: the attention received keys that are not the TieredCache's attended tier "
@@ -95,37 +116,207 @@ def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor
     else:
         valid = torch.ones_like(slots, dtype=torch.bool)
     q_slots = torch.arange(n - q_len, n, device=query.device)
-    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling)
+    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling, all_valid=attention_mask is None)
     return out.transpose(1, 2).contiguous()
 
 
+# --- the tiered path ---------------------------------------------------------------------------------
+
+
+def _begin(layer: TieredLayer, attention_mask: torch.Tensor | None, scaling: float) -> None:
+    ACTIVE_LAYER.set(None)
+    layer.scaling = scaling
+    layer.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
+
+
+def _query_slots(layer: TieredLayer, q_len: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(layer.seen - q_len, layer.seen, device=device)
+
+
+def _decode_allowed(layer: TieredLayer) -> torch.Tensor | None:
+    """Rows a decode query may read ``[B, G, n]``: None when every row is known valid."""
+    if layer.all_valid:
+        return None
+    allowed = layer.tier.get("valid").clone()
+    allowed[..., -1] = True  # a query always reads its own row (defined output for a padding query)
+    return allowed
+
+
+def _account_attended(layer: TieredLayer) -> None:
+    B, G = layer.tier.buffers["keys"].shape[:2]
+    attended = B * G * layer.tier.n * row_bytes(layer)
+    layer.last_step = {"attended_bytes_read": attended, "kv_bytes_read": attended}
+
+
+def _decode(
+    layer: TieredLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, *, sdpa: bool
+) -> torch.Tensor:
+    """One query per sequence over the tier (in place) and the fetched rows: ``[B, H, 1, Dv]``."""
+    if "accumulate" in layer.cache.policy.observes:  # H2O needs every row's probability: the reference
+        return _multi(layer, query, _multi_rows(layer, lambda: query, scaling), scaling, sdpa=sdpa)
+    retrieving = layer.retrieval is not None and layer.archive.n > 0
+    allowed = _decode_allowed(layer)
+    if sdpa and not retrieving:
+        _account_attended(layer)
+        return decode_sdpa(query, keys, values, allowed, scaling)
+    tier_scores = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None])  # [B,H,1,n]
+    scores, sources = [tier_scores], [values]
+    if retrieving:  # s* comes from the scores the step computes anyway
+        q_slots = _query_slots(layer, 1, query.device)
+        fetched = fetch(layer, query, q_slots, scaling, best=tier_scores.amax(dim=-1), with_slots=False)
+        scores.append(row_scores(query, fetched.keys, scaling, fetched.valid[:, :, None]))
+        sources.append(_fetched_values(fetched, values.shape[-1]))
+    else:
+        _account_attended(layer)
+    out, _, _ = attend_scores(scores, sources, query.dtype)
+    return out
+
+
+def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
+    return fetched.values if fetched.values is not None else fetched.keys[..., :width]
+
+
+@dataclass
+class MultiTokenRows:
+    """The rows a multi-token forward attends over: the ordered tier, then the fetched rows (if any)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+    tier_rows: int
+    plain_causal: bool  # no padding, no fetched rows: the bottom-right causal mask is exact
+
+
+def _multi_rows(layer: TieredLayer, index_query: Callable[[], torch.Tensor], scaling: float) -> MultiTokenRows:
+    """The ordered tier plus what the retriever fetches for ``index_query()`` (built only if it scans)."""
+    layer.tier.ensure_order()  # the forward's own rows last, every older row before them
+    tier = layer.tier
+    keys, values = tier.get("keys"), layer.value_rows()
+    slots, valid = tier.get("slots"), tier.get("valid")
+    fetched = None
+    if layer.retrieval is not None and layer.archive.n > 0:
+        query = index_query()
+        fetched = fetch(layer, query, _query_slots(layer, query.shape[2], query.device), scaling)
+    else:
+        _account_attended(layer)
+    if fetched is None:
+        return MultiTokenRows(keys, values, slots, valid, tier.n, layer.all_valid)
+    f_values = _fetched_values(fetched, values.shape[-1])
+    return MultiTokenRows(
+        torch.cat([keys, fetched.keys], dim=2), torch.cat([values, f_values], dim=2),
+        torch.cat([slots, fetched.slots], dim=2), torch.cat([valid, fetched.valid], dim=2), tier.n, False,
+    )
+
+
+def _multi(layer: TieredLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: float, *, sdpa: bool) -> torch.Tensor:
+    """A multi-token forward over ``rows``: ``[B, H, q, Dv]``."""
+    q_slots = _query_slots(layer, query.shape[2], query.device)
+    if "accumulate" in layer.cache.policy.observes:
+        out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
+                                        column_sums=True)
+        stat = layer.tier.get("stat:attention")  # [B, G, n]; MLA's per-head rows sum into their one group
+        stat += sums[..., : rows.tier_rows].reshape(*stat.shape[:2], -1, stat.shape[2]).sum(dim=2)
+        return out
+    if sdpa:
+        return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
+                              all_valid=rows.plain_causal)
+    out, _ = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling)
+    return out
+
+
 def tiered_attention(layer: TieredLayer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:  # noqa: ANN001
-    """Attention of ``query [B, H, q, D]`` over ``layer``'s attended tier; returns ``[B, H, q, Dv]``.
+    """GQA/MHA attention of ``query [B, H, q, D]`` over ``layer``'s tiers; returns ``[B, H, q, Dv]``.
 
     The rows of this forward must already be appended (``layer.update``). Fires the policy's
     scheduled event for the layer afterwards.
     """
-    ACTIVE_LAYER.set(None)
-    policy = layer.cache.policy
-    q_len = query.shape[2]
-    layer.scaling = scaling
-    layer.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
-    layer.record_queries(query, policy.observation_window)
-    q_slots = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
-    n = layer.num_rows
-    # attended tier + the archived rows the retriever fetches back for this forward (if any)
-    keys, values, slots, valid = retrieve(layer, query, q_slots, scaling)
-    if "accumulate" in policy.observes:
-        out, sums = attention_reference(query, keys, values, slots, valid, q_slots, scaling, column_sums=True)
-        layer.row_stats["attention"] += sums[..., :n]  # fetched rows are not resident: no accumulator
-    elif values.shape[-1] != keys.shape[-1]:
-        # MLA (576-dim keys, 512-dim latent values): batched matmuls over the one shared group, in
-        # query chunks; SDPA would copy the group out to every head and, with unequal key/value
-        # widths, fall back to materialising the whole score matrix (3 GB at 8k tokens).
-        out, _ = attention_reference(query, keys, values, slots, valid, q_slots, scaling)
+    _begin(layer, attention_mask, scaling)
+    layer.record_queries(query, layer.cache.policy.observation_window)
+    if query.shape[2] == 1:
+        out = _decode(layer, query, layer.tier.get("keys"), layer.value_rows(), scaling, sdpa=True)
     else:
-        all_valid = layer.no_padding and keys.shape[2] == n
-        out = attention_sdpa(query, keys, values, slots, valid, q_slots, scaling, all_valid=all_valid)
+        out = _multi(layer, query, _multi_rows(layer, lambda: query, scaling), scaling, sdpa=True)
+    layer.after_forward()
+    return out
+
+
+@dataclass
+class MLAQuery:
+    """One MLA layer's queries in both forms, and the weights that move between them.
+
+    ``q_nope [B, H, q, nope]``, ``q_rope [B, H, q, dr]`` (rotated where the model rotates), and
+    ``kv_weight`` = ``kv_b_proj.weight`` ``[H * (nope + v), dc]``, of which ``W_UK [H, nope, dc]``
+    and ``W_UV [H, v, dc]`` are views.
+    """
+
+    q_nope: torch.Tensor
+    q_rope: torch.Tensor
+    kv_weight: torch.Tensor
+    v_dim: int
+    scaling: float
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
+        return self.kv_weight.view(H, nope + self.v_dim, -1)[:, :nope]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
+        return self.kv_weight.view(H, nope + self.v_dim, -1)[:, nope:]
+
+    def absorbed(self, last: int | None = None) -> torch.Tensor:
+        """``[W_UK^T q_nope ; q_r]`` ``[B, H, q, dc + dr]`` (the last ``last`` queries only, if given)."""
+        q_nope, q_rope = self.q_nope, self.q_rope
+        if last is not None:
+            q_nope, q_rope = q_nope[:, :, -last:], q_rope[:, :, -last:]
+        q_c = torch.einsum("bhqn,hnc->bhqc", q_nope, self.w_uk)  # [B, H, q, dc]
+        return torch.cat([q_c, q_rope.to(q_c.dtype)], dim=-1)
+
+    def decompress(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head ``k = [W_UK c ; r]`` ``[B, H, n, nope + dr]`` and ``v = W_UV c`` ``[B, H, n, v]`` of latent rows."""
+        dc = self.kv_weight.shape[-1]
+        c, r = rows[:, 0, :, :dc], rows[:, 0, :, dc:]  # [B, n, dc], [B, n, dr]
+        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
+        kv = F.linear(c, self.kv_weight).view(c.shape[0], c.shape[1], H, -1).transpose(1, 2)  # [B, H, n, nope + v]
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        keys = torch.cat([k_nope, r[:, None].expand(-1, H, -1, -1)], dim=-1)
+        return keys, v
+
+    def output(self, latent: torch.Tensor) -> torch.Tensor:
+        """``W_UV`` applied to a latent output ``[B, H, q, dc]`` -> ``[B, H, q, v]``."""
+        return torch.einsum("bhqc,hvc->bhqv", latent, self.w_uv)
+
+
+def mla_attention(layer: TieredLayer, mq: MLAQuery, attention_mask, threshold: int) -> torch.Tensor:  # noqa: ANN001
+    """MLA attention over ``layer``'s latent rows; returns ``[B, H, q, v]`` (before ``o_proj``).
+
+    A forward with fewer than ``threshold`` queries attends in absorbed form (scores over the
+    576-dim rows, output latent then ``W_UV``); one with more decompresses the rows to per-head
+    K/V and runs SDPA -- the same numbers either way, at the cheaper cost for its size.
+    """
+    _begin(layer, attention_mask, mq.scaling)
+    q_len = mq.q_nope.shape[2]
+    window = layer.cache.policy.observation_window
+    layer.record_queries(mq.absorbed(last=min(window, q_len)) if window > 0 else None, window)
+    if q_len == 1:
+        query = mq.absorbed()
+        latent = _decode(layer, query, layer.tier.get("keys"), layer.value_rows(), mq.scaling, sdpa=False)
+        out = mq.output(latent)
+    elif q_len < threshold:
+        query = mq.absorbed()
+        latent = _multi(layer, query, _multi_rows(layer, lambda: query, mq.scaling), mq.scaling, sdpa=False)
+        out = mq.output(latent)
+    else:
+        rows = _multi_rows(layer, mq.absorbed, mq.scaling)  # the index is over latent rows: absorbed queries
+        keys, values = mq.decompress(rows.keys)
+        query = torch.cat([mq.q_nope, mq.q_rope.to(mq.q_nope.dtype)], dim=-1)
+        B, H = query.shape[:2]
+        slots = rows.slots.expand(B, H, -1)  # one latent group serves every head
+        valid = rows.valid.expand(B, H, -1)
+        per_head = MultiTokenRows(keys, values, slots, valid, rows.tier_rows, rows.plain_causal)
+        out = _multi(layer, query, per_head, mq.scaling, sdpa=True)
     layer.after_forward()
     return out
 
@@ -152,7 +343,7 @@ def attach(model: torch.nn.Module) -> None:
 
 
 def detach(model: torch.nn.Module) -> None:
-    """Restore the attention implementation (and MLA forwards) ``model`` had before :func:`attach`."""
+    """Restore the attention implementation (and MLA forwards) ``model`` had before :func:`detach`."""
     from kvzoo.framework.adapters import MLAAdapter
 
     MLAAdapter.detach(model)

@@ -13,6 +13,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+# Most fp32 elements one score block may hold (B x H x queries x rows): 2**24 floats = 64 MiB. Every
+# reference below that materialises scores works through the queries in blocks of at most this many.
+SCORE_BLOCK_ELEMENTS = 1 << 24
+
+
+def query_block(batch_heads: int, rows: int, budget: int = SCORE_BLOCK_ELEMENTS) -> int:
+    """How many queries one score block of ``batch_heads x queries x rows`` fp32 may hold (>= 1)."""
+    return max(1, budget // max(1, batch_heads * rows))
 
 
 def row_mask(key_slots: torch.Tensor, key_valid: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
@@ -46,31 +56,31 @@ def attention_reference(
     scaling: float,
     *,
     column_sums: bool = False,
-    query_chunk: int = 512,
+    query_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``.
 
-    Scores and softmax accumulate in fp32; the output has the query's dtype, ``[B, H, q, Dv]``.
+    Scores are the rows' dtype's product (fp32 accumulation) upcast to fp32, the softmax is fp32
+    (:func:`row_scores`, :func:`attend_scores`); the output has the query's dtype, ``[B, H, q, Dv]``.
     With ``column_sums=True`` also returns ``[B, G, n]`` fp32: the attention probability each row
     received, summed over the queries and over the query heads of its group (H2O's accumulator).
-    Queries are processed ``query_chunk`` at a time, so the score matrix never exceeds
-    ``B * H * query_chunk * n`` floats.
+    Queries are processed ``query_chunk`` at a time (default: as many as fit in
+    :data:`SCORE_BLOCK_ELEMENTS`), so the score matrix never exceeds ``B * H * query_chunk * n`` floats.
     """
     B, H, q_len, D = query.shape
     G, n = keys.shape[1], keys.shape[2]
     hpg = H // G
-    q = query.float().view(B, G, hpg, q_len, D)
-    k = keys.float()
-    v = values.float()
-    out = torch.empty(B, G, hpg, q_len, values.shape[-1], dtype=torch.float32, device=query.device)
+    out = torch.empty(B, H, q_len, values.shape[-1], dtype=query.dtype, device=query.device)
     sums = torch.zeros(B, G, n, dtype=torch.float32, device=query.device) if column_sums else None
+    query_chunk = query_chunk or query_block(B * H, n)
     for start in range(0, q_len, query_chunk):
         stop = min(start + query_chunk, q_len)
-        probs = masked_probs(q[:, :, :, start:stop], k, key_slots, key_valid, query_slots[start:stop], scaling)
-        out[:, :, :, start:stop] = torch.einsum("bghqn,bgnv->bghqv", probs, v)
+        allowed = row_mask(key_slots, key_valid, query_slots[start:stop])  # [B, G, c, n]
+        scores = row_scores(query[:, :, start:stop], keys, scaling, allowed)
+        out[:, :, start:stop], _, (probs,) = attend_scores([scores], [values], query.dtype)
         if sums is not None:
-            sums += probs.sum(dim=(2, 3))
-    return out.view(B, H, q_len, -1).to(query.dtype), sums
+            sums += probs.view(B, G, hpg, stop - start, n).sum(dim=(2, 3))
+    return out, sums
 
 
 def attention_sdpa(
@@ -86,21 +96,104 @@ def attention_sdpa(
 ) -> torch.Tensor:
     """Same output as :func:`attention_reference` through torch's fused SDPA (no probabilities).
 
-    ``all_valid=True`` promises no padding row and rows in slot order ending at the last query
-    (true for any tier: new rows are appended at the end); the mask is then skipped where it is
-    trivial -- a single query sees every row, and a first forward (``q == n``) is plain causal --
-    which lets SDPA take its fused kernels.
+    ``all_valid=True`` promises no padding row, rows in slot order, and this forward's own rows
+    last (true for an ordered tier: new rows are appended at the end, every older row is visible
+    to every new query). The mask is then the bottom-right-aligned causal one, which SDPA takes
+    without materialising it (``torch.nn.attention.bias.causal_lower_right``; plain ``is_causal``
+    when ``q == n``): its flash / memory-efficient kernels run. Otherwise the slot mask is built.
     """
     B, H, q_len, _ = query.shape
     G, n = keys.shape[1], keys.shape[2]
     hpg = H // G
-    if all_valid and (q_len == 1 or q_len == n):
-        return F.scaled_dot_product_attention(
-            query, keys, values, is_causal=q_len > 1, scale=scaling, enable_gqa=hpg > 1
-        )
+    if all_valid:
+        if q_len == 1:  # one query sees every row: no mask
+            return decode_sdpa(query, keys, values, None, scaling)
+        bias = causal_lower_right(q_len, n)
+        if hpg > 1 and query.device.type == "cuda":  # the lower-right kernels take equal head counts
+            keys, values = keys.repeat_interleave(hpg, dim=1), values.repeat_interleave(hpg, dim=1)
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling, enable_gqa=hpg > 1)
     allowed = row_mask(key_slots, key_valid, query_slots)  # [B, G, q, n]
     allowed = allowed[:, :, None].expand(B, G, hpg, q_len, n).reshape(B, H, q_len, n)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling, enable_gqa=hpg > 1)
+
+
+def decode_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """One decode query per sequence ``[B, H, 1, D]`` through SDPA; ``allowed [B, G, n]`` or None.
+
+    The grouped rows are read in place (``enable_gqa``: no copy per query head, the same kernels
+    as transformers' own SDPA path); only the ``[B, H, 1, n]`` mask is expanded, when there is one.
+    """
+    B, H = query.shape[:2]
+    G, n = keys.shape[1], keys.shape[2]
+    mask = None
+    if allowed is not None:
+        mask = allowed[:, :, None, None, :].expand(B, G, H // G, 1, n).reshape(B, H, 1, n)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=H > G)
+
+
+def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """``scale * <q, k>`` ``[B, H, q, n]`` in fp32, ``-inf`` where ``allowed [B, G, q|1, n]`` is False.
+
+    The product runs in the rows' dtype (as transformers' attention does; the matmul accumulates in
+    fp32) and only the ``[B, H, q, n]`` scores are upcast: the rows are never copied to fp32.
+    """
+    B, H, q_len, D = query.shape
+    G, n = keys.shape[1], keys.shape[2]
+    hpg = H // G
+    q = query.to(keys.dtype).reshape(B, G, hpg * q_len, D)  # a group's heads and queries share its rows
+    scores = torch.matmul(q, keys.transpose(-1, -2)).view(B, G, hpg, q_len, n).float() * scaling
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+    return scores.view(B, H, q_len, n)
+
+
+def attend_scores(
+    scores: list[torch.Tensor], values: list[torch.Tensor], out_dtype: torch.dtype, *, with_lse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """One softmax over several row sources, merged exactly.
+
+    ``scores[i] [B, H, q, n_i]`` (fp32, ``-inf`` for rows a query may not read) and ``values[i]
+    [B, G, n_i, Dv]``. Returns the output ``[B, H, q, Dv]`` (``out_dtype``), the log-sum-exp
+    ``[B, H, q]`` (when ``with_lse``, else None) and each source's probabilities (fp32). The
+    probabilities are cast to the values' dtype for the products, as transformers' attention does.
+    """
+    joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
+    probs = torch.softmax(joined, dim=-1)
+    lse = torch.logsumexp(joined, dim=-1) if with_lse else None
+    parts = probs.split([s.shape[-1] for s in scores], dim=-1) if len(scores) > 1 else [probs]
+    B, H, q_len, _ = joined.shape
+    out = None
+    for p, v in zip(parts, values):
+        G = v.shape[1]
+        term = torch.matmul(p.to(v.dtype).reshape(B, G, (H // G) * q_len, -1), v)
+        out = term if out is None else out + term
+    return out.view(B, H, q_len, -1).to(out_dtype), lse, list(parts)
+
+
+def gathered_decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention (one query per sequence) over a row pool and an optional second source.
+
+    ``query [B, H, D]``; ``keys [B, G, n, D]``, ``values [B, G, n, Dv]`` (MLA: a view of the first
+    ``Dv`` dims of the same rows), ``valid [B, G, n]`` or None (every row readable); ``extra`` =
+    ``(keys [B, G, f, D], values [B, G, f, Dv], valid [B, G, f])``, the fetched rows. Returns the
+    output ``[B, H, Dv]`` and the log-sum-exp ``[B, H]`` of the scaled scores. This is the
+    specification of the gathered split-K kernel (DESIGN.md §4): both sources join one softmax.
+    """
+    q = query[:, :, None]
+    sources = [(keys, values, valid)] + ([extra] if extra is not None else [])
+    scores = [row_scores(q, k, scaling, None if m is None else m[:, :, None]) for k, _, m in sources]
+    out, lse, _ = attend_scores(scores, [v for _, v, _ in sources], query.dtype, with_lse=True)
+    return out[:, :, 0], lse[:, :, 0]
 
 
 def window_attention(

@@ -13,7 +13,14 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, topk_with_forced
+from kvzoo.framework.policy import (
+    Policy,
+    RowsView,
+    latest_valid,
+    lowest_priority_victim,
+    recent_and_sinks,
+    topk_with_forced,
+)
 
 
 @dataclass
@@ -86,3 +93,9 @@ class H2O(Policy):
         _, recent = self.split(keep)
         recent_rows = recent_and_sinks(rows.valid, 0, recent)
         return topk_with_forced(rows.row_stats["attention"], recent_rows, rows.valid, keep)
+
+    def step_victim(self, rows: RowsView) -> torch.Tensor:
+        _, recent = self.split(rows.num_rows - 1)
+        forced = latest_valid(rows.slots, rows.valid, recent)
+        priority = rows.row_stats["attention"].masked_fill(~rows.valid, -math.inf).masked_fill(forced, math.inf)
+        return lowest_priority_victim(priority, rows.slots)

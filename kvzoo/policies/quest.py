@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, keep_sinks_and_recent, require_int
-from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever
-from kvzoo.kernels.index_scan import page_bounds
-
-if TYPE_CHECKING:
-    from kvzoo.framework.cache import TieredLayer
+from kvzoo.framework.policy import (
+    Policy,
+    RowsView,
+    keep_sinks_and_recent,
+    require_int,
+    sinks_and_recent_victim,
+)
+from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever, RowGeometry
+from kvzoo.framework.store import RowStore
+from kvzoo.kernels.index_scan import index_scan, page_query
 
 
 @dataclass
@@ -67,15 +71,19 @@ class Quest(Policy):
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
         return keep_sinks_and_recent(rows.valid, self.sinks, keep)
 
+    def step_victim(self, rows: RowsView) -> torch.Tensor:
+        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)
+
 
 @dataclass
 class QuestRetriever(Retriever):
     """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page.
 
-    Each forward fetches the top ``pages`` pages per KV group (default ``ceil(budget / page_size)``
-    with the layer's budget), scored by the max over the group's query heads and the forward's
-    queries of Quest's bound. The last page may be partial. On MLA rows the "key" is the whole
-    576-dim latent row and the query the absorbed query (the bound holds for any vectors).
+    Each query picks the top ``pages`` pages per KV group (default ``ceil(budget / page_size)``
+    with the layer's budget), a page scored by the max over the group's query heads of Quest's
+    bound; a forward fetches the union of its queries' pages (``framework/retrieval.py``). The last
+    page may be partial. On MLA rows the "key" is the whole 576-dim latent row and the query the
+    absorbed query (the bound holds for any vectors).
     """
 
     page_size: int = 16
@@ -85,61 +93,108 @@ class QuestRetriever(Retriever):
 
     def __post_init__(self) -> None:
         require_int(self.page_size, "page_size", 1, "rows per page")
-        if self.pages is not None and (not isinstance(self.pages, int) or self.pages < 1):
-            raise ValueError(f"pages must be None (from the budget) or an int >= 1, got {self.pages!r}")
+        if self.pages is not None:
+            require_int(self.pages, "pages", 1, "pages fetched per step; None: from the budget")
 
-    def new_state(self, layer: TieredLayer) -> PageIndex:
+    def new_state(self, geometry: RowGeometry) -> PageIndex:
         return PageIndex(self)
 
 
 class PageIndex(RetrievalState):
+    """One index row per page of ``page_size`` archived rows, ``[max, min, max|k|]`` (``kernels/index_scan.py``).
+
+    The last page may be partial: its row is updated in place as rows join it. A page of padding
+    rows only keeps ``max = -inf``, ``min = +inf`` and is flagged empty (never fetched).
+    """
+
+    needs_best = False
+
     def __init__(self, config: QuestRetriever) -> None:
         self.config = config
-        self.page_min: torch.Tensor | None = None  # [B, G, p, D]
-        self.page_max: torch.Tensor | None = None
+        self.page_size = config.page_size
+        self.pages = RowStore()  # "entries" [B, G, p, 2 D + 1] fp32, "empty" [B, G, p] bool
         self.rows = 0  # archived rows indexed
 
-    def index(self, layer: TieredLayer, rows: dict[str, torch.Tensor], block_keys: torch.Tensor) -> None:
-        size = self.config.page_size
+    @property
+    def entry_bytes(self) -> int:  # type: ignore[override]
+        if not self.pages.buffers:
+            return 0
+        entries = self.pages.buffers["entries"]
+        return entries.shape[-1] * entries.element_size()
+
+    @property
+    def page_min(self) -> torch.Tensor:
+        """Element-wise minimum of each page's keys ``[B, G, p, D]`` (+inf for an empty page)."""
+        D = (self.pages.get("entries").shape[-1] - 1) // 2
+        return self.pages.get("entries")[..., D : 2 * D]
+
+    @property
+    def page_max(self) -> torch.Tensor:
+        """Element-wise maximum of each page's keys ``[B, G, p, D]`` (-inf for an empty page)."""
+        D = (self.pages.get("entries").shape[-1] - 1) // 2
+        return self.pages.get("entries")[..., :D]
+
+    def index(self, rows, block_keys, block_valid, archive) -> None:  # noqa: ANN001
+        size = self.page_size
         new = rows["keys"].float()
         valid = rows["valid"]
         lo = new.masked_fill(~valid[..., None], float("inf"))  # padding rows never widen a page
         hi = new.masked_fill(~valid[..., None], float("-inf"))
-        if self.rows % size:  # the last page is partial: merge the new rows into it first
-            fill = min(size - self.rows % size, new.shape[2])
-            self.page_min[:, :, -1] = torch.minimum(self.page_min[:, :, -1], lo[:, :, :fill].amin(2))
-            self.page_max[:, :, -1] = torch.maximum(self.page_max[:, :, -1], hi[:, :, :fill].amax(2))
-            lo, hi = lo[:, :, fill:], hi[:, :, fill:]
+        B, G, k, D = new.shape
+        if not self.pages.buffers:
+            self.pages.define(B, G, {"entries": ((2 * D + 1,), torch.float32), "empty": ((), torch.bool)}, new.device)
+        if self.rows % size:  # the last page is partial: merge the new rows into its index row
+            fill = min(size - self.rows % size, k)
+            last = self.pages.get("entries")[:, :, -1]  # [B, G, 2 D + 1], a view: updated in place
+            torch.maximum(last[..., :D], hi[:, :, :fill].amax(2), out=last[..., :D])
+            torch.minimum(last[..., D : 2 * D], lo[:, :, :fill].amin(2), out=last[..., D : 2 * D])
+            magnitude = new[:, :, :fill].abs().masked_fill(~valid[:, :, :fill, None], 0).amax(dim=(2, 3))
+            torch.maximum(last[..., -1], magnitude, out=last[..., -1])
+            self.pages.get("empty")[:, :, -1] &= ~valid[:, :, :fill].any(2)
+            lo, hi, valid = lo[:, :, fill:], hi[:, :, fill:], valid[:, :, fill:]
             self.rows += fill
         k = lo.shape[2]
         if k:
             pages = math.ceil(k / size)
             pad = pages * size - k
-            B, G, _, D = lo.shape
             lo = torch.cat([lo, lo.new_full((B, G, pad, D), float("inf"))], 2).view(B, G, pages, size, D).amin(3)
             hi = torch.cat([hi, hi.new_full((B, G, pad, D), float("-inf"))], 2).view(B, G, pages, size, D).amax(3)
-            self.page_min = lo if self.page_min is None else torch.cat([self.page_min, lo], 2)
-            self.page_max = hi if self.page_max is None else torch.cat([self.page_max, hi], 2)
+            empty = torch.isinf(lo).all(-1)
+            magnitude = torch.maximum(lo.abs(), hi.abs()).masked_fill(empty[..., None], 0).amax(-1, keepdim=True)
+            self.pages.append({"entries": torch.cat([hi, lo, magnitude], dim=-1), "empty": empty})
             self.rows += k
 
-    def choose(self, layer, query, q_slots, scaling, best_attended) -> Choice:  # noqa: ANN001
-        size = self.config.page_size
-        # an all-padding page has min=+inf / max=-inf: treat it as empty (bound -inf)
-        empty = torch.isinf(self.page_min).all(-1)  # [B, G, p]
-        lo = self.page_min.masked_fill(empty[..., None], 0.0)
-        hi = self.page_max.masked_fill(empty[..., None], 0.0)
-        bounds = page_bounds(query, lo, hi, scaling)  # [B, H, q, p]
+    def entries(self) -> int:
+        return self.pages.n
+
+    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        B, H, q_len, _ = query.shape
+        entries = self.pages.get("entries")
+        G = entries.shape[1]
+        bounds = index_scan(page_query(query, G), entries, scaling)  # [B, G, hpg * q, p]
+        bounds = bounds.masked_fill(self.pages.get("empty")[:, :, None], float("-inf"))  # empty pages: never
+        return bounds.view(B, H, q_len, -1)
+
+    def n_pages(self, budget: int | None) -> int:
+        return min(self.pages.n, self.config.pages or max(1, math.ceil((budget or 0) / self.page_size)))
+
+    def choose(self, query, best, scaling, archive) -> Choice:  # noqa: ANN001
+        bounds = self.bounds(query, scaling)  # [B, H, q, p]
         B, H, q_len, p = bounds.shape
-        G = lo.shape[1]
-        bounds = bounds.masked_fill(empty.repeat_interleave(H // G, 1)[:, :, None, :], float("-inf"))
-        group_score = bounds.view(B, G, H // G, q_len, p).amax(dim=(2, 3))  # [B, G, p]
-        budget = layer.budget or 0
-        n_pages = min(p, self.config.pages or max(1, math.ceil(budget / size)))
-        top = group_score.topk(n_pages, dim=-1).indices
-        chosen_pages = torch.zeros(B, G, p, dtype=torch.bool, device=bounds.device).scatter_(-1, top, True)
-        mask = chosen_pages.repeat_interleave(size, dim=-1)[..., : self.rows]
-        D = lo.shape[-1]
-        return Choice(
-            mask=mask, bounds=bounds, entries_scanned=p, entry_bytes=2 * D * 4, audit_top=n_pages * size,
-            page_size=size,
-        )
+        G = archive.keys.shape[1]
+        group_score = bounds.view(B, G, H // G, q_len, p).amax(dim=2)  # [B, G, q, p]: per query
+        pages = group_score.topk(self.n_pages(archive.budget), dim=-1).indices  # [B, G, q, n]
+        rows = pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)
+        rows = rows.view(B, G, -1)
+        return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows)  # the last page may be partial
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.pages.select_batch(index)
+        if self.last_min is not None:
+            self.last_min, self.last_max = self.last_min.index_select(0, index), self.last_max.index_select(0, index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        self.pages.repeat_batch(repeats)
+        if self.last_min is not None:
+            self.last_min = self.last_min.repeat_interleave(repeats, dim=0)
+            self.last_max = self.last_max.repeat_interleave(repeats, dim=0)

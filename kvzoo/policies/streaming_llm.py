@@ -11,7 +11,13 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, keep_sinks_and_recent, require_int
+from kvzoo.framework.policy import (
+    Policy,
+    RowsView,
+    keep_sinks_and_recent,
+    require_int,
+    sinks_and_recent_victim,
+)
 
 STREAMING_SCHEDULES = ("step", "block")
 
@@ -57,3 +63,6 @@ class StreamingLLM(Policy):
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
         return keep_sinks_and_recent(rows.valid, self.sinks, keep)
+
+    def step_victim(self, rows: RowsView) -> torch.Tensor:
+        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)

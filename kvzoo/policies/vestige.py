@@ -13,17 +13,16 @@ branch *is* rotated, is the control where the same selector should fail.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvzoo.framework.policy import Policy, RowsView, require_int, topk_with_forced
-from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever
-from kvzoo.kernels.index_scan import sketch_bounds
-
-if TYPE_CHECKING:
-    from kvzoo.framework.cache import TieredLayer
+from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever, RowGeometry
+from kvzoo.framework.store import RowStore
+from kvzoo.kernels.index_scan import index_scan, sketch_entries, sketch_query
 
 BRANCHES = ("auto", "rope", "content", "row", "key")
 
@@ -144,14 +143,16 @@ class VestigeRetriever(Retriever):
     """The certified sketch index over archived rows (paper §4.2; DESIGN.md §2).
 
     Per archived row u: ``(r_u, z_u = V_r^T c_u, eta_u = ||(I - V_r V_r^T) c_u||)`` with V_r an
-    orthonormal rank-``rank`` basis of the content latents, fitted per layer (per KV head on GQA)
-    from all rows of the layer's first closed block (top eigenvectors of their Gram matrix); with
-    ``refit=True`` it is refitted at every closed block and the index is rebuilt. Per step and head,
-    ``bound = scale (<q_r, r_u> + <V^T q_c', z_u> + ||(I - V V^T) q_c'|| eta_u) >= s(u)``. Default
-    mode fetches the top ``j`` rows whose bound beats s* (the attended tier's best exact score);
-    ``certified=True`` fetches every row with bound >= s* - ``tau``, so the softmax mass left out is
-    at most ``(T - |F|) e^-tau`` relative to the attended tier (Lemma 3). Fetched rows are the
-    union over a group's query heads (and a forward's queries).
+    orthonormal rank-``rank`` basis of the content latents, fitted per sequence and layer (per KV
+    head on GQA) from the valid rows of the layer's first closed block (top eigenvectors of their
+    Gram matrix), so a sequence's index never depends on what else shares its batch; with
+    ``refit=True`` it is refitted at every closed block and the index is rebuilt. Per query and
+    head, ``bound = scale (<q_r, r_u> + <V^T q_c', z_u> + ||(I - V V^T) q_c'|| eta_u) >= s(u)``.
+    Default mode: each head fetches its top ``j`` rows among those whose bound beats s* (that query's
+    best exact score over the attended tier); ``certified=True`` fetches every row with
+    bound >= s* - ``tau``, so the softmax mass left out is at most ``(T - |F|) e^-tau`` relative to
+    the attended tier (Lemma 3). A forward fetches the union over a group's query heads and over
+    its queries (``framework/retrieval.py``), at most ``j x heads x queries`` rows in top-j mode.
 
     On GQA rows there is no branch: the whole key is the "content" and ``rank`` defaults to a
     quarter of the head dim (a sound but looser bound). The index is kept in fp32 (an entry is
@@ -170,86 +171,96 @@ class VestigeRetriever(Retriever):
         if self.rank is not None:
             require_int(self.rank, "rank", 1, "sketch rank; None picks 64 on MLA rows, head_dim // 4 on GQA")
         require_int(self.j, "j", 1, "rows fetched per step and head")
-        if not isinstance(self.tau, (int, float)) or self.tau < 0:
-            raise ValueError(f"tau must be a number >= 0, got {self.tau!r}")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) \
+                or self.tau < 0:
+            raise ValueError(f"tau must be a finite number >= 0 (the certified margin, in logits), got {self.tau!r}")
+        if not isinstance(self.certified, bool) or not isinstance(self.refit, bool):
+            raise ValueError(f"certified and refit must be True or False, got {self.certified!r}, {self.refit!r}")
 
-    def new_state(self, layer: TieredLayer) -> SketchIndex:
-        return SketchIndex(self)
+    def new_state(self, geometry: RowGeometry) -> SketchIndex:
+        return SketchIndex(self, geometry)
 
 
 class SketchIndex(RetrievalState):
-    def __init__(self, config: VestigeRetriever) -> None:
-        self.config = config
-        self.basis: torch.Tensor | None = None  # [G, dc, rank]
-        self.z: list[torch.Tensor] = []  # segments [B, G, k, rank], in archive order
-        self.eta: list[torch.Tensor] = []  # [B, G, k]
-        self.branch: list[torch.Tensor] = []  # [B, G, k, dr] (MLA)
-        self.content_dim = 0
+    """One index row per archived row, ``[z, eta, r, ||c||, ||r||]`` fp32 (``kernels/index_scan.py``),
+    in archive order; one basis per sequence."""
 
-    def _split(self, layer: TieredLayer, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if layer.cache.adapter.layout == "mla":
-            dc = layer.cache.adapter.kv_lora_rank
+    def __init__(self, config: VestigeRetriever, geometry: RowGeometry) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.basis: torch.Tensor | None = None  # [B, G, dc, rank], orthonormal columns
+        self.rows = RowStore()  # "entries" [B, G, m, rank + 1 + dr + 2]
+        self.audit_top = config.j
+
+    @property
+    def entry_bytes(self) -> int:  # type: ignore[override]
+        return self.rows.buffers["entries"].shape[-1] * 4 if self.rows.buffers else 0
+
+    def _split(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.geometry.layout == "mla":
+            dc = self.geometry.content_dim
             return keys[..., :dc], keys[..., dc:]
         return keys, None
 
-    def _fit(self, layer: TieredLayer, block_keys: torch.Tensor, valid: torch.Tensor) -> None:
-        content, _ = self._split(layer, block_keys)
+    def _fit(self, block_keys: torch.Tensor, valid: torch.Tensor) -> None:
+        content, _ = self._split(block_keys)
         dc = content.shape[-1]
-        rank = self.config.rank or (64 if layer.cache.adapter.layout == "mla" else max(1, dc // 4))
+        rank = self.config.rank or (64 if self.geometry.layout == "mla" else max(1, dc // 4))
         rank = min(rank, dc)
-        bases = []
-        for g in range(content.shape[1]):
-            x = content[:, g][valid[:, g]].double()  # [rows, dc]
-            gram = x.T @ x
-            _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
-            bases.append(vectors[:, -rank:].flip(-1).float())
-        self.basis = torch.stack(bases)  # [G, dc, rank], orthonormal columns
-        self.content_dim = dc
+        x = content.double() * valid[..., None].double()  # padding rows do not shape the basis
+        gram = x.transpose(-1, -2) @ x  # [B, G, dc, dc], one per sequence
+        _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
+        self.basis = vectors[..., -rank:].flip(-1).float().contiguous()
 
-    def _entries(self, layer: TieredLayer, keys: torch.Tensor):  # noqa: ANN202
-        content, branch = self._split(layer, keys)
-        c = content.float()
-        z = torch.einsum("bgkd,gdr->bgkr", c, self.basis)
-        eta = (c - torch.einsum("bgkr,gdr->bgkd", z, self.basis)).norm(dim=-1)
-        return z, eta, None if branch is None else branch.float()
+    def _entries(self, keys: torch.Tensor) -> torch.Tensor:
+        content, branch = self._split(keys)
+        return sketch_entries(content, branch, self.basis)
 
-    def index(self, layer: TieredLayer, rows: dict[str, torch.Tensor], block_keys: torch.Tensor) -> None:
+    def index(self, rows, block_keys, block_valid, archive) -> None:  # noqa: ANN001
         if self.basis is None or self.config.refit:
-            self._fit(layer, block_keys, layer.valid)
-            if self.config.refit and self.z:  # rebuild the index of earlier rows under the new basis
-                archived = layer.archive.tensors()["keys"]
-                z, eta, branch = self._entries(layer, archived)
-                self.z, self.eta, self.branch = [z], [eta], [] if branch is None else [branch]
-        z, eta, branch = self._entries(layer, rows["keys"])
-        self.z.append(z)
-        self.eta.append(eta)
-        if branch is not None:
-            self.branch.append(branch)
+            self._fit(block_keys, block_valid)
+            if self.config.refit and self.rows.n:  # rebuild the index of earlier rows under the new basis
+                self.rows = RowStore()
+                self._append(self._entries(archive.keys))
+        self._append(self._entries(rows["keys"]))
 
-    def _joined(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if len(self.z) > 1:
-            self.z, self.eta = [torch.cat(self.z, dim=2)], [torch.cat(self.eta, dim=2)]
-            if self.branch:
-                self.branch = [torch.cat(self.branch, dim=2)]
-        return self.z[0], self.eta[0], self.branch[0] if self.branch else None
+    def _append(self, entries: torch.Tensor) -> None:
+        if not self.rows.buffers:
+            B, G, _, W = entries.shape
+            self.rows.define(B, G, {"entries": ((W,), entries.dtype)}, entries.device)
+        self.rows.append({"entries": entries})
 
-    def choose(self, layer, query, q_slots, scaling, best_attended) -> Choice:  # noqa: ANN001
-        z, eta, branch = self._joined()
-        dc = self.content_dim
-        q_content = query[..., :dc]
-        q_branch = query[..., dc:] if branch is not None else None
-        bounds = sketch_bounds(q_content, q_branch, self.basis, z, eta, branch, scaling)  # [B,H,q,m]
-        s_star = best_attended()[..., None]  # [B,H,q,1]
-        cfg = self.config
-        if cfg.certified:
-            chosen = bounds >= s_star - cfg.tau
+    def entries(self) -> int:
+        return self.rows.n
+
+    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        B, H, q_len, D = query.shape
+        if self.geometry.layout == "mla":
+            dc = self.geometry.content_dim
+            q_rows = sketch_query(query[..., :dc], query[..., dc:], self.basis)
         else:
-            beats = bounds > s_star
-            j = min(cfg.j, bounds.shape[-1])
-            top = bounds.masked_fill(~beats, float("-inf")).topk(j, dim=-1).indices
-            chosen = torch.zeros_like(beats).scatter_(-1, top, True) & beats
+            q_rows = sketch_query(query, None, self.basis)
+        return index_scan(q_rows, self.rows.get("entries"), scaling).view(B, H, q_len, -1)
+
+    def choose(self, query, best, scaling, archive) -> Choice:  # noqa: ANN001
+        bounds = self.bounds(query, scaling)  # [B, H, q, m]
         B, H, q_len, m = bounds.shape
-        G = z.shape[1]
-        mask = chosen.view(B, G, H // G, q_len, m).any(dim=(2, 3))  # union over a group's heads and queries
-        entry_bytes = 4 * (z.shape[-1] + 1 + (branch.shape[-1] if branch is not None else 0))
-        return Choice(mask=mask, bounds=bounds, entries_scanned=m, entry_bytes=entry_bytes, audit_top=cfg.j)
+        G = self.basis.shape[1]
+        s_star = best[..., None]
+        if self.config.certified:  # every row within tau of s*, for some head and query of the group
+            chosen = bounds >= s_star - self.config.tau
+            return Choice(mask=chosen.view(B, G, (H // G) * q_len, m).any(dim=2))
+        # each head's top j rows, kept where they beat s*; the runtime takes the union over the group
+        top, rows = bounds.topk(min(self.config.j, m), dim=-1)  # [B, H, q, j]
+        ok = top > s_star
+        return Choice(rows=rows.view(B, G, -1), ok=ok.view(B, G, -1))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.rows.select_batch(index)
+        if self.basis is not None:
+            self.basis = self.basis.index_select(0, index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        self.rows.repeat_batch(repeats)
+        if self.basis is not None:
+            self.basis = self.basis.repeat_interleave(repeats, dim=0)

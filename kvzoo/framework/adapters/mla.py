@@ -22,6 +22,7 @@ transformers' own linear-attention cache layers (fixed-size state).
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -76,6 +77,20 @@ def _rotate_kvzoo_mla(module: torch.nn.Module, q_r, r, position_embeddings):  # 
     return rotate_branch(module, q_r, r, position_embeddings)
 
 
+def decompress_break_even(dc: int, dr: int, nope: int, v: int) -> int:
+    """Queries from which a forward attends faster decompressed than absorbed (FLOPs per head).
+
+    Absorbed, each (query, row) costs ``(dc + dr) + dc`` multiply-adds (scores over the 576-dim
+    row, the 512-dim latent value); decompressed, ``(nope + dr) + v``, plus ``dc * (nope + v)``
+    per row once to decompress it. Equal at ``q = dc (nope + v) / (2 dc + dr - nope - dr - v)``:
+    171 queries on the DeepSeek-V2-Lite / Kimi Linear row (512 + 64, nope 128, v 128).
+    """
+    saved = (2 * dc + dr) - (nope + dr + v)
+    if saved <= 0:
+        return 2
+    return max(2, math.ceil(dc * (nope + v) / saved))
+
+
 ROTATIONS = {
     "deepseek_v2": _rotate_deepseek_v2,
     "deepseek_v3": _rotate_deepseek_v3,
@@ -96,6 +111,9 @@ class MLAAdapter:
         self.mla_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
         self.kv_lora_rank = config.kv_lora_rank
         self.rope_dim = config.qk_rope_head_dim
+        self.decompress_min_queries = decompress_break_even(
+            config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+        )
         self.row_dim = self.kv_lora_rank + self.rope_dim
         self.num_heads = config.num_attention_heads
         # DeepSeek rotates the branch; Kimi never does; kvzoo's reference models say so in their config
@@ -149,9 +167,9 @@ def _mla_forward(
     position_embeddings: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """kvzoo's forward of one MLA attention module (absorbed attention over latent rows)."""
+    """kvzoo's forward of one MLA attention module: latent rows in, absorbed or decompressed attention."""
     from kvzoo.framework.cache import TieredCache
-    from kvzoo.framework.runtime import tiered_attention
+    from kvzoo.framework.runtime import MLAQuery, mla_attention
 
     if "past_key_values" in kwargs and cache is None:
         cache = kwargs.pop("past_key_values")
@@ -178,10 +196,7 @@ def _mla_forward(
     q_r, r = self._kvzoo_rotate(self, q_r, r, position_embeddings)
     row = torch.cat([c, r.to(c.dtype)], dim=-1)  # [B, 1, q, 576]
     cache.update(row, None, self.layer_idx)
-    w_uk, w_uv = absorbed_weights(self)
-    q_c = torch.einsum("bhqn,hnc->bhqc", q_nope, w_uk)  # absorbed content query [B, H, q, 512]
-    query = torch.cat([q_c, q_r.to(q_c.dtype)], dim=-1)  # [B, H, q, 576]
-    layer = cache.layers[self.layer_idx]
-    o_latent = tiered_attention(layer, query, attention_mask, self.scaling)  # [B, H, q, 512]
-    out = torch.einsum("bhqc,hvc->bqhv", o_latent, w_uv).reshape(B, q_len, -1)
-    return self.o_proj(out), None
+    query = MLAQuery(q_nope, q_r, self.kv_b_proj.weight, self.v_head_dim, self.scaling)
+    threshold = cache.decompress_min_queries or cache.adapter.decompress_min_queries
+    out = mla_attention(cache.layers[self.layer_idx], query, attention_mask, threshold)  # [B, H, q, v]
+    return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1)), None
