@@ -125,12 +125,23 @@ class RowStore:
         return torch.sort(kept.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - k]
 
     def gather(self, idx: torch.Tensor, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-        """Copies of the live rows ``idx [B, G, k]`` of every buffer (or of ``names``)."""
-        return {
-            name: gather_rows(buf[:, :, : self.n], idx)
-            for name, buf in self.buffers.items()
-            if names is None or name in names
-        }
+        """Copies of the live rows ``idx [B, G, k]`` of every buffer (or of ``names``).
+
+        One ``index_select`` per buffer over its rows flattened with ``(batch, group)`` offsets
+        (the buffers are contiguous), which is a few times faster than ``gather`` on small rows.
+        """
+        B, G, k = idx.shape
+        flat = None
+        out = {}
+        for name, buf in self.buffers.items():
+            if names is not None and name not in names:
+                continue
+            if flat is None:
+                cap = buf.shape[2]
+                offsets = torch.arange(B * G, device=idx.device).view(B, G, 1) * cap
+                flat = (idx + offsets).view(-1)
+            out[name] = buf.view(B * G * buf.shape[2], *buf.shape[3:]).index_select(0, flat).view(B, G, k, *buf.shape[3:])
+        return out
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep rows ``idx [B, G, k]`` (int64, ascending) as the new live rows, in that order.

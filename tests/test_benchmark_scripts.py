@@ -1,0 +1,29 @@
+"""Smoke runs of the benchmark scripts at their toy sizes (the figures themselves are the scripts' job)."""
+
+import json
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_gpu_runtime_toy_run_writes_markdown_and_json(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("gpu_runtime", None)
+    import gpu_runtime
+
+    out = tmp_path / "runtime"
+    assert gpu_runtime.main(["--toy", "--device", "cpu", "--contexts", "1024", "--batches", "1,2", "--steps", "2",
+                             "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {(r["policy"], r["batch"]): r for r in result["rows"] if "error" not in r}
+    assert set(rows) == {(p, b) for p in gpu_runtime.POLICIES for b in (1, 2)}
+    assert result["bandwidth_bytes_per_s"] > 0
+    for (_policy, batch), row in rows.items():
+        assert row["decode_ms"] > 0 and row["kv_bytes_per_step"] > 0
+        assert (row["prefill_s"] is not None) == (batch == 1)
+    # a 32x policy reads fewer KV bytes per step than full; batch 2 reads about twice batch 1 (the
+    # context grew by batch 1's decode steps in between)
+    assert rows[("streaming_llm", 1)]["kv_bytes_per_step"] * 8 < rows[("full", 1)]["kv_bytes_per_step"]
+    assert 1.95 < rows[("full", 2)]["kv_bytes_per_step"] / rows[("full", 1)]["kv_bytes_per_step"] < 2.05
+    assert "| vestige+sketch | 1024 | 2 |" in out.with_suffix(".md").read_text()
