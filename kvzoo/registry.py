@@ -15,6 +15,7 @@ is a :class:`RegistryError` that names the plugins involved.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib
@@ -51,8 +52,10 @@ __all__ = [
     "UnknownPolicyError",
     "available",
     "get",
+    "get_spec",
     "hookimpl",
     "info",
+    "parse_spec",
     "policy_class",
     "read_manifest",
     "register_plugin",
@@ -384,6 +387,41 @@ def get(name: str, **params: Any) -> Policy:
         if named is exc:
             raise
         raise named from exc
+
+
+_SPEC = re.compile(r"^\s*([A-Za-z_][\w.:-]*)\s*(?:\((.*)\))?\s*$")
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"quest(gqa=group, page_size=8)"`` -> ``("quest", {"gqa": "group", "page_size": 8})``.
+
+    A policy name, optionally with parameters in parentheses: ``key=value`` pairs separated by
+    commas; values are Python literals (numbers, True/False/None, quoted strings) or, failing that,
+    plain strings. How the leaderboard and the CLI name a configured variant of a policy.
+    """
+    match = _SPEC.match(spec) if isinstance(spec, str) else None
+    if match is None:
+        raise ValueError(f"policy spec {spec!r} is not 'name' or 'name(key=value, ...)', e.g. 'quest(gqa=group)'")
+    name, body = match.group(1), match.group(2)
+    params: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (body or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"policy spec {spec!r}: {item!r} is not key=value")
+        try:
+            params[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            params[key.strip()] = value.strip()
+    return name, params
+
+
+def get_spec(spec: str, **params: Any) -> Policy:
+    """:func:`get` from a spec string (:func:`parse_spec`); ``params`` are added (a clash is an error)."""
+    name, own = parse_spec(spec)
+    clash = sorted(set(own) & set(params))
+    if clash:
+        raise TypeError(f"{spec}: {', '.join(clash)} given twice")
+    return get(name, **own, **params)
 
 
 def info(name: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from kvzoo import registry
 from kvzoo.bench import metrics
@@ -69,16 +70,26 @@ def test_resident_and_freed_bytes():
     assert metrics.kv_bytes_freed({"resident_rows": 0, "resident_bytes": 0, "seen_rows": 0}) == 0
 
 
-def test_bytes_read_per_step_adds_index_scans_and_fetches():
-    start = {"resident_bytes": 900, "index_bytes_scanned": 10, "fetched_bytes": 0}
-    steps = [
-        {"resident_bytes": 1000, "index_bytes_scanned": 110, "fetched_bytes": 64},
-        {"resident_bytes": 1024, "index_bytes_scanned": 210, "fetched_bytes": 128},
-    ]
-    assert metrics.kv_bytes_read_per_step(start, steps) == pytest.approx((1000 + 100 + 64 + 1024 + 100 + 64) / 2)
-    # without a retrieval tier: the attended tier alone
-    assert metrics.kv_bytes_read_per_step({"resident_bytes": 0}, [{"resident_bytes": 10}, {"resident_bytes": 30}]) == 20
-    assert metrics.kv_bytes_read_per_step(start, []) is None
+def test_bytes_read_per_step_is_the_counters_increase_per_step():
+    start = {"resident_bytes": 900, "kv_bytes_read": 10_000}
+    end = {"resident_bytes": 1024, "kv_bytes_read": 10_000 + (1000 + 100 + 64) + (1024 + 100 + 64)}
+    assert metrics.kv_bytes_read_per_step(start, end, 2) == pytest.approx((1000 + 100 + 64 + 1024 + 100 + 64) / 2)
+    assert metrics.kv_bytes_read_per_step(start, end, 0) is None
+
+
+def test_the_cache_counts_every_forwards_reads(tiny):
+    """kv_bytes_read: the tier each forward attended (at attention time) + index entries + rows fetched."""
+    from kvzoo import TieredCache
+
+    ids = torch.randint(1, 256, (1, 200), generator=torch.Generator().manual_seed(0))
+    row = 2 * 2 * 16 * 4  # key + value, 2 KV heads, head_dim 16, fp32
+    cache = TieredCache(tiny, registry.get("streaming_llm", budget=40))
+    tiny(input_ids=ids, cache=cache, use_cache=True)  # prefill reads its 200 rows, then evicts to 40
+    before = cache.stats().totals["kv_bytes_read"]
+    assert before == 3 * 200 * row
+    for t in range(5):
+        tiny(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)  # each step reads 41 rows, keeps 40
+    assert cache.stats().totals["kv_bytes_read"] - before == 5 * 3 * 41 * row
 
 
 def test_rows_fetched_per_step_and_bound_violations():
@@ -145,7 +156,8 @@ def test_eviction_frees_the_rows_it_moves(tiny):
     kept = prompt // 4  # floor(rows / ratio) per layer and KV head
     assert row["resident_rows"] == 3 * kept  # rows per KV group, summed over the 3 layers
     assert row["bytes_freed"] == (prompt - kept) * 768
-    assert row["kv_bytes_per_step"] == kept * 768  # step schedule: the tier stays at its budget
+    # step schedule: each step attends the tier at its budget plus its own new row, then evicts one
+    assert row["kv_bytes_per_step"] == (kept + 1) * 768
 
 
 def test_add_reference_without_one_leaves_deltas_empty():

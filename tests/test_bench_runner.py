@@ -106,7 +106,7 @@ def test_forked_mla_cache_keeps_the_models_attention_modules():
 def test_plan_puts_the_reference_first_and_runs_it_without_a_ratio():
     grid = tiny_grid(ratios=(2, 4), positions=("after", "before"), policies=None)
     trials = runner.plan(grid)
-    names = list(registry.available())
+    names = list(registry.available()) + list(runner.DEFAULT_VARIANTS)  # quest(gqa=group) runs beside quest
     per_position = 1 + 2 * (len(names) - 1)  # full once, every other policy at two ratios
     assert len(trials) == 2 * per_position
     assert trials[0].policy == "full" and trials[0].ratio is None and trials[0].position == "after"
@@ -137,10 +137,10 @@ def test_tiny_leaderboard_end_to_end_writes_table_and_png(tmp_path: Path):
     assert full["delta_nll"] == 0.0 and full["intact"] is True and full["delta_ce"] == 0.0
 
     table = report.leaderboard_table(rows)
-    assert table.splitlines()[0] == "| policy | 2x score | 2x after−before | 2x KV bytes/step |"
+    assert table.splitlines()[0] == "| policy | 2x q after | 2x q before | 2x KV bytes/token |"
     assert table.splitlines()[2].startswith("| full (reference) | ")
     assert table.splitlines()[3].startswith("| streaming_llm | ")
-    assert "n/a" in table.splitlines()[3]  # no question-before trials: no gap
+    assert "n/a" in table.splitlines()[3]  # no question-before trials
     text = report.render(rows)
     assert "intact rate" in text and "tiny-llama" in text
 
@@ -201,7 +201,7 @@ def test_entry_point_plugin_appears_in_the_leaderboard(tmp_path: Path, monkeypat
     registry.reload()
 
     rows = runner.run_grid(tiny_grid(policies=None, positions=("after",)), tmp_path / "plugin.jsonl", progress=False)
-    assert [r["policy"] for r in rows] == list(registry.available())
+    assert [r["policy"] for r in rows] == list(registry.available()) + list(runner.DEFAULT_VARIANTS)
     keep_first = [r for r in rows if r["policy"] == "keep_first"]
     assert [r["status"] for r in keep_first] == ["ok"]
     assert keep_first[0]["policy_config"]["name"] == "keep_first"

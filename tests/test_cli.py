@@ -100,7 +100,7 @@ def test_leaderboard_prints_the_table_and_writes_plots_then_plot_redraws(tmp_pat
     results = tmp_path / "lb.jsonl"
     assert main([*TINY_LEADERBOARD, "--out", str(results)]) == 0
     out = capsys.readouterr().out
-    assert "| policy | 2x score | 2x after−before | 2x KV bytes/step |" in out
+    assert "| policy | 2x q after | 2x q before | 2x KV bytes/token |" in out
     assert "| full (reference) | " in out and "| streaming_llm | " in out
     heatmap = tmp_path / "lb-needle-heatmap.png"
     curves = tmp_path / "lb-score-vs-ratio.png"

@@ -56,10 +56,11 @@ def test_page_with_the_planted_best_key_is_selected(seed):
     q = torch.randn(1, 4, 1, 16, generator=g)
     planted = int(torch.randint(0, 160, (1,), generator=g))
     keys[0, 1, planted] = q[0, 3, 0] * 3  # KV head 1's best key, for its query head 3
-    state = PageIndex(QuestRetriever(pages=2))
-    _index(state, keys)
-    choice = state.choose(q, None, 1.0, _archive(keys, budget=32)).as_mask(160)
-    assert choice[0, 1, planted] and int(choice[0, 1].sum()) == 32
+    for gqa, rows in (("group", 32), ("head", 64)):  # one page set per group; each of the group's 2 heads its own
+        state = PageIndex(QuestRetriever(pages=2, gqa=gqa))
+        _index(state, keys)
+        choice = state.choose(q, None, 1.0, _archive(keys, budget=32)).as_mask(160)
+        assert choice[0, 1, planted] and int(choice[0, 1].sum()) <= rows
 
 
 def test_quest_fetching_every_page_equals_full(tiny):
@@ -80,10 +81,12 @@ def test_quest_keeps_everything_and_first_layers_dense(tiny):
     layers = r.stats.layers
     assert layers[0].resident_rows == layers[0].seen_rows and layers[0].archived_rows == 0
     for s in layers[1:]:
-        assert s.resident_rows == 4 + 16 and s.resident_rows + s.archived_rows == s.seen_rows
+        # the attended tier is the current page; everything else is archived, nothing dropped
+        assert s.resident_rows == (s.seen_rows - 1) % 16 + 1 and s.resident_rows + s.archived_rows == s.seen_rows
         assert s.dropped_rows == 0
-        # one page of 16 rows per 16 budget rows: ceil(50 / 16) = 4 pages per KV head and forward
-        assert s.last_step["rows_fetched"] == 4 * 16 * 2  # 2 KV heads
+        # B = 400 // 8 = 50: max(3, 50 // 16) = 3 pages per query head, the current page one of them, so
+        # 2 archived pages per head; a KV group fetches the union of its 2 heads' pages
+        assert 2 * 16 * 2 <= s.last_step["rows_fetched"] <= 2 * 2 * 16 * 2  # 2 KV heads
         assert s.policy_info["bound_violations"] == 0
     with pytest.raises(ValueError, match="archive must be True"):
         registry.get("quest", ratio=8, archive=False)

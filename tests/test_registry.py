@@ -113,7 +113,7 @@ def test_info_reports_fields_and_source():
     assert about["layouts"] == ["gqa", "mla"]
     assert about["defaults"] == {
         "ratio": None, "budget": None, "archive": True, "retriever": None,
-        "sinks": 4, "schedule": "step", "block_size": 256,
+        "sinks": 4, "schedule": "step", "block_size": 256, "prefill": "dense",
     }
     assert about["class"] == "kvzoo.policies.streaming_llm:StreamingLLM"
     assert about["plugin"] == registry.BUILTIN_PLUGIN_NAME

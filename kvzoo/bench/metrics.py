@@ -11,15 +11,17 @@ Quality
 Cost (from ``cache.stats().totals`` snapshots; rows and bytes summed over layers)
     :func:`resident_kv_bytes`, :func:`kv_bytes_freed`;
     :func:`kv_bytes_read_per_step` -- KV-path bytes one decode step reads: the attended tier's
-    bytes plus what a retrieval tier read that step (index entries scanned, rows fetched);
+    bytes at attention time plus what a retrieval tier read that step (index entries scanned, rows
+    fetched), from the cumulative ``kv_bytes_read`` counter;
     :func:`rows_fetched_per_step`; :func:`bound_violations` (None = "n/a");
     :func:`peak_rss_bytes` (process-wide high-water mark, VmHWM / ru_maxrss); :class:`Stopwatch` (wall time).
 
-Counters read from ``policy_info`` (summed over layers into ``totals``), when a policy or the
-retrieval tier reports them -- cumulative per layer since the cache was created:
+Counters read from ``cache.stats().totals`` (summed over layers), cumulative per layer since the
+cache was created:
 
-* ``index_bytes_scanned`` -- bytes of index entries scanned to choose rows to fetch;
-* ``fetched_bytes`` -- bytes of archived rows fetched back into a step's attention;
+* ``kv_bytes_read`` -- KV-path bytes every forward's attention read (attended rows + index
+  entries scanned + rows fetched);
+* ``fetched_rows`` -- archived rows fetched back into a forward's attention;
 * ``bound_violations`` -- archived rows (or pages) whose score exceeded the retriever's bound
   (counted only with ``TieredCache(..., audit=True)``).
 
@@ -35,8 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 INTACT_THRESHOLD_NATS = 1.0  # VestigeKV: a needle is intact when its answer's ΔNLL < 1 nat
-INDEX_BYTES_KEY = "index_bytes_scanned"
-FETCHED_BYTES_KEY = "fetched_bytes"
+KV_BYTES_KEY = "kv_bytes_read"
 BOUND_VIOLATIONS_KEY = "bound_violations"
 
 
@@ -128,23 +129,16 @@ def kv_bytes_freed(totals: Mapping[str, float]) -> int:
     return int(round((totals["seen_rows"] - resident_rows) * per_row))
 
 
-def kv_bytes_read_per_step(start: Mapping[str, float], steps: Sequence[Mapping[str, float]]) -> float | None:
-    """Mean KV-path bytes read per decode step.
+def kv_bytes_read_per_step(start: Mapping[str, float], end: Mapping[str, float], steps: int) -> float | None:
+    """Mean KV-path bytes read per decode step: the increase of ``kv_bytes_read`` over the decode / steps.
 
-    ``start``: totals before the first decode step; ``steps``: totals after each decode step. Step
-    i reads the attended tier (``resident_bytes`` after it) plus the increase of
-    ``index_bytes_scanned`` and ``fetched_bytes`` during it. None when there were no steps.
+    ``kv_bytes_read`` (``cache.stats()``) counts what each forward's attention read: the attended tier
+    at attention time, the index entries scanned and the rows fetched. ``start``/``end``: totals
+    before the first and after the last decode step. None when there were no steps.
     """
-    if not steps:
+    if steps <= 0:
         return None
-    total = 0.0
-    previous = start
-    for now in steps:
-        total += now["resident_bytes"]
-        for key in (INDEX_BYTES_KEY, FETCHED_BYTES_KEY):
-            total += now.get(key, 0) - previous.get(key, 0)
-        previous = now
-    return total / len(steps)
+    return (end.get(KV_BYTES_KEY, 0) - start.get(KV_BYTES_KEY, 0)) / steps
 
 
 def rows_fetched_per_step(start: Mapping[str, float], end: Mapping[str, float], steps: int) -> float | None:

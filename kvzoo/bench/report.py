@@ -3,10 +3,11 @@
 The leaderboard table -- stable format, documented in ``benchmarks/README.md``:
 
 * one row per policy, the reference (``full``) first, then policies in registry order;
-* per ratio three columns: ``score`` -- mean string-match score with the question *after*
-  compression; ``after−before`` -- that minus the same mean with the question *before* compression
-  (``n/a`` when the grid ran one position only); ``KV bytes/step`` -- mean KV-path bytes read per
-  decode step (question-after trials);
+* per ratio three columns: ``q after`` -- mean string-match score with the question *after*
+  compression (VestigeKV's setting); ``q before`` -- the same with the question *before*
+  compression, inside the compressed prompt (SnapKV's, ChunkKV's and H2O's papers' setting;
+  ``n/a`` when the grid ran one position only); ``KV bytes/token`` -- mean KV-path bytes read
+  after compression per generated token, the question's forward included (question-after trials);
 * a policy without a ratio (the reference) shows its figures in every ratio column;
 * ``skipped`` / ``error`` where no trial of that cell succeeded; the reasons are listed below.
 
@@ -102,12 +103,12 @@ def caption(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def leaderboard_table(rows: Sequence[dict[str, Any]], ratios: Sequence[float] | None = None) -> str:
-    """The markdown leaderboard: rows policies, per ratio score | after−before | KV bytes/step."""
+    """The markdown leaderboard: rows policies, per ratio q after | q before | KV bytes/token."""
     ratios = list(ratios) if ratios is not None else ratio_order(rows)
     columns = ["policy"]
     for ratio in ratios:
         label = _ratio_label(ratio)
-        columns += [f"{label} score", f"{label} after−before", f"{label} KV bytes/step"]
+        columns += [f"{label} q after", f"{label} q before", f"{label} KV bytes/token"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for policy in policy_order(rows):
         cells = [policy + (" (reference)" if policy == REFERENCE_POLICY else "")]
@@ -122,9 +123,8 @@ def leaderboard_table(rows: Sequence[dict[str, Any]], ratios: Sequence[float] | 
             before = [r for r in ok if r["question_position"] == "before"]
             score_after = _mean(r["score"] for r in after)
             score_before = _mean(r["score"] for r in before)
-            gap = None if score_after is None or score_before is None else score_after - score_before
-            bytes_step = _mean(r.get("kv_bytes_per_step") for r in (after or ok))
-            cells += [_fmt(score_after), _fmt(gap, signed=True), format_bytes(bytes_step)]
+            bytes_token = _mean(r.get("kv_bytes_per_token", r.get("kv_bytes_per_step")) for r in (after or ok))
+            cells += [_fmt(score_after), _fmt(score_before), format_bytes(bytes_token)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

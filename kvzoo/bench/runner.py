@@ -169,11 +169,16 @@ class Trial:
 REFERENCE_POLICY = "full"
 
 
+# Configured variants that the leaderboard runs beside every registered policy (grid.policies=None):
+# kvzoo's per-KV-group Quest, so that the equal-bytes comparison with the reference's per-head rule shows.
+DEFAULT_VARIANTS: tuple[str, ...] = ("quest(gqa=group)",)
+
+
 def needs_ratio(name: str) -> bool:
-    """Whether policy ``name`` takes a budget (False for ``full``: the reference row)."""
+    """Whether policy ``name`` (a name or a spec such as ``quest(gqa=group)``) takes a budget."""
     from kvzoo import registry
 
-    return bool(getattr(registry.policy_class(name), "requires_budget", True))
+    return bool(getattr(registry.policy_class(registry.parse_spec(name)[0]), "requires_budget", True))
 
 
 def plan(grid: Grid) -> list[Trial]:
@@ -181,8 +186,11 @@ def plan(grid: Grid) -> list[Trial]:
     from kvzoo import registry
 
     available = list(registry.available())
-    names = list(grid.policies) if grid.policies is not None else available
-    unknown = [n for n in names if n not in available]
+    if grid.policies is not None:
+        names = list(grid.policies)
+    else:
+        names = available + [v for v in DEFAULT_VARIANTS if registry.parse_spec(v)[0] in available]
+    unknown = [n for n in names if registry.parse_spec(n)[0] not in available]
     if unknown:
         raise ValueError(f"unknown policies {', '.join(map(repr, unknown))}; registered policies: {', '.join(available)}")
     for model in grid.models:
@@ -364,7 +372,10 @@ def run_trial(
         compressed = cache.stats().totals
 
         with metrics.Stopwatch() as t_score:  # the reference answer, teacher-forced, on a fork
-            answer_nll = _teacher_forced_nll(model, fork_cache(cache, model), rest, ids.answer, first_logits)
+            fork = fork_cache(cache, model)
+            answer_nll = _teacher_forced_nll(model, fork, rest, ids.answer, first_logits)
+            answer_kv_bytes = fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
+            del fork
         continuation_nll = None
         if position == "after" and ids.continuation.shape[1]:  # the held-out continuation, on a fork
             continuation_nll = _teacher_forced_nll(
@@ -376,7 +387,7 @@ def run_trial(
         budget = max_new_tokens or task.max_new_tokens
         eos = _eos_ids(model, tokenizer)
         start = cache.stats().totals
-        steps: list[dict[str, float]] = []
+        steps = 0  # the decode loop reads no statistics: its time is the forwards'
         new_tokens: list[int] = []
         with metrics.Stopwatch() as t_decode:
             for _ in range(budget):
@@ -389,7 +400,7 @@ def run_trial(
                 ) == 1.0:
                     break
                 logits = _forward(model, cache, torch.tensor([[token]]), 1)[:, -1]
-                steps.append(cache.stats().totals)
+                steps += 1
         final = cache.stats().totals
         prediction = tokenizer.decode([t for t in new_tokens if t not in eos], skip_special_tokens=True)
         # a cache and its layers point at each other: free this trial's rows (and the forks') now,
@@ -416,9 +427,14 @@ def run_trial(
         "archived_bytes": int(compressed["archived_bytes"]),
         "dropped_rows": int(compressed["dropped_rows"]),
         "peak_resident_rows": int(final["peak_resident_rows"]),
-        "decode_steps": len(steps),
-        "kv_bytes_per_step": metrics.kv_bytes_read_per_step(start, steps),
-        "fetched_rows_per_step": metrics.rows_fetched_per_step(start, final, len(steps)),
+        "decode_steps": steps,
+        "kv_bytes_per_step": metrics.kv_bytes_read_per_step(start, final, steps),
+        # every forward after compression reads the KV path: the question's, the decode steps', and the
+        # teacher-forced answer's (on its fork)
+        "question_kv_bytes": int(start["kv_bytes_read"] - compressed["kv_bytes_read"]),
+        "answer_kv_bytes": int(answer_kv_bytes),
+        "kv_bytes_per_token": (final["kv_bytes_read"] - compressed["kv_bytes_read"]) / max(1, len(new_tokens)),
+        "fetched_rows_per_step": metrics.rows_fetched_per_step(start, final, steps),
         "bound_violations": metrics.bound_violations(final),
         "peak_rss_bytes": metrics.peak_rss_bytes(),
         "prefill_s": t_prefill.seconds,
@@ -426,7 +442,7 @@ def run_trial(
         "score_s": t_score.seconds,
         "question_s": t_question.seconds,
         "decode_s": t_decode.seconds,
-        "decode_ms_per_step": 1e3 * t_decode.seconds / len(steps) if steps else None,
+        "decode_ms_per_step": 1e3 * t_decode.seconds / steps if steps else None,
         "wall_s": wall.seconds,
         "policy_info": {k: v for k, v in final.items() if k not in _STAT_FIELDS},
     }
@@ -554,10 +570,10 @@ class _Context:
 
 
 def build_policy(name: str, ratio: float | None) -> Policy:
-    """``registry.get(name)`` or ``registry.get(name, ratio=ratio)``."""
+    """``registry.get_spec(name)`` or ``registry.get_spec(name, ratio=ratio)`` (``name`` may carry parameters)."""
     from kvzoo import registry
 
-    return registry.get(name) if ratio is None else registry.get(name, ratio=ratio)
+    return registry.get_spec(name) if ratio is None else registry.get_spec(name, ratio=ratio)
 
 
 def _execute(trial: Trial, ctx: _Context) -> dict[str, Any]:

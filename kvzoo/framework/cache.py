@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvzoo.framework.policy import Event, Policy, RowsView
-from kvzoo.framework.retrieval import ArchiveView, RowGeometry, figures, row_bytes
+from kvzoo.framework.retrieval import ArchiveView, RowGeometry, check_retriever_params, figures, row_bytes
 from kvzoo.framework.store import RowStore
 from kvzoo.kernels.attention import window_attention
 
@@ -82,6 +82,10 @@ class TieredLayer(CacheLayerMixin):
         self.scaling: float | None = None
         self.window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries
         self.fetched_rows: int | torch.Tensor = 0  # a device tensor once rows are fetched (read by stats())
+        # bytes every forward's attention read (host arithmetic): the attended tier at attention time,
+        # and the index entries scanned; with the fetched rows' bytes they make kv_bytes_read
+        self.attended_bytes_read = 0
+        self.index_bytes_scanned = 0
         self.policy_info: dict[str, Any] = {}  # counters the policy reports (RowsView.info); tensors allowed
         # every row appended so far is known to be valid (no padding); single-token forwards that
         # carry a mask cannot be checked without a host sync, so they clear it
@@ -300,7 +304,8 @@ class TieredLayer(CacheLayerMixin):
         n = self.tier.n
         basis = max(self.seen, self.cache.context_length or 0)  # ratio budgets count the whole context
         target = policy.target_rows(
-            event, rows_seen=basis, resident=n, fixed_budget=self.budget, block_rows=min(self.since_event, n)
+            event, rows_seen=basis, resident=n, fixed_budget=self.budget, block_rows=min(self.since_event, n),
+            seen=self.seen,
         )
         if self.budget is None:
             self.budget = policy.resolve_budget(basis)
@@ -371,10 +376,10 @@ class TieredLayer(CacheLayerMixin):
         names = ("keys", "values")
         fetched = _number(self.fetched_rows)
         info = {k: _number(v) for k, v in self.policy_info.items()}
+        fetched_bytes = fetched * row_bytes(self) if fetched else 0
         if "retrieval_steps" in info:  # cumulative reads of the retrieval tier, derived here from the counts
-            info["rows_fetched"] = fetched
-            info["fetched_bytes"] = fetched * row_bytes(self)
-            info["kv_bytes_read"] = info["attended_bytes_read"] + info["index_bytes_scanned"] + info["fetched_bytes"]
+            info.update(rows_fetched=fetched, fetched_bytes=fetched_bytes, attended_bytes_read=self.attended_bytes_read,
+                        index_bytes_scanned=self.index_bytes_scanned)
         return LayerStats(
             layer=self.layer_idx,
             seen_rows=self.seen,
@@ -386,6 +391,7 @@ class TieredLayer(CacheLayerMixin):
             dropped_rows=self.dropped_rows,
             events=self.events,
             fetched_rows=fetched,
+            kv_bytes_read=self.attended_bytes_read + self.index_bytes_scanned + fetched_bytes,
             policy_info=info,
             last_step={k: _number(v) for k, v in figures(self.last_step).items()},
         )
@@ -412,6 +418,9 @@ class LayerStats:
     dropped_rows: int
     events: int
     fetched_rows: int
+    # KV-path bytes this layer's attention has read, every forward counted (prefill, question, answer,
+    # decode): attended rows + index entries scanned + rows fetched
+    kv_bytes_read: int = 0
     policy_info: dict[str, float] = field(default_factory=dict)  # the policy's and retriever's counters
     last_step: dict[str, float] = field(default_factory=dict)  # the latest forward's retrieval figures
 
@@ -486,7 +495,9 @@ class TieredCache(Cache):
         from kvzoo.framework.runtime import attach
 
         self.policy = _resolve_policy(policy)
-        self.retriever = build_retriever(self.policy.retriever)
+        self.retriever = build_retriever(self.policy.retriever, **self.policy.retriever_params()) \
+            if isinstance(self.policy.retriever, str) else build_retriever(self.policy.retriever)
+        check_retriever_params(self.policy, self.retriever)
         if self.retriever is not None and not self.policy.archive:
             raise ValueError(
                 f"policy {self.policy.name!r} has retriever={self.retriever.name!r} but archive=False: a retriever "

@@ -200,13 +200,16 @@ class Policy(ABC):
         return None
 
     def target_rows(
-        self, event: Event, *, rows_seen: int, resident: int, fixed_budget: int | None, block_rows: int = 0
+        self, event: Event, *, rows_seen: int, resident: int, fixed_budget: int | None, block_rows: int = 0,
+        seen: int = 0,
     ) -> int | None:
         """How many rows the attended tier should hold after ``event``, or None to leave it.
 
-        ``fixed_budget`` is the layer's budget resolved at its first event (None before that);
-        ``block_rows`` how many of the ``resident`` rows arrived since the layer's previous event
-        (the closing block). The default: resolve once, then hold the attended tier at that budget.
+        ``rows_seen`` is what a ratio budget counts (the whole context when the cache knows its
+        length), ``seen`` the rows appended so far (the true sequence length), ``fixed_budget`` the
+        layer's budget resolved at its first event (None before that); ``block_rows`` how many of
+        the ``resident`` rows arrived since the layer's previous event (the closing block). The
+        default: resolve once, then hold the attended tier at that budget.
         """
         budget = fixed_budget if fixed_budget is not None else self.resolve_budget(rows_seen)
         if budget is None or resident <= budget:
@@ -221,6 +224,17 @@ class Policy(ABC):
         ``keep < rows.num_rows`` always holds when the runtime calls this. Rows not named move to
         the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
         """
+
+    def multi_token_window(self, budget: int) -> tuple[int, int] | None:
+        """``(sinks, window)`` when each token of a multi-token forward may read only the first
+        ``sinks`` rows and the ``window`` latest rows up to its own (StreamingLLM's token-by-token
+        prefill); None (default): every earlier row of the attended tier."""
+        return None
+
+    def retriever_params(self) -> dict[str, Any]:
+        """Parameters this policy gives the retriever it names (``retriever="quest"`` takes the
+        policy's ``page_size``), so one setting is never held twice with two values."""
+        return {}
 
     def step_victim(self, rows: RowsView) -> torch.Tensor | None:
         """For a ``step`` event that evicts exactly one row: int64 ``[B, G]``, the row each gives up.

@@ -55,6 +55,18 @@ def _retriever_class(name: str) -> type[Retriever]:
     return getattr(importlib.import_module(module), cls)
 
 
+def check_retriever_params(policy: Any, retriever: Retriever | None) -> None:
+    """ValueError when a retriever object disagrees with a setting the policy also holds."""
+    if retriever is None:
+        return
+    for name, value in policy.retriever_params().items():
+        if name in getattr(retriever, "__dataclass_fields__", {}) and getattr(retriever, name) != value:
+            raise ValueError(
+                f"policy {policy.name!r} has {name}={value!r} but its retriever has {name}={getattr(retriever, name)!r}; "
+                f"give the retriever by name (retriever={retriever.name!r}) to take the policy's, or make them equal"
+            )
+
+
 def build_retriever(spec: str | Retriever | None, **params: Any) -> Retriever | None:
     """A configured retriever from a name (with ``params``), a Retriever object, or None."""
     if spec is None or isinstance(spec, Retriever):
@@ -144,6 +156,9 @@ class Choice:
     rows: torch.Tensor | None = None
     ok: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    # which query heads may read each staged row, ``visible(idx [B, G, K]) -> [B, H, K]`` (None: every
+    # head of the group reads every row the group fetched)
+    visible: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def as_mask(self, archived: int) -> torch.Tensor:
         if self.mask is not None:
@@ -154,11 +169,31 @@ class Choice:
         return mask[..., :archived]
 
 
+MULTI_TOKEN_RULES = ("dense", "union")
+
+
 @dataclass
 class Retriever(ABC):
-    """Configuration of a retriever; its fields are its hyperparameters."""
+    """Configuration of a retriever; its fields are its hyperparameters.
+
+    ``multi_token`` is the rule for forwards of more than one query (a prefill chunk, a question, a
+    teacher-forced answer), the same for every retriever: ``"dense"`` (default, the reference's --
+    Quest attends densely whenever a forward has more than one query) reads the whole archive
+    beside the attended tier; ``"union"`` scans the index with every query and attends over the
+    union of each query's own choice (tiled, bounded memory). Decode steps (one query) always use
+    the retriever's own rule.
+    """
+
+    multi_token: str = "dense"
 
     name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        if self.multi_token not in MULTI_TOKEN_RULES:
+            raise ValueError(
+                f"multi_token must be one of {MULTI_TOKEN_RULES} (how forwards of several queries read the archive), "
+                f"got {self.multi_token!r}"
+            )
 
     @abstractmethod
     def new_state(self, geometry: RowGeometry) -> RetrievalState: ...
@@ -170,8 +205,10 @@ class Fetched:
 
     keys: torch.Tensor
     values: torch.Tensor | None  # GQA values; None on MLA (the latent row is both)
-    slots: torch.Tensor
+    slots: torch.Tensor | None
     valid: torch.Tensor
+    head_valid: torch.Tensor | None = None  # [B, H, f]: rows each query head may read (None: all of valid)
+    dense: bool = False  # the whole archive, in archive order (a multi-token forward under the "dense" rule)
 
 
 def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +278,7 @@ def scan(
 def fetch(
     layer: TieredLayer,
     query: torch.Tensor,
-    q_slots: torch.Tensor,
+    q_slots: torch.Tensor | None,
     scaling: float,
     best: torch.Tensor | None = None,
     *,
@@ -249,7 +286,7 @@ def fetch(
 ) -> Fetched | None:
     """Scan ``layer``'s index for ``query [B, H, q, D]`` and stage the archived rows it names.
 
-    ``best [B, H, q]`` is s* when the caller already has it (the decode step computes the tier's
+    ``q_slots [q]`` are the queries' slots (None: the forward's last ``q``). ``best [B, H, q]`` is s* when the caller already has it (the decode step computes the tier's
     scores anyway); otherwise it is computed per query tile. Returns None without a retriever or
     an archive. A single query's candidates are staged as they are (a fixed count per (batch,
     group), each row once: no host synchronisation); a multi-token forward's union (:func:`scan`),
@@ -267,27 +304,42 @@ def fetch(
     def best_of(start: int, stop: int) -> torch.Tensor:
         if best is not None:
             return best[:, :, start:stop]
-        return tier_best(layer, query[:, :, start:stop], q_slots[start:stop], scaling)
+        slots = q_slots if q_slots is not None else torch.arange(layer.seen - q_len, layer.seen, device=query.device)
+        return tier_best(layer, query[:, :, start:stop], slots[start:stop], scaling)
 
-    choice = state.choose(query, best_of(0, 1), scaling, view) if q_len == 1 and state.needs_best else (
-        state.choose(query, None, scaling, view) if q_len == 1 else None
-    )
-    if choice is not None and choice.rows is not None:  # a decode step: stage the candidates as they are
-        idx, picked = _unique(choice.rows, choice.ok, m)
+    choice = None
+    dense = q_len > 1 and layer.cache.retriever.multi_token == "dense"
+    if dense:  # the reference's rule for a forward of several queries: read the whole archive
+        mask = view.valid.clone()
+        idx, picked = torch.arange(m, device=query.device).expand(*mask.shape), mask
     else:
-        mask = choice.as_mask(m) & view.valid if choice is not None else scan(state, query, best_of, scaling, view)
-        idx, picked = _compact(mask, min(m, int(mask.sum(-1).max())))
+        if q_len == 1:
+            choice = state.choose(query, best_of(0, 1) if state.needs_best else None, scaling, view)
+        if choice is not None and choice.rows is not None and choice.rows.shape[-1] <= m // 2:
+            idx, picked = _unique(choice.rows, choice.ok, m)  # a decode step: stage the candidates as they are
+        elif choice is not None:  # a mask, or more candidates than half the archive: a fixed capacity of m
+            mask = choice.as_mask(m) & view.valid
+            idx, picked = _compact(mask, m if choice.mask is None else int(mask.sum(-1).max()))
+        else:
+            mask = scan(state, query, best_of, scaling, view)
+            idx, picked = _compact(mask, min(m, int(mask.sum(-1).max())))
     names = ("keys", "values") + (("slots",) if with_slots else ()) + (() if layer.all_valid else ("valid",))
     rows = archive.gather(idx, names)  # a decode step needs no slots; an archive without padding no flags
     if "valid" in rows:
         picked = picked & rows["valid"]  # padding rows are never fetched
+    head_valid = None
+    if choice is not None and choice.visible is not None:
+        B, H = query.shape[:2]
+        head_valid = choice.visible(idx) & picked.repeat_interleave(H // picked.shape[1], dim=1)
     fetched = Fetched(
         keys=rows["keys"],
         values=rows.get("values"),
         slots=torch.where(picked, rows["slots"], -1) if "slots" in rows else None,
         valid=picked,
+        head_valid=head_valid,
+        dense=dense,
     )
-    _account(layer, query, q_slots, scaling, state, idx, picked, view)
+    _account(layer, query, scaling, state, idx, picked, view, scanned=not dense)
     return fetched
 
 
@@ -315,10 +367,10 @@ def row_bytes(layer: TieredLayer) -> int:
     return per
 
 
-def _account(layer, query, q_slots, scaling, state, idx, picked, view) -> None:  # noqa: ANN001
+def _account(layer, query, scaling, state, idx, picked, view, *, scanned: bool) -> None:  # noqa: ANN001
     """This forward's KV-path reads: host numbers, plus one device count (the rows fetched)."""
     B, G = picked.shape[:2]
-    entries = state.entries()
+    entries = state.entries() if scanned else 0  # the dense rule reads the archive, not the index
     fetched = picked.sum()  # a device tensor: read only by stats()
     per_row = row_bytes(layer)
     attended = B * G * layer.tier.n * per_row
@@ -334,18 +386,19 @@ def _account(layer, query, q_slots, scaling, state, idx, picked, view) -> None: 
     if layer.cache.audit:
         mask = torch.zeros(B, G, view.keys.shape[2] + 1, dtype=torch.bool, device=picked.device)
         mask.scatter_(2, torch.where(picked, idx, view.keys.shape[2]), True)
-        step.update(_audit(query, scaling, state, mask[..., :-1], view, q_slots))
+        step.update(_audit(query, scaling, state, mask[..., :-1], view))
     layer.last_step = step
+    layer.attended_bytes_read += attended
+    layer.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
     info = layer.policy_info
     info["retrieval_steps"] = info.get("retrieval_steps", 0) + 1
-    for key in ("rows_scanned", "index_bytes_scanned", "attended_bytes_read",
-                "bound_violations", "recall_hits", "recall_total", "audited_scores"):
+    for key in ("rows_scanned", "bound_violations", "recall_hits", "recall_total", "audited_scores"):
         if key in step:
             info[key] = info.get(key, 0) + step[key]
     layer.fetched_rows = layer.fetched_rows + fetched  # one device add per step
 
 
-def _audit(query, scaling, state, mask, view, q_slots) -> dict[str, float]:  # noqa: ANN001
+def _audit(query, scaling, state, mask, view) -> dict[str, float]:  # noqa: ANN001
     """Exact scores of every archived row, tile by tile: bound violations and recall of the true top rows."""
     B, H, q_len, _ = query.shape
     G, m = view.keys.shape[1], view.keys.shape[2]

@@ -43,6 +43,7 @@ from kvzoo.kernels.attention import (
     attention_sdpa,
     decode_sdpa,
     row_scores,
+    sink_window_mask,
 )
 
 ATTN_NAME = "kvzoo"
@@ -143,9 +144,11 @@ def _decode_allowed(layer: TieredLayer) -> torch.Tensor | None:
 
 
 def _account_attended(layer: TieredLayer) -> None:
+    """A forward that reads the attended tier only: host arithmetic, no device work."""
     B, G = layer.tier.buffers["keys"].shape[:2]
     attended = B * G * layer.tier.n * row_bytes(layer)
     layer.last_step = {"attended_bytes_read": attended, "kv_bytes_read": attended}
+    layer.attended_bytes_read += attended
 
 
 def _decode(
@@ -162,9 +165,11 @@ def _decode(
     tier_scores = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None])  # [B,H,1,n]
     scores, sources = [tier_scores], [values]
     if retrieving:  # s* comes from the scores the step computes anyway
-        q_slots = _query_slots(layer, 1, query.device)
-        fetched = fetch(layer, query, q_slots, scaling, best=tier_scores.amax(dim=-1), with_slots=False)
-        scores.append(row_scores(query, fetched.keys, scaling, fetched.valid[:, :, None]))
+        fetched = fetch(layer, query, None, scaling, best=tier_scores.amax(dim=-1), with_slots=False)
+        fetched_scores = row_scores(query, fetched.keys, scaling, fetched.valid[:, :, None])
+        if fetched.head_valid is not None:  # rows only some of the group's heads chose
+            fetched_scores = fetched_scores.masked_fill(~fetched.head_valid[:, :, None], float("-inf"))
+        scores.append(fetched_scores)
         sources.append(_fetched_values(fetched, values.shape[-1]))
     else:
         _account_attended(layer)
@@ -178,14 +183,19 @@ def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
 
 @dataclass
 class MultiTokenRows:
-    """The rows a multi-token forward attends over: the ordered tier, then the fetched rows (if any)."""
+    """The rows a multi-token forward attends over: the ordered tier and the fetched rows (if any).
+
+    Fetched rows come after the tier, except the whole archive under the ``"dense"`` rule, which
+    comes before it (every archived row is older than the forward's own rows, so the
+    bottom-right causal mask still holds when nothing is padding).
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
     slots: torch.Tensor
     valid: torch.Tensor
-    tier_rows: int
-    plain_causal: bool  # no padding, no fetched rows: the bottom-right causal mask is exact
+    tier: slice  # where the tier's rows are
+    plain_causal: bool  # no padding, the forward's rows last, all others visible: bottom-right causal is exact
 
 
 def _multi_rows(layer: TieredLayer, index_query: Callable[[], torch.Tensor], scaling: float) -> MultiTokenRows:
@@ -200,28 +210,51 @@ def _multi_rows(layer: TieredLayer, index_query: Callable[[], torch.Tensor], sca
         fetched = fetch(layer, query, _query_slots(layer, query.shape[2], query.device), scaling)
     else:
         _account_attended(layer)
+    n = tier.n
     if fetched is None:
-        return MultiTokenRows(keys, values, slots, valid, tier.n, layer.all_valid)
+        return MultiTokenRows(keys, values, slots, valid, slice(0, n), layer.all_valid)
     f_values = _fetched_values(fetched, values.shape[-1])
+    if fetched.dense:
+        m = fetched.keys.shape[2]
+        return MultiTokenRows(
+            torch.cat([fetched.keys, keys], dim=2), torch.cat([f_values, values], dim=2),
+            torch.cat([fetched.slots, slots], dim=2), torch.cat([fetched.valid, valid], dim=2), slice(m, m + n),
+            layer.all_valid,
+        )
     return MultiTokenRows(
         torch.cat([keys, fetched.keys], dim=2), torch.cat([values, f_values], dim=2),
-        torch.cat([slots, fetched.slots], dim=2), torch.cat([valid, fetched.valid], dim=2), tier.n, False,
+        torch.cat([slots, fetched.slots], dim=2), torch.cat([valid, fetched.valid], dim=2), slice(0, n), False,
     )
+
+
+def _window_mask(layer: TieredLayer, rows: MultiTokenRows, q_len: int, groups: int) -> torch.Tensor | None:
+    """The policy's per-token window over the tier's rows for a multi-token forward (None: none)."""
+    policy = layer.cache.policy
+    budget = layer.budget or policy.resolve_budget(max(layer.seen, layer.cache.context_length or 0))
+    window = policy.multi_token_window(budget) if budget is not None and not policy.is_dense(layer.layer_rank) else None
+    if window is None:
+        return None
+    tier_valid = layer.tier.get("valid")
+    mask = torch.ones(*rows.valid.shape[:2], q_len, rows.valid.shape[2], dtype=torch.bool, device=tier_valid.device)
+    mask[..., rows.tier] = sink_window_mask(tier_valid, q_len, *window).expand(rows.valid.shape[0], groups, -1, -1)
+    return mask
 
 
 def _multi(layer: TieredLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: float, *, sdpa: bool) -> torch.Tensor:
     """A multi-token forward over ``rows``: ``[B, H, q, Dv]``."""
     q_slots = _query_slots(layer, query.shape[2], query.device)
+    extra = _window_mask(layer, rows, query.shape[2], rows.valid.shape[1]) if query.shape[2] > 1 else None
     if "accumulate" in layer.cache.policy.observes:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
-                                        column_sums=True)
+                                        column_sums=True, extra_mask=extra)
         stat = layer.tier.get("stat:attention")  # [B, G, n]; MLA's per-head rows sum into their one group
-        stat += sums[..., : rows.tier_rows].reshape(*stat.shape[:2], -1, stat.shape[2]).sum(dim=2)
+        stat += sums[..., rows.tier].reshape(*stat.shape[:2], -1, stat.shape[2]).sum(dim=2)
         return out
     if sdpa:
         return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
-                              all_valid=rows.plain_causal)
-    out, _ = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling)
+                              all_valid=rows.plain_causal, extra_mask=extra)
+    out, _ = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
+                                 extra_mask=extra)
     return out
 
 
@@ -315,7 +348,7 @@ def mla_attention(layer: TieredLayer, mq: MLAQuery, attention_mask, threshold: i
         B, H = query.shape[:2]
         slots = rows.slots.expand(B, H, -1)  # one latent group serves every head
         valid = rows.valid.expand(B, H, -1)
-        per_head = MultiTokenRows(keys, values, slots, valid, rows.tier_rows, rows.plain_causal)
+        per_head = MultiTokenRows(keys, values, slots, valid, rows.tier, rows.plain_causal)
         out = _multi(layer, query, per_head, mq.scaling, sdpa=True)
     layer.after_forward()
     return out

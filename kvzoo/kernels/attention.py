@@ -57,8 +57,11 @@ def attention_reference(
     *,
     column_sums: bool = False,
     query_chunk: int | None = None,
+    extra_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``.
+
+    ``extra_mask [B, G, q, n]`` (bool), when given, further restricts what each query reads.
 
     Scores are the rows' dtype's product (fp32 accumulation) upcast to fp32, the softmax is fp32
     (:func:`row_scores`, :func:`attend_scores`); the output has the query's dtype, ``[B, H, q, Dv]``.
@@ -76,6 +79,8 @@ def attention_reference(
     for start in range(0, q_len, query_chunk):
         stop = min(start + query_chunk, q_len)
         allowed = row_mask(key_slots, key_valid, query_slots[start:stop])  # [B, G, c, n]
+        if extra_mask is not None:
+            allowed = allowed & extra_mask[:, :, start:stop]
         scores = row_scores(query[:, :, start:stop], keys, scaling, allowed)
         out[:, :, start:stop], _, (probs,) = attend_scores([scores], [values], query.dtype)
         if sums is not None:
@@ -93,6 +98,7 @@ def attention_sdpa(
     scaling: float,
     *,
     all_valid: bool = False,
+    extra_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same output as :func:`attention_reference` through torch's fused SDPA (no probabilities).
 
@@ -105,7 +111,7 @@ def attention_sdpa(
     B, H, q_len, _ = query.shape
     G, n = keys.shape[1], keys.shape[2]
     hpg = H // G
-    if all_valid:
+    if all_valid and extra_mask is None:
         if q_len == 1:  # one query sees every row: no mask
             return decode_sdpa(query, keys, values, None, scaling)
         bias = causal_lower_right(q_len, n)
@@ -114,8 +120,21 @@ def attention_sdpa(
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling, enable_gqa=hpg > 1)
     allowed = row_mask(key_slots, key_valid, query_slots)  # [B, G, q, n]
+    if extra_mask is not None:
+        allowed = allowed & extra_mask
     allowed = allowed[:, :, None].expand(B, G, hpg, q_len, n).reshape(B, H, q_len, n)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling, enable_gqa=hpg > 1)
+
+
+def sink_window_mask(valid: torch.Tensor, queries: int, sinks: int, window: int) -> torch.Tensor:
+    """Bool ``[B, G, q, n]``: each of the last ``queries`` rows' tokens reads the first ``sinks`` valid
+    rows and the ``window`` latest valid rows up to and including its own (StreamingLLM's rule, token
+    by token). ``valid [B, G, n]`` over rows in sequence order, the queries' own rows last."""
+    rank = valid.long().cumsum(-1) - 1  # [B, G, n], rank among valid rows
+    q_rank = rank[..., -queries:]  # [B, G, q]
+    is_sink = (valid & (rank < sinks))[:, :, None, :]
+    recent = (q_rank[..., :, None] - rank[..., None, :]) < window
+    return is_sink | recent
 
 
 def decode_sdpa(

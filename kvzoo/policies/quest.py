@@ -23,49 +23,70 @@ from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever, RowGeom
 from kvzoo.framework.store import RowStore
 from kvzoo.kernels.index_scan import index_scan, page_query
 
+GQA_RULES = ("head", "group")
+
 
 @dataclass
 class Quest(Policy):
-    """Attend to 4 sinks + the latest page every step, and fetch back the pages whose keys could matter.
+    """Read the current page, and the pages whose key bound says they could matter, each decode step.
 
-    Quest keeps the whole KV cache and, at every decode step, reads only the pages (16 consecutive
-    tokens) whose upper bound ``sum_i max(q_i min_i, q_i max_i)`` is among the top
-    ``ceil(budget / 16)``. In kvzoo that is a selector and a retriever: the attended tier holds the
-    ``sinks`` first rows and the ``recent`` latest rows (schedule ``step``: every forward moves the
-    rows that left the window to the archive -- nothing is deleted, ``archive`` must stay True), and
-    the ``"quest"`` retriever indexes the archive by pages and fetches the top pages each step.
-    The budget (``ratio``/``budget``) sizes the pages fetched, as Quest's token budget does.
+    Quest (the reference's ``evaluation/quest_attention.py`` and ``quest/utils/controller.py``) keeps
+    the whole KV cache in pages of ``page_size`` consecutive tokens, aligned to the sequence start.
+    At each decode step every query head scores each page with the upper bound
+    ``sum_i max(q_i min_i, q_i max_i)`` (element-wise key min/max over the page) and reads its top
+    pages: ``max(3, B // page_size)`` pages for a token budget ``B`` (``ratio``/``budget``; ``B`` is
+    ``floor(context / ratio)``), the current page inside that count. Forwards of more than one
+    query (the prefill, a question, a teacher-forced answer) attend densely, and the first
+    ``dense_layers`` layers always do.
 
-    Defaults: ``page_size=16`` and ``dense_layers=2`` (the reference skips its first two layers,
-    which it keeps dense) are Quest's; ``sinks=4`` and ``recent=16`` (one page, Quest always reads
-    the current page) are kvzoo's. Deviations: the reference scores pages per query head; on GQA
-    kvzoo scores a page per KV head by the max over its query heads (an upper bound for each), and
-    fetches for a forward's queries together (the union of their top pages).
+    In kvzoo that is a selector and a retriever over an archive that deletes nothing: the attended
+    tier holds the current page (schedule ``step``: when a page completes, it moves to the archive
+    whole, so archived pages stay aligned), and the ``"quest"`` retriever indexes the archive by
+    page (min/max in the model's dtype) and fetches each head's top ``max(3, B // page_size) - 1``
+    pages (``gqa="head"``: on GQA models the group fetches the union of its heads' pages, each head
+    attends only to its own, and the bytes read count the union once). ``retriever="quest"`` takes
+    ``page_size`` and ``gqa`` from here.
+
+    Defaults are Quest's: ``page_size=16``, ``dense_layers=2``, per-head selection, no sink kept
+    apart from the pages. kvzoo's options: ``gqa="group"`` scores a page per KV group by the max
+    over its heads (one page set for the group, fewer bytes); ``sinks=n`` keeps the first ``n``
+    rows attended besides the pages (then archived pages start after them). Known deviations: on
+    MLA rows the "key" is the 576-dim latent row and the query the absorbed query (the bound holds
+    for any vectors; the reference has no MLA); a padded batch's pages count padding slots.
     """
 
-    sinks: int = 4
-    recent: int = 16
+    sinks: int = 0
     page_size: int = 16
     dense_layers: int = 2
+    gqa: str = "head"
     retriever: Any = "quest"
 
     name: ClassVar[str] = "quest"
-    summary: ClassVar[str] = "sinks + current page attended; top pages by per-page key min/max bound fetched each step"
+    summary: ClassVar[str] = "current page attended; each head's top pages by a key min/max bound fetched per step (reference rules)"
     paper: ClassVar[str] = "https://arxiv.org/abs/2406.10774"
     schedule: ClassVar[str] = "step"
 
     def validate(self) -> None:
         super().validate()
-        for field_name, low in (("sinks", 0), ("recent", 1), ("page_size", 1), ("dense_layers", 0)):
+        for field_name, low in (("sinks", 0), ("page_size", 1), ("dense_layers", 0)):
             require_int(getattr(self, field_name), field_name, low)
+        if self.gqa not in GQA_RULES:
+            raise ValueError(
+                f"gqa must be one of {GQA_RULES} ('head': each query head's own top pages, the reference; "
+                f"'group': one page set per KV group), got {self.gqa!r}"
+            )
         if not self.archive:
             raise ValueError("quest deletes nothing: archive must be True (pages are fetched back from it)")
+
+    def retriever_params(self) -> dict[str, Any]:
+        return {"page_size": self.page_size, "gqa": self.gqa}
 
     def is_dense(self, layer_rank: int) -> bool:
         return layer_rank < self.dense_layers
 
-    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0):  # noqa: ANN001 - as base
-        attended = self.sinks + self.recent
+    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0, seen=0):  # noqa: ANN001
+        current = (seen - 1) % self.page_size + 1 if seen else resident  # rows of the page the latest token is in
+        attended = min(self.sinks, max(0, seen - current)) + current
         return attended if resident > attended else None
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
@@ -79,22 +100,26 @@ class Quest(Policy):
 class QuestRetriever(Retriever):
     """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page.
 
-    Each query picks the top ``pages`` pages per KV group (default ``ceil(budget / page_size)``
-    with the layer's budget), a page scored by the max over the group's query heads of Quest's
-    bound; a forward fetches the union of its queries' pages (``framework/retrieval.py``). The last
-    page may be partial. On MLA rows the "key" is the whole 576-dim latent row and the query the
-    absorbed query (the bound holds for any vectors).
+    Each decode query picks, per query head (``gqa="head"``) or per KV group by the max over its
+    heads (``gqa="group"``), its top ``pages`` pages (default ``max(3, budget // page_size) - 1``
+    with the layer's budget: Quest's page count, the current page inside it). The last page may
+    be partial. Page min/max are kept in the keys' dtype (each is one of the page's key values).
+    On MLA rows the "key" is the whole 576-dim latent row and the query the absorbed query.
     """
 
     page_size: int = 16
     pages: int | None = None
+    gqa: str = "head"
 
     name: ClassVar[str] = "quest"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require_int(self.page_size, "page_size", 1, "rows per page")
         if self.pages is not None:
             require_int(self.pages, "pages", 1, "pages fetched per step; None: from the budget")
+        if self.gqa not in GQA_RULES:
+            raise ValueError(f"gqa must be one of {GQA_RULES}, got {self.gqa!r}")
 
     def new_state(self, geometry: RowGeometry) -> PageIndex:
         return PageIndex(self)
@@ -112,7 +137,7 @@ class PageIndex(RetrievalState):
     def __init__(self, config: QuestRetriever) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.pages = RowStore()  # "entries" [B, G, p, 2 D + 1] fp32, "empty" [B, G, p] bool
+        self.pages = RowStore()  # "entries" [B, G, p, 2 D + 1] in the keys' dtype, "empty" [B, G, p] bool
         self.rows = 0  # archived rows indexed
 
     @property
@@ -142,14 +167,15 @@ class PageIndex(RetrievalState):
         hi = new.masked_fill(~valid[..., None], float("-inf"))
         B, G, k, D = new.shape
         if not self.pages.buffers:
-            self.pages.define(B, G, {"entries": ((2 * D + 1,), torch.float32), "empty": ((), torch.bool)}, new.device)
+            dtype = rows["keys"].dtype  # min/max/|max| are key values: exact in the keys' dtype
+            self.pages.define(B, G, {"entries": ((2 * D + 1,), dtype), "empty": ((), torch.bool)}, new.device)
         if self.rows % size:  # the last page is partial: merge the new rows into its index row
             fill = min(size - self.rows % size, k)
             last = self.pages.get("entries")[:, :, -1]  # [B, G, 2 D + 1], a view: updated in place
-            torch.maximum(last[..., :D], hi[:, :, :fill].amax(2), out=last[..., :D])
-            torch.minimum(last[..., D : 2 * D], lo[:, :, :fill].amin(2), out=last[..., D : 2 * D])
+            last[..., :D] = torch.maximum(last[..., :D].float(), hi[:, :, :fill].amax(2))
+            last[..., D : 2 * D] = torch.minimum(last[..., D : 2 * D].float(), lo[:, :, :fill].amin(2))
             magnitude = new[:, :, :fill].abs().masked_fill(~valid[:, :, :fill, None], 0).amax(dim=(2, 3))
-            torch.maximum(last[..., -1], magnitude, out=last[..., -1])
+            last[..., -1] = torch.maximum(last[..., -1].float(), magnitude)
             self.pages.get("empty")[:, :, -1] &= ~valid[:, :, :fill].any(2)
             lo, hi, valid = lo[:, :, fill:], hi[:, :, fill:], valid[:, :, fill:]
             self.rows += fill
@@ -161,7 +187,8 @@ class PageIndex(RetrievalState):
             hi = torch.cat([hi, hi.new_full((B, G, pad, D), float("-inf"))], 2).view(B, G, pages, size, D).amax(3)
             empty = torch.isinf(lo).all(-1)
             magnitude = torch.maximum(lo.abs(), hi.abs()).masked_fill(empty[..., None], 0).amax(-1, keepdim=True)
-            self.pages.append({"entries": torch.cat([hi, lo, magnitude], dim=-1), "empty": empty})
+            entries = torch.cat([hi, lo, magnitude], dim=-1).to(self.pages.buffers["entries"].dtype)
+            self.pages.append({"entries": entries, "empty": empty})
             self.rows += k
 
     def entries(self) -> int:
@@ -176,25 +203,34 @@ class PageIndex(RetrievalState):
         return bounds.view(B, H, q_len, -1)
 
     def n_pages(self, budget: int | None) -> int:
-        return min(self.pages.n, self.config.pages or max(1, math.ceil((budget or 0) / self.page_size)))
+        """Archived pages one query head reads: Quest's ``max(3, B // page_size)`` less the current page."""
+        wanted = self.config.pages or max(3, (budget or 0) // self.page_size) - 1
+        return min(self.pages.n, wanted)
 
     def choose(self, query, best, scaling, archive) -> Choice:  # noqa: ANN001
         bounds = self.bounds(query, scaling)  # [B, H, q, p]
         B, H, q_len, p = bounds.shape
         G = archive.keys.shape[1]
-        group_score = bounds.view(B, G, H // G, q_len, p).amax(dim=2)  # [B, G, q, p]: per query
-        pages = group_score.topk(self.n_pages(archive.budget), dim=-1).indices  # [B, G, q, n]
-        rows = pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)
-        rows = rows.view(B, G, -1)
-        return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows)  # the last page may be partial
+        n = self.n_pages(archive.budget)
+        size = self.page_size
+        offsets = torch.arange(size, device=bounds.device)
+        if self.config.gqa == "group":  # one page set per KV group: the max over its heads
+            pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
+            rows = (pages[..., None] * size + offsets).view(B, G, -1)
+            return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows)
+        pages = bounds.topk(n, dim=-1).indices  # [B, H, q, n]: each head's own pages
+        rows = (pages[..., None] * size + offsets).view(B, G, -1)  # the union over the group's heads
+
+        def visible(staged: torch.Tensor) -> torch.Tensor:
+            """Head h reads a staged row when the row's page is among head h's pages: ``[B, H, K]``."""
+            own = torch.zeros(B, H, p, dtype=torch.bool, device=pages.device)
+            own.scatter_(2, pages.view(B, H, q_len * n), True)
+            return own.gather(2, (staged // size).repeat_interleave(H // G, dim=1))
+
+        return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows, visible=visible)
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.pages.select_batch(index)
-        if self.last_min is not None:
-            self.last_min, self.last_max = self.last_min.index_select(0, index), self.last_max.index_select(0, index)
 
     def repeat_batch(self, repeats: int) -> None:
         self.pages.repeat_batch(repeats)
-        if self.last_min is not None:
-            self.last_min = self.last_min.repeat_interleave(repeats, dim=0)
-            self.last_max = self.last_max.repeat_interleave(repeats, dim=0)

@@ -20,6 +20,7 @@ from kvzoo.framework.policy import (
 )
 
 STREAMING_SCHEDULES = ("step", "block")
+PREFILLS = ("dense", "stream")
 
 
 @dataclass
@@ -37,14 +38,29 @@ class StreamingLLM(Policy):
       ``schedule="block"`` evicts only when ``block_size`` rows have been appended since the last
       eviction, then drops back to the budget (amortised eviction; same rows kept at block ends).
 
-    Deviations: the reference also re-assigns positions inside the cache (it rotates keys at their
-    cache index); kvzoo keeps every key rotated at its original position and decodes at the true
-    sequence length, as DESIGN.md §3 requires for all policies.
+    * ``prefill="dense"`` -- kvzoo's default: a multi-token forward (the context's prefill, a
+      question) attends to every row the tier holds, and the eviction follows the forward.
+      ``prefill="stream"`` is the reference's token-by-token rule: inside a multi-token forward each
+      token reads only the ``sinks`` first rows and the ``budget - sinks`` latest rows up to and
+      including its own, exactly as if the tokens had been fed one at a time with eviction before
+      each (the reference's ``evict_for_space``).
+
+    Deviations, all known:
+
+    * the reference re-assigns positions inside the cache (it rotates keys at their cache index);
+      kvzoo keeps every key rotated at its original position and decodes at the true sequence
+      length, as DESIGN.md §3 requires for all policies;
+    * with the default ``prefill="dense"`` the context is prefilled densely and evicted after, and
+      a question after compression attends to budget + its own rows -- both help the baseline
+      against the reference, where every token sees at most ``budget`` rows (``prefill="stream"``);
+    * a decode step evicts after its attention (one in, one out), so the step reads ``budget + 1``
+      rows, its own included; the reference evicts for space first (``budget`` rows).
     """
 
     sinks: int = 4
     schedule: str = "step"
     block_size: int = 256
+    prefill: str = "dense"
 
     name: ClassVar[str] = "streaming_llm"
     summary: ClassVar[str] = "4 attention sinks + the most recent rows (rolling window)"
@@ -56,6 +72,11 @@ class StreamingLLM(Policy):
         if self.schedule not in STREAMING_SCHEDULES:
             raise ValueError(f"schedule must be one of {STREAMING_SCHEDULES}, got {self.schedule!r}")
         require_int(self.block_size, "block_size", 1, "rows appended between evictions")
+        if self.prefill not in PREFILLS:
+            raise ValueError(
+                f"prefill must be one of {PREFILLS} ('dense': a multi-token forward reads every tier row; 'stream': "
+                f"token by token, each token reads the sinks and the latest budget - sinks rows), got {self.prefill!r}"
+            )
         if self.budget is not None and self.budget <= self.sinks:
             raise ValueError(
                 f"budget ({self.budget}) must exceed sinks ({self.sinks}) to leave room for a recent window"
@@ -66,3 +87,9 @@ class StreamingLLM(Policy):
 
     def step_victim(self, rows: RowsView) -> torch.Tensor:
         return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)
+
+    def multi_token_window(self, budget: int) -> tuple[int, int] | None:
+        if self.prefill != "stream":
+            return None
+        sinks = min(self.sinks, budget - 1)
+        return sinks, budget - sinks

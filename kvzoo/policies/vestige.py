@@ -96,7 +96,7 @@ class Vestige(Policy):
             return min(block_rows, self.budget)
         return min(block_rows, max(1, int(block_rows / self.ratio)))
 
-    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0):  # noqa: ANN001 - as base
+    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0, seen=0):  # noqa: ANN001
         if block_rows <= 0:
             return None
         target = resident - block_rows + self.block_keep(block_rows)
@@ -168,6 +168,7 @@ class VestigeRetriever(Retriever):
     name: ClassVar[str] = "vestige"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.rank is not None:
             require_int(self.rank, "rank", 1, "sketch rank; None picks 64 on MLA rows, head_dim // 4 on GQA")
         require_int(self.j, "j", 1, "rows fetched per step and head")
