@@ -16,7 +16,11 @@ Three tables, printed as markdown and written to ``benchmarks/refmodels/RESULTS.
 
 Deviations from the policies' defaults, forced by the 510-token context and the 2-layer model:
 snapkv/chunkkv ``window = min(32, budget)`` (at 32x the budget is 15 rows); quest
-``dense_layers = 0`` (its default 2 would leave both layers of this model dense).
+``dense_layers = 0`` (its default 2 would leave both layers of this model dense). The answer is
+the question forward's own next token, and the question is a 2-token forward: under the default
+``multi_token="dense"`` rule a retriever would read the whole archive there and equal ``full`` by
+construction, so the retriever rows use ``multi_token="union"`` (each question token's own
+choice, the same rule as a decode step).
 """
 
 from __future__ import annotations
@@ -57,11 +61,13 @@ def make_policy(name: str, ratio: int, context_len: int) -> Any:
     if name == "vestige":
         return registry.get("vestige", ratio=ratio, retriever=None)
     if name == "vestige+certified":
-        return registry.get("vestige", ratio=ratio, retriever=build_retriever("vestige", certified=True, tau=8.0))
+        return registry.get("vestige", ratio=ratio, retriever=build_retriever("vestige", certified=True, tau=8.0,
+                                                                              multi_token="union"))
     if name in ("snapkv", "chunkkv"):
         return registry.get(name, ratio=ratio, window=min(32, budget))
-    if name == "quest":
-        return registry.get("quest", ratio=ratio, dense_layers=0)
+    if name == "quest":  # the page index scanned by the 2-token question too (its reference rule is dense)
+        return registry.get("quest", ratio=ratio, dense_layers=0,
+                            retriever=build_retriever("quest", multi_token="union"))
     return registry.get(name, ratio=ratio)
 
 
