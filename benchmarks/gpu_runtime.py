@@ -128,7 +128,7 @@ def make_cache(model: torch.nn.Module, name: str, s: Settings, context: int) -> 
     from transformers import DynamicCache
 
     from kvzoo import TieredCache, registry
-    from kvzoo.framework.runtime import detach
+    from kvzoo.framework.attention import detach
 
     if POLICIES[name] is None:
         detach(model)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/needle_retrieval.py [--ratio 8]
 
-2k-token needle context (kvzoo.demo's generator, needle at 35 % depth), question after
+2k-token needle context (kvzoo.bench.tasks' generator, needle at 35 % depth), question after
 compression. Rows: vestige (σ on the key: SmolLM2 is a RoPE/GQA model, where the paper predicts
 the branch selector fails), vestige + certified sketch, snapkv, snapkv + vestige sketch, quest.
 """
@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from kvzoo import pipeline, registry
-from kvzoo.demo import NEEDLE_VALUE, QUESTION, build_needle_context
+from kvzoo.bench.tasks import NEEDLE_VALUE, QUESTION, build_needle_context
 from kvzoo.framework.retrieval import build_retriever
 from kvzoo.models import load_smollm2
 

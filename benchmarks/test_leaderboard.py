@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import DECODE_STEPS, MODEL, POSITIONS, ROUNDS
 
-from kvzoo.bench.runner import build_policy, encode_prompt, new_cache, run_trial
+from kvzoo import TieredCache
+from kvzoo.bench.runner import build_policy, encode_prompt, run_trial
 
 
 def _policy_or_skip(name: str, ratio: float | None):
@@ -32,7 +33,7 @@ def test_prefill_compress(benchmark, case, bench_model, bench_task, references):
 
     @torch.no_grad()
     def prefill_and_compress() -> None:
-        cache = new_cache(model, policy, prefix.shape[1])
+        cache = TieredCache(model, policy, context_length=prefix.shape[1])
         model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
         cache.compress()
 
@@ -60,7 +61,7 @@ def test_decode_steps(benchmark, case, bench_model, bench_task):
 
     @torch.no_grad()
     def setup():
-        cache = new_cache(model, policy, ids.prefix.shape[1])
+        cache = TieredCache(model, policy, context_length=ids.prefix.shape[1])
         model(input_ids=ids.prefix, cache=cache, use_cache=True, logits_to_keep=1)
         cache.compress()
         logits = model(input_ids=ids.question, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]

@@ -21,7 +21,7 @@ from kvzoo import TieredCache, registry
 from kvzoo.models import load_model
 
 
-def run(model, policy, ids, steps=20):  # noqa: ANN001
+def run(model, policy, ids, steps=20):
     cache = TieredCache(model, policy, context_length=ids.shape[1])
     with torch.no_grad():
         for i in range(0, ids.shape[1], 1024):

@@ -18,23 +18,7 @@ from __future__ import annotations
 import sys
 import time
 
-from kvzoo.bench.haystacks import filler_sentences
-from kvzoo.bench.tasks import (
-    CONTEXT_TOKENS,
-    NEEDLE,
-    NEEDLE_DEPTH,
-    NEEDLE_VALUE,
-    QUESTION,
-    NeedleContext,
-    build_needle_context,
-)
-
-RATIO = 4  # the ratio `kvzoo run` examples use
-
-__all__ = [
-    "CONTEXT_TOKENS", "NEEDLE", "NEEDLE_DEPTH", "NEEDLE_VALUE", "QUESTION", "RATIO", "NeedleContext",
-    "build_needle_context", "filler_sentences", "main",
-]
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:

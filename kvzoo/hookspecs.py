@@ -1,4 +1,4 @@
-"""The kvzoo plugin hook: one function, returning policy classes.
+"""The kvzoo plugin hooks: ``kvzoo_policies`` returns policy classes, ``kvzoo_retrievers`` retriever classes.
 
 A plugin is an ordinary module (or object) with a marked function::
 
@@ -21,12 +21,8 @@ loaded through the same hook (the built-in plugin in :mod:`kvzoo.registry` reads
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import pluggy
-
-if TYPE_CHECKING:
-    from kvzoo.framework.policy import Policy
 
 PROJECT_NAME = "kvzoo"  # pluggy project name and entry-point group
 
@@ -35,9 +31,18 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def kvzoo_policies() -> Sequence[type[Policy]]:
+def kvzoo_policies() -> Sequence[type]:
     """Return the policy classes this plugin provides.
 
     Each must be a subclass of :class:`kvzoo.framework.policy.Policy` with a non-empty ``name``
     that no other plugin (nor a built-in) claims; the registry builds them by that name.
+    """
+
+
+@hookspec
+def kvzoo_retrievers() -> Sequence[type]:
+    """Return the retriever classes this plugin provides.
+
+    Each must be a subclass of :class:`kvzoo.framework.retriever.Retriever` with a non-empty
+    ``name`` no other plugin claims; policies then name it (``retriever="my_index"``).
     """

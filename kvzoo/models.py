@@ -265,12 +265,19 @@ def load_reference_model(name: str) -> tuple[Any, None]:
     return model.eval(), None
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``) or local directory.
+def looks_like_hub_id(name: str) -> bool:
+    """``owner/name`` that is not a local path: a model on the Hugging Face hub."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
 
-    ``"tiny-llama"`` is random, fp32 whatever ``dtype`` says, and has no tokenizer (``None``).
-    A local directory is read with ``from_pretrained(local_files_only=True)``; nothing is
-    downloaded.
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``, ...), local directory, or hub id.
+
+    The tiny models are random, fp32 whatever ``dtype`` says, and have no tokenizer (``None``). A
+    local directory is read with ``from_pretrained(local_files_only=True)``. A hub id
+    (``owner/name``) that is not a local directory is downloaded by ``from_pretrained`` -- the one
+    path that needs a network; everything else runs offline.
     """
     if name_or_path == "smollm2-135m":
         return load_smollm2(dtype)
@@ -283,19 +290,27 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
     if name_or_path.startswith(REF_MODEL_PREFIXES):
         return load_reference_model(name_or_path)
     path = pathlib.Path(name_or_path).expanduser()
-    if path.is_dir():
+    if path.is_dir() or looks_like_hub_id(name_or_path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         import kvzoo.refmodel  # noqa: F401  (registers model_type "kvzoo_mla" with the Auto classes)
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        local = path.is_dir()
+        source = path if local else name_or_path
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
+        except OSError as err:
+            if local:
+                raise
+            raise OSError(f"could not load {name_or_path!r} from the hub ({err}); kvzoo runs offline except for "
+                          "hub ids: download it where a network is, then pass the local directory") from err
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
         except (OSError, ValueError):  # a weights-only directory: the caller works with ids
             tokenizer = None
         return model.eval(), tokenizer
     raise ValueError(
         f"unknown model {name_or_path!r}: valid names are {', '.join(repr(n) for n in MODEL_NAMES)}, "
-        "or the path of an existing local directory holding a transformers model "
-        "(hub ids are not supported: kvzoo runs offline)."
+        "the path of an existing local directory holding a transformers model, or a hub id such as "
+        "'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
     )

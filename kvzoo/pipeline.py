@@ -1,12 +1,20 @@
-"""``kvzoo.pipeline``: question-after-compression generation and scoring (see ``framework/pipeline.py``)."""
+"""``kvzoo.pipeline``: question-after-compression generation and scoring, and their steps (see ``framework/pipeline.py``)."""
 
 from kvzoo.framework.pipeline import (
     QUESTION_POSITIONS,
     GenerationResult,
     ScoreResult,
     build_prompt,
+    compress,
+    eos_ids,
     generate,
+    greedy_decode,
+    prefill,
     score,
+    teacher_forced_nll,
 )
 
-__all__ = ["QUESTION_POSITIONS", "GenerationResult", "ScoreResult", "build_prompt", "generate", "score"]
+__all__ = [
+    "QUESTION_POSITIONS", "GenerationResult", "ScoreResult", "build_prompt", "compress", "eos_ids", "generate",
+    "greedy_decode", "prefill", "score", "teacher_forced_nll",
+]

@@ -1,9 +1,11 @@
-"""Policies by name: ``get("streaming_llm", ratio=4)`` returns a configured policy.
+"""Policies and retrievers by name: ``get("streaming_llm", ratio=4)`` returns a configured policy.
 
-Every policy reaches the registry through one pluggy hook, :func:`kvzoo.hookspecs.kvzoo_policies`:
+Every policy reaches the registry through one pluggy hook, :func:`kvzoo.hookspecs.kvzoo_policies`,
+and every retriever through a second, :func:`kvzoo.hookspecs.kvzoo_retrievers`:
 
-* kvzoo's own policies come from :class:`BuiltinPolicies`, a plugin that reads ``registry.toml``
-  and imports the classes it lists;
+* kvzoo's own come from :class:`BuiltinPolicies`, a plugin that reads ``registry.toml`` (names and
+  ``module:Class`` only; summary, paper, layouts and defaults are read from the classes) and
+  imports the classes it lists;
 * third-party packages declare a plugin module in the ``kvzoo`` entry-point group;
 * tests and scripts call :func:`register_plugin`.
 
@@ -42,6 +44,7 @@ except ModuleNotFoundError:  # Python 3.10: tomli is the same parser, if it is i
 
 if TYPE_CHECKING:
     from kvzoo.framework.policy import Policy
+    from kvzoo.framework.retriever import Retriever
 
 __all__ = [
     "BUILTIN_PLUGIN_NAME",
@@ -51,6 +54,8 @@ __all__ = [
     "RegistryError",
     "UnknownPolicyError",
     "available",
+    "build_retriever",
+    "check_retriever_params",
     "get",
     "get_spec",
     "hookimpl",
@@ -61,6 +66,9 @@ __all__ = [
     "register_plugin",
     "reload",
     "reset",
+    "resolve",
+    "retriever_class",
+    "retrievers",
     "unregister_plugin",
 ]
 
@@ -83,25 +91,24 @@ class UnknownPolicyError(KeyError):
 # --- the built-in plugin -------------------------------------------------------------------------
 
 
-def read_manifest(path: Path = REGISTRY_TOML) -> list[dict[str, Any]]:
-    """The ``[[policy]]`` tables of ``registry.toml``, in file order, checked for required keys."""
+def read_manifest(path: Path = REGISTRY_TOML, kind: str = "policy") -> list[dict[str, Any]]:
+    """The ``[[policy]]`` (or ``[[retriever]]``) tables of ``registry.toml``, in file order, checked."""
     if tomllib is None:
         raise RegistryError(f"reading {path.name} needs tomllib (Python >= 3.11) or the tomli package: pip install tomli")
     try:
         with path.open("rb") as f:
             manifest = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise RegistryError(f"cannot read the built-in policy manifest {path}: {exc}") from exc
-    entries = manifest.get("policy")
-    if not isinstance(entries, list) or not entries:
-        raise RegistryError(f"{path} must list the built-in policies as [[policy]] tables")
+        raise RegistryError(f"cannot read the built-in manifest {path}: {exc}") from exc
+    entries = manifest.get(kind, [] if kind == "retriever" else None)
+    if not isinstance(entries, list) or (kind == "policy" and not entries):
+        raise RegistryError(f"{path} must list the built-in {kind}s as [[{kind}]] tables")
     for i, entry in enumerate(entries):
-        for key, kind in (("name", str), ("module", str), ("summary", str), ("paper", str),
-                          ("layouts", list), ("defaults", dict)):
-            if not isinstance(entry.get(key), kind):
+        for key in ("name", "module"):
+            if not isinstance(entry.get(key), str):
                 raise RegistryError(
-                    f"{path}: [[policy]] #{i + 1} ({entry.get('name', '?')!r}) needs {key} = <{kind.__name__}> "
-                    "(keys: name, module = 'package.module:Class', summary, paper, layouts, defaults)"
+                    f"{path}: [[{kind}]] #{i + 1} ({entry.get('name', '?')!r}) needs {key} = <str> "
+                    "(keys: name, module = 'package.module:Class')"
                 )
     return entries
 
@@ -121,15 +128,14 @@ def _import_object(spec: str) -> Any:
 
 
 class BuiltinPolicies:
-    """The plugin that provides kvzoo's own policies: the classes ``registry.toml`` lists."""
+    """The plugin that provides kvzoo's own policies and retrievers: the classes ``registry.toml`` lists."""
 
     def __init__(self, manifest_path: Path = REGISTRY_TOML) -> None:
         self.manifest_path = manifest_path
 
-    @hookimpl
-    def kvzoo_policies(self) -> list[type[Policy]]:
+    def _classes(self, kind: str) -> list[type]:
         classes = []
-        for entry in read_manifest(self.manifest_path):
+        for entry in read_manifest(self.manifest_path, kind):
             cls = _import_object(entry["module"])
             if getattr(cls, "name", None) != entry["name"]:
                 raise RegistryError(
@@ -138,6 +144,14 @@ class BuiltinPolicies:
                 )
             classes.append(cls)
         return classes
+
+    @hookimpl
+    def kvzoo_policies(self) -> list[type[Policy]]:
+        return self._classes("policy")
+
+    @hookimpl
+    def kvzoo_retrievers(self) -> list[type[Retriever]]:
+        return self._classes("retriever")
 
 
 # --- discovery -----------------------------------------------------------------------------------
@@ -151,7 +165,8 @@ class _Entry:
 
 
 _registered: list[tuple[object, str]] = []  # plugins given to register_plugin(), in order
-_entries: dict[str, _Entry] | None = None  # the cache; None until the first lookup
+_entries: dict[str, _Entry] | None = None  # the policy table; None until the first lookup
+_retrievers: dict[str, _Entry] | None = None  # the retriever table, built with it
 
 
 def _class_path(cls: type) -> str:
@@ -226,8 +241,10 @@ def _discover() -> dict[str, _Entry]:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise RegistryError(f"{exc}; the only kvzoo hook is kvzoo_policies()") from exc
+        raise RegistryError(f"{exc}; the kvzoo hooks are kvzoo_policies() and kvzoo_retrievers()") from exc
 
+    global _retrievers
+    _retrievers = _discover_retrievers(pm)
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     impls = sorted(
         pm.hook.kvzoo_policies.get_hookimpls(),
@@ -258,6 +275,37 @@ def _discover() -> dict[str, _Entry]:
     return {entry.cls.name: entry for entry in builtins + others}
 
 
+def _discover_retrievers(pm: pluggy.PluginManager) -> dict[str, _Entry]:
+    """The name -> class table of retrievers: built-ins first, then plugins' by name."""
+    from kvzoo.framework.retriever import Retriever
+
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    impls = sorted(
+        pm.hook.kvzoo_retrievers.get_hookimpls(),
+        key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name),
+    )
+    table: dict[str, _Entry] = {}
+    for impl in impls:
+        where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
+        try:
+            result = impl.function()
+        except Exception as exc:
+            raise RegistryError(f"{where}: kvzoo_retrievers() raised {type(exc).__name__}: {exc}") from exc
+        for cls in result or []:
+            if not (inspect.isclass(cls) and issubclass(cls, Retriever)) or not getattr(cls, "name", ""):
+                raise RegistryError(
+                    f"{where}: kvzoo_retrievers() returned {cls!r}; return named subclasses of "
+                    "kvzoo.framework.retriever.Retriever (class attribute name: ClassVar[str])"
+                )
+            entry = _Entry(cls, impl.plugin_name, f"{where}, class {_class_path(cls)}")
+            if cls.name in table:
+                raise RegistryError(
+                    f"retriever name {cls.name!r} is claimed twice: by {table[cls.name].source} and by {entry.source}"
+                )
+            table[cls.name] = entry
+    return table
+
+
 def _table() -> dict[str, _Entry]:
     global _entries
     if _entries is None:
@@ -265,22 +313,28 @@ def _table() -> dict[str, _Entry]:
     return _entries
 
 
+def _retriever_table() -> dict[str, _Entry]:
+    _table()
+    return _retrievers
+
+
 def reload() -> None:
-    """Forget the cached table and discover again now (entry points re-read; registered plugins kept)."""
+    """Forget the cached tables and discover again now (entry points re-read; registered plugins kept)."""
     global _entries
     _entries = None
     _table()
 
 
 def reset() -> None:
-    """Unregister every plugin given to :func:`register_plugin` and forget the cached table."""
+    """Unregister every plugin given to :func:`register_plugin` and forget the cached tables."""
     global _entries
     _registered.clear()
     _entries = None
 
 
 def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str:
-    """Register a plugin (a module or object with a ``@hookimpl`` ``kvzoo_policies``) without installing it.
+    """Register a plugin (a module or object with ``@hookimpl`` ``kvzoo_policies`` and/or
+    ``kvzoo_retrievers``) without installing it.
 
     Returns the plugin's name: ``name``, else the module's ``__name__``, else its type and id.
     The registry is rebuilt at once, so a bad plugin fails here with a :class:`RegistryError` and
@@ -381,12 +435,81 @@ def get(name: str, **params: Any) -> Policy:
             f"Valid parameters of {name}: {', '.join(valid)}"
         )
     try:
-        return cls(**params)
+        policy = cls(**params)
     except (TypeError, ValueError) as exc:
         named = _names_policy(exc, name)
         if named is exc:
             raise
         raise named from exc
+    _check_retriever_name(policy)
+    return policy
+
+
+def _check_retriever_name(policy: Policy) -> None:
+    if isinstance(policy.retriever, str) and policy.retriever not in _retriever_table():
+        valid = ", ".join(_retriever_table())
+        raise ValueError(f"{policy.name}: retriever={policy.retriever!r} is not a retriever; valid: {valid} "
+                         "or None (eviction only)")
+
+
+def resolve(policy: Policy | str | None) -> Policy:
+    """A Policy from a Policy (as it is), a registered name or spec (``"quest(gqa=group)"``), or None (``full``).
+
+    The one place names become policies for the framework (``TieredCache(model, "snapkv")``).
+    """
+    from kvzoo.framework.policy import Policy
+
+    if policy is None:
+        return get("full")
+    if isinstance(policy, str):
+        return get_spec(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy must be a kvzoo Policy, a registered name (see kvzoo.registry.available()) or None, "
+            f"got {type(policy).__name__}"
+        )
+    _check_retriever_name(policy)
+    return policy
+
+
+def retrievers() -> dict[str, str]:
+    """Every registered retriever name with the first line of its class's docstring."""
+    return {name: (entry.cls.__doc__ or "").strip().splitlines()[0] for name, entry in _retriever_table().items()}
+
+
+def retriever_class(name: str) -> type[Retriever]:
+    table = _retriever_table()
+    if name not in table:
+        raise KeyError(f"unknown retriever {name!r}; valid: {', '.join(table)}")
+    return table[name].cls
+
+
+def build_retriever(spec: str | Retriever | None, **params: Any) -> Retriever | None:
+    """A configured retriever from a registered name (with ``params``), a Retriever object, or None."""
+    from kvzoo.framework.retriever import Retriever
+
+    if spec is None or isinstance(spec, Retriever):
+        if params:
+            raise TypeError("retriever parameters need a retriever name")
+        return spec
+    cls = retriever_class(spec)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise TypeError(f"retriever {spec!r}: unknown parameter(s) {unknown}; valid: {sorted(fields)}")
+    return cls(**params)
+
+
+def check_retriever_params(policy: Policy, retriever: Retriever | None) -> None:
+    """ValueError when a retriever object disagrees with a setting the policy also holds (``page_size``)."""
+    if retriever is None:
+        return
+    for name, value in policy.retriever_params().items():
+        if name in getattr(retriever, "__dataclass_fields__", {}) and getattr(retriever, name) != value:
+            raise ValueError(
+                f"policy {policy.name!r} has {name}={value!r} but its retriever has {name}={getattr(retriever, name)!r}; "
+                f"give the retriever by name (retriever={retriever.name!r}) to take the policy's, or make them equal"
+            )
 
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][\w.:-]*)\s*(?:\((.*)\))?\s*$")

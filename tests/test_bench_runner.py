@@ -14,7 +14,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kvzoo import pipeline, registry
+from kvzoo import TieredCache, pipeline, registry
 from kvzoo.bench import plots, report, runner
 from kvzoo.bench.tasks import ByteTokenizer, TaskSpec, make_task
 from kvzoo.framework.policy import Policy, RowsView
@@ -78,14 +78,14 @@ def test_trial_on_a_forked_cache_equals_pipeline_generate_and_score(tiny, name: 
 def test_forked_cache_shares_the_model_and_copies_the_rows(tiny):
     task = make_task(TINY_TASK, BYTES)
     ids = runner.encode_prompt(BYTES, task)
-    cache = runner.new_cache(tiny, registry.get("streaming_llm", ratio=2), ids.prefix.shape[1])
+    cache = TieredCache(tiny, registry.get("streaming_llm", ratio=2), context_length=ids.prefix.shape[1])
     with torch.no_grad():
         tiny(input_ids=ids.prefix, cache=cache, use_cache=True, logits_to_keep=1)
     cache.compress()
-    fork = runner.fork_cache(cache, tiny)
+    fork = cache.fork()
     layer, copy = cache.tiered_layers[0], fork.tiered_layers[0]
-    assert torch.equal(layer.keys, copy.keys) and layer.keys.data_ptr() != copy.keys.data_ptr()
-    assert copy.cache is fork and fork.policy == cache.policy and fork.policy is not cache.policy
+    assert torch.equal(layer.keys, copy.keys) and layer.tier.buffers["keys"].data_ptr() != copy.tier.buffers["keys"].data_ptr()
+    assert fork.policy == cache.policy and fork.runtime is not cache.runtime and fork.runtime.shared is not cache.runtime.shared
     with torch.no_grad():
         tiny(input_ids=ids.question[:, :3], cache=fork, use_cache=True, logits_to_keep=1)
     assert layer.seen == ids.prefix.shape[1] and copy.seen == ids.prefix.shape[1] + 3
@@ -95,8 +95,8 @@ def test_forked_mla_cache_keeps_the_models_attention_modules():
     from kvzoo.models import tiny_deepseek_v2
 
     model, _ = tiny_deepseek_v2()
-    cache = runner.new_cache(model, registry.get("full"), 16)
-    fork = runner.fork_cache(cache, model)
+    cache = TieredCache(model, registry.get("full"), context_length=16)
+    fork = cache.fork()
     assert cache.adapter.modules and all(fork.adapter.modules[i] is m for i, m in cache.adapter.modules.items())
 
 

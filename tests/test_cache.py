@@ -205,7 +205,9 @@ def test_bad_policy_arguments(tiny):
     with pytest.raises(TypeError, match="registered name"):
         TieredCache(tiny, 3)
     with pytest.raises(ValueError, match="not a retriever; valid: vestige, quest"):
-        StreamingLLM(ratio=4, retriever="pages")
+        registry.get("streaming_llm", ratio=4, retriever="pages")  # names resolve in the registry
+    with pytest.raises(ValueError, match="not a retriever; valid: vestige, quest"):
+        TieredCache(tiny, StreamingLLM(ratio=4, retriever="pages"))
     with pytest.raises(ValueError, match="archive=False"):
         TieredCache(tiny, StreamingLLM(ratio=4, retriever="quest", archive=False))
     with pytest.raises(ValueError, match="either ratio= or budget="):
@@ -221,7 +223,7 @@ def test_bad_policy_arguments(tiny):
 def test_plain_attention_unaffected_by_attach(tiny):
     """With kvzoo attached, a model driven by an ordinary DynamicCache still gives the same outputs."""
     ids = torch.randint(1, 256, (1, 50), generator=torch.Generator().manual_seed(7))
-    from kvzoo.framework.runtime import attach, detach
+    from kvzoo.framework.attention import attach, detach
 
     tiny.set_attn_implementation("eager")
     ref = tiny(input_ids=ids).logits

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvzoo.framework.runtime as runtime
+import kvzoo.framework.attention as attention
 from kvzoo import TieredCache, registry
-from kvzoo.framework.cache import TieredLayer
 from kvzoo.framework.policy import RowsView
+from kvzoo.framework.runtime import Runtime
 from kvzoo.kernels.attention import attention_reference
 from kvzoo.pipeline import generate
 from kvzoo.policies.h2o import H2O
@@ -86,23 +86,24 @@ class AttentionLog:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entries: list[dict] = []
         self._pending: dict | None = None
-        real_attention = runtime.attention_reference
-        real_after_forward = TieredLayer.after_forward
+        real_attention = attention.attention_reference
+        real_after_forward = Runtime.after_forward
 
-        def attention(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs):
+        def attention_spy(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs):
             self._pending = dict(query=query.detach().clone(), keys=keys.clone(), slots=key_slots.clone(),
                                  valid=key_valid.clone(), q_slots=query_slots.clone(), scaling=scaling)
             return real_attention(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs)
 
-        def after_forward(layer):
-            real_after_forward(layer)
+        def after_forward(rt, state):
+            real_after_forward(rt, state)
             entry, self._pending = self._pending, None
-            entry.update(layer=layer.layer_idx, kept_slots=layer.slots.clone(),
-                         kept_scores=layer.row_stats["attention"].clone())
+            state.store.ensure_order()
+            entry.update(layer=state.layer_idx, kept_slots=state.store.get("slots").clone(),
+                         kept_scores=state.store.stats()["attention"].clone())
             self.entries.append(entry)
 
-        monkeypatch.setattr(runtime, "attention_reference", attention)
-        monkeypatch.setattr(TieredLayer, "after_forward", after_forward)
+        monkeypatch.setattr(attention, "attention_reference", attention_spy)
+        monkeypatch.setattr(Runtime, "after_forward", after_forward)
 
 
 def brute_force_column_sums(entry: dict) -> torch.Tensor:

@@ -5,8 +5,8 @@ import torch
 
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.adapters.mla import check_transformers_for
+from kvzoo.framework.attention import detach
 from kvzoo.framework.cache import TieredLayer
-from kvzoo.framework.runtime import detach
 from kvzoo.models import load_model, tiny_deepseek_v2, tiny_kimi_linear
 from kvzoo.policies.streaming_llm import StreamingLLM
 

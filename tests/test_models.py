@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvzoo import models
-from kvzoo.demo import NEEDLE, NEEDLE_VALUE, build_needle_context, filler_sentences
+from kvzoo.bench.haystacks import filler_sentences
+from kvzoo.bench.tasks import NEEDLE, NEEDLE_VALUE, build_needle_context
 
 
 def test_tiny_llama_same_seed_same_weights_and_forward_works() -> None:
@@ -54,11 +55,23 @@ def test_load_model_names_and_local_directory(tmp_path) -> None:
 
 def test_load_model_unknown_name_lists_the_valid_ones() -> None:
     with pytest.raises(ValueError) as err:
-        models.load_model("HuggingFaceTB/SmolLM2-135M-Instruct-not-here")
+        models.load_model("no-such-model")
     message = str(err.value)
     for name in models.MODEL_NAMES:
         assert repr(name) in message
-    assert "local directory" in message
+    assert "local directory" in message and "hub id" in message
+
+
+def test_a_hub_id_goes_to_from_pretrained_and_says_so_when_offline(monkeypatch) -> None:
+    """One loader for names, directories and hub ids (the runner uses it too); no download in the test."""
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to the hub")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    with pytest.raises(OSError, match="download it where a network is"):
+        models.load_model("HuggingFaceTB/SmolLM2-135M-Instruct-not-here")
 
 
 def test_missing_smollm2_package_says_how_to_install(monkeypatch) -> None:

@@ -96,7 +96,7 @@ def test_heldout_sets_are_fixed_and_well_formed() -> None:
         assert ex.context.count(ex.question[1]) == 1 and ex.context[key_at + 1] == ex.answer
 
 
-def test_smoke_training_loss_decreases(tmp_path) -> None:  # noqa: ANN001
+def test_smoke_training_loss_decreases(tmp_path) -> None:
     cfg = TrainConfig(arm="rope", work_dir=str(tmp_path), tokens_per_step=1024, max_steps=60, warmup=10,
                       eval_every=20, eval_count=20, final_count=20, other_tasks_count=0, curriculum=((32, 2),),
                       threads=1, progress=False)

@@ -57,7 +57,7 @@ def test_selector_reads_only_the_branch():
     policy = registry.get("vestige", ratio=4, retriever=None)
     clean = _mla_rows()
     poisoned = _mla_rows(content=float("nan"))  # the 512-dim content is never read
-    keep = policy.target_rows("context_end", rows_seen=200, resident=200, fixed_budget=None, block_rows=200)
+    keep = policy.target_rows("context_end", budget=policy.resolve_budget(200), resident=200, block_rows=200)
     assert keep == 50
     a, b = policy.select(clean, keep), policy.select(poisoned, keep)
     assert torch.equal(a, b)

@@ -12,10 +12,10 @@ and continuation cross-entropy are what ΔNLL and ΔCE are measured against. A p
 ``registry.get(name, ratio=r)`` refuses is recorded as skipped with the error; one that fails while
 running is recorded as an error; the grid carries on.
 
-One trial (:func:`run_trial`) prefills the context into a :class:`~kvzoo.TieredCache` and compresses
-it once, then forks the compressed cache (a deep copy that shares the model) for three continuations
--- exactly what ``pipeline.score`` / ``pipeline.generate`` would do from the same point, without
-paying for the prefill three times:
+One trial (:func:`run_trial`) is built from ``kvzoo.pipeline``'s steps: it prefills the context into a
+:class:`~kvzoo.TieredCache` and compresses it once, then forks the compressed cache
+(``TieredCache.fork``) for three continuations -- what ``pipeline.score`` / ``pipeline.generate`` do
+from the same point, without paying for the prefill three times:
 
 * the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL;
 * the held-out continuation of the haystack, teacher-forced (question after compression only): ΔCE;
@@ -26,10 +26,8 @@ paying for the prefill three times:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
-import gc
 import importlib.metadata
 import itertools
 import json
@@ -44,7 +42,9 @@ from typing import Any
 import torch
 
 from kvzoo.bench import metrics
+from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
+from kvzoo.framework import pipeline
 from kvzoo.framework.cache import TieredCache
 from kvzoo.framework.pipeline import QUESTION_POSITIONS, build_prompt
 from kvzoo.framework.policy import Policy
@@ -166,7 +166,6 @@ class Trial:
         return dataclasses.replace(self, policy=REFERENCE_POLICY, ratio=None)
 
 
-REFERENCE_POLICY = "full"
 
 
 # Configured variants that the leaderboard runs beside every registered policy (grid.policies=None):
@@ -214,9 +213,9 @@ def plan(grid: Grid) -> list[Trial]:
 
 def check_model_name(name: str) -> None:
     """Raise a ValueError naming the valid models unless ``name`` is one, a local directory, or a hub id."""
-    from kvzoo.models import MODEL_NAMES
+    from kvzoo.models import MODEL_NAMES, looks_like_hub_id
 
-    if name in MODEL_NAMES or Path(name).expanduser().is_dir() or _looks_like_hub_id(name):
+    if name in MODEL_NAMES or Path(name).expanduser().is_dir() or looks_like_hub_id(name):
         return
     raise ValueError(
         f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
@@ -224,28 +223,13 @@ def check_model_name(name: str) -> None:
     )
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
-
-
 def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)`` for the leaderboard; :class:`ByteTokenizer` for models without a tokenizer.
-
-    Names and local directories go through :func:`kvzoo.models.load_model` (offline); a hub id
-    (``owner/name``) that is not a local directory is read with ``from_pretrained``, which
-    downloads it when a network is there.
-    """
+    """``(model, tokenizer)`` for the leaderboard (:func:`kvzoo.models.load_model`); a
+    :class:`ByteTokenizer` stands in for models without a tokenizer."""
     from kvzoo.models import load_model
 
     check_model_name(name)
-    if _looks_like_hub_id(name) and not Path(name).expanduser().is_dir():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype]).eval()
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    else:
-        model, tokenizer = load_model(name, DTYPES[dtype])
+    model, tokenizer = load_model(name, DTYPES[dtype])
     if tokenizer is None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
         if vocab < 256:
@@ -290,55 +274,6 @@ class Reference:
     continuation_ce: float | None
 
 
-def fork_cache(cache: TieredCache, model: torch.nn.Module) -> TieredCache:
-    """A deep copy of ``cache`` (rows, archive, policy state) that shares ``model``'s modules and weights."""
-    shared = itertools.chain([model, getattr(model, "config", None)], model.modules(), model.parameters(), model.buffers())
-    memo = {id(obj): obj for obj in shared if obj is not None}
-    return copy.deepcopy(cache, memo)
-
-
-def _forward(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, keep: int) -> torch.Tensor:
-    return model(input_ids=ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=keep).logits
-
-
-def _prefill(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
-    """As ``pipeline``: run ``ids`` into ``cache`` (in chunks if asked); the last position's logits ``[1, V]``."""
-    step = chunk_size or ids.shape[1]
-    logits = None
-    for start in range(0, ids.shape[1], step):
-        logits = _forward(model, cache, ids[:, start : start + step], 1)[:, -1]
-    return logits
-
-
-def _teacher_forced_nll(
-    model: torch.nn.Module, cache: TieredCache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor
-) -> list[float]:
-    """Per-token NLL of ``target`` fed after ``lead`` (as ``pipeline.score``); ``last_logits`` predict it when ``lead`` is empty."""
-    n = target.shape[1]
-    tail = torch.cat([lead, target], dim=1)
-    if lead.shape[1]:
-        logits = _forward(model, cache, tail, n + 1)[0, :n].float()  # position -n-1 predicts target 0
-    else:
-        logits = torch.cat([last_logits.float(), _forward(model, cache, tail, n)[0, :-1].float()], dim=0)
-    logp = torch.log_softmax(logits, dim=-1)
-    return (-logp.gather(-1, target[0].to(logp.device)[:, None])[:, 0]).tolist()
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def new_cache(model: torch.nn.Module, policy: Policy, context_length: int, audit: bool = False) -> TieredCache:
-    """A ``TieredCache``; ``audit`` is passed only when asked (older runtimes do not take it)."""
-    if audit:
-        return TieredCache(model, policy, context_length=context_length, audit=True)
-    return TieredCache(model, policy, context_length=context_length)
-
-
 @torch.no_grad()
 def run_trial(
     model: torch.nn.Module,
@@ -364,49 +299,38 @@ def run_trial(
         prefix, rest = ids.prefix, ids.question
         if position == "before":
             prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
-        cache = new_cache(model, policy, prefix.shape[1], audit)
+        cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
         with metrics.Stopwatch() as t_prefill:
-            first_logits = _prefill(model, cache, prefix, chunk_size)
+            first_logits = pipeline.prefill(model, cache, prefix, chunk_size)
         with metrics.Stopwatch() as t_compress:
-            cache.compress()
+            pipeline.compress(cache)
         compressed = cache.stats().totals
 
         with metrics.Stopwatch() as t_score:  # the reference answer, teacher-forced, on a fork
-            fork = fork_cache(cache, model)
-            answer_nll = _teacher_forced_nll(model, fork, rest, ids.answer, first_logits)
-            answer_kv_bytes = fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
-            del fork
+            with cache.fork() as fork:
+                answer_nll = pipeline.teacher_forced_nll(model, fork, rest, ids.answer, first_logits)
+                answer_kv_bytes = fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
         continuation_nll = None
         if position == "after" and ids.continuation.shape[1]:  # the held-out continuation, on a fork
-            continuation_nll = _teacher_forced_nll(
-                model, fork_cache(cache, model), rest[:, :0], ids.continuation, first_logits
-            )
+            with cache.fork() as fork:
+                continuation_nll = pipeline.teacher_forced_nll(model, fork, rest[:, :0], ids.continuation, first_logits)
 
         with metrics.Stopwatch() as t_question:
-            logits = _prefill(model, cache, rest, chunk_size) if rest.shape[1] else first_logits
-        budget = max_new_tokens or task.max_new_tokens
-        eos = _eos_ids(model, tokenizer)
+            logits = pipeline.prefill(model, cache, rest, chunk_size) if rest.shape[1] else first_logits
+        eos = pipeline.eos_ids(model, tokenizer)
+
+        def answered(tokens: list[int]) -> bool:  # the score cannot change once every answer appeared
+            text = tokenizer.decode([t for t in tokens if t not in eos])
+            return stop_when_answered and metrics.string_match(task.metric, text, task.answers) == 1.0
+
         start = cache.stats().totals
-        steps = 0  # the decode loop reads no statistics: its time is the forwards'
-        new_tokens: list[int] = []
-        with metrics.Stopwatch() as t_decode:
-            for _ in range(budget):
-                token = int(logits.argmax(-1))
-                new_tokens.append(token)
-                if token in eos or len(new_tokens) == budget:
-                    break
-                if stop_when_answered and metrics.string_match(
-                    task.metric, tokenizer.decode([t for t in new_tokens if t not in eos]), task.answers
-                ) == 1.0:
-                    break
-                logits = _forward(model, cache, torch.tensor([[token]]), 1)[:, -1]
-                steps += 1
+        with metrics.Stopwatch() as t_decode:  # the loop reads no statistics: its time is the forwards'
+            new_tokens = pipeline.greedy_decode(model, cache, logits, max_new_tokens or task.max_new_tokens, eos,
+                                                stop=answered)
+        steps = len(new_tokens) - 1  # the last token's forward is not run
         final = cache.stats().totals
         prediction = tokenizer.decode([t for t in new_tokens if t not in eos], skip_special_tokens=True)
-        # a cache and its layers point at each other: free this trial's rows (and the forks') now,
-        # not whenever the cyclic collector next runs -- otherwise dead caches pile up across trials
-        del cache
-        gc.collect()
+        cache.close()
 
     row: dict[str, Any] = {
         "prediction": prediction,

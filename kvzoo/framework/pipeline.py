@@ -1,4 +1,9 @@
-"""Question-after-compression generation and teacher-forced scoring.
+"""Question-after-compression generation and teacher-forced scoring, and the steps they are made of.
+
+The steps -- :func:`prefill`, :func:`compress`, :func:`greedy_decode`, :func:`teacher_forced_nll`,
+:func:`eos_ids` -- are public: the benchmark runner builds its trials from them (prefill and
+compress once, fork the cache, continue several ways), so "prefill, compress, ask" has one
+implementation.
 
 The order of events is the point (VestigeKV's setting, kvpress's leaderboard format): the context
 is prefilled and compressed *before* the question exists, so a policy cannot use the question to
@@ -14,11 +19,12 @@ Without a chat template, or given token ids, the context and question are used a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
 
 from kvzoo.framework.cache import CacheStats, TieredCache
 from kvzoo.framework.policy import Policy
@@ -84,9 +90,9 @@ def _as_ids(x: TokenInput) -> torch.Tensor:
     return t
 
 
-def _prefill(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
-    """Run ``ids`` through the model into ``cache`` (in chunks if asked); return the last logits."""
-    step = ids.shape[1] if not chunk_size else chunk_size
+def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Run ``ids [B, n]`` through the model into ``cache`` (in chunks if asked); the last position's logits ``[B, V]``."""
+    step = chunk_size or ids.shape[1]
     logits = None
     for start in range(0, ids.shape[1], step):
         out = model(input_ids=ids[:, start : start + step].to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
@@ -94,19 +100,65 @@ def _prefill(model: torch.nn.Module, cache: TieredCache, ids: torch.Tensor, chun
     return logits
 
 
-def _check(question_position: str, chunk_size: int | None) -> None:
-    if question_position not in QUESTION_POSITIONS:
-        raise ValueError(f"question_position must be one of {QUESTION_POSITIONS}, got {question_position!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None (one-shot prefill) or an int >= 1, got {chunk_size!r}")
+def compress(cache: TieredCache) -> None:
+    """The context ended: the cache's ``context_end`` event (every policy compresses here)."""
+    cache.compress()
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """The ids that end a generation: the model's generation config's and the tokenizer's EOS."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def greedy_decode(
+    model: torch.nn.Module,
+    cache: Cache,
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    eos: set[int],
+    stop: Callable[[list[int]], bool] | None = None,
+) -> list[int]:
+    """Greedy tokens from ``logits [1, V]`` on: up to ``max_new_tokens``, ending at an EOS (kept) or when
+    ``stop(tokens)`` says so. The forward of the last token is not run (its logits would not be used)."""
+    tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits.argmax(-1))
+        tokens.append(token)
+        if token in eos or len(tokens) == max_new_tokens or (stop is not None and stop(tokens)):
+            break
+        out = model(input_ids=torch.tensor([[token]], device=model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+    return tokens
+
+
+def teacher_forced_nll(
+    model: torch.nn.Module, cache: Cache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor
+) -> list[float]:
+    """Per-token NLL (nats) of ``target [1, n]`` fed after ``lead [1, l]`` in one forward.
+
+    Position ``-n - 1`` of the forward predicts target token 0; when ``lead`` is empty, ``last_logits``
+    (the logits the cache's last forward produced) predict it.
+    """
+    n = target.shape[1]
+    tail = torch.cat([lead, target], dim=1).to(model.device)
+    if lead.shape[1]:
+        logits = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n + 1).logits[0, :n].float()
+    else:
+        out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n).logits
+        logits = torch.cat([last_logits.float(), out[0, :-1].float()], dim=0)
+    logp = torch.log_softmax(logits, dim=-1)
+    return (-logp.gather(-1, target[0].to(logp.device)[:, None])[:, 0]).tolist()
+
+
+def _check(question_position: str, chunk_size: int | None) -> None:
+    if question_position not in QUESTION_POSITIONS:
+        raise ValueError(f"question_position must be one of {QUESTION_POSITIONS}, got {question_position!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None (one-shot prefill) or an int >= 1, got {chunk_size!r}")
 
 
 @torch.no_grad()
@@ -137,22 +189,15 @@ def generate(
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    logits = _prefill(model, cache, prefix, chunk_size)
+    logits = prefill(model, cache, prefix, chunk_size)
     t1 = time.perf_counter()
-    cache.compress()
+    compress(cache)
     t2 = time.perf_counter()
     if rest.shape[1]:
-        logits = _prefill(model, cache, rest, chunk_size)
+        logits = prefill(model, cache, rest, chunk_size)
     t3 = time.perf_counter()
-    eos = _eos_ids(model, tokenizer)
-    new_tokens: list[int] = []
-    for _ in range(max_new_tokens):
-        token = int(logits.argmax(-1))
-        new_tokens.append(token)
-        if token in eos or len(new_tokens) == max_new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[token]], device=model.device), cache=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
+    eos = eos_ids(model, tokenizer)
+    new_tokens = greedy_decode(model, cache, logits, max_new_tokens, eos)
     t4 = time.perf_counter()
     timings.update(prefill_s=t1 - t0, compress_s=t2 - t1, question_s=t3 - t2, decode_s=t4 - t3)
     answer_ids = [t for t in new_tokens if t not in eos]
@@ -199,21 +244,13 @@ def score(
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
-    first_logits = _prefill(model, cache, prefix, chunk_size)
-    cache.compress()
-    tail = torch.cat([rest, answer_ids], dim=1).to(model.device)
+    first_logits = prefill(model, cache, prefix, chunk_size)
+    compress(cache)
+    token_nll = teacher_forced_nll(model, cache, rest, answer_ids, first_logits)
     n_ans = answer_ids.shape[1]
-    if rest.shape[1]:
-        out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n_ans + 1)
-        logits = out.logits[0, :n_ans].float()  # position -n_ans-1 predicts answer token 0
-    else:  # question inside the prefix: its last logits predict answer token 0
-        out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n_ans)
-        logits = torch.cat([first_logits.float(), out.logits[0, :-1].float()], dim=0)
-    logp = torch.log_softmax(logits, dim=-1)
-    token_nll = -logp.gather(-1, answer_ids[0].to(logp.device)[:, None])[:, 0]
     return ScoreResult(
-        nll=float(token_nll.sum()),
-        token_nll=token_nll.tolist(),
+        nll=float(sum(token_nll)),
+        token_nll=token_nll,
         stats=cache.stats(),
         answer_tokens=n_ans,
         cache=cache,

@@ -1,10 +1,11 @@
-"""The policy interface: a selector, an optional retriever, and a schedule.
+"""The policy interface: a selector, an optional retriever, and a schedule (the policy layer).
 
-A *policy* decides which cache rows live in the attended tier; the runtime (``framework/cache.py``
-and ``framework/runtime.py``) owns the rows, moves them between tiers and attends over them.
-Everything a policy sees arrives as tensors in a :class:`RowsView`, so a selector can be called
-from any runtime -- kvzoo's own, or kvpress's pipeline in an environment that pins an older
-transformers -- without touching a cache object.
+A *policy* decides which cache rows live in the attended tier; the runtime
+(``framework/runtime.py``) owns the decision's execution -- it fires the schedule, fixes the
+budget, calls the selector, moves rows and indexes them. Everything a policy sees arrives as
+tensors in a :class:`RowsView`, so a selector can be called from any runtime -- kvzoo's own, or
+kvpress's pipeline in an environment that pins an older transformers -- without touching a cache
+object. This module imports torch alone.
 
 Vocabulary (DESIGN.md §1):
 
@@ -25,10 +26,15 @@ Events (when :meth:`Policy.select` is called), per layer:
   policies whose ``schedule`` is ``"block"`` (checked after the attention of each forward).
 
 Budget: ``ratio`` keeps ``floor(rows / ratio)`` rows (``ratio=32`` is the paper's 32x) and
-``budget`` keeps an absolute number of rows. Sinks and the recent window count *inside* the
-budget. The budget of a layer is resolved at its first event, from the rows it has seen then,
-and stays fixed afterwards (H2O's "one in, one out"); a policy can override
-:meth:`Policy.target_rows` to do otherwise (VestigeKV compresses each closed block on its own).
+``budget`` keeps an absolute number of rows (:meth:`Policy.resolve_budget`, the one formula).
+Sinks and the recent window count *inside* the budget. The runtime resolves a layer's budget once,
+at its first event, from the whole context when the cache knows its length, and hands it to
+:meth:`Policy.target_rows`, which says how many rows stay after an event (default: the budget;
+VestigeKV applies the formula to each closed block on its own, Quest keeps the current page).
+
+Schedule (class attributes, which a policy may turn into dataclass fields to make them settable):
+``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows per block),
+``dense_layers`` (the first layers the policy never compresses).
 """
 
 from __future__ import annotations
@@ -42,9 +48,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from kvzoo.framework.retriever import Retriever
+
 Event = Literal["context_end", "step", "block"]
-Schedule = Literal["context_end", "step", "block"]
-SCHEDULES: tuple[str, ...] = ("context_end", "step", "block")
 LAYOUTS: tuple[str, ...] = ("gqa", "mla")
 
 
@@ -108,7 +114,9 @@ class Policy(ABC):
       sets neither);
     * ``archive`` -- True: evicted rows go to the bit-exact archive; False: they are dropped and
       counted;
-    * ``retriever`` -- name of the retriever over the archive (DESIGN.md §2), or None.
+    * ``retriever`` -- the retriever over the archive (DESIGN.md §2): a registered name, a
+      ``Retriever`` object, or None. Names are resolved by the registry (an unknown one is refused
+      there, with the valid names).
     """
 
     ratio: float | None = None
@@ -127,25 +135,19 @@ class Policy(ABC):
     #                   query of every forward pass and over the query heads of its group
     observes: ClassVar[frozenset[str]] = frozenset()
     requires_budget: ClassVar[bool] = True
+    # The schedule (see the module docstring): when the selector fires besides "context_end"
+    schedule: ClassVar[str] = "context_end"
+    block_size: ClassVar[int | None] = None  # rows per block, for schedule "block"
+    dense_layers: ClassVar[int] = 0  # the first layers (by rank among compressed layers) never compressed
 
     def __post_init__(self) -> None:
         self.validate()
 
     # --- configuration -----------------------------------------------------------------------
     @property
-    def schedule(self) -> str:
-        """When this policy's selector fires besides ``context_end`` (see the module docstring)."""
-        return "context_end"
-
-    @property
     def observation_window(self) -> int:
         """How many of the latest queries to keep for ``window_attention`` (0: none)."""
         return 0
-
-    @property
-    def block_size(self) -> int | None:
-        """Rows per block for ``schedule == "block"``."""
-        return None
 
     def validate(self) -> None:
         """Raise ValueError/TypeError naming the bad field and what is valid."""
@@ -171,20 +173,11 @@ class Policy(ABC):
             )
         if not isinstance(self.archive, bool):
             raise TypeError(f"archive must be True (keep evicted rows) or False (drop them), got {self.archive!r}")
-        if self.retriever is not None:
-            from kvzoo.framework.retrieval import Retriever, retriever_names
-
-            if isinstance(self.retriever, str):
-                if self.retriever not in retriever_names():
-                    raise ValueError(
-                        f"retriever={self.retriever!r} is not a retriever; valid: {', '.join(retriever_names())} "
-                        "or None (eviction only)"
-                    )
-            elif not isinstance(self.retriever, Retriever):
-                raise TypeError(
-                    f"retriever must be a retriever name ({', '.join(retriever_names())}), a Retriever object "
-                    f"(kvzoo.framework.retrieval.build_retriever(name, **params)) or None, got {self.retriever!r}"
-                )
+        if self.retriever is not None and not isinstance(self.retriever, (str, Retriever)):
+            raise TypeError(
+                "retriever must be a registered retriever name (kvzoo.registry.retrievers()), a Retriever object "
+                f"(kvzoo.registry.build_retriever(name, **params)) or None, got {self.retriever!r}"
+            )
 
     def config(self) -> dict[str, Any]:
         """The full configuration: name plus every field (what results files record)."""
@@ -200,18 +193,15 @@ class Policy(ABC):
         return None
 
     def target_rows(
-        self, event: Event, *, rows_seen: int, resident: int, fixed_budget: int | None, block_rows: int = 0,
-        seen: int = 0,
+        self, event: Event, *, budget: int | None, resident: int, block_rows: int = 0, seen: int = 0
     ) -> int | None:
         """How many rows the attended tier should hold after ``event``, or None to leave it.
 
-        ``rows_seen`` is what a ratio budget counts (the whole context when the cache knows its
-        length), ``seen`` the rows appended so far (the true sequence length), ``fixed_budget`` the
-        layer's budget resolved at its first event (None before that); ``block_rows`` how many of
-        the ``resident`` rows arrived since the layer's previous event (the closing block). The
-        default: resolve once, then hold the attended tier at that budget.
+        ``budget`` is the layer's budget (resolved once by the runtime; None for a policy without
+        one), ``resident`` the rows the tier holds, ``block_rows`` how many of them arrived since
+        the layer's previous event (the closing block), ``seen`` the rows appended so far (the true
+        sequence length). The default holds the attended tier at the budget.
         """
-        budget = fixed_budget if fixed_budget is not None else self.resolve_budget(rows_seen)
         if budget is None or resident <= budget:
             return None
         return budget
@@ -249,8 +239,8 @@ class Policy(ABC):
         return None
 
     def is_dense(self, layer_rank: int) -> bool:
-        """True for layers this policy never compresses (Quest keeps its first two layers dense)."""
-        return False
+        """True for the first ``dense_layers`` layers, which this policy never compresses."""
+        return layer_rank < self.dense_layers
 
     def new_row_stats(self) -> tuple[str, ...]:
         """Names of the per-row statistics this policy keeps (zero for a new row)."""
@@ -340,3 +330,41 @@ def topk_with_forced(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Te
     # stable tie-break toward earlier rows: sort descending with stable=True
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
     return sorted_keep(order[..., :keep])
+
+
+# --- the observation window (SnapKV, ChunkKV) ------------------------------------------------
+
+
+def window_rows_mask(rows: RowsView) -> torch.Tensor:
+    """Bool ``[B, G, N]``: the rows of the observation window's own tokens (the last ``w`` valid rows).
+
+    The window queries are the latest ``w`` tokens and their rows were appended last, so they are
+    the last ``w`` rows of the tier (sequence order); padding rows are never counted as window rows.
+    """
+    if rows.observed_window() is None:
+        raise RuntimeError(
+            "the observation window was not recorded for this layer; the policy must list 'window' in "
+            "`observes` and return a positive `observation_window`"
+        )
+    return recent_and_sinks(rows.valid, 0, rows.observed_window().shape[2])
+
+
+def validate_window(policy: Policy) -> None:
+    """The observation window's checks (``policy.window``), shared by SnapKV and ChunkKV."""
+    require_int(policy.window, "window", 1, "observation-window queries, always kept")
+    if policy.budget is not None and policy.budget < policy.window:
+        raise ValueError(
+            f"window ({policy.window}) is larger than budget ({policy.budget}): the observation window is always "
+            f"kept inside the budget; use window <= {policy.budget} or budget >= {policy.window}"
+        )
+
+
+def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
+    """ValueError when the always-kept window does not fit in ``keep`` rows."""
+    w = rows.observed_window().shape[2] if rows.observed_window() is not None else 0
+    if keep < w:
+        raise ValueError(
+            f"{name}: layer {rows.layer_idx} may keep {keep} rows, fewer than the observation window of {w} rows "
+            f"that is always kept (the tier holds {rows.num_rows} rows); use a smaller window= (<= {keep}), a "
+            f"larger budget=, or a smaller ratio= (<= {rows.num_rows / w:g})"
+        )

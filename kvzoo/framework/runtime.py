@@ -1,386 +1,461 @@
-"""kvzoo's attention path: how a forward pass reads a ``TieredCache``.
+"""The runtime: the one place a row's fate is decided, and the retrieval tier's mechanics.
 
-transformers lets a model use a registered attention function by name. kvzoo registers one,
-``"kvzoo"``, plus a matching mask function, and :func:`attach` switches a model to them (no
-monkey-patching of modules, and :func:`detach` switches back). MLA layers hand their queries to
-:func:`mla_attention` from the adapter's forward. Per attention call:
+A :class:`Runtime` (one per cache) holds the policy, the retriever configuration and what the
+model's geometry says; each layer keeps a :class:`LayerState` beside its store. After a forward's
+attention (``framework/attention.py``) the runtime fires the policy's schedule for the layer
+(:meth:`Runtime.after_forward`): it resolves the layer's budget once (from the whole context when
+the cache knows its length), asks the policy how many rows stay, calls the selector, moves the
+rows it does not keep to the archive (indexing them for the retriever) or drops them, and counts.
+During attention it scans the retriever's index and stages the archived rows a forward needs
+(:meth:`Runtime.fetch`), and keeps the KV-path accounting and, with ``audit=True``, the audit.
 
-1. ``TieredCache.update`` has just appended this forward's rows to the attended tier;
-2. the attention marks which new rows are padding (from the 2-D padding mask, indexed by slot),
-   records the observation window's queries if the policy wants them, and attends:
+Bounded memory: an index scan runs over the forward's queries in tiles
+(:func:`kvzoo.kernels.attention.query_block`): no more than one tile of ``heads x queries x rows``
+scores exists at a time, and what crosses tiles is one bool per archived row.
 
-   * **a decode step** (one query): over the tier's rows in place (no copy, no upcast of the rows;
-     MLA in absorbed form over the 576-dim latent rows), plus the archived rows the retriever
-     fetches as a second source in the same softmax. No host synchronisation: counters stay on
-     the device until ``stats()`` reads them;
-   * **a multi-token forward** (a prefill chunk, a question): through SDPA's fused kernels with the
-     bottom-right causal mask when the rows allow it; MLA decompresses the rows to per-head K/V
-     first (``k = [W_UK c ; r]``, ``v = W_UV c``), as FlashMLA, vLLM and SGLang prefill, when the
-     forward has at least ``decompress_min_queries`` queries;
-3. it adds the step's attention to the policy's accumulators when the policy asked for that;
-4. it fires the policy's scheduled event (``step`` / ``block``) for this layer.
-
-Handed any other cache (or none), the same function computes ordinary causal SDPA, so attaching
-kvzoo to a model changes nothing for code that does not use a ``TieredCache``.
+Multi-token forwards (a prefill chunk, a question, a teacher-forced answer) follow one rule for
+every retriever (:class:`~kvzoo.framework.retriever.Retriever`'s ``multi_token``): ``"dense"``
+(default, Quest's reference) reads the whole archive; ``"union"`` fetches the union of each
+query's own choice. A decode step (one query) stages the retriever's candidates at a fixed count
+per (batch, group), each row once -- no host synchronisation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
-from kvzoo.framework.cache import ACTIVE_LAYER, TieredLayer
-from kvzoo.framework.retrieval import Fetched, fetch, row_bytes
-from kvzoo.kernels.attention import (
-    attend_scores,
-    attention_reference,
-    attention_sdpa,
-    decode_sdpa,
-    row_scores,
-    sink_window_mask,
-)
-
-ATTN_NAME = "kvzoo"
-
-
-def padding_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """kvzoo's mask function: only the 2-D padding mask ``[B, kv_length]`` (True = real token).
-
-    Causality is not encoded here: the attention function decides it per row from the row's slot,
-    which stays right after rows are evicted (a 4-D mask indexed by tier position would not). A
-    multi-token forward returns None when nothing is padding (one host check per forward); a
-    decode step returns the mask unchecked, so the step never waits for the device.
-    """
-    if attention_mask is None:
-        return None
-    mask = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
-    if mask.shape[1] < kv_length:  # generate's mask can lag the cache by the new tokens
-        pad = torch.ones(mask.shape[0], kv_length - mask.shape[1], dtype=torch.bool, device=mask.device)
-        mask = torch.cat([mask, pad], dim=1)
-    if q_length > 1 and bool(mask.all()):
-        return None
-    return mask
-
-
-def kvzoo_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention over ``key``/``value`` (``[B, G, n, D]``) for ``query [B, H, q, D]``; returns ``[B, q, H, Dv]``."""
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    layer = ACTIVE_LAYER.get()
-    ACTIVE_LAYER.set(None)
-    if layer is None or key is not layer.returned_keys:
-        if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
-            raise RuntimeError(
-                f"layer {layer.layer_idx}: the attention received keys that are not the TieredCache's attended tier "
-                f"(the model transformed them after Cache.update); {type(module).__name__} is not supported"
-            )
-        return _plain_attention(query, key, value, attention_mask, scaling), None
-    return tiered_attention(layer, query, attention_mask, scaling).transpose(1, 2).contiguous(), None
-
-
-def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor:  # noqa: ANN001
-    """Ordinary causal attention for a cache that is not a TieredCache (or no cache)."""
-    B, _, q_len, _ = query.shape
-    n = key.shape[2]
-    if attention_mask is not None and attention_mask.dim() == 4:  # a caller-made mask: use it as is
-        hpg = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(hpg, dim=1), value.repeat_interleave(hpg, dim=1)
-        mask = attention_mask[..., :n]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-        return out.transpose(1, 2).contiguous()
-    slots = torch.arange(n, device=query.device).expand(B, key.shape[1], n)
-    if attention_mask is not None:
-        valid = attention_mask[:, -n:].to(torch.bool)[:, None, :].expand_as(slots)
-    else:
-        valid = torch.ones_like(slots, dtype=torch.bool)
-    q_slots = torch.arange(n - q_len, n, device=query.device)
-    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling, all_valid=attention_mask is None)
-    return out.transpose(1, 2).contiguous()
-
-
-# --- the tiered path ---------------------------------------------------------------------------------
-
-
-def _begin(layer: TieredLayer, attention_mask: torch.Tensor | None, scaling: float) -> None:
-    ACTIVE_LAYER.set(None)
-    layer.scaling = scaling
-    layer.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
-
-
-def _query_slots(layer: TieredLayer, q_len: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(layer.seen - q_len, layer.seen, device=device)
-
-
-def _decode_allowed(layer: TieredLayer) -> torch.Tensor | None:
-    """Rows a decode query may read ``[B, G, n]``: None when every row is known valid."""
-    if layer.all_valid:
-        return None
-    allowed = layer.tier.get("valid").clone()
-    allowed[..., -1] = True  # a query always reads its own row (defined output for a padding query)
-    return allowed
-
-
-def _account_attended(layer: TieredLayer) -> None:
-    """A forward that reads the attended tier only: host arithmetic, no device work."""
-    B, G = layer.tier.buffers["keys"].shape[:2]
-    attended = B * G * layer.tier.n * row_bytes(layer)
-    layer.last_step = {"attended_bytes_read": attended, "kv_bytes_read": attended}
-    layer.attended_bytes_read += attended
-
-
-def _decode(
-    layer: TieredLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, *, sdpa: bool
-) -> torch.Tensor:
-    """One query per sequence over the tier (in place) and the fetched rows: ``[B, H, 1, Dv]``."""
-    if "accumulate" in layer.cache.policy.observes:  # H2O needs every row's probability: the reference
-        return _multi(layer, query, _multi_rows(layer, lambda: query, scaling), scaling, sdpa=sdpa)
-    retrieving = layer.retrieval is not None and layer.archive.n > 0
-    allowed = _decode_allowed(layer)
-    if sdpa and not retrieving:
-        _account_attended(layer)
-        return decode_sdpa(query, keys, values, allowed, scaling)
-    tier_scores = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None])  # [B,H,1,n]
-    scores, sources = [tier_scores], [values]
-    if retrieving:  # s* comes from the scores the step computes anyway
-        fetched = fetch(layer, query, None, scaling, best=tier_scores.amax(dim=-1), with_slots=False)
-        fetched_scores = row_scores(query, fetched.keys, scaling, fetched.valid[:, :, None])
-        if fetched.head_valid is not None:  # rows only some of the group's heads chose
-            fetched_scores = fetched_scores.masked_fill(~fetched.head_valid[:, :, None], float("-inf"))
-        scores.append(fetched_scores)
-        sources.append(_fetched_values(fetched, values.shape[-1]))
-    else:
-        _account_attended(layer)
-    out, _, _ = attend_scores(scores, sources, query.dtype)
-    return out
-
-
-def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
-    return fetched.values if fetched.values is not None else fetched.keys[..., :width]
+from kvzoo.framework.policy import Event, Policy, RowsView
+from kvzoo.framework.retriever import ArchiveView, RetrievalState, Retriever, RowGeometry
+from kvzoo.framework.store import LayerStats, LayerStore
+from kvzoo.kernels.attention import query_block, row_mask, window_attention
+from kvzoo.kernels.index_scan import exact_scores
 
 
 @dataclass
-class MultiTokenRows:
-    """The rows a multi-token forward attends over: the ordered tier and the fetched rows (if any).
+class LayerState:
+    """What the runtime keeps for one layer beside its rows: the budget, the index, the accounting."""
 
-    Fetched rows come after the tier, except the whole archive under the ``"dense"`` rule, which
-    comes before it (every archived row is older than the forward's own rows, so the
-    bottom-right causal mask still holds when nothing is padding).
-    """
+    layer_idx: int
+    layer_rank: int  # index among the layers kvzoo compresses (Kimi Linear: MLA layers only)
+    store: LayerStore = field(default_factory=LayerStore)
+    index: RetrievalState | None = None  # the retriever's state over this layer's archive
+    budget: int | None = None  # fixed at the first event
+    scaling: float | None = None  # the attention's softmax scale (for the observation window)
+    window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries
+    fetched_rows: int | torch.Tensor = 0  # a device tensor once rows are fetched (read by stats())
+    attended_bytes_read: int = 0  # every forward: bytes of the tier it attended (host arithmetic)
+    index_bytes_scanned: int = 0  # every forward: bytes of index entries it scanned
+    policy_info: dict[str, Any] = field(default_factory=dict)  # the policy's and retriever's counters
+    last_step: dict[str, Any] = field(default_factory=dict)  # the latest forward's KV-path accounting
+
+
+@dataclass
+class Fetched:
+    """Archived rows staged for one forward: ``[B, G, f, ...]``; ``valid`` False on unused staging rows."""
 
     keys: torch.Tensor
-    values: torch.Tensor
-    slots: torch.Tensor
+    values: torch.Tensor | None  # GQA values; None on MLA (the latent row is both)
+    slots: torch.Tensor | None
     valid: torch.Tensor
-    tier: slice  # where the tier's rows are
-    plain_causal: bool  # no padding, the forward's rows last, all others visible: bottom-right causal is exact
+    head_valid: torch.Tensor | None = None  # [B, H, f]: rows each query head may read (None: all of valid)
+    dense: bool = False  # the whole archive, in archive order (a multi-token forward under the "dense" rule)
 
 
-def _multi_rows(layer: TieredLayer, index_query: Callable[[], torch.Tensor], scaling: float) -> MultiTokenRows:
-    """The ordered tier plus what the retriever fetches for ``index_query()`` (built only if it scans)."""
-    layer.tier.ensure_order()  # the forward's own rows last, every older row before them
-    tier = layer.tier
-    keys, values = tier.get("keys"), layer.value_rows()
-    slots, valid = tier.get("slots"), tier.get("valid")
-    fetched = None
-    if layer.retrieval is not None and layer.archive.n > 0:
-        query = index_query()
-        fetched = fetch(layer, query, _query_slots(layer, query.shape[2], query.device), scaling)
-    else:
-        _account_attended(layer)
-    n = tier.n
-    if fetched is None:
-        return MultiTokenRows(keys, values, slots, valid, slice(0, n), layer.all_valid)
-    f_values = _fetched_values(fetched, values.shape[-1])
-    if fetched.dense:
-        m = fetched.keys.shape[2]
-        return MultiTokenRows(
-            torch.cat([fetched.keys, keys], dim=2), torch.cat([f_values, values], dim=2),
-            torch.cat([fetched.slots, slots], dim=2), torch.cat([fetched.valid, valid], dim=2), slice(m, m + n),
-            layer.all_valid,
-        )
-    return MultiTokenRows(
-        torch.cat([keys, fetched.keys], dim=2), torch.cat([values, f_values], dim=2),
-        torch.cat([slots, fetched.slots], dim=2), torch.cat([valid, fetched.valid], dim=2), slice(0, n), False,
-    )
+def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``capacity`` set positions of ``mask [B, G, m]`` in order: indices and a picked flag.
 
-
-def _window_mask(layer: TieredLayer, rows: MultiTokenRows, q_len: int, groups: int) -> torch.Tensor | None:
-    """The policy's per-token window over the tier's rows for a multi-token forward (None: none)."""
-    policy = layer.cache.policy
-    budget = layer.budget or policy.resolve_budget(max(layer.seen, layer.cache.context_length or 0))
-    window = policy.multi_token_window(budget) if budget is not None and not policy.is_dense(layer.layer_rank) else None
-    if window is None:
-        return None
-    tier_valid = layer.tier.get("valid")
-    mask = torch.ones(*rows.valid.shape[:2], q_len, rows.valid.shape[2], dtype=torch.bool, device=tier_valid.device)
-    mask[..., rows.tier] = sink_window_mask(tier_valid, q_len, *window).expand(rows.valid.shape[0], groups, -1, -1)
-    return mask
-
-
-def _multi(layer: TieredLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: float, *, sdpa: bool) -> torch.Tensor:
-    """A multi-token forward over ``rows``: ``[B, H, q, Dv]``."""
-    q_slots = _query_slots(layer, query.shape[2], query.device)
-    extra = _window_mask(layer, rows, query.shape[2], rows.valid.shape[1]) if query.shape[2] > 1 else None
-    if "accumulate" in layer.cache.policy.observes:
-        out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
-                                        column_sums=True, extra_mask=extra)
-        stat = layer.tier.get("stat:attention")  # [B, G, n]; MLA's per-head rows sum into their one group
-        stat += sums[..., rows.tier].reshape(*stat.shape[:2], -1, stat.shape[2]).sum(dim=2)
-        return out
-    if sdpa:
-        return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
-                              all_valid=rows.plain_causal, extra_mask=extra)
-    out, _ = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
-                                 extra_mask=extra)
-    return out
-
-
-def tiered_attention(layer: TieredLayer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:  # noqa: ANN001
-    """GQA/MHA attention of ``query [B, H, q, D]`` over ``layer``'s tiers; returns ``[B, H, q, Dv]``.
-
-    The rows of this forward must already be appended (``layer.update``). Fires the policy's
-    scheduled event for the layer afterwards.
+    A prefix count places each set position; no sort.
     """
-    _begin(layer, attention_mask, scaling)
-    layer.record_queries(query, layer.cache.policy.observation_window)
-    if query.shape[2] == 1:
-        out = _decode(layer, query, layer.tier.get("keys"), layer.value_rows(), scaling, sdpa=True)
-    else:
-        out = _multi(layer, query, _multi_rows(layer, lambda: query, scaling), scaling, sdpa=True)
-    layer.after_forward()
+    B, G, m = mask.shape
+    position = mask.long().cumsum(-1) - 1
+    target = torch.where(mask & (position < capacity), position, capacity)  # overflow goes to a spare slot
+    idx = torch.zeros(B, G, capacity + 1, dtype=torch.long, device=mask.device)
+    idx.scatter_(2, target, torch.arange(m, device=mask.device).expand(B, G, m))
+    picked = torch.arange(capacity, device=mask.device) < mask.sum(-1, keepdim=True)
+    return idx[..., :capacity], picked
+
+
+def _unique(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag.
+
+    Unchosen candidates become ``archived`` (past every row), the ``K`` indices are sorted, and
+    the first copy of each chosen row is picked. ``O(K log K)``, independent of the archive.
+    """
+    idx = torch.where(ok, rows, archived).sort(dim=-1).values
+    picked = idx < archived
+    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
+    return idx.clamp_(max=archived - 1), picked
+
+
+def scan(
+    state: RetrievalState,
+    query: torch.Tensor,
+    best: Callable[[int, int], torch.Tensor] | None,
+    scaling: float,
+    archive: ArchiveView,
+    *,
+    tile: int | None = None,
+) -> torch.Tensor:
+    """The rows some query of ``query [B, H, q, D]`` names: bool ``[B, G, m]``, padding excluded.
+
+    The queries are scanned ``tile`` at a time (default: as many as fit one score block,
+    :func:`~kvzoo.kernels.attention.query_block`), so no more than one tile of bounds exists at
+    once, and the tiles' choices are OR-ed into one bool per archived row. ``best(start, stop)``
+    returns s* ``[B, H, stop - start]`` for those queries (None when the state does not read it).
+    """
+    B, H, q_len, _ = query.shape
+    m = archive.keys.shape[2]
+    tile = tile or query_block(B * H, m)
+    mask = None
+    for start in range(0, q_len, tile):
+        stop = min(start + tile, q_len)
+        tile_best = best(start, stop) if state.needs_best else None
+        chosen = state.choose(query[:, :, start:stop], tile_best, scaling, archive).as_mask(m)
+        mask = chosen if mask is None else mask.logical_or_(chosen)
+    return mask & archive.valid
+
+
+def figures(step: dict[str, Any]) -> dict[str, Any]:
+    """A forward's accounting with the derived figures: rows and bytes fetched, KV-path bytes read.
+
+    ``step`` holds what the forward recorded (host numbers and the device count ``rows_fetched``);
+    called by ``stats()``, outside the decode step, where reading the device count is fine.
+    """
+    out = {k: v for k, v in step.items() if k != "row_bytes"}
+    if "rows_fetched" in step:
+        fetched = step["rows_fetched"]
+        out["fetched_bytes"] = fetched * step["row_bytes"]
+        out["rows_fetched_per_query"] = fetched / max(1, step["queries"])
+        out["kv_bytes_read"] = step["attended_bytes_read"] + step["index_bytes_scanned"] + out["fetched_bytes"]
     return out
+
+
+def _number(value: Any) -> float:
+    """A counter as a Python number (device tensors are read here, outside the decode step)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return int(value) if float(value).is_integer() else float(value)
 
 
 @dataclass
-class MLAQuery:
-    """One MLA layer's queries in both forms, and the weights that move between them.
+class Runtime:
+    """The policy, the retriever and the model's geometry a cache runs with; per-cache state.
 
-    ``q_nope [B, H, q, nope]``, ``q_rope [B, H, q, dr]`` (rotated where the model rotates), and
-    ``kv_weight`` = ``kv_b_proj.weight`` ``[H * (nope + v), dc]``, of which ``W_UK [H, nope, dc]``
-    and ``W_UV [H, v, dc]`` are views.
+    ``geometry`` describes the rows (layout, latent and branch widths); ``num_layers`` counts the
+    layers kvzoo compresses; ``context_length`` (when the pipeline knows it) makes a ratio budget
+    count the whole context; ``audit`` scores every archived row exactly at each retrieval.
     """
 
-    q_nope: torch.Tensor
-    q_rope: torch.Tensor
-    kv_weight: torch.Tensor
-    v_dim: int
-    scaling: float
+    policy: Policy
+    retriever: Retriever | None
+    geometry: RowGeometry
+    num_layers: int
+    context_length: int | None = None
+    audit: bool = False
+    shared: dict[str, Any] = field(default_factory=dict)  # the policy's cross-layer scratch (ChunkKV's reuse)
 
-    @property
-    def w_uk(self) -> torch.Tensor:
-        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
-        return self.kv_weight.view(H, nope + self.v_dim, -1)[:, :nope]
+    def new_layer(self, layer_idx: int, layer_rank: int) -> LayerState:
+        index = self.retriever.new_state(self.geometry) if self.retriever is not None else None
+        return LayerState(layer_idx, layer_rank, index=index)
 
-    @property
-    def w_uv(self) -> torch.Tensor:
-        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
-        return self.kv_weight.view(H, nope + self.v_dim, -1)[:, nope:]
+    # --- the rows the selector sees ---------------------------------------------------------------
+    def view(self, state: LayerState, ordered: bool = True) -> RowsView:
+        """The attended tier as a :class:`RowsView` (``ordered=False``: as stored, for ``step_victim``)."""
+        store = state.store
+        if ordered:
+            store.ensure_order()
+        keys, slots, valid = store.get("keys"), store.get("slots"), store.get("valid")
+        window_fn = None
+        if "window" in self.policy.observes and state.window_queries is not None:
+            queries = state.window_queries
+            q_slots = torch.arange(store.seen - queries.shape[2], store.seen, device=keys.device)
+            scaling = state.scaling
 
-    def absorbed(self, last: int | None = None) -> torch.Tensor:
-        """``[W_UK^T q_nope ; q_r]`` ``[B, H, q, dc + dr]`` (the last ``last`` queries only, if given)."""
-        q_nope, q_rope = self.q_nope, self.q_rope
-        if last is not None:
-            q_nope, q_rope = q_nope[:, :, -last:], q_rope[:, :, -last:]
-        q_c = torch.einsum("bhqn,hnc->bhqc", q_nope, self.w_uk)  # [B, H, q, dc]
-        return torch.cat([q_c, q_rope.to(q_c.dtype)], dim=-1)
+            def window_fn() -> torch.Tensor:  # w x n, computed only if the selector reads it
+                return window_attention(queries, q_slots, keys, slots, valid, scaling)
 
-    def decompress(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head ``k = [W_UK c ; r]`` ``[B, H, n, nope + dr]`` and ``v = W_UV c`` ``[B, H, n, v]`` of latent rows."""
-        dc = self.kv_weight.shape[-1]
-        c, r = rows[:, 0, :, :dc], rows[:, 0, :, dc:]  # [B, n, dc], [B, n, dr]
-        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
-        kv = F.linear(c, self.kv_weight).view(c.shape[0], c.shape[1], H, -1).transpose(1, 2)  # [B, H, n, nope + v]
-        k_nope, v = kv[..., :nope], kv[..., nope:]
-        keys = torch.cat([k_nope, r[:, None].expand(-1, H, -1, -1)], dim=-1)
-        return keys, v
+        return RowsView(
+            keys=keys,
+            values=store.get("values") if "values" in store.tier else None,
+            slots=slots,
+            valid=valid,
+            layer_idx=state.layer_idx,
+            num_layers=self.num_layers,
+            layout=self.geometry.layout,
+            layer_rank=state.layer_rank,
+            branch_dim=self.geometry.branch_dim,
+            first_new=max(0, store.n - store.since_event),
+            window_fn=window_fn,
+            row_stats=store.stats(),
+            shared=self.shared,
+            info=state.policy_info,
+        )
 
-    def output(self, latent: torch.Tensor) -> torch.Tensor:
-        """``W_UV`` applied to a latent output ``[B, H, q, dc]`` -> ``[B, H, q, v]``."""
-        return torch.einsum("bhqc,hvc->bhqv", latent, self.w_uv)
+    def record_queries(self, state: LayerState, query: torch.Tensor | None) -> None:
+        """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention)."""
+        window = self.policy.observation_window
+        if window <= 0 or query is None:
+            return
+        query = query[:, :, -window:]
+        joined = query if state.window_queries is None else torch.cat([state.window_queries, query], dim=2)
+        state.window_queries = joined[:, :, -window:].detach()
+
+    # --- a row's fate -----------------------------------------------------------------------------
+    def budget(self, state: LayerState) -> int | None:
+        """The layer's budget: resolved once, from the whole context when the cache knows its length."""
+        if state.budget is None:
+            state.budget = self.policy.resolve_budget(max(state.store.seen, self.context_length or 0))
+        return state.budget
+
+    def after_forward(self, state: LayerState) -> None:
+        """Fire this forward's scheduled event for the layer, if the policy has one."""
+        policy = self.policy
+        store = state.store
+        store.new_rows = 0
+        if policy.schedule == "step":
+            self.fire(state, "step")
+        elif policy.schedule == "block" and policy.block_size and store.since_event >= policy.block_size:
+            self.fire(state, "block")
+
+    def fire(self, state: LayerState, event: Event) -> None:
+        """Run the policy's selector for ``event`` and move the rows it does not keep."""
+        store = state.store
+        policy = self.policy
+        if not store.initialized or policy.is_dense(state.layer_rank):
+            return
+        n = store.n
+        target = policy.target_rows(
+            event, budget=self.budget(state), resident=n, block_rows=min(store.since_event, n), seen=store.seen
+        )
+        if target is None or target >= n:
+            store.since_event = 0
+            return
+        if event == "step" and target == n - 1:  # one in, one out: O(1) rows move when the policy can say which
+            victim = policy.step_victim(self.view(state, ordered=False))
+            if victim is not None:
+                store.since_event = 0
+                self._check_victim(store, victim)
+                self._evict(state, store.row(victim), 1)  # an index out of range fails in this gather
+                store.remove_one(victim)
+                store.events += 1
+                return
+        rows = self.view(state)  # before since_event resets: the view marks where the closed block starts
+        store.since_event = 0
+        keep = policy.select(rows, target)
+        self._check_keep(store, keep, target, n)
+        self._evict(state, store.not_kept(keep), n - target)
+        store.keep(keep)
+        store.events += 1
+
+    def _check_keep(self, store: LayerStore, keep: torch.Tensor, target: int, n: int) -> None:
+        B, G = store.get("keys").shape[:2]
+        name = self.policy.name
+        if keep.shape != (B, G, target) or keep.dtype != torch.long:
+            raise RuntimeError(
+                f"policy {name!r} select() must return int64 indices of shape {(B, G, target)}, "
+                f"got {keep.dtype} {tuple(keep.shape)}"
+            )
+        if target:  # checked on the device: no host synchronisation
+            ok = (keep.min() >= 0) & (keep.max() < n) & (keep.diff(dim=-1) > 0).all()
+            torch._assert_async(ok, f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")
+
+    def _check_victim(self, store: LayerStore, victim: torch.Tensor) -> None:
+        B, G = store.get("keys").shape[:2]
+        if victim.shape != (B, G) or victim.dtype != torch.long:
+            raise RuntimeError(
+                f"policy {self.policy.name!r} step_victim() must return int64 indices of shape {(B, G)}, "
+                f"got {victim.dtype} {tuple(victim.shape)}"
+            )
+
+    def _evict(self, state: LayerState, rows: dict[str, torch.Tensor], count: int) -> None:
+        """Rows ``[B, G, count, ...]`` leaving the tier: indexed and archived, or dropped."""
+        store = state.store
+        if not self.policy.archive:
+            store.drop(count)
+            return
+        if state.index is not None:  # index the rows before they leave (the block is still whole)
+            view = ArchiveView(store.archive.get("keys"), store.archive.get("slots"), store.archive.get("valid"),
+                               state.budget)
+            state.index.index(rows, store.get("keys"), store.get("valid"), view)
+        store.add_to_archive(rows)
+
+    # --- retrieval ----------------------------------------------------------------------------------
+    def account_attended(self, state: LayerState) -> None:
+        """A forward that reads the attended tier only: host arithmetic, no device work."""
+        store = state.store
+        B, G = store.tier.buffers["keys"].shape[:2]
+        attended = B * G * store.n * store.row_bytes()
+        state.last_step = {"attended_bytes_read": attended, "kv_bytes_read": attended}
+        state.attended_bytes_read += attended
+
+    def tier_best(self, state: LayerState, query: torch.Tensor, q_slots: torch.Tensor, scaling: float) -> torch.Tensor:
+        """s* ``[B, H, q]``: each query's best exact score over the rows of the attended tier it may read."""
+        store = state.store
+        keys = store.get("keys")
+        scores = exact_scores(query, keys, scaling)  # [B, H, q, n]
+        B, H, q_len, n = scores.shape
+        G = keys.shape[1]
+        allowed = row_mask(store.get("slots"), store.get("valid"), q_slots)[:, :, None]
+        allowed = allowed.expand(B, G, H // G, q_len, n).reshape(scores.shape)
+        return scores.masked_fill(~allowed, float("-inf")).amax(dim=-1)
+
+    def fetch(
+        self,
+        state: LayerState,
+        query: torch.Tensor,
+        q_slots: torch.Tensor | None,
+        scaling: float,
+        best: torch.Tensor | None = None,
+        *,
+        with_slots: bool = True,
+    ) -> Fetched | None:
+        """Scan the layer's index for ``query [B, H, q, D]`` and stage the archived rows it names.
+
+        ``q_slots [q]`` are the queries' slots (None: the forward's last ``q``). ``best [B, H, q]`` is
+        s* when the caller already has it (the decode step computes the tier's scores anyway);
+        otherwise it is computed per query tile. Returns None without a retriever or an archive.
+        Records the forward's accounting in ``state.last_step`` and ``state.policy_info``.
+        """
+        index, store = state.index, state.store
+        if index is None or store.archive.n == 0:
+            return None
+        q_len = query.shape[2]
+        archive = store.archive
+        m = archive.n
+        view = ArchiveView(archive.get("keys"), archive.get("slots"), archive.get("valid"), state.budget)
+
+        def best_of(start: int, stop: int) -> torch.Tensor:
+            if best is not None:
+                return best[:, :, start:stop]
+            slots = q_slots if q_slots is not None else torch.arange(store.seen - q_len, store.seen, device=query.device)
+            return self.tier_best(state, query[:, :, start:stop], slots[start:stop], scaling)
+
+        choice = None
+        dense = q_len > 1 and self.retriever.multi_token == "dense"
+        if dense:  # the reference's rule for a forward of several queries: read the whole archive
+            picked = view.valid.clone()
+            idx = torch.arange(m, device=query.device).expand(*picked.shape)
+        else:
+            if q_len == 1:
+                choice = index.choose(query, best_of(0, 1) if index.needs_best else None, scaling, view)
+            if choice is not None and choice.rows is not None and choice.rows.shape[-1] <= m // 2:
+                idx, picked = _unique(choice.rows, choice.ok, m)  # a decode step: stage the candidates as they are
+            elif choice is not None:  # a mask, or more candidates than half the archive: a fixed capacity of m
+                mask = choice.as_mask(m) & view.valid
+                idx, picked = _compact(mask, m if choice.mask is None else int(mask.sum(-1).max()))
+            else:
+                mask = scan(index, query, best_of, scaling, view)
+                idx, picked = _compact(mask, min(m, int(mask.sum(-1).max())))
+        names = ("keys", "values") + (("slots",) if with_slots else ()) + (() if store.all_valid else ("valid",))
+        rows = archive.gather(idx, names)  # a decode step needs no slots; an archive without padding no flags
+        if "valid" in rows:
+            picked = picked & rows["valid"]  # padding rows are never fetched
+        head_valid = None
+        if choice is not None and choice.visible is not None:
+            H = query.shape[1]
+            head_valid = choice.visible(idx) & picked.repeat_interleave(H // picked.shape[1], dim=1)
+        fetched = Fetched(
+            keys=rows["keys"],
+            values=rows.get("values"),
+            slots=torch.where(picked, rows["slots"], -1) if "slots" in rows else None,
+            valid=picked,
+            head_valid=head_valid,
+            dense=dense,
+        )
+        self._account(state, query, scaling, idx, picked, view, scanned=not dense)
+        return fetched
+
+    def _account(self, state, query, scaling, idx, picked, view, *, scanned: bool) -> None:
+        """This forward's KV-path reads: host numbers, plus one device count (the rows fetched)."""
+        index, store = state.index, state.store
+        B, G = picked.shape[:2]
+        entries = index.entries() if scanned else 0  # the dense rule reads the archive, not the index
+        fetched = picked.sum()  # a device tensor: read only by stats()
+        per_row = store.row_bytes()
+        attended = B * G * store.n * per_row
+        index_bytes = B * G * entries * index.entry_bytes
+        step: dict[str, Any] = {
+            "queries": query.shape[2],
+            "rows_scanned": B * G * entries,
+            "rows_fetched": fetched,
+            "attended_bytes_read": attended,
+            "index_bytes_scanned": index_bytes,
+            "row_bytes": per_row,
+        }
+        if self.audit:
+            m = view.keys.shape[2]
+            mask = torch.zeros(B, G, m + 1, dtype=torch.bool, device=picked.device)
+            mask.scatter_(2, torch.where(picked, idx, m), True)
+            step.update(_audit(query, scaling, index, mask[..., :-1], view))
+        state.last_step = step
+        state.attended_bytes_read += attended
+        state.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
+        info = state.policy_info
+        info["retrieval_steps"] = info.get("retrieval_steps", 0) + 1
+        for key in ("rows_scanned", "bound_violations", "recall_hits", "recall_total", "audited_scores"):
+            if key in step:
+                info[key] = info.get(key, 0) + step[key]
+        state.fetched_rows = state.fetched_rows + fetched  # one device add per step
+
+    # --- reporting -----------------------------------------------------------------------------------
+    def layer_stats(self, state: LayerState) -> LayerStats:
+        store = state.store
+        fetched = _number(state.fetched_rows)
+        info = {k: _number(v) for k, v in state.policy_info.items()}
+        per_row = store.row_bytes() if store.initialized else 0
+        fetched_bytes = fetched * per_row
+        if "retrieval_steps" in info:  # cumulative reads of the retrieval tier, derived here from the counts
+            info.update(rows_fetched=fetched, fetched_bytes=fetched_bytes, attended_bytes_read=state.attended_bytes_read,
+                        index_bytes_scanned=state.index_bytes_scanned)
+        return LayerStats(
+            layer=state.layer_idx,
+            seen_rows=store.seen,
+            resident_rows=store.n,
+            peak_resident_rows=store.peak_rows,
+            resident_bytes=store.tier.nbytes(("keys", "values")) if store.initialized else 0,
+            archived_rows=store.archive.n,
+            archived_bytes=store.archive.nbytes(("keys", "values", "slots")) if store.initialized else 0,
+            dropped_rows=store.dropped_rows,
+            events=store.events,
+            fetched_rows=fetched,
+            kv_bytes_read=state.attended_bytes_read + state.index_bytes_scanned + fetched_bytes,
+            policy_info=info,
+            last_step={k: _number(v) for k, v in figures(state.last_step).items()},
+        )
 
 
-def mla_attention(layer: TieredLayer, mq: MLAQuery, attention_mask, threshold: int) -> torch.Tensor:  # noqa: ANN001
-    """MLA attention over ``layer``'s latent rows; returns ``[B, H, q, v]`` (before ``o_proj``).
-
-    A forward with fewer than ``threshold`` queries attends in absorbed form (scores over the
-    576-dim rows, output latent then ``W_UV``); one with more decompresses the rows to per-head
-    K/V and runs SDPA -- the same numbers either way, at the cheaper cost for its size.
-    """
-    _begin(layer, attention_mask, mq.scaling)
-    q_len = mq.q_nope.shape[2]
-    window = layer.cache.policy.observation_window
-    layer.record_queries(mq.absorbed(last=min(window, q_len)) if window > 0 else None, window)
-    if q_len == 1:
-        query = mq.absorbed()
-        latent = _decode(layer, query, layer.tier.get("keys"), layer.value_rows(), mq.scaling, sdpa=False)
-        out = mq.output(latent)
-    elif q_len < threshold:
-        query = mq.absorbed()
-        latent = _multi(layer, query, _multi_rows(layer, lambda: query, mq.scaling), mq.scaling, sdpa=False)
-        out = mq.output(latent)
-    else:
-        rows = _multi_rows(layer, mq.absorbed, mq.scaling)  # the index is over latent rows: absorbed queries
-        keys, values = mq.decompress(rows.keys)
-        query = torch.cat([mq.q_nope, mq.q_rope.to(mq.q_nope.dtype)], dim=-1)
-        B, H = query.shape[:2]
-        slots = rows.slots.expand(B, H, -1)  # one latent group serves every head
-        valid = rows.valid.expand(B, H, -1)
-        per_head = MultiTokenRows(keys, values, slots, valid, rows.tier, rows.plain_causal)
-        out = _multi(layer, query, per_head, mq.scaling, sdpa=True)
-    layer.after_forward()
+def _audit(query, scaling, index, mask, view) -> dict[str, float]:
+    """Exact scores of every archived row, tile by tile: bound violations and recall of the true top rows."""
+    B, H, q_len, _ = query.shape
+    G, m = view.keys.shape[1], view.keys.shape[2]
+    hpg = H // G
+    out = {"audited_scores": 0, "bound_violations": 0, "recall_hits": 0, "recall_total": 0}
+    size = index.page_size
+    tile = query_block(B * H, m)
+    for start in range(0, q_len, tile):
+        q_tile = query[:, :, start : start + tile]
+        t = q_tile.shape[2]
+        exact = exact_scores(q_tile, view.keys, scaling)  # [B,H,t,m]
+        ok = view.valid[:, :, None, None, :].expand(B, G, hpg, t, m).reshape(B, H, t, m)
+        out["audited_scores"] += int(ok.sum())
+        bounds = index.bounds(q_tile, scaling)
+        best = exact.masked_fill(~ok, float("-inf"))
+        if size > 1:  # per-page bounds: each must cover the best row of its page
+            pages = bounds.shape[-1]
+            padded = best.new_full((B, H, t, pages * size), float("-inf"))
+            padded[..., :m] = best
+            best = padded.view(B, H, t, pages, size).amax(-1)
+        out["bound_violations"] += int((bounds < best).sum())
+        top = min(index.audit_top, m)
+        if top:
+            true_top = exact.masked_fill(~ok, float("-inf")).topk(top, dim=-1).indices  # [B,H,t,top]
+            fetched = mask[:, :, None, None, :].expand(B, G, hpg, t, m).reshape(B, H, t, m)
+            out["recall_hits"] += int((fetched.gather(-1, true_top) & ok.gather(-1, true_top)).sum())
+            out["recall_total"] += int(ok.gather(-1, true_top).sum())
+    if index.audit_top == 0:
+        del out["recall_hits"], out["recall_total"]
     return out
-
-
-def register() -> None:
-    """Register kvzoo's attention and mask functions with transformers (idempotent)."""
-    AttentionInterface.register(ATTN_NAME, kvzoo_attention)
-    AttentionMaskInterface.register(ATTN_NAME, padding_mask)
-
-
-def attach(model: torch.nn.Module) -> None:
-    """Make ``model`` use kvzoo's attention; remembers the previous implementation for :func:`detach`.
-
-    Every model switches to the registered ``"kvzoo"`` attention and mask functions; an MLA
-    adapter additionally runs its layers' forward itself (``MLAAdapter.attach``, which
-    ``TieredCache`` calls).
-    """
-    register()
-    config = model.config
-    if config._attn_implementation == ATTN_NAME:
-        return
-    config._kvzoo_previous_attn = config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
-
-
-def detach(model: torch.nn.Module) -> None:
-    """Restore the attention implementation (and MLA forwards) ``model`` had before :func:`detach`."""
-    from kvzoo.framework.adapters import MLAAdapter
-
-    MLAAdapter.detach(model)
-    previous = getattr(model.config, "_kvzoo_previous_attn", None)
-    if previous is not None:
-        model.set_attn_implementation(previous)
-        del model.config._kvzoo_previous_attn

@@ -1,190 +1,228 @@
-"""Row storage of one layer: tensors that share a row axis, preallocated, growing geometrically.
+"""One layer's rows: the attended tier, the archive, per-row statistics, and what they count.
 
-A :class:`RowStore` holds named tensors ``[B, G, capacity, ...]`` (keys, values, slots, valid flags,
-per-row statistics) of which the first ``n`` rows along dim 2 are live. Appending writes into the
-spare capacity (no new tensor per step); the capacity grows by a quarter (at least ``MIN_GROWTH``
-rows) when it runs out, so a decode of ``T`` steps costs ``O(T)`` row copies in all, and it shrinks
-when an eviction leaves it mostly empty, so that compressing really frees memory. Two ways rows
-leave:
+Per layer and sequence, every row ever appended is in exactly one place (DESIGN.md §1): the
+**attended tier** (what every step attends to) or the **archive** (evicted rows, bit-exact, with
+their slots); with eviction to nowhere (``archive=False``) a row is dropped and counted. The store
+appends rows, keeps the rows it is told to keep, hands back the others, and reports; which rows
+stay is decided elsewhere (``framework/runtime.py``). It knows no policy, holds no reference to a
+cache, and imports torch and the row buffers alone.
 
-* :meth:`keep` -- keep the rows named by sorted indices, in that order (a compression event);
-* :meth:`remove_one` -- take out one row per ``(batch, group)`` and move the last row into the
-  hole (the per-step "one in, one out" of StreamingLLM and H2O): ``O(1)`` rows move instead of
-  the whole tier. The rows are then no longer in slot order; :meth:`ensure_order` sorts them back
-  (one gather) before anything that reads order (a selector, a multi-token forward).
-
-It knows no policy, no model and no cache: tensors in, tensors out.
+Also here: :class:`LayerStats` and :class:`CacheStats`, the figures ``cache.stats()`` reports.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
-MIN_GROWTH = 64  # rows: the smallest step by which a store grows
-GROWTH = 0.25  # grow by a quarter of the current capacity (amortised O(1) copies per appended row)
+from kvzoo.framework.buffers import RowStore
+
+ARCHIVED = ("keys", "values", "slots", "valid")  # the buffers a row keeps in the archive (no statistics)
 
 
-def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``t[b, g, idx[b, g, i], ...]`` for ``t [B, G, n, ...]`` and ``idx [B, G, k]``."""
-    if t.dim() == 3:
-        return t.gather(2, idx)
-    return t.gather(2, idx.view(*idx.shape, *([1] * (t.dim() - 3))).expand(*idx.shape, *t.shape[3:]))
+class LayerStore:
+    """The attended tier and the archive of one layer, ``[B, G, rows, ...]`` each, and its counters.
 
-
-class RowStore:
-    """Named tensors ``[B, G, capacity, ...]`` sharing a row axis; rows ``[:n]`` are live."""
+    ``tier`` (:class:`~kvzoo.framework.buffers.RowStore`): ``keys``, ``values`` (GQA; MLA latent
+    rows are keys and values at once), ``slots`` (a row's index in the sequence, padding counted),
+    ``valid`` (False for padding) and ``stat:<name>`` per-row statistics. ``archive``: the same
+    without statistics. Rows are counted per (batch, group); bytes over the whole batch.
+    """
 
     def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.n = 0  # live rows
-        self.ordered = True  # live rows are in the order they were appended (slot order)
+        self.tier = RowStore()
+        self.archive = RowStore()
+        self.seen = 0  # rows appended per (batch, group): the true sequence length
+        self.since_event = 0  # rows appended since the last compression event
+        self.new_rows = 0  # rows appended by the forward in flight
+        self.dropped_rows = 0
+        self.events = 0
+        self.peak_rows = 0  # most rows the tier held (right after an append)
+        # every row appended so far is known to be valid (no padding); a single-token forward that
+        # carries a mask cannot be checked without a host sync, so it clears this
+        self.all_valid = True
+        self.latent_width: int | None = None  # MLA: the latent c's width (values are keys[..., :width])
 
-    # --- reading -----------------------------------------------------------------------------
     @property
-    def capacity(self) -> int:
-        return next(iter(self.buffers.values())).shape[2] if self.buffers else 0
+    def initialized(self) -> bool:
+        return bool(self.tier.buffers)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.buffers
+    def define(
+        self, keys: torch.Tensor, values: torch.Tensor | None, stats: tuple[str, ...], reserve: int = 0,
+        latent_width: int | None = None,
+    ) -> None:
+        """Create the buffers from the first rows' shapes and dtypes (``[B, G, q, ...]``)."""
+        B, G = keys.shape[:2]
+        fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"keys": ((keys.shape[-1],), keys.dtype)}
+        if values is not None:
+            fields["values"] = ((values.shape[-1],), values.dtype)
+        fields.update(slots=((), torch.long), valid=((), torch.bool))
+        self.archive.define(B, G, fields, keys.device)
+        for name in stats:
+            fields[f"stat:{name}"] = ((), torch.float32)
+        self.tier.define(B, G, fields, keys.device, capacity=reserve)
+        self.latent_width = latent_width
+
+    # --- the live rows ---------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return self.tier.n
 
     def get(self, name: str) -> torch.Tensor:
-        """The live rows of ``name``: a view ``[B, G, n, ...]`` of the buffer (no copy)."""
-        return self.buffers[name][:, :, : self.n]
+        """The tier's live rows of buffer ``name`` (a view; rows may be out of slot order)."""
+        return self.tier.get(name)
 
-    def nbytes(self, names: tuple[str, ...] | None = None) -> int:
-        """Bytes of the live rows of ``names`` (all buffers when None)."""
-        total = 0
-        for name, buf in self.buffers.items():
-            if names is None or name in names:
-                total += buf[:, :, : self.n].numel() * buf.element_size()
-        return total
+    def values(self) -> torch.Tensor:
+        """What attention reads as values: ``values`` (GQA) or the latent part ``c`` of MLA rows (a view)."""
+        if "values" in self.tier:
+            return self.tier.get("values")
+        return self.tier.get("keys")[..., : self.latent_width]
 
-    def allocated_bytes(self) -> int:
-        return sum(buf.numel() * buf.element_size() for buf in self.buffers.values())
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The per-row statistics ``name -> [B, G, n]`` (views)."""
+        return {name[5:]: self.tier.get(name) for name in self.tier.buffers if name.startswith("stat:")}
 
-    # --- writing -----------------------------------------------------------------------------
-    def define(
-        self,
-        batch: int,
-        groups: int,
-        fields: dict[str, tuple[tuple[int, ...], torch.dtype]],
-        device: torch.device,
-        capacity: int = 0,
-    ) -> None:
-        """Create the buffers: ``name -> (trailing shape, dtype)``, each ``[batch, groups, capacity, *shape]``."""
-        self.buffers = {
-            name: torch.empty(batch, groups, capacity, *shape, dtype=dtype, device=device)
-            for name, (shape, dtype) in fields.items()
-        }
-        self.n = 0
-        self.ordered = True
+    def row_bytes(self) -> int:
+        """Bytes of one row of one (batch, group): its key (latent row on MLA) and its value (GQA)."""
+        per = 0
+        for name in ("keys", "values"):
+            if name in self.tier:
+                buf = self.tier.buffers[name]
+                per += buf.shape[-1] * buf.element_size()
+        return per
 
-    def append(self, rows: dict[str, torch.Tensor | bool | int | float], count: int | None = None) -> None:
-        """Write ``count`` rows after the live rows: per buffer a tensor ``[B, G, count, ...]`` or a scalar.
+    # --- appending ---------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
+        """Append one forward's rows ``[B, G, q, D]`` after the tier's rows (valid until marked padding)."""
+        q = keys.shape[2]
+        rows: dict[str, Any] = {"keys": keys, "valid": True}
+        if values is not None:
+            rows["values"] = values
+        # slots: one scalar fill for a decode step, a range for a prefill chunk
+        rows["slots"] = self.seen if q == 1 else torch.arange(self.seen, self.seen + q, device=keys.device)
+        for name in self.tier.buffers:
+            if name.startswith("stat:"):
+                rows[name] = 0.0
+        self.tier.append(rows, count=q)
+        self.seen += q
+        self.since_event += q
+        self.new_rows = q
+        self.peak_rows = max(self.peak_rows, self.tier.n)
 
-        Every buffer must be named. A scalar fills its rows without creating a tensor.
+    def mark_padding(self, padding_mask: torch.Tensor | None) -> None:
+        """Set the validity of the rows the forward in flight appended, from the 2-D padding mask.
+
+        ``padding_mask`` is ``[B, seen]`` bool over slots (True = real token), or None (no padding).
+        A multi-token forward checks the new rows on the host (prefill may synchronise); a decode
+        step only writes the flags, and its attention then honours them (no host sync per step).
         """
-        if set(rows) != set(self.buffers):
-            raise ValueError(f"append needs every buffer {sorted(self.buffers)}, got {sorted(rows)}")
-        if count is None:
-            count = next(t.shape[2] for t in rows.values() if isinstance(t, torch.Tensor))
-        self.reserve(count)
-        for name, value in rows.items():
-            target = self.buffers[name][:, :, self.n : self.n + count]
-            if isinstance(value, torch.Tensor):
-                target.copy_(value)
-            else:
-                target.fill_(value)
-        self.n += count
+        q = self.new_rows
+        if padding_mask is None or q == 0:
+            return
+        new = padding_mask[:, self.seen - q : self.seen].to(torch.bool)  # [B, q]
+        n = self.tier.n
+        self.tier.get("valid")[:, :, n - q : n] = new[:, None, :]
+        if q == 1 or not bool(new.all()):
+            self.all_valid = False
 
-    def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more rows (grow geometrically when the capacity runs out)."""
-        need = self.n + extra
-        cap = self.capacity
-        if need > cap:
-            self._resize(max(need, cap + max(MIN_GROWTH, int(cap * GROWTH))))
+    # --- moving rows out -------------------------------------------------------------------------
+    def not_kept(self, keep: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tier's rows that ``keep [B, G, k]`` (sorted indices) does not name, in order (archive buffers)."""
+        return self.tier.gather(self.tier.complement(keep), ARCHIVED)
 
-    def _resize(self, capacity: int) -> None:
-        for name, buf in self.buffers.items():
-            new = buf.new_empty(*buf.shape[:2], capacity, *buf.shape[3:])
-            new[:, :, : self.n].copy_(buf[:, :, : self.n])
-            self.buffers[name] = new
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep rows ``keep [B, G, k]`` (sorted) as the tier; the others must have been taken first."""
+        self.tier.keep(keep)
 
-    def _shrunk_capacity(self, n: int) -> int:
-        """After an eviction: give memory back when the store would be mostly empty."""
-        cap = self.capacity
-        if cap > 2 * n + MIN_GROWTH:
-            return n + max(MIN_GROWTH, int(n * GROWTH))
-        return cap
-
-    def complement(self, idx: torch.Tensor) -> torch.Tensor:
-        """Indices ``[B, G, n - k]`` (ascending) of the live rows that ``idx [B, G, k]`` does not name."""
-        n, k = self.n, idx.shape[2]
-        kept = torch.zeros(*idx.shape[:2], n, dtype=torch.bool, device=idx.device).scatter_(2, idx, True)
-        # a stable sort of the 0/1 mask puts the rows not kept first, in order
-        return torch.sort(kept.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - k]
-
-    def gather(self, idx: torch.Tensor, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-        """Copies of the live rows ``idx [B, G, k]`` of every buffer (or of ``names``).
-
-        One ``index_select`` per buffer over its rows flattened with ``(batch, group)`` offsets
-        (the buffers are contiguous), which is a few times faster than ``gather`` on small rows.
-        """
-        B, G, k = idx.shape
-        flat = None
-        out = {}
-        for name, buf in self.buffers.items():
-            if names is not None and name not in names:
-                continue
-            if flat is None:
-                cap = buf.shape[2]
-                offsets = torch.arange(B * G, device=idx.device).view(B, G, 1) * cap
-                flat = (idx + offsets).view(-1)
-            out[name] = buf.view(B * G * buf.shape[2], *buf.shape[3:]).index_select(0, flat).view(B, G, k, *buf.shape[3:])
-        return out
-
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep rows ``idx [B, G, k]`` (int64, ascending) as the new live rows, in that order.
-
-        The buffers shrink when they would be mostly empty (see :meth:`_shrunk_capacity`).
-        """
-        n, k = self.n, idx.shape[2]
-        cap = self._shrunk_capacity(k)
-        for name, buf in self.buffers.items():
-            rows = gather_rows(buf[:, :, :n], idx)
-            new = buf if cap == buf.shape[2] else buf.new_empty(*buf.shape[:2], cap, *buf.shape[3:])
-            new[:, :, :k].copy_(rows)
-            self.buffers[name] = new
-        self.n = k
+    def row(self, victim: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row ``victim[b, g]`` of every (batch, group), ``[B, G, 1, ...]`` (archive buffers)."""
+        return self.tier.gather(victim[..., None], ARCHIVED)
 
     def remove_one(self, victim: torch.Tensor) -> None:
-        """Take row ``victim[b, g]`` out of every ``(b, g)``; the last live row moves into its place.
+        """Take row ``victim[b, g]`` out of the tier; its last row moves into the hole (``O(1)``)."""
+        self.tier.remove_one(victim)
 
-        ``victim`` is int64 ``[B, G]`` (read the row first with :meth:`gather` to keep it). ``O(1)``
-        rows move; the live rows are no longer in append order afterwards.
-        """
-        n = self.n
-        idx = victim[..., None]  # [B, G, 1]
-        for buf in self.buffers.values():
-            live = buf[:, :, :n]
-            last = live[:, :, n - 1 : n].clone()
-            index = idx if buf.dim() == 3 else idx.view(*idx.shape, *([1] * (buf.dim() - 3))).expand_as(last)
-            live.scatter_(2, index, last)
-        self.n = n - 1
-        self.ordered = False
+    def add_to_archive(self, rows: dict[str, torch.Tensor]) -> None:
+        self.archive.append({name: rows[name] for name in self.archive.buffers})
 
-    def ensure_order(self, key: str = "slots") -> None:
-        """Sort the live rows by ``key`` (ascending) if :meth:`remove_one` disturbed their order."""
-        if not self.ordered and self.n:
-            order = self.get(key).argsort(dim=2, stable=True)
-            for buf in self.buffers.values():
-                buf[:, :, : self.n] = gather_rows(buf[:, :, : self.n], order)
-        self.ordered = True
+    def drop(self, count: int) -> None:
+        """Count ``count`` rows per (batch, group) evicted to nowhere (``archive=False``)."""
+        self.dropped_rows += count
 
+    def ensure_order(self) -> None:
+        """Sort the tier back into slot order (after ``remove_one``); a no-op when it is in order."""
+        self.tier.ensure_order()
+
+    # --- batch ---------------------------------------------------------------------------------
     def select_batch(self, index: torch.Tensor) -> None:
-        """Keep batch elements ``index`` (beam reordering, batch selection)."""
-        self.buffers = {name: buf.index_select(0, index) for name, buf in self.buffers.items()}
+        self.tier.select_batch(index)
+        self.archive.select_batch(index)
 
     def repeat_batch(self, repeats: int) -> None:
-        """Repeat every batch element ``repeats`` times (``generate``'s expansion for beams)."""
-        self.buffers = {name: buf.repeat_interleave(repeats, dim=0) for name, buf in self.buffers.items()}
+        self.tier.repeat_batch(repeats)
+        self.archive.repeat_batch(repeats)
+
+
+@dataclass
+class LayerStats:
+    """Rows are counted per sequence and KV group (one token's entry); bytes over the whole batch."""
+
+    layer: int
+    seen_rows: int
+    resident_rows: int
+    peak_resident_rows: int
+    resident_bytes: int
+    archived_rows: int
+    archived_bytes: int
+    dropped_rows: int
+    events: int
+    fetched_rows: int
+    # KV-path bytes this layer's attention has read, every forward counted (prefill, question, answer,
+    # decode): attended rows + index entries scanned + rows fetched
+    kv_bytes_read: int = 0
+    policy_info: dict[str, float] = field(default_factory=dict)  # the policy's and retriever's counters
+    last_step: dict[str, float] = field(default_factory=dict)  # the latest forward's KV-path figures
+
+
+@dataclass
+class CacheStats:
+    policy: dict[str, Any]
+    layers: list[LayerStats] = field(default_factory=list)
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Sums over layers of every counter, the policy's own counters included."""
+        skip = ("layer", "policy_info", "last_step", "peak_resident_rows")
+        keys = [k for k in LayerStats.__dataclass_fields__ if k not in skip]
+        out: dict[str, float] = {k: sum(getattr(s, k) for s in self.layers) for k in keys}
+        out["peak_resident_rows"] = max((s.peak_resident_rows for s in self.layers), default=0)  # per layer, max
+        for s in self.layers:
+            for k, v in s.policy_info.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "totals": self.totals, "layers": [vars(s) for s in self.layers]}
+
+    def __str__(self) -> str:
+        t = self.totals
+        n = max(1, len(self.layers))
+        head = (
+            f"policy {self.policy.get('name')}: {len(self.layers)} layers, "
+            f"resident {t['resident_rows'] / n:.0f} rows/layer ({t['resident_bytes'] / 2**20:.2f} MiB), "
+            f"archived {t['archived_rows'] / n:.0f} rows/layer ({t['archived_bytes'] / 2**20:.2f} MiB), "
+            f"dropped {t['dropped_rows'] / n:.0f} rows/layer, seen {t['seen_rows'] / n:.0f} rows/layer, "
+            f"events {t['events']}, fetched {t['fetched_rows']}"
+        )
+        extra = {k: v for k, v in t.items() if k not in LayerStats.__dataclass_fields__}
+        if extra:
+            head += ", " + ", ".join(f"{k} {v:g}" for k, v in extra.items())
+        rows = ["layer  seen  resident  archived  dropped  events  resident_KiB"]
+        for s in self.layers:
+            rows.append(
+                f"{s.layer:5d} {s.seen_rows:5d} {s.resident_rows:9d} {s.archived_rows:9d} {s.dropped_rows:8d} "
+                f"{s.events:7d} {s.resident_bytes / 1024:13.1f}"
+            )
+        return head + "\n" + "\n".join(rows)

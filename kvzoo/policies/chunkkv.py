@@ -12,8 +12,15 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, require_int, sorted_keep
-from kvzoo.policies.snapkv import check_window_fits, validate_window, window_rows_mask
+from kvzoo.framework.policy import (
+    Policy,
+    RowsView,
+    check_window_fits,
+    require_int,
+    sorted_keep,
+    validate_window,
+    window_rows_mask,
+)
 
 # rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
 SHARED_KEY = "chunkkv_kept_slots"

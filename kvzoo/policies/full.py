@@ -30,7 +30,7 @@ class Full(Policy):
                 "use a compressing policy such as streaming_llm for a budget"
             )
 
-    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0, seen=0):  # noqa: ANN001
+    def target_rows(self, event, *, budget, resident, block_rows=0, seen=0):
         return None
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:

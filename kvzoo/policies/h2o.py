@@ -70,10 +70,7 @@ class H2O(Policy):
     summary: ClassVar[str] = "heavy hitters by accumulated attention + recent rows, one in one out per step"
     paper: ClassVar[str] = "https://arxiv.org/abs/2306.14048"
     observes: ClassVar[frozenset[str]] = frozenset({"accumulate"})
-
-    @property
-    def schedule(self) -> str:
-        return "step"
+    schedule: ClassVar[str] = "step"
 
     def validate(self) -> None:
         super().validate()

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.policy import (
     Policy,
     RowsView,
@@ -19,8 +20,7 @@ from kvzoo.framework.policy import (
     require_int,
     sinks_and_recent_victim,
 )
-from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.framework.store import RowStore
+from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.index_scan import index_scan, page_query
 
 GQA_RULES = ("head", "group")
@@ -81,10 +81,7 @@ class Quest(Policy):
     def retriever_params(self) -> dict[str, Any]:
         return {"page_size": self.page_size, "gqa": self.gqa}
 
-    def is_dense(self, layer_rank: int) -> bool:
-        return layer_rank < self.dense_layers
-
-    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0, seen=0):  # noqa: ANN001
+    def target_rows(self, event, *, budget, resident, block_rows=0, seen=0):
         current = (seen - 1) % self.page_size + 1 if seen else resident  # rows of the page the latest token is in
         attended = min(self.sinks, max(0, seen - current)) + current
         return attended if resident > attended else None
@@ -159,7 +156,7 @@ class PageIndex(RetrievalState):
         D = (self.pages.get("entries").shape[-1] - 1) // 2
         return self.pages.get("entries")[..., :D]
 
-    def index(self, rows, block_keys, block_valid, archive) -> None:  # noqa: ANN001
+    def index(self, rows, block_keys, block_valid, archive) -> None:
         size = self.page_size
         new = rows["keys"].float()
         valid = rows["valid"]
@@ -207,7 +204,7 @@ class PageIndex(RetrievalState):
         wanted = self.config.pages or max(3, (budget or 0) // self.page_size) - 1
         return min(self.pages.n, wanted)
 
-    def choose(self, query, best, scaling, archive) -> Choice:  # noqa: ANN001
+    def choose(self, query, best, scaling, archive) -> Choice:
         bounds = self.bounds(query, scaling)  # [B, H, q, p]
         B, H, q_len, p = bounds.shape
         G = archive.keys.shape[1]

@@ -13,46 +13,18 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, require_int, topk_with_forced
+from kvzoo.framework.policy import (
+    Policy,
+    RowsView,
+    check_window_fits,
+    topk_with_forced,
+    validate_window,
+    window_rows_mask,
+)
 
 POOLINGS = ("maxpool", "avgpool")
 AGGREGATES = ("sum", "mean", "max")
 
-
-
-def window_rows_mask(rows: RowsView) -> torch.Tensor:
-    """Bool ``[B, G, N]``: the rows of the observation window's own tokens (the last ``w`` valid rows).
-
-    The window queries are the latest ``w`` tokens and their rows were appended last, so they are
-    the last ``w`` rows of the tier (sequence order); padding rows are never counted as window rows.
-    """
-    if rows.observed_window() is None:
-        raise RuntimeError(
-            "the observation window was not recorded for this layer; the policy must list 'window' in "
-            "`observes` and return a positive `observation_window`"
-        )
-    return recent_and_sinks(rows.valid, 0, rows.observed_window().shape[2])
-
-
-def validate_window(policy: Policy) -> None:
-    """The observation window's checks shared by SnapKV and ChunkKV (``policy.window``)."""
-    require_int(policy.window, "window", 1, "observation-window queries, always kept")
-    if policy.budget is not None and policy.budget < policy.window:
-        raise ValueError(
-            f"window ({policy.window}) is larger than budget ({policy.budget}): the observation window is always "
-            f"kept inside the budget; use window <= {policy.budget} or budget >= {policy.window}"
-        )
-
-
-def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
-    """ValueError when the always-kept window does not fit in ``keep`` rows."""
-    w = rows.observed_window().shape[2] if rows.observed_window() is not None else 0
-    if keep < w:
-        raise ValueError(
-            f"{name}: layer {rows.layer_idx} may keep {keep} rows, fewer than the observation window of {w} rows "
-            f"that is always kept (the tier holds {rows.num_rows} rows); use a smaller window= (<= {keep}), a "
-            f"larger budget=, or a smaller ratio= (<= {rows.num_rows / w:g})"
-        )
 
 
 @dataclass

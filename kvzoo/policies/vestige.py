@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, require_int, topk_with_forced
-from kvzoo.framework.retrieval import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.framework.store import RowStore
+from kvzoo.framework.buffers import RowStore
+from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, require_int, topk_with_forced
+from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.index_scan import index_scan, sketch_entries, sketch_query
 
 BRANCHES = ("auto", "rope", "content", "row", "key")
@@ -91,15 +91,11 @@ class Vestige(Policy):
         if self.branch not in BRANCHES:
             raise ValueError(f"branch must be one of {BRANCHES}, got {self.branch!r}")
 
-    def block_keep(self, block_rows: int) -> int:
-        if self.budget is not None:
-            return min(block_rows, self.budget)
-        return min(block_rows, max(1, int(block_rows / self.ratio)))
-
-    def target_rows(self, event, *, rows_seen, resident, fixed_budget, block_rows=0, seen=0):  # noqa: ANN001
+    def target_rows(self, event, *, budget, resident, block_rows=0, seen=0):
+        """Each closed block on its own: the budget formula applied to the block's rows."""
         if block_rows <= 0:
             return None
-        target = resident - block_rows + self.block_keep(block_rows)
+        target = resident - block_rows + min(block_rows, self.resolve_budget(block_rows))
         return target if target < resident else None
 
     def branch_dims(self, rows: RowsView) -> slice:
@@ -127,14 +123,10 @@ class Vestige(Policy):
         rows.info["selector_bytes_read"] = rows.info.get("selector_bytes_read", 0) + branch.numel() * branch.element_size()
         scores = torch.zeros(B, G, N, dtype=torch.float32, device=sigma.device)
         scores[:, :, start:] = sigma
-        position = torch.arange(N, device=sigma.device)
-        forced = (position < start).expand(B, G, N).clone()  # earlier blocks: decisions are final
+        forced = (torch.arange(N, device=sigma.device) < start).expand(B, G, N).clone()  # earlier blocks: final
+        forced |= recent_and_sinks(rows.valid, self.sinks, 0)  # the sequence's first valid rows
         recent = min(self.recent, block_keep // 2)
-        valid_rank = rows.valid.long().cumsum(-1) - 1
-        forced |= rows.valid & (valid_rank < self.sinks)  # the sequence's first valid rows
-        block_valid_rank = (rows.valid & (position >= start)).long().cumsum(-1)
-        n_valid = block_valid_rank[..., -1:]
-        forced |= rows.valid & (position >= start) & (block_valid_rank > n_valid - recent)
+        forced[:, :, start:] |= recent_and_sinks(rows.valid[:, :, start:], 0, recent)  # the block's latest rows
         return topk_with_forced(scores, forced, rows.valid, keep)
 
 
@@ -152,7 +144,7 @@ class VestigeRetriever(Retriever):
     best exact score over the attended tier); ``certified=True`` fetches every row with
     bound >= s* - ``tau``, so the softmax mass left out is at most ``(T - |F|) e^-tau`` relative to
     the attended tier (Lemma 3). A forward fetches the union over a group's query heads and over
-    its queries (``framework/retrieval.py``), at most ``j x heads x queries`` rows in top-j mode.
+    its queries (``framework/runtime.py``), at most ``j x heads x queries`` rows in top-j mode.
 
     On GQA rows there is no branch: the whole key is the "content" and ``rank`` defaults to a
     quarter of the head dim (a sound but looser bound). The index is kept in fp32 (an entry is
@@ -217,7 +209,7 @@ class SketchIndex(RetrievalState):
         content, branch = self._split(keys)
         return sketch_entries(content, branch, self.basis)
 
-    def index(self, rows, block_keys, block_valid, archive) -> None:  # noqa: ANN001
+    def index(self, rows, block_keys, block_valid, archive) -> None:
         if self.basis is None or self.config.refit:
             self._fit(block_keys, block_valid)
             if self.config.refit and self.rows.n:  # rebuild the index of earlier rows under the new basis
@@ -243,7 +235,7 @@ class SketchIndex(RetrievalState):
             q_rows = sketch_query(query, None, self.basis)
         return index_scan(q_rows, self.rows.get("entries"), scaling).view(B, H, q_len, -1)
 
-    def choose(self, query, best, scaling, archive) -> Choice:  # noqa: ANN001
+    def choose(self, query, best, scaling, archive) -> Choice:
         bounds = self.bounds(query, scaling)  # [B, H, q, m]
         B, H, q_len, m = bounds.shape
         G = self.basis.shape[1]

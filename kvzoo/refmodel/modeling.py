@@ -144,7 +144,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # noqa: ANN201
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate ``q [B, H, T, r]`` and ``k [B, 1, T, r]`` with ``cos/sin [B, T, r]``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q_out = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
@@ -152,7 +152,7 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     return q_out, k_out
 
 
-def rotate_branch(module: nn.Module, q_r: torch.Tensor, r: torch.Tensor, position_embeddings: Any):  # noqa: ANN201
+def rotate_branch(module: nn.Module, q_r: torch.Tensor, r: torch.Tensor, position_embeddings: Any):
     """The arm's branch rotation: RoPE when ``config.rope_branch``, identity (NoPE) otherwise."""
     if not module.config.rope_branch:
         return q_r, r

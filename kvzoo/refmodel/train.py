@@ -71,7 +71,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _autocast(cfg: TrainConfig, device: torch.device):  # noqa: ANN202
+def _autocast(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
 

@@ -1,15 +1,13 @@
 """GQA/MHA adapter (Llama, Qwen2/3, Mistral, SmolLM2): rows are one KV head's key and value.
 
 transformers' own attention modules project and rotate; kvzoo receives the rotated keys through
-``Cache.update`` and computes attention in ``framework/runtime.py``. Keys stay rotated at their
+``Cache.update`` and computes attention in ``framework/attention.py``. Keys stay rotated at their
 original positions; decoding continues at the true length because ``TieredCache`` reports it.
 """
 
 from __future__ import annotations
 
 import torch
-
-from kvzoo.kernels.attention import window_attention
 
 GQA_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -36,7 +34,3 @@ class GQAAdapter:
 
     def attach(self) -> None:
         """Nothing to replace: transformers' attention modules call kvzoo's registered attention."""
-
-    @staticmethod
-    def window_attention(queries, query_slots, keys, key_slots, key_valid, scaling) -> torch.Tensor:  # noqa: ANN001
-        return window_attention(queries, query_slots, keys, key_slots, key_valid, scaling)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import transformers
 
-from kvzoo.kernels.attention import window_attention
+from kvzoo.framework.attention import MLAQuery, mla_attention
 
 MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "kimi_linear", "kvzoo_mla")
 KIMI_MIN_TRANSFORMERS = (5, 18)
@@ -53,12 +53,12 @@ def check_transformers_for(model_type: str, version: str = transformers.__versio
         )
 
 
-def _rotate_deepseek_v2(module: torch.nn.Module, q_r, r, position_embeddings):  # noqa: ANN001
+def _rotate_deepseek_v2(module: torch.nn.Module, q_r, r, position_embeddings):
     rotate = sys.modules[type(module).__module__].apply_rotary_emb  # interleaved pairs (complex form)
     return rotate(q_r, r, position_embeddings)
 
 
-def _rotate_deepseek_v3(module: torch.nn.Module, q_r, r, position_embeddings):  # noqa: ANN001
+def _rotate_deepseek_v3(module: torch.nn.Module, q_r, r, position_embeddings):
     modeling = sys.modules[type(module).__module__]
     cos, sin = position_embeddings
     if module.config.rope_interleave:
@@ -66,11 +66,11 @@ def _rotate_deepseek_v3(module: torch.nn.Module, q_r, r, position_embeddings):  
     return modeling.apply_rotary_pos_emb(q_r, r, cos, sin)
 
 
-def _no_rotation(module: torch.nn.Module, q_r, r, position_embeddings):  # noqa: ANN001
+def _no_rotation(module: torch.nn.Module, q_r, r, position_embeddings):
     return q_r, r
 
 
-def _rotate_kvzoo_mla(module: torch.nn.Module, q_r, r, position_embeddings):  # noqa: ANN001
+def _rotate_kvzoo_mla(module: torch.nn.Module, q_r, r, position_embeddings):
     # kvzoo's reference twins: RoPE arm when config.rope_branch, NoPE (identity) otherwise
     from kvzoo.refmodel.modeling import rotate_branch
 
@@ -130,11 +130,6 @@ class MLAAdapter:
     def is_tiered(self, layer_idx: int) -> bool:
         return layer_idx in self.modules
 
-    @staticmethod
-    def window_attention(queries, query_slots, keys, key_slots, key_valid, scaling) -> torch.Tensor:  # noqa: ANN001
-        # absorbed queries [B, H, w, 576] against latent rows [B, 1, n, 576]: one KV group
-        return window_attention(queries, query_slots, keys, key_slots, key_valid, scaling)
-
     def attach(self) -> None:
         for module in self.modules.values():
             if getattr(module, "_kvzoo_original_forward", None) is None:
@@ -142,13 +137,6 @@ class MLAAdapter:
                 module._kvzoo_rotate = ROTATIONS[self.model_type]
                 module.forward = _mla_forward.__get__(module)
 
-    @staticmethod
-    def detach(model: torch.nn.Module) -> None:
-        for module in model.modules():
-            original = getattr(module, "_kvzoo_original_forward", None)
-            if original is not None:
-                module.forward = original
-                del module._kvzoo_original_forward, module._kvzoo_rotate
 
 
 def absorbed_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,17 +155,19 @@ def _mla_forward(
     position_embeddings: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """kvzoo's forward of one MLA attention module: latent rows in, absorbed or decompressed attention."""
-    from kvzoo.framework.cache import TieredCache
-    from kvzoo.framework.runtime import MLAQuery, mla_attention
+    """kvzoo's forward of one MLA attention module: latent rows in, absorbed or decompressed attention.
 
+    A kvzoo cache says so by answering ``kvzoo_layer(layer_idx)`` (the layer whose store receives the
+    rows); any other cache gets the module's own forward.
+    """
     if "past_key_values" in kwargs and cache is None:
         cache = kwargs.pop("past_key_values")
     if args:  # DeepSeek-V3 takes position_embeddings positionally
         position_embeddings, *rest = args
         if rest:
             attention_mask = rest[0]
-    if not isinstance(cache, TieredCache):
+    layer = cache.kvzoo_layer(self.layer_idx) if hasattr(cache, "kvzoo_layer") else None
+    if layer is None:
         return self._kvzoo_original_forward(
             hidden_states, attention_mask=attention_mask, cache=cache, position_embeddings=position_embeddings, **kwargs
         ) if position_embeddings is not None else self._kvzoo_original_forward(
@@ -197,6 +187,5 @@ def _mla_forward(
     row = torch.cat([c, r.to(c.dtype)], dim=-1)  # [B, 1, q, 576]
     cache.update(row, None, self.layer_idx)
     query = MLAQuery(q_nope, q_r, self.kv_b_proj.weight, self.v_head_dim, self.scaling)
-    threshold = cache.decompress_min_queries or cache.adapter.decompress_min_queries
-    out = mla_attention(cache.layers[self.layer_idx], query, attention_mask, threshold)  # [B, H, q, v]
+    out = mla_attention(layer.runtime, layer.state, query, attention_mask, layer.decompress_min_queries)  # [B, H, q, v]
     return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1)), None

@@ -1,0 +1,393 @@
+"""kvzoo's attention path: how a forward pass reads a ``TieredCache``.
+
+transformers lets a model use a registered attention function by name. kvzoo registers one,
+``"kvzoo"``, plus a matching mask function, and :func:`attach` switches a model to them (no
+monkey-patching of modules, and :func:`detach` switches back). MLA layers hand their queries to
+:func:`mla_attention` from the adapter's forward. Per attention call:
+
+1. the layer's ``update`` has just appended this forward's rows to the attended tier;
+2. the attention marks which new rows are padding (from the 2-D padding mask, indexed by slot),
+   records the observation window's queries if the policy wants them, and attends:
+
+   * **a decode step** (one query): over the tier's rows in place (no copy, no upcast of the rows;
+     MLA in absorbed form over the 576-dim latent rows), plus the archived rows the retriever
+     fetches as a second source in the same softmax. No host synchronisation: counters stay on
+     the device until ``stats()`` reads them;
+   * **a multi-token forward** (a prefill chunk, a question): through SDPA's fused kernels with the
+     bottom-right causal mask when the rows allow it; MLA decompresses the rows to per-head K/V
+     first (``k = [W_UK c ; r]``, ``v = W_UV c``), as FlashMLA, vLLM and SGLang prefill, when the
+     forward has at least ``decompress_min_queries`` queries;
+3. the step's attention goes to the policy's accumulators when the policy asked for that;
+4. the runtime fires the policy's scheduled event (``step`` / ``block``) for the layer.
+
+Handed any other cache (or none), the same function computes ordinary causal SDPA, so attaching
+kvzoo to a model changes nothing for code that does not use a ``TieredCache``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvzoo.framework.runtime import Fetched, LayerState, Runtime
+from kvzoo.kernels.attention import (
+    attend_scores,
+    attention_reference,
+    attention_sdpa,
+    decode_sdpa,
+    row_scores,
+    sink_window_mask,
+)
+
+ATTN_NAME = "kvzoo"
+
+# The cache layer whose ``update`` ran last in this context (it has ``runtime``, ``state``,
+# ``returned_keys`` and ``layer_idx``); the attention function picks it up and checks that the key
+# tensor it was handed is that layer's attended tier (identity, not equality).
+ACTIVE_LAYER: contextvars.ContextVar[Any] = contextvars.ContextVar("kvzoo_active_layer", default=None)
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """kvzoo's mask function: only the 2-D padding mask ``[B, kv_length]`` (True = real token).
+
+    Causality is not encoded here: the attention function decides it per row from the row's slot,
+    which stays right after rows are evicted (a 4-D mask indexed by tier position would not). A
+    multi-token forward returns None when nothing is padding (one host check per forward); a
+    decode step returns the mask unchecked, so the step never waits for the device.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+    if mask.shape[1] < kv_length:  # generate's mask can lag the cache by the new tokens
+        pad = torch.ones(mask.shape[0], kv_length - mask.shape[1], dtype=torch.bool, device=mask.device)
+        mask = torch.cat([mask, pad], dim=1)
+    if q_length > 1 and bool(mask.all()):
+        return None
+    return mask
+
+
+def kvzoo_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over ``key``/``value`` (``[B, G, n, D]``) for ``query [B, H, q, D]``; returns ``[B, q, H, Dv]``."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    layer = ACTIVE_LAYER.get()
+    ACTIVE_LAYER.set(None)
+    if layer is None or key is not layer.returned_keys:
+        if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
+            raise RuntimeError(
+                f"layer {layer.layer_idx}: the attention received keys that are not the TieredCache's attended tier "
+                f"(the model transformed them after Cache.update); {type(module).__name__} is not supported"
+            )
+        return _plain_attention(query, key, value, attention_mask, scaling), None
+    out = tiered_attention(layer.runtime, layer.state, query, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """Ordinary causal attention for a cache that is not a TieredCache (or no cache)."""
+    B, _, q_len, _ = query.shape
+    n = key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4:  # a caller-made mask: use it as is
+        hpg = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(hpg, dim=1), value.repeat_interleave(hpg, dim=1)
+        mask = attention_mask[..., :n]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous()
+    slots = torch.arange(n, device=query.device).expand(B, key.shape[1], n)
+    if attention_mask is not None:
+        valid = attention_mask[:, -n:].to(torch.bool)[:, None, :].expand_as(slots)
+    else:
+        valid = torch.ones_like(slots, dtype=torch.bool)
+    q_slots = torch.arange(n - q_len, n, device=query.device)
+    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling, all_valid=attention_mask is None)
+    return out.transpose(1, 2).contiguous()
+
+
+# --- the tiered path ---------------------------------------------------------------------------------
+
+
+def _begin(state: LayerState, attention_mask: torch.Tensor | None, scaling: float) -> None:
+    ACTIVE_LAYER.set(None)
+    state.scaling = scaling
+    state.store.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
+
+
+def _query_slots(state: LayerState, q_len: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(state.store.seen - q_len, state.store.seen, device=device)
+
+
+def _decode_allowed(state: LayerState) -> torch.Tensor | None:
+    """Rows a decode query may read ``[B, G, n]``: None when every row is known valid."""
+    if state.store.all_valid:
+        return None
+    allowed = state.store.get("valid").clone()
+    allowed[..., -1] = True  # a query always reads its own row (defined output for a padding query)
+    return allowed
+
+
+def _decode(rt: Runtime, state: LayerState, query: torch.Tensor, scaling: float, *, sdpa: bool) -> torch.Tensor:
+    """One query per sequence over the tier (in place) and the fetched rows: ``[B, H, 1, Dv]``."""
+    if "accumulate" in rt.policy.observes:  # H2O needs every row's probability: the reference
+        return _multi(rt, state, query, _multi_rows(rt, state, lambda: query, scaling), scaling, sdpa=sdpa)
+    keys, values = state.store.get("keys"), state.store.values()
+    retrieving = state.index is not None and state.store.archive.n > 0
+    allowed = _decode_allowed(state)
+    if sdpa and not retrieving:
+        rt.account_attended(state)
+        return decode_sdpa(query, keys, values, allowed, scaling)
+    tier_scores = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None])  # [B,H,1,n]
+    scores, sources = [tier_scores], [values]
+    if retrieving:  # s* comes from the scores the step computes anyway
+        fetched = rt.fetch(state, query, None, scaling, best=tier_scores.amax(dim=-1), with_slots=False)
+        fetched_scores = row_scores(query, fetched.keys, scaling, fetched.valid[:, :, None])
+        if fetched.head_valid is not None:  # rows only some of the group's heads chose
+            fetched_scores = fetched_scores.masked_fill(~fetched.head_valid[:, :, None], float("-inf"))
+        scores.append(fetched_scores)
+        sources.append(_fetched_values(fetched, values.shape[-1]))
+    else:
+        rt.account_attended(state)
+    out, _, _ = attend_scores(scores, sources, query.dtype)
+    return out
+
+
+def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
+    return fetched.values if fetched.values is not None else fetched.keys[..., :width]
+
+
+@dataclass
+class MultiTokenRows:
+    """The rows a multi-token forward attends over: the ordered tier and the fetched rows (if any).
+
+    Fetched rows come after the tier, except the whole archive under the ``"dense"`` rule, which
+    comes before it (every archived row is older than the forward's own rows, so the
+    bottom-right causal mask still holds when nothing is padding).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+    tier: slice  # where the tier's rows are
+    plain_causal: bool  # no padding, the forward's rows last, all others visible: bottom-right causal is exact
+
+
+def _multi_rows(
+    rt: Runtime, state: LayerState, index_query: Callable[[], torch.Tensor], scaling: float
+) -> MultiTokenRows:
+    """The ordered tier plus what the retriever fetches for ``index_query()`` (built only if it scans)."""
+    store = state.store
+    store.ensure_order()  # the forward's own rows last, every older row before them
+    keys, values = store.get("keys"), store.values()
+    slots, valid = store.get("slots"), store.get("valid")
+    fetched = None
+    if state.index is not None and store.archive.n > 0:
+        query = index_query()
+        fetched = rt.fetch(state, query, _query_slots(state, query.shape[2], query.device), scaling)
+    else:
+        rt.account_attended(state)
+    n = store.n
+    if fetched is None:
+        return MultiTokenRows(keys, values, slots, valid, slice(0, n), store.all_valid)
+    f_values = _fetched_values(fetched, values.shape[-1])
+    if fetched.dense:
+        m = fetched.keys.shape[2]
+        return MultiTokenRows(
+            torch.cat([fetched.keys, keys], dim=2), torch.cat([f_values, values], dim=2),
+            torch.cat([fetched.slots, slots], dim=2), torch.cat([fetched.valid, valid], dim=2), slice(m, m + n),
+            store.all_valid,
+        )
+    return MultiTokenRows(
+        torch.cat([keys, fetched.keys], dim=2), torch.cat([values, f_values], dim=2),
+        torch.cat([slots, fetched.slots], dim=2), torch.cat([valid, fetched.valid], dim=2), slice(0, n), False,
+    )
+
+
+def _window_mask(rt: Runtime, state: LayerState, rows: MultiTokenRows, q_len: int, groups: int) -> torch.Tensor | None:
+    """The policy's per-token window over the tier's rows for a multi-token forward (None: none)."""
+    if rt.policy.is_dense(state.layer_rank):
+        return None
+    budget = rt.budget(state)
+    window = rt.policy.multi_token_window(budget) if budget is not None else None
+    if window is None:
+        return None
+    tier_valid = state.store.get("valid")
+    mask = torch.ones(*rows.valid.shape[:2], q_len, rows.valid.shape[2], dtype=torch.bool, device=tier_valid.device)
+    mask[..., rows.tier] = sink_window_mask(tier_valid, q_len, *window).expand(rows.valid.shape[0], groups, -1, -1)
+    return mask
+
+
+def _multi(
+    rt: Runtime, state: LayerState, query: torch.Tensor, rows: MultiTokenRows, scaling: float, *, sdpa: bool
+) -> torch.Tensor:
+    """A multi-token forward over ``rows``: ``[B, H, q, Dv]``."""
+    q_slots = _query_slots(state, query.shape[2], query.device)
+    extra = _window_mask(rt, state, rows, query.shape[2], rows.valid.shape[1]) if query.shape[2] > 1 else None
+    if "accumulate" in rt.policy.observes:
+        out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
+                                        column_sums=True, extra_mask=extra)
+        stat = state.store.get("stat:attention")  # [B, G, n]; MLA's per-head rows sum into their one group
+        stat += sums[..., rows.tier].reshape(*stat.shape[:2], -1, stat.shape[2]).sum(dim=2)
+        return out
+    if sdpa:
+        return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
+                              all_valid=rows.plain_causal, extra_mask=extra)
+    out, _ = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
+                                 extra_mask=extra)
+    return out
+
+
+def tiered_attention(
+    rt: Runtime, state: LayerState, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """GQA/MHA attention of ``query [B, H, q, D]`` over one layer's tiers; returns ``[B, H, q, Dv]``.
+
+    The rows of this forward must already be appended. Fires the policy's scheduled event for the
+    layer afterwards.
+    """
+    _begin(state, attention_mask, scaling)
+    rt.record_queries(state, query)
+    if query.shape[2] == 1:
+        out = _decode(rt, state, query, scaling, sdpa=True)
+    else:
+        out = _multi(rt, state, query, _multi_rows(rt, state, lambda: query, scaling), scaling, sdpa=True)
+    rt.after_forward(state)
+    return out
+
+
+@dataclass
+class MLAQuery:
+    """One MLA layer's queries in both forms, and the weights that move between them.
+
+    ``q_nope [B, H, q, nope]``, ``q_rope [B, H, q, dr]`` (rotated where the model rotates), and
+    ``kv_weight`` = ``kv_b_proj.weight`` ``[H * (nope + v), dc]``, of which ``W_UK [H, nope, dc]``
+    and ``W_UV [H, v, dc]`` are views.
+    """
+
+    q_nope: torch.Tensor
+    q_rope: torch.Tensor
+    kv_weight: torch.Tensor
+    v_dim: int
+    scaling: float
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
+        return self.kv_weight.view(H, nope + self.v_dim, -1)[:, :nope]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
+        return self.kv_weight.view(H, nope + self.v_dim, -1)[:, nope:]
+
+    def absorbed(self, last: int | None = None) -> torch.Tensor:
+        """``[W_UK^T q_nope ; q_r]`` ``[B, H, q, dc + dr]`` (the last ``last`` queries only, if given)."""
+        q_nope, q_rope = self.q_nope, self.q_rope
+        if last is not None:
+            q_nope, q_rope = q_nope[:, :, -last:], q_rope[:, :, -last:]
+        q_c = torch.einsum("bhqn,hnc->bhqc", q_nope, self.w_uk)  # [B, H, q, dc]
+        return torch.cat([q_c, q_rope.to(q_c.dtype)], dim=-1)
+
+    def decompress(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head ``k = [W_UK c ; r]`` ``[B, H, n, nope + dr]`` and ``v = W_UV c`` ``[B, H, n, v]`` of latent rows."""
+        dc = self.kv_weight.shape[-1]
+        c, r = rows[:, 0, :, :dc], rows[:, 0, :, dc:]  # [B, n, dc], [B, n, dr]
+        H, nope = self.q_nope.shape[1], self.q_nope.shape[-1]
+        kv = F.linear(c, self.kv_weight).view(c.shape[0], c.shape[1], H, -1).transpose(1, 2)  # [B, H, n, nope + v]
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        keys = torch.cat([k_nope, r[:, None].expand(-1, H, -1, -1)], dim=-1)
+        return keys, v
+
+    def output(self, latent: torch.Tensor) -> torch.Tensor:
+        """``W_UV`` applied to a latent output ``[B, H, q, dc]`` -> ``[B, H, q, v]``."""
+        return torch.einsum("bhqc,hvc->bhqv", latent, self.w_uv)
+
+
+def mla_attention(
+    rt: Runtime, state: LayerState, mq: MLAQuery, attention_mask: torch.Tensor | None, threshold: int
+) -> torch.Tensor:
+    """MLA attention over one layer's latent rows; returns ``[B, H, q, v]`` (before ``o_proj``).
+
+    A forward with fewer than ``threshold`` queries attends in absorbed form (scores over the
+    576-dim rows, output latent then ``W_UV``); one with more decompresses the rows to per-head
+    K/V and runs SDPA -- the same numbers either way, at the cheaper cost for its size.
+    """
+    _begin(state, attention_mask, mq.scaling)
+    q_len = mq.q_nope.shape[2]
+    window = rt.policy.observation_window
+    rt.record_queries(state, mq.absorbed(last=min(window, q_len)) if window > 0 else None)
+    if q_len == 1:
+        latent = _decode(rt, state, mq.absorbed(), mq.scaling, sdpa=False)
+        out = mq.output(latent)
+    elif q_len < threshold:
+        query = mq.absorbed()
+        latent = _multi(rt, state, query, _multi_rows(rt, state, lambda: query, mq.scaling), mq.scaling, sdpa=False)
+        out = mq.output(latent)
+    else:
+        rows = _multi_rows(rt, state, mq.absorbed, mq.scaling)  # the index is over latent rows: absorbed queries
+        keys, values = mq.decompress(rows.keys)
+        query = torch.cat([mq.q_nope, mq.q_rope.to(mq.q_nope.dtype)], dim=-1)
+        B, H = query.shape[:2]
+        slots = rows.slots.expand(B, H, -1)  # one latent group serves every head
+        valid = rows.valid.expand(B, H, -1)
+        per_head = MultiTokenRows(keys, values, slots, valid, rows.tier, rows.plain_causal)
+        out = _multi(rt, state, query, per_head, mq.scaling, sdpa=True)
+    rt.after_forward(state)
+    return out
+
+
+def register() -> None:
+    """Register kvzoo's attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_NAME, kvzoo_attention)
+    AttentionMaskInterface.register(ATTN_NAME, padding_mask)
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Make ``model`` use kvzoo's attention; remembers the previous implementation for :func:`detach`.
+
+    Every model switches to the registered ``"kvzoo"`` attention and mask functions; an MLA
+    adapter additionally runs its layers' forward itself (``MLAAdapter.attach``, which
+    ``TieredCache`` calls).
+    """
+    register()
+    config = model.config
+    if config._attn_implementation == ATTN_NAME:
+        return
+    config._kvzoo_previous_attn = config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Restore the attention implementation (and MLA forwards) ``model`` had before :func:`attach`."""
+    for module in model.modules():  # MLA layers whose forward an adapter replaced
+        original = getattr(module, "_kvzoo_original_forward", None)
+        if original is not None:
+            module.forward = original
+            del module._kvzoo_original_forward, module._kvzoo_rotate
+    previous = getattr(model.config, "_kvzoo_previous_attn", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        del model.config._kvzoo_previous_attn

@@ -1,0 +1,143 @@
+"""The retriever interface (policy layer): an index over a layer's archive, tensors in, rows out.
+
+A *retriever* is a configuration (a dataclass whose fields are its hyperparameters) that makes one
+*state* per layer. The state indexes rows as they are archived (:meth:`RetrievalState.index`)
+and, given queries, names the archived rows they could need (:meth:`RetrievalState.choose`).
+Everything a state sees arrives as tensors (:class:`ArchiveView`); the runtime
+(``framework/runtime.py``) scans, gathers the named rows, attends and accounts. Importable with
+torch alone.
+
+Retrievers reach kvzoo by name through the registry's ``kvzoo_retrievers`` hook, as policies do:
+``"vestige"`` (certified sketch, ``policies/vestige.py``) and ``"quest"`` (page min/max,
+``policies/quest.py``) are built in; any selector combines with any retriever
+(``registry.get("snapkv", retriever="vestige")``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+# How a forward of several queries (a prefill chunk, a question, a teacher-forced answer) reads the
+# archive, the same for every retriever (Retriever.multi_token).
+MULTI_TOKEN_RULES = ("dense", "union")
+
+
+@dataclass
+class RowGeometry:
+    """What a retrieval state needs to know about the rows it indexes."""
+
+    layout: str  # "gqa" or "mla"
+    content_dim: int  # MLA: the latent c's width (512); GQA: 0 (the whole key is content)
+    branch_dim: int = 0  # MLA: the decoupled branch r's width (64); GQA: 0
+
+
+@dataclass
+class ArchiveView:
+    """One layer's archive as tensors (what a retriever may read at scan time)."""
+
+    keys: torch.Tensor  # [B, G, m, D] archived keys (MLA: latent rows)
+    slots: torch.Tensor  # [B, G, m]
+    valid: torch.Tensor  # [B, G, m]
+    budget: int | None  # the layer's budget (rows), fixed at its first event
+
+
+@dataclass
+class Choice:
+    """What a retrieval state names for a tile of queries: candidates, or a mask over the archive.
+
+    ``rows``/``ok`` ``[B, G, K]``: candidate archive indices and whether each is chosen (a fixed
+    ``K`` per call, e.g. ``j`` per head and query: the decode step stages them without a host
+    synchronisation). ``mask [B, G, m]``: when the choice has no small bound (certified mode).
+    """
+
+    rows: torch.Tensor | None = None
+    ok: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    # which query heads may read each staged row, ``visible(idx [B, G, K]) -> [B, H, K]`` (None: every
+    # head of the group reads every row the group fetched)
+    visible: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def as_mask(self, archived: int) -> torch.Tensor:
+        if self.mask is not None:
+            return self.mask
+        B, G = self.rows.shape[:2]
+        mask = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=self.rows.device)
+        mask.scatter_(2, torch.where(self.ok, self.rows, archived), True)  # not chosen: a spare column
+        return mask[..., :archived]
+
+
+class RetrievalState(ABC):
+    """One layer's index over its archive."""
+
+    entry_bytes: int = 0  # bytes of one index entry
+    page_size: int = 1  # archived rows one entry covers (Quest's pages; 1 for per-row indexes)
+    needs_best: bool = True  # choose() reads s*, the attended tier's best score per head and query
+    audit_top: int = 0  # how many true top rows the audit's recall looks at
+
+    @abstractmethod
+    def index(
+        self, rows: dict[str, torch.Tensor], block_keys: torch.Tensor, block_valid: torch.Tensor,
+        archive: ArchiveView | None,
+    ) -> None:
+        """Index ``rows`` (``keys [B,G,k,D]``, ``valid``, ...) as they join the end of ``archive``.
+
+        ``block_keys``/``block_valid`` are the attended tier before the eviction (the closing block);
+        ``archive`` is the archive before ``rows`` join it (to rebuild an index).
+        """
+
+    @abstractmethod
+    def entries(self) -> int:
+        """Index entries per (batch, group): what one scan reads."""
+
+    @abstractmethod
+    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Upper bounds ``[B, H, q, entries]`` on the scores of ``query [B, H, q, D]`` (fp32)."""
+
+    @abstractmethod
+    def choose(self, query: torch.Tensor, best: torch.Tensor | None, scaling: float, archive: ArchiveView) -> Choice:
+        """The archived rows that some head of a group, for some of ``query [B, H, q, D]``, may need.
+
+        ``best [B, H, q]`` is s* (None when not ``needs_best``). Either a fixed number of candidate
+        row indices per (batch, group) (repeats allowed: the runtime keeps each row once) or a
+        mask over the archive.
+        """
+
+    @abstractmethod
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep batch elements ``index`` of the index (beam reordering: the index must follow the archive)."""
+
+    @abstractmethod
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every batch element of the index ``repeats`` times."""
+
+
+@dataclass
+class Retriever(ABC):
+    """Configuration of a retriever; its fields are its hyperparameters.
+
+    ``multi_token`` is the rule for forwards of more than one query (a prefill chunk, a question, a
+    teacher-forced answer), the same for every retriever: ``"dense"`` (default, the reference's --
+    Quest attends densely whenever a forward has more than one query) reads the whole archive
+    beside the attended tier; ``"union"`` scans the index with every query and attends over the
+    union of each query's own choice (tiled, bounded memory). Decode steps (one query) always use
+    the retriever's own rule.
+    """
+
+    multi_token: str = "dense"
+
+    name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        if self.multi_token not in MULTI_TOKEN_RULES:
+            raise ValueError(
+                f"multi_token must be one of {MULTI_TOKEN_RULES} (how forwards of several queries read the archive), "
+                f"got {self.multi_token!r}"
+            )
+
+    @abstractmethod
+    def new_state(self, geometry: RowGeometry) -> RetrievalState: ...

@@ -1,0 +1,182 @@
+"""The layers kvzoo keeps (STYLE.md): arrows point down, no import cycle, the policy layer needs torch
+alone, and a dropped cache frees its memory without the cycle collector."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import pathlib
+import re
+import subprocess
+import sys
+
+import torch
+
+import kvzoo
+
+PACKAGE = pathlib.Path(kvzoo.__file__).parent
+
+# The one documented seam where the framework reaches up: names become policies and retrievers
+# through the registry (kvzoo/framework/names.py).
+SEAMS = {("kvzoo.framework.names", "kvzoo.registry")}
+# The policy layer and the kernels: importable with torch alone (kvpress's environment pins an older
+# transformers), so they import nothing of kvzoo above them.
+POLICY_LAYER = {"kvzoo.framework.policy", "kvzoo.framework.retriever", "kvzoo.framework.buffers"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """Every kvzoo module ``name`` imports, at module level or inside functions (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return  # annotations only: never executed
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("kvzoo"):
+                    add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.startswith("kvzoo"):
+                for alias in node.names:
+                    add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("kvzoo"):
+                add(arg.value)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_no_import_cycle_anywhere_in_kvzoo():
+    graph = _graph()
+    assert sum(len(v) for v in graph.values()) > 50  # the walker sees the package's imports
+    assert _cycles(graph) == []
+
+
+def test_the_framework_never_imports_policies_bench_or_the_registry_beyond_the_seam():
+    upward = [
+        (src, dst) for src, dsts in _graph().items() if src.startswith("kvzoo.framework")
+        for dst in dsts
+        if dst.startswith(("kvzoo.policies", "kvzoo.bench", "kvzoo.registry", "kvzoo.cli", "kvzoo.pipeline"))
+        and (src, dst) not in SEAMS
+    ]
+    assert upward == []
+
+
+def test_the_policy_layer_and_kernels_import_nothing_above_them():
+    graph = _graph()
+    for src in POLICY_LAYER | {m for m in graph if m.startswith("kvzoo.kernels")}:
+        above = {dst for dst in graph[src] if dst not in POLICY_LAYER and not dst.startswith("kvzoo.kernels")}
+        assert above - {"kvzoo"} == set(), (src, above)
+    for src in (m for m in graph if m.startswith("kvzoo.policies")):  # concrete policies: the policy layer only
+        assert {d for d in graph[src] if not d.startswith(("kvzoo.kernels", "kvzoo.policies"))} <= POLICY_LAYER | {"kvzoo"}, src
+        assert not {d for d in graph[src] if d.startswith("kvzoo.policies.") and d != src}, f"{src} imports a policy"
+
+
+def test_the_policy_layer_imports_with_torch_alone():
+    """transformers made unimportable: the policy layer, every built-in policy and the kernels still load."""
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import kvzoo.framework.policy, kvzoo.framework.retriever, kvzoo.kernels.attention, kvzoo.kernels.index_scan\n"
+        "import kvzoo.policies.full, kvzoo.policies.streaming_llm, kvzoo.policies.snapkv, kvzoo.policies.h2o\n"
+        "import kvzoo.policies.chunkkv, kvzoo.policies.quest, kvzoo.policies.vestige\n"
+        "from kvzoo.policies.snapkv import SnapKV\n"
+        "assert 'transformers' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
+        "print(SnapKV(ratio=4).config()['name'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "snapkv"
+
+
+def _rss_mib() -> float:
+    return int(re.search(r"VmRSS:\s+(\d+)", pathlib.Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+def test_a_dropped_cache_is_freed_without_the_cycle_collector(tiny):
+    """200 caches, each after a generate over 1,000 tokens (~1.5 MiB of rows), dropped with gc disabled."""
+    from kvzoo import TieredCache, registry
+
+    ids = torch.randint(1, 256, (1, 1000), generator=torch.Generator().manual_seed(0))
+    policy = registry.get("streaming_llm", ratio=4)  # rows in the tier and the archive, an index-free policy
+
+    def one() -> None:
+        cache = TieredCache(tiny, policy)
+        tiny.generate(ids, max_new_tokens=2, do_sample=False, cache=cache, pad_token_id=0)
+
+    one()  # warm-up: allocator pools, lazily imported modules
+    gc.collect()
+    gc.disable()
+    try:
+        before = _rss_mib()
+        for _ in range(200):
+            one()
+        growth = _rss_mib() - before
+    finally:
+        gc.enable()
+    assert growth < 50, f"RSS grew {growth:.0f} MiB over 200 dropped caches"
