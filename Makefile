@@ -2,6 +2,7 @@
 #   make demo   runs the main job (creates .venv, installs everything)
 #   make test   runs the test suite (creates .venv, installs everything)
 #   make leaderboard  runs the larger leaderboard grid (every task, ratios 2/4/8, question after and before)
+#   make soak   10,000 decode steps per policy (benchmarks/soak.py) + the reliability suite's long profile
 # TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
 # machines; elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build) before `make`.
 PYTHON     ?= python3
@@ -11,7 +12,7 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
 STAMP      := $(VENV)/.kvzoo-installed
 
-.PHONY: venv test demo leaderboard lint clean
+.PHONY: venv test demo leaderboard soak lint clean
 
 venv: $(STAMP)
 
@@ -32,6 +33,10 @@ demo: $(STAMP)
 
 leaderboard: $(STAMP)
 	$(PY) -m kvzoo.cli leaderboard --preset leaderboard
+
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py --check --json results/soak.json
+	KVZOO_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider tests/reliability
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -92,14 +92,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             spec = TaskSpec(args.task, args.context_tokens, args.depth, args.seed, args.haystack)
         except (TypeError, ValueError) as err:
             return _fail("run", str(err))
+    context_text = None
+    if args.context_file:  # read it before the model loads: a bad file fails at once, naming itself
+        path = Path(args.context_file)
+        try:
+            context_text = path.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            return _fail("run", f"--context-file {str(path)!r} does not exist")
+        except IsADirectoryError:
+            return _fail("run", f"--context-file {str(path)!r} is a directory; give a text file")
+        except UnicodeDecodeError as err:
+            return _fail("run", f"--context-file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})")
+        if not context_text.strip():
+            return _fail("run", f"--context-file {str(path)!r} is empty: there is no context to compress")
     try:
         check_model_name(args.model)
     except ValueError as err:
         return _fail("run", str(err))
     model, tokenizer = load(args.model)
     task = None
-    if args.context_file:
-        context, question = Path(args.context_file).read_text(encoding="utf-8"), args.question
+    if context_text is not None:
+        context, question = context_text, args.question
     elif spec is not None:
         task = make_task(spec, tokenizer)
         ids = encode_prompt(tokenizer, task)
@@ -130,7 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"question : {question}")
         print(f"answer   : {result.answer!r}")
     print("timings  : " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
-    print(result.stats)
+    print(result.stats)  # includes notes such as "no block has closed yet"
     return 0
 
 
@@ -177,8 +190,12 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as err:
         return _fail("leaderboard", str(err))
     results = Path(args.out or runner.RESULTS_DIR / f"{args.preset}.jsonl")
+    try:
+        runner.check_results_target(results, force=args.force)
+    except runner.NotKvzooResults as err:
+        return _fail("leaderboard", str(err))
     print(f"kvzoo leaderboard: {len(trials)} trials -> {results} (rerun the same command to resume)", file=sys.stderr)
-    rows = runner.run_grid(grid, results, fresh=args.fresh, progress=not args.no_progress)
+    rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress)
     print(report.render(rows, title=f"kvzoo leaderboard ({args.preset} grid)"))
     if not args.no_plots:
         plot_dir = Path(args.plot_dir) if args.plot_dir else results.parent
@@ -200,7 +217,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     path = Path(args.results)
     if not path.is_file():
         return _fail("plot", f"no results file {str(path)!r}; run `kvzoo leaderboard` first (it writes results/<preset>.jsonl)")
-    rows = runner.read_results(path)
+    found = runner.read_results_file(path)
+    for problem in found.problems():
+        print(f"kvzoo plot: {problem}", file=sys.stderr)
+    if not found.rows:
+        return _fail("plot", f"{path} holds no kvzoo results rows (it was not changed); give a JSONL written by "
+                     "`kvzoo leaderboard`")
+    rows = found.rows
     if args.model:
         rows = [r for r in rows if r.get("model") == args.model]
     try:
@@ -222,6 +245,16 @@ def _ratio(text: str) -> float:
         raise argparse.ArgumentTypeError(f"a ratio is a number >= 1 (keep 1/ratio of the rows), got {text!r}") from None
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"a ratio is a number >= 1 (keep 1/ratio of the rows), got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a token count is an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a token count is an int >= 1, got {text!r}")
     return value
 
 
@@ -259,11 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--seed", type=int, default=0, help="seed of --task")
     p_run.add_argument("--context-file", help="a text file to use as the context (needs --question)")
     p_run.add_argument("--question", help="the question asked about the context")
-    p_run.add_argument("--context-tokens", type=int, default=2000, help="needle/task context length in tokens")
+    p_run.add_argument("--context-tokens", type=_positive, default=2000, help="needle/task context length in tokens")
     p_run.add_argument("--depth", type=_depth, default=0.35, help="needle depth in [0, 1]")
     p_run.add_argument("--question-position", choices=list(QUESTION_POSITIONS), default="after")
-    p_run.add_argument("--max-new-tokens", type=int, default=None, help="default 24 (with --task: the task's)")
-    p_run.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
+    p_run.add_argument("--max-new-tokens", type=_positive, default=None, help="default 24 (with --task: the task's)")
+    p_run.add_argument("--chunk-size", type=_positive, default=None, help="prefill in chunks of this many tokens")
     p_run.set_defaults(func=cmd_run)
 
     p_lb = sub.add_parser(
@@ -281,19 +314,21 @@ def build_parser() -> argparse.ArgumentParser:
     p_lb.add_argument("--tasks", nargs="+", choices=TASKS, metavar="TASK", help=f"tasks: {', '.join(TASKS)}")
     p_lb.add_argument("--haystacks", nargs="+", choices=ALL_HAYSTACKS, metavar="KIND",
                       help=f"haystacks: {', '.join(ALL_HAYSTACKS)} (default: each task's own)")
-    p_lb.add_argument("--context-tokens", nargs="+", type=int, metavar="N", help="context lengths in tokens")
+    p_lb.add_argument("--context-tokens", nargs="+", type=_positive, metavar="N", help="context lengths in tokens")
     p_lb.add_argument("--depths", nargs="+", type=_depth, metavar="D", help="needle depths in [0, 1]")
     p_lb.add_argument("--seeds", nargs="+", type=int, metavar="S", help="task seeds")
     p_lb.add_argument("--positions", nargs="+", choices=list(QUESTION_POSITIONS), metavar="POS",
                       help="question after and/or before compression")
-    p_lb.add_argument("--max-new-tokens", type=int, help="tokens to generate (default: each task's own)")
-    p_lb.add_argument("--chunk-size", type=int, help="prefill in chunks of this many tokens")
+    p_lb.add_argument("--max-new-tokens", type=_positive, help="tokens to generate (default: each task's own)")
+    p_lb.add_argument("--chunk-size", type=_positive, help="prefill in chunks of this many tokens")
     p_lb.add_argument("--continuation-tokens", type=int, help="held-out continuation length for ΔCE (default 64)")
     p_lb.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default float32)")
     p_lb.add_argument("--audit", action="store_true", help="count the retrieval tier's bound violations (slow)")
     p_lb.add_argument("--out", help="results JSONL (default results/<preset>.jsonl)")
     p_lb.add_argument("--plot-dir", help="where the PNGs go (default: beside the results file)")
-    p_lb.add_argument("--fresh", action="store_true", help="discard the results file and start over")
+    p_lb.add_argument("--fresh", action="store_true", help="discard the (kvzoo) results file and start over")
+    p_lb.add_argument("--force", action="store_true",
+                      help="append to --out even when it exists and is not a kvzoo results file")
     p_lb.add_argument("--no-plots", action="store_true", help="do not write the PNGs")
     p_lb.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_lb.set_defaults(func=cmd_leaderboard)

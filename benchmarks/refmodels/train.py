@@ -21,14 +21,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvzoo.refmodel import CHECKPOINT_DIR  # noqa: E402
-from kvzoo.refmodel.train import TrainConfig, throughput, train  # noqa: E402
+from kvzoo.refmodel.train import TrainConfig, default_work_dir, throughput, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arm", choices=("nope", "rope"), default="nope")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", default="/tmp/kvzoo_train")
+    p.add_argument("--work-dir", default=str(default_work_dir()), help="training state (default: per-user cache)")
     p.add_argument("--max-steps", type=int, default=8000)
     p.add_argument("--tokens-per-step", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1)

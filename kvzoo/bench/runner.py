@@ -46,6 +46,7 @@ from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
 from kvzoo.framework import pipeline
 from kvzoo.framework.cache import TieredCache
+from kvzoo.framework.names import policy_retriever
 from kvzoo.framework.pipeline import QUESTION_POSITIONS, build_prompt
 from kvzoo.framework.policy import Policy
 
@@ -397,40 +398,96 @@ def add_reference(row: dict[str, Any], reference: Reference | None) -> None:
 # --- the results file ----------------------------------------------------------------------------
 
 
-def read_results(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL results file (none if it does not exist).
+@dataclass
+class ResultsFile:
+    """What a results file holds: kvzoo's rows, and the lines that are not (reported, never removed)."""
 
-    A line that is not valid JSON -- the tail of a write cut short by an interruption -- is dropped,
-    and the file is rewritten without it so later appends start on a clean line.
+    path: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    bad_lines: list[tuple[int, str]] = field(default_factory=list)  # (line number, why it was skipped)
+    nonempty_lines: int = 0
+
+    @property
+    def is_kvzoo(self) -> bool:
+        """True for a missing or empty file, or one holding at least one kvzoo row."""
+        return self.nonempty_lines == 0 or bool(self.rows)
+
+    def problems(self) -> list[str]:
+        return [f"{self.path}:{line}: {why} (skipped; the line stays in the file)" for line, why in self.bad_lines]
+
+
+def read_results_file(path: str | Path) -> ResultsFile:
+    """Parse a JSONL results file line by line; reading never writes.
+
+    A line that is not UTF-8, not JSON, or not a kvzoo row (a JSON object with a ``key``) is
+    reported with its line number and skipped -- the tail of a write cut short by an interruption,
+    a line somebody added -- and the file is left exactly as it was.
     """
     path = Path(path)
+    found = ResultsFile(path)
     if not path.exists():
-        return []
-    rows: list[dict[str, Any]] = []
-    broken = False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
+        return found
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        found.nonempty_lines += 1
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            found.bad_lines.append((number, f"not UTF-8 ({err.reason} at byte {err.start})"))
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            broken = True
+        except json.JSONDecodeError as err:
+            found.bad_lines.append((number, f"not JSON ({err.msg})"))
             continue
         if isinstance(row, dict) and "key" in row:
-            rows.append(row)
+            found.rows.append(row)
         else:
-            broken = True
-    if broken or not path.read_bytes().endswith(b"\n") and rows:
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return rows
+            found.bad_lines.append((number, "JSON, but not a kvzoo results row (no 'key')"))
+    return found
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    """The kvzoo rows of a JSONL results file (none if it does not exist); see :func:`read_results_file`."""
+    return read_results_file(path).rows
 
 
 def append_row(path: str | Path, row: dict[str, Any]) -> None:
-    """Append one row as a JSON line and flush it to disk (so an interruption loses at most the trial in flight)."""
+    """Append one row as a JSON line and flush it to disk (an interruption loses at most the trial in flight).
+
+    When the file's last line was cut short (no newline at its end), the row starts on a new line:
+    the file is only ever appended to.
+    """
+    path = Path(path)
+    lead = ""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            lead = "" if fh.read(1) == b"\n" else "\n"
     with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(row, default=_json_default) + "\n")
+        fh.write(lead + json.dumps(row, default=_json_default) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+class NotKvzooResults(ValueError):
+    """An output file exists and holds something other than kvzoo results: it is not overwritten."""
+
+
+def check_results_target(path: str | Path, *, force: bool = False) -> ResultsFile:
+    """The results file a grid will append to, refused (:class:`NotKvzooResults`) when it is not kvzoo's.
+
+    A file that exists, is not empty and holds no kvzoo row (a README, a markdown table, another
+    program's log) is left alone unless ``force``; its bad lines are reported either way.
+    """
+    found = read_results_file(path)
+    if not found.is_kvzoo and not force:
+        raise NotKvzooResults(
+            f"{found.path} exists and is not a kvzoo results file ({found.nonempty_lines} line(s), none a kvzoo "
+            "row): nothing was written to it. Choose another --out, or pass --force to append kvzoo rows to it"
+        )
+    return found
 
 
 def _json_default(obj: Any) -> Any:
@@ -517,6 +574,8 @@ def _execute(trial: Trial, ctx: _Context) -> dict[str, Any]:
         row.update(status="skipped", error=f"{type(err).__name__}: {err.args[0] if err.args else err}")
         return row
     row["policy_config"] = policy.config()
+    retriever = policy_retriever(policy)
+    row["retriever_config"] = None if retriever is None else retriever.config()  # what ran, not the defaults
     try:
         model, tokenizer = ctx.model(trial.model)
         task = ctx.task(trial.model, trial.task)
@@ -544,20 +603,26 @@ def run_grid(
     results: str | Path,
     *,
     fresh: bool = False,
+    force: bool = False,
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
 
-    ``fresh=True`` deletes ``results`` first. Each finished trial is appended to ``results`` at once.
-    ``on_row`` is called with each new row (after it is written).
+    ``results`` must be a kvzoo results file or not exist (:func:`check_results_target`; ``force``
+    appends to another file anyway). ``fresh=True`` deletes a kvzoo results file first. Each
+    finished trial is appended to ``results`` at once. ``on_row`` is called with each new row.
     """
     path = Path(results)
+    found = check_results_target(path, force=force)
+    for problem in found.problems():
+        print(f"kvzoo: {problem}", file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if fresh and path.exists():
-        path.unlink()
     trials = plan(grid)
-    latest = {row["key"]: row for row in read_results(path)}
+    if fresh and path.exists():  # a kvzoo results file (checked above), started over on request
+        path.unlink()
+        found = ResultsFile(path)
+    latest = {row["key"]: row for row in found.rows}
     done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
     ctx = _Context(grid, latest)
     run_info = {"settings": grid.settings(), "versions": versions()}

@@ -46,13 +46,14 @@ class TieredLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, runtime: Runtime, layer_idx: int, layer_rank: int, *, reserve_rows: int | None = None,
-                 decompress_min_queries: int | None = None) -> None:
+                 decompress_min_queries: int | None = None, auto_compress: bool = True) -> None:
         self.is_initialized = False
         self.runtime = runtime
         self.layer_idx = layer_idx
         self.layer_rank = layer_rank
         self.reserve_rows = reserve_rows
         self.decompress_min_queries = decompress_min_queries  # MLA: the threshold in effect
+        self.auto_compress = auto_compress
         self.state: LayerState = runtime.new_layer(layer_idx, layer_rank)
         self.returned_keys: torch.Tensor | None = None  # the view update() handed the model
 
@@ -125,9 +126,20 @@ class TieredLayer(CacheLayerMixin):
 
         ``value_states`` is None for MLA layers, whose latent row serves as key and value.
         """
+        pending = ACTIVE_LAYER.get()
+        if pending is not None and pending.runtime is self.runtime:
+            raise RuntimeError(
+                f"layer {pending.layer_idx} of this TieredCache received rows but its attention never ran through "
+                "kvzoo: the model using the cache does not run kvzoo's attention. A TieredCache belongs to the model "
+                "it was created for (it attaches kvzoo's attention to that model): create TieredCache(model, policy) "
+                "for this model. (If the previous forward failed midway, create a new cache.)"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         store = self.state.store
+        if key_states.shape[2] == 1 and self.auto_compress and not self.state.context_ended and store.seen:
+            # the prompt ended (generate's first decode step): compress it, as the pipeline's compress() does
+            self.runtime.fire(self.state, "context_end")
         store.append(key_states, value_states)
         ACTIVE_LAYER.set(self)
         self.returned_keys = store.get("keys")
@@ -204,6 +216,11 @@ class TieredCache(Cache):
     MLA forwards with at least this many queries attend in decompressed per-head form (None: the
     FLOP break-even of the model's geometry; a decode step is always absorbed).
 
+    ``auto_compress`` (default True): a layer whose context was not compressed yet (no
+    :meth:`compress`) compresses at the first single-token forward -- the end of the prompt's
+    prefill inside ``model.generate`` -- so policies that compress at the context's end (SnapKV,
+    ChunkKV, VestigeKV's open block) do so there too.
+
     Use it as a context manager, or call :meth:`close`, to free its rows at a known point.
     """
 
@@ -215,6 +232,7 @@ class TieredCache(Cache):
         context_length: int | None = None,
         audit: bool = False,
         decompress_min_queries: int | None = None,
+        auto_compress: bool = True,
     ) -> None:
         policy = resolve_policy(policy)
         retriever = policy_retriever(policy)
@@ -242,7 +260,8 @@ class TieredCache(Cache):
         reserve = context_length if context_length and not policy.requires_budget else None
         threshold = decompress_min_queries or getattr(adapter, "decompress_min_queries", None)
         layers = [
-            TieredLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold)
+            TieredLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold,
+                        auto_compress=auto_compress)
             if i in tiered else LinearAttentionLayer()  # Kimi's KDA layers
             for i in range(adapter.num_layers)
         ]
@@ -274,6 +293,16 @@ class TieredCache(Cache):
         """The layers kvzoo compresses, in order (all layers on GQA; the MLA layers on Kimi Linear)."""
         return [layer for layer in self.layers if isinstance(layer, TieredLayer)]
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, layer_idx: int, *args: Any,
+               **kwargs: Any):
+        if not 0 <= layer_idx < len(self.layers):
+            raise IndexError(
+                f"layer {layer_idx} does not exist in this TieredCache, which was built for a model of "
+                f"{len(self.layers)} layers; a cache belongs to the model it was created for: create "
+                "TieredCache(model, policy) for this model"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def kvzoo_layer(self, layer_idx: int) -> TieredLayer | None:
         """The tiered layer ``layer_idx`` (how an MLA adapter's forward finds the store for its rows)."""
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
@@ -285,7 +314,8 @@ class TieredCache(Cache):
             layer.fire("context_end")
 
     def stats(self) -> CacheStats:
-        return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers])
+        return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers],
+                          notes=self.runtime.notes([layer.state for layer in self.tiered_layers]))
 
     def fork(self) -> TieredCache:
         """An independent copy of this cache's rows, archive, indexes and counters (the model shared).

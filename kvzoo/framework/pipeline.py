@@ -154,6 +154,20 @@ def teacher_forced_nll(
     return (-logp.gather(-1, target[0].to(logp.device)[:, None])[:, 0]).tolist()
 
 
+def check_ids(model: torch.nn.Module, name: str, ids: torch.Tensor, *, allow_empty: bool = True) -> None:
+    """ValueError for an empty ``ids`` (when not allowed) or ids outside the model's vocabulary."""
+    if ids.shape[1] == 0:
+        if allow_empty:
+            return
+        raise ValueError(f"the {name} is empty (0 tokens): there is nothing to prefill or compress; give at least one token")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    low, high = int(ids.min()), int(ids.max())
+    if vocab is not None and (low < 0 or high >= vocab):
+        bad = low if low < 0 else high
+        raise ValueError(f"the {name} holds token id {bad}, outside the model's vocabulary: valid ids are 0..{vocab - 1}")
+
+
 def _check(question_position: str, chunk_size: int | None) -> None:
     if question_position not in QUESTION_POSITIONS:
         raise ValueError(f"question_position must be one of {QUESTION_POSITIONS}, got {question_position!r}")
@@ -184,6 +198,10 @@ def generate(
     """
     _check(question_position, chunk_size)
     prefix, rest = build_prompt(tokenizer, context, question)
+    check_ids(model, "context", prefix, allow_empty=False)
+    check_ids(model, "question", rest)
+    if max_new_tokens < 1 or isinstance(max_new_tokens, bool):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
@@ -241,6 +259,9 @@ def score(
         answer_ids = _as_ids(answer)
     if answer_ids.shape[1] == 0:
         raise ValueError("answer is empty: nothing to score")
+    check_ids(model, "context", prefix, allow_empty=False)
+    check_ids(model, "question", rest)
+    check_ids(model, "answer", answer_ids)
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)

@@ -192,6 +192,14 @@ class Policy(ABC):
             return max(1, int(rows_seen / self.ratio))
         return None
 
+    def check_budget(self, budget: int, source: str = "budget") -> None:
+        """Raise ValueError when ``budget`` rows (resolved from ``source``) cannot hold this policy's rows.
+
+        One rule for a ``budget=`` given and for one a ``ratio`` resolves to: ``validate`` calls it for
+        the first, the runtime for the second. The default accepts any budget of one row or more.
+        """
+        return None
+
     def target_rows(
         self, event: Event, *, budget: int | None, resident: int, block_rows: int = 0, seen: int = 0
     ) -> int | None:

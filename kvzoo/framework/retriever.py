@@ -15,10 +15,11 @@ Retrievers reach kvzoo by name through the registry's ``kvzoo_retrievers`` hook,
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -138,6 +139,10 @@ class Retriever(ABC):
                 f"multi_token must be one of {MULTI_TOKEN_RULES} (how forwards of several queries read the archive), "
                 f"got {self.multi_token!r}"
             )
+
+    def config(self) -> dict[str, Any]:
+        """The full configuration: name plus every field (what results files record)."""
+        return {"name": self.name, **dataclasses.asdict(self)}
 
     @abstractmethod
     def new_state(self, geometry: RowGeometry) -> RetrievalState: ...

@@ -51,6 +51,7 @@ class LayerState:
     index_bytes_scanned: int = 0  # every forward: bytes of index entries it scanned
     policy_info: dict[str, Any] = field(default_factory=dict)  # the policy's and retriever's counters
     last_step: dict[str, Any] = field(default_factory=dict)  # the latest forward's KV-path accounting
+    context_ended: bool = False  # the context_end event fired (compress(), or the prompt's end in generate)
 
 
 @dataclass
@@ -206,9 +207,19 @@ class Runtime:
 
     # --- a row's fate -----------------------------------------------------------------------------
     def budget(self, state: LayerState) -> int | None:
-        """The layer's budget: resolved once, from the whole context when the cache knows its length."""
+        """The layer's budget: resolved once, from the whole context when the cache knows its length.
+
+        The policy checks the resolved number as it checks a ``budget=`` it is given
+        (:meth:`~kvzoo.framework.policy.Policy.check_budget`): a ratio that leaves too few rows fails
+        the same way a too-small budget does.
+        """
         if state.budget is None:
-            state.budget = self.policy.resolve_budget(max(state.store.seen, self.context_length or 0))
+            rows = max(state.store.seen, self.context_length or 0)
+            budget = self.policy.resolve_budget(rows)
+            if budget is not None:
+                self.policy.check_budget(budget, f"ratio={self.policy.ratio:g} of {rows} rows"
+                                         if self.policy.budget is None else "budget")
+            state.budget = budget
         return state.budget
 
     def after_forward(self, state: LayerState) -> None:
@@ -225,6 +236,8 @@ class Runtime:
         """Run the policy's selector for ``event`` and move the rows it does not keep."""
         store = state.store
         policy = self.policy
+        if event == "context_end":
+            state.context_ended = True
         if not store.initialized or policy.is_dense(state.layer_rank):
             return
         n = store.n
@@ -402,6 +415,16 @@ class Runtime:
         state.fetched_rows = state.fetched_rows + fetched  # one device add per step
 
     # --- reporting -----------------------------------------------------------------------------------
+    def notes(self, states: list[LayerState]) -> list[str]:
+        """What the figures alone would not tell: a block policy whose first block has not closed yet."""
+        policy = self.policy
+        open_rows = [s.store.since_event for s in states if s.store.events == 0 and not policy.is_dense(s.layer_rank)]
+        if policy.schedule == "block" and open_rows and max(open_rows) and not any(s.context_ended for s in states):
+            return [f"{policy.name}: no block has closed yet ({max(open_rows)} rows wait in an open block of "
+                    f"{policy.block_size}): nothing is compressed until a block fills or compress() is called "
+                    "(kvzoo.pipeline calls it after the context; model.generate compresses at the prompt's end)"]
+        return []
+
     def layer_stats(self, state: LayerState) -> LayerStats:
         store = state.store
         fetched = _number(state.fetched_rows)

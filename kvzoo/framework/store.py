@@ -190,6 +190,7 @@ class LayerStats:
 class CacheStats:
     policy: dict[str, Any]
     layers: list[LayerStats] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the figures alone would not tell (nothing compressed yet)
 
     @property
     def totals(self) -> dict[str, float]:
@@ -204,7 +205,8 @@ class CacheStats:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "totals": self.totals, "layers": [vars(s) for s in self.layers]}
+        return {"policy": self.policy, "totals": self.totals, "layers": [vars(s) for s in self.layers],
+                "notes": list(self.notes)}
 
     def __str__(self) -> str:
         t = self.totals
@@ -225,4 +227,5 @@ class CacheStats:
                 f"{s.layer:5d} {s.seen_rows:5d} {s.resident_rows:9d} {s.archived_rows:9d} {s.dropped_rows:8d} "
                 f"{s.events:7d} {s.resident_bytes / 1024:13.1f}"
             )
-        return head + "\n" + "\n".join(rows)
+        notes = [f"note: {note}" for note in self.notes]
+        return "\n".join([head, *notes, *rows])

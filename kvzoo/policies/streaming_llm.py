@@ -77,9 +77,15 @@ class StreamingLLM(Policy):
                 f"prefill must be one of {PREFILLS} ('dense': a multi-token forward reads every tier row; 'stream': "
                 f"token by token, each token reads the sinks and the latest budget - sinks rows), got {self.prefill!r}"
             )
-        if self.budget is not None and self.budget <= self.sinks:
+        if self.budget is not None:
+            self.check_budget(self.budget)
+
+    def check_budget(self, budget: int, source: str = "budget") -> None:
+        if budget <= self.sinks:
+            given = "" if source == "budget" else f" (from {source})"
             raise ValueError(
-                f"budget ({self.budget}) must exceed sinks ({self.sinks}) to leave room for a recent window"
+                f"budget ({budget} rows{given}) must exceed sinks ({self.sinks}) to leave room for a recent window; "
+                f"use a smaller ratio, a larger budget, or fewer sinks"
             )
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:

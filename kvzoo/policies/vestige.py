@@ -13,6 +13,7 @@ branch *is* rotated, is the control where the same selector should fail.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -117,7 +118,14 @@ class Vestige(Policy):
         block_keep = keep - start
         dims = self.branch_dims(rows)
         branch = rows.keys[:, :, start:, dims]  # the only bytes this selector reads
-        sigma = branch_sigma(branch, self.kappa, rows.valid[:, :, start:])  # [B, G, block]
+        block_valid = rows.valid[:, :, start:]
+        sigma = branch_sigma(branch, self.kappa, block_valid)  # [B, G, block]
+        if not bool(block_valid.all()):  # padding: each sequence's sigma over its own rows, as it would be alone
+            for b, g in itertools.product(range(block_valid.shape[0]), range(block_valid.shape[1])):
+                own = block_valid[b, g].nonzero()[:, 0]
+                sigma[b, g] = 0.0
+                if own.numel():
+                    sigma[b, g, own] = branch_sigma(branch[b, g, own], self.kappa)
         B, G, N = rows.valid.shape
         rows.info["selector_rows_read"] = rows.info.get("selector_rows_read", 0) + B * G * block_rows
         rows.info["selector_bytes_read"] = rows.info.get("selector_bytes_read", 0) + branch.numel() * branch.element_size()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,7 @@ from kvzoo.refmodel.modeling import KvzooMLAConfig, KvzooMLAForCausalLM
 class TrainConfig:
     arm: str = "nope"  # "nope" (branch never rotated, Kimi) or "rope" (branch rotated, DeepSeek)
     seed: int = 0
-    work_dir: str = "/tmp/kvzoo_train"
+    work_dir: str = field(default_factory=lambda: str(default_work_dir()))
     out_dir: str | None = None  # where the finished model goes (save_pretrained); None = work_dir/final
     tokens_per_step: int = 2048
     max_steps: int = 8000
@@ -97,6 +98,12 @@ def accuracy(model: KvzooMLAForCausalLM, examples: list[D.Example], bf16: bool =
     return sum(a == e.answer for a, e in zip(answers, examples, strict=True)) / len(examples)
 
 
+def default_work_dir() -> pathlib.Path:
+    """Per-user: ``$KVZOO_CACHE_DIR/train`` or ``~/.cache/kvzoo/train`` (not a world-writable /tmp folder)."""
+    root = os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo"
+    return pathlib.Path(root) / "train"
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) one arm; returns the training record (also written as JSON)."""
     from tqdm import tqdm
@@ -111,7 +118,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     state_file = work / "state.pt"
     step, stage, tokens, curve, train_s = 0, 0, 0, [], 0.0
     if state_file.is_file():
-        state = torch.load(state_file, map_location=device, weights_only=False)
+        # weights_only: a state file is tensors and plain numbers; nothing in it may run code on load
+        state = torch.load(state_file, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, stage, tokens, curve, train_s = state["step"], state["stage"], state["tokens"], state["curve"], state["train_s"]

@@ -1,0 +1,33 @@
+"""Hypothesis profiles of the reliability suite: ``ci`` (bounded, the default) and ``long`` (``make soak``).
+
+Select with ``KVZOO_HYPOTHESIS_PROFILE=long``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("long", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.load_profile(os.environ.get("KVZOO_HYPOTHESIS_PROFILE", "ci"))
+
+
+@functools.cache
+def model(name: str):
+    from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+
+    return {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}[name]()[0]
+
+
+MODELS = ("llama", "deepseek_v2", "kimi_linear")
+
+
+@pytest.fixture(scope="session")
+def models():
+    return model

@@ -1,0 +1,185 @@
+"""Properties that must hold for every registered policy on every model family, whatever the lengths, budgets,
+block and chunk sizes, padding and beams (hypothesis; profile ``ci`` in CI, ``long`` in ``make soak``)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvzoo import TieredCache, registry
+from kvzoo.framework.attention import detach
+from kvzoo.framework.cache import TieredLayer
+
+from .conftest import MODELS, model
+
+POLICIES = [name for name in registry.available()]  # every registered policy, plugins included
+
+
+def _params(name: str, budget: int, block: int) -> dict:
+    params = {} if name == "full" else {"budget": budget}
+    if name in ("snapkv", "chunkkv"):
+        params["window"] = min(8, budget)
+    if name == "vestige":
+        params["block_size"] = block
+    if name == "quest":
+        params["dense_layers"] = 0
+    if name == "streaming_llm":
+        params["sinks"] = min(4, budget - 1)
+    return params
+
+
+def _batch(vocab: int, lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask for sequences of ``lengths``."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, T - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[b, T - n :] = 1
+    return ids, mask
+
+
+class Recorder:
+    """Every row appended to each layer, to hold the cache to the partition invariant."""
+
+    def __init__(self):
+        self.rows: dict[int, list[torch.Tensor]] = {}
+        self.original = TieredLayer.update
+
+    def __enter__(self):
+        recorder = self
+
+        def update(layer, k, v, *args, **kwargs):
+            recorder.rows.setdefault(layer.layer_idx, []).append(k.clone())
+            return recorder.original(layer, k, v, *args, **kwargs)
+
+        TieredLayer.update = update
+        return self
+
+    def __exit__(self, *exc):
+        TieredLayer.update = self.original
+
+
+def _run(name, family, lengths, budget, block, chunk, steps, seed, beams=False):
+    m = model(family)
+    vocab = m.config.vocab_size
+    ids, mask = _batch(vocab, lengths, seed)
+    cache = TieredCache(m, registry.get(name, **_params(name, budget, block)), context_length=ids.shape[1])
+    g = torch.Generator().manual_seed(seed + 1)
+    with Recorder() as recorder, torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            m(input_ids=ids[:, start : start + chunk], attention_mask=mask[:, : start + chunk], cache=cache, use_cache=True)
+        cache.compress()
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
+            m(input_ids=torch.randint(3, vocab, (len(lengths), 1), generator=g), attention_mask=mask, cache=cache,
+              use_cache=True)
+            if beams and len(lengths) > 1:  # beam search reorders the batch between steps
+                cache.reorder_cache(torch.randint(0, len(lengths), (len(lengths),), generator=g))
+                recorder.rows = {}  # rows are now mixed across sequences: the partition is checked without beams
+    return cache, recorder, mask
+
+
+@given(name=st.sampled_from(POLICIES), family=st.sampled_from(MODELS), lengths=st.lists(st.integers(20, 90), min_size=1,
+       max_size=3), budget=st.integers(9, 40), block=st.integers(8, 64), chunk=st.integers(7, 100),
+       steps=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_partition_invariant_and_budget(name, family, lengths, budget, block, chunk, steps, seed):
+    """Every row appended is in exactly one place (tier or archive), bit-exact; the tier keeps to the budget."""
+    cache, recorder, _ = _run(name, family, lengths, budget, block, chunk, steps, seed)
+    for layer in cache.tiered_layers:
+        appended = torch.cat(recorder.rows[layer.layer_idx], dim=2)  # [B, G, T, D] in slot order
+        B, G, T, D = appended.shape
+        archive = layer.archive.tensors()
+        slots = torch.cat([layer.slots, archive["slots"]], dim=2) if archive else layer.slots
+        keys = torch.cat([layer.keys, archive["keys"]], dim=2) if archive else layer.keys
+        assert slots.shape[2] == T == layer.seen
+        assert torch.equal(slots.sort(dim=2).values, torch.arange(T).expand(B, G, T))
+        assert torch.equal(keys, appended.gather(2, slots[..., None].expand(B, G, T, D)))
+        s = layer.stats()
+        if name in ("streaming_llm", "snapkv", "h2o", "chunkkv") and T > budget:
+            assert s.resident_rows == budget + (0 if name in ("streaming_llm", "h2o") else steps)
+        if name == "quest":
+            assert s.resident_rows == (T - 1) % 16 + 1
+        assert s.resident_rows <= T
+
+
+@given(name=st.sampled_from(POLICIES), family=st.sampled_from(MODELS), n=st.integers(30, 90), budget=st.integers(12, 40),
+       chunk=st.integers(10, 100), seed=st.integers(0, 2**16))
+def test_a_sequence_is_independent_of_its_batch_companions(name, family, n, budget, chunk, seed):
+    """With an absolute budget and companions of its own length, a sequence decodes what it decodes alone."""
+    m = model(family)
+    vocab = m.config.vocab_size
+    ids, _ = _batch(vocab, [n, n, n], seed)
+    policy = registry.get(name, **_params(name, budget, 32))
+
+    def decode(batch):
+        cache = TieredCache(m, policy, context_length=n)
+        out = []
+        with torch.no_grad():
+            for start in range(0, n, chunk):
+                logits = m(input_ids=batch[:, start : start + chunk], cache=cache, use_cache=True).logits[:, -1]
+            cache.compress()
+            for _ in range(4):
+                token = logits.argmax(-1, keepdim=True)
+                out.append(token)
+                logits = m(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+        return torch.cat(out, dim=1)
+
+    together = decode(ids)
+    for b in range(3):
+        assert torch.equal(together[b], decode(ids[b : b + 1])[0])
+
+
+@given(retriever=st.sampled_from(["vestige", "quest"]), family=st.sampled_from(MODELS), lengths=st.lists(
+       st.integers(40, 120), min_size=1, max_size=3), ratio=st.sampled_from([2, 4, 8]), steps=st.integers(1, 6),
+       beams=st.booleans(), seed=st.integers(0, 2**16))
+def test_certified_bounds_are_never_violated(retriever, family, lengths, ratio, steps, beams, seed):
+    """The audit scores every archived row exactly: no bound is ever below a true score, beams or not."""
+    m = model(family)
+    vocab = m.config.vocab_size
+    ids, mask = _batch(vocab, lengths, seed)
+    chosen = registry.build_retriever(retriever, **({"certified": True, "tau": 3.0} if retriever == "vestige" else {}),
+                                      multi_token="union")
+    policy = registry.get("streaming_llm", ratio=ratio, retriever=chosen)
+    cache = TieredCache(m, policy, context_length=ids.shape[1], audit=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
+            m(input_ids=torch.randint(3, vocab, (len(lengths), 1), generator=g), attention_mask=mask, cache=cache,
+              use_cache=True)
+            if beams:
+                cache.reorder_cache(torch.randint(0, len(lengths), (len(lengths),), generator=g))
+    totals = cache.stats().totals
+    assert totals.get("bound_violations", 0) == 0
+
+
+@given(family=st.sampled_from(MODELS), lengths=st.lists(st.integers(5, 80), min_size=1, max_size=3),
+       chunk=st.integers(4, 90), steps=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_full_equals_transformers(family, lengths, chunk, steps, seed):
+    """``full`` through kvzoo's runtime gives transformers' own logits, chunked prefill, padding and all."""
+    m = model(family)
+    vocab = m.config.vocab_size
+    ids, mask = _batch(vocab, lengths, seed)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, vocab, (len(lengths), steps), generator=g)
+    full_ids = torch.cat([ids, tokens], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(tokens)], dim=1)
+    detach(m)
+    with torch.no_grad():
+        reference = m(input_ids=full_ids, attention_mask=full_mask).logits
+        cache = TieredCache(m, "full")
+        got = []
+        T = ids.shape[1]
+        for start in range(0, T, chunk):
+            got.append(m(input_ids=ids[:, start : start + chunk], attention_mask=mask[:, : start + chunk], cache=cache,
+                         use_cache=True).logits)
+        for t in range(steps):
+            got.append(m(input_ids=tokens[:, t : t + 1], attention_mask=full_mask[:, : T + t + 1], cache=cache,
+                         use_cache=True).logits)
+    got = torch.cat(got, dim=1)
+    real = full_mask.bool()  # padding positions' outputs are undefined in both
+    assert (got - reference).abs().amax(-1)[real].max().item() < 1e-4
