@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/triton
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo
