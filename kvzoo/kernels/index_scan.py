@@ -22,7 +22,8 @@ reference elsewhere, ``KVZOO_KERNELS`` to force either):
   products accumulated in fp32 (IEEE, not TF32: a certified bound needs fp32's ~1e-6 relative
   accuracy, its slack column is 1e-5). ``length [B]`` int32/int64 on the entries' device (read on the
   device: graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never read, so a
-  preallocated buffer may be passed whole. Without ``length`` the reference is, bit for bit, the scan
+  preallocated buffer may be passed whole (rows strided, each row contiguous: entries whose last dim
+  is strided are copied first). Without ``length`` the reference is, bit for bit, the scan
   kvzoo always computed.
 * ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None)
   -> margin [B, G, m]`` fp32: ``max over the hq query rows of (scale * Q.E - threshold)`` (``None``: 0),
@@ -366,6 +367,8 @@ def _index_scan_kernel(
                 thr = tl.load(thr_ptr + pid_bg.to(tl.int64) * hq + heads, mask=head_ok, other=0.0)[:, None]
             else:
                 thr = tl.zeros([BLOCK_Q, 1], dtype=tl.float32)
+            # the sign follows bound >= thr exactly: the sm_90 PTX has no .ftz (a - b is 0 only when a == b),
+            # and where bound - thr is fused into one fma the rounded comparison still decides
             diff = bound - thr
             margin = tl.where(bound >= thr, tl.where(diff > 0, diff, 0.0),
                               tl.where(bound < thr, diff, float("-inf")))

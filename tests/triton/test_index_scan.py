@@ -222,3 +222,21 @@ def test_empty_shapes():
     q, entries = _rows(1, 2, 0, 9, 33, torch.float32, seed=0)
     assert index_scan(q, entries, 1.0).shape == (1, 2, 0, 9)
     assert torch.isneginf(index_scan_reduce(q, entries, 1.0, None)).all()
+
+
+def test_shipped_configs_are_the_launchers_picks():
+    """Every configuration the compile gate builds names each kernel argument once and carries the blocks,
+    warps and stages launch_config gives its shape (the one rule the launcher also uses)."""
+    import inspect
+
+    configs = ix.shipped_configs()
+    arguments = list(inspect.signature(ix._index_scan_kernel).parameters)
+    assert len(configs) == 2 * len(ix.SHIPPED_SHAPES) and len({c.name for c in configs}) == len(configs)
+    for config, (label, hq, W, dtype, op, has_threshold) in zip(configs[::2], ix.SHIPPED_SHAPES):
+        assert label in config.name and list(config.signature) == arguments
+        picked = launch_config(hq, W)
+        assert (config.num_warps, config.num_stages) == (picked.pop("num_warps"), picked.pop("num_stages"))
+        assert {k: config.constexprs[k] for k in picked} == picked
+        assert (config.signature["thr_ptr"] == "*fp32") == has_threshold == config.constexprs["HAS_THRESHOLD"]
+        assert config.constexprs["REDUCE"] == (op == "reduce") and config.signature["e_ptr"].endswith(
+            {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype])
