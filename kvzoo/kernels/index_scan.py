@@ -1,4 +1,5 @@
-"""Index scans over the archive (PyTorch reference): certified sketch bounds and Quest page bounds.
+"""Index scans over the archive: certified sketch bounds and Quest page bounds (PyTorch references and
+fused Triton kernels).
 
 Both return *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed
 from a small index instead of the rows themselves; the retrieval tier fetches the rows whose
@@ -11,15 +12,51 @@ Both bounds are one inner product per (query, entry): each index entry is a row 
 the retriever, and the operation the fused Triton scan implements. Every term of the bound,
 including its float slack, is a column of ``E``.
 
+The ops (each a reference ``*_reference`` and a kernel ``*_triton`` with the same signature; the public
+name picks one per call through :mod:`kvzoo.kernels.dispatch`: the kernel on CUDA tensors, the
+reference elsewhere, ``KVZOO_KERNELS`` to force either):
+
+* ``index_scan(query_rows [B, G, hq, W], entries [B, G, m, W], scaling, *, length=None)
+  -> [B, G, hq, m]`` fp32: ``scale * Q @ E^T``. Query rows fp32; entries in any float dtype (the kernel
+  takes fp32, fp16 and bf16 and upcasts them per tile in registers, never an fp32 copy of the index),
+  products accumulated in fp32 (IEEE, not TF32: a certified bound needs fp32's ~1e-6 relative
+  accuracy, its slack column is 1e-5). ``length [B]`` int32/int64 on the entries' device (read on the
+  device: graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never read, so a
+  preallocated buffer may be passed whole (rows strided, each row contiguous: entries whose last dim
+  is strided are copied first). Without ``length`` the reference is, bit for bit, the scan
+  kvzoo always computed.
+* ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None)
+  -> margin [B, G, m]`` fp32: ``max over the hq query rows of (scale * Q.E - threshold)`` (``None``: 0),
+  the scan reduced over the heads and queries that share a group's rows; the kernel never holds the
+  ``[B, G, hq, m]`` bounds. Per query row the term is ``bound - threshold`` where both are comparable,
+  with its sign made exact: ``>= 0`` exactly when ``bound >= threshold`` (a tie, or ``-inf >= -inf``
+  and ``inf >= inf``, gives 0 where the subtraction would give 0 or NaN), ``< 0`` when
+  ``bound < threshold``, and ``-inf`` when either is NaN (a NaN bound is never selected: an empty Quest
+  page, whose entries are ``max = -inf, min = +inf``, scans to NaN). So ``margin >= 0`` is exactly
+  ``(index_scan(...) >= threshold[..., None]).any(2)`` at every position ``< length[b]``, infinities
+  included -- a ``-inf`` threshold selects every row, even one whose bound is ``-inf``; positions
+  ``>= length[b]`` are not rows and give ``-inf`` whatever the threshold. Where bound and threshold
+  are finite, the margin is ``(index_scan(...) - threshold[..., None]).amax(2)``. Serves VestigeKV's
+  certified rule (threshold ``s*_h - tau``; a row is chosen iff its margin is ``>= 0``) and Quest's
+  ``gqa="group"`` rule (threshold None: the margin is the group's max bound, then its top pages).
+
 Memory: a scan's output is ``[B, H, q, m]`` fp32 and no intermediate is larger than that or than
 :data:`ROW_BLOCK_ELEMENTS` -- never ``queries x rows x dims``. Callers scan a long forward in query
 tiles (:func:`kvzoo.kernels.attention.query_block`), so a scan's extra memory is one tile of scores
-plus ``O(rows)``, whatever the number of queries.
+plus ``O(rows)``, whatever the number of queries. The reduction's kernel needs ``O(rows)``.
+
+The kernel (:func:`launch_config` picks its blocks; :func:`shipped_configs` lists the specialisations
+the compile gate builds for sm_90) imports Triton on its first call; this module imports with torch
+alone.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from kvzoo.kernels.dispatch import run, use_triton
 
 # Relative slack added to every bound so that fp32 rounding can never make it undercut the exact
 # fp32 score (the bound is exact arithmetic's; the slack is ~100x fp32's epsilon).
@@ -33,12 +70,48 @@ def _row_blocks(total: int, per_row: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, total)) for start in range(0, total, step)]
 
 
-def index_scan(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``scale * Q @ E^T`` ``[B, G, hq, m]`` fp32 for ``Q [B, G, hq, W]`` (fp32) and ``E [B, G, m, W]``.
+def _check(op: str, query_rows: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
+           threshold: torch.Tensor | None = None) -> None:
+    """A clear error for arguments the scans cannot take (the shapes and dtypes that are valid)."""
+    if not isinstance(query_rows, torch.Tensor) or not isinstance(entries, torch.Tensor):
+        raise TypeError(f"{op}: query_rows and entries must be tensors, got {type(query_rows).__name__} and "
+                        f"{type(entries).__name__}")
+    if query_rows.dim() != 4 or entries.dim() != 4:
+        raise ValueError(f"{op}: query_rows must be [B, G, hq, W] and entries [B, G, m, W], got shapes "
+                         f"{tuple(query_rows.shape)} and {tuple(entries.shape)}")
+    if not query_rows.is_floating_point() or not entries.is_floating_point():
+        raise TypeError(f"{op}: query_rows and entries must be floating point (fp32 query rows; entries fp32, "
+                        f"fp16 or bf16), got {query_rows.dtype} and {entries.dtype}")
+    B, G, hq, W = query_rows.shape
+    if (entries.shape[0], entries.shape[1], entries.shape[3]) != (B, G, W):
+        raise ValueError(f"{op}: entries must be [B, G, m, W] = [{B}, {G}, m, {W}] for query_rows "
+                         f"{tuple(query_rows.shape)}, got {tuple(entries.shape)}")
+    if entries.device != query_rows.device:
+        raise ValueError(f"{op}: query_rows ({query_rows.device}) and entries ({entries.device}) must be on one device")
+    if length is not None:
+        if not isinstance(length, torch.Tensor) or length.dtype not in (torch.int32, torch.int64) \
+                or tuple(length.shape) != (B,) or length.device != entries.device:
+            described = (f"{length.dtype} {tuple(length.shape)} on {length.device}" if isinstance(length, torch.Tensor)
+                         else type(length).__name__)
+            raise ValueError(f"{op}: length must be None or an int32/int64 tensor [B] = [{B}] on {entries.device} "
+                             f"(rows valid per sequence), got {described}")
+    if threshold is not None:
+        if not isinstance(threshold, torch.Tensor) or not threshold.is_floating_point() \
+                or tuple(threshold.shape) != (B, G, hq) or threshold.device != entries.device:
+            described = (f"{threshold.dtype} {tuple(threshold.shape)} on {threshold.device}"
+                         if isinstance(threshold, torch.Tensor) else type(threshold).__name__)
+            raise ValueError(f"{op}: threshold must be None or a float tensor [B, G, hq] = [{B}, {G}, {hq}] on "
+                             f"{entries.device}, got {described}")
 
-    ``E`` may be stored in any float dtype; it is upcast in blocks of rows, so the product is
-    fp32's and the extra memory is one block.
-    """
+
+def _beyond(length: torch.Tensor, m: int) -> torch.Tensor:
+    """Bool ``[B, 1, m]``: entry positions at or past each sequence's ``length``."""
+    return torch.arange(m, device=length.device) >= length.view(-1, 1, 1)
+
+
+def index_scan_reference(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, *,
+                         length: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`index_scan` in PyTorch (the specification of the Triton kernel)."""
     B, G, hq, W = query_rows.shape
     m = entries.shape[2]
     q = query_rows.float()
@@ -48,7 +121,70 @@ def index_scan(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float) 
         out = q.new_empty(B, G, hq, m)
         for start, stop in _row_blocks(m, B * G * W):
             out[..., start:stop] = torch.matmul(q, entries[:, :, start:stop].float().transpose(-1, -2))
-    return out.mul_(scaling)
+    out.mul_(scaling)
+    if length is not None:
+        out.masked_fill_(_beyond(length, m)[:, :, None], float("-inf"))
+    return out
+
+
+def index_scan(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, *,
+               length: torch.Tensor | None = None) -> torch.Tensor:
+    """``scale * Q @ E^T`` ``[B, G, hq, m]`` fp32 for ``Q [B, G, hq, W]`` (fp32) and ``E [B, G, m, W]``.
+
+    ``E`` may be stored in any float dtype (a preallocated buffer may be passed whole, with
+    ``length``); it is upcast in blocks of rows (the kernel: per tile, in registers), so the product
+    is fp32's and the extra memory is one block. ``length [B]`` (int32/int64, on the entries' device):
+    positions ``>= length[b]`` give ``-inf``. Takes the Triton kernel or the reference
+    (:mod:`kvzoo.kernels.dispatch`).
+    """
+    _check("index_scan", query_rows, entries, length)
+    if use_triton(entries):
+        return run("index_scan", index_scan_triton, index_scan_reference, query_rows, entries, scaling, length=length)
+    return index_scan_reference(query_rows, entries, scaling, length=length)
+
+
+def _margin(bound: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """``bound - threshold`` with the sign of ``bound >= threshold`` made exact (see the module docstring)."""
+    diff = bound - threshold
+    return torch.where(bound >= threshold, torch.where(diff > 0, diff, 0.0),
+                       torch.where(bound < threshold, diff, float("-inf")))
+
+
+def index_scan_reduce_reference(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float,
+                                threshold: torch.Tensor | None, *, length: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`index_scan_reduce` in PyTorch. The bounds are :func:`index_scan_reference`'s, computed as one
+    scan (so the selection is bit for bit today's ``(bounds >= threshold).any``), then reduced in blocks
+    of rows; the kernel never holds them."""
+    B, G, hq, W = query_rows.shape
+    m = entries.shape[2]
+    margin = query_rows.new_full((B, G, m), float("-inf"), dtype=torch.float32)
+    if hq == 0:
+        return margin
+    thr = threshold.float()[..., None] if threshold is not None else 0.0
+    bound = index_scan_reference(query_rows, entries, scaling, length=length)
+    for start, stop in _row_blocks(m, B * G * hq):
+        margin[..., start:stop] = _margin(bound[..., start:stop], thr).amax(dim=2)
+    if length is not None:  # not rows at all: -inf whatever the threshold (even -inf)
+        margin.masked_fill_(_beyond(length, m), float("-inf"))
+    return margin
+
+
+def index_scan_reduce(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float,
+                      threshold: torch.Tensor | None, *, length: torch.Tensor | None = None) -> torch.Tensor:
+    """``margin [B, G, m]`` fp32: the max over the ``hq`` query rows of ``scale * Q.E - threshold``.
+
+    The scan of :func:`index_scan` reduced over the heads (and queries) that share a KV group's rows,
+    without the ``[B, G, hq, m]`` bounds ever existing. ``threshold [B, G, hq]`` (fp32), or None for 0
+    (then the margin is the group's max bound). A row's margin is ``>= 0`` exactly when
+    ``bound >= threshold`` for some query row -- including infinities -- and ``-inf`` when no query row
+    can be compared with it (a NaN bound, e.g. an empty Quest page) and at positions ``>= length[b]``;
+    see the module docstring. Takes the Triton kernel or the reference (:mod:`kvzoo.kernels.dispatch`).
+    """
+    _check("index_scan_reduce", query_rows, entries, length, threshold)
+    if use_triton(entries):
+        return run("index_scan_reduce", index_scan_reduce_triton, index_scan_reduce_reference, query_rows, entries,
+                   scaling, threshold, length=length)
+    return index_scan_reduce_reference(query_rows, entries, scaling, threshold, length=length)
 
 
 def _grouped(query: torch.Tensor, groups: int) -> torch.Tensor:
@@ -176,3 +312,190 @@ def exact_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> tor
     for start, stop in _row_blocks(m, B * G * D):
         out[..., start:stop] = torch.matmul(q, keys[:, :, start:stop].float().transpose(-1, -2))
     return (scaling * out).view(B, H, q_len, m)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Triton kernel: one program per (tile of BLOCK_M entries, (b, g)); it holds all the group's query
+# rows (BLOCK_Q at a time) and runs over W in BLOCK_W chunks, entries upcast to fp32 in registers and an
+# fp32 (IEEE, not TF32) dot. The scan stores the bounds; the reduction keeps the running max margin.
+# Triton is imported by _jit() on the first kernel call, never at module import.
+
+tl = None  # triton.language, bound by _jit()
+
+INDEX_SCAN_MAX_BLOCK_Q = 64  # query rows one program holds at once; more are taken in chunks
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _index_scan_kernel(
+    q_ptr, e_ptr, thr_ptr, len_ptr, out_ptr, scaling,
+    G, hq, m, W,
+    stride_qb, stride_qg, stride_qh,
+    stride_eb, stride_eg, stride_em,
+    REDUCE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_LENGTH: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg - b * G
+    n_rows = m
+    if HAS_LENGTH:
+        n_rows = tl.minimum(tl.load(len_ptr + b), m).to(tl.int32)
+    local = tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + local
+    row_ok = rows < n_rows
+    heads0 = tl.arange(0, BLOCK_Q)
+    cols0 = tl.arange(0, BLOCK_W)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + g.to(tl.int64) * stride_qg
+    e_base = e_ptr + b.to(tl.int64) * stride_eb + g.to(tl.int64) * stride_eg + (pid_m * BLOCK_M).to(tl.int64) * stride_em
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for h0 in range(0, hq, BLOCK_Q):
+        heads = h0 + heads0
+        head_ok = heads < hq
+        acc = tl.zeros([BLOCK_Q, BLOCK_M], dtype=tl.float32)
+        for w0 in range(0, W, BLOCK_W):
+            cols = w0 + cols0
+            col_ok = cols < W
+            q = tl.load(q_base + heads[:, None] * stride_qh + cols[None, :],
+                        mask=head_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            e = tl.load(e_base + local[:, None] * stride_em + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(q, tl.trans(e), acc, input_precision="ieee")
+        bound = acc * scaling
+        if REDUCE:
+            if HAS_THRESHOLD:
+                thr = tl.load(thr_ptr + pid_bg.to(tl.int64) * hq + heads, mask=head_ok, other=0.0)[:, None]
+            else:
+                thr = tl.zeros([BLOCK_Q, 1], dtype=tl.float32)
+            # the sign follows bound >= thr exactly: the sm_90 PTX has no .ftz (a - b is 0 only when a == b),
+            # and where bound - thr is fused into one fma the rounded comparison still decides
+            diff = bound - thr
+            margin = tl.where(bound >= thr, tl.where(diff > 0, diff, 0.0),
+                              tl.where(bound < thr, diff, float("-inf")))
+            margin = tl.where(head_ok[:, None], margin, float("-inf"))
+            best = tl.maximum(best, tl.max(margin, axis=0))
+        else:
+            bound = tl.where(row_ok[None, :], bound, float("-inf"))
+            out = out_ptr + (pid_bg.to(tl.int64) * hq + heads[:, None]) * m + rows[None, :]
+            tl.store(out, bound, mask=head_ok[:, None] & (rows[None, :] < m))
+    if REDUCE:
+        best = tl.where(row_ok, best, float("-inf"))
+        tl.store(out_ptr + pid_bg.to(tl.int64) * m + rows, best, mask=rows < m)
+
+
+_INT_ARGS = ("G", "hq", "m", "W", "stride_qb", "stride_qg", "stride_qh", "stride_eb", "stride_eg", "stride_em")
+_POINTER_ARGS = ("q_ptr", "e_ptr", "thr_ptr", "len_ptr", "out_ptr")
+
+
+@functools.cache
+def _jit():
+    """The jitted kernel (imports Triton). Integers and pointers are not specialised on their values or
+    alignment, so the binary a GPU runs is the one :func:`shipped_configs` holds to the compile gate
+    (rows of odd width are never 16-byte aligned anyway)."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton.jit(_index_scan_kernel, do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_POINTER_ARGS)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def launch_config(hq: int, W: int) -> dict[str, int]:
+    """Block sizes, warps and stages of a scan over ``hq`` query rows of width ``W`` -- the one rule the
+    launcher and :func:`shipped_configs` share. Every ``tl.dot`` dimension is >= 16."""
+    # Measured with the compile gate (sm_90): Triton's fp32 (FMA) dot holds each thread's slice of both
+    # operands over the whole BLOCK_W, so registers grow with BLOCK_M x BLOCK_W / threads. BLOCK_W 16, 8 warps
+    # and no software pipelining (num_stages 1) keep every shipped shape at 56-102 registers with no stack;
+    # BLOCK_W 32 with 4 warps took 190-255, and num_stages 2 up to 180 and a stack frame for 32-64 rows.
+    # The scan is bandwidth-bound: occupancy (3-4 programs of 8 warps per SM) hides the loads' latency.
+    block_q = min(max(16, _next_pow2(hq)), INDEX_SCAN_MAX_BLOCK_Q)
+    # wide rows (Quest's MLA pages, 2 x 576 + 1) and 64 query rows: 32 entries per program, so that the
+    # registers stay in budget and a short archive still spreads over the GPU's SMs
+    block_m = 64 if W <= 256 and block_q <= 32 else 32
+    return {"BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_W": 16, "num_warps": 8, "num_stages": 1}
+
+
+def _launch(query_rows, entries, scaling, threshold, length, reduce: bool) -> torch.Tensor:
+    B, G, hq, W = query_rows.shape
+    m = entries.shape[2]
+    q = query_rows.float()
+    if q.stride(-1) != 1 and W > 1:
+        q = q.contiguous()
+    e = entries if entries.stride(-1) == 1 or W == 1 else entries.contiguous()
+    if e.dtype not in _TRITON_DTYPES:
+        raise TypeError(f"the Triton index scan takes entries in {sorted(str(d) for d in _TRITON_DTYPES)}, "
+                        f"got {e.dtype} (KVZOO_KERNELS=torch takes any float dtype)")
+    if reduce:
+        out = torch.full((B, G, m), float("-inf"), dtype=torch.float32, device=e.device) if hq == 0 \
+            else torch.empty((B, G, m), dtype=torch.float32, device=e.device)
+    else:
+        out = torch.empty((B, G, hq, m), dtype=torch.float32, device=e.device)
+    if m == 0 or hq == 0 or B * G == 0:
+        return out
+    if B * G > 65535:
+        raise ValueError(f"the Triton index scan takes B x G <= 65535 (one grid axis), got {B} x {G}")
+    thr = threshold.float().contiguous() if threshold is not None else None
+    config = launch_config(hq, W)
+    warps, stages = config.pop("num_warps"), config.pop("num_stages")
+    grid = (-(-m // config["BLOCK_M"]), B * G)
+    _jit()[grid](q, e, thr, length, out, float(scaling), G, hq, m, W,
+                 q.stride(0), q.stride(1), q.stride(2), e.stride(0), e.stride(1), e.stride(2),
+                 REDUCE=reduce, HAS_THRESHOLD=thr is not None, HAS_LENGTH=length is not None,
+                 num_warps=warps, num_stages=stages, **config)
+    return out
+
+
+def index_scan_triton(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, *,
+                      length: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`index_scan` as one fused Triton kernel."""
+    return _launch(query_rows, entries, scaling, None, length, reduce=False)
+
+
+def index_scan_reduce_triton(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float,
+                             threshold: torch.Tensor | None, *, length: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`index_scan_reduce` as one fused Triton kernel (the bounds stay in registers)."""
+    return _launch(query_rows, entries, scaling, threshold, length, reduce=True)
+
+
+# Shapes the shipped retrievers scan: (label, query rows hq, width W, entries dtype, op, threshold given).
+# VestigeKV MLA: W = rank 64 + eta + rope 64 + 2 norms = 131, entries fp32 (sketch_entries), hq = heads
+# per group (DeepSeek-V2-Lite 16, Kimi Linear 32); its certified rule reduces with s* - tau, its top-j
+# rule scans. Quest MLA: W = 2 x 576 + 1, hq 16; Quest GQA head_dim 64: W = 129, hq 3 / 4 / 8; entries in
+# the keys' dtype; gqa="head" scans, gqa="group" reduces with threshold 0 (None).
+SHIPPED_SHAPES = (
+    [(f"vestige_mla_h{h}", h, 131, torch.float32, op, op == "reduce") for h in (16, 32) for op in ("scan", "reduce")]
+    + [(f"quest_mla_h16_{_TRITON_DTYPES[d]}", 16, 1153, d, op, False)
+       for d in (torch.bfloat16, torch.float16) for op in ("scan", "reduce")]
+    + [(f"quest_gqa_h{h}_{_TRITON_DTYPES[d]}", h, 129, d, op, False)
+       for h in (3, 4, 8) for d in (torch.bfloat16, torch.float16) for op in ("scan", "reduce")]
+)
+
+
+def shipped_configs(lengths: tuple[bool, ...] = (False, True)):
+    """The :class:`~kvzoo.kernels.compile_gate.KernelConfig` of every specialisation the launcher picks for
+    :data:`SHIPPED_SHAPES` (``lengths``: with and/or without a ``length`` tensor, int64)."""
+    from kvzoo.kernels.compile_gate import KernelConfig
+
+    kernel = _jit()
+    configs = []
+    for label, hq, W, dtype, op, has_threshold in SHIPPED_SHAPES:
+        for has_length in lengths:
+            config = launch_config(hq, W)
+            warps, stages = config.pop("num_warps"), config.pop("num_stages")
+            signature = {"q_ptr": "*fp32", "e_ptr": f"*{_TRITON_DTYPES[dtype]}",
+                         "thr_ptr": "*fp32" if has_threshold else "constexpr",
+                         "len_ptr": "*i64" if has_length else "constexpr", "out_ptr": "*fp32", "scaling": "fp32"}
+            signature.update({name: "i32" for name in _INT_ARGS})
+            constexprs = {"REDUCE": op == "reduce", "HAS_THRESHOLD": has_threshold, "HAS_LENGTH": has_length, **config}
+            if not has_threshold:
+                constexprs["thr_ptr"] = None
+            if not has_length:
+                constexprs["len_ptr"] = None
+            signature.update({name: "constexpr" for name in ("REDUCE", "HAS_THRESHOLD", "HAS_LENGTH", *config)})
+            name = f"index_scan_{op}_{label}_W{W}" + ("_length" if has_length else "")
+            configs.append(KernelConfig(name, kernel, signature, constexprs, num_warps=warps, num_stages=stages))
+    return configs
