@@ -194,10 +194,10 @@ def _validate(query: torch.Tensor, sources, scaling, splits) -> list[_Source]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _readable(query: torch.Tensor, s: _Source) -> torch.Tensor:
-    """Bool ``[B, H, N']``: which positions each query head may read."""
-    B, H, _ = query.shape
-    src, hpg = s.rows, H // s.groups
+def _group_readable(query: torch.Tensor, s: _Source) -> torch.Tensor:
+    """Bool ``[B, G, N']``: the positions within length, in the pool and valid (before ``head_valid``)."""
+    B = query.shape[0]
+    src = s.rows
     pos = torch.arange(s.positions, device=query.device)
     allowed = torch.ones(B, s.groups, s.positions, dtype=torch.bool, device=query.device)
     if src.length is not None:
@@ -206,9 +206,14 @@ def _readable(query: torch.Tensor, s: _Source) -> torch.Tensor:
         allowed = allowed & (src.indices >= 0) & (src.indices < s.pool)
     if src.valid is not None:
         allowed = allowed & src.valid
-    allowed = allowed.repeat_interleave(hpg, dim=1)  # [B, H, N']
-    if src.head_valid is not None:
-        allowed = allowed & src.head_valid
+    return allowed
+
+
+def _readable(group_readable: torch.Tensor, s: _Source, heads: int) -> torch.Tensor:
+    """Bool ``[B, H, N']``: which positions each query head may read."""
+    allowed = group_readable.repeat_interleave(heads // s.groups, dim=1)
+    if s.rows.head_valid is not None:
+        allowed = allowed & s.rows.head_valid
     return allowed
 
 
@@ -234,22 +239,25 @@ def _blocks(s: _Source, batch_groups: int, width: int) -> list[tuple[int, int]]:
 def _reference(query: torch.Tensor, checked: list[_Source], scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, D = query.shape
     Dv = checked[0].value_width
-    scores = []
+    scores, group_masks = [], []
     for s in checked:
         G, hpg = s.groups, H // s.groups
         q = query.to(s.rows.keys.dtype).float().view(B, G, hpg, D)
         sc = query.new_empty(B, G, hpg, s.positions, dtype=torch.float32)
         for a, b in _blocks(s, B * G, D):
             sc[..., a:b] = torch.einsum("bghd,bgnd->bghn", q, _rows(s, a, b)) * scaling
-        scores.append(sc.view(B, H, s.positions).masked_fill(~_readable(query, s), float("-inf")))
+        group_masks.append(_group_readable(query, s))
+        scores.append(sc.view(B, H, s.positions).masked_fill(~_readable(group_masks[-1], s, H), float("-inf")))
     lse = torch.logsumexp(torch.cat(scores, dim=-1), dim=-1)  # [B, H]; -inf where nothing is readable
     shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
     out = torch.zeros(B, H, Dv, dtype=torch.float32, device=query.device)
-    for s, sc in zip(checked, scores):
+    for s, sc, group in zip(checked, scores, group_masks):
         G, hpg = s.groups, H // s.groups
         probs = torch.exp(sc - shift).view(B, G, hpg, s.positions)  # 0 for unreadable rows
         for a, b in _blocks(s, B * G, Dv):
-            out += torch.einsum("bghn,bgnd->bghd", probs[..., a:b], _rows(s, a, b, value=True)).reshape(B, H, Dv)
+            # an unreadable row's content never matters, even NaN in an unused slot of a pool (0 * NaN = NaN)
+            v = _rows(s, a, b, value=True).masked_fill(~group[..., a:b, None], 0.0)
+            out += torch.einsum("bghn,bgnd->bghd", probs[..., a:b], v).reshape(B, H, Dv)
     return out.to(query.dtype), lse
 
 
@@ -310,9 +318,10 @@ def split_config(heads_per_group: int, key_width: int, value_width: int, separat
     block_dv = _pow2(value_width) if separate_values else block_d1
     block_h = _pow2(heads_per_group)
     row_bytes = (block_d1 + (block_d2 if d2 else 0) + (block_dv if separate_values else 0)) * itemsize
-    block_n = 64 if row_bytes * 64 <= 80 * 1024 else 32
+    block_n = 64 if row_bytes <= 1024 else 32  # latent rows (1,152 B in bf16) in tiles of 32: fewer registers
     stage_bytes = row_bytes * block_n
-    num_stages = 3 if 3 * stage_bytes <= 128 * 1024 else 2
+    # three stages of rows in flight when they fit in 128 KiB, except beside a large accumulator (32 heads x 512)
+    num_stages = 3 if 3 * stage_bytes <= 128 * 1024 and block_h * block_dv < 16384 else 2
     num_warps = 8 if block_h * block_dv >= 8192 else 4
     return SplitConfig(block_h, block_n, block_d1, block_d2, block_dv, d1, d2, num_warps, num_stages)
 
@@ -413,10 +422,11 @@ def _kernels() -> SimpleNamespace:
             if GATHER:
                 rows = tl.load(IDX + b64 * stride_ib + g64 * stride_ig + pos.to(tl.int64) * stride_ik,
                                mask=in_range, other=0).to(tl.int64)
-                readable = in_range & (rows >= 0) & (rows < n_pool)
+                fetch = in_range & (rows >= 0) & (rows < n_pool)
             else:
                 rows = pos.to(tl.int64)
-                readable = in_range
+                fetch = in_range
+            readable = fetch
             if HAS_VALID:
                 flag = tl.load(VALID + b64 * stride_mb + g64 * stride_mg + pos.to(tl.int64) * stride_mn,
                                mask=in_range, other=0)
@@ -425,13 +435,13 @@ def _kernels() -> SimpleNamespace:
             if ALIGNED:
                 k_off = tl.multiple_of(k_off, 16)
             k_rows = k_base + k_off[:, None]
-            k1 = tl.load(k_rows + offs_d1[None, :], mask=readable[:, None] & d1_mask[None, :], other=0.0)
+            k1 = tl.load(k_rows + offs_d1[None, :], mask=fetch[:, None] & d1_mask[None, :], other=0.0)
             if FP32:
                 s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
             else:
                 s = tl.dot(q1, tl.trans(k1))
             if D2 > 0:
-                k2 = tl.load(k_rows + D1 + offs_d2[None, :], mask=readable[:, None] & d2_mask[None, :], other=0.0)
+                k2 = tl.load(k_rows + D1 + offs_d2[None, :], mask=fetch[:, None] & d2_mask[None, :], other=0.0)
                 if FP32:
                     s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
                 else:
@@ -460,9 +470,11 @@ def _kernels() -> SimpleNamespace:
                 if ALIGNED:
                     v_off = tl.multiple_of(v_off, 16)
                 v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
-                            mask=readable[:, None] & dv_mask[None, :], other=0.0)
+                            mask=fetch[:, None] & dv_mask[None, :], other=0.0)
             else:
                 v = k1
+            if HAS_VALID:  # an invalid row was loaded (its flag is not ready in time to skip it): never use its value
+                v = tl.where(readable[:, None], v, 0.0)
             if FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
