@@ -552,8 +552,13 @@ def _aligned(*pools: torch.Tensor) -> bool:
 
 def _triton(query: torch.Tensor, checked: list[_Source], scaling: float,
             splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = _kernels()
     B, H, D = query.shape
+    if query.device.type == "cpu" and dispatch.interpreting():
+        half = [t.dtype for t in [query] + [s.rows.keys for s in checked] if t.dtype == torch.bfloat16]
+        if half:
+            raise ValueError("decode_attention's kernels in Triton's CPU interpreter: bfloat16 is computed wrong there "
+                             "(float16 and float32 are right); test bfloat16 on a GPU or use KVZOO_KERNELS=torch")
+    kernels = _kernels()
     Dv = checked[0].value_width
     device = query.device
     out = torch.empty(B, H, Dv, dtype=query.dtype, device=device)
