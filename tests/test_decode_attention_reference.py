@@ -36,7 +36,8 @@ def _gqa(seed: int, B=2, G=2, hpg=3, N=40, D=16, dtype=torch.float32):
 
 def _mla(seed: int, B=2, H=4, N=40, dv=32, dr=16, dtype=torch.float32):
     g = _gen(seed)
-    return torch.randn(B, H, dv + dr, generator=g).to(dtype), torch.randn(B, 1, N, dv + dr, generator=g).to(dtype)
+    query = torch.randn(B, H, dv + dr, generator=g).to(dtype)
+    return query, torch.randn(B, 1, N, dv + dr, generator=g).to(dtype)
 
 
 @pytest.mark.parametrize("with_valid", [False, True])
@@ -62,8 +63,8 @@ def test_mla_absorbed_form_matches_gathered_decode_attention_over_a_value_view()
     _, fetched = _mla(6, N=12)
     out, lse = decode_attention_reference(
         query, [Rows(rows, value_width=32, valid=valid), Rows(fetched, value_width=32)], SCALE)
-    r_out, r_lse = gathered_decode_attention(query, rows, rows[..., :32], valid, SCALE,
-                                             (fetched, fetched[..., :32], torch.ones(2, 1, 12, dtype=torch.bool)))
+    extra = (fetched, fetched[..., :32], torch.ones(2, 1, 12, dtype=torch.bool))
+    r_out, r_lse = gathered_decode_attention(query, rows, rows[..., :32], valid, SCALE, extra)
     assert out.shape == (2, 4, 32)
     assert _rel(out, r_out) <= 1e-6 and _rel(lse, r_lse) <= 1e-6
 
@@ -99,8 +100,8 @@ def test_length_indices_and_head_valid_against_a_plain_softmax():
     valid = torch.rand(B, G, K, generator=_gen(10)) < 0.8
     head_valid = torch.rand(B, H, K, generator=_gen(11)) < 0.7
     length = torch.tensor([K, 9], dtype=torch.int32)
-    out, lse = decode_attention_reference(
-        query, [Rows(keys, values, valid=valid, length=length, indices=indices, head_valid=head_valid)], SCALE)
+    src = Rows(keys, values, valid=valid, length=length, indices=indices, head_valid=head_valid)
+    out, lse = decode_attention_reference(query, [src], SCALE)
     inside = (indices >= 0) & (indices < 30)
     safe = indices.clamp(0, 29)
     gk = torch.gather(keys, 2, safe[..., None].expand(B, G, K, 16))
@@ -155,29 +156,43 @@ def _bad_inputs():
         ("query int", query.long(), [Rows(**ok)], {}, "query must be float16, bfloat16 or float32"),
         ("no sources", query, [], {}, "sources must be a non-empty list of Rows"),
         ("a tuple of tensors", query, [(keys, values)], {}, "sources must be a non-empty list of Rows"),
-        ("keys 3-D", query, [Rows(keys[0], values)], {}, r"sources\[0\].keys must be a \[B, G, N, D\] tensor"),
+        ("keys 3-D", query, [Rows(keys[0], values)], {},
+         r"sources\[0\].keys must be a \[B, G, N, D\] tensor"),
         ("keys width", query, [Rows(keys[..., :8], values)], {}, r"must be \[B=2, G, N, D=16\]"),
         ("groups", query, [Rows(torch.randn(2, 4, 40, 16), torch.randn(2, 4, 40, 16))], {},
          "H=6 heads must be a multiple of it"),
-        ("keys strided", query, [Rows(torch.randn(2, 2, 40, 32)[..., ::2], values)], {}, "contiguous last dimension"),
+        ("keys strided", query, [Rows(torch.randn(2, 2, 40, 32)[..., ::2], values)], {},
+         "contiguous last dimension"),
         ("keys int", query, [Rows(keys.long(), values)], {}, r"sources\[0\].keys must be float16"),
-        ("values shape", query, [Rows(keys, values[:, :, :30])], {}, r"values must be \[B=2, G=2, N=40, Dv\]"),
+        ("values shape", query, [Rows(keys, values[:, :, :30])], {},
+         r"values must be \[B=2, G=2, N=40, Dv\]"),
         ("values dtype", query, [Rows(keys, values.half())], {}, "values must have the keys' dtype"),
         ("no value width", query, [Rows(keys)], {}, r"value_width must be an int in \[1, D=16\]"),
-        ("value width too wide", query, [Rows(keys, value_width=17)], {}, r"value_width must be an int in \[1, D=16\]"),
-        ("value width disagrees", query, [Rows(keys, values, value_width=8)], {}, "disagrees with values' Dv=16"),
-        ("value widths differ", query, [Rows(**ok), Rows(keys, value_width=8)], {}, "all sources must share Dv"),
+        ("value width too wide", query, [Rows(keys, value_width=17)], {},
+         r"value_width must be an int in \[1, D=16\]"),
+        ("value width disagrees", query, [Rows(keys, values, value_width=8)], {},
+         "disagrees with values' Dv=16"),
+        ("value widths differ", query, [Rows(**ok), Rows(keys, value_width=8)], {},
+         "all sources must share Dv"),
         ("valid dtype", query, [Rows(**ok, valid=b.int())], {}, r"sources\[0\].valid must be a bool tensor"),
         ("valid shape", query, [Rows(**ok, valid=b[:, :, :5])], {}, r"valid must have shape \[2, 2, 40\]"),
-        ("head_valid shape", query, [Rows(**ok, head_valid=b)], {}, r"head_valid must have shape \[2, 6, 40\]"),
-        ("indices dtype", query, [Rows(**ok, indices=torch.zeros(2, 2, 5))], {}, "indices must be an int32 or int64"),
+        ("head_valid shape", query, [Rows(**ok, head_valid=b)], {},
+         r"head_valid must have shape \[2, 6, 40\]"),
+        ("indices dtype", query, [Rows(**ok, indices=torch.zeros(2, 2, 5))], {},
+         "indices must be an int32 or int64"),
         ("indices shape", query, [Rows(**ok, indices=torch.zeros(2, 5, dtype=torch.long))], {},
          r"indices must have shape \[B=2, G=2, K\]"),
         ("valid vs indices", query, [Rows(**ok, indices=torch.zeros(2, 2, 5, dtype=torch.long), valid=b)], {},
          r"valid must have shape \[2, 2, 5\]"),
-        ("length shape", query, [Rows(**ok, length=torch.tensor([3]))], {}, r"length must be an int32 or int64 tensor of shape \[B=2\]"),
-        ("length float", query, [Rows(**ok, length=torch.tensor([3.0, 4.0]))], {}, "length must be an int32 or int64"),
+        ("length shape", query, [Rows(**ok, length=torch.tensor([3]))], {},
+         r"length must be an int32 or int64 tensor of shape \[B=2\]"),
+        ("length float", query, [Rows(**ok, length=torch.tensor([3.0, 4.0]))], {},
+         "length must be an int32 or int64"),
         ("length int", query, [Rows(**ok, length=3)], {}, "length must be an int32 or int64"),
+        ("keys on another device", query, [Rows(keys.to("meta"), values.to("meta"))], {},
+         r"sources\[0\].keys is on meta, the query on cpu: put them on one device"),
+        ("length on another device", query, [Rows(**ok, length=torch.tensor([3, 4], device="meta"))], {},
+         r"length \(a tensor on the query's device\) is on meta"),
         ("splits 0", query, [Rows(**ok)], {"splits": 0}, r"splits must be None or an int in \[1, 65535\]"),
         ("scaling nan", query, [Rows(**ok)], {"scaling": float("nan")}, "scaling must be a finite number"),
     ]
@@ -204,10 +219,12 @@ def test_default_splits_aim_at_two_programs_per_sm_within_the_tiles():
                                                               (3, 64, 64, True), (8, 128, 128, True),
                                                               (5, 48, 32, False), (40, 100, 30, True)])
 @pytest.mark.parametrize("itemsize", [2, 4])
-def test_split_config_blocks_cover_the_shape_with_dots_of_at_least_16(hpg, width, value_width, separate, itemsize):
+def test_split_config_blocks_cover_the_shape_with_dots_of_at_least_16(hpg, width, value_width, separate,
+                                                                       itemsize):
     cfg = da.split_config(hpg, width, value_width, separate, itemsize)
     blocks = (cfg.BLOCK_H, cfg.BLOCK_N, cfg.BLOCK_D1, cfg.BLOCK_D2, cfg.BLOCK_DV)
     assert all(b >= 16 and b & (b - 1) == 0 for b in blocks)
-    assert cfg.BLOCK_H >= hpg and cfg.BLOCK_D1 >= cfg.D1 and cfg.BLOCK_D2 >= cfg.D2 and cfg.BLOCK_DV >= value_width
+    assert cfg.BLOCK_H >= hpg and cfg.BLOCK_D1 >= cfg.D1 and cfg.BLOCK_D2 >= cfg.D2
+    assert cfg.BLOCK_DV >= value_width
     assert cfg.D1 + cfg.D2 == width and (separate or cfg.D1 == value_width)
     assert cfg.num_warps in (4, 8) and cfg.num_stages in (2, 3)

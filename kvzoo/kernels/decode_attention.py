@@ -24,6 +24,10 @@ Which rows a query head reads (a *readable* row) is the conjunction of:
 * ``valid [B, G, N']`` (``N' = N``, or ``K`` in the gathered form), per position;
 * ``head_valid [B, H, N']`` per query head and position (Quest picks pages per head).
 
+What a row that is not readable by any head of its group holds never matters (a preallocated pool
+may hold NaN past ``length`` or in invalid rows). A preallocated pool may be passed whole (any
+strides, last dim contiguous) with ``length`` marking its filled prefix.
+
 Scores are ``scaling * <q, k>``, with the query first rounded to the rows' dtype (as
 :func:`kvzoo.kernels.attention.row_scores` does) and the products accumulated in fp32; the softmax
 and the output's accumulation are fp32 and the output is cast to the query's dtype. A ``(b, h)``
@@ -41,6 +45,17 @@ the same result up to rounding; more splits than tiles leaves some empty); ``Non
 two programs per SM, capped by the source's tiles. Block sizes, warps and stages come from
 :func:`split_config` / :func:`merge_config`, shared by the launcher and :func:`shipped_configs`
 (the sm_90 compile gate, ``tests/test_compile_gate.py``). Triton is imported only when its path runs.
+
+Kernel details: the split of a sequence is computed in the program from ``length`` (so a captured
+launch follows the true length: the positions ``[0, length)`` are cut into ``splits`` runs of whole
+tiles); positions past ``length`` and indices outside the pool are never loaded; rows whose
+``valid`` flag is False *are* loaded (the flag arrives too late to skip the asynchronous copy of the
+row, and skipping it cost the latent tiles their pipelining) and their scores and values dropped;
+``head_valid`` is packed on the host into one int32 word per position and 32 heads. The query is
+cast to the rows' dtype for ``tl.dot`` (bf16/fp16 products, fp32 accumulation; fp32 rows use
+``input_precision="ieee"``), the probabilities to the values' dtype for the second product. When
+the pools are 16-byte aligned with row strides that are multiples of 16 elements (the shipped
+shapes), the kernel tells the compiler so (``ALIGNED``), which vectorises and pipelines the loads.
 """
 
 from __future__ import annotations
@@ -68,7 +83,7 @@ class Rows:
     """One source of rows for a decode step (see the module docstring for the semantics)."""
 
     keys: torch.Tensor  # [B, G, N, D]; a preallocated pool may be passed whole; last dim contiguous
-    values: torch.Tensor | None = None  # [B, G, N, Dv]; None: MLA absorbed form, value = keys[..., :value_width]
+    values: torch.Tensor | None = None  # [B, G, N, Dv]; None: MLA absorbed, value = keys[..., :value_width]
     value_width: int | None = None  # Dv when values is None
     valid: torch.Tensor | None = None  # [B, G, N'] bool (N' = N, or K with indices); None: all
     length: torch.Tensor | None = None  # [B] int32/int64 on the query's device; None: all N' positions
@@ -96,26 +111,32 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _check_flag(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, i: int) -> None:
+def _on(what: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{what} is on {t.device}, the query on {device}: put them on one device")
+
+
+def _check_flag(what: str, t, shape: tuple[int, ...], device: torch.device) -> None:
     if t is None:
         return
     if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
         got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"sources[{i}].{name} must be a bool tensor, got {got}")
+        raise ValueError(f"{what} must be a bool tensor, got {got}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"sources[{i}].{name} must have shape {list(shape)}, got {_shape(t)}")
-    if t.device != device:
-        raise ValueError(f"sources[{i}].{name} is on {t.device}, the query on {device}: put them on one device")
+        raise ValueError(f"{what} must have shape {list(shape)}, got {_shape(t)}")
+    _on(what, t, device)
 
 
 def _validate(query: torch.Tensor, sources, scaling, splits) -> list[_Source]:
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
-        raise ValueError(f"query must be a [B, H, D] tensor, got {_shape(query) if isinstance(query, torch.Tensor) else query!r}")
+        got = _shape(query) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query must be a [B, H, D] tensor, got {got}")
     if query.dtype not in FLOAT_DTYPES:
         raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
     if not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
         raise ValueError(f"scaling must be a finite number, got {scaling!r}")
-    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS):
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
+                               or not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"splits must be None or an int in [1, {MAX_SPLITS}], got {splits!r}")
     if not isinstance(sources, (list, tuple)) or not sources or not all(isinstance(s, Rows) for s in sources):
         raise ValueError("sources must be a non-empty list of Rows")
@@ -123,68 +144,68 @@ def _validate(query: torch.Tensor, sources, scaling, splits) -> list[_Source]:
     device = query.device
     out: list[_Source] = []
     for i, src in enumerate(sources):
+        name = f"sources[{i}]"
         k = src.keys
         if not isinstance(k, torch.Tensor) or k.dim() != 4:
-            raise ValueError(f"sources[{i}].keys must be a [B, G, N, D] tensor, got "
-                             f"{_shape(k) if isinstance(k, torch.Tensor) else type(k).__name__}")
+            got = _shape(k) if isinstance(k, torch.Tensor) else type(k).__name__
+            raise ValueError(f"{name}.keys must be a [B, G, N, D] tensor, got {got}")
         if k.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"sources[{i}].keys must be float16, bfloat16 or float32, got {k.dtype}")
-        if k.device != device:
-            raise ValueError(f"sources[{i}].keys is on {k.device}, the query on {device}: put them on one device")
+            raise ValueError(f"{name}.keys must be float16, bfloat16 or float32, got {k.dtype}")
+        _on(f"{name}.keys", k, device)
         Bk, G, N, Dk = k.shape
         if Bk != B or Dk != D:
-            raise ValueError(f"sources[{i}].keys {_shape(k)} must be [B={B}, G, N, D={D}] for query {_shape(query)}")
+            raise ValueError(f"{name}.keys {_shape(k)} must be [B={B}, G, N, D={D}] for query "
+                             f"{_shape(query)}")
         if G < 1 or H % G:
-            raise ValueError(f"sources[{i}].keys has G={G} KV groups; the query's H={H} heads must be a multiple of it")
+            raise ValueError(f"{name}.keys has G={G} KV groups; the query's H={H} heads must be a "
+                             "multiple of it")
         if k.stride(-1) != 1 and D > 1:
-            raise ValueError(f"sources[{i}].keys must have a contiguous last dimension (stride 1), got strides {k.stride()}")
+            raise ValueError(f"{name}.keys must have a contiguous last dimension (stride 1), "
+                             f"got strides {k.stride()}")
         if src.values is None:
             width = src.value_width
             if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= D:
-                raise ValueError(f"sources[{i}] has values=None (MLA absorbed form): value_width must be an int in "
+                raise ValueError(f"{name} has values=None (MLA absorbed form): value_width must be an int in "
                                  f"[1, D={D}], got {width!r}")
         else:
             v = src.values
             if not isinstance(v, torch.Tensor) or v.dim() != 4 or tuple(v.shape[:3]) != (B, G, N):
-                raise ValueError(f"sources[{i}].values must be [B={B}, G={G}, N={N}, Dv], got "
-                                 f"{_shape(v) if isinstance(v, torch.Tensor) else type(v).__name__}")
+                got = _shape(v) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"{name}.values must be [B={B}, G={G}, N={N}, Dv], got {got}")
             if v.dtype != k.dtype:
-                raise ValueError(f"sources[{i}].values must have the keys' dtype {k.dtype}, got {v.dtype}")
-            if v.device != device:
-                raise ValueError(f"sources[{i}].values is on {v.device}, the query on {device}: put them on one device")
+                raise ValueError(f"{name}.values must have the keys' dtype {k.dtype}, got {v.dtype}")
+            _on(f"{name}.values", v, device)
             if v.stride(-1) != 1 and v.shape[-1] > 1:
-                raise ValueError(f"sources[{i}].values must have a contiguous last dimension (stride 1), "
+                raise ValueError(f"{name}.values must have a contiguous last dimension (stride 1), "
                                  f"got strides {v.stride()}")
             width = v.shape[-1]
             if width < 1:
-                raise ValueError(f"sources[{i}].values has Dv=0; the value width must be >= 1")
+                raise ValueError(f"{name}.values has Dv=0; the value width must be >= 1")
             if src.value_width is not None and src.value_width != width:
-                raise ValueError(f"sources[{i}].value_width={src.value_width!r} disagrees with values' Dv={width} "
+                raise ValueError(f"{name}.value_width={src.value_width!r} disagrees with values' Dv={width} "
                                  "(value_width is only for values=None)")
         if out and width != out[0].value_width:
-            raise ValueError(f"sources[{i}] has value width {width}, sources[0] {out[0].value_width}: all sources "
-                             "must share Dv")
+            raise ValueError(f"{name} has value width {width}, sources[0] {out[0].value_width}: "
+                             "all sources must share Dv")
         positions = N
         if src.indices is not None:
             idx = src.indices
             if not isinstance(idx, torch.Tensor) or idx.dtype not in INDEX_DTYPES:
-                raise ValueError(f"sources[{i}].indices must be an int32 or int64 tensor, got "
-                                 f"{idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+                got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
+                raise ValueError(f"{name}.indices must be an int32 or int64 tensor, got {got}")
             if idx.dim() != 3 or tuple(idx.shape[:2]) != (B, G):
-                raise ValueError(f"sources[{i}].indices must have shape [B={B}, G={G}, K], got {_shape(idx)}")
-            if idx.device != device:
-                raise ValueError(f"sources[{i}].indices is on {idx.device}, the query on {device}: put them on one device")
+                raise ValueError(f"{name}.indices must have shape [B={B}, G={G}, K], got {_shape(idx)}")
+            _on(f"{name}.indices", idx, device)
             positions = idx.shape[2]
         if src.length is not None:
             ln = src.length
             if not isinstance(ln, torch.Tensor) or ln.dtype not in INDEX_DTYPES or tuple(ln.shape) != (B,):
-                raise ValueError(f"sources[{i}].length must be an int32 or int64 tensor of shape [B={B}], got "
-                                 + (f"{ln.dtype} {_shape(ln)}" if isinstance(ln, torch.Tensor) else type(ln).__name__))
-            if ln.device != device:
-                raise ValueError(f"sources[{i}].length is on {ln.device}, the query on {device}: it must be a tensor "
-                                 "on the query's device")
-        _check_flag("valid", src.valid, (B, G, positions), device, i)
-        _check_flag("head_valid", src.head_valid, (B, H, positions), device, i)
+                got = f"{ln.dtype} {_shape(ln)}" if isinstance(ln, torch.Tensor) else type(ln).__name__
+                raise ValueError(f"{name}.length must be an int32 or int64 tensor of shape [B={B}], "
+                                 f"got {got}")
+            _on(f"{name}.length (a tensor on the query's device)", ln, device)
+        _check_flag(f"{name}.valid", src.valid, (B, G, positions), device)
+        _check_flag(f"{name}.head_valid", src.head_valid, (B, H, positions), device)
         out.append(_Source(src, G, N, positions, width))
     return out
 
@@ -236,7 +257,8 @@ def _blocks(s: _Source, batch_groups: int, width: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, s.positions)) for a in range(0, s.positions, step)]
 
 
-def _reference(query: torch.Tensor, checked: list[_Source], scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(query: torch.Tensor, checked: list[_Source],
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, D = query.shape
     Dv = checked[0].value_width
     scores, group_masks = [], []
@@ -247,7 +269,8 @@ def _reference(query: torch.Tensor, checked: list[_Source], scaling: float) -> t
         for a, b in _blocks(s, B * G, D):
             sc[..., a:b] = torch.einsum("bghd,bgnd->bghn", q, _rows(s, a, b)) * scaling
         group_masks.append(_group_readable(query, s))
-        scores.append(sc.view(B, H, s.positions).masked_fill(~_readable(group_masks[-1], s, H), float("-inf")))
+        unreadable = ~_readable(group_masks[-1], s, H)
+        scores.append(sc.view(B, H, s.positions).masked_fill(unreadable, float("-inf")))
     lse = torch.logsumexp(torch.cat(scores, dim=-1), dim=-1)  # [B, H]; -inf where nothing is readable
     shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
     out = torch.zeros(B, H, Dv, dtype=torch.float32, device=query.device)
@@ -320,7 +343,7 @@ def split_config(heads_per_group: int, key_width: int, value_width: int, separat
     row_bytes = (block_d1 + (block_d2 if d2 else 0) + (block_dv if separate_values else 0)) * itemsize
     block_n = 64 if row_bytes <= 1024 else 32  # latent rows (1,152 B in bf16) in tiles of 32: fewer registers
     stage_bytes = row_bytes * block_n
-    # three stages of rows in flight when they fit in 128 KiB, except beside a large accumulator (32 heads x 512)
+    # three stages of rows in flight when they fit in 128 KiB, except beside a large accumulator (32 x 512)
     num_stages = 3 if 3 * stage_bytes <= 128 * 1024 and block_h * block_dv < 16384 else 2
     num_warps = 8 if block_h * block_dv >= 8192 else 4
     return SplitConfig(block_h, block_n, block_d1, block_d2, block_dv, d1, d2, num_warps, num_stages)
@@ -441,7 +464,8 @@ def _kernels() -> SimpleNamespace:
             else:
                 s = tl.dot(q1, tl.trans(k1))
             if D2 > 0:
-                k2 = tl.load(k_rows + D1 + offs_d2[None, :], mask=fetch[:, None] & d2_mask[None, :], other=0.0)
+                k2 = tl.load(k_rows + D1 + offs_d2[None, :], mask=fetch[:, None] & d2_mask[None, :],
+                             other=0.0)
                 if FP32:
                     s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
                 else:
@@ -473,7 +497,7 @@ def _kernels() -> SimpleNamespace:
                             mask=fetch[:, None] & dv_mask[None, :], other=0.0)
             else:
                 v = k1
-            if HAS_VALID:  # an invalid row was loaded (its flag is not ready in time to skip it): never use its value
+            if HAS_VALID:  # an invalid row is loaded (its flag comes too late to skip it): drop its value
                 v = tl.where(readable[:, None], v, 0.0)
             if FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -488,7 +512,8 @@ def _kernels() -> SimpleNamespace:
         slot = ((b64 * groups * hpg + heads.to(tl.int64)) * total_splits + split_base + pid_s)
         tl.store(PART_L + slot, lse2, mask=h_mask)
         offs_o = tl.arange(0, BLOCK_DV)
-        tl.store(PART_O + slot[:, None] * DV + offs_o[None, :], o, mask=h_mask[:, None] & (offs_o < DV)[None, :])
+        tl.store(PART_O + slot[:, None] * DV + offs_o[None, :], o,
+                 mask=h_mask[:, None] & (offs_o < DV)[None, :])
 
     @triton.jit
     def decode_merge_kernel(
@@ -556,8 +581,9 @@ def _triton(query: torch.Tensor, checked: list[_Source], scaling: float,
     if query.device.type == "cpu" and dispatch.interpreting():
         half = [t.dtype for t in [query] + [s.rows.keys for s in checked] if t.dtype == torch.bfloat16]
         if half:
-            raise ValueError("decode_attention's kernels in Triton's CPU interpreter: bfloat16 is computed wrong there "
-                             "(float16 and float32 are right); test bfloat16 on a GPU or use KVZOO_KERNELS=torch")
+            raise ValueError("decode_attention's kernels in Triton's CPU interpreter: bfloat16 is computed "
+                             "wrong there (float16 and float32 are right); test bfloat16 on a GPU or use "
+                             "KVZOO_KERNELS=torch")
     kernels = _kernels()
     Dv = checked[0].value_width
     device = query.device
@@ -635,7 +661,8 @@ def decode_attention(
     """
     checked = _validate(query, sources, scaling, splits)
     if dispatch.use_triton(query):
-        return dispatch.run("decode_attention", _triton, _reference_with_splits, query, checked, float(scaling), splits)
+        return dispatch.run("decode_attention", _triton, _reference_with_splits,
+                            query, checked, float(scaling), splits)
     return _reference(query, checked, float(scaling))
 
 
@@ -707,8 +734,9 @@ def shipped_configs() -> list:
             cfg = split_config(hpg, width, value_width, separate, torch.empty((), dtype=dtype).element_size())
             for variant, flags in SHIPPED_VARIANTS.items():
                 signature, constexprs = split_specialisation(cfg, dtype, value_width, separate, flags)
-                configs.append(KernelConfig(f"decode_split-{name}-{_TRITON_TYPE[dtype]}-{variant}", kernels.split,
-                                            signature, constexprs, cfg.num_warps, cfg.num_stages))
+                label = f"decode_split-{name}-{_TRITON_TYPE[dtype]}-{variant}"
+                configs.append(KernelConfig(label, kernels.split, signature, constexprs,
+                                            cfg.num_warps, cfg.num_stages))
     mcfg = merge_config()
     for dtype in SHIPPED_DTYPES:
         signature = {"PART_O": "*fp32", "PART_L": "*fp32", "OUT": "*" + _TRITON_TYPE[dtype], "LSE": "*fp32",

@@ -60,7 +60,8 @@ def _close(got, want, dtype: torch.dtype) -> None:
     assert _rel(out, r_out) <= tol, f"out: relative error {_rel(out, r_out):.2e} > {tol}"
     finite = torch.isfinite(r_lse)
     if finite.any():
-        assert _rel(lse[finite], r_lse[finite]) <= tol, f"lse: relative error {_rel(lse[finite], r_lse[finite]):.2e}"
+        err = _rel(lse[finite], r_lse[finite])
+        assert err <= tol, f"lse: relative error {err:.2e} > {tol}"
 
 
 def _tiles(form: str, query: torch.Tensor, positions: int) -> int:
@@ -134,8 +135,8 @@ def test_empty_pools_and_empty_index_lists(form):
     out, lse = decode_attention_triton(query, [no_index], SCALE)
     assert out.abs().max() == 0 and torch.isneginf(lse).all()
     # an empty source beside a real one changes nothing
-    _close(decode_attention_triton(query, [no_index, pool], SCALE), decode_attention_reference(query, [pool], SCALE),
-           torch.float32)
+    want = decode_attention_reference(query, [pool], SCALE)
+    _close(decode_attention_triton(query, [no_index, pool], SCALE), want, torch.float32)
 
 
 def _gathered(rows: Rows, indices: torch.Tensor) -> Rows:
@@ -205,8 +206,8 @@ def test_more_than_32_heads_per_group_with_head_valid():
     query = torch.randn(B, H, 48, generator=g)
     src = Rows(torch.randn(B, 1, N, 48, generator=g), value_width=32,
                head_valid=torch.rand(B, H, N, generator=g) < 0.5)
-    _close(decode_attention_triton(query, [src], SCALE, splits=2), decode_attention_reference(query, [src], SCALE),
-           torch.float32)
+    want = decode_attention_reference(query, [src], SCALE)
+    _close(decode_attention_triton(query, [src], SCALE, splits=2), want, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -223,8 +224,8 @@ def test_two_sources_equal_their_rows_merged_into_one(form, dtype):
     first = _with(pool, valid=valid)
     second = _with(archive, indices=indices, valid=fetched_valid, head_valid=head_valid)
     fetched = _gathered(archive, indices)
-    merged = Rows(torch.cat([pool.keys, fetched.keys], 2),
-                  None if pool.values is None else torch.cat([pool.values, fetched.values], 2), pool.value_width,
+    merged_values = None if pool.values is None else torch.cat([pool.values, fetched.values], 2)
+    merged = Rows(torch.cat([pool.keys, fetched.keys], 2), merged_values, pool.value_width,
                   valid=torch.cat([valid, fetched_valid], 2),
                   head_valid=torch.cat([torch.ones(B, H, N, dtype=torch.bool), head_valid], 2))
     got = decode_attention_triton(query, [first, second], SCALE, splits=2)
@@ -257,7 +258,7 @@ def test_a_preallocated_pool_with_garbage_outside_the_readable_rows(form):
 
 
 def test_strided_views_and_a_full_precision_query_over_half_rows():
-    """Rows as views of a wider buffer (row stride 40: not 16-aligned) and a float32 query over float16 rows."""
+    """Rows as views of a wider buffer (row stride 40: not 16-aligned); a float32 query over float16 rows."""
     B, G, N = 2, 2, 90
     g = _gen(28)
     wide = torch.randn(B, G, N, 40, generator=g).half()
@@ -275,7 +276,8 @@ def test_decode_attention_takes_the_kernel_or_the_reference_as_dispatch_says(mon
     calls = []
     real = da._triton
     monkeypatch.setattr(da, "_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
-    _close(decode_attention(query, [rows], SCALE), decode_attention_reference(query, [rows], SCALE), torch.float32)
+    want = decode_attention_reference(query, [rows], SCALE)
+    _close(decode_attention(query, [rows], SCALE), want, torch.float32)
     assert calls == [1]
     monkeypatch.setenv("KVZOO_KERNELS", "torch")
     decode_attention(query, [rows], SCALE)
