@@ -228,3 +228,22 @@ def test_split_config_blocks_cover_the_shape_with_dots_of_at_least_16(hpg, width
     assert cfg.BLOCK_DV >= value_width
     assert cfg.D1 + cfg.D2 == width and (separate or cfg.D1 == value_width)
     assert cfg.num_warps in (4, 8) and cfg.num_stages in (2, 3)
+
+
+@pytest.mark.parametrize("hpg", [3, 32, 40])
+def test_flag_words_hold_valid_and_head_valid_bit_per_head(hpg):
+    B, G, P = 2, 2, 9
+    valid = torch.rand(B, G, P, generator=_gen(16)) < 0.7
+    head_valid = torch.rand(B, G * hpg, P, generator=_gen(17)) < 0.5
+    words = -(-hpg // 32)
+    for v, hv in ((valid, None), (valid, head_valid), (None, head_valid)):
+        packed = da._flag_words(v, hv, hpg)
+        assert packed.dtype == torch.int32 and packed.shape == (B, G, words, P) and packed.stride(-1) == 1
+        bits = (packed.long()[:, :, :, None, :] >> torch.arange(32)[:, None]) & 1  # [B, G, words, 32, P]
+        heads = bits.reshape(B, G, words * 32, P)[:, :, :hpg].bool()
+        want = torch.ones(B, G, hpg, P, dtype=torch.bool)
+        if v is not None:
+            want &= v[:, :, None]
+        if hv is not None:
+            want &= hv.view(B, G, hpg, P)
+        assert torch.equal(heads, want)

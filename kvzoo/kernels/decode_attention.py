@@ -48,10 +48,9 @@ two programs per SM, capped by the source's tiles. Block sizes, warps and stages
 
 Kernel details: the split of a sequence is computed in the program from ``length`` (so a captured
 launch follows the true length: the positions ``[0, length)`` are cut into ``splits`` runs of whole
-tiles); positions past ``length`` and indices outside the pool are never loaded; rows whose
-``valid`` flag is False *are* loaded (the flag arrives too late to skip the asynchronous copy of the
-row, and skipping it cost the latent tiles their pipelining) and their scores and values dropped;
-``head_valid`` is packed on the host into one int32 word per position and 32 heads. The query is
+tiles). ``valid`` and ``head_valid`` are packed on the host into one int32 word per position and 32
+heads (:func:`_flag_words`), which the kernel copies asynchronously like an index: a row past
+``length``, outside the pool or readable by no head of the group is never loaded. The query is
 cast to the rows' dtype for ``tl.dot`` (bf16/fp16 products, fp32 accumulation; fp32 rows use
 ``input_precision="ieee"``), the probabilities to the values' dtype for the second product. When
 the pools are 16-byte aligned with row strides that are multiples of 16 elements (the shipped
@@ -381,21 +380,20 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def decode_split_kernel(
-        Q, K, V, VALID, LENGTH, IDX, HBITS, PART_O, PART_L,
+        Q, K, V, LENGTH, IDX, FLAGS, PART_O, PART_L,
         scale_log2,
         n_pool, n_pos,
         stride_qb, stride_qh,
         stride_kb, stride_kg, stride_kn,
         stride_vb, stride_vg, stride_vn,
-        stride_mb, stride_mg, stride_mn,
         stride_ib, stride_ig, stride_ik,
-        stride_hb, stride_hg, stride_hw,
+        stride_fb, stride_fg, stride_fw,
         groups, hpg, splits, split_base, total_splits,
         D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-        SEPARATE_V: tl.constexpr, GATHER: tl.constexpr, HAS_VALID: tl.constexpr,
-        HAS_LENGTH: tl.constexpr, HAS_HEAD_VALID: tl.constexpr, FP32: tl.constexpr, ALIGNED: tl.constexpr,
+        SEPARATE_V: tl.constexpr, GATHER: tl.constexpr, HAS_FLAGS: tl.constexpr,
+        HAS_LENGTH: tl.constexpr, FP32: tl.constexpr, ALIGNED: tl.constexpr,
     ):
         pid_bg = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -449,11 +447,24 @@ def _kernels() -> SimpleNamespace:
             else:
                 rows = pos.to(tl.int64)
                 fetch = in_range
-            readable = fetch
-            if HAS_VALID:
-                flag = tl.load(VALID + b64 * stride_mb + g64 * stride_mg + pos.to(tl.int64) * stride_mn,
-                               mask=in_range, other=0)
-                readable = readable & (flag != 0)
+            if HAS_FLAGS:  # valid and head_valid in int32 words: bit h of word w = head 32 w + h may read
+                words = FLAGS + b64 * stride_fb + g64 * stride_fg + pos
+                if BLOCK_H <= 32:
+                    word = tl.load(words, mask=fetch, other=0)
+                    head_ok = (word[None, :] >> offs_h[:, None]) & 1
+                    fetch = fetch & (word != 0)  # a row no head may read is not loaded
+                else:
+                    head_ok = tl.zeros([BLOCK_H, BLOCK_N], tl.int32)
+                    anyone = tl.zeros([BLOCK_N], tl.int32)
+                    for w in tl.static_range((BLOCK_H + 31) // 32):
+                        word = tl.load(words + w * stride_fw, mask=fetch, other=0)
+                        anyone = anyone | word
+                        bit = (word[None, :] >> (offs_h % 32)[:, None]) & 1
+                        head_ok = tl.where((offs_h // 32 == w)[:, None], bit, head_ok)
+                    fetch = fetch & (anyone != 0)
+                allowed = fetch[None, :] & (head_ok != 0)
+            else:
+                allowed = fetch[None, :]
             k_off = rows * stride_kn
             if ALIGNED:
                 k_off = tl.multiple_of(k_off, 16)
@@ -467,22 +478,9 @@ def _kernels() -> SimpleNamespace:
                 k2 = tl.load(k_rows + D1 + offs_d2[None, :], mask=fetch[:, None] & d2_mask[None, :],
                              other=0.0)
                 if FP32:
-                    s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+                    s = tl.dot(q2, tl.trans(k2), s, input_precision="ieee")
                 else:
-                    s += tl.dot(q2, tl.trans(k2))
-            allowed = readable[None, :]
-            if HAS_HEAD_VALID:  # one int32 word per position holds 32 heads' flags (bit h: head h may read)
-                words = HBITS + b64 * stride_hb + g64 * stride_hg + pos
-                if BLOCK_H <= 32:
-                    word = tl.load(words, mask=in_range, other=0)
-                    head_ok = (word[None, :] >> offs_h[:, None]) & 1
-                else:
-                    head_ok = tl.zeros([BLOCK_H, BLOCK_N], tl.int32)
-                    for w in tl.static_range((BLOCK_H + 31) // 32):
-                        word = tl.load(words + w * stride_hw, mask=in_range, other=0)
-                        bit = (word[None, :] >> (offs_h % 32)[:, None]) & 1
-                        head_ok = tl.where((offs_h // 32 == w)[:, None], bit, head_ok)
-                allowed = allowed & (head_ok != 0)
+                    s = tl.dot(q2, tl.trans(k2), s)
             s = tl.where(allowed, s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -497,12 +495,11 @@ def _kernels() -> SimpleNamespace:
                             mask=fetch[:, None] & dv_mask[None, :], other=0.0)
             else:
                 v = k1
-            if HAS_VALID:  # an invalid row is loaded (its flag comes too late to skip it): drop its value
-                v = tl.where(readable[:, None], v, 0.0)
+            acc = acc * alpha[:, None]  # rescaled in place, then accumulated into by the product
             if FP32:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                acc = tl.dot(p, v, acc, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
 
         has = l_i > 0
@@ -554,19 +551,26 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(split=decode_split_kernel, merge=decode_merge_kernel)
 
 
-def _head_bits(head_valid: torch.Tensor, groups: int) -> torch.Tensor:
-    """``head_valid [B, H, N']`` packed per KV group: int32 words ``[B, G, ceil(H/G / 32), N']`` (contiguous),
-    bit ``j`` of word ``w`` set when head ``32 w + j`` of the group may read the position. The kernel then
-    reads one word per position instead of one flag per head (far fewer registers and bytes)."""
+def _flag_words(valid: torch.Tensor | None, head_valid: torch.Tensor | None, hpg: int) -> torch.Tensor:
+    """``valid [B, G, N']`` and ``head_valid [B, H, N']`` as the kernel reads them: int32 words
+    ``[B, G, W, N']`` (``W = ceil(H/G / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when head ``32 w + j`` of
+    the group may read the position. One 4-byte word per position instead of a flag per head: it is
+    copied asynchronously like an index, so the kernel knows in time which rows not to load at all."""
+    if head_valid is None:  # valid alone: every bit (-1) or none
+        B, G, P = valid.shape
+        word = valid.to(torch.int32).neg_().contiguous()
+        return word[:, :, None, :].expand(B, G, -(-hpg // 32), P)
     B, H, P = head_valid.shape
-    hpg = H // groups
-    words = -(-hpg // 32)
+    groups, words = H // hpg, -(-hpg // 32)
     flags = head_valid.view(B, groups, hpg, P).to(torch.int32)
     if words * 32 != hpg:
         flags = torch.cat([flags, flags.new_zeros(B, groups, words * 32 - hpg, P)], dim=2)
     # bit 31 is int32's sign bit: the bits are disjoint, so their int32 sum is exact (their OR)
     weights = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int32, device=flags.device)
-    return (flags.view(B, groups, words, 32, P) * weights[:, None]).sum(dim=3, dtype=torch.int32).contiguous()
+    packed = (flags.view(B, groups, words, 32, P) * weights[:, None]).sum(dim=3, dtype=torch.int32)
+    if valid is not None:
+        packed = packed * valid[:, :, None, :]
+    return packed.contiguous()
 
 
 def _aligned(*pools: torch.Tensor) -> bool:
@@ -607,30 +611,29 @@ def _triton(query: torch.Tensor, checked: list[_Source], scaling: float,
         src = s.rows
         keys = src.keys
         values = src.values if src.values is not None else keys
-        valid = src.valid.view(torch.uint8) if src.valid is not None else None
-        head_bits = _head_bits(src.head_valid, s.groups) if src.head_valid is not None else None
+        flags = None
+        if src.valid is not None or src.head_valid is not None:
+            flags = _flag_words(src.valid, src.head_valid, H // s.groups)
         zero3 = (0, 0, 0)
         kernels.split[(B * s.groups, count)](
             query, keys, values,
-            valid if valid is not None else keys,
             src.length if src.length is not None else keys,
             src.indices if src.indices is not None else keys,
-            head_bits if head_bits is not None else keys,
+            flags if flags is not None else keys,
             part_o, part_l,
             float(scaling) * LOG2E,
             s.pool, s.positions,
             query.stride(0), query.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
-            *(valid.stride() if valid is not None else zero3),
             *(src.indices.stride() if src.indices is not None else zero3),
-            *(head_bits.stride()[:3] if head_bits is not None else zero3),
+            *(flags.stride()[:3] if flags is not None else zero3),
             s.groups, H // s.groups, count, base, total,
             D1=cfg.D1, D2=cfg.D2, DV=Dv,
             BLOCK_H=cfg.BLOCK_H, BLOCK_N=cfg.BLOCK_N,
             BLOCK_D1=cfg.BLOCK_D1, BLOCK_D2=cfg.BLOCK_D2, BLOCK_DV=cfg.BLOCK_DV,
-            SEPARATE_V=src.values is not None, GATHER=src.indices is not None, HAS_VALID=valid is not None,
-            HAS_LENGTH=src.length is not None, HAS_HEAD_VALID=head_bits is not None,
+            SEPARATE_V=src.values is not None, GATHER=src.indices is not None, HAS_FLAGS=flags is not None,
+            HAS_LENGTH=src.length is not None,
             FP32=keys.dtype == torch.float32, ALIGNED=_aligned(keys, values),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -683,14 +686,15 @@ SHIPPED_SHAPES = (
     ("gqa128-hpg8", 8, 128, 128, True),
 )
 SHIPPED_DTYPES = (torch.bfloat16, torch.float16)
-# the two ends of the optional inputs: a plain dense pool, and every option on (gathered rows with
-# valid, length and per-head flags); the flags change the code, not the blocks
+# the optional inputs change the code, not the blocks: a plain dense pool (every row valid), a pool with
+# valid flags and a device length (the runtime's tier), and every option on (gathered rows with flags)
 SHIPPED_VARIANTS = {
-    "dense": {"GATHER": False, "HAS_VALID": False, "HAS_LENGTH": False, "HAS_HEAD_VALID": False},
-    "gathered": {"GATHER": True, "HAS_VALID": True, "HAS_LENGTH": True, "HAS_HEAD_VALID": True},
+    "dense": {"GATHER": False, "HAS_FLAGS": False, "HAS_LENGTH": False},
+    "pool": {"GATHER": False, "HAS_FLAGS": True, "HAS_LENGTH": True},
+    "gathered": {"GATHER": True, "HAS_FLAGS": True, "HAS_LENGTH": True},
 }
 _TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-                torch.int64: "i64", torch.uint8: "u8"}
+                torch.int64: "i64"}
 
 
 def split_specialisation(cfg: SplitConfig, dtype: torch.dtype, value_width: int, separate_values: bool,
@@ -701,15 +705,14 @@ def split_specialisation(cfg: SplitConfig, dtype: torch.dtype, value_width: int,
     elem = "*" + _TRITON_TYPE[dtype]
     pointer = {
         "Q": elem, "K": elem, "V": elem,
-        "VALID": "*u8" if flags["HAS_VALID"] else elem,
         "LENGTH": "*" + _TRITON_TYPE[length_dtype] if flags["HAS_LENGTH"] else elem,
         "IDX": "*" + _TRITON_TYPE[index_dtype] if flags["GATHER"] else elem,
-        "HBITS": "*i32" if flags["HAS_HEAD_VALID"] else elem,
+        "FLAGS": "*i32" if flags["HAS_FLAGS"] else elem,
         "PART_O": "*fp32", "PART_L": "*fp32",
     }
     ints = ["n_pool", "n_pos", "stride_qb", "stride_qh", "stride_kb", "stride_kg", "stride_kn",
-            "stride_vb", "stride_vg", "stride_vn", "stride_mb", "stride_mg", "stride_mn",
-            "stride_ib", "stride_ig", "stride_ik", "stride_hb", "stride_hg", "stride_hw",
+            "stride_vb", "stride_vg", "stride_vn", "stride_ib", "stride_ig", "stride_ik",
+            "stride_fb", "stride_fg", "stride_fw",
             "groups", "hpg", "splits", "split_base", "total_splits"]
     constexprs = {
         "D1": cfg.D1, "D2": cfg.D2, "DV": value_width, "BLOCK_H": cfg.BLOCK_H, "BLOCK_N": cfg.BLOCK_N,

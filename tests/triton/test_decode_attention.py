@@ -199,15 +199,19 @@ def test_head_valid_per_query_head(form, dtype):
            decode_attention_triton(query, [_with(rows, valid=group)], SCALE), dtype)
 
 
-def test_more_than_32_heads_per_group_with_head_valid():
+def test_more_than_32_heads_per_group_with_valid_and_head_valid():
     """40 heads over one latent group: a block of 64 heads, flags in two words per row."""
     B, N, H = 1, 60, 40
     g = _gen(19)
     query = torch.randn(B, H, 48, generator=g)
-    src = Rows(torch.randn(B, 1, N, 48, generator=g), value_width=32,
-               head_valid=torch.rand(B, H, N, generator=g) < 0.5)
-    want = decode_attention_reference(query, [src], SCALE)
-    _close(decode_attention_triton(query, [src], SCALE, splits=2), want, torch.float32)
+    rows = Rows(torch.randn(B, 1, N, 48, generator=g), value_width=32)
+    valid = torch.rand(B, 1, N, generator=g) < 0.7
+    head_valid = torch.rand(B, H, N, generator=g) < 0.5
+    head_valid[0, 35] = False  # a head of the second word reads nothing
+    for src in (_with(rows, valid=valid), _with(rows, valid=valid, head_valid=head_valid)):
+        want = decode_attention_reference(query, [src], SCALE)
+        _close(decode_attention_triton(query, [src], SCALE, splits=2), want, torch.float32)
+    assert torch.isneginf(want[1][0, 35]) and torch.isfinite(want[1][0, 34])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
