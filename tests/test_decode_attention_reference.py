@@ -213,6 +213,10 @@ def test_default_splits_aim_at_two_programs_per_sm_within_the_tiles():
     assert da.default_splits(16, 100_000, 64, sms=132) == 17  # 16 x 17 = 272 programs
     assert da.default_splits(300, 100_000, 64, sms=132) == 1
     assert da.default_splits(4, 0, 64) == 1  # an empty source still has one (empty) split
+    # MLA, 16 heads over 576-dim bf16 rows: a split reads >= 228 rows, so 32k rows take 144 splits, not 264
+    floor = da.min_split_rows(16, 576, 512, False, 2)
+    assert floor == 228 and 16 * 512 * 4 <= floor * 1152 / 8
+    assert da.default_splits(1, 32_768, 32, sms=132, min_rows=floor) == 144
 
 
 @pytest.mark.parametrize("hpg,width,value_width,separate", [(16, 576, 512, False), (32, 576, 512, False),

@@ -42,9 +42,11 @@ softmax over its share of the positions in ``BLOCK_N`` tiles, with the scale fol
 Each split writes a partial ``(out, lse)``; a merge kernel combines the partials of every split of
 every source exactly (log-sum-exp weights). ``splits`` sets the splits per source (any count gives
 the same result up to rounding; more splits than tiles leaves some empty); ``None`` aims at about
-two programs per SM, capped by the source's tiles. Block sizes, warps and stages come from
-:func:`split_config` / :func:`merge_config`, shared by the launcher and :func:`shipped_configs`
-(the sm_90 compile gate, ``tests/test_compile_gate.py``). Triton is imported only when its path runs.
+two programs per SM, capped by the source's tiles and by a floor of rows per split that keeps the
+partial outputs under 1/8 of the rows' bytes (:func:`default_splits`, :func:`min_split_rows`).
+Block sizes, warps and stages come from :func:`split_config` / :func:`merge_config`, shared by the
+launcher and :func:`shipped_configs` (the sm_90 compile gate, ``tests/test_compile_gate.py``).
+Triton is imported only when its path runs.
 
 Kernel details: the split of a sequence is computed in the program from ``length`` (so a captured
 launch follows the true length: the positions ``[0, length)`` are cut into ``splits`` runs of whole
@@ -360,10 +362,20 @@ def _sm_count(device: torch.device) -> int:
     return DEFAULT_SMS
 
 
-def default_splits(batch_groups: int, positions: int, block_n: int, sms: int = DEFAULT_SMS) -> int:
-    """Splits per source when ``splits=None``: about two programs per SM, at most one per tile, at least 1."""
-    tiles = -(-positions // block_n)
-    return max(1, min(tiles, -(-2 * sms // max(1, batch_groups)), MAX_SPLITS))
+def min_split_rows(heads_per_group: int, key_width: int, value_width: int, separate_values: bool,
+                   itemsize: int) -> int:
+    """The fewest rows a split should read: enough that its partial output (``heads x Dv`` fp32, written
+    and read back by the merge) costs at most 1/8 of the bytes of its rows (MLA, 16 heads: 228 rows)."""
+    row_bytes = (key_width + (value_width if separate_values else 0)) * itemsize
+    return max(1, -(-8 * heads_per_group * value_width * 4 // row_bytes))
+
+
+def default_splits(batch_groups: int, positions: int, block_n: int, sms: int = DEFAULT_SMS,
+                   min_rows: int = 1) -> int:
+    """Splits per source when ``splits=None``: about two programs per SM, at most one per tile and one per
+    ``min_rows`` positions, at least 1."""
+    most = -(-positions // max(block_n, min_rows))
+    return max(1, min(most, -(-2 * sms // max(1, batch_groups)), MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -553,21 +565,24 @@ def _kernels() -> SimpleNamespace:
 
 def _flag_words(valid: torch.Tensor | None, head_valid: torch.Tensor | None, hpg: int) -> torch.Tensor:
     """``valid [B, G, N']`` and ``head_valid [B, H, N']`` as the kernel reads them: int32 words
-    ``[B, G, W, N']`` (``W = ceil(H/G / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when head ``32 w + j`` of
-    the group may read the position. One 4-byte word per position instead of a flag per head: it is
-    copied asynchronously like an index, so the kernel knows in time which rows not to load at all."""
+    ``[B, G, W, N']`` (``W = ceil(hpg / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when
+    head ``32 w + j`` of the group may read the position. One 4-byte word per position instead of a flag
+    per head: it is copied asynchronously like an index, so the kernel knows in time which rows not to
+    load at all."""
     if head_valid is None:  # valid alone: every bit (-1) or none
         B, G, P = valid.shape
         word = valid.to(torch.int32).neg_().contiguous()
         return word[:, :, None, :].expand(B, G, -(-hpg // 32), P)
     B, H, P = head_valid.shape
     groups, words = H // hpg, -(-hpg // 32)
-    flags = head_valid.view(B, groups, hpg, P).to(torch.int32)
+    flags = head_valid.view(B, groups, hpg, P).to(torch.int64)
     if words * 32 != hpg:
         flags = torch.cat([flags, flags.new_zeros(B, groups, words * 32 - hpg, P)], dim=2)
-    # bit 31 is int32's sign bit: the bits are disjoint, so their int32 sum is exact (their OR)
-    weights = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int32, device=flags.device)
-    packed = (flags.view(B, groups, words, 32, P) * weights[:, None]).sum(dim=3, dtype=torch.int32)
+    # device ops only (no host tensor is copied in: a CUDA graph may capture this); the bits are disjoint,
+    # so their sum is their OR, < 2**32, and bit 31 becomes int32's sign bit
+    weights = torch.ones(32, dtype=torch.int64, device=flags.device) << torch.arange(32, device=flags.device)
+    packed = (flags.view(B, groups, words, 32, P) * weights[:, None]).sum(dim=3)
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
     if valid is not None:
         packed = packed * valid[:, :, None, :]
     return packed.contiguous()
@@ -599,9 +614,12 @@ def _triton(query: torch.Tensor, checked: list[_Source], scaling: float,
         query = query.contiguous()
     plans = []
     for s in checked:
-        cfg = split_config(H // s.groups, D, Dv, s.rows.values is not None, s.rows.keys.element_size())
-        count = splits if splits is not None else default_splits(B * s.groups, s.positions, cfg.BLOCK_N,
-                                                                 _sm_count(device))
+        shape = (H // s.groups, D, Dv, s.rows.values is not None, s.rows.keys.element_size())
+        cfg = split_config(*shape)
+        count = splits
+        if count is None:
+            count = default_splits(B * s.groups, s.positions, cfg.BLOCK_N, _sm_count(device),
+                                   min_split_rows(*shape))
         plans.append((s, cfg, count))
     total = sum(count for _, _, count in plans)
     part_o = torch.empty(B, H, total, Dv, dtype=torch.float32, device=device)
