@@ -239,7 +239,7 @@ def _readable(group_readable: torch.Tensor, s: _Source, heads: int) -> torch.Ten
     return allowed
 
 
-def _rows(s: _Source, start: int, stop: int, width: int | None = None, value: bool = False) -> torch.Tensor:
+def _rows(s: _Source, start: int, stop: int, value: bool = False) -> torch.Tensor:
     """Positions ``[start, stop)`` of a source's keys (or values) ``[B, G, stop - start, *]`` in fp32."""
     src = s.rows
     pool = src.values if value and src.values is not None else src.keys
