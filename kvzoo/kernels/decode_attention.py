@@ -1,0 +1,768 @@
+"""Gathered split-K decode attention over several row sources, one softmax (reference and Triton kernels).
+
+One decode step: one query per sequence, ``query [B, H, D]``, reads rows from one or more
+:class:`Rows` sources (the attended pool, the rows a retriever fetched, ...). Every readable row of
+every source joins **one** softmax; the result is the output ``[B, H, Dv]`` (the query's dtype) and
+the natural-log log-sum-exp ``[B, H]`` (fp32) of the scaled scores over all those rows.
+
+A source holds ``keys [B, G, N, D]`` (``G`` KV groups, ``H % G == 0``: query head ``h`` reads group
+``h // (H // G)``) and its values in one of two forms:
+
+* GQA: ``values [B, G, N, Dv]``, separate rows;
+* MLA absorbed: ``values=None`` and ``value_width=Dv``: the value of a row is its first ``Dv``
+  dims (DeepSeek / Kimi latent rows of 512 + 64: the key is the whole 576-dim row, the value its
+  512-dim latent). The kernel loads such a row once for both products.
+
+Which rows a query head reads (a *readable* row) is the conjunction of:
+
+* ``length [B]`` (a device tensor, so a launch can be graph-captured): positions ``[0, length[b])``
+  only (``None``: every position). A position is a row index ``n`` of the pool, or in the gathered
+  form an entry ``i`` of ``indices``;
+* ``indices [B, G, K]`` (gathered form): position ``i`` is the row ``keys[b, g, indices[b, g, i]]``;
+  a duplicate index is read twice, like a gather. An index outside ``[0, N)`` makes its entry
+  unreadable (so ``-1`` may pad; neither implementation reads outside the pool);
+* ``valid [B, G, N']`` (``N' = N``, or ``K`` in the gathered form), per position;
+* ``head_valid [B, H, N']`` per query head and position (Quest picks pages per head).
+
+What a row that is not readable by any head of its group holds never matters (a preallocated pool
+may hold NaN past ``length`` or in invalid rows). A preallocated pool may be passed whole (any
+strides, last dim contiguous) with ``length`` marking its filled prefix.
+
+Scores are ``scaling * <q, k>``, with the query first rounded to the rows' dtype (as
+:func:`kvzoo.kernels.attention.row_scores` does) and the products accumulated in fp32; the softmax
+and the output's accumulation are fp32 and the output is cast to the query's dtype. A ``(b, h)``
+with no readable row gets ``out = 0`` and ``lse = -inf`` (never NaN). With one source and no
+``length`` / ``indices`` / ``head_valid`` this is
+:func:`kvzoo.kernels.attention.gathered_decode_attention` (whose second source is this op's second).
+
+The Triton path (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``) is split-K: per source one
+program per ``(batch x KV group, split)`` holds *all* the query heads of its group (``BLOCK_H =
+max(16, next_pow2(H / G))``, masked), so each row is loaded once per group, and runs an online
+softmax over its share of the positions in ``BLOCK_N`` tiles, with the scale folded into ``exp2``.
+Each split writes a partial ``(out, lse)``; a merge kernel combines the partials of every split of
+every source exactly (log-sum-exp weights). ``splits`` sets the splits per source (any count gives
+the same result up to rounding; more splits than tiles leaves some empty); ``None`` aims at about
+two programs per SM, capped by the source's tiles and by a floor of rows per split that keeps the
+partial outputs under 1/8 of the rows' bytes (:func:`default_splits`, :func:`min_split_rows`).
+Block sizes, warps and stages come from :func:`split_config` / :func:`merge_config`, shared by the
+launcher and :func:`shipped_configs` (the sm_90 compile gate, ``tests/test_compile_gate.py``).
+Triton is imported only when its path runs.
+
+Kernel details: the split of a sequence is computed in the program from ``length`` (so a captured
+launch follows the true length: the positions ``[0, length)`` are cut into ``splits`` runs of whole
+tiles). ``valid`` and ``head_valid`` are packed on the host into one int32 word per position and 32
+heads (:func:`_flag_words`), which the kernel copies asynchronously like an index: a row past
+``length``, outside the pool or readable by no head of the group is never loaded. The query is
+cast to the rows' dtype for ``tl.dot`` (bf16/fp16 products, fp32 accumulation; fp32 rows use
+``input_precision="ieee"``), the probabilities to the values' dtype for the second product. When
+the pools are 16-byte aligned with row strides that are multiples of 16 elements (the shipped
+shapes), the kernel tells the compiler so (``ALIGNED``), which vectorises and pipelines the loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from kvzoo.kernels import dispatch
+
+LOG2E = 1.4426950408889634
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+DEFAULT_SMS = 132  # H100 SXM / H200: the splits heuristic's SM count when the device has none to report
+MAX_SPLITS = 65_535  # CUDA's limit on a grid's second dimension
+# Most fp32 elements of one block of rows the reference upcasts at once (its extra memory).
+REFERENCE_ROW_BLOCK_ELEMENTS = 1 << 22
+
+
+@dataclass
+class Rows:
+    """One source of rows for a decode step (see the module docstring for the semantics)."""
+
+    keys: torch.Tensor  # [B, G, N, D]; a preallocated pool may be passed whole; last dim contiguous
+    values: torch.Tensor | None = None  # [B, G, N, Dv]; None: MLA absorbed, value = keys[..., :value_width]
+    value_width: int | None = None  # Dv when values is None
+    valid: torch.Tensor | None = None  # [B, G, N'] bool (N' = N, or K with indices); None: all
+    length: torch.Tensor | None = None  # [B] int32/int64 on the query's device; None: all N' positions
+    indices: torch.Tensor | None = None  # [B, G, K] int32/int64: gathered form
+    head_valid: torch.Tensor | None = None  # [B, H, N'] bool per query head; None: all
+
+
+# ----------------------------------------------------------------------------------------------------
+# validation (shared by both paths)
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A validated source: the :class:`Rows` and the numbers both implementations need."""
+
+    rows: Rows
+    groups: int
+    pool: int  # N: rows in the pool
+    positions: int  # N': N, or K in the gathered form
+    value_width: int
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _on(what: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{what} is on {t.device}, the query on {device}: put them on one device")
+
+
+def _check_flag(what: str, t, shape: tuple[int, ...], device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{what} must be a bool tensor, got {got}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{what} must have shape {list(shape)}, got {_shape(t)}")
+    _on(what, t, device)
+
+
+def _validate(query: torch.Tensor, sources, scaling, splits) -> list[_Source]:
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        got = _shape(query) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query must be a [B, H, D] tensor, got {got}")
+    if query.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
+    if not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise ValueError(f"scaling must be a finite number, got {scaling!r}")
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
+                               or not 1 <= splits <= MAX_SPLITS):
+        raise ValueError(f"splits must be None or an int in [1, {MAX_SPLITS}], got {splits!r}")
+    if not isinstance(sources, (list, tuple)) or not sources or not all(isinstance(s, Rows) for s in sources):
+        raise ValueError("sources must be a non-empty list of Rows")
+    B, H, D = query.shape
+    device = query.device
+    out: list[_Source] = []
+    for i, src in enumerate(sources):
+        name = f"sources[{i}]"
+        k = src.keys
+        if not isinstance(k, torch.Tensor) or k.dim() != 4:
+            got = _shape(k) if isinstance(k, torch.Tensor) else type(k).__name__
+            raise ValueError(f"{name}.keys must be a [B, G, N, D] tensor, got {got}")
+        if k.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}.keys must be float16, bfloat16 or float32, got {k.dtype}")
+        _on(f"{name}.keys", k, device)
+        Bk, G, N, Dk = k.shape
+        if Bk != B or Dk != D:
+            raise ValueError(f"{name}.keys {_shape(k)} must be [B={B}, G, N, D={D}] for query "
+                             f"{_shape(query)}")
+        if G < 1 or H % G:
+            raise ValueError(f"{name}.keys has G={G} KV groups; the query's H={H} heads must be a "
+                             "multiple of it")
+        if k.stride(-1) != 1 and D > 1:
+            raise ValueError(f"{name}.keys must have a contiguous last dimension (stride 1), "
+                             f"got strides {k.stride()}")
+        if src.values is None:
+            width = src.value_width
+            if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= D:
+                raise ValueError(f"{name} has values=None (MLA absorbed form): value_width must be an int in "
+                                 f"[1, D={D}], got {width!r}")
+        else:
+            v = src.values
+            if not isinstance(v, torch.Tensor) or v.dim() != 4 or tuple(v.shape[:3]) != (B, G, N):
+                got = _shape(v) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"{name}.values must be [B={B}, G={G}, N={N}, Dv], got {got}")
+            if v.dtype != k.dtype:
+                raise ValueError(f"{name}.values must have the keys' dtype {k.dtype}, got {v.dtype}")
+            _on(f"{name}.values", v, device)
+            if v.stride(-1) != 1 and v.shape[-1] > 1:
+                raise ValueError(f"{name}.values must have a contiguous last dimension (stride 1), "
+                                 f"got strides {v.stride()}")
+            width = v.shape[-1]
+            if width < 1:
+                raise ValueError(f"{name}.values has Dv=0; the value width must be >= 1")
+            if src.value_width is not None and src.value_width != width:
+                raise ValueError(f"{name}.value_width={src.value_width!r} disagrees with values' Dv={width} "
+                                 "(value_width is only for values=None)")
+        if out and width != out[0].value_width:
+            raise ValueError(f"{name} has value width {width}, sources[0] {out[0].value_width}: "
+                             "all sources must share Dv")
+        positions = N
+        if src.indices is not None:
+            idx = src.indices
+            if not isinstance(idx, torch.Tensor) or idx.dtype not in INDEX_DTYPES:
+                got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
+                raise ValueError(f"{name}.indices must be an int32 or int64 tensor, got {got}")
+            if idx.dim() != 3 or tuple(idx.shape[:2]) != (B, G):
+                raise ValueError(f"{name}.indices must have shape [B={B}, G={G}, K], got {_shape(idx)}")
+            _on(f"{name}.indices", idx, device)
+            positions = idx.shape[2]
+        if src.length is not None:
+            ln = src.length
+            if not isinstance(ln, torch.Tensor) or ln.dtype not in INDEX_DTYPES or tuple(ln.shape) != (B,):
+                got = f"{ln.dtype} {_shape(ln)}" if isinstance(ln, torch.Tensor) else type(ln).__name__
+                raise ValueError(f"{name}.length must be an int32 or int64 tensor of shape [B={B}], "
+                                 f"got {got}")
+            _on(f"{name}.length (a tensor on the query's device)", ln, device)
+        _check_flag(f"{name}.valid", src.valid, (B, G, positions), device)
+        _check_flag(f"{name}.head_valid", src.head_valid, (B, H, positions), device)
+        out.append(_Source(src, G, N, positions, width))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# the PyTorch reference
+# ----------------------------------------------------------------------------------------------------
+
+
+def _group_readable(query: torch.Tensor, s: _Source) -> torch.Tensor:
+    """Bool ``[B, G, N']``: the positions within length, in the pool and valid (before ``head_valid``)."""
+    B = query.shape[0]
+    src = s.rows
+    pos = torch.arange(s.positions, device=query.device)
+    allowed = torch.ones(B, s.groups, s.positions, dtype=torch.bool, device=query.device)
+    if src.length is not None:
+        allowed = allowed & (pos[None, None, :] < src.length.to(torch.int64)[:, None, None])
+    if src.indices is not None:
+        allowed = allowed & (src.indices >= 0) & (src.indices < s.pool)
+    if src.valid is not None:
+        allowed = allowed & src.valid
+    return allowed
+
+
+def _readable(group_readable: torch.Tensor, s: _Source, heads: int) -> torch.Tensor:
+    """Bool ``[B, H, N']``: which positions each query head may read."""
+    allowed = group_readable.repeat_interleave(heads // s.groups, dim=1)
+    if s.rows.head_valid is not None:
+        allowed = allowed & s.rows.head_valid
+    return allowed
+
+
+def _rows(s: _Source, start: int, stop: int, value: bool = False) -> torch.Tensor:
+    """Positions ``[start, stop)`` of a source's keys (or values) ``[B, G, stop - start, *]`` in fp32."""
+    src = s.rows
+    pool = src.values if value and src.values is not None else src.keys
+    if value and src.values is None:
+        pool = pool[..., : s.value_width]
+    if src.indices is None:
+        return pool[:, :, start:stop].float()
+    idx = src.indices[:, :, start:stop].to(torch.int64).clamp(0, max(s.pool - 1, 0))
+    if s.pool == 0:  # nothing to gather: every entry is unreadable (masked by _readable)
+        return pool.new_zeros(*idx.shape, pool.shape[-1], dtype=torch.float32)
+    return torch.gather(pool, 2, idx[..., None].expand(*idx.shape, pool.shape[-1])).float()
+
+
+def _blocks(s: _Source, batch_groups: int, width: int) -> list[tuple[int, int]]:
+    step = max(1, REFERENCE_ROW_BLOCK_ELEMENTS // max(1, batch_groups * width))
+    return [(a, min(a + step, s.positions)) for a in range(0, s.positions, step)]
+
+
+def _reference(query: torch.Tensor, checked: list[_Source],
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, D = query.shape
+    Dv = checked[0].value_width
+    scores, group_masks = [], []
+    for s in checked:
+        G, hpg = s.groups, H // s.groups
+        q = query.to(s.rows.keys.dtype).float().view(B, G, hpg, D)
+        sc = query.new_empty(B, G, hpg, s.positions, dtype=torch.float32)
+        for a, b in _blocks(s, B * G, D):
+            sc[..., a:b] = torch.einsum("bghd,bgnd->bghn", q, _rows(s, a, b)) * scaling
+        group_masks.append(_group_readable(query, s))
+        unreadable = ~_readable(group_masks[-1], s, H)
+        scores.append(sc.view(B, H, s.positions).masked_fill(unreadable, float("-inf")))
+    lse = torch.logsumexp(torch.cat(scores, dim=-1), dim=-1)  # [B, H]; -inf where nothing is readable
+    shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
+    out = torch.zeros(B, H, Dv, dtype=torch.float32, device=query.device)
+    for s, sc, group in zip(checked, scores, group_masks):
+        G, hpg = s.groups, H // s.groups
+        probs = torch.exp(sc - shift).view(B, G, hpg, s.positions)  # 0 for unreadable rows
+        for a, b in _blocks(s, B * G, Dv):
+            # an unreadable row's content never matters, even NaN in an unused slot of a pool (0 * NaN = NaN)
+            v = _rows(s, a, b, value=True).masked_fill(~group[..., a:b, None], 0.0)
+            out += torch.einsum("bghn,bgnd->bghd", probs[..., a:b], v).reshape(B, H, Dv)
+    return out.to(query.dtype), lse
+
+
+def decode_attention_reference(
+    query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification in plain PyTorch with fp32 math (see the module docstring).
+
+    ``splits`` is accepted for the kernels' signature and has no effect: the softmax is exact. Rows are
+    upcast a block at a time (at most :data:`REFERENCE_ROW_BLOCK_ELEMENTS` fp32 elements per copy).
+    """
+    return _reference(query, _validate(query, sources, scaling, splits), float(scaling))
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configurations (one function for the launcher and the compile gate)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Block sizes, warps and stages of the split kernel for one shape and dtype."""
+
+    BLOCK_H: int
+    BLOCK_N: int
+    BLOCK_D1: int
+    BLOCK_D2: int
+    BLOCK_DV: int
+    D1: int  # the main part of a row: the value width (absorbed form) or the whole key
+    D2: int  # the tail (absorbed form: the rope branch), 0 when none
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    BLOCK_S: int
+    BLOCK_DV: int
+    num_warps: int
+    num_stages: int
+
+
+def split_config(heads_per_group: int, key_width: int, value_width: int, separate_values: bool,
+                 itemsize: int) -> SplitConfig:
+    """What the launcher picks for a source (and :func:`shipped_configs` compiles).
+
+    A key row is split into a main part (``D1``: the value width in the absorbed form, whose tile is
+    also the value tile, else the whole key) and a tail (``D2``, e.g. MLA's 64-dim rope branch), each
+    in a masked power-of-two block of at least 16 (every ``tl.dot`` dimension >= 16).
+    """
+    d1 = key_width if separate_values else value_width
+    d2 = key_width - d1
+    block_d1, block_d2 = _pow2(d1), _pow2(d2) if d2 else 16
+    block_dv = _pow2(value_width) if separate_values else block_d1
+    block_h = _pow2(heads_per_group)
+    row_bytes = (block_d1 + (block_d2 if d2 else 0) + (block_dv if separate_values else 0)) * itemsize
+    block_n = 64 if row_bytes <= 1024 else 32  # latent rows (1,152 B in bf16) in tiles of 32: fewer registers
+    stage_bytes = row_bytes * block_n
+    # three stages of rows in flight when they fit in 128 KiB, except beside a large accumulator (32 x 512)
+    num_stages = 3 if 3 * stage_bytes <= 128 * 1024 and block_h * block_dv < 16384 else 2
+    num_warps = 8 if block_h * block_dv >= 8192 else 4
+    return SplitConfig(block_h, block_n, block_d1, block_d2, block_dv, d1, d2, num_warps, num_stages)
+
+
+def merge_config() -> MergeConfig:
+    """The merge kernel's blocks: splits in chunks of ``BLOCK_S``, the value width in ``BLOCK_DV``."""
+    return MergeConfig(BLOCK_S=16, BLOCK_DV=64, num_warps=2, num_stages=1)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
+
+
+def min_split_rows(heads_per_group: int, key_width: int, value_width: int, separate_values: bool,
+                   itemsize: int) -> int:
+    """The fewest rows a split should read: enough that its partial output (``heads x Dv`` fp32, written
+    and read back by the merge) costs at most 1/8 of the bytes of its rows (MLA, 16 heads: 228 rows)."""
+    row_bytes = (key_width + (value_width if separate_values else 0)) * itemsize
+    return max(1, -(-8 * heads_per_group * value_width * 4 // row_bytes))
+
+
+def default_splits(batch_groups: int, positions: int, block_n: int, sms: int = DEFAULT_SMS,
+                   min_rows: int = 1) -> int:
+    """Splits per source when ``splits=None``: about two programs per SM, at most one per tile and one per
+    ``min_rows`` positions, at least 1."""
+    most = -(-positions // max(block_n, min_rows))
+    return max(1, min(most, -(-2 * sms // max(1, batch_groups)), MAX_SPLITS))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the Triton kernels (built on first use: triton is imported only here)
+# ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    globals()["tl"] = tl  # the jitted functions resolve tl through this module's globals
+
+    @triton.jit
+    def decode_split_kernel(
+        Q, K, V, LENGTH, IDX, FLAGS, PART_O, PART_L,
+        scale_log2,
+        n_pool, n_pos,
+        stride_qb, stride_qh,
+        stride_kb, stride_kg, stride_kn,
+        stride_vb, stride_vg, stride_vn,
+        stride_ib, stride_ig, stride_ik,
+        stride_fb, stride_fg, stride_fw,
+        groups, hpg, splits, split_base, total_splits,
+        D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+        SEPARATE_V: tl.constexpr, GATHER: tl.constexpr, HAS_FLAGS: tl.constexpr,
+        HAS_LENGTH: tl.constexpr, FP32: tl.constexpr, ALIGNED: tl.constexpr,
+    ):
+        pid_bg = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bg // groups
+        g = pid_bg % groups
+        b64 = b.to(tl.int64)
+        g64 = g.to(tl.int64)
+        # this split's positions: the readable prefix [0, n) cut into `splits` runs of whole tiles
+        if HAS_LENGTH:
+            n = tl.maximum(tl.minimum(tl.load(LENGTH + b).to(tl.int32), n_pos), 0)
+        else:
+            n = n_pos
+        per_split = tl.cdiv(tl.cdiv(n, BLOCK_N), splits) * BLOCK_N
+        lo = pid_s * per_split
+        hi = tl.minimum(lo + per_split, n)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        h_mask = offs_h < hpg
+        heads = g * hpg + offs_h
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d1 = tl.arange(0, BLOCK_D1)
+        d1_mask = offs_d1 < D1
+        q_rows = Q + b64 * stride_qb + heads.to(tl.int64)[:, None] * stride_qh
+        q1 = tl.load(q_rows + offs_d1[None, :], mask=h_mask[:, None] & d1_mask[None, :], other=0.0)
+        q1 = q1.to(K.dtype.element_ty)
+        if D2 > 0:
+            offs_d2 = tl.arange(0, BLOCK_D2)
+            d2_mask = offs_d2 < D2
+            q2 = tl.load(q_rows + D1 + offs_d2[None, :], mask=h_mask[:, None] & d2_mask[None, :], other=0.0)
+            q2 = q2.to(K.dtype.element_ty)
+        if SEPARATE_V:
+            offs_dv = tl.arange(0, BLOCK_DV)
+            dv_mask = offs_dv < DV
+            v_base = V + b64 * stride_vb + g64 * stride_vg
+            if ALIGNED:
+                v_base = tl.multiple_of(v_base, 16)
+        k_base = K + b64 * stride_kb + g64 * stride_kg
+        if ALIGNED:  # the launcher checked: 16-byte aligned pools, row strides multiples of 16 elements
+            k_base = tl.multiple_of(k_base, 16)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            in_range = pos < hi
+            if GATHER:
+                rows = tl.load(IDX + b64 * stride_ib + g64 * stride_ig + pos.to(tl.int64) * stride_ik,
+                               mask=in_range, other=0).to(tl.int64)
+                fetch = in_range & (rows >= 0) & (rows < n_pool)
+            else:
+                rows = pos.to(tl.int64)
+                fetch = in_range
+            if HAS_FLAGS:  # valid and head_valid in int32 words: bit h of word w = head 32 w + h may read
+                words = FLAGS + b64 * stride_fb + g64 * stride_fg + pos
+                if BLOCK_H <= 32:
+                    word = tl.load(words, mask=fetch, other=0)
+                    head_ok = (word[None, :] >> offs_h[:, None]) & 1
+                    fetch = fetch & (word != 0)  # a row no head may read is not loaded
+                else:
+                    head_ok = tl.zeros([BLOCK_H, BLOCK_N], tl.int32)
+                    anyone = tl.zeros([BLOCK_N], tl.int32)
+                    for w in tl.static_range((BLOCK_H + 31) // 32):
+                        word = tl.load(words + w * stride_fw, mask=fetch, other=0)
+                        anyone = anyone | word
+                        bit = (word[None, :] >> (offs_h % 32)[:, None]) & 1
+                        head_ok = tl.where((offs_h // 32 == w)[:, None], bit, head_ok)
+                    fetch = fetch & (anyone != 0)
+                allowed = fetch[None, :] & (head_ok != 0)
+            else:
+                allowed = fetch[None, :]
+            k_off = rows * stride_kn
+            if ALIGNED:
+                k_off = tl.multiple_of(k_off, 16)
+            k_rows = k_base + k_off[:, None]
+            k1 = tl.load(k_rows + offs_d1[None, :], mask=fetch[:, None] & d1_mask[None, :], other=0.0)
+            if FP32:
+                s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+            else:
+                s = tl.dot(q1, tl.trans(k1))
+            if D2 > 0:
+                k2 = tl.load(k_rows + D1 + offs_d2[None, :], mask=fetch[:, None] & d2_mask[None, :],
+                             other=0.0)
+                if FP32:
+                    s = tl.dot(q2, tl.trans(k2), s, input_precision="ieee")
+                else:
+                    s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.where(allowed, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if SEPARATE_V:
+                v_off = rows * stride_vn
+                if ALIGNED:
+                    v_off = tl.multiple_of(v_off, 16)
+                v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
+                            mask=fetch[:, None] & dv_mask[None, :], other=0.0)
+            else:
+                v = k1
+            acc = acc * alpha[:, None]  # rescaled in place, then accumulated into by the product
+            if FP32:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+
+        has = l_i > 0
+        l_safe = tl.where(has, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        slot = ((b64 * groups * hpg + heads.to(tl.int64)) * total_splits + split_base + pid_s)
+        tl.store(PART_L + slot, lse2, mask=h_mask)
+        offs_o = tl.arange(0, BLOCK_DV)
+        tl.store(PART_O + slot[:, None] * DV + offs_o[None, :], o,
+                 mask=h_mask[:, None] & (offs_o < DV)[None, :])
+
+    @triton.jit
+    def decode_merge_kernel(
+        PART_O, PART_L, OUT, LSE,
+        total_splits, dv,
+        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        bh = tl.program_id(0).to(tl.int64)
+        pid_d = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        d_mask = offs_d < dv
+        base = bh * total_splits
+        top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+        for s0 in range(0, total_splits, BLOCK_S):
+            ls = tl.load(PART_L + base + s0 + offs_s, mask=s0 + offs_s < total_splits, other=float("-inf"))
+            top = tl.maximum(top, ls)
+        m = tl.max(top, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        weight = tl.zeros([BLOCK_S], tl.float32)
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s0 in range(0, total_splits, BLOCK_S):
+            s_mask = s0 + offs_s < total_splits
+            ls = tl.load(PART_L + base + s0 + offs_s, mask=s_mask, other=float("-inf"))
+            w = tl.exp2(ls - m_safe)
+            o = tl.load(PART_O + (base + s0 + offs_s)[:, None] * dv + offs_d[None, :],
+                        mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+            acc += tl.sum(w[:, None] * o, 0)
+            weight += w
+        total = tl.sum(weight, 0)
+        has = total > 0
+        out = tl.where(has, acc / tl.where(has, total, 1.0), 0.0)
+        tl.store(OUT + bh * dv + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
+        lse = tl.where(has, (m_safe + tl.log2(tl.where(has, total, 1.0))) * 0.6931471805599453, float("-inf"))
+        if pid_d == 0:
+            tl.store(LSE + bh, lse)
+
+    return SimpleNamespace(split=decode_split_kernel, merge=decode_merge_kernel)
+
+
+def _flag_words(valid: torch.Tensor | None, head_valid: torch.Tensor | None, hpg: int) -> torch.Tensor:
+    """``valid [B, G, N']`` and ``head_valid [B, H, N']`` as the kernel reads them: int32 words
+    ``[B, G, W, N']`` (``W = ceil(hpg / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when
+    head ``32 w + j`` of the group may read the position. One 4-byte word per position instead of a flag
+    per head: it is copied asynchronously like an index, so the kernel knows in time which rows not to
+    load at all."""
+    if head_valid is None:  # valid alone: every bit (-1) or none
+        B, G, P = valid.shape
+        word = valid.to(torch.int32).neg_().contiguous()
+        return word[:, :, None, :].expand(B, G, -(-hpg // 32), P)
+    B, H, P = head_valid.shape
+    groups, words = H // hpg, -(-hpg // 32)
+    flags = head_valid.view(B, groups, hpg, P).to(torch.int64)
+    if words * 32 != hpg:
+        flags = torch.cat([flags, flags.new_zeros(B, groups, words * 32 - hpg, P)], dim=2)
+    # device ops only (no host tensor is copied in: a CUDA graph may capture this); the bits are disjoint,
+    # so their sum is their OR, < 2**32, and bit 31 becomes int32's sign bit
+    weights = torch.ones(32, dtype=torch.int64, device=flags.device) << torch.arange(32, device=flags.device)
+    packed = (flags.view(B, groups, words, 32, P) * weights[:, None]).sum(dim=3)
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+    if valid is not None:
+        packed = packed * valid[:, :, None, :]
+    return packed.contiguous()
+
+
+def _aligned(*pools: torch.Tensor) -> bool:
+    """Whether every pool starts 16-byte aligned with (batch, group, row) strides that are multiples of 16
+    elements: the kernel may then tell the compiler so (vectorised, asynchronously pipelined row loads)."""
+    return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:3]) for t in pools)
+
+
+def _triton(query: torch.Tensor, checked: list[_Source], scaling: float,
+            splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, D = query.shape
+    if query.device.type == "cpu" and dispatch.interpreting():
+        half = [t.dtype for t in [query] + [s.rows.keys for s in checked] if t.dtype == torch.bfloat16]
+        if half:
+            raise ValueError("decode_attention's kernels in Triton's CPU interpreter: bfloat16 is computed "
+                             "wrong there (float16 and float32 are right); test bfloat16 on a GPU or use "
+                             "KVZOO_KERNELS=torch")
+    kernels = _kernels()
+    Dv = checked[0].value_width
+    device = query.device
+    out = torch.empty(B, H, Dv, dtype=query.dtype, device=device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=device)
+    if B == 0:
+        return out, lse
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    plans = []
+    for s in checked:
+        shape = (H // s.groups, D, Dv, s.rows.values is not None, s.rows.keys.element_size())
+        cfg = split_config(*shape)
+        count = splits
+        if count is None:
+            count = default_splits(B * s.groups, s.positions, cfg.BLOCK_N, _sm_count(device),
+                                   min_split_rows(*shape))
+        plans.append((s, cfg, count))
+    total = sum(count for _, _, count in plans)
+    part_o = torch.empty(B, H, total, Dv, dtype=torch.float32, device=device)
+    part_l = torch.empty(B, H, total, dtype=torch.float32, device=device)
+    base = 0
+    for s, cfg, count in plans:
+        src = s.rows
+        keys = src.keys
+        values = src.values if src.values is not None else keys
+        flags = None
+        if src.valid is not None or src.head_valid is not None:
+            flags = _flag_words(src.valid, src.head_valid, H // s.groups)
+        zero3 = (0, 0, 0)
+        kernels.split[(B * s.groups, count)](
+            query, keys, values,
+            src.length if src.length is not None else keys,
+            src.indices if src.indices is not None else keys,
+            flags if flags is not None else keys,
+            part_o, part_l,
+            float(scaling) * LOG2E,
+            s.pool, s.positions,
+            query.stride(0), query.stride(1),
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2),
+            *(src.indices.stride() if src.indices is not None else zero3),
+            *(flags.stride()[:3] if flags is not None else zero3),
+            s.groups, H // s.groups, count, base, total,
+            D1=cfg.D1, D2=cfg.D2, DV=Dv,
+            BLOCK_H=cfg.BLOCK_H, BLOCK_N=cfg.BLOCK_N,
+            BLOCK_D1=cfg.BLOCK_D1, BLOCK_D2=cfg.BLOCK_D2, BLOCK_DV=cfg.BLOCK_DV,
+            SEPARATE_V=src.values is not None, GATHER=src.indices is not None, HAS_FLAGS=flags is not None,
+            HAS_LENGTH=src.length is not None,
+            FP32=keys.dtype == torch.float32, ALIGNED=_aligned(keys, values),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        base += count
+    mcfg = merge_config()
+    kernels.merge[(B * H, -(-Dv // mcfg.BLOCK_DV))](
+        part_o, part_l, out, lse, total, Dv,
+        BLOCK_S=mcfg.BLOCK_S, BLOCK_DV=mcfg.BLOCK_DV, num_warps=mcfg.num_warps, num_stages=mcfg.num_stages,
+    )
+    return out, lse
+
+
+def decode_attention_triton(
+    query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K kernels and the merge kernel (see the module docstring); ``splits`` per source."""
+    return _triton(query, _validate(query, sources, scaling, splits), float(scaling), splits)
+
+
+def decode_attention(
+    query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of ``query [B, H, D]`` over ``sources``: ``(out [B, H, Dv], lse [B, H] fp32)``.
+
+    One softmax over every readable row of every source (module docstring). The Triton kernels run
+    where :func:`kvzoo.kernels.dispatch.use_triton` says, the PyTorch reference elsewhere. Inputs are
+    checked first, so a bad input raises a ValueError on either path (never a kernel fallback).
+    """
+    checked = _validate(query, sources, scaling, splits)
+    if dispatch.use_triton(query):
+        return dispatch.run("decode_attention", _triton, _reference_with_splits,
+                            query, checked, float(scaling), splits)
+    return _reference(query, checked, float(scaling))
+
+
+def _reference_with_splits(query, checked, scaling, splits):
+    return _reference(query, checked, scaling)
+
+
+# ----------------------------------------------------------------------------------------------------
+# what ships: the specialisations the launcher picks for the shipped models (the sm_90 compile gate)
+# ----------------------------------------------------------------------------------------------------
+
+# (name, heads per KV group, key width D, value width Dv, separate values)
+SHIPPED_SHAPES = (
+    ("mla576-v512-h16", 16, 576, 512, False),  # DeepSeek-V2-Lite: 16 heads over one latent group
+    ("mla576-v512-h32", 32, 576, 512, False),  # Kimi Linear 48B's MLA layers: 32 heads
+    ("gqa64-hpg3", 3, 64, 64, True),  # SmolLM2-135M: 9 heads / 3 KV heads
+    ("gqa128-hpg4", 4, 128, 128, True),
+    ("gqa128-hpg8", 8, 128, 128, True),
+)
+SHIPPED_DTYPES = (torch.bfloat16, torch.float16)
+# the optional inputs change the code, not the blocks: a plain dense pool (every row valid), a pool with
+# valid flags and a device length (the runtime's tier), and every option on (gathered rows with flags)
+SHIPPED_VARIANTS = {
+    "dense": {"GATHER": False, "HAS_FLAGS": False, "HAS_LENGTH": False},
+    "pool": {"GATHER": False, "HAS_FLAGS": True, "HAS_LENGTH": True},
+    "gathered": {"GATHER": True, "HAS_FLAGS": True, "HAS_LENGTH": True},
+}
+_TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+                torch.int64: "i64"}
+
+
+def split_specialisation(cfg: SplitConfig, dtype: torch.dtype, value_width: int, separate_values: bool,
+                         flags: dict[str, bool], index_dtype: torch.dtype = torch.int64,
+                         length_dtype: torch.dtype = torch.int64) -> tuple[dict[str, str], dict[str, object]]:
+    """The split kernel's argument types and constexprs for the compile gate, as the launcher passes them
+    (an absent optional tensor is passed as the keys, so it has their type)."""
+    elem = "*" + _TRITON_TYPE[dtype]
+    pointer = {
+        "Q": elem, "K": elem, "V": elem,
+        "LENGTH": "*" + _TRITON_TYPE[length_dtype] if flags["HAS_LENGTH"] else elem,
+        "IDX": "*" + _TRITON_TYPE[index_dtype] if flags["GATHER"] else elem,
+        "FLAGS": "*i32" if flags["HAS_FLAGS"] else elem,
+        "PART_O": "*fp32", "PART_L": "*fp32",
+    }
+    ints = ["n_pool", "n_pos", "stride_qb", "stride_qh", "stride_kb", "stride_kg", "stride_kn",
+            "stride_vb", "stride_vg", "stride_vn", "stride_ib", "stride_ig", "stride_ik",
+            "stride_fb", "stride_fg", "stride_fw",
+            "groups", "hpg", "splits", "split_base", "total_splits"]
+    constexprs = {
+        "D1": cfg.D1, "D2": cfg.D2, "DV": value_width, "BLOCK_H": cfg.BLOCK_H, "BLOCK_N": cfg.BLOCK_N,
+        "BLOCK_D1": cfg.BLOCK_D1, "BLOCK_D2": cfg.BLOCK_D2, "BLOCK_DV": cfg.BLOCK_DV,
+        "SEPARATE_V": separate_values, **flags, "FP32": dtype == torch.float32,
+        "ALIGNED": True,  # the shipped shapes' row strides (576, 64, 128 elements) and torch's allocations
+    }
+    signature = {**pointer, "scale_log2": "fp32", **{name: "i32" for name in ints},
+                 **{name: "constexpr" for name in constexprs}}
+    return signature, constexprs
+
+
+def shipped_configs() -> list:
+    """Every configuration the launcher picks for :data:`SHIPPED_SHAPES` x :data:`SHIPPED_DTYPES` x
+    :data:`SHIPPED_VARIANTS`, and the merge kernel per output dtype (``tests/test_compile_gate.py``)."""
+    from kvzoo.kernels.compile_gate import KernelConfig
+
+    kernels = _kernels()
+    configs = []
+    for name, hpg, width, value_width, separate in SHIPPED_SHAPES:
+        for dtype in SHIPPED_DTYPES:
+            cfg = split_config(hpg, width, value_width, separate, torch.empty((), dtype=dtype).element_size())
+            for variant, flags in SHIPPED_VARIANTS.items():
+                signature, constexprs = split_specialisation(cfg, dtype, value_width, separate, flags)
+                label = f"decode_split-{name}-{_TRITON_TYPE[dtype]}-{variant}"
+                configs.append(KernelConfig(label, kernels.split, signature, constexprs,
+                                            cfg.num_warps, cfg.num_stages))
+    mcfg = merge_config()
+    for dtype in SHIPPED_DTYPES:
+        signature = {"PART_O": "*fp32", "PART_L": "*fp32", "OUT": "*" + _TRITON_TYPE[dtype], "LSE": "*fp32",
+                     "total_splits": "i32", "dv": "i32", "BLOCK_S": "constexpr", "BLOCK_DV": "constexpr"}
+        configs.append(KernelConfig(f"decode_merge-{_TRITON_TYPE[dtype]}", kernels.merge, signature,
+                                    {"BLOCK_S": mcfg.BLOCK_S, "BLOCK_DV": mcfg.BLOCK_DV},
+                                    mcfg.num_warps, mcfg.num_stages))
+    return configs

@@ -1,0 +1,253 @@
+"""decode_attention's PyTorch reference (kvzoo/kernels/decode_attention.py), on CPU without Triton.
+
+Held against kvzoo.kernels.attention.gathered_decode_attention (the specification the runtime uses today)
+on every case that API can express, and against a plain softmax for the ones it cannot; the input checks;
+the launch heuristics that need no Triton. The kernels themselves are tested in tests/triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvzoo.kernels import decode_attention as da
+from kvzoo.kernels.attention import gathered_decode_attention
+from kvzoo.kernels.decode_attention import Rows, decode_attention, decode_attention_reference
+
+SCALE = 0.3
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.float(), ref.float()
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _gqa(seed: int, B=2, G=2, hpg=3, N=40, D=16, dtype=torch.float32):
+    g = _gen(seed)
+    return (torch.randn(B, G * hpg, D, generator=g).to(dtype), torch.randn(B, G, N, D, generator=g).to(dtype),
+            torch.randn(B, G, N, D, generator=g).to(dtype))
+
+
+def _mla(seed: int, B=2, H=4, N=40, dv=32, dr=16, dtype=torch.float32):
+    g = _gen(seed)
+    query = torch.randn(B, H, dv + dr, generator=g).to(dtype)
+    return query, torch.randn(B, 1, N, dv + dr, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("with_valid", [False, True])
+@pytest.mark.parametrize("with_extra", [False, True])
+def test_gqa_matches_gathered_decode_attention(with_valid, with_extra):
+    query, keys, values = _gqa(0)
+    valid = (torch.rand(2, 2, 40, generator=_gen(1)) < 0.7) if with_valid else None
+    sources = [Rows(keys, values, valid=valid)]
+    extra = None
+    if with_extra:
+        _, fk, fv = _gqa(2, N=25)
+        fvalid = torch.rand(2, 2, 25, generator=_gen(3)) < 0.8
+        extra = (fk, fv, fvalid)
+        sources.append(Rows(fk, fv, valid=fvalid))
+    out, lse = decode_attention_reference(query, sources, SCALE)
+    r_out, r_lse = gathered_decode_attention(query, keys, values, valid, SCALE, extra)
+    assert _rel(out, r_out) <= 1e-6 and _rel(lse, r_lse) <= 1e-6
+
+
+def test_mla_absorbed_form_matches_gathered_decode_attention_over_a_value_view():
+    query, rows = _mla(4)
+    valid = torch.rand(2, 1, 40, generator=_gen(5)) < 0.8
+    _, fetched = _mla(6, N=12)
+    out, lse = decode_attention_reference(
+        query, [Rows(rows, value_width=32, valid=valid), Rows(fetched, value_width=32)], SCALE)
+    extra = (fetched, fetched[..., :32], torch.ones(2, 1, 12, dtype=torch.bool))
+    r_out, r_lse = gathered_decode_attention(query, rows, rows[..., :32], valid, SCALE, extra)
+    assert out.shape == (2, 4, 32)
+    assert _rel(out, r_out) <= 1e-6 and _rel(lse, r_lse) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_rows_agree_with_gathered_decode_attention_to_its_rounding(dtype):
+    """gathered_decode_attention rounds the scores and the probabilities to the rows' dtype; the reference
+    keeps them in fp32: they agree to that rounding (a few units of the dtype's epsilon), not exactly."""
+    query, keys, values = _gqa(7, dtype=dtype)
+    out, lse = decode_attention_reference(query, [Rows(keys, values)], SCALE)
+    r_out, r_lse = gathered_decode_attention(query, keys, values, None, SCALE)
+    eps = torch.finfo(dtype).eps
+    assert out.dtype == dtype and _rel(out, r_out) <= 8 * eps and _rel(lse, r_lse) <= 8 * eps
+
+
+def _plain(query, keys, values, allowed):
+    """Softmax over the rows ``allowed [B, H, n]`` marks, in float64 (nothing readable: 0 and -inf)."""
+    B, H, D = query.shape
+    G = keys.shape[1]
+    k = keys.double().repeat_interleave(H // G, dim=1)
+    v = values.double().repeat_interleave(H // G, dim=1)
+    scores = torch.einsum("bhd,bhnd->bhn", query.double(), k) * SCALE
+    scores = scores.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.einsum("bhn,bhnd->bhd", probs, v), lse
+
+
+def test_length_indices_and_head_valid_against_a_plain_softmax():
+    query, keys, values = _gqa(8, N=30)
+    B, H, G, K = 2, 6, 2, 25
+    indices = torch.randint(-2, 32, (B, G, K), generator=_gen(9))  # duplicates and out-of-pool entries
+    valid = torch.rand(B, G, K, generator=_gen(10)) < 0.8
+    head_valid = torch.rand(B, H, K, generator=_gen(11)) < 0.7
+    length = torch.tensor([K, 9], dtype=torch.int32)
+    src = Rows(keys, values, valid=valid, length=length, indices=indices, head_valid=head_valid)
+    out, lse = decode_attention_reference(query, [src], SCALE)
+    inside = (indices >= 0) & (indices < 30)
+    safe = indices.clamp(0, 29)
+    gk = torch.gather(keys, 2, safe[..., None].expand(B, G, K, 16))
+    gv = torch.gather(values, 2, safe[..., None].expand(B, G, K, 16))
+    allowed = (valid & inside & (torch.arange(K)[None, None] < length[:, None, None])).repeat_interleave(3, 1)
+    r_out, r_lse = _plain(query, gk, gv, allowed & head_valid)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(r_lse))
+    assert _rel(out, r_out) <= 1e-6
+    finite = torch.isfinite(r_lse)
+    assert _rel(lse[finite], r_lse[finite]) <= 1e-6
+
+
+def test_nothing_readable_gives_zero_and_minus_infinity_even_over_nan_rows():
+    query, keys, values = _gqa(12)
+    keys[0], values[0] = float("nan"), float("nan")
+    valid = torch.ones(2, 2, 40, dtype=torch.bool)
+    valid[0] = False  # sequence 0: every row invalid (and NaN)
+    valid[1, :, 7] = False
+    keys[1, :, 7], values[1, :, 7] = float("nan"), float("inf")
+    out, lse = decode_attention_reference(query, [Rows(keys, values, valid=valid)], SCALE)
+    assert out[0].abs().max() == 0 and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+    r_out, r_lse = gathered_decode_attention(query[1:], keys[1:, :, :7], values[1:, :, :7], None, SCALE,
+                                             (keys[1:, :, 8:], values[1:, :, 8:], valid[1:, :, 8:]))
+    assert _rel(out[1:], r_out) <= 1e-6 and _rel(lse[1:], r_lse) <= 1e-6
+
+
+def test_row_blocks_and_splits_do_not_change_the_result(monkeypatch):
+    query, keys, values = _gqa(13, N=50)
+    src = [Rows(keys, values, length=torch.tensor([50, 31]))]
+    whole = decode_attention_reference(query, src, SCALE)
+    monkeypatch.setattr(da, "REFERENCE_ROW_BLOCK_ELEMENTS", 7 * 2 * 16)  # blocks of 3 rows per batch x group
+    blocked = decode_attention_reference(query, src, SCALE, splits=5)
+    assert _rel(blocked[0], whole[0]) <= 1e-6 and _rel(blocked[1], whole[1]) <= 1e-6
+
+
+def test_decode_attention_on_cpu_takes_the_reference(monkeypatch):
+    monkeypatch.delenv("KVZOO_KERNELS", raising=False)
+    query, keys, values = _gqa(14)
+    monkeypatch.setattr(da, "_triton", lambda *a, **k: pytest.fail("the kernel ran on CPU in auto mode"))
+    out, lse = decode_attention(query, [Rows(keys, values)], SCALE)
+    r_out, r_lse = decode_attention_reference(query, [Rows(keys, values)], SCALE)
+    assert torch.equal(out, r_out) and torch.equal(lse, r_lse)
+
+
+def _bad_inputs():
+    query, keys, values = _gqa(15)
+    ok = dict(keys=keys, values=values)
+    b = torch.ones(2, 2, 40, dtype=torch.bool)
+    return [
+        ("query 2-D", query[0], [Rows(**ok)], {}, r"query must be a \[B, H, D\] tensor"),
+        ("query int", query.long(), [Rows(**ok)], {}, "query must be float16, bfloat16 or float32"),
+        ("no sources", query, [], {}, "sources must be a non-empty list of Rows"),
+        ("a tuple of tensors", query, [(keys, values)], {}, "sources must be a non-empty list of Rows"),
+        ("keys 3-D", query, [Rows(keys[0], values)], {},
+         r"sources\[0\].keys must be a \[B, G, N, D\] tensor"),
+        ("keys width", query, [Rows(keys[..., :8], values)], {}, r"must be \[B=2, G, N, D=16\]"),
+        ("groups", query, [Rows(torch.randn(2, 4, 40, 16), torch.randn(2, 4, 40, 16))], {},
+         "H=6 heads must be a multiple of it"),
+        ("keys strided", query, [Rows(torch.randn(2, 2, 40, 32)[..., ::2], values)], {},
+         "contiguous last dimension"),
+        ("keys int", query, [Rows(keys.long(), values)], {}, r"sources\[0\].keys must be float16"),
+        ("values shape", query, [Rows(keys, values[:, :, :30])], {},
+         r"values must be \[B=2, G=2, N=40, Dv\]"),
+        ("values dtype", query, [Rows(keys, values.half())], {}, "values must have the keys' dtype"),
+        ("no value width", query, [Rows(keys)], {}, r"value_width must be an int in \[1, D=16\]"),
+        ("value width too wide", query, [Rows(keys, value_width=17)], {},
+         r"value_width must be an int in \[1, D=16\]"),
+        ("value width disagrees", query, [Rows(keys, values, value_width=8)], {},
+         "disagrees with values' Dv=16"),
+        ("value widths differ", query, [Rows(**ok), Rows(keys, value_width=8)], {},
+         "all sources must share Dv"),
+        ("valid dtype", query, [Rows(**ok, valid=b.int())], {}, r"sources\[0\].valid must be a bool tensor"),
+        ("valid shape", query, [Rows(**ok, valid=b[:, :, :5])], {}, r"valid must have shape \[2, 2, 40\]"),
+        ("head_valid shape", query, [Rows(**ok, head_valid=b)], {},
+         r"head_valid must have shape \[2, 6, 40\]"),
+        ("indices dtype", query, [Rows(**ok, indices=torch.zeros(2, 2, 5))], {},
+         "indices must be an int32 or int64"),
+        ("indices shape", query, [Rows(**ok, indices=torch.zeros(2, 5, dtype=torch.long))], {},
+         r"indices must have shape \[B=2, G=2, K\]"),
+        ("valid vs indices", query, [Rows(**ok, indices=torch.zeros(2, 2, 5, dtype=torch.long), valid=b)], {},
+         r"valid must have shape \[2, 2, 5\]"),
+        ("length shape", query, [Rows(**ok, length=torch.tensor([3]))], {},
+         r"length must be an int32 or int64 tensor of shape \[B=2\]"),
+        ("length float", query, [Rows(**ok, length=torch.tensor([3.0, 4.0]))], {},
+         "length must be an int32 or int64"),
+        ("length int", query, [Rows(**ok, length=3)], {}, "length must be an int32 or int64"),
+        ("keys on another device", query, [Rows(keys.to("meta"), values.to("meta"))], {},
+         r"sources\[0\].keys is on meta, the query on cpu: put them on one device"),
+        ("length on another device", query, [Rows(**ok, length=torch.tensor([3, 4], device="meta"))], {},
+         r"length \(a tensor on the query's device\) is on meta"),
+        ("splits 0", query, [Rows(**ok)], {"splits": 0}, r"splits must be None or an int in \[1, 65535\]"),
+        ("scaling nan", query, [Rows(**ok)], {"scaling": float("nan")}, "scaling must be a finite number"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
+def test_bad_inputs_are_value_errors_naming_what_is_valid(case):
+    _, query, sources, kwargs, message = case
+    scaling = kwargs.pop("scaling", SCALE)
+    for fn in (decode_attention, decode_attention_reference):
+        with pytest.raises(ValueError, match=message):
+            fn(query, sources, scaling, **kwargs)
+
+
+def test_default_splits_aim_at_two_programs_per_sm_within_the_tiles():
+    assert da.default_splits(1, 10_000, 64, sms=132) == 157  # every tile its own split (157 < 264)
+    assert da.default_splits(1, 100_000, 64, sms=132) == 264  # two programs per SM
+    assert da.default_splits(16, 100_000, 64, sms=132) == 17  # 16 x 17 = 272 programs
+    assert da.default_splits(300, 100_000, 64, sms=132) == 1
+    assert da.default_splits(4, 0, 64) == 1  # an empty source still has one (empty) split
+    # MLA, 16 heads over 576-dim bf16 rows: a split reads >= 228 rows, so 32k rows take 144 splits, not 264
+    floor = da.min_split_rows(16, 576, 512, False, 2)
+    assert floor == 228 and 16 * 512 * 4 <= floor * 1152 / 8
+    assert da.default_splits(1, 32_768, 32, sms=132, min_rows=floor) == 144
+
+
+@pytest.mark.parametrize("hpg,width,value_width,separate", [(16, 576, 512, False), (32, 576, 512, False),
+                                                              (3, 64, 64, True), (8, 128, 128, True),
+                                                              (5, 48, 32, False), (40, 100, 30, True)])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_split_config_blocks_cover_the_shape_with_dots_of_at_least_16(hpg, width, value_width, separate,
+                                                                       itemsize):
+    cfg = da.split_config(hpg, width, value_width, separate, itemsize)
+    blocks = (cfg.BLOCK_H, cfg.BLOCK_N, cfg.BLOCK_D1, cfg.BLOCK_D2, cfg.BLOCK_DV)
+    assert all(b >= 16 and b & (b - 1) == 0 for b in blocks)
+    assert cfg.BLOCK_H >= hpg and cfg.BLOCK_D1 >= cfg.D1 and cfg.BLOCK_D2 >= cfg.D2
+    assert cfg.BLOCK_DV >= value_width
+    assert cfg.D1 + cfg.D2 == width and (separate or cfg.D1 == value_width)
+    assert cfg.num_warps in (4, 8) and cfg.num_stages in (2, 3)
+
+
+@pytest.mark.parametrize("hpg", [3, 32, 40])
+def test_flag_words_hold_valid_and_head_valid_bit_per_head(hpg):
+    B, G, P = 2, 2, 9
+    valid = torch.rand(B, G, P, generator=_gen(16)) < 0.7
+    head_valid = torch.rand(B, G * hpg, P, generator=_gen(17)) < 0.5
+    words = -(-hpg // 32)
+    for v, hv in ((valid, None), (valid, head_valid), (None, head_valid)):
+        packed = da._flag_words(v, hv, hpg)
+        assert packed.dtype == torch.int32 and packed.shape == (B, G, words, P) and packed.stride(-1) == 1
+        bits = (packed.long()[:, :, :, None, :] >> torch.arange(32)[:, None]) & 1  # [B, G, words, 32, P]
+        heads = bits.reshape(B, G, words * 32, P)[:, :, :hpg].bool()
+        want = torch.ones(B, G, hpg, P, dtype=torch.bool)
+        if v is not None:
+            want &= v[:, :, None]
+        if hv is not None:
+            want &= hv.view(B, G, hpg, P)
+        assert torch.equal(heads, want)
