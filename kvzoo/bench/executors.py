@@ -12,7 +12,7 @@ An executor receives :class:`Work`: the pending trials in :class:`TrialGroup`\\ 
 task and question position, in plan order), a factory for the object that runs a trial in a worker
 (``Work.make_runner()`` -> something with ``run(trial, reference) -> row``), and the driver-side
 look-ups it needs. It calls ``emit(trial, row, run_info)`` once per trial, from the driver's
-thread, with ``run_info`` = ``{"worker", "trial_seconds", "attempts", "attempt_errors"}``.
+thread, with ``run_info`` = ``{"worker", "trial_seconds", "model_load_s", "attempts", "attempt_errors"}``.
 
 This module imports nothing else of kvzoo: the runner builds the work, the executors only move it.
 """
@@ -79,10 +79,15 @@ def worker_name() -> str:
 
 
 def timed_run(runner: Any, trial: Any, reference: Any) -> tuple[Row, dict[str, Any]]:
-    """``runner.run(trial, reference)`` and the run info a worker adds: who ran it and how long it took."""
+    """``runner.run(trial, reference)`` and the run info a worker adds: who ran it, how long the trial took
+    (``trial_seconds``), and how long of that went to loading a model first (``model_load_s``, 0 for every
+    trial but a worker's first on each model: loading is not the trial's cost, and is not counted in it)."""
+    loaded_before = getattr(runner, "load_seconds", 0.0)
     started = time.perf_counter()
     row = runner.run(trial, reference)
-    return row, {"worker": worker_name(), "trial_seconds": time.perf_counter() - started}
+    elapsed = time.perf_counter() - started
+    loading = getattr(runner, "load_seconds", 0.0) - loaded_before
+    return row, {"worker": worker_name(), "trial_seconds": elapsed - loading, "model_load_s": loading}
 
 
 class LocalExecutor:

@@ -227,7 +227,7 @@ class RayExecutor:
                     continue
                 row = work.failed_row(trial, f"lost its worker {len(errors)} times (max_attempts={self.max_attempts}); "
                                              f"last: {errors[-1]}")
-                info = {"worker": None, "trial_seconds": None}
+                info = {"worker": None, "trial_seconds": None, "model_load_s": None}
                 attempts = len(errors)
             else:
                 slot.name = info["worker"]

@@ -38,6 +38,7 @@ import platform
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -557,12 +558,15 @@ class TrialRunner:
         self.device = device
         self.models: dict[str, tuple[torch.nn.Module, Any]] = {}
         self.tasks: dict[tuple[str, str], Task] = {}
+        self.load_seconds = 0.0  # spent loading models so far (the executors keep it out of trial_seconds)
 
     def model(self, name: str) -> tuple[torch.nn.Module, Any]:
         if name not in self.models:
             self.models.clear()  # one model in memory at a time
+            started = time.perf_counter()
             model, tokenizer = load(name, self.grid.dtype)
             self.models[name] = (model.to(self.device) if self.device else model), tokenizer
+            self.load_seconds += time.perf_counter() - started
         return self.models[name]
 
     def task(self, name: str, spec: TaskSpec) -> Task:
@@ -684,7 +688,8 @@ def run_grid(
     see :mod:`kvzoo.bench.executors`). ``on_row`` is called with each new row, after it was written.
 
     Besides the trial's figures every row says where and how it ran: ``worker`` (``host:pid``),
-    ``trial_seconds``, ``attempts`` (more than 1 when a worker died under it) and ``attempt_errors``.
+    ``trial_seconds`` (without ``model_load_s``, the model's loading when this trial came first on its
+    worker), ``attempts`` (more than 1 when a worker died under it) and ``attempt_errors``.
     """
     path = Path(results)
     found = check_results_target(path, force=force)
