@@ -5,6 +5,12 @@ line (the policy's full config, the package versions, every metric). Rerun with 
 it resumes: trials whose row says ``"status": "ok"`` are not run again; skipped or failed ones are
 retried. A progress bar (tqdm, on stderr) shows trials done and the ETA.
 
+Where the trials run is the executor's business (:mod:`kvzoo.bench.executors`): in this process
+(the default) or on a Ray cluster (``executor=make_executor("ray", workers=4)``,
+:mod:`kvzoo.bench.ray_executor`). Either way this module plans, skips finished trials, and is the
+only writer of the results file; the pending trials go out grouped by (model, task, question
+position), each group's ``full`` reference first, since the others' ΔNLL and ΔCE need its row.
+
 Policies come from :func:`kvzoo.registry.available` at run time, so a newly registered policy (a
 built-in or a plugin's) joins the grid with no code change. A policy whose class does not need a
 budget (``full``) runs once per task, without a ratio: it is the reference row, and its answer NLL
