@@ -1,8 +1,9 @@
 """The demo grid with the local executor and with Ray, and what a bigger grid would take on N workers.
 
-    python benchmarks/ray_leaderboard.py [--preset demo] [--workers 2] [--out-dir results/ray-bench]
+    python benchmarks/ray_leaderboard.py [--preset demo] [--workers 2] [--out-dir results/ray-bench] [LEADERBOARD OPTIONS]
 
-Runs ``kvzoo leaderboard --preset PRESET`` twice in fresh processes -- ``--executor local``, then
+Runs ``kvzoo leaderboard --preset PRESET [LEADERBOARD OPTIONS]`` (e.g. ``--depths 0.5 --ratios 4``, to
+fit a busy machine) twice in fresh processes -- ``--executor local``, then
 ``--executor ray --workers N`` (a local Ray instance of its own) -- and reports for each the wall time
 and the peak resident memory (``VmHWM``) of every process it started: the driver, Ray's daemons and
 its workers (sampled from /proc every 0.2 s; a process's high-water mark is kept by the kernel,
@@ -159,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", default="leaderboard", help="the preset whose wall time is projected")
     parser.add_argument("--out-dir", default="results/ray-bench", help="where the two JSONL files go")
     parser.add_argument("--json", help="write every figure here")
-    args = parser.parse_args(argv)
+    args, grid_options = parser.parse_known_args(argv)
 
     from kvzoo.bench import runner
+    from kvzoo.cli import _grid_from_args, build_parser
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    common = ["--preset", args.preset, "--fresh", "--no-plots", "--no-progress"]
+    common = ["--preset", args.preset, *grid_options, "--fresh", "--no-plots", "--no-progress"]
+    grid_here = _grid_from_args(build_parser().parse_args(["leaderboard", *common]))
     load_before = os.getloadavg()
     runs = {
         "local": run_leaderboard([*common, "--out", str(out_dir / "local.jsonl")]),
@@ -180,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         and r["resident_bytes"] == local_by_key[r["key"]]["resident_bytes"] for r in ray_rows)
 
     per_policy = trial_times(ray_rows)  # one worker: one CPU, one torch thread
-    makespan_here = simulate(runner.group_trials(runner.plan(runner.PRESETS[args.preset]())),
-                             {k: v for k, v in per_policy.items()}, args.workers)
+    makespan_here = simulate(runner.group_trials(runner.plan(grid_here)), per_policy, args.workers)
     overhead = max(0.0, runs[f"ray x{args.workers}"]["wall_s"] - makespan_here)
     projected_plan = runner.plan(runner.PRESETS[args.project]())
     groups = runner.group_trials(projected_plan)
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(f"no per-trial time for {sorted(missing)}: the {args.preset} grid did not run them")
     sequential = sum(per_policy[t.policy] for t in projected_plan)
-    projection = {n: simulate(groups, per_policy, n) + overhead for n in (1, 2, 4, 8, 16, 32, 64)}
+    makespans = {n: simulate(groups, per_policy, n) for n in (1, 2, 4, 8, 16, 32, 64)}
+    projection = {n: seconds + overhead for n, seconds in makespans.items()}
 
     report = {
         "preset": args.preset, "workers": args.workers, "load_average_before": load_before,
@@ -200,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "ray_trial_seconds_by_policy": per_policy, "ray_trials_by_worker": {
             w: sum(r["worker"] == w for r in ray_rows) for w in sorted({r["worker"] for r in ray_rows})},
         "ray_fixed_overhead_s": overhead,
+        "grid_options": grid_options, "context_tokens": sorted({t.task.context_tokens for t in runner.plan(grid_here)}),
         "projected": {"preset": args.project, "trials": len(projected_plan), "sequential_one_worker_s": sequential,
-                      "wall_s_by_workers": projection},
+                      "wall_s_by_workers": projection,
+                      "speedup_by_workers": {n: makespans[1] / m for n, m in makespans.items()}},
     }
     for name, run in runs.items():
         print(f"{name}: {run['wall_s']:.0f} s wall ({run['command']})")
@@ -214,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ray fixed cost here (start Ray and the workers, load the model): {overhead:.0f} s")
     print(f"projected `{args.project}` ({len(projected_plan)} trials, {sequential / 60:.0f} min on one worker):")
     for n, seconds in projection.items():
-        print(f"    {n:>3} workers: {seconds / 60:6.1f} min")
+        print(f"    {n:>3} workers: {seconds / 60:6.1f} min  (schedule speed-up {makespans[1] / makespans[n]:.1f}x)")
+    print(f"per-trial times measured at {report['context_tokens']} context tokens "
+          f"({' '.join(grid_options) or 'the preset as is'}); per policy: "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in per_policy.items()))
     print(f"load average before {load_before[0]:.1f}, after {report['load_average_after'][0]:.1f} on {os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
