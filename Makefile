@@ -3,6 +3,8 @@
 #   make test   runs the test suite (creates .venv, installs everything)
 #   make leaderboard  runs the larger leaderboard grid (every task, ratios 2/4/8, question after and before)
 #   make soak   10,000 decode steps per policy (benchmarks/soak.py) + the reliability suite's long profile
+#   make test-ray  installs the `ray` extra into .venv, runs tests/ray (the leaderboard on a local 2-worker Ray:
+#               same rows as local, a killed worker, an interrupted driver); .ci/run calls it after `make test`
 # TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
 # machines; elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build) before `make`.
 PYTHON     ?= python3
@@ -12,7 +14,7 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
 STAMP      := $(VENV)/.kvzoo-installed
 
-.PHONY: venv test demo leaderboard soak lint clean
+.PHONY: venv test test-ray demo leaderboard soak lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +30,11 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/triton
+
+# The Ray tests are collected only when named (tests/conftest.py); a plain `pytest` says it left them out.
+test-ray: $(STAMP)
+	$(PIP) install -q -e ".[test,ray]"
+	$(PY) -m pytest -q -p no:cacheprovider tests/ray
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo

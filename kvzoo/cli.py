@@ -3,6 +3,7 @@
     kvzoo list                                   the registry: names, summaries, papers
     kvzoo run --policy streaming_llm --ratio 4   one policy on one prompt or task; prints answer and stats
     kvzoo leaderboard [--preset demo]            runs a grid; prints the markdown leaderboard, writes plots
+    kvzoo leaderboard --executor ray --workers 2 the same grid on Ray (a local instance, or --address auto)
     kvzoo plot results/demo.jsonl                the needle heatmap and score-vs-ratio curves (PNG)
 
 ``kvzoo <command> --help`` lists every option.
@@ -180,10 +181,28 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
     return dataclasses.replace(base, **overrides)
 
 
+def _executor_from_args(args: argparse.Namespace) -> Any:
+    from kvzoo.bench import runner
+
+    options = {"address": args.address, "workers": args.workers, "gpus_per_worker": args.gpus_per_worker,
+               "cpus_per_worker": args.cpus_per_worker, "max_attempts": args.max_attempts}
+    if args.executor == "local":
+        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to --executor ray (the local executor runs every trial "
+                             "in this process)")
+    return runner.make_executor(args.executor, **options)
+
+
 def cmd_leaderboard(args: argparse.Namespace) -> int:
     from kvzoo.bench import plots, report, runner
+    from kvzoo.bench.ray_executor import RayUnavailable
 
     started = time.perf_counter()
+    try:
+        executor = _executor_from_args(args)
+    except (RayUnavailable, ValueError) as err:
+        return _fail("leaderboard", str(err))
     try:
         grid = _grid_from_args(args)
         trials = runner.plan(grid)
@@ -194,9 +213,17 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
         runner.check_results_target(results, force=args.force)
     except runner.NotKvzooResults as err:
         return _fail("leaderboard", str(err))
-    print(f"kvzoo leaderboard: {len(trials)} trials -> {results} (rerun the same command to resume)", file=sys.stderr)
-    rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress)
+    where = "" if args.executor == "local" else f" on {executor!r}"
+    print(f"kvzoo leaderboard: {len(trials)} trials -> {results}{where} (rerun the same command to resume)",
+          file=sys.stderr)
+    try:
+        rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress,
+                               executor=executor)
+    except RayUnavailable as err:
+        return _fail("leaderboard", str(err))
     print(report.render(rows, title=f"kvzoo leaderboard ({args.preset} grid)"))
+    print("## Workers: who ran what (each row's `worker` and `trial_seconds` in the JSONL)\n")
+    print(report.worker_table(rows) + "\n")
     if not args.no_plots:
         plot_dir = Path(args.plot_dir) if args.plot_dir else results.parent
         try:
@@ -268,7 +295,36 @@ def _depth(text: str) -> float:
     return value
 
 
+def _positive_int(option: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{option} is an int >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"--{option} is an int >= 1, got {text!r}")
+        return value
+
+    return parse
+
+
+def _non_negative(option: str, strict: bool = False) -> Any:
+    bound = "> 0" if strict else ">= 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}") from None
+        if not (value > 0 if strict else value >= 0) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvzoo.bench.executors import EXECUTORS, RAY_INSTALL
     from kvzoo.bench.haystacks import ALL_HAYSTACKS
     from kvzoo.bench.runner import DTYPES, PRESETS
     from kvzoo.bench.tasks import TASKS
@@ -331,6 +387,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="append to --out even when it exists and is not a kvzoo results file")
     p_lb.add_argument("--no-plots", action="store_true", help="do not write the PNGs")
     p_lb.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_lb.add_argument("--executor", choices=list(EXECUTORS), default="local",
+                      help="local: every trial in this process (default); ray: on a Ray cluster, one worker per "
+                      f"slot holding a loaded model (needs `{RAY_INSTALL}`)")
+    p_lb.add_argument("--address", help="ray: the cluster -- auto (this machine's `ray start --head`) or "
+                      "ray://HOST:10001; default: start a local Ray instance")
+    p_lb.add_argument("--workers", type=_positive_int("workers"),
+                      help="ray: worker slots (default: as many as the cluster's CPUs or GPUs allow)")
+    p_lb.add_argument("--gpus-per-worker", type=_non_negative("gpus-per-worker"),
+                      help="ray: GPUs per worker, fractions allowed (a worker with a GPU runs its model on cuda)")
+    p_lb.add_argument("--cpus-per-worker", type=_non_negative("cpus-per-worker", strict=True),
+                      help="ray: CPUs per worker, also its torch threads (default 1)")
+    p_lb.add_argument("--max-attempts", type=_positive_int("max-attempts"),
+                      help="ray: workers a trial may lose (killed, out of memory) before it is recorded as an error "
+                      "(default 3)")
     p_lb.set_defaults(func=cmd_leaderboard)
 
     p_plot = sub.add_parser("plot", help="needle heatmap (depth x context length, per policy) and score-vs-ratio curves")

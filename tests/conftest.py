@@ -1,4 +1,5 @@
 import os
+import pathlib
 
 import pytest
 import torch
@@ -8,6 +9,32 @@ from kvzoo.models import tiny_llama
 # tests/triton/ runs the Triton kernels in Triton's CPU interpreter, which must be switched on before
 # triton is imported: `make test` runs it as a second pytest process with TRITON_INTERPRET=1 set.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else ["triton"]
+
+# tests/ray/ starts Ray clusters (a minute or two): `make test-ray` runs it after installing the ray extra.
+# It is collected only when named on the command line (pytest tests/ray); a plain `pytest` says it left it out.
+RAY_TESTS = pathlib.Path(__file__).parent / "ray"
+RAY_LEFT_OUT = pytest.StashKey[bool]()
+
+
+def _names_ray_tests(config: pytest.Config) -> bool:
+    for arg in config.args:
+        path = pathlib.Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
+        if path == RAY_TESTS or RAY_TESTS in path.parents:
+            return True
+    return False
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    if collection_path == RAY_TESTS and not _names_ray_tests(config):
+        config.stash[RAY_LEFT_OUT] = True
+        return True
+    return None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    if config.stash.get(RAY_LEFT_OUT, False):
+        terminalreporter.write_line("NOT RUN: tests/ray (the Ray executor: a 2-worker cluster, a killed worker, an "
+                                    "interrupted driver) -- `make test-ray` runs them", yellow=True, bold=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@
 
 Modules: ``haystacks`` (noise / book / essay text), ``tasks`` (the six RULER tasks, sized in tokens),
 ``metrics`` (one function per metric), ``runner`` (trials, the grid, the resumable JSONL file),
+``executors`` (where trials run: in this process, or ``ray_executor`` on a Ray cluster),
 ``report`` (markdown tables), ``plots`` (PNG heatmap and curves). ``benchmarks/README.md``
 documents the results format and the tables.
 """

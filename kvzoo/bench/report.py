@@ -168,6 +168,40 @@ def problems(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [f"{policy} {ratio}: {status}: {error}" for (policy, ratio, status), error in seen.items()]
 
 
+def _trial_label(row: dict[str, Any]) -> str:
+    ratio = "" if row.get("ratio") is None else f" {row['ratio']:g}x"
+    depth = "" if row.get("depth") is None else f" d={row['depth']:g}"
+    return f"{row['policy']}{ratio} {row.get('task', '?')}{depth} q-{row.get('question_position', '?')}"
+
+
+def worker_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Which worker ran what: one row per ``worker`` (``host:pid``) -- trials, trials it took over from
+    a lost worker, busy time, mean seconds per trial, its longest trial, its peak memory. Rows written
+    before workers were recorded are counted under ``(not recorded)``; trials that lost every worker
+    they ran on, under ``(lost)``. Per-trial seconds are each row's ``trial_seconds``."""
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if "worker" not in row:
+            name = "(not recorded)"
+        else:
+            name = row["worker"] or "(lost)"
+        by_worker.setdefault(name, []).append(row)
+    lines = ["| worker | trials | retried here | busy s | mean s/trial | longest trial | peak memory |",
+             "|---|---:|---:|---:|---:|---|---:|"]
+    for name, mine in sorted(by_worker.items()):
+        timed = [r for r in mine if r.get("trial_seconds") is not None]
+        busy = sum(r["trial_seconds"] for r in timed)
+        longest = max(timed, key=lambda r: r["trial_seconds"], default=None)
+        retried = sum(1 for r in mine if (r.get("attempts") or 1) > 1)
+        peak = max((r.get("peak_rss_bytes") or 0 for r in mine), default=0)
+        lines.append(
+            f"| {name} | {len(mine)} | {retried} | {busy:.1f} | {_fmt(busy / len(timed) if timed else None)} | "
+            + (f"{_trial_label(longest)} ({longest['trial_seconds']:.1f} s)" if longest else "n/a")
+            + f" | {format_bytes(peak) if peak else 'n/a'} |"
+        )
+    return "\n".join(lines)
+
+
 def render(rows: Sequence[dict[str, Any]], *, title: str = "kvzoo leaderboard", detail: bool = True) -> str:
     """Caption, leaderboard table, detail table and the list of skipped/failed cells, per model."""
     out: list[str] = []

@@ -5,6 +5,12 @@ line (the policy's full config, the package versions, every metric). Rerun with 
 it resumes: trials whose row says ``"status": "ok"`` are not run again; skipped or failed ones are
 retried. A progress bar (tqdm, on stderr) shows trials done and the ETA.
 
+Where the trials run is the executor's business (:mod:`kvzoo.bench.executors`): in this process
+(the default) or on a Ray cluster (``executor=make_executor("ray", workers=4)``,
+:mod:`kvzoo.bench.ray_executor`). Either way this module plans, skips finished trials, and is the
+only writer of the results file; the pending trials go out grouped by (model, task, question
+position), each group's ``full`` reference first, since the others' ΔNLL and ΔCE need its row.
+
 Policies come from :func:`kvzoo.registry.available` at run time, so a newly registered policy (a
 built-in or a plugin's) joins the grid with no code change. A policy whose class does not need a
 budget (``full``) runs once per task, without a ratio: it is the reference row, and its answer NLL
@@ -26,15 +32,20 @@ from the same point, without paying for the prefill three times:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import itertools
 import json
 import os
 import platform
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +53,7 @@ from typing import Any
 import torch
 
 from kvzoo.bench import metrics
+from kvzoo.bench.executors import EXECUTORS, Executor, LocalExecutor, TrialGroup, Work
 from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
 from kvzoo.framework import pipeline
@@ -465,10 +477,27 @@ def append_row(path: str | Path, row: dict[str, Any]) -> None:
         with open(path, "rb") as fh:
             fh.seek(-1, os.SEEK_END)
             lead = "" if fh.read(1) == b"\n" else "\n"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(lead + json.dumps(row, default=_json_default) + "\n")
+    line = lead + json.dumps(row, default=_json_default) + "\n"
+    with _interrupts_deferred(), open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives while a row is written until the line is whole, then raise it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
 
 
 class NotKvzooResults(ValueError):
@@ -522,19 +551,28 @@ def versions() -> dict[str, str]:
 # --- the grid ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Context:
-    """What a grid run keeps between trials: loaded models, built tasks, references."""
+class TrialRunner:
+    """Runs trials in one process, keeping what they share: the loaded model, built tasks.
 
-    grid: Grid
-    latest: dict[str, dict[str, Any]]
-    models: dict[str, tuple[torch.nn.Module, Any]] = field(default_factory=dict)
-    tasks: dict[tuple[str, str], Task] = field(default_factory=dict)
+    One lives in the driver for the local executor, one in each Ray worker (built there from
+    ``functools.partial(TrialRunner, grid)``): a worker loads a model once, not once per trial.
+    ``device``: where the model runs (None: where it loads, the CPU; a Ray worker holding a GPU: ``cuda``).
+    """
+
+    def __init__(self, grid: Grid, device: str | None = None) -> None:
+        self.grid = grid
+        self.device = device
+        self.models: dict[str, tuple[torch.nn.Module, Any]] = {}
+        self.tasks: dict[tuple[str, str], Task] = {}
+        self.load_seconds = 0.0  # spent loading models so far (the executors keep it out of trial_seconds)
 
     def model(self, name: str) -> tuple[torch.nn.Module, Any]:
         if name not in self.models:
             self.models.clear()  # one model in memory at a time
-            self.models[name] = load(name, self.grid.dtype)
+            started = time.perf_counter()
+            model, tokenizer = load(name, self.grid.dtype)
+            self.models[name] = (model.to(self.device) if self.device else model), tokenizer
+            self.load_seconds += time.perf_counter() - started
         return self.models[name]
 
     def task(self, name: str, spec: TaskSpec) -> Task:
@@ -543,11 +581,29 @@ class _Context:
             self.tasks[key] = make_task(spec, self.model(name)[1], continuation_tokens=self.grid.continuation_tokens)
         return self.tasks[key]
 
-    def reference(self, trial: Trial) -> Reference | None:
-        row = self.latest.get(trial.reference().key)
-        if not row or row.get("status") != "ok":
-            return None
-        return Reference(row["answer_nll"], row.get("continuation_ce"))
+    def run(self, trial: Trial, reference: Reference | None) -> dict[str, Any]:
+        """``trial``'s row (status ok, skipped or error), measured against ``reference`` (the full cache's figures)."""
+        return _execute(trial, self, reference)
+
+
+def reference_of(latest: dict[str, dict[str, Any]], trial: Trial) -> Reference | None:
+    """The reference figures for ``trial`` from the rows so far (None until its reference row is ok)."""
+    row = latest.get(trial.reference().key)
+    if not row or row.get("status") != "ok":
+        return None
+    return Reference(row["answer_nll"], row.get("continuation_ce"))
+
+
+def group_trials(trials: Sequence[Trial]) -> list[TrialGroup]:
+    """``trials`` (in plan order) grouped by model, task and question position: the trials that share a
+    model, a task and a reference row. A group's reference trial, when pending, comes first."""
+    groups: dict[str, TrialGroup] = {}
+    for trial in trials:
+        key = trial.reference().key
+        if key not in groups:
+            groups[key] = TrialGroup(key, trial.model, [], first_is_reference=trial.key == key)
+        groups[key].trials.append(trial)
+    return list(groups.values())
 
 
 def build_policy(name: str, ratio: float | None) -> Policy:
@@ -557,17 +613,22 @@ def build_policy(name: str, ratio: float | None) -> Policy:
     return registry.get_spec(name) if ratio is None else registry.get_spec(name, ratio=ratio)
 
 
-def _execute(trial: Trial, ctx: _Context) -> dict[str, Any]:
-    row: dict[str, Any] = {
+def trial_row(trial: Trial, status: str = "ok", error: str | None = None) -> dict[str, Any]:
+    """The fields of ``trial``'s row that say which trial it is (and its status)."""
+    return {
         "key": trial.key,
-        "status": "ok",
-        "error": None,
+        "status": status,
+        "error": error,
         "model": trial.model,
         **trial.task.as_dict(),
         "policy": trial.policy,
         "ratio": trial.ratio,
         "question_position": trial.position,
     }
+
+
+def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dict[str, Any]:
+    row = trial_row(trial)
     try:
         policy = build_policy(trial.policy, trial.ratio)
     except (KeyError, TypeError, ValueError) as err:
@@ -583,7 +644,7 @@ def _execute(trial: Trial, ctx: _Context) -> dict[str, Any]:
         row.update(run_trial(
             model, tokenizer, task, policy,
             position=trial.position,
-            reference=ctx.reference(trial),
+            reference=reference,
             max_new_tokens=ctx.grid.max_new_tokens,
             chunk_size=ctx.grid.chunk_size,
             audit=ctx.grid.audit,
@@ -598,6 +659,22 @@ def _execute(trial: Trial, ctx: _Context) -> dict[str, Any]:
     return row
 
 
+def make_executor(name: str, **options: Any) -> Executor:
+    """An executor by name: ``local`` (no options) or ``ray`` (``address``, ``workers``, ``gpus_per_worker``,
+    ``cpus_per_worker``, ``max_attempts``: see :class:`kvzoo.bench.ray_executor.RayExecutor`)."""
+    if name == "local":
+        given = {k: v for k, v in options.items() if v is not None}
+        if given:
+            raise ValueError(f"the local executor takes no options (got {', '.join(sorted(given))}); "
+                             "they belong to --executor ray")
+        return LocalExecutor()
+    if name == "ray":
+        from kvzoo.bench.ray_executor import RayExecutor
+
+        return RayExecutor(**{k: v for k, v in options.items() if v is not None})
+    raise ValueError(f"unknown executor {name!r}: valid executors are {', '.join(EXECUTORS)}")
+
+
 def run_grid(
     grid: Grid,
     results: str | Path,
@@ -606,12 +683,19 @@ def run_grid(
     force: bool = False,
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    executor: Executor | None = None,
 ) -> list[dict[str, Any]]:
     """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
 
     ``results`` must be a kvzoo results file or not exist (:func:`check_results_target`; ``force``
     appends to another file anyway). ``fresh=True`` deletes a kvzoo results file first. Each
-    finished trial is appended to ``results`` at once. ``on_row`` is called with each new row.
+    finished trial is appended to ``results`` at once, by this process only, whichever ``executor``
+    ran it (default :class:`~kvzoo.bench.executors.LocalExecutor`: in this process, in plan order;
+    see :mod:`kvzoo.bench.executors`). ``on_row`` is called with each new row, after it was written.
+
+    Besides the trial's figures every row says where and how it ran: ``worker`` (``host:pid``),
+    ``trial_seconds`` (without ``model_load_s``, the model's loading when this trial came first on its
+    worker), ``attempts`` (more than 1 when a worker died under it) and ``attempt_errors``.
     """
     path = Path(results)
     found = check_results_target(path, force=force)
@@ -624,8 +708,8 @@ def run_grid(
         found = ResultsFile(path)
     latest = {row["key"]: row for row in found.rows}
     done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
-    ctx = _Context(grid, latest)
     run_info = {"settings": grid.settings(), "versions": versions()}
+    executor = executor if executor is not None else LocalExecutor()
 
     from tqdm.auto import tqdm
 
@@ -633,21 +717,38 @@ def run_grid(
         total=len(trials), initial=len(done), desc="kvzoo leaderboard", unit="trial",
         disable=not progress, file=sys.stderr, dynamic_ncols=True,
     )
+    running: dict[str, str] = {}  # trial key -> label, while a worker has it
+
+    def started(trial: Trial, worker: str) -> None:
+        running[trial.key] = trial.label
+        shown = trial.label if len(running) == 1 else f"{len(running)} running: {trial.label}, ..."
+        bar.set_postfix_str(shown, refresh=True)
+
+    def emit(trial: Trial, row: dict[str, Any], info: dict[str, Any]) -> None:
+        running.pop(trial.key, None)
+        row.update(info, **run_info,
+                   finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        append_row(path, row)
+        latest[trial.key] = row
+        if row["status"] != "ok":
+            bar.write(f"{trial.label}: {row['status']}: {row['error']}", file=sys.stderr)
+        bar.update(1)
+        if on_row is not None:
+            on_row(row)
+
+    def failed_row(trial: Trial, cause: str) -> dict[str, Any]:
+        return trial_row(trial, "error", cause)
+
+    work = Work(
+        groups=group_trials([t for t in trials if t.key not in done]),
+        make_runner=functools.partial(TrialRunner, grid),
+        reference=functools.partial(reference_of, latest),
+        failed_row=failed_row,
+        label=lambda trial: trial.label,
+        on_start=started,
+    )
     try:
-        for trial in trials:
-            if trial.key in done:
-                continue
-            bar.set_postfix_str(trial.label, refresh=True)
-            row = _execute(trial, ctx)
-            row.update(run_info, finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-            append_row(path, row)
-            latest[trial.key] = row
-            if row["status"] != "ok":
-                bar.write(f"{trial.label}: {row['status']}: {row['error']}", file=sys.stderr)
-            if on_row is not None:
-                on_row(row)
-            bar.update(1)
+        executor.run(work, emit)
     finally:
         bar.close()
     return [latest[t.key] for t in trials if t.key in latest]
-

@@ -1,0 +1,174 @@
+"""Where a leaderboard's trials run: the seam between planning a grid and running its trials.
+
+:func:`kvzoo.bench.runner.run_grid` plans the grid, skips finished trials, and is the only writer
+of the results file; an *executor* runs what is left and hands each row back as it finishes.
+
+* :class:`LocalExecutor` (the default): the trials one after another in this process, in plan
+  order -- the embedded leaderboard.
+* ``RayExecutor`` (:mod:`kvzoo.bench.ray_executor`, ``pip install 'kvzoo[ray]'``): one actor per
+  worker slot on a Ray cluster, each holding a loaded model; rows stream back to the driver.
+
+An executor receives :class:`Work`: the pending trials in :class:`TrialGroup`\\ s (one per model,
+task and question position, in plan order), a factory for the object that runs a trial in a worker
+(``Work.make_runner()`` -> something with ``run(trial, reference) -> row``), and the driver-side
+look-ups it needs. It calls ``emit(trial, row, run_info)`` once per trial, from the driver's
+thread, with ``run_info`` = ``{"worker", "trial_seconds", "model_load_s", "attempts", "attempt_errors"}``.
+
+This module imports nothing else of kvzoo: the runner builds the work, the executors only move it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+EXECUTORS = ("local", "ray")
+RAY_INSTALL = "pip install 'kvzoo[ray]'"  # what --executor ray needs (the extra pins a Ray that kvzoo is tested with)
+
+Row = dict[str, Any]
+Emit = Callable[[Any, Row, dict[str, Any]], None]
+
+
+@dataclass
+class TrialGroup:
+    """Pending trials that share a model, a task and a question position, in plan order.
+
+    ``first_is_reference``: the group's first trial is its reference (``full``) trial, whose row the
+    others are measured against (ΔNLL, ΔCE); they wait for it. When the reference finished in an
+    earlier run, the group has no such trial and every trial is ready at once.
+    """
+
+    key: str
+    model: str
+    trials: list[Any]
+    first_is_reference: bool = False
+
+
+@dataclass
+class Work:
+    """What an executor runs: the pending trials and the driver's side of running them."""
+
+    groups: list[TrialGroup]
+    make_runner: Callable[[], Any]  # picklable; in a worker: runner.run(trial, reference) -> row
+    reference: Callable[[Any], Any]  # driver side: the reference figures for a trial now (or None)
+    failed_row: Callable[[Any, str], Row]  # driver side: the row of a trial no worker could finish
+    label: Callable[[Any], str] = str
+    on_start: Callable[[Any, str], None] | None = None  # (trial, worker) as a trial is handed out
+
+    @property
+    def trial_count(self) -> int:
+        return sum(len(g.trials) for g in self.groups)
+
+
+class Executor(Protocol):
+    """Runs :class:`Work`, calling ``emit`` once per trial (from the caller's thread) as each finishes."""
+
+    name: str
+
+    def run(self, work: Work, emit: Emit) -> None: ...
+
+
+def worker_name() -> str:
+    """This process as the ``worker`` field of a row: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def timed_run(runner: Any, trial: Any, reference: Any) -> tuple[Row, dict[str, Any]]:
+    """``runner.run(trial, reference)`` and the run info a worker adds: who ran it, how long the trial took
+    (``trial_seconds``), and how long of that went to loading a model first (``model_load_s``, 0 for every
+    trial but a worker's first on each model: loading is not the trial's cost, and is not counted in it)."""
+    loaded_before = getattr(runner, "load_seconds", 0.0)
+    started = time.perf_counter()
+    row = runner.run(trial, reference)
+    elapsed = time.perf_counter() - started
+    loading = getattr(runner, "load_seconds", 0.0) - loaded_before
+    return row, {"worker": worker_name(), "trial_seconds": elapsed - loading, "model_load_s": loading}
+
+
+class LocalExecutor:
+    """Every trial in this process, one after another in plan order (today's leaderboard loop)."""
+
+    name = "local"
+
+    def run(self, work: Work, emit: Emit) -> None:
+        runner = work.make_runner()
+        for group in work.groups:
+            for trial in group.trials:
+                if work.on_start is not None:
+                    work.on_start(trial, "local")
+                row, info = timed_run(runner, trial, work.reference(trial))
+                emit(trial, row, {**info, "attempts": 1, "attempt_errors": []})
+
+    def __repr__(self) -> str:
+        return "LocalExecutor()"
+
+
+# --- handing out trials to several workers -------------------------------------------------------------
+
+
+@dataclass
+class _GroupState:
+    group: TrialGroup
+    left: deque = field(default_factory=deque)
+    reference_out: bool = False  # the reference trial is running: the others wait for its row
+    reference_done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.left) and not self.reference_out
+
+    @property
+    def started(self) -> bool:  # the reference is known, so any trial left can run anywhere
+        return not self.group.first_is_reference or self.reference_done
+
+
+class TrialQueue:
+    """The pending trials of several groups, handed to workers as they become ready.
+
+    A group's reference trial goes first and the group's other trials wait for its row; after that
+    they are independent, so idle workers share a group's trials. A worker keeps to its group, then
+    to its model (a model switch reloads weights); among the rest it starts a new group (whose
+    reference unblocks more work) before helping with one already started, the fullest first.
+    """
+
+    def __init__(self, groups: Sequence[TrialGroup]) -> None:
+        self._groups = [_GroupState(g, deque(g.trials)) for g in groups if g.trials]
+        self._by_key = {s.group.key: s for s in self._groups}
+        self._order = {s.group.key: i for i, s in enumerate(self._groups)}
+
+    def __len__(self) -> int:
+        return sum(len(s.left) for s in self._groups)
+
+    def take(self, group_key: str | None = None, model: str | None = None) -> tuple[TrialGroup, Any] | None:
+        """The next trial for a worker last busy with ``group_key`` / ``model``; None when nothing is ready."""
+        ready = [s for s in self._groups if s.ready]
+        if not ready:
+            return None
+
+        def preference(s: _GroupState) -> tuple:
+            return (s.group.key != group_key, s.group.model != model, s.started,
+                    -len(s.left) if s.started else self._order[s.group.key])
+
+        state = min(ready, key=preference)
+        trial = state.left.popleft()
+        if state.group.first_is_reference and not state.reference_done:
+            state.reference_out = True
+        return state.group, trial
+
+    def finished(self, group: TrialGroup, trial: Any) -> None:
+        """``trial``'s row is in (whatever its status): a reference releases its group."""
+        state = self._by_key[group.key]
+        if state.reference_out and trial is group.trials[0]:
+            state.reference_out, state.reference_done = False, True
+
+    def retry(self, group: TrialGroup, trial: Any) -> None:
+        """``trial`` lost its worker: it goes back to the front of its group."""
+        state = self._by_key[group.key]
+        state.left.appendleft(trial)
+        if state.reference_out and trial is group.trials[0]:
+            state.reference_out = False
