@@ -111,7 +111,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     :func:`smollm2_cache_dir`; later calls (any process) load that in ~2 s. The same
     objects are returned to every caller in one process: do not modify them in place.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache_dir = smollm2_cache_dir(dtype)
     with _quiet_gguf_conversion():
@@ -123,10 +123,15 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
         gguf = smollm2_gguf_path()
         # dequantize=True: a plain dense model that save_pretrained accepts (a model that keeps
         # its GGUF quantizer attached refuses to be saved), and the same on every machine whether
-        # or not GGUF matmul kernels are installed.
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
-        )
+        # or not GGUF matmul kernels are installed. transformers < 5.3 (kvpress's) has no GgufConfig
+        # and always dequantizes.
+        try:
+            from transformers import GgufConfig
+
+            dequantize = {"quantization_config": GgufConfig(dequantize=True)}
+        except ImportError:
+            dequantize = {}
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype, **dequantize)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _save_cache(model, tokenizer, cache_dir, source=gguf)
     return model.eval(), tokenizer
