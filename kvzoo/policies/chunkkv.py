@@ -18,8 +18,10 @@ from kvzoo.framework.policy import (
     check_window_fits,
     require_int,
     sorted_keep,
+    validate_votes,
     validate_window,
     window_rows_mask,
+    window_votes,
 )
 
 # rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
@@ -83,6 +85,9 @@ class ChunkKV(Policy):
     window: int = 32
     chunk_size: int = 10
     reuse: int = 2
+    kernel_size: int = 1  # Algorithm 1 does not pool; kvpress's ChunkKVPress(SnapKVPress) pools with 5
+    pooling: str = "avgpool"  # used when kernel_size > 1 (kvpress's SnapKVPress: avgpool)
+    aggregate: str = "sum"  # query heads of a KV group: sum (the paper sums over all heads); kvpress: mean
 
     name: ClassVar[str] = "chunkkv"
     summary: ClassVar[str] = "top chunks of c tokens by observation-window attention + the window; layer-wise index reuse"
@@ -98,10 +103,14 @@ class ChunkKV(Policy):
         validate_window(self)
         require_int(self.chunk_size, "chunk_size", 1, "tokens per chunk; the paper uses 10")
         require_int(self.reuse, "reuse", 1, "layers sharing one layer's indices; 1 = no reuse, the paper uses 2")
+        validate_votes(self.kernel_size, self.pooling, self.aggregate)
 
     def row_scores(self, rows: RowsView) -> torch.Tensor:
-        """The scorer: each row's window attention summed over window queries and all heads, ``[B, N]`` fp32."""
-        return rows.observed_window().float().sum(dim=(1, 2))
+        """The scorer, ``[B, N]`` fp32: each row's window attention summed over the window queries, pooled along
+        the rows per query head (``kernel_size``; 1 = none, the paper), combined over each KV group's query
+        heads (``aggregate``) and summed over the KV groups. The window rows' own votes are zeroed (they are
+        never chunked). With the defaults: the window attention summed over window queries and all heads."""
+        return window_votes(rows, self.kernel_size, self.pooling, self.aggregate).sum(dim=1)
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
         check_window_fits(self.name, rows, keep)
