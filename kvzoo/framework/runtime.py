@@ -257,8 +257,10 @@ class Runtime:
             rows = max(state.store.seen, self.context_length or 0)
             budget = self.policy.resolve_budget(rows)
             if budget is not None:
-                self.policy.check_budget(budget, f"ratio={self.policy.ratio:g} of {rows} rows"
-                                         if self.policy.budget is None else "budget")
+                policy = self.policy
+                source = ("budget" if policy.budget is not None else f"ratio={policy.ratio:g} of {rows} rows"
+                          if policy.ratio is not None else f"{rows} rows")  # a policy with its own sizing (kvpress's)
+                policy.check_budget(budget, source)
             state.budget = budget
         return state.budget
 

@@ -62,9 +62,10 @@ from kvzoo.framework.retriever import Retriever
 
 KVPRESS_VERSION = "0.5.5"
 KVPRESS_INSTALL = (
-    f"install it in an environment of its own: pip install 'kvpress=={KVPRESS_VERSION}' (it needs "
-    "transformers>=4.56,<5.3; kvzoo's main environment has transformers>=5.18), then kvzoo without its "
-    "dependencies: pip install --no-deps -e . -- or run `make test-kvpress`, which builds .venv-kvpress so"
+    f"kvpress {KVPRESS_VERSION} needs transformers>=4.56,<5.3 and kvzoo's main environment has >=5.18, so it goes in an "
+    "environment of its own: `make test-kvpress` builds one (.venv-kvpress), or by hand: python -m venv .venv-kvpress && "
+    f".venv-kvpress/bin/pip install 'torch==2.13.0' 'kvpress=={KVPRESS_VERSION}' pluggy tqdm matplotlib safetensors && "
+    ".venv-kvpress/bin/pip install --no-deps -e .  (then run kvzoo with .venv-kvpress/bin/python)"
 )
 
 
@@ -73,7 +74,7 @@ def require_kvpress() -> ModuleType:
     try:
         import kvpress
     except ImportError as exc:
-        raise ImportError(f"kvpress is not installed ({exc}); {KVPRESS_INSTALL}") from exc
+        raise ImportError(f"kvpress is not installed ({exc}). {KVPRESS_INSTALL}") from exc
     return kvpress
 
 
@@ -170,13 +171,30 @@ UNSUPPORTED_PRESSES: dict[str, str] = {
 }
 
 
+def _unsupported(kvpress: ModuleType, press_class: type) -> str | None:
+    """Why a kvpress ``ScorerPress`` cannot be a kvzoo selector, or None when it can."""
+    name = press_class.__name__
+    if name in UNSUPPORTED_PRESSES:
+        return UNSUPPORTED_PRESSES[name]
+    for method, why in (
+        ("compress", "it sizes or selects by its own compress(), not by a top-k of its score(), and kvzoo's runtime fixes "
+                     "the budget itself"),
+        ("forward_hook", "it works in its own forward hook, not through score()"),
+        ("post_init_from_model", "it initialises itself from the whole model (post_init_from_model)"),
+    ):
+        if getattr(press_class, method) is not getattr(kvpress.BasePress if method != "compress" else kvpress.ScorerPress,
+                                                       method):
+            return why
+    return None
+
+
 def press_names() -> list[str]:
     """The kvpress ``ScorerPress`` classes a ``kvpress:`` name may give (kvpress must be importable)."""
     kvpress = require_kvpress()
     return sorted(
         name for name in kvpress.__all__
         if inspect.isclass(cls := getattr(kvpress, name)) and issubclass(cls, kvpress.ScorerPress)
-        and cls is not kvpress.ScorerPress and name not in UNSUPPORTED_PRESSES
+        and cls is not kvpress.ScorerPress and _unsupported(kvpress, cls) is None
     )
 
 
@@ -270,13 +288,13 @@ def policy_class(press_name: str) -> type[KvpressPolicy]:
     other name. The registry calls this for ``kvpress:`` names (the ``kvpress`` namespace).
     """
     kvpress = require_kvpress()
-    if press_name in UNSUPPORTED_PRESSES:
-        raise KeyError(f"kvpress's {press_name} cannot run as a kvzoo policy: {UNSUPPORTED_PRESSES[press_name]}")
+    what = getattr(kvpress, press_name, None)
+    if inspect.isclass(what) and issubclass(what, kvpress.ScorerPress) and _unsupported(kvpress, what):
+        raise KeyError(f"kvpress's {press_name} cannot run as a kvzoo policy: {_unsupported(kvpress, what)}")
     valid = press_names()
     if press_name not in valid:
-        what = getattr(kvpress, press_name, None)
         why = (f"kvpress's {press_name} is not a ScorerPress (it does its own compression, not a score() a kvzoo "
-               "selector can rank)") if inspect.isclass(what) else f"kvpress {kvpress.__version__} has no {press_name!r}"
+               "selector can rank)") if inspect.isclass(what) else f"kvpress has no {press_name!r}"
         raise KeyError(f"{why}; valid kvpress: names: {', '.join(valid)}")
     press_class = getattr(kvpress, press_name)
     own = {f.name for f in dataclasses.fields(Policy)}
