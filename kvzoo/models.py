@@ -70,10 +70,24 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def smollm2_cache_dir(dtype: torch.dtype = torch.float32) -> pathlib.Path:
-    """Where the converted SmolLM2 model is saved: ``$KVZOO_CACHE_DIR/...`` or ``~/.cache/kvzoo/...``."""
+def smollm2_cache_dir(dtype: torch.dtype = torch.float32, *, writer: str | None = None) -> pathlib.Path:
+    """Where the converted SmolLM2 model is saved: ``$KVZOO_CACHE_DIR/...`` or ``~/.cache/kvzoo/...``.
+
+    ``writer``: the transformers version converting it when that is older than kvzoo's own (>= 5.18;
+    kvpress's environment has 5.2): such a conversion goes to a folder of its own, so that kvzoo's main
+    environment never reads what an older tokenizer converter wrote (5.2's adds a BOS token by default).
+    """
     root = pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
-    return root / f"smollm2-135m-instruct-{_dtype_name(dtype)}-{_CACHE_VERSION}"
+    tag = f"-transformers{writer}" if writer else ""
+    return root / f"smollm2-135m-instruct-{_dtype_name(dtype)}-{_CACHE_VERSION}{tag}"
+
+
+def _older_transformers() -> str | None:
+    """transformers' version when it is older than 5.18 (kvpress's environment), else None."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return transformers.__version__ if (major, minor) < (5, 18) else None
 
 
 @contextlib.contextmanager
@@ -111,22 +125,31 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     :func:`smollm2_cache_dir`; later calls (any process) load that in ~2 s. The same
     objects are returned to every caller in one process: do not modify them in place.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache_dir = smollm2_cache_dir(dtype)
+    # an older transformers (kvpress's) reads kvzoo's own conversion when there is one, and writes its own apart
+    older = _older_transformers()
+    readable = [smollm2_cache_dir(dtype)] + ([smollm2_cache_dir(dtype, writer=older)] if older else [])
+    cache_dir = readable[-1]
     with _quiet_gguf_conversion():
-        if (cache_dir / _CACHE_COMPLETE).is_file():
-            model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=dtype, local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
-            return model.eval(), tokenizer
+        for folder in readable:
+            if (folder / _CACHE_COMPLETE).is_file():
+                model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+                return model.eval(), tokenizer
 
         gguf = smollm2_gguf_path()
         # dequantize=True: a plain dense model that save_pretrained accepts (a model that keeps
         # its GGUF quantizer attached refuses to be saved), and the same on every machine whether
-        # or not GGUF matmul kernels are installed.
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
-        )
+        # or not GGUF matmul kernels are installed. transformers < 5.3 (kvpress's) has no GgufConfig
+        # and always dequantizes.
+        try:
+            from transformers import GgufConfig
+
+            dequantize = {"quantization_config": GgufConfig(dequantize=True)}
+        except ImportError:
+            dequantize = {}
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype, **dequantize)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _save_cache(model, tokenizer, cache_dir, source=gguf)
     return model.eval(), tokenizer

@@ -5,6 +5,7 @@ from kvzoo.framework.pipeline import (
     GenerationResult,
     ScoreResult,
     build_prompt,
+    cache_kwargs,
     compress,
     eos_ids,
     generate,
@@ -15,6 +16,6 @@ from kvzoo.framework.pipeline import (
 )
 
 __all__ = [
-    "QUESTION_POSITIONS", "GenerationResult", "ScoreResult", "build_prompt", "compress", "eos_ids", "generate",
-    "greedy_decode", "prefill", "score", "teacher_forced_nll",
+    "QUESTION_POSITIONS", "GenerationResult", "ScoreResult", "build_prompt", "cache_kwargs", "compress", "eos_ids",
+    "generate", "greedy_decode", "prefill", "score", "teacher_forced_nll",
 ]

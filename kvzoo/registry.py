@@ -60,6 +60,7 @@ __all__ = [
     "get_spec",
     "hookimpl",
     "info",
+    "namespaces",
     "parse_spec",
     "policy_class",
     "read_manifest",
@@ -92,7 +93,7 @@ class UnknownPolicyError(KeyError):
 
 
 def read_manifest(path: Path = REGISTRY_TOML, kind: str = "policy") -> list[dict[str, Any]]:
-    """The ``[[policy]]`` (or ``[[retriever]]``) tables of ``registry.toml``, in file order, checked."""
+    """The ``[[policy]]`` (or ``[[retriever]]``, ``[[namespace]]``) tables of ``registry.toml``, in file order, checked."""
     if tomllib is None:
         raise RegistryError(f"reading {path.name} needs tomllib (Python >= 3.11) or the tomli package: pip install tomli")
     try:
@@ -100,7 +101,7 @@ def read_manifest(path: Path = REGISTRY_TOML, kind: str = "policy") -> list[dict
             manifest = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise RegistryError(f"cannot read the built-in manifest {path}: {exc}") from exc
-    entries = manifest.get(kind, [] if kind == "retriever" else None)
+    entries = manifest.get(kind, None if kind == "policy" else [])
     if not isinstance(entries, list) or (kind == "policy" and not entries):
         raise RegistryError(f"{path} must list the built-in {kind}s as [[{kind}]] tables")
     for i, entry in enumerate(entries):
@@ -153,6 +154,12 @@ class BuiltinPolicies:
     def kvzoo_retrievers(self) -> list[type[Retriever]]:
         return self._classes("retriever")
 
+    @hookimpl
+    def kvzoo_namespaces(self) -> dict[str, Any]:
+        """Each ``[[namespace]]``'s resolver, imported when a name in it is first looked up."""
+        return {entry["name"]: lambda name, spec=entry["module"]: _import_object(spec)(name)
+                for entry in read_manifest(self.manifest_path, "namespace")}
+
 
 # --- discovery -----------------------------------------------------------------------------------
 
@@ -167,6 +174,7 @@ class _Entry:
 _registered: list[tuple[object, str]] = []  # plugins given to register_plugin(), in order
 _entries: dict[str, _Entry] | None = None  # the policy table; None until the first lookup
 _retrievers: dict[str, _Entry] | None = None  # the retriever table, built with it
+_namespaces: dict[str, tuple[Any, str]] | None = None  # prefix -> (resolver, source), built with it
 
 
 def _class_path(cls: type) -> str:
@@ -243,8 +251,9 @@ def _discover() -> dict[str, _Entry]:
     except pluggy.PluginValidationError as exc:
         raise RegistryError(f"{exc}; the kvzoo hooks are kvzoo_policies() and kvzoo_retrievers()") from exc
 
-    global _retrievers
+    global _retrievers, _namespaces
     _retrievers = _discover_retrievers(pm)
+    _namespaces = _discover_namespaces(pm)
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     impls = sorted(
         pm.hook.kvzoo_policies.get_hookimpls(),
@@ -304,6 +313,51 @@ def _discover_retrievers(pm: pluggy.PluginManager) -> dict[str, _Entry]:
                 )
             table[cls.name] = entry
     return table
+
+
+def _discover_namespaces(pm: pluggy.PluginManager) -> dict[str, tuple[Any, str]]:
+    """prefix -> (resolver, plugin name) from every plugin's ``kvzoo_namespaces()``; a prefix claimed twice is an error."""
+    table: dict[str, tuple[Any, str]] = {}
+    for impl in pm.hook.kvzoo_namespaces.get_hookimpls():
+        result = impl.function() or {}
+        for prefix, resolver in dict(result).items():
+            if not callable(resolver) or not str(prefix).isidentifier():
+                raise RegistryError(f"plugin {impl.plugin_name!r}: kvzoo_namespaces() must map identifiers to "
+                                    f"callables, got {prefix!r}: {resolver!r}")
+            if prefix in table:
+                raise RegistryError(f"policy namespace {prefix!r} is claimed by plugins {table[prefix][1]!r} and "
+                                    f"{impl.plugin_name!r}")
+            table[prefix] = (resolver, impl.plugin_name)
+    return table
+
+
+def namespaces() -> list[str]:
+    """The prefixes of namespaced policy names (``kvpress`` for ``kvpress:KnormPress``)."""
+    _table()
+    return list(_namespaces)
+
+
+def _namespaced(name: str) -> _Entry:
+    """The entry of ``prefix:rest`` from the prefix's resolver; its errors become :class:`UnknownPolicyError`."""
+    from kvzoo.framework.policy import Policy
+
+    prefix, _, rest = name.partition(":")
+    if prefix not in _namespaces:
+        raise UnknownPolicyError(
+            f"unknown policy {name!r}: {prefix!r} is not a policy namespace; namespaces: "
+            f"{', '.join(_namespaces) or 'none'} (e.g. 'kvpress:KnormPress'), policies: {', '.join(_table())}"
+        )
+    resolver, plugin = _namespaces[prefix]
+    try:
+        cls = resolver(rest)
+    except ImportError as exc:  # the namespace's package is missing: its message says how to install it
+        raise UnknownPolicyError(f"policy {name!r} is not available: {exc}") from exc
+    except KeyError as exc:
+        raise UnknownPolicyError(f"unknown policy {name!r}: {exc.args[0] if exc.args else exc}") from exc
+    if not (inspect.isclass(cls) and issubclass(cls, Policy) and cls.name == name):
+        raise RegistryError(f"namespace {prefix!r} of plugin {plugin!r} resolved {name!r} to {cls!r}; it must return a "
+                            f"Policy subclass whose name is {name!r}")
+    return _Entry(cls, plugin, f"namespace {prefix!r} of {_describe_plugin(plugin, None)}, class {_class_path(cls)}")
 
 
 def _table() -> dict[str, _Entry]:
@@ -380,6 +434,8 @@ def _entry(name: str) -> _Entry:
         return table[name]
     except (KeyError, TypeError):
         pass
+    if isinstance(name, str) and ":" in name:
+        return _namespaced(name)
     close = difflib.get_close_matches(str(name), list(table), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else "."
     raise UnknownPolicyError(

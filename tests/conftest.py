@@ -6,9 +6,12 @@ import torch
 
 from kvzoo.models import tiny_llama
 
-# tests/triton/ runs the Triton kernels in Triton's CPU interpreter, which must be switched on before
+# tests/interpreter/ runs the Triton kernels in Triton's CPU interpreter, which must be switched on before
 # triton is imported: `make test` runs it as a second pytest process with TRITON_INTERPRET=1 set.
-collect_ignore = [] if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else ["triton"]
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else ["interpreter"]
+# tests/kvpress/ runs in kvpress's environment (.venv-kvpress, transformers < 5.3): `make test-kvpress` sets this
+if os.environ.get("KVZOO_KVPRESS_TESTS") != "1":
+    collect_ignore.append("kvpress")
 
 # tests/ray/ starts Ray clusters (a minute or two): `make test-ray` runs it after installing the ray extra.
 # It is collected only when named on the command line (pytest tests/ray); a plain `pytest` says it left it out.

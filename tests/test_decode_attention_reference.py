@@ -2,7 +2,7 @@
 
 Held against kvzoo.kernels.attention.gathered_decode_attention (the specification the runtime uses today)
 on every case that API can express, and against a plain softmax for the ones it cannot; the input checks;
-the launch heuristics that need no Triton. The kernels themselves are tested in tests/triton.
+the launch heuristics that need no Triton. The kernels themselves are tested in tests/interpreter.
 """
 
 from __future__ import annotations

@@ -202,9 +202,21 @@ def plan(grid: Grid) -> list[Trial]:
         names = list(grid.policies)
     else:
         names = available + [v for v in DEFAULT_VARIANTS if registry.parse_spec(v)[0] in available]
-    unknown = [n for n in names if registry.parse_spec(n)[0] not in available]
-    if unknown:
-        raise ValueError(f"unknown policies {', '.join(map(repr, unknown))}; registered policies: {', '.join(available)}")
+    unknown, unavailable = [], []
+    for n in names:
+        name = registry.parse_spec(n)[0]
+        if name in available:
+            continue
+        if ":" not in name:
+            unknown.append(n)
+            continue
+        try:  # a namespaced name (kvpress:KnormPress) resolves on demand
+            registry.policy_class(name)
+        except KeyError as err:  # the message names the namespace's problem (kvpress missing: how to install it)
+            unavailable.append(str(err))
+    if unknown or unavailable:
+        message = f"unknown policies {', '.join(map(repr, unknown))}; registered policies: {', '.join(available)}"
+        raise ValueError("; ".join(([message] if unknown else []) + unavailable))
     for model in grid.models:
         check_model_name(model)
     settings = tuple(grid.settings().items())
@@ -539,6 +551,7 @@ def versions() -> dict[str, str]:
 
     return {
         "kvzoo": dist("kvzoo"),
+        "kvpress": dist("kvpress"),  # kvpress: policies run its presses
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

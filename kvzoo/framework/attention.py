@@ -56,8 +56,8 @@ ACTIVE_LAYER: contextvars.ContextVar[Any] = contextvars.ContextVar("kvzoo_active
 
 def padding_mask(
     batch_size: int,
-    q_length: int,
-    kv_length: int,
+    q_length: int | None = None,
+    kv_length: int = 0,
     q_offset: int = 0,
     kv_offset: int = 0,
     attention_mask: torch.Tensor | None = None,
@@ -65,11 +65,15 @@ def padding_mask(
 ) -> torch.Tensor | None:
     """kvzoo's mask function: only the 2-D padding mask ``[B, kv_length]`` (True = real token).
 
+    transformers < 5.3 (kvpress's) passes ``cache_position`` instead of ``q_length``; either works.
+
     Causality is not encoded here: the attention function decides it per row from the row's slot,
     which stays right after rows are evicted (a 4-D mask indexed by tier position would not). A
     multi-token forward returns None when nothing is padding (one host check per forward); a
     decode step returns the mask unchecked, so the step never waits for the device.
     """
+    if q_length is None:
+        q_length = kwargs["cache_position"].shape[0]
     if attention_mask is None:
         return None
     mask = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)

@@ -23,7 +23,12 @@ import copy
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+try:  # Kimi Linear's KDA layers (transformers >= 5.18); the transformers kvpress pins (< 5.3) has no such layer
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:
+    LinearAttentionLayer = None
 
 from kvzoo.framework.adapters import adapter_for
 from kvzoo.framework.attention import ACTIVE_LAYER, attach
@@ -155,6 +160,9 @@ class TieredLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # the layer contract of transformers < 5.3 (kvpress's): unbounded
+        return -1
+
     def reset(self) -> None:
         self.is_initialized = False
         self.state = self.runtime.new_layer(self.layer_idx, self.layer_rank)
@@ -253,6 +261,13 @@ class TieredCache(Cache):
         adapter.attach()
         attach(model)
         tiered = [i for i in range(adapter.num_layers) if adapter.is_tiered(i)]
+        if len(tiered) < adapter.num_layers and LinearAttentionLayer is None:
+            import transformers
+
+            raise RuntimeError(
+                f"{type(model).__name__} has linear-attention layers, whose cache layer needs transformers >= 5.18 "
+                f"(this is {transformers.__version__}): pip install 'transformers>=5.18,<5.40'"
+            )
         geometry = RowGeometry(adapter.layout, getattr(adapter, "kv_lora_rank", 0), getattr(adapter, "rope_dim", 0))
         self.runtime = Runtime(policy, retriever, geometry, len(tiered), context_length=context_length, audit=audit)
         self.adapter = adapter

@@ -18,6 +18,8 @@ Without a chat template, or given token ids, the context and question are used a
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,12 +92,28 @@ def _as_ids(x: TokenInput) -> torch.Tensor:
     return t
 
 
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{"cache": cache}``, or ``{"past_key_values": cache}`` for a model whose forward predates the rename.
+
+    transformers 5.x renamed the forward's ``past_key_values=`` to ``cache=``; the transformers that
+    kvpress 0.5.5 pins (< 5.3) knows only the old name, and silently ignores ``cache=`` (it would
+    build a cache of its own). Read from the model's signature, so either works.
+    """
+    return {"cache": cache} if "cache" in _forward_parameters(type(model)) else {"past_key_values": cache}
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
 def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Run ``ids [B, n]`` through the model into ``cache`` (in chunks if asked); the last position's logits ``[B, V]``."""
     step = chunk_size or ids.shape[1]
     logits = None
     for start in range(0, ids.shape[1], step):
-        out = model(input_ids=ids[:, start : start + step].to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids[:, start : start + step].to(model.device), **cache_kwargs(model, cache), use_cache=True,
+                    logits_to_keep=1)
         logits = out.logits[:, -1]
     return logits
 
@@ -130,7 +148,8 @@ def greedy_decode(
         tokens.append(token)
         if token in eos or len(tokens) == max_new_tokens or (stop is not None and stop(tokens)):
             break
-        out = model(input_ids=torch.tensor([[token]], device=model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([[token]], device=model.device), **cache_kwargs(model, cache), use_cache=True,
+                    logits_to_keep=1)
         logits = out.logits[:, -1]
     return tokens
 
@@ -146,9 +165,9 @@ def teacher_forced_nll(
     n = target.shape[1]
     tail = torch.cat([lead, target], dim=1).to(model.device)
     if lead.shape[1]:
-        logits = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n + 1).logits[0, :n].float()
+        logits = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=n + 1).logits[0, :n].float()
     else:
-        out = model(input_ids=tail, cache=cache, use_cache=True, logits_to_keep=n).logits
+        out = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=n).logits
         logits = torch.cat([last_logits.float(), out[0, :-1].float()], dim=0)
     logp = torch.log_softmax(logits, dim=-1)
     return (-logp.gather(-1, target[0].to(logp.device)[:, None])[:, 0]).tolist()

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 
 from kvzoo.framework.retriever import Retriever
 
@@ -84,6 +85,11 @@ class RowsView:
     shared: dict[str, Any] = field(default_factory=dict)
     # per-layer counters the policy reports; the runtime shows them in cache.stats() (int/float values)
     info: dict[str, float] = field(default_factory=dict)
+    # what the attention layer was given for the rows since the layer's last event, for a policy that runs the
+    # model's own code on it (a kvpress press: kvzoo.integrations.kvpress): "module" (the attention module),
+    # "hidden_states" [B, n, d] (its input), "position_embeddings" ((cos, sin), [B, n, dh] each). Empty unless the
+    # policy observes "inputs"; recorded on GQA models, until the context ends.
+    inputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -133,6 +139,7 @@ class Policy(ABC):
     #   "window"     -> RowsView.window_attention (last `observation_window` queries)
     #   "accumulate" -> row_stats["attention"]: the attention each row received, summed over every
     #                   query of every forward pass and over the query heads of its group
+    #   "inputs"     -> RowsView.inputs: the attention module and its input hidden states (GQA models)
     observes: ClassVar[frozenset[str]] = frozenset()
     requires_budget: ClassVar[bool] = True
     # The schedule (see the module docstring): when the selector fires besides "context_end"
@@ -223,6 +230,16 @@ class Policy(ABC):
         the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
         """
 
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor | None:
+        """The selector as a score: fp32 ``[B, G, N]`` whose ``keep`` highest rows (ties to the earlier row) are
+        exactly the rows :meth:`select` keeps, or None (the default) for a selector that is not a per-row top-k
+        (ChunkKV keeps whole chunks). Rows the selector always keeps score ``+inf``, padding ``-inf``.
+
+        What a kvpress ``ScorerPress`` computes in ``score()``: ``kvzoo.integrations.kvpress`` hands it to
+        kvpress's wrappers (``ChunkKVPress``, ``KeyRerotationPress``, ...), which take their own top-k of it.
+        """
+        return None
+
     def multi_token_window(self, budget: int) -> tuple[int, int] | None:
         """``(sinks, window)`` when each token of a multi-token forward may read only the first
         ``sinks`` rows and the ``window`` latest rows up to its own (StreamingLLM's token-by-token
@@ -294,6 +311,15 @@ def keep_sinks_and_recent(valid: torch.Tensor, sinks: int, keep: int) -> torch.T
     return sorted_keep(priority.topk(keep, dim=-1).indices)
 
 
+def sinks_then_recent_priority(valid: torch.Tensor, sinks: int) -> torch.Tensor:
+    """fp32 ``[B, G, N]`` whose top ``keep`` rows are :func:`keep_sinks_and_recent`'s for every ``keep``:
+    the first ``sinks`` valid rows (earliest highest), then valid rows by recency, then padding by recency."""
+    n = valid.shape[-1]
+    order = torch.arange(n, device=valid.device, dtype=torch.float32).expand(valid.shape)
+    is_sink = recent_and_sinks(valid, sinks, 0)
+    return torch.where(is_sink, 3 * n - order, torch.where(valid, n + order, order))
+
+
 def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch.Tensor:
     """The row :func:`keep_sinks_and_recent` leaves out when keeping all rows but one, ``[B, G]``.
 
@@ -326,18 +352,26 @@ def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int) -> torch.
     return valid & (slots >= threshold)
 
 
+def forced_priority(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``scores`` as fp32 with the ``forced`` rows at ``+inf`` and padding at ``-inf``, ``[B, G, N]``."""
+    priority = scores.float()
+    priority = torch.where(valid, priority, torch.full_like(priority, -math.inf))
+    return torch.where(forced, torch.full_like(priority, math.inf), priority)
+
+
+def top_rows(priority: torch.Tensor, keep: int) -> torch.Tensor:
+    """Sorted indices ``[B, G, keep]`` of the ``keep`` highest ``priority`` rows, ties toward the earlier row."""
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices  # stable: earlier rows first
+    return sorted_keep(order[..., :keep])
+
+
 def topk_with_forced(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
     """Keep the ``forced`` rows, fill the rest of ``keep`` by highest ``scores``; sorted indices.
 
     ``scores`` float ``[B, G, N]``; ``forced``/``valid`` bool ``[B, G, N]``. Padding rows get the
     lowest priority; forced rows the highest. Ties break toward the earlier row.
     """
-    priority = scores.float().clone()
-    priority = torch.where(valid, priority, torch.full_like(priority, -math.inf))
-    priority = torch.where(forced, torch.full_like(priority, math.inf), priority)
-    # stable tie-break toward earlier rows: sort descending with stable=True
-    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
-    return sorted_keep(order[..., :keep])
+    return top_rows(forced_priority(scores, forced, valid), keep)
 
 
 # --- the observation window (SnapKV, ChunkKV) ------------------------------------------------
@@ -355,6 +389,54 @@ def window_rows_mask(rows: RowsView) -> torch.Tensor:
             "`observes` and return a positive `observation_window`"
         )
     return recent_and_sinks(rows.valid, 0, rows.observed_window().shape[2])
+
+
+WINDOW_POOLINGS = ("maxpool", "avgpool")
+WINDOW_AGGREGATES = ("sum", "mean", "max")
+
+
+def window_votes(rows: RowsView, kernel_size: int = 1, pooling: str = "maxpool", aggregate: str = "sum") -> torch.Tensor:
+    """Each row's votes from the observation window, ``[B, G, N]`` fp32 (SnapKV's scores; ChunkKV's before chunking).
+
+    The window queries' attention summed over the window; the window rows' own votes zeroed (the
+    reference slices them off before pooling: a zero there is its padding); pooled along the rows
+    per query head (``kernel_size``, stride 1, padding ``kernel_size // 2``; ``avgpool`` counts the
+    zero padding, as ``F.avg_pool1d`` does by default; 1 = no pooling); then the query heads of each
+    KV group combined by ``aggregate`` (``sum``, ``mean`` or ``max``).
+    """
+    attn = rows.observed_window()  # [B, H, w, N]
+    window = window_rows_mask(rows)  # [B, G, N]
+    B, H, _, N = attn.shape
+    G = rows.keys.shape[1]
+    hpg = H // G
+    votes = attn.float().sum(dim=2)  # [B, H, N]
+    in_window = window[:, :, None, :].expand(B, G, hpg, N).reshape(B, H, N)
+    votes = votes.masked_fill(in_window, 0.0)
+    if kernel_size > 1:
+        pool = F.max_pool1d if pooling == "maxpool" else F.avg_pool1d
+        votes = pool(votes.reshape(B * H, 1, N), kernel_size=kernel_size, stride=1,
+                     padding=kernel_size // 2).reshape(B, H, N)
+    grouped = votes.view(B, G, hpg, N)
+    if aggregate == "sum":
+        return grouped.sum(dim=2)
+    if aggregate == "mean":
+        return grouped.mean(dim=2)
+    return grouped.amax(dim=2)
+
+
+def validate_votes(kernel_size: Any, pooling: Any, aggregate: Any) -> None:
+    """The checks of :func:`window_votes`'s settings (SnapKV's and ChunkKV's fields)."""
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(
+            f"kernel_size must be an odd int >= 1 (pooling width; stride 1 with padding kernel_size // 2 "
+            f"keeps one score per row only for odd widths; 1 = no pooling), got {kernel_size!r}"
+        )
+    if pooling not in WINDOW_POOLINGS:
+        raise ValueError(f"pooling must be one of {WINDOW_POOLINGS}, got {pooling!r}")
+    if aggregate not in WINDOW_AGGREGATES:
+        raise ValueError(
+            f"aggregate must be one of {WINDOW_AGGREGATES} (how the query heads of one KV head combine), got {aggregate!r}"
+        )
 
 
 def validate_window(policy: Policy) -> None:

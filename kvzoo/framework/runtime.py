@@ -22,6 +22,7 @@ per (batch, group), each row once -- no host synchronisation.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,9 @@ class LayerState:
     policy_info: dict[str, Any] = field(default_factory=dict)  # the policy's and retriever's counters
     last_step: dict[str, Any] = field(default_factory=dict)  # the latest forward's KV-path accounting
     context_ended: bool = False  # the context_end event fired (compress(), or the prompt's end in generate)
+    # the "inputs" observation since the layer's last event: the attention module (a weak reference: the cache never
+    # keeps the model alive, and fork() never copies it) and its input hidden states / RoPE (cos, sin) per forward
+    inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,7 +198,43 @@ class Runtime:
             row_stats=store.stats(),
             shared=self.shared,
             info=state.policy_info,
+            inputs=self._inputs(state),
         )
+
+    def record_inputs(
+        self,
+        state: LayerState,
+        module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Keep what the attention layer was given (``[B, q, d]`` and its RoPE), for a policy observing "inputs".
+
+        Kept from the layer's last event until the next, and only until the context ends (a policy that
+        runs the model's own code on the layer -- a kvpress press -- compresses the context once).
+        """
+        if "inputs" not in self.policy.observes or state.context_ended:
+            return
+        inputs = state.inputs
+        inputs["module"] = weakref.ref(module)
+        inputs.setdefault("hidden_states", []).append(hidden_states.detach())
+        if position_embeddings is not None:
+            inputs.setdefault("position_embeddings", []).append(tuple(t.detach() for t in position_embeddings))
+
+    def _inputs(self, state: LayerState) -> dict[str, Any]:
+        """The "inputs" observation as :class:`RowsView` gives it: the module and the forwards' inputs joined."""
+        recorded = state.inputs
+        if not recorded:
+            return {}
+        # the rows appended since the last event; a forward still in flight (generate's first decode step, which
+        # ends the context before its own row is appended) recorded its input already: left out
+        rows = state.store.since_event
+        out: dict[str, Any] = {"module": recorded["module"](),
+                               "hidden_states": torch.cat(recorded["hidden_states"], dim=1)[:, :rows]}
+        if "position_embeddings" in recorded:
+            cos, sin = zip(*recorded["position_embeddings"])
+            out["position_embeddings"] = (torch.cat(cos, dim=1)[:, :rows], torch.cat(sin, dim=1)[:, :rows])
+        return out
 
     def record_queries(self, state: LayerState, query: torch.Tensor | None) -> None:
         """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention)."""
@@ -217,8 +257,10 @@ class Runtime:
             rows = max(state.store.seen, self.context_length or 0)
             budget = self.policy.resolve_budget(rows)
             if budget is not None:
-                self.policy.check_budget(budget, f"ratio={self.policy.ratio:g} of {rows} rows"
-                                         if self.policy.budget is None else "budget")
+                policy = self.policy
+                source = ("budget" if policy.budget is not None else f"ratio={policy.ratio:g} of {rows} rows"
+                          if policy.ratio is not None else f"{rows} rows")  # a policy with its own sizing (kvpress's)
+                policy.check_budget(budget, source)
             state.budget = budget
         return state.budget
 
@@ -234,6 +276,12 @@ class Runtime:
 
     def fire(self, state: LayerState, event: Event) -> None:
         """Run the policy's selector for ``event`` and move the rows it does not keep."""
+        try:
+            self._fire(state, event)
+        finally:
+            state.inputs = {}  # the "inputs" observation covers the rows since the layer's last event
+
+    def _fire(self, state: LayerState, event: Event) -> None:
         store = state.store
         policy = self.policy
         if event == "context_end":

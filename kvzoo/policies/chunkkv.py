@@ -18,12 +18,15 @@ from kvzoo.framework.policy import (
     check_window_fits,
     require_int,
     sorted_keep,
+    validate_votes,
     validate_window,
     window_rows_mask,
+    window_votes,
 )
 
 # rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
 SHARED_KEY = "chunkkv_kept_slots"
+TILINGS = ("paper", "kvpress")
 
 
 
@@ -61,6 +64,12 @@ class ChunkKV(Policy):
       it in the algorithm; ChunkKV builds on SnapKV's observation window, so kvzoo uses SnapKV's
       ``w = 32`` and the two policies compare at equal windows. Set ``window=`` to match a
       particular experiment's script.
+    * ``kernel_size=1`` (no pooling), ``aggregate="sum"`` -- the paper's scorer: the window attention
+      summed over the window queries and all heads. ``kernel_size > 1`` pools each query head's votes
+      along the rows (``pooling``: ``avgpool`` or ``maxpool``) as SnapKV does; ``aggregate`` combines a
+      KV group's query heads (``mean`` ranks rows like ``sum``; ``max`` differs).
+    * ``tiling="paper"`` -- the window kept apart, chunks before it (below); ``"kvpress"`` is
+      kvpress's tiling (next paragraph).
 
     Deviations, all known:
 
@@ -71,10 +80,21 @@ class ChunkKV(Policy):
     * in a left-padded batch chunks start at each sequence's first real token (padding is never
       chunked or kept while valid rows remain), so a padded sequence keeps what it would alone;
     * ties between chunks go to the earlier chunk (``topk`` leaves tie order unspecified);
-    * scores and softmax are fp32; no pooling (Algorithm 1 has none);
-    * kvpress's ``ChunkKVPress`` averages scores inside a chunk, scores with another press, uses
-      ``chunk_length=20``, takes batch element 0's chunks for the whole batch and has no index
-      reuse; none of that is followed here.
+    * scores and softmax are fp32; no pooling by default (Algorithm 1 has none).
+
+    kvpress's port, ``ChunkKVPress(press=SnapKVPress(...))`` (kvpress 0.5.5), differs from the paper
+    defaults here in: its scorer is SnapKV's (the window's mean attention, pooled per query head with
+    ``kernel_size=5`` ``avgpool``, averaged over each KV group, summed over the groups), its
+    ``chunk_length=20``, its 64-query window, no index reuse, and its tiling -- chunks tile every row
+    from the first token, the window included, a window row scoring one above the best other row (per
+    KV head, before the groups are summed), and a chunk's score is the *mean* of its rows. The fields
+    ``kernel_size``, ``pooling``, ``aggregate``, ``chunk_size``, ``window``, ``reuse=1`` and
+    ``tiling="kvpress"`` set every one of those, and then kvzoo keeps kvpress's rows exactly
+    (``tests/kvpress/test_fidelity.py``, SmolLM2 and a tiny Llama) when the context and the kept rows
+    are whole numbers of chunks. What stays different: kvpress keeps ``max(1, int(chunks * (1 -
+    compression_ratio)))`` whole chunks, so its row count is not the runtime's budget otherwise (kvzoo
+    keeps the budget exactly, cutting the last chunk taken), and it takes batch element 0's chunks for
+    the whole batch (kvzoo chooses per sequence).
 
     Reusing layers still receive the window attention from the runtime (it is computed for every
     layer of a policy that observes ``"window"``); they do not score with it.
@@ -83,6 +103,10 @@ class ChunkKV(Policy):
     window: int = 32
     chunk_size: int = 10
     reuse: int = 2
+    kernel_size: int = 1  # Algorithm 1 does not pool; kvpress's ChunkKVPress(SnapKVPress) pools with 5
+    pooling: str = "avgpool"  # used when kernel_size > 1 (kvpress's SnapKVPress: avgpool)
+    aggregate: str = "sum"  # query heads of a KV group: sum (the paper sums over all heads); kvpress: mean
+    tiling: str = "paper"  # "paper": the window kept apart, chunks before it; "kvpress": ChunkKVPress's tiling
 
     name: ClassVar[str] = "chunkkv"
     summary: ClassVar[str] = "top chunks of c tokens by observation-window attention + the window; layer-wise index reuse"
@@ -98,10 +122,17 @@ class ChunkKV(Policy):
         validate_window(self)
         require_int(self.chunk_size, "chunk_size", 1, "tokens per chunk; the paper uses 10")
         require_int(self.reuse, "reuse", 1, "layers sharing one layer's indices; 1 = no reuse, the paper uses 2")
+        validate_votes(self.kernel_size, self.pooling, self.aggregate)
+        if self.tiling not in TILINGS:
+            raise ValueError(f"tiling must be one of {TILINGS} ('paper': the window kept apart, chunks tile the rows "
+                             f"before it; 'kvpress': chunks tile every row, as kvpress's ChunkKVPress), got {self.tiling!r}")
 
     def row_scores(self, rows: RowsView) -> torch.Tensor:
-        """The scorer: each row's window attention summed over window queries and all heads, ``[B, N]`` fp32."""
-        return rows.observed_window().float().sum(dim=(1, 2))
+        """The scorer, ``[B, N]`` fp32: each row's window attention summed over the window queries, pooled along
+        the rows per query head (``kernel_size``; 1 = none, the paper), combined over each KV group's query
+        heads (``aggregate``) and summed over the KV groups. The window rows' own votes are zeroed (they are
+        never chunked). With the defaults: the window attention summed over window queries and all heads."""
+        return window_votes(rows, self.kernel_size, self.pooling, self.aggregate).sum(dim=1)
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
         check_window_fits(self.name, rows, keep)
@@ -121,22 +152,33 @@ class ChunkKV(Policy):
         """Row indices ``[B, keep]`` (sorted) chosen from this layer's scores, shared by its KV heads."""
         valid = rows.valid[:, 0]  # [B, N]; padding is per token, the same for every KV head
         window = window_rows_mask(rows)[:, 0]
-        scores = self.row_scores(rows)
         B, N = valid.shape
-        chunked = valid & ~window
+        if self.tiling == "paper":  # the window kept apart; chunks tile the rows before it, scored by their sum
+            scores = self.row_scores(rows)
+            chunked = valid & ~window
+        else:  # kvpress: chunks tile every row; a window row scores one above the best other row, per KV head
+            votes = window_votes(rows, self.kernel_size, self.pooling, self.aggregate)  # [B, G, N]
+            others = votes.masked_fill(~(valid & ~window)[:, None], -torch.inf)
+            top = others.amax() if bool(torch.isfinite(others).any()) else votes.new_zeros(())
+            scores = torch.where(window[:, None], top + 1, votes).sum(dim=1)
+            chunked = valid
         chunk = (chunked.long().cumsum(-1) - 1).clamp(min=0) // self.chunk_size  # [B, N], meaningful where chunked
         n_chunks = max(1, -(-N // self.chunk_size))
         chunk_scores = torch.zeros(B, n_chunks, dtype=torch.float32, device=scores.device)
         chunk_scores.scatter_add_(1, chunk, torch.where(chunked, scores, torch.zeros_like(scores)))
+        if self.tiling == "kvpress":  # the mean: a partial last chunk competes as if whole
+            sizes = torch.zeros_like(chunk_scores).scatter_add_(1, chunk, chunked.float())
+            chunk_scores = chunk_scores / sizes.clamp(min=1)
         # rank 0 = best chunk; ties toward the earlier chunk
         order = torch.sort(chunk_scores, dim=-1, descending=True, stable=True).indices
         chunk_rank = torch.empty_like(order)
         chunk_rank.scatter_(1, order, torch.arange(n_chunks, device=order.device).expand_as(order))
         position = torch.arange(N, device=valid.device).expand(B, N)
-        # one sort key per row, smaller = kept first: window rows, then chunk rows best chunk first
+        # one sort key per row, smaller = kept first: window rows (paper tiling), then chunk rows best chunk first
         # (in sequence order inside a chunk), then padding (never chunked)
         priority = chunk_rank.gather(1, chunk) * N + position
-        priority = torch.where(window, position - N, priority)
+        if self.tiling == "paper":
+            priority = torch.where(window, position - N, priority)
         priority = torch.where(valid, priority, n_chunks * N + position)
         return sorted_keep(priority.topk(keep, dim=-1, largest=False).indices)
 

@@ -16,10 +16,11 @@ import torch
 from kvzoo.framework.policy import (
     Policy,
     RowsView,
+    forced_priority,
     latest_valid,
     lowest_priority_victim,
     recent_and_sinks,
-    topk_with_forced,
+    top_rows,
 )
 
 
@@ -86,10 +87,12 @@ class H2O(Policy):
         heavy = math.floor(keep * self.heavy_fraction)
         return heavy, keep - heavy
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         _, recent = self.split(keep)
-        recent_rows = recent_and_sinks(rows.valid, 0, recent)
-        return topk_with_forced(rows.row_stats["attention"], recent_rows, rows.valid, keep)
+        return forced_priority(rows.row_stats["attention"], recent_and_sinks(rows.valid, 0, recent), rows.valid)
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        return top_rows(self.priority(rows, keep), keep)
 
     def step_victim(self, rows: RowsView) -> torch.Tensor:
         _, recent = self.split(rows.num_rows - 1)

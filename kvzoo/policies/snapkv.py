@@ -11,20 +11,18 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from kvzoo.framework.policy import (
     Policy,
     RowsView,
     check_window_fits,
-    topk_with_forced,
+    forced_priority,
+    top_rows,
+    validate_votes,
     validate_window,
     window_rows_mask,
+    window_votes,
 )
-
-POOLINGS = ("maxpool", "avgpool")
-AGGREGATES = ("sum", "mean", "max")
-
 
 
 @dataclass
@@ -92,44 +90,16 @@ class SnapKV(Policy):
     def validate(self) -> None:
         super().validate()
         validate_window(self)
-        if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
-            raise ValueError(
-                f"kernel_size must be an odd int >= 1 (pooling width; stride 1 with padding kernel_size // 2 "
-                f"keeps one score per row only for odd widths; 1 = no pooling), got {self.kernel_size!r}"
-            )
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        if self.aggregate not in AGGREGATES:
-            raise ValueError(
-                f"aggregate must be one of {AGGREGATES} (how the query heads of one KV head combine), "
-                f"got {self.aggregate!r}"
-            )
+        validate_votes(self.kernel_size, self.pooling, self.aggregate)
 
     def scores(self, rows: RowsView) -> torch.Tensor:
-        """Pooled, group-aggregated votes ``[B, G, N]`` fp32; the window rows' own votes are zeroed."""
-        attn = rows.observed_window()  # [B, H, w, N]
-        window = window_rows_mask(rows)  # [B, G, N]
-        B, H, _, N = attn.shape
-        G = rows.keys.shape[1]
-        hpg = H // G
-        votes = attn.float().sum(dim=2)  # [B, H, N]
-        # the reference pools only the non-window rows; a zero there equals its padding (avg counts
-        # the zero pad; max over non-negative votes is unchanged by a 0 in place of -inf)
-        in_window = window[:, :, None, :].expand(B, G, hpg, N).reshape(B, H, N)
-        votes = votes.masked_fill(in_window, 0.0)
-        if self.kernel_size > 1:
-            pool = F.max_pool1d if self.pooling == "maxpool" else F.avg_pool1d
-            votes = pool(votes.reshape(B * H, 1, N), kernel_size=self.kernel_size, stride=1,
-                         padding=self.kernel_size // 2).reshape(B, H, N)
-        grouped = votes.view(B, G, hpg, N)
-        if self.aggregate == "sum":
-            return grouped.sum(dim=2)
-        if self.aggregate == "mean":
-            return grouped.mean(dim=2)
-        return grouped.amax(dim=2)
+        """Pooled, group-aggregated votes ``[B, G, N]`` fp32; the window rows' own votes are zeroed
+        (the reference pools only the non-window rows; a zero there equals its padding)."""
+        return window_votes(rows, self.kernel_size, self.pooling, self.aggregate)
+
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        return forced_priority(self.scores(rows), window_rows_mask(rows), rows.valid)
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        window = window_rows_mask(rows)
         check_window_fits(self.name, rows, keep)
-        return topk_with_forced(self.scores(rows), window, rows.valid, keep)
+        return top_rows(self.priority(rows, keep), keep)

@@ -17,6 +17,7 @@ from kvzoo.framework.policy import (
     keep_sinks_and_recent,
     require_int,
     sinks_and_recent_victim,
+    sinks_then_recent_priority,
 )
 
 STREAMING_SCHEDULES = ("step", "block")
@@ -90,6 +91,10 @@ class StreamingLLM(Policy):
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
         return keep_sinks_and_recent(rows.valid, self.sinks, keep)
+
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """Recency: the sinks first (earliest first), then the latest valid rows, then the latest padding."""
+        return sinks_then_recent_priority(rows.valid, self.sinks)
 
     def step_victim(self, rows: RowsView) -> torch.Tensor:
         return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvzoo.framework.buffers import RowStore
-from kvzoo.framework.policy import Policy, RowsView, recent_and_sinks, require_int, topk_with_forced
+from kvzoo.framework.policy import Policy, RowsView, forced_priority, recent_and_sinks, require_int, top_rows
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.index_scan import index_scan, sketch_entries, sketch_query
 
@@ -112,7 +112,8 @@ class Vestige(Policy):
             raise ValueError(f"vestige: branch={self.branch!r} needs MLA rows; on GQA rows use auto or key")
         return slice(0, width)
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """σ over the closing block; earlier blocks, the sinks and the block's recent rows forced."""
         start = rows.first_new  # the closing block is rows[start:]
         block_rows = rows.num_rows - start
         block_keep = keep - start
@@ -135,7 +136,10 @@ class Vestige(Policy):
         forced |= recent_and_sinks(rows.valid, self.sinks, 0)  # the sequence's first valid rows
         recent = min(self.recent, block_keep // 2)
         forced[:, :, start:] |= recent_and_sinks(rows.valid[:, :, start:], 0, recent)  # the block's latest rows
-        return topk_with_forced(scores, forced, rows.valid, keep)
+        return forced_priority(scores, forced, rows.valid)
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        return top_rows(self.priority(rows, keep), keep)
 
 
 @dataclass

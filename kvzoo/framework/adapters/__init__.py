@@ -19,7 +19,7 @@ def adapter_for(model: torch.nn.Module, policy: Policy) -> GQAAdapter | MLAAdapt
     config = getattr(model, "config", None)
     model_type = getattr(getattr(config, "get_text_config", lambda **_: config)(decoder=True), "model_type", None)
     if model_type in GQA_MODEL_TYPES:
-        adapter = GQAAdapter(model)
+        adapter = GQAAdapter(model, record_inputs="inputs" in policy.observes)
     elif model_type in MLA_MODEL_TYPES:
         adapter = MLAAdapter(model)
     else:

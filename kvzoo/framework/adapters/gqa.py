@@ -7,15 +7,32 @@ original positions; decoding continues at the true length because ``TieredCache`
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 
 GQA_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 
 
+# attention modules that already carry the "inputs" recorder (one hook per module, whatever the number of caches)
+_RECORDING: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _record_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook: hand the attention's input hidden states and RoPE to the TieredCache it is given."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    layer = cache.kvzoo_layer(module.layer_idx) if hasattr(cache, "kvzoo_layer") else None
+    if layer is None:
+        return
+    hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    layer.runtime.record_inputs(layer.state, module, hidden_states, kwargs.get("position_embeddings"))
+
+
 class GQAAdapter:
     layout = "gqa"
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, record_inputs: bool = False) -> None:
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
@@ -28,9 +45,19 @@ class GQAAdapter:
             )
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
+        # a policy observing "inputs" (a kvpress press) reads each attention module's input: the modules to hook
+        self._recorded = [weakref.ref(m) for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")] \
+            if record_inputs else []
 
     def is_tiered(self, layer_idx: int) -> bool:
         return True
 
     def attach(self) -> None:
-        """Nothing to replace: transformers' attention modules call kvzoo's registered attention."""
+        """transformers' attention modules call kvzoo's registered attention; nothing to replace. For a policy
+        observing "inputs", a forward pre-hook on each attention module records its input hidden states and RoPE
+        into the TieredCache it is handed (installed once per module; it does nothing for other caches)."""
+        for ref in self._recorded:
+            module = ref()
+            if module is not None and module not in _RECORDING:
+                module.register_forward_pre_hook(_record_inputs, with_kwargs=True)
+                _RECORDING.add(module)

@@ -7,9 +7,6 @@ both retrievers (the kernel's bounds still bound the exact scores).
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
@@ -26,19 +23,8 @@ from kvzoo.kernels.index_scan import (
     sketch_entries,
     sketch_query,
 )
+from tests.interpreter import TOLERANCE
 
-
-def _conftest():
-    """tests/triton/conftest.py as a module of its own name: tests/triton is no package (a package named
-    ``triton`` under tests/, which pytest puts on sys.path, would shadow the real triton)."""
-    spec = importlib.util.spec_from_file_location("kvzoo_tests_triton_conftest",
-                                                  pathlib.Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TOLERANCE = _conftest().TOLERANCE
 DTYPES = [torch.float32, torch.float16]
 
 

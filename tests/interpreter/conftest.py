@@ -1,6 +1,6 @@
 """The Triton kernels against their PyTorch references in Triton's CPU interpreter.
 
-Run as its own process: ``TRITON_INTERPRET=1 python -m pytest tests/triton`` (``make test`` does).
+Run as its own process: ``TRITON_INTERPRET=1 python -m pytest tests/interpreter`` (``make test`` does).
 Sizes are toys with every ``tl.dot`` dimension >= 16 (the real compiler's minimum); bf16 is not
 tested here (the interpreter computes it wrong, ../shared/FACTS.md), fp32 and fp16 are.
 """
@@ -12,8 +12,8 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    raise pytest.UsageError("tests/triton needs TRITON_INTERPRET=1 set before triton is imported "
-                            "(run: TRITON_INTERPRET=1 python -m pytest tests/triton)")
+    raise pytest.UsageError("tests/interpreter needs TRITON_INTERPRET=1 set before triton is imported "
+                            "(run: TRITON_INTERPRET=1 python -m pytest tests/interpreter)")
 
 try:
     import triton  # noqa: F401
@@ -21,8 +21,7 @@ except ImportError as err:  # pragma: no cover - CI installs it with the test ex
     pytest.skip(f"SKIPPED LOUDLY: triton is not importable ({err}); pip install 'triton==3.7.1'",
                 allow_module_level=True)
 
-# tolerances of the issue: relative error of a kernel against its fp32 reference
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+from tests.interpreter import TOLERANCE  # noqa: E402,F401  (re-exported for older imports)
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from kvzoo.kernels.decode_attention import (
     decode_attention_reference,
     decode_attention_triton,
 )
-from tests.triton.conftest import TOLERANCE
+from tests.interpreter import TOLERANCE
 
 DTYPES = [torch.float32, torch.float16]
 SCALE = 0.3

@@ -1,0 +1,322 @@
+"""kvzoo and NVIDIA's kvpress, both ways: kvzoo policies as presses, kvpress presses as kvzoo policies.
+
+kvpress (https://github.com/NVIDIA/kvpress, 0.5.5) compresses the KV cache in forward hooks on the
+attention layers during the prefill; most of its presses are a ``ScorerPress`` whose ``score()``
+ranks rows for a top-k. It pins ``transformers>=4.56,<5.3``, kvzoo's main environment needs >= 5.18
+(Kimi Linear), so the two meet in an environment of kvpress's: ``make test-kvpress`` builds
+``.venv-kvpress`` (kvpress 0.5.5, transformers 5.2) and installs kvzoo there without its
+dependencies. kvzoo's policy layer needs torch alone, and its runtime runs GQA models (Llama family)
+on transformers 5.2 too; MLA models need >= 5.18. This module imports kvpress only when used.
+
+**kvzoo policies as presses** -- :func:`to_press`::
+
+    from transformers import pipeline
+    press = to_press(registry.get("snapkv", ratio=4))           # a kvpress ScorerPress, compression_ratio 0.75
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    pipe(context, question=question, press=press)["answer"]
+    ChunkKVPress(press=to_press(registry.get("snapkv", ratio=4)), chunk_length=20)   # kvpress's wrappers compose
+
+**kvpress presses as kvzoo policies** -- ``registry.get("kvpress:KnormPress", compression_ratio=0.5)``:
+any kvpress ``ScorerPress`` by class name, with kvpress's parameter names, is a kvzoo selector in
+kvzoo's runtime, leaderboard and CLI (:func:`policy_class`). Its ``score()`` gets what kvpress's
+hook would give it: the attention module, the layer's input hidden states and RoPE (kvzoo's GQA
+adapter records them during the context's prefill: the "inputs" observation), the keys and values.
+
+**The ratio mapping.** kvpress's ``compression_ratio`` c is the fraction of rows *removed*; kvzoo's
+``ratio`` r keeps ``1/r`` of them: ``c = 1 - 1/r``, ``r = 1/(1 - c)``. The kept counts are
+``max(1, floor(n / r))`` (kvzoo, :meth:`Policy.resolve_budget`) and ``max(1, int(n * (1 - c)))``
+(kvpress's ``compute_n_kept``, :func:`kvpress_kept_rows`). In floating point ``1 - c`` can fall just
+below ``1/r``: with r = 3 and n = 300, kvzoo keeps 100 rows and kvpress, given c = 1 - 1/3, keeps
+``int(300 * 0.33333333333333326) = 99``. So the count follows whoever sized the policy:
+
+* :func:`to_press` of a policy with ``ratio`` r sets ``compression_ratio = 1 - 1/r`` and keeps exactly
+  what kvzoo's runtime keeps (``max(1, floor(n / r))``); a ``compression_ratio`` set to anything
+  else -- by :func:`to_press`'s argument or by a kvpress wrapper (``PerLayerCompressionPress``,
+  ``DecodingPress``) -- keeps kvpress's count for it;
+* a ``kvpress:`` policy given ``compression_ratio`` keeps kvpress's count (the rows kvpress keeps);
+  given kvzoo's ``ratio`` (as the leaderboard gives every policy) it keeps kvzoo's count, and its
+  press sees ``compression_ratio = 1 - 1/r``. For r = 2, 4, 8, ... (1/r exact) the two agree.
+
+**What a prefill press cannot do.** A press compresses the context once, at the end of the prefill.
+:func:`to_press` therefore refuses, naming why, a policy with a retriever (``quest``, ``vestige``'s
+default: rows come back from the archive at every decode step) and a policy that evicts at every
+decode step (``h2o``, ``streaming_llm``: schedule ``"step"``) unless ``prefill_only=True``, which runs
+the eviction at the context's end alone -- the rows kvzoo's runtime holds after the context.
+kvpress's ``DecodingPress`` is not a faithful stand-in for H2O (it re-scores from a buffer of recent
+hidden states, not H2O's attention accumulated over every step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from kvzoo.framework.policy import Policy, RowsView, forced_priority, top_rows
+from kvzoo.framework.retriever import Retriever
+
+KVPRESS_VERSION = "0.5.5"
+KVPRESS_INSTALL = (
+    f"kvpress {KVPRESS_VERSION} needs transformers>=4.56,<5.3 and kvzoo's main environment has >=5.18, so it goes in an "
+    "environment of its own: `make test-kvpress` builds one (.venv-kvpress), or by hand: python -m venv .venv-kvpress && "
+    f".venv-kvpress/bin/pip install 'torch==2.13.0' 'kvpress=={KVPRESS_VERSION}' pluggy tqdm matplotlib safetensors && "
+    ".venv-kvpress/bin/pip install --no-deps -e .  (then run kvzoo with .venv-kvpress/bin/python)"
+)
+
+
+def require_kvpress() -> ModuleType:
+    """The ``kvpress`` module, or ImportError naming the install command."""
+    try:
+        import kvpress
+    except ImportError as exc:
+        raise ImportError(f"kvpress is not installed ({exc}). {KVPRESS_INSTALL}") from exc
+    return kvpress
+
+
+# --- the ratio mapping ----------------------------------------------------------------------------------------
+
+
+def compression_ratio_for(ratio: float) -> float:
+    """kvpress's ``compression_ratio`` (fraction removed) for kvzoo's ``ratio`` (keep 1/ratio): ``1 - 1/ratio``."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio < 1:
+        raise ValueError(f"ratio must be a finite number >= 1 (keep 1/ratio of the rows), got {ratio!r}")
+    return 1.0 - 1.0 / ratio
+
+
+def ratio_for(compression_ratio: float) -> float:
+    """kvzoo's ``ratio`` for kvpress's ``compression_ratio``: ``1 / (1 - compression_ratio)``."""
+    check_compression_ratio(compression_ratio)
+    return 1.0 / (1.0 - compression_ratio)
+
+
+def check_compression_ratio(compression_ratio: Any, name: str = "compression_ratio") -> None:
+    if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)) \
+            or not 0 <= compression_ratio < 1:
+        raise ValueError(f"{name} must be a number in [0, 1) (kvpress's: the fraction of rows removed), "
+                         f"got {compression_ratio!r}")
+
+
+def kvpress_kept_rows(n: int, compression_ratio: float) -> int:
+    """Rows kvpress keeps of ``n`` at ``compression_ratio`` (its ``compute_n_kept``): ``max(1, int(n (1 - c)))``."""
+    return 0 if compression_ratio >= 1 else max(1, int(n * (1 - compression_ratio)))
+
+
+def exact_compression_ratio(policy: Policy) -> float | None:
+    """The ``compression_ratio`` at which a press keeps exactly the policy's own count: ``1 - 1/ratio``, 0 for a
+    policy that keeps everything (``full``), None for a policy sized by ``budget=`` (no fraction)."""
+    if policy.ratio is not None:
+        return compression_ratio_for(policy.ratio)
+    return 0.0 if not policy.requires_budget else None
+
+
+# --- kvzoo policies as presses ----------------------------------------------------------------------------------
+
+
+def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_only: bool = False) -> Any:
+    """A kvpress press that runs ``policy``'s selector at the end of the prefill, in kvpress's pipeline.
+
+    A ``ScorerPress`` (``KvzooScorerPress``) for a score-based selector (one that implements
+    :meth:`Policy.priority`: ``snapkv``, ``streaming_llm``, ``h2o``, ``vestige``), so kvpress's wrappers
+    compose; a ``BasePress`` (``KvzooPress``) otherwise (``chunkkv``, ``full``). Either way, used alone it
+    keeps exactly the rows ``policy.select`` chooses. ``compression_ratio``: kvpress's, fraction removed
+    (default: ``1 - 1/policy.ratio``; see the module docstring for the counts). ``prefill_only=True``
+    accepts a policy that also evicts at every decode step and runs its context-end eviction alone.
+    """
+    require_kvpress()
+    if not isinstance(policy, Policy):
+        raise TypeError(f"to_press takes a kvzoo Policy (kvzoo.registry.get('snapkv', ratio=4)), got {policy!r}")
+    if "gqa" not in policy.layouts:
+        raise ValueError(f"{policy.name}: kvpress runs GQA/MHA models, and this policy supports {policy.layouts} only")
+    if policy.retriever is not None:
+        retriever = policy.retriever if isinstance(policy.retriever, str) else policy.retriever.name
+        raise ValueError(
+            f"{policy.name}: its retriever {retriever!r} fetches archived rows back at every decode step, which a "
+            "kvpress press (a prefill-time compression) cannot do; pass the policy with retriever=None for its "
+            "eviction alone, or run it in kvzoo's runtime (kvzoo.pipeline.generate)"
+        )
+    if policy.schedule == "step" and not prefill_only:
+        raise ValueError(
+            f"{policy.name}: it evicts at every decode step (schedule 'step'), which a kvpress prefill press does "
+            "not do (and kvpress's DecodingPress re-scores from a buffer of recent hidden states, which is not this "
+            "policy's rule); to_press(policy, prefill_only=True) runs its eviction at the context's end alone "
+            "(the rows kvzoo's runtime holds after the context), or run it in kvzoo's runtime"
+        )
+    if compression_ratio is not None:
+        check_compression_ratio(compression_ratio)
+    elif exact_compression_ratio(policy) is None:
+        raise ValueError(
+            f"{policy.name} is sized by budget={policy.budget} rows; kvpress presses are sized by a fraction: give "
+            "the policy ratio= (keep 1/ratio) or pass compression_ratio= (kvpress's: the fraction removed)"
+        )
+    from kvzoo.integrations import kvpress_presses
+
+    score_based = type(policy).priority is not Policy.priority
+    cls = kvpress_presses.KvzooScorerPress if score_based else kvpress_presses.KvzooPress
+    return cls(policy, compression_ratio=compression_ratio, exact_compression_ratio=exact_compression_ratio(policy))
+
+
+# --- kvpress presses as kvzoo policies ------------------------------------------------------------------------
+
+# presses whose score() needs what kvzoo's runtime does not produce, with the reason
+UNSUPPORTED_PRESSES: dict[str, str] = {
+    "ObservedAttentionPress": "it scores with the full attention matrix of eager attention, which kvzoo's runtime "
+                              "never materialises",
+    "QFilterPress": "it downloads its filters from the Hugging Face hub",
+    "KVzapPress": "it downloads its scoring model from the Hugging Face hub",
+}
+
+
+def _unsupported(kvpress: ModuleType, press_class: type) -> str | None:
+    """Why a kvpress ``ScorerPress`` cannot be a kvzoo selector, or None when it can."""
+    name = press_class.__name__
+    if name in UNSUPPORTED_PRESSES:
+        return UNSUPPORTED_PRESSES[name]
+    for method, why in (
+        ("compress", "it sizes or selects by its own compress(), not by a top-k of its score(), and kvzoo's runtime fixes "
+                     "the budget itself"),
+        ("forward_hook", "it works in its own forward hook, not through score()"),
+        ("post_init_from_model", "it initialises itself from the whole model (post_init_from_model)"),
+    ):
+        if getattr(press_class, method) is not getattr(kvpress.BasePress if method != "compress" else kvpress.ScorerPress,
+                                                       method):
+            return why
+    return None
+
+
+def press_names() -> list[str]:
+    """The kvpress ``ScorerPress`` classes a ``kvpress:`` name may give (kvpress must be importable)."""
+    kvpress = require_kvpress()
+    return sorted(
+        name for name in kvpress.__all__
+        if inspect.isclass(cls := getattr(kvpress, name)) and issubclass(cls, kvpress.ScorerPress)
+        and cls is not kvpress.ScorerPress and _unsupported(kvpress, cls) is None
+    )
+
+
+@dataclasses.dataclass
+class KvpressPolicy(Policy):
+    """A kvpress ``ScorerPress`` as a kvzoo selector (``registry.get("kvpress:KnormPress", compression_ratio=0.5)``).
+
+    The fields are kvzoo's common ones plus the press's own (kvpress's names and defaults, e.g.
+    ``compression_ratio``, ``window_size``). Exactly one of ``compression_ratio`` (kvpress's: the
+    fraction removed; kvpress's row count) and ``ratio`` (kvzoo's: keep 1/ratio; kvzoo's count) sizes
+    it; ``budget=`` is refused (a press is sized by a fraction). At the context's end the press's
+    ``score()`` ranks the layer's rows with what kvpress's hook would hand it, and the top rows stay
+    (ties to the earlier row; kvpress's ``topk`` leaves tie order open). A retriever may be added
+    (``retriever="vestige"``: does a recall tier rescue the press?).
+    """
+
+    press_class: ClassVar[type] = object
+    observes: ClassVar[frozenset[str]] = frozenset({"inputs"})
+    layouts: ClassVar[tuple[str, ...]] = ("gqa",)
+    paper: ClassVar[str] = "https://github.com/NVIDIA/kvpress"
+
+    def press_params(self) -> dict[str, Any]:
+        """The press's own fields as set on this policy, ``compression_ratio`` included (``1 - 1/ratio`` from kvzoo's)."""
+        params = {f.name: getattr(self, f.name) for f in dataclasses.fields(self.press_class) if f.init}
+        if params.get("compression_ratio") is None:
+            params["compression_ratio"] = compression_ratio_for(self.ratio)
+        return params
+
+    def validate(self) -> None:
+        compression_ratio = getattr(self, "compression_ratio", None)
+        if self.budget is not None:
+            raise ValueError(f"{self.name}: kvpress presses are sized by a fraction, not budget={self.budget}: give "
+                             "compression_ratio= (kvpress's: the fraction removed) or ratio= (kvzoo's: keep 1/ratio)")
+        if (compression_ratio is None) == (self.ratio is None):
+            raise ValueError(f"{self.name}: give exactly one of compression_ratio= (kvpress's: the fraction removed) "
+                             f"and ratio= (kvzoo's: keep 1/ratio); got compression_ratio={compression_ratio}, "
+                             f"ratio={self.ratio}")
+        if compression_ratio is not None:
+            check_compression_ratio(compression_ratio)
+            if not isinstance(self.archive, bool):
+                raise TypeError(f"archive must be True (keep evicted rows) or False (drop them), got {self.archive!r}")
+            if self.retriever is not None and not isinstance(self.retriever, (str, Retriever)):
+                raise TypeError(f"retriever must be a registered retriever name, a Retriever object or None, got "
+                                f"{self.retriever!r}")
+        else:
+            super().validate()  # kvzoo's checks of ratio, archive and retriever
+        try:
+            self.press = self.press_class(**self.press_params())
+        except (AssertionError, TypeError, ValueError) as exc:
+            raise ValueError(f"{self.name}: kvpress refused the parameters {self.press_params()}: "
+                             f"{exc or type(exc).__name__}") from exc
+
+    def resolve_budget(self, rows_seen: int) -> int | None:
+        compression_ratio = getattr(self, "compression_ratio", None)
+        if compression_ratio is not None:
+            return kvpress_kept_rows(rows_seen, compression_ratio)
+        return super().resolve_budget(rows_seen)
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        inputs = rows.inputs
+        module = inputs.get("module")
+        hidden_states = inputs.get("hidden_states")
+        n = rows.num_rows
+        if module is None or hidden_states is None or hidden_states.shape[1] != n:
+            seen = "none" if hidden_states is None else f"{hidden_states.shape[1]} tokens' worth"
+            raise RuntimeError(
+                f"{self.name}: layer {rows.layer_idx} holds {n} rows but its attention inputs ({seen}) were not recorded "
+                "for all of them; a kvpress press scores the context once, at its end, from the attention layer's "
+                "inputs, which kvzoo records on GQA models from the first forward until the context ends"
+            )
+        if not bool(rows.valid.all()):
+            raise ValueError(f"{self.name}: kvpress presses assume unpadded sequences; run one sequence at a time")
+        kwargs = {
+            "hidden_states": hidden_states,
+            "position_embeddings": inputs.get("position_embeddings"),
+            "cache_position": torch.arange(n, device=rows.keys.device),
+            "attention_mask": None,
+        }
+        scores = self.press.score(module, hidden_states, rows.keys, rows.values, None, kwargs)
+        if scores.shape != rows.valid.shape:
+            raise RuntimeError(f"{self.name}: score() returned shape {tuple(scores.shape)}, expected "
+                               f"{tuple(rows.valid.shape)} (batch, KV heads, rows)")
+        return top_rows(forced_priority(scores, torch.zeros_like(rows.valid), rows.valid), keep)
+
+
+@functools.cache
+def policy_class(press_name: str) -> type[KvpressPolicy]:
+    """The kvzoo policy class of kvpress's ``press_name`` (a ``ScorerPress``): ``kvpress:<press_name>``.
+
+    ImportError naming the install command without kvpress; KeyError naming the valid presses for any
+    other name. The registry calls this for ``kvpress:`` names (the ``kvpress`` namespace).
+    """
+    kvpress = require_kvpress()
+    what = getattr(kvpress, press_name, None)
+    if inspect.isclass(what) and issubclass(what, kvpress.ScorerPress) and _unsupported(kvpress, what):
+        raise KeyError(f"kvpress's {press_name} cannot run as a kvzoo policy: {_unsupported(kvpress, what)}")
+    valid = press_names()
+    if press_name not in valid:
+        why = (f"kvpress's {press_name} is not a ScorerPress (it does its own compression, not a score() a kvzoo "
+               "selector can rank)") if inspect.isclass(what) else f"kvpress has no {press_name!r}"
+        raise KeyError(f"{why}; valid kvpress: names: {', '.join(valid)}")
+    press_class = getattr(kvpress, press_name)
+    own = {f.name for f in dataclasses.fields(Policy)}
+    fields = []
+    for f in dataclasses.fields(press_class):
+        if not f.init or f.name in own:
+            continue
+        default = None if f.name == "compression_ratio" else f.default
+        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, f.type, dataclasses.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, f.type, dataclasses.field(default=default)))
+    doc = (press_class.__doc__ or "").strip().splitlines()
+    return dataclasses.make_dataclass(
+        f"Kvpress{press_name}",
+        fields,
+        bases=(KvpressPolicy,),
+        namespace={
+            "name": f"kvpress:{press_name}",
+            "summary": f"kvpress's {press_name}: {doc[0].strip() if doc else 'a ScorerPress'}",
+            "press_class": press_class,
+            "__module__": __name__,
+        },
+        kw_only=True,
+    )
