@@ -12,7 +12,9 @@ monkey-patching of modules, and :func:`detach` switches back). MLA layers hand t
    * **a decode step** (one query): over the tier's rows in place (no copy, no upcast of the rows;
      MLA in absorbed form over the 576-dim latent rows), plus the archived rows the retriever
      fetches as a second source in the same softmax. No host synchronisation: counters stay on
-     the device until ``stats()`` reads them;
+     the device until ``stats()`` reads them. Where ``kvzoo.kernels.dispatch`` takes Triton (CUDA
+     tensors, or ``KVZOO_KERNELS=triton``) both sources go to the gathered split-K kernel
+     (``kvzoo/kernels/decode_attention.py``); elsewhere the PyTorch path (SDPA or scores + softmax);
    * **a multi-token forward** (a prefill chunk, a question): through SDPA's fused kernels with the
      bottom-right causal mask when the rows allow it; MLA decompresses the rows to per-head K/V
      first (``k = [W_UK c ; r]``, ``v = W_UV c``), as FlashMLA, vLLM and SGLang prefill, when the
@@ -45,6 +47,8 @@ from kvzoo.kernels.attention import (
     row_scores,
     sink_window_mask,
 )
+from kvzoo.kernels.decode_attention import Rows, decode_attention
+from kvzoo.kernels.dispatch import use_triton
 
 ATTN_NAME = "kvzoo"
 
@@ -160,6 +164,8 @@ def _decode(rt: Runtime, state: LayerState, query: torch.Tensor, scaling: float,
     keys, values = state.store.get("keys"), state.store.values()
     retrieving = state.index is not None and state.store.archive.n > 0
     allowed = _decode_allowed(state)
+    if use_triton(query):
+        return _decode_kernel(rt, state, query, keys, values, allowed, retrieving, scaling)
     if sdpa and not retrieving:
         rt.account_attended(state)
         return decode_sdpa(query, keys, values, allowed, scaling)
@@ -176,6 +182,32 @@ def _decode(rt: Runtime, state: LayerState, query: torch.Tensor, scaling: float,
         rt.account_attended(state)
     out, _, _ = attend_scores(scores, sources, query.dtype)
     return out
+
+
+def _source(keys: torch.Tensor, values: torch.Tensor | None, width: int, valid: torch.Tensor | None,
+            head_valid: torch.Tensor | None = None) -> Rows:
+    """A :class:`Rows` source; MLA's values (a view of the rows' first ``width`` dims, or None) in absorbed form."""
+    if values is None or (values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()):
+        return Rows(keys, value_width=width, valid=valid, head_valid=head_valid)
+    return Rows(keys, values, valid=valid, head_valid=head_valid)
+
+
+def _decode_kernel(rt: Runtime, state: LayerState, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   allowed: torch.Tensor | None, retrieving: bool, scaling: float) -> torch.Tensor:
+    """:func:`_decode` on the kernel path (``kvzoo.kernels.dispatch``): the tier and the fetched rows read
+    in place by the gathered split-K kernel, one softmax merged by log-sum-exp. s* for a retriever is
+    still the tier's best exact score, computed as the reference path computes it (one more read of the
+    tier's keys: the kernel does not return per-head maxima)."""
+    width = values.shape[-1]
+    sources = [_source(keys, values, width, allowed)]
+    if retrieving:
+        best = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None]).amax(dim=-1)
+        fetched = rt.fetch(state, query, None, scaling, best=best, with_slots=False)
+        sources.append(_source(fetched.keys, fetched.values, width, fetched.valid, fetched.head_valid))
+    else:
+        rt.account_attended(state)
+    out, _ = decode_attention(query[:, :, 0], sources, scaling)
+    return out[:, :, None]
 
 
 def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from kvzoo.framework.policy import (
     sinks_and_recent_victim,
 )
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.kernels.index_scan import index_scan, page_query
+from kvzoo.kernels.index_scan import index_scan, index_scan_reduce, page_query
 
 GQA_RULES = ("head", "group")
 
@@ -205,12 +205,19 @@ class PageIndex(RetrievalState):
         return min(self.pages.n, wanted)
 
     def choose(self, query, best, scaling, archive) -> Choice:
-        bounds = self.bounds(query, scaling)  # [B, H, q, p]
-        B, H, q_len, p = bounds.shape
         G = archive.keys.shape[1]
         n = self.n_pages(archive.budget)
         size = self.page_size
-        offsets = torch.arange(size, device=bounds.device)
+        offsets = torch.arange(size, device=query.device)
+        if self.config.gqa == "group" and query.shape[2] == 1:  # a decode step: one fused scan, max over heads
+            B, q_len = query.shape[0], 1
+            group_max = index_scan_reduce(page_query(query, G), self.pages.get("entries"), scaling, None)
+            group_max = group_max.masked_fill(self.pages.get("empty"), float("-inf"))  # empty pages: never
+            pages = group_max.topk(n, dim=-1).indices[:, :, None]  # [B, G, 1, n]
+            rows = (pages[..., None] * size + offsets).view(B, G, -1)
+            return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows)
+        bounds = self.bounds(query, scaling)  # [B, H, q, p]
+        B, H, q_len, p = bounds.shape
         if self.config.gqa == "group":  # one page set per KV group: the max over its heads
             pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
             rows = (pages[..., None] * size + offsets).view(B, G, -1)

@@ -23,7 +23,7 @@ import torch
 from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.policy import Policy, RowsView, forced_priority, recent_and_sinks, require_int, top_rows
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.kernels.index_scan import index_scan, sketch_entries, sketch_query
+from kvzoo.kernels.index_scan import index_scan, index_scan_reduce, sketch_entries, sketch_query
 
 BRANCHES = ("auto", "rope", "content", "row", "key")
 
@@ -238,23 +238,29 @@ class SketchIndex(RetrievalState):
     def entries(self) -> int:
         return self.rows.n
 
-    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        B, H, q_len, D = query.shape
+    def _query_rows(self, query: torch.Tensor) -> torch.Tensor:
+        """The sketch's query rows ``[B, G, hpg * q, W]`` (a group's heads, then queries)."""
         if self.geometry.layout == "mla":
             dc = self.geometry.content_dim
-            q_rows = sketch_query(query[..., :dc], query[..., dc:], self.basis)
-        else:
-            q_rows = sketch_query(query, None, self.basis)
-        return index_scan(q_rows, self.rows.get("entries"), scaling).view(B, H, q_len, -1)
+            return sketch_query(query[..., :dc], query[..., dc:], self.basis)
+        return sketch_query(query, None, self.basis)
+
+    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        B, H, q_len, D = query.shape
+        return index_scan(self._query_rows(query), self.rows.get("entries"), scaling).view(B, H, q_len, -1)
 
     def choose(self, query, best, scaling, archive) -> Choice:
+        if self.config.certified:  # every row within tau of s*, for some head and query of the group
+            # one fused scan reduced over the group's heads and queries: the [B, H, q, m] bounds never
+            # exist; margin >= 0 exactly where some bound >= s* - tau (kernels/index_scan.py)
+            B, G = best.shape[0], self.basis.shape[1]
+            threshold = (best - self.config.tau).reshape(B, G, -1)
+            margin = index_scan_reduce(self._query_rows(query), self.rows.get("entries"), scaling, threshold)
+            return Choice(mask=margin >= 0)
         bounds = self.bounds(query, scaling)  # [B, H, q, m]
         B, H, q_len, m = bounds.shape
         G = self.basis.shape[1]
         s_star = best[..., None]
-        if self.config.certified:  # every row within tau of s*, for some head and query of the group
-            chosen = bounds >= s_star - self.config.tau
-            return Choice(mask=chosen.view(B, G, (H // G) * q_len, m).any(dim=2))
         # each head's top j rows, kept where they beat s*; the runtime takes the union over the group
         top, rows = bounds.topk(min(self.config.j, m), dim=-1)  # [B, H, q, j]
         ok = top > s_star
