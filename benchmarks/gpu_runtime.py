@@ -19,12 +19,19 @@ at the measured copy bandwidth (``2 x bytes / time`` of a 1 GiB device copy). ``
 the weight bytes a step reads to that bound. Markdown and JSON go to ``--out`` (default
 ``results/gpu_runtime.{md,json}``). A configuration that fails (out of memory) is recorded with
 its error and the run goes on.
+
+``--kernels torch,triton`` (the default on CUDA) runs every kvzoo policy on both decode paths
+(``KVZOO_KERNELS``: the PyTorch path, and the Triton kernels of ``kvzoo/kernels/``: gathered split-K
+decode attention over the tier and the fetched rows, fused index scans); the ``kernels`` column says
+which. A CUDA-graph-captured decode step is not measured: kvzoo does not capture one yet (issue 12,
+item 4, is open for it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,6 +70,7 @@ class Settings:
     ratio: float
     policies: list[str]
     weights_in_bound: bool = False
+    kernels: list[str] = field(default_factory=lambda: ["torch"])
     notes: list[str] = field(default_factory=list)
 
 
@@ -189,7 +197,8 @@ def run_config(model: torch.nn.Module, name: str, context: int, s: Settings, ban
             kv = kv_bytes_per_step(name, cache, s)
             bound_bytes = kv + (weight_bytes(model) if s.weights_in_bound else 0)
             rows.append({
-                "policy": name, "context": context, "batch": batch,
+                "policy": name, "kernels": "—" if name == "transformers" else os.environ.get("KVZOO_KERNELS", "auto"),
+                "context": context, "batch": batch,
                 "decode_ms": 1e3 * statistics.median(times),
                 "prefill_s": prefill_s if batch == 1 else None,
                 "prefill_peak_mib": prefill_peak if batch == 1 else None,
@@ -245,14 +254,15 @@ def markdown(rows: list[dict[str, Any]], s: Settings, bandwidth: float) -> str:
     out = [f"Device {s.device}, {str(s.dtype).removeprefix('torch.')}, {s.layers} layers of DeepSeek-V2-Lite attention "
            f"(hidden {s.hidden}, {s.heads} heads, 512 + 64 latent), ratio {s.ratio:g}x, prefill in chunks of {s.chunk}, "
            f"median of {s.steps} decode steps. Copy bandwidth {bandwidth / 1e9:,.0f} GB/s.", "",
-           "| policy | context | batch | decode ms/step | bandwidth-bound ms | KV MiB/step | prefill s | prefill peak MiB | decode peak MiB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| policy | kernels | context | batch | decode ms/step | bandwidth-bound ms | KV MiB/step | prefill s | prefill peak MiB | decode peak MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['policy']} | {r['context']} | {r.get('batch', '—')} | {r['error']} | | | | | |")
+            out.append(f"| {r['policy']} | {r.get('kernels', '—')} | {r['context']} | {r.get('batch', '—')} | {r['error']} "
+                       "| | | | | |")
             continue
         out.append(
-            f"| {r['policy']} | {r['context']} | {r['batch']} | {r['decode_ms']:.2f} | {r['bandwidth_bound_ms']:.3f} | "
+            f"| {r['policy']} | {r['kernels']} | {r['context']} | {r['batch']} | {r['decode_ms']:.2f} | {r['bandwidth_bound_ms']:.3f} | "
             f"{r['kv_bytes_per_step'] / 2**20:,.1f} | {fmt(r['prefill_s'], '.2f')} | {fmt(r['prefill_peak_mib'], ',.0f')} | "
             f"{fmt(r['decode_peak_mib'], ',.0f')} |"
         )
@@ -272,6 +282,8 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
     p.add_argument("--weights", action="store_true", help="add the weight bytes a step reads to the bandwidth bound")
     p.add_argument("--profile", default=None, help="also profile one decode step of this policy")
+    p.add_argument("--kernels", default=None, help="comma-separated KVZOO_KERNELS modes for kvzoo's policies "
+                   "(torch, triton; default torch,triton on CUDA, torch elsewhere)")
     p.add_argument("--out", default="results/gpu_runtime", help="output stem: STEM.md and STEM.json")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -288,7 +300,11 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
         batches=[int(b) for b in (args.batches or ("1,2" if toy else "1,4")).split(",")],
         steps=args.steps or (6 if toy else 48), warmup=2 if toy else 4, chunk=args.chunk or (256 if toy else 4096),
         ratio=args.ratio, policies=policies, weights_in_bound=args.weights,
+        kernels=(args.kernels or ("torch,triton" if device == "cuda" else "torch")).split(","),
     )
+    bad = [k for k in s.kernels if k not in ("torch", "triton", "auto")]
+    if bad:
+        p.error(f"unknown --kernels {bad}; valid: torch, triton, auto")
     if toy:
         s.notes.append("toy size (hidden 256, 4 heads, the real 512 + 64 row): a smoke run, not a measurement of a GPU")
     return s, args
@@ -300,16 +316,24 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(s.device, gib=0.125 if s.device == "cpu" else 1.0)
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
+    previous = os.environ.get("KVZOO_KERNELS")
     for context in s.contexts:
         for name in s.policies:
-            try:
-                rows.extend(run_config(model, name, context, s, bandwidth))
-            except (torch.OutOfMemoryError, RuntimeError, ValueError) as exc:
-                traceback.print_exc(file=sys.stderr)
-                rows.append({"policy": name, "context": context, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                if s.device == "cuda":
-                    torch.cuda.empty_cache()
-            print(f"[{time.perf_counter() - started:6.1f} s] {name} at {context}", file=sys.stderr)
+            for kernels in s.kernels if name != "transformers" else s.kernels[:1]:
+                os.environ["KVZOO_KERNELS"] = kernels
+                try:
+                    rows.extend(run_config(model, name, context, s, bandwidth))
+                except (torch.OutOfMemoryError, RuntimeError, ValueError) as exc:
+                    traceback.print_exc(file=sys.stderr)
+                    rows.append({"policy": name, "kernels": kernels, "context": context,
+                                 "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                    if s.device == "cuda":
+                        torch.cuda.empty_cache()
+                print(f"[{time.perf_counter() - started:6.1f} s] {name} ({kernels}) at {context}", file=sys.stderr)
+    if previous is None:
+        os.environ.pop("KVZOO_KERNELS", None)
+    else:
+        os.environ["KVZOO_KERNELS"] = previous
     s.notes.append(f"wall time {time.perf_counter() - started:.0f} s")
     report = markdown(rows, s, bandwidth)
     if args.profile:

@@ -26,7 +26,7 @@ def test_gpu_runtime_toy_run_writes_markdown_and_json(tmp_path, monkeypatch):
     # context grew by batch 1's decode steps in between)
     assert rows[("streaming_llm", 1)]["kv_bytes_per_step"] * 8 < rows[("full", 1)]["kv_bytes_per_step"]
     assert 1.95 < rows[("full", 2)]["kv_bytes_per_step"] / rows[("full", 1)]["kv_bytes_per_step"] < 2.05
-    assert "| vestige+sketch | 1024 | 2 |" in out.with_suffix(".md").read_text()
+    assert "| vestige+sketch | torch | 1024 | 2 |" in out.with_suffix(".md").read_text()
 
 
 def test_soak_toy_run_reports_every_policy_and_checks(tmp_path, monkeypatch, capsys):
