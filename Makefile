@@ -5,6 +5,8 @@
 #   make soak   10,000 decode steps per policy (benchmarks/soak.py) + the reliability suite's long profile
 #   make test-ray  installs the `ray` extra into .venv, runs tests/ray (the leaderboard on a local 2-worker Ray:
 #               same rows as local, a killed worker, an interrupted driver); .ci/run calls it after `make test`
+#   make test-triton36  the sm_90 compile gate again with Triton 3.6 (the GPU machine's version), installed
+#                       into .triton36/ beside the test venv's 3.7.1
 #   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
 #                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached)
 # TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
@@ -21,7 +23,7 @@ KVPRESS_SPEC ?= kvpress==0.5.5
 KVP_PY       := $(KVP_VENV)/bin/python
 KVP_STAMP    := $(KVP_VENV)/.kvzoo-installed
 
-.PHONY: venv test test-ray test-kvpress demo leaderboard soak lint clean
+.PHONY: venv test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean
 
 venv: $(STAMP)
 
@@ -42,6 +44,11 @@ test: $(STAMP)
 test-ray: $(STAMP)
 	$(PIP) install -q -e ".[test,ray]"
 	$(PY) -m pytest -q -p no:cacheprovider tests/ray
+
+# the kernels must compile with the Triton the GPU machine has (3.6) as well as the one torch 2.13 pins (3.7.1)
+test-triton36: $(STAMP)
+	test -d .triton36/triton || $(PIP) install -q --no-deps --target .triton36 "triton==3.6.0"
+	KVZOO_EXPECT_TRITON=3.6 PYTHONPATH=$(CURDIR)/.triton36:$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider tests/test_compile_gate.py
 
 # one resolve: torch first in the list pins the CPU wheel; kvpress brings transformers 5.2; kvzoo's own runtime
 # dependencies are named, kvzoo itself goes in with --no-deps (its transformers>=5.18 requirement would refuse 5.2)
@@ -69,4 +76,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(KVP_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(KVP_VENV) .triton36 .pytest_cache build *.egg-info

@@ -8,6 +8,7 @@ that has one. Registers per configuration are printed (``pytest -s``) and assert
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 
 import pytest
@@ -29,6 +30,13 @@ def _shipped():
 
 
 CONFIGS = _shipped()
+
+
+def test_the_expected_triton_compiles():
+    """``make test-triton36`` sets KVZOO_EXPECT_TRITON=3.6: the gate must then really run on Triton 3.6."""
+    expected = os.environ.get("KVZOO_EXPECT_TRITON")
+    if expected:
+        assert triton.__version__.startswith(expected), f"expected Triton {expected}, imported {triton.__version__}"
 
 
 def test_some_configuration_ships():

@@ -413,9 +413,10 @@ def launch_config(hq: int, W: int) -> dict[str, int]:
     # BLOCK_W 32 with 4 warps took 190-255, and num_stages 2 up to 180 and a stack frame for 32-64 rows.
     # The scan is bandwidth-bound: occupancy (3-4 programs of 8 warps per SM) hides the loads' latency.
     block_q = min(max(16, _next_pow2(hq)), INDEX_SCAN_MAX_BLOCK_Q)
-    # wide rows (Quest's MLA pages, 2 x 576 + 1) and 64 query rows: 32 entries per program, so that the
-    # registers stay in budget and a short archive still spreads over the GPU's SMs
-    block_m = 64 if W <= 256 and block_q <= 32 else 32
+    # wide rows (Quest's MLA pages, 2 x 576 + 1) and more than 16 query rows: 32 entries per program, so that
+    # the registers stay in budget and a short archive still spreads over the GPU's SMs (Triton 3.6, the GPU
+    # machine's, gave the 32-row x 64-entry reduce with a length an 8-byte stack frame; 3.7.1 did not)
+    block_m = 64 if W <= 256 and block_q <= 16 else 32
     return {"BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_W": 16, "num_warps": 8, "num_stages": 1}
 
 
