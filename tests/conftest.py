@@ -19,17 +19,23 @@ RAY_TESTS = pathlib.Path(__file__).parent / "ray"
 RAY_LEFT_OUT = pytest.StashKey[bool]()
 
 
+def _arg_paths(config: pytest.Config) -> list[pathlib.Path]:
+    return [pathlib.Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
+
+
 def _names_ray_tests(config: pytest.Config) -> bool:
-    for arg in config.args:
-        path = pathlib.Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
-        if path == RAY_TESTS or RAY_TESTS in path.parents:
-            return True
-    return False
+    return any(path == RAY_TESTS or RAY_TESTS in path.parents for path in _arg_paths(config))
+
+
+def _asks_for_everything_under(config: pytest.Config, folder: pathlib.Path) -> bool:
+    """Whether some argument is ``folder`` or a folder above it (then leaving it out is worth saying)."""
+    return any(path == folder or path in folder.parents for path in _arg_paths(config))
 
 
 def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
     if collection_path == RAY_TESTS and not _names_ray_tests(config):
-        config.stash[RAY_LEFT_OUT] = True
+        if _asks_for_everything_under(config, RAY_TESTS):
+            config.stash[RAY_LEFT_OUT] = True
         return True
     return None
 
