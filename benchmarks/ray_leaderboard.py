@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({' '.join(grid_options) or 'the preset as is'}); per policy: "
           + ", ".join(f"{k} {v:.1f} s" for k, v in per_policy.items()))
     print(f"load average before {load_before[0]:.1f}, after {report['load_average_after'][0]:.1f} on {os.cpu_count()} CPUs")
+    busiest = max(load_before[0], report["load_average_after"][0], report["load_average_after"][1])
+    if busiest > (os.cpu_count() or 1):  # other jobs shared the cores: the times above are theirs too
+        print(f"WARNING: the machine was busy (load average up to {busiest:.1f} on {os.cpu_count()} CPUs): the wall and "
+              "trial times are inflated and the local/ray comparison is not like for like; trust the same-rows check, "
+              "the memory figures and the schedule speed-ups, not the minutes")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return 0

@@ -1,13 +1,17 @@
 """The leaderboard on Ray: the same rows as the local executor, no trial lost or duplicated when a
-worker is killed, a driver interrupted and rerun resumes, a trial that keeps losing workers is an error."""
+worker is killed, a driver interrupted (in process, and by a real Ctrl-C to a `kvzoo leaderboard` process)
+and rerun resumes, a trial that keeps losing workers is an error."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +132,62 @@ def test_an_interrupted_driver_leaves_whole_lines_and_a_rerun_runs_only_the_rest
     assert [r["finished_at"] for r in stored[:3]] == [r["finished_at"] for r in first]  # the first rows untouched
     for row in rows:
         same_row(row, local_rows[row["key"]])  # ΔNLL against a reference read back from the file, too
+
+
+def _processes_with_env(entry: str) -> list[str]:
+    """``pid cmdline`` of every live process whose environment holds ``entry`` (``NAME=value``)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or not ours
+            continue
+        if entry.encode() in environ and int(pid) != os.getpid():
+            found.append(f"{pid} {cmdline.strip()}")
+    return found
+
+
+def test_ctrl_c_on_a_ray_driver_leaves_whole_lines_no_ray_processes_and_a_rerun_resumes(local_rows, tmp_path):
+    """A real Ctrl-C: SIGINT to the driver's process group while it waits on its workers (not an exception
+    raised from a callback). The driver exits, its local Ray instance goes with it, the file holds whole
+    lines only, and the same command run again runs only the trials that are missing."""
+    out = tmp_path / "ctrl-c.jsonl"
+    ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "RAY_TMPDIR": ray_tmp}  # marks every process this driver starts, to find any left behind
+    command = [sys.executable, "-m", "kvzoo.cli", *CLI, "--executor", "ray", "--workers", "2", "--out", str(out)]
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while driver.poll() is None and time.monotonic() < deadline and (
+                not out.exists() or out.read_text().count("\n") < 3):
+            time.sleep(0.1)
+        assert driver.poll() is None, "the grid finished before it could be interrupted"
+        os.killpg(driver.pid, signal.SIGINT)  # what Ctrl-C at a terminal sends: the foreground process group
+        _, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    assert driver.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
+    first = lines_of(out)  # fails on a partial line
+    assert 3 <= len(first) < TRIALS and len({r["key"] for r in first}) == len(first)
+    deadline = time.monotonic() + 30  # ray.shutdown() stops the daemons; give their exits a moment
+    while _processes_with_env(f"RAY_TMPDIR={ray_tmp}") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_with_env(f"RAY_TMPDIR={ray_tmp}") == []  # no Ray daemon or worker outlived the driver
+
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    shutil.rmtree(ray_tmp, ignore_errors=True)  # both instances' session logs
+    assert done.returncode == 0, done.stderr[-3000:]
+    stored = lines_of(out)
+    assert [r["finished_at"] for r in stored[:len(first)]] == [r["finished_at"] for r in first]  # untouched
+    assert sorted(r["key"] for r in stored[len(first):]) == sorted(set(local_rows) - {r["key"] for r in first})
+    assert len(stored) == TRIALS
+    for row in stored:
+        same_row(row, local_rows[row["key"]])
 
 
 class _Trial:
