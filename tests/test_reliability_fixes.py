@@ -208,3 +208,18 @@ def test_the_trainer_resumes_with_weights_only_from_a_per_user_directory(tmp_pat
     cfg = trainer.TrainConfig(arm="nope", work_dir=str(tmp_path), max_steps=1, progress=False, threads=1)
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
         trainer.train(cfg)
+
+
+def test_a_forward_that_failed_midway_does_not_poison_the_next_one_with_another_cache(tiny):
+    """A cache's layer whose update ran but whose attention never did (a forward that raised in between) must not
+    make a later forward of the same model, with a transformers cache, fail in kvzoo's attention."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(1, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = TieredCache(tiny, "full")
+    layer = cache.tiered_layers[0]
+    layer.update(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16))  # the rows went in; the attention never ran
+    with torch.no_grad():
+        plain = tiny(input_ids=ids, past_key_values=DynamicCache(), use_cache=True).logits
+        again = tiny(input_ids=ids, past_key_values=DynamicCache(), use_cache=True).logits
+    assert torch.equal(plain, again)

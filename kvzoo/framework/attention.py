@@ -76,6 +76,8 @@ def padding_mask(
     multi-token forward returns None when nothing is padding (one host check per forward); a
     decode step returns the mask unchecked, so the step never waits for the device.
     """
+    # a new forward of the model begins: a layer a failed forward left pending belongs to no forward now
+    ACTIVE_LAYER.set(None)
     if q_length is None:
         q_length = kwargs["cache_position"].shape[0]
     if attention_mask is None:
@@ -105,7 +107,8 @@ def kvzoo_attention(
     layer = ACTIVE_LAYER.get()
     ACTIVE_LAYER.set(None)
     if layer is None or key is not layer.returned_keys:
-        if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
+        if (layer is not None and layer.layer_idx == getattr(module, "layer_idx", None)
+                and layer.returned_keys is not None and key.shape == layer.returned_keys.shape):
             raise RuntimeError(
                 f"layer {layer.layer_idx}: the attention received keys that are not the TieredCache's attended tier "
                 f"(the model transformed them after Cache.update); {type(module).__name__} is not supported"
@@ -373,7 +376,7 @@ def mla_attention(
     """
     _begin(state, attention_mask, mq.scaling)
     q_len = mq.q_nope.shape[2]
-    window = rt.policy.observation_window
+    window = rt.observation_window
     rt.record_queries(state, mq.absorbed(last=min(window, q_len)) if window > 0 else None)
     if q_len == 1:
         latent = _decode(rt, state, mq.absorbed(), mq.scaling, sdpa=False)
