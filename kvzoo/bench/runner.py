@@ -28,6 +28,14 @@ from the same point, without paying for the prefill three times:
 * the question and the answer prefix, then greedy decoding, stopped at EOS, at ``max_new_tokens``,
   or once every reference answer has appeared (the score cannot change after that): the string-match
   score, and the per-step KV-path bytes and fetched rows.
+
+Trials of one (model, task, question position) also share one prefill across policies where it is the same
+prefill (:class:`SharedPrefill`): every policy that prefills densely and acts only at the context's end
+(``full``, ``snapkv``, ``chunkkv``, at every ratio) continues from one dense prefill
+through ``TieredCache.fork_as`` -- the rows, counters and observation-window queries are that prefill's, bit
+for bit, so the row is the one a prefill of its own gives (``prefill_shared`` says it was reused;
+``prefill_s`` is the shared prefill's time). StreamingLLM, H2O and Quest (per-step schedules: they evict
+after each prefill chunk, and H2O accumulates attention there) and VestigeKV (per block) prefill on their own.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from kvzoo.bench.executors import EXECUTORS, Executor, LocalExecutor, TrialGroup
 from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
 from kvzoo.framework import pipeline
-from kvzoo.framework.cache import TieredCache
+from kvzoo.framework.cache import TieredCache, dense_prefill_problem
 from kvzoo.framework.names import policy_retriever
 from kvzoo.framework.pipeline import QUESTION_POSITIONS, build_prompt
 from kvzoo.framework.policy import Policy
@@ -299,6 +307,44 @@ class Reference:
     continuation_ce: float | None
 
 
+class SharedPrefill:
+    """The latest dense prefill of one (model, task, question position), kept to serve every policy that can
+    continue it (``TieredCache.fork_as``). ``record_window``: the most observation-window queries any of
+    those policies reads (the prefill keeps that many)."""
+
+    def __init__(self, record_window: int = 0) -> None:
+        self.record_window = record_window
+        self.key: tuple | None = None
+        self.base: TieredCache | None = None
+        self.first_logits: torch.Tensor | None = None
+        self.seconds = 0.0
+
+    def clear(self) -> None:
+        if self.base is not None:
+            self.base.close()
+        self.key = self.base = self.first_logits = None
+
+    @torch.no_grad()
+    def fork(self, key: tuple, model: torch.nn.Module, prefix: torch.Tensor, chunk_size: int | None, audit: bool,
+             policy: Policy) -> tuple[TieredCache, torch.Tensor, float, bool] | None:
+        """``(cache, first_logits, prefill seconds, reused)`` continuing the dense prefill of ``prefix`` as
+        ``policy`` (made now if ``key`` differs from the kept one), or None when ``policy`` cannot share it."""
+        if dense_prefill_problem(policy) is not None:
+            return None
+        reused = key == self.key
+        if not reused:
+            self.clear()
+            base = TieredCache(model, "full", context_length=prefix.shape[1], audit=audit,
+                               record_window=self.record_window)
+            started = time.perf_counter()
+            self.first_logits = pipeline.prefill(model, base, prefix, chunk_size)
+            self.seconds = time.perf_counter() - started
+            self.key, self.base = key, base
+        if self.base.prefill_shared_with(policy) is not None:
+            return None
+        return self.base.fork_as(policy), self.first_logits, self.seconds, reused
+
+
 @torch.no_grad()
 def run_trial(
     model: torch.nn.Module,
@@ -312,10 +358,14 @@ def run_trial(
     chunk_size: int | None = None,
     audit: bool = False,
     stop_when_answered: bool = True,
+    shared: SharedPrefill | None = None,
+    shared_key: tuple | None = None,
 ) -> dict[str, Any]:
     """Run one trial; the metrics as a flat dict (see the module docstring and ``benchmarks/README.md``).
 
     With ``reference=None`` the ΔNLL/ΔCE fields are None (the runner fills them for the reference row).
+    ``shared`` (with ``shared_key``, naming the model, task and position): a :class:`SharedPrefill` the
+    trial continues from when its policy can.
     """
     if position not in QUESTION_POSITIONS:
         raise ValueError(f"question position must be one of {QUESTION_POSITIONS}, got {position!r}")
@@ -324,9 +374,14 @@ def run_trial(
         prefix, rest = ids.prefix, ids.question
         if position == "before":
             prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
-        cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
-        with metrics.Stopwatch() as t_prefill:
-            first_logits = pipeline.prefill(model, cache, prefix, chunk_size)
+        forked = None if shared is None else shared.fork(shared_key, model, prefix, chunk_size, audit, policy)
+        if forked is not None:
+            cache, first_logits, prefill_seconds, prefill_shared = forked
+        else:
+            cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
+            with metrics.Stopwatch() as t_prefill:
+                first_logits = pipeline.prefill(model, cache, prefix, chunk_size)
+            prefill_seconds, prefill_shared = t_prefill.seconds, False
         with metrics.Stopwatch() as t_compress:
             pipeline.compress(cache)
         compressed = cache.stats().totals
@@ -386,7 +441,8 @@ def run_trial(
         "fetched_rows_per_step": metrics.rows_fetched_per_step(start, final, steps),
         "bound_violations": metrics.bound_violations(final),
         "peak_rss_bytes": metrics.peak_rss_bytes(),
-        "prefill_s": t_prefill.seconds,
+        "prefill_s": prefill_seconds,
+        "prefill_shared": prefill_shared,
         "compress_s": t_compress.seconds,
         "score_s": t_score.seconds,
         "question_s": t_question.seconds,
@@ -578,9 +634,15 @@ class TrialRunner:
         self.models: dict[str, tuple[torch.nn.Module, Any]] = {}
         self.tasks: dict[tuple[str, str], Task] = {}
         self.load_seconds = 0.0  # spent loading models so far (the executors keep it out of trial_seconds)
+        self.shared = SharedPrefill(record_window=_widest_window(grid))
+
+    def close(self) -> None:
+        """Free the kept prefill."""
+        self.shared.clear()
 
     def model(self, name: str) -> tuple[torch.nn.Module, Any]:
         if name not in self.models:
+            self.shared.clear()  # a prefill of the previous model
             self.models.clear()  # one model in memory at a time
             started = time.perf_counter()
             model, tokenizer = load(name, self.grid.dtype)
@@ -597,6 +659,26 @@ class TrialRunner:
     def run(self, trial: Trial, reference: Reference | None) -> dict[str, Any]:
         """``trial``'s row (status ok, skipped or error), measured against ``reference`` (the full cache's figures)."""
         return _execute(trial, self, reference)
+
+
+def _widest_window(grid: Grid) -> int:
+    """The widest observation window among the grid's policies that share a dense prefill (0: none)."""
+    from kvzoo import registry
+
+    widest = 0
+    for name in grid.policies if grid.policies is not None else registry.available():
+        try:
+            ratios = grid.ratios if needs_ratio(name) else (None,)
+        except Exception:  # noqa: BLE001 - a policy the grid will record as skipped shares nothing
+            continue
+        for ratio in ratios:
+            try:
+                policy = build_policy(name, ratio)
+            except Exception:  # noqa: BLE001 - as above
+                continue
+            if dense_prefill_problem(policy) is None and "window" in policy.observes:
+                widest = max(widest, policy.observation_window)
+    return widest
 
 
 def reference_of(latest: dict[str, dict[str, Any]], trial: Trial) -> Reference | None:
@@ -661,6 +743,8 @@ def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dic
             max_new_tokens=ctx.grid.max_new_tokens,
             chunk_size=ctx.grid.chunk_size,
             audit=ctx.grid.audit,
+            shared=ctx.shared,
+            shared_key=(trial.model, trial.task.key, trial.position),
         ))
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -39,6 +39,18 @@ from kvzoo.framework.runtime import LayerState, Runtime
 from kvzoo.framework.store import CacheStats, LayerStats
 
 
+def dense_prefill_problem(policy: Policy) -> str | None:
+    """Why ``policy``'s prefill is not a plain dense prefill another policy could share (None: it is): it
+    acts during the prefill, accumulates attention or records inputs there, or prefills token by token."""
+    if policy.schedule != "context_end":
+        return f"{policy.name!r} acts during the prefill (schedule {policy.schedule!r})"
+    if policy.observes & {"accumulate", "inputs"}:
+        return f"{policy.name!r} observes {sorted(policy.observes & {'accumulate', 'inputs'})} during the prefill"
+    if policy.multi_token_window(1 << 30) is not None:
+        return f"{policy.name!r} prefills with a window (token by token), not densely"
+    return None
+
+
 class TieredLayer(CacheLayerMixin):
     """One layer's rows (``state.store``) and runtime state, behind transformers' layer contract.
 
@@ -241,8 +253,11 @@ class TieredCache(Cache):
         audit: bool = False,
         decompress_min_queries: int | None = None,
         auto_compress: bool = True,
+        record_window: int = 0,
     ) -> None:
         policy = resolve_policy(policy)
+        if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
+            raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
         retriever = policy_retriever(policy)
         if retriever is not None and not policy.archive:
             raise ValueError(
@@ -269,7 +284,8 @@ class TieredCache(Cache):
                 f"(this is {transformers.__version__}): pip install 'transformers>=5.18,<5.40'"
             )
         geometry = RowGeometry(adapter.layout, getattr(adapter, "kv_lora_rank", 0), getattr(adapter, "rope_dim", 0))
-        self.runtime = Runtime(policy, retriever, geometry, len(tiered), context_length=context_length, audit=audit)
+        self.runtime = Runtime(policy, retriever, geometry, len(tiered), context_length=context_length, audit=audit,
+                               record_window=record_window)
         self.adapter = adapter
         # a policy that never evicts (full) holds the whole context: reserve it once instead of growing
         reserve = context_length if context_length and not policy.requires_budget else None
@@ -344,6 +360,59 @@ class TieredCache(Cache):
             memo[id(self.runtime.retriever)] = self.runtime.retriever
         return copy.deepcopy(self, memo)
 
+    def prefill_shared_with(self, policy: Policy | str) -> str | None:
+        """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can.
+
+        It can when nothing so far depended on the policy: no event has fired (nothing compressed, nothing
+        archived), both policies prefill densely and act only at the context's end, neither accumulates
+        attention during the prefill nor records the attention modules' inputs, and the queries kept cover
+        ``policy``'s observation window.
+        """
+        policy = resolve_policy(policy)
+        states = [layer.state for layer in self.tiered_layers]
+        if any(s.context_ended or s.budget is not None or s.store.archive.n for s in states):
+            return "this cache has compressed already (an event fired)"
+        for role, p in (("this cache's policy", self.policy), ("the new policy", policy)):
+            problem = dense_prefill_problem(p)
+            if problem is not None:
+                return f"{role} {problem}"
+        if self.adapter.layout not in policy.layouts:
+            return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {self.adapter.layout!r}"
+        needed = policy.observation_window if "window" in policy.observes else 0
+        if needed > self.runtime.observation_window:
+            return (f"policy {policy.name!r} reads the last {needed} queries, this cache kept "
+                    f"{self.runtime.observation_window} (create it with record_window={needed})")
+        return None
+
+    def fork_as(self, policy: Policy | str) -> TieredCache:
+        """A copy of this prefilled, not yet compressed cache that continues as ``policy``.
+
+        One dense prefill then serves several policies that would have computed the very same prefill
+        (a benchmark's grid): the copy's rows, counters and kept queries are this cache's, bit for bit; its
+        policy, retriever and budget are ``policy``'s. A ValueError says why when the prefill is not
+        ``policy``'s to share (:meth:`prefill_shared_with`).
+        """
+        policy = resolve_policy(policy)
+        problem = self.prefill_shared_with(policy)
+        if problem is not None:
+            raise ValueError(f"fork_as({policy.name!r}): {problem}")
+        retriever = policy_retriever(policy)
+        if retriever is not None and not policy.archive:
+            raise ValueError(f"policy {policy.name!r} has retriever={retriever.name!r} but archive=False")
+        copy_ = self.fork()
+        old = copy_.runtime
+        runtime = Runtime(policy, retriever, old.geometry, old.num_layers, context_length=old.context_length,
+                          audit=old.audit)
+        copy_.runtime = runtime
+        for layer in copy_.tiered_layers:
+            layer.runtime = runtime
+            layer.state.index = retriever.new_state(runtime.geometry) if retriever is not None else None
+            queries = layer.state.window_queries
+            if queries is not None:
+                window = runtime.observation_window
+                layer.state.window_queries = queries[:, :, -window:].clone() if window > 0 else None
+        return copy_
+
     def close(self) -> None:
         """Free every layer's rows now (the cache is empty and reusable afterwards)."""
         for layer in self.tiered_layers:
@@ -359,4 +428,4 @@ class TieredCache(Cache):
         return f"TieredCache(policy={self.policy!r}, layers={len(self.layers)})"
 
 
-__all__ = ["TieredCache", "TieredLayer", "CacheStats", "LayerStats"]
+__all__ = ["TieredCache", "TieredLayer", "CacheStats", "LayerStats", "dense_prefill_problem"]

@@ -162,6 +162,14 @@ class Runtime:
     context_length: int | None = None
     audit: bool = False
     shared: dict[str, Any] = field(default_factory=dict)  # the policy's cross-layer scratch (ChunkKV's reuse)
+    # queries kept beyond the policy's own window: a prefill that policies with wider windows continue from
+    # (TieredCache(..., record_window=w) and fork_as); the policy itself sees only its own window's
+    record_window: int = 0
+
+    @property
+    def observation_window(self) -> int:
+        """How many of the latest queries each layer keeps: the policy's window, or ``record_window`` if wider."""
+        return max(self.policy.observation_window, self.record_window)
 
     def new_layer(self, layer_idx: int, layer_rank: int) -> LayerState:
         index = self.retriever.new_state(self.geometry) if self.retriever is not None else None
@@ -176,7 +184,7 @@ class Runtime:
         keys, slots, valid = store.get("keys"), store.get("slots"), store.get("valid")
         window_fn = None
         if "window" in self.policy.observes and state.window_queries is not None:
-            queries = state.window_queries
+            queries = state.window_queries[:, :, -self.policy.observation_window:]
             q_slots = torch.arange(store.seen - queries.shape[2], store.seen, device=keys.device)
             scaling = state.scaling
 
@@ -238,7 +246,7 @@ class Runtime:
 
     def record_queries(self, state: LayerState, query: torch.Tensor | None) -> None:
         """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention)."""
-        window = self.policy.observation_window
+        window = self.observation_window
         if window <= 0 or query is None:
             return
         query = query[:, :, -window:]

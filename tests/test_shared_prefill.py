@@ -1,0 +1,85 @@
+"""One dense prefill serving several policies: TieredCache.fork_as and the runner's SharedPrefill."""
+
+import pytest
+import torch
+
+from kvzoo import TieredCache, registry
+from kvzoo.bench import runner
+from kvzoo.bench.tasks import ByteTokenizer, TaskSpec, make_task
+from kvzoo.framework import pipeline
+from kvzoo.models import tiny_deepseek_v2
+
+SHAREABLE = {
+    "full": lambda: registry.get("full"),
+    "snapkv": lambda: registry.get("snapkv", ratio=4),
+    "chunkkv": lambda: registry.get("chunkkv", ratio=4),
+    "snapkv+sketch": lambda: registry.get("snapkv", ratio=4, retriever="vestige"),
+}
+
+
+def _ids(n, seed, vocab):
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _continue(model, cache, logits, question):
+    """Compress, ask, decode 4 tokens: the tokens, the compressed rows and the KV bytes read."""
+    pipeline.compress(cache)
+    rows = [layer.keys.clone() for layer in cache.tiered_layers]
+    logits = pipeline.prefill(model, cache, question, None)
+    tokens = pipeline.greedy_decode(model, cache, logits, 3, set())
+    return tokens, rows, cache.stats().totals
+
+
+@pytest.mark.parametrize("builder", ["llama", "deepseek_v2"])
+def test_fork_as_continues_exactly_as_a_prefill_of_its_own(builder, tiny):
+    model = tiny if builder == "llama" else tiny_deepseek_v2()[0]
+    vocab = model.config.vocab_size
+    context, question = _ids(160, 1, vocab), _ids(4, 2, vocab)
+    with torch.no_grad():
+        base = TieredCache(model, "full", context_length=160, record_window=32)
+        base_logits = pipeline.prefill(model, base, context, 64)
+        for name, make in SHAREABLE.items():
+            shared = _continue(model, base.fork_as(make()), base_logits, question)
+            own_cache = TieredCache(model, make(), context_length=160)
+            own = _continue(model, own_cache, pipeline.prefill(model, own_cache, context, 64), question)
+            assert shared[0] == own[0], name
+            assert all(torch.equal(a, b) for a, b in zip(shared[1], own[1])), name
+            assert shared[2] == own[2], name  # resident rows, bytes read, fetched rows, events: all equal
+        assert base.stats().totals["events"] == 0  # the base itself never compressed
+
+
+def test_fork_as_refuses_what_it_cannot_share(tiny):
+    ids = _ids(120, 3, tiny.config.vocab_size)
+    with torch.no_grad():
+        base = TieredCache(tiny, "full", context_length=120)  # keeps no window queries
+        pipeline.prefill(tiny, base, ids, None)
+        for name, why in [("h2o", "schedule"), ("quest", "schedule"), ("vestige", "schedule"),
+                          ("streaming_llm", "schedule")]:
+            with pytest.raises(ValueError, match=why):
+                base.fork_as(registry.get(name, ratio=4))
+        with pytest.raises(ValueError, match="record_window=32"):  # snapkv reads 32 queries the base did not keep
+            base.fork_as(registry.get("snapkv", ratio=4))
+        compressed = base.fork_as("full")
+        compressed.compress()
+        with pytest.raises(ValueError, match="compressed already"):
+            compressed.fork_as("full")
+    with pytest.raises(ValueError, match="record_window"):
+        TieredCache(tiny, "full", record_window=-1)
+
+
+def test_the_runner_gives_the_same_row_with_a_shared_prefill(tiny):
+    task = make_task(TaskSpec(context_tokens=200, depth=0.5), ByteTokenizer(), continuation_tokens=16)
+    shared = runner.SharedPrefill(record_window=32)
+    key = ("tiny", "task", "after")
+    timing = {"prefill_s", "compress_s", "score_s", "question_s", "decode_s", "decode_ms_per_step", "wall_s",
+              "peak_rss_bytes", "prefill_shared"}
+    for i, name in enumerate(["full", "chunkkv", "h2o"]):
+        policy = registry.get(name) if name == "full" else registry.get(name, ratio=4)
+        with_shared = runner.run_trial(tiny, ByteTokenizer(), task, policy, max_new_tokens=4, shared=shared,
+                                       shared_key=key)
+        alone = runner.run_trial(tiny, ByteTokenizer(), task, policy, max_new_tokens=4)
+        assert {k: v for k, v in with_shared.items() if k not in timing} == \
+            {k: v for k, v in alone.items() if k not in timing}, name
+        assert with_shared["prefill_shared"] == (i == 1)  # full made it, chunkkv reused it, h2o prefills alone
+        assert not alone["prefill_shared"]
+    shared.clear()
