@@ -64,7 +64,7 @@ KVPRESS_VERSION = "0.5.5"
 KVPRESS_INSTALL = (
     f"kvpress {KVPRESS_VERSION} needs transformers>=4.56,<5.3 and kvzoo's main environment has >=5.18, so it goes in an "
     "environment of its own: `make test-kvpress` builds one (.venv-kvpress), or by hand: python -m venv .venv-kvpress && "
-    f".venv-kvpress/bin/pip install 'torch==2.13.0' 'kvpress=={KVPRESS_VERSION}' pluggy tqdm matplotlib safetensors && "
+    f".venv-kvpress/bin/pip install 'torch==2.13.0' 'kvpress=={KVPRESS_VERSION}' pluggy tqdm matplotlib safetensors gguf && "
     ".venv-kvpress/bin/pip install --no-deps -e .  (then run kvzoo with .venv-kvpress/bin/python)"
 )
 
