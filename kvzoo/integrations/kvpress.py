@@ -64,7 +64,7 @@ KVPRESS_VERSION = "0.5.5"
 KVPRESS_INSTALL = (
     f"kvpress {KVPRESS_VERSION} needs transformers>=4.56,<5.3 and kvzoo's main environment has >=5.18, so it goes in an "
     "environment of its own: `make test-kvpress` builds one (.venv-kvpress), or by hand: python -m venv .venv-kvpress && "
-    f".venv-kvpress/bin/pip install 'torch==2.13.0' 'kvpress=={KVPRESS_VERSION}' pluggy tqdm matplotlib safetensors && "
+    f".venv-kvpress/bin/pip install 'torch==2.13.0' 'kvpress=={KVPRESS_VERSION}' pluggy tqdm matplotlib safetensors gguf && "
     ".venv-kvpress/bin/pip install --no-deps -e .  (then run kvzoo with .venv-kvpress/bin/python)"
 )
 
@@ -145,6 +145,13 @@ def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_
             "not do (and kvpress's DecodingPress re-scores from a buffer of recent hidden states, which is not this "
             "policy's rule); to_press(policy, prefill_only=True) runs its eviction at the context's end alone "
             "(the rows kvzoo's runtime holds after the context), or run it in kvzoo's runtime"
+        )
+    if policy.is_dense(0):
+        raise ValueError(
+            f"{policy.name}: it leaves its first layers uncompressed (dense_layers={getattr(policy, 'dense_layers', '?')}"
+            "), so layers would hold different numbers of rows, which kvpress's pipeline cannot attend over (its "
+            "attention mask follows layer 0's length; kvpress allows per-layer lengths only with flash attention): "
+            "pass the policy with dense_layers=0, or run it in kvzoo's runtime"
         )
     if compression_ratio is not None:
         check_compression_ratio(compression_ratio)
