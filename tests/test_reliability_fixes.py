@@ -220,6 +220,6 @@ def test_a_forward_that_failed_midway_does_not_poison_the_next_one_with_another_
     layer = cache.tiered_layers[0]
     layer.update(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16))  # the rows went in; the attention never ran
     with torch.no_grad():
-        plain = tiny(input_ids=ids, past_key_values=DynamicCache(), use_cache=True).logits
-        again = tiny(input_ids=ids, past_key_values=DynamicCache(), use_cache=True).logits
+        plain = tiny(input_ids=ids, cache=DynamicCache(), use_cache=True).logits
+        again = tiny(input_ids=ids, cache=DynamicCache(), use_cache=True).logits
     assert torch.equal(plain, again)

@@ -60,7 +60,11 @@ def test_same_tokens_on_the_kernel_path(model, name, params, monkeypatch):
         policy = registry.get(name, **params)
         runs[kernels] = pipeline.generate(model, None, context, question, policy, max_new_tokens=NEW)
     launches = {k: len(v) for k, v in launches.items()}
-    assert launches["torch"] == 0 and launches["triton"] > 0  # the decode steps took the kernel
+    assert launches["torch"] == 0
+    if "accumulate" in policy.observes:  # H2O's decode needs every row's probability: the reference path, by design
+        assert launches["triton"] == 0
+    else:
+        assert launches["triton"] > 0  # the decode steps took the kernel
     assert runs["triton"].token_ids == runs["torch"].token_ids
     assert len(runs["triton"].token_ids) == NEW
     fetched = [s.last_step.get("rows_fetched", 0) for s in runs["triton"].stats.layers if s.last_step]
