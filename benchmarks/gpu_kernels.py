@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from kvzoo.bench.metrics import copy_bandwidth
+
 HEADS, LATENT, BRANCH = 16, 512, 64  # DeepSeek-V2-Lite / Kimi Linear absorbed MLA rows
 SKETCH_WIDTH = 131  # rank 64 + eta + branch 64 + two norms: vestige's index entry
 PAGE = 16
@@ -38,24 +40,6 @@ KEEP = 32
 FETCHED = (16, 1024)
 # a kernel's output against the fp32 reference on the same inputs: relative error allowed per input dtype
 CHECK = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def copy_bandwidth(device: str, gib: float = 1.0) -> float:
-    """Bytes moved per second by a device copy (read + write), best of 10."""
-    n = int(gib * 2**30) // 4
-    src = torch.empty(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    del src, dst
-    return 2 * n * 4 / best
 
 
 def timed(fn, device: str) -> float:

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from kvzoo.bench.metrics import copy_bandwidth
+
 POLICIES = {
     "transformers": None,  # transformers' own DeepseekV2 attention with a DynamicCache
     "full": ("full", {}),
@@ -95,22 +97,6 @@ def build_model(s: Settings) -> torch.nn.Module:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, gib: float = 1.0) -> float:
-    """Bytes moved per second by a device copy (read + write), best of 10."""
-    n = int(gib * 2**30) // 4
-    src = torch.empty(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    del src, dst
-    return 2 * n * 4 / best
 
 
 def memory_mark(device: str) -> int:

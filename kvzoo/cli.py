@@ -290,16 +290,6 @@ def _policy_list(text: str) -> list[str]:
     return [name.strip() for name in names if name.strip()]
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a token count is an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a token count is an int >= 1, got {text!r}")
-    return value
-
-
 def _depth(text: str) -> float:
     try:
         value = float(text)
@@ -310,17 +300,21 @@ def _depth(text: str) -> float:
     return value
 
 
-def _positive_int(option: str) -> Any:
+def _positive_int(subject: str) -> Any:
+    """An argparse type: an int >= 1, or an error saying ``{subject} is an int >= 1``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--{option} is an int >= 1, got {text!r}") from None
+            value = 0
         if value < 1:
-            raise argparse.ArgumentTypeError(f"--{option} is an int >= 1, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{subject} is an int >= 1, got {text!r}")
         return value
 
     return parse
+
+
+_positive = _positive_int("a token count")
 
 
 def _non_negative(option: str, strict: bool = False) -> Any:
@@ -410,13 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
                       f"slot holding a loaded model (needs `{RAY_INSTALL}`)")
     p_lb.add_argument("--address", help="ray: the cluster -- auto (this machine's `ray start --head`) or "
                       "ray://HOST:10001; default: start a local Ray instance")
-    p_lb.add_argument("--workers", type=_positive_int("workers"),
+    p_lb.add_argument("--workers", type=_positive_int("--workers"),
                       help="ray: worker slots (default: as many as the cluster's CPUs or GPUs allow)")
     p_lb.add_argument("--gpus-per-worker", type=_non_negative("gpus-per-worker"),
                       help="ray: GPUs per worker, fractions allowed (a worker with a GPU runs its model on cuda)")
     p_lb.add_argument("--cpus-per-worker", type=_non_negative("cpus-per-worker", strict=True),
                       help="ray: CPUs per worker, also its torch threads (default 1)")
-    p_lb.add_argument("--max-attempts", type=_positive_int("max-attempts"),
+    p_lb.add_argument("--max-attempts", type=_positive_int("--max-attempts"),
                       help="ray: workers a trial may lose (killed, out of memory) before it is recorded as an error "
                       "(default 3)")
     p_lb.set_defaults(func=cmd_leaderboard)

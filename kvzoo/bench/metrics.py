@@ -184,3 +184,26 @@ class Stopwatch:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self._start
+
+
+def copy_bandwidth(device: str, gib: float = 1.0) -> float:
+    """Bytes moved per second by a ``gib`` GiB device copy (read + write), best of 10: the bandwidth the GPU
+    benchmarks compare their kernels and steps against."""
+    import torch
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    n = int(gib * 2**30) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        sync()
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return 2 * n * 4 / best

@@ -198,13 +198,15 @@ def _source(keys: torch.Tensor, values: torch.Tensor | None, width: int, valid: 
 def _decode_kernel(rt: Runtime, state: LayerState, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    allowed: torch.Tensor | None, retrieving: bool, scaling: float) -> torch.Tensor:
     """:func:`_decode` on the kernel path (``kvzoo.kernels.dispatch``): the tier and the fetched rows read
-    in place by the gathered split-K kernel, one softmax merged by log-sum-exp. s* for a retriever is
-    still the tier's best exact score, computed as the reference path computes it (one more read of the
-    tier's keys: the kernel does not return per-head maxima)."""
+    in place by the gathered split-K kernel, one softmax merged by log-sum-exp. s* for a retriever that
+    reads it is still the tier's best exact score, computed as the reference path computes it (one more read
+    of the tier's keys: the kernel does not return per-head maxima); Quest's pages need none."""
     width = values.shape[-1]
     sources = [_source(keys, values, width, allowed)]
     if retrieving:
-        best = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None]).amax(dim=-1)
+        best = None
+        if state.index.needs_best:
+            best = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None]).amax(dim=-1)
         fetched = rt.fetch(state, query, None, scaling, best=best, with_slots=False)
         sources.append(_source(fetched.keys, fetched.values, width, fetched.valid, fetched.head_valid))
     else:

@@ -39,6 +39,17 @@ from kvzoo.framework.runtime import LayerState, Runtime
 from kvzoo.framework.store import CacheStats, LayerStats
 
 
+def _retriever_of(policy: Policy):
+    """``policy``'s retriever (or None); a ValueError when it has one but keeps no archive to fetch from."""
+    retriever = policy_retriever(policy)
+    if retriever is not None and not policy.archive:
+        raise ValueError(
+            f"policy {policy.name!r} has retriever={retriever.name!r} but archive=False: a retriever "
+            "fetches from the archive; use archive=True or retriever=None"
+        )
+    return retriever
+
+
 def dense_prefill_problem(policy: Policy) -> str | None:
     """Why ``policy``'s prefill is not a plain dense prefill another policy could share (None: it is): it
     acts during the prefill, accumulates attention or records inputs there, or prefills token by token."""
@@ -258,12 +269,7 @@ class TieredCache(Cache):
         policy = resolve_policy(policy)
         if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
             raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
-        retriever = policy_retriever(policy)
-        if retriever is not None and not policy.archive:
-            raise ValueError(
-                f"policy {policy.name!r} has retriever={retriever.name!r} but archive=False: a retriever "
-                "fetches from the archive; use archive=True or retriever=None"
-            )
+        retriever = _retriever_of(policy)
         if decompress_min_queries is not None and (
             isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
             or decompress_min_queries < 2
@@ -396,9 +402,7 @@ class TieredCache(Cache):
         problem = self.prefill_shared_with(policy)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
-        retriever = policy_retriever(policy)
-        if retriever is not None and not policy.archive:
-            raise ValueError(f"policy {policy.name!r} has retriever={retriever.name!r} but archive=False")
+        retriever = _retriever_of(policy)
         copy_ = self.fork()
         old = copy_.runtime
         runtime = Runtime(policy, retriever, old.geometry, old.num_layers, context_length=old.context_length,

@@ -209,21 +209,26 @@ class PageIndex(RetrievalState):
         n = self.n_pages(archive.budget)
         size = self.page_size
         offsets = torch.arange(size, device=query.device)
-        if self.config.gqa == "group" and query.shape[2] == 1:  # a decode step: one fused scan, max over heads
-            B, q_len = query.shape[0], 1
-            group_max = index_scan_reduce(page_query(query, G), self.pages.get("entries"), scaling, None)
-            group_max = group_max.masked_fill(self.pages.get("empty"), float("-inf"))  # empty pages: never
-            pages = group_max.topk(n, dim=-1).indices[:, :, None]  # [B, G, 1, n]
-            rows = (pages[..., None] * size + offsets).view(B, G, -1)
+        B = query.shape[0]
+
+        def page_rows(pages: torch.Tensor) -> torch.Tensor:  # [B, *, q, n] page indices -> [B, G, K] rows
+            return (pages[..., None] * size + offsets).view(B, G, -1)
+
+        if self.config.gqa == "group":  # one page set per KV group: the max over its heads
+            if query.shape[2] == 1:  # a decode step: one fused scan reduced over the heads
+                group_max = index_scan_reduce(page_query(query, G), self.pages.get("entries"), scaling, None)
+                group_max = group_max.masked_fill(self.pages.get("empty"), float("-inf"))  # empty pages: never
+                pages = group_max.topk(n, dim=-1).indices[:, :, None]  # [B, G, 1, n]
+            else:
+                bounds = self.bounds(query, scaling)  # [B, H, q, p]
+                H, q_len, p = bounds.shape[1:]
+                pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
+            rows = page_rows(pages)
             return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows)
         bounds = self.bounds(query, scaling)  # [B, H, q, p]
-        B, H, q_len, p = bounds.shape
-        if self.config.gqa == "group":  # one page set per KV group: the max over its heads
-            pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
-            rows = (pages[..., None] * size + offsets).view(B, G, -1)
-            return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows)
+        H, q_len, p = bounds.shape[1:]
         pages = bounds.topk(n, dim=-1).indices  # [B, H, q, n]: each head's own pages
-        rows = (pages[..., None] * size + offsets).view(B, G, -1)  # the union over the group's heads
+        rows = page_rows(pages)  # the union over the group's heads
 
         def visible(staged: torch.Tensor) -> torch.Tensor:
             """Head h reads a staged row when the row's page is among head h's pages: ``[B, H, K]``."""
