@@ -22,6 +22,10 @@ KVP_VENV     ?= .venv-kvpress
 KVPRESS_SPEC ?= kvpress==0.5.5
 KVP_PY       := $(KVP_VENV)/bin/python
 KVP_STAMP    := $(KVP_VENV)/.kvzoo-installed
+# The test targets let OpenMP's idle threads sleep instead of spinning: beside another CPU-heavy process, spinning
+# threads fight it for the cores (tests/kvpress: 393 s beside a 2-thread process, 139 s with PASSIVE; 83 s idle
+# either way). Benchmarks keep OpenMP's default. Override with OMP_WAIT_POLICY=... make test.
+TEST_ENV     := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
 .PHONY: venv test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean
 
@@ -37,18 +41,18 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/interpreter
+	$(TEST_ENV) $(PY) -m pytest -q
+	$(TEST_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/interpreter
 
 # The Ray tests are collected only when named (tests/conftest.py); a plain `pytest` says it left them out.
 test-ray: $(STAMP)
 	$(PIP) install -q -e ".[test,ray]"
-	$(PY) -m pytest -q -p no:cacheprovider tests/ray
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/ray
 
 # the kernels must compile with the Triton the GPU machine has (3.6) as well as the one torch 2.13 pins (3.7.1)
 test-triton36: $(STAMP)
 	test -d .triton36/triton || $(PIP) install -q --no-deps --target .triton36 "triton==3.6.0"
-	KVZOO_EXPECT_TRITON=3.6 PYTHONPATH=$(CURDIR)/.triton36:$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider tests/test_compile_gate.py
+	$(TEST_ENV) KVZOO_EXPECT_TRITON=3.6 PYTHONPATH=$(CURDIR)/.triton36:$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider tests/test_compile_gate.py
 
 # one resolve: torch first in the list pins the CPU wheel; kvpress brings transformers 5.2; kvzoo's own runtime
 # dependencies are named, kvzoo itself goes in with --no-deps (its transformers>=5.18 requirement would refuse 5.2)
@@ -60,7 +64,7 @@ $(KVP_STAMP): pyproject.toml
 	touch $(KVP_STAMP)
 
 test-kvpress: $(KVP_STAMP)
-	KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider tests/kvpress
+	$(TEST_ENV) KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider tests/kvpress
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo

@@ -11,6 +11,7 @@ from kvzoo.framework.cache import TieredLayer
 from kvzoo.framework.policy import Policy, RowsView, sorted_keep
 from kvzoo.policies.full import Full
 from kvzoo.policies.streaming_llm import StreamingLLM
+from tests.greedy import assert_same_greedy, generated_logits
 
 
 @dataclass
@@ -42,8 +43,7 @@ def test_full_matches_plain_generate_tiny(tiny):
     ref = _generate(tiny, ids)
     cache = TieredCache(tiny, Full())
     out = _generate(tiny, ids, cache)
-    assert torch.equal(ref.sequences, out.sequences)
-    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) < 1e-5
+    assert_same_greedy(ref.sequences, out.sequences, generated_logits(ref), generated_logits(out), atol=1e-5)
     totals = cache.stats().totals
     assert totals["archived_rows"] == totals["dropped_rows"] == totals["events"] == 0
     assert cache.get_seq_length() == 319
@@ -57,8 +57,7 @@ def test_full_matches_plain_generate_smollm2(smollm2):
     assert ids.shape[1] == 300
     ref = _generate(model, ids, n=8)
     out = _generate(model, ids, TieredCache(model, "full"), n=8)
-    assert torch.equal(ref.sequences, out.sequences)
-    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) < 1e-5
+    assert_same_greedy(ref.sequences, out.sequences, generated_logits(ref), generated_logits(out), atol=1e-5)
 
 
 class Recorder:
@@ -133,9 +132,8 @@ def test_padded_batch_matches_unpadded_runs(tiny):
     batched = _generate(tiny, ids, TieredCache(tiny, Full()), n=6, mask=mask)
     for row, single in ((0, a), (1, b)):
         alone = _generate(tiny, single, TieredCache(tiny, Full()), n=6)
-        assert torch.equal(batched.sequences[row, -6:], alone.sequences[0, -6:])
-        diff = max((x[row] - y[0]).abs().max().item() for x, y in zip(batched.logits, alone.logits))
-        assert diff < 1e-4
+        assert_same_greedy(alone.sequences[0, -6:], batched.sequences[row, -6:], generated_logits(alone),
+                           generated_logits(batched, row), atol=1e-4)
 
 
 @pytest.mark.parametrize("schedule", ["step", "block"])

@@ -1,8 +1,10 @@
-"""kvzoo and kvpress in kvpress's own environment (``make test-kvpress``: .venv-kvpress, transformers < 5.3).
+"""kvzoo and kvpress in kvpress's environment (``make test-kvpress``: .venv-kvpress, transformers < 5.3).
 
-Which rows a press kept is read from kvpress's cache: each kept key is found again among the keys of
-an uncompressed run of the same model on the same ids (a random projection of a row identifies it;
-keys are bit-identical between the two runs). Which rows kvzoo kept is read from ``TieredCache``'s slots.
+Which rows a press kept is read inside kvpress's hook: a wrapper around the press's ``compress`` sees the
+layer's uncompressed keys (in position order) and the keys the press returns, and each returned key is found
+among that same call's input keys. A press selects by gathering, so a kept key is a bit-for-bit copy of an input
+key *of the same call*; keys of a separate uncompressed run are not (on some machines they round differently:
+the assumption that they are made these tests fail). Which rows kvzoo kept is read from ``TieredCache``'s slots.
 """
 
 from __future__ import annotations
@@ -44,14 +46,63 @@ def kvpress_cache(model: torch.nn.Module, ids: torch.Tensor, press=None) -> Dyna
     return cache
 
 
+_BITS = {4: torch.int32, 2: torch.int16, 8: torch.int64}
+
+
+def row_ids(keys: torch.Tensor) -> torch.Tensor:
+    """One int64 per row of ``keys [..., D]``, computed from the rows' bits in integer arithmetic.
+
+    Exact by construction: integer sums are associative (int64 wraps around), so the number does not depend on
+    the memory layout, the batch the row sits in or the order of the sum -- unlike a floating projection
+    ``keys @ proj``, whose rounding changes with the shape and strides of ``keys`` (what made these tests fail).
+    """
+    bits = keys.contiguous().view(_BITS[keys.element_size()]).long()
+    weights = torch.randint(1, 2**31 - 1, (keys.shape[-1],), generator=torch.Generator().manual_seed(0))
+    return (bits * weights).sum(dim=-1)
+
+
 def rows_of(kept_keys: torch.Tensor, all_keys: torch.Tensor) -> torch.Tensor:
-    """Sorted positions ``[B, G, k]`` in ``all_keys [B, G, n, D]`` of the rows ``kept_keys [B, G, k, D]``."""
-    proj = torch.randn(all_keys.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    every, kept = all_keys.double() @ proj, kept_keys.double() @ proj  # one number per row
+    """Sorted positions ``[B, G, k]`` in ``all_keys [B, G, n, D]`` of the rows ``kept_keys [B, G, k, D]``.
+
+    ``kept_keys`` must be copies of rows of ``all_keys`` (what a press's gather returns). Rows are matched by
+    :func:`row_ids` (exact, from the bits); every input row's number must be unique, so a match is unambiguous.
+    """
+    every, kept = row_ids(all_keys), row_ids(kept_keys)
     ordered, order = every.sort(dim=-1)
+    assert (ordered.diff(dim=-1) != 0).all(), "two input rows have the same bits: the match would be ambiguous"
     at = torch.searchsorted(ordered.contiguous(), kept.contiguous()).clamp(max=every.shape[-1] - 1)
-    assert torch.equal(ordered.gather(-1, at), kept), "a kept key is not a key of the uncompressed run"
+    assert torch.equal(ordered.gather(-1, at), kept), "a kept key is not a copy of one of the layer's input keys"
     return order.gather(-1, at).sort(dim=-1).values
+
+
+@torch.no_grad()
+def press_rows(model: torch.nn.Module, ids: torch.Tensor, press,
+               inputs: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Positions ``[B, G, k]`` per layer of the rows ``press`` keeps, read inside kvpress's hook.
+
+    The press's own ``compress`` is wrapped for the call (an instance attribute: kvpress's hook calls
+    ``self.compress``), so the positions come from the very keys the press compressed; ``inputs``, if given,
+    receives those keys per layer (``[B, G, n, D]``, in position order).
+    """
+    kept: dict[int, torch.Tensor] = {}
+    compress = press.compress
+
+    def recording(module, hidden_states, keys, values, attentions, kwargs):
+        out_keys, out_values = compress(module, hidden_states, keys, values, attentions, kwargs)
+        kept[module.layer_idx] = rows_of(out_keys, keys)
+        if inputs is not None:
+            inputs[module.layer_idx] = keys.clone()
+        return out_keys, out_values
+
+    press.compress = recording
+    try:
+        cache = kvpress_cache(model, ids, press)
+    finally:
+        del press.compress
+    assert sorted(kept) == list(range(len(cache.layers))), f"the press compressed layers {sorted(kept)} only"
+    for layer, rows in kept.items():
+        assert rows.shape[2] == cache.layers[layer].keys.shape[2], f"layer {layer}: the cache holds other rows"
+    return [kept[layer] for layer in range(len(cache.layers))]
 
 
 @torch.no_grad()
@@ -63,28 +114,9 @@ def kvzoo_rows(model: torch.nn.Module, ids: torch.Tensor, policy: Policy | str) 
     return [layer.slots for layer in cache.tiered_layers]
 
 
-class Reference:
-    """Uncompressed keys per (model, ids), computed once."""
-
-    def __init__(self) -> None:
-        self.keys: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-    def __call__(self, model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
-        key = (id(model), id(ids))
-        if key not in self.keys:
-            self.keys[key] = [layer.keys for layer in kvpress_cache(model, ids).layers]
-        return self.keys[key]
-
-
 @pytest.fixture(scope="session")
 def kv() -> SimpleNamespace:
     """Helpers: ``kv.press_rows(model, ids, press)`` and ``kv.zoo_rows(model, ids, policy)``, per layer."""
-    reference = Reference()
-
-    def press_rows(model: torch.nn.Module, ids: torch.Tensor, press) -> list[torch.Tensor]:
-        cache = kvpress_cache(model, ids, press)
-        return [rows_of(layer.keys, full) for layer, full in zip(cache.layers, reference(model, ids))]
-
     return SimpleNamespace(press_rows=press_rows, zoo_rows=kvzoo_rows, cache=kvpress_cache)
 
 
