@@ -1,0 +1,109 @@
+"""What one decode step launches, read with a ``TorchDispatchMode``: the trace a CUDA graph would capture.
+
+A CUDA graph replays the kernels it captured, on the same shapes and the same memory. A decode step can be
+captured once and replayed when every step launches the same ops, with the same non-tensor arguments and the
+same tensor shapes and dtypes, reads and writes the same storage, and never waits for the device. On a CPU
+that can be checked by recording each aten op a step dispatches: :class:`StepTrace` records
+
+* ``ops``: per op, ``(name, non-tensor arguments, (shape, dtype) of each tensor argument)`` -- a length or a
+  position that reaches an op as a Python number shows up here as an argument that changes between steps;
+* ``launches``: the ops that launch work (metadata-only ops -- views, slices, ``t``, ``expand``, ... -- are
+  not counted: they move no data and launch nothing on a GPU);
+* ``syncs``: ops that make the host wait for the device (``item``, ``bool(t)``, and ops whose output shape
+  depends on the data: ``nonzero``, ``masked_select``, ``unique``, ...).
+
+Used by ``benchmarks/step_ops.py`` (ops per layer-step for every policy against transformers' own caches)
+and by the trace-invariance tests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# ops that only make a new view of existing storage (or read metadata): they launch no work
+METADATA_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "alias", "as_strided", "slice", "select", "narrow", "t", "transpose",
+    "permute", "expand", "expand_as", "unsqueeze", "squeeze", "detach", "split", "split_with_sizes", "unbind",
+    "chunk", "view_as", "unflatten", "flatten", "movedim", "diagonal", "lift_fresh", "_reshape_alias",
+    "view_as_real", "view_as_complex", "unfold", "real", "imag", "_conj", "conj", "resolve_conj", "resolve_neg",
+    "_neg_view", "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size",
+    "stride", "storage_offset", "numel", "is_contiguous", "_has_compatible_shallow_copy_type", "empty_like_meta",
+})
+# ops that make the host wait for the device (or whose output shape depends on the data)
+SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2",
+    "unique_consecutive", "unique_dim", "repeat_interleave_tensor", "argwhere", "_assert_async_msg_sync",
+})
+
+
+def _base(op: Any) -> str:
+    name = op.name() if hasattr(op, "name") else str(op)
+    return name.split("::")[-1].split(".")[0]
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)):
+        return value
+    return type(value).__name__
+
+
+@dataclass
+class StepTrace(TorchDispatchMode):
+    """Records every aten op dispatched while active (``with StepTrace() as trace: ...``)."""
+
+    ops: list[tuple[str, Any]] = field(default_factory=list)
+    launches: int = 0
+    syncs: list[str] = field(default_factory=list)
+    storages: set[int] = field(default_factory=set)  # data pointers of every tensor an op wrote or read
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _base(func)
+        self.ops.append((str(func), _describe(args), _describe(kwargs)))
+        if name not in METADATA_OPS:
+            self.launches += 1
+        if name in SYNC_OPS or (name == "repeat_interleave" and args and isinstance(args[0], torch.Tensor)
+                                and len(args) > 1 and isinstance(args[1], torch.Tensor)):
+            self.syncs.append(name)
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                try:
+                    self.storages.add(t.untyped_storage().data_ptr())
+                except RuntimeError:
+                    pass
+        return func(*args, **kwargs)
+
+    @property
+    def launch_counts(self) -> Counter:
+        """Launched ops by name (metadata ops left out)."""
+        return Counter(_base_name(op) for op, _, _ in self.ops if _base_name(op) not in METADATA_OPS)
+
+
+def _base_name(qualified: str) -> str:
+    """``aten.index_copy_.default`` -> ``index_copy_``."""
+    parts = qualified.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def first_difference(a: StepTrace, b: StepTrace) -> str | None:
+    """Where two traces differ (None when they are the same op for op): the index and both ops."""
+    for i, (x, y) in enumerate(zip(a.ops, b.ops)):
+        if x != y:
+            return f"op {i}: {x} != {y}"
+    if len(a.ops) != len(b.ops):
+        return f"{len(a.ops)} ops != {len(b.ops)} ops"
+    return None
