@@ -1,8 +1,10 @@
-"""decode_attention's PyTorch reference (kvzoo/kernels/decode_attention.py), on CPU without Triton.
+"""The decode-attention op (kvzoo/kernels/decode_attention.py) on CPU: its reference against a float64 softmax,
+and every other implementation against the reference, on one list of cases.
 
-Held against kvzoo.kernels.attention.gathered_decode_attention (the specification the runtime uses today)
-on every case that API can express, and against a plain softmax for the ones it cannot; the input checks;
-the launch heuristics that need no Triton. The kernels themselves are tested in tests/interpreter.
+The reference is the specification; ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere) must
+equal it (fp32: 1e-5 relative; half rows: to their rounding) on every case, with and without the best score and
+the per-position probabilities, in one part and in parts merged. The Triton kernels are held to the same cases in
+tests/interpreter/test_decode_attention.py. Also the input checks and the launch heuristics that need no Triton.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import pytest
 import torch
 
 from kvzoo.kernels import decode_attention as da
-from kvzoo.kernels.attention import gathered_decode_attention
-from kvzoo.kernels.decode_attention import Rows, decode_attention, decode_attention_reference
+from kvzoo.kernels.decode_attention import Rows, attend, decode_attention, decode_attention_reference, merge
 
 SCALE = 0.3
 
@@ -40,46 +41,6 @@ def _mla(seed: int, B=2, H=4, N=40, dv=32, dr=16, dtype=torch.float32):
     return query, torch.randn(B, 1, N, dv + dr, generator=g).to(dtype)
 
 
-@pytest.mark.parametrize("with_valid", [False, True])
-@pytest.mark.parametrize("with_extra", [False, True])
-def test_gqa_matches_gathered_decode_attention(with_valid, with_extra):
-    query, keys, values = _gqa(0)
-    valid = (torch.rand(2, 2, 40, generator=_gen(1)) < 0.7) if with_valid else None
-    sources = [Rows(keys, values, valid=valid)]
-    extra = None
-    if with_extra:
-        _, fk, fv = _gqa(2, N=25)
-        fvalid = torch.rand(2, 2, 25, generator=_gen(3)) < 0.8
-        extra = (fk, fv, fvalid)
-        sources.append(Rows(fk, fv, valid=fvalid))
-    out, lse = decode_attention_reference(query, sources, SCALE)
-    r_out, r_lse = gathered_decode_attention(query, keys, values, valid, SCALE, extra)
-    assert _rel(out, r_out) <= 1e-6 and _rel(lse, r_lse) <= 1e-6
-
-
-def test_mla_absorbed_form_matches_gathered_decode_attention_over_a_value_view():
-    query, rows = _mla(4)
-    valid = torch.rand(2, 1, 40, generator=_gen(5)) < 0.8
-    _, fetched = _mla(6, N=12)
-    out, lse = decode_attention_reference(
-        query, [Rows(rows, value_width=32, valid=valid), Rows(fetched, value_width=32)], SCALE)
-    extra = (fetched, fetched[..., :32], torch.ones(2, 1, 12, dtype=torch.bool))
-    r_out, r_lse = gathered_decode_attention(query, rows, rows[..., :32], valid, SCALE, extra)
-    assert out.shape == (2, 4, 32)
-    assert _rel(out, r_out) <= 1e-6 and _rel(lse, r_lse) <= 1e-6
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_half_rows_agree_with_gathered_decode_attention_to_its_rounding(dtype):
-    """gathered_decode_attention rounds the scores and the probabilities to the rows' dtype; the reference
-    keeps them in fp32: they agree to that rounding (a few units of the dtype's epsilon), not exactly."""
-    query, keys, values = _gqa(7, dtype=dtype)
-    out, lse = decode_attention_reference(query, [Rows(keys, values)], SCALE)
-    r_out, r_lse = gathered_decode_attention(query, keys, values, None, SCALE)
-    eps = torch.finfo(dtype).eps
-    assert out.dtype == dtype and _rel(out, r_out) <= 8 * eps and _rel(lse, r_lse) <= 8 * eps
-
-
 def _plain(query, keys, values, allowed):
     """Softmax over the rows ``allowed [B, H, n]`` marks, in float64 (nothing readable: 0 and -inf)."""
     B, H, D = query.shape
@@ -91,6 +52,98 @@ def _plain(query, keys, values, allowed):
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return torch.einsum("bhn,bhnd->bhd", probs, v), lse
+
+
+def cases() -> dict[str, tuple[torch.Tensor, list[Rows]]]:
+    """The case list every implementation is held to: ``name -> (query, sources)``."""
+    out = {}
+    query, keys, values = _gqa(0)
+    valid = torch.rand(2, 2, 40, generator=_gen(1)) < 0.7
+    _, fk, fv = _gqa(2, N=25)
+    fvalid = torch.rand(2, 2, 25, generator=_gen(3)) < 0.8
+    out["gqa"] = (query, [Rows(keys, values)])
+    out["gqa-valid"] = (query, [Rows(keys, values, valid=valid)])
+    out["gqa-two-sources"] = (query, [Rows(keys, values, valid=valid), Rows(fk, fv, valid=fvalid)])
+    head_valid = torch.rand(2, 6, 25, generator=_gen(4)) < 0.6
+    out["gqa-head-valid"] = (query, [Rows(keys, values), Rows(fk, fv, valid=fvalid, head_valid=head_valid)])
+    mq, rows = _mla(4)
+    mvalid = torch.rand(2, 1, 40, generator=_gen(5)) < 0.8
+    _, fetched = _mla(6, N=12)
+    out["mla"] = (mq, [Rows(rows, value_width=32)])
+    out["mla-two-sources"] = (mq, [Rows(rows, value_width=32, valid=mvalid), Rows(fetched, value_width=32)])
+    q2, k2, v2 = _gqa(8, N=30)
+    indices = torch.randint(-2, 32, (2, 2, 25), generator=_gen(9))
+    out["gathered-length"] = (q2, [Rows(k2, v2, valid=fvalid, length=torch.tensor([25, 9], dtype=torch.int32),
+                                        indices=indices, head_valid=head_valid)])
+    q3, k3, v3 = _gqa(12)
+    k3[0], v3[0] = float("nan"), float("nan")
+    nothing = torch.ones(2, 2, 40, dtype=torch.bool)
+    nothing[0] = False  # sequence 0: every row invalid (and NaN)
+    out["nothing-readable-nan"] = (q3, [Rows(k3, v3, valid=nothing)])  # NaN in unreadable rows: reference, kernel
+    out["nothing-readable"] = (q3, [Rows(k3.nan_to_num(0.0), v3.nan_to_num(0.0), valid=nothing)])
+    return out
+
+
+# sdpa reads unreadable rows' values (times a zero probability): it needs them finite, as the runtime's always are
+FINITE_ONLY = {"nothing-readable-nan"}
+
+
+CASES = cases()
+
+
+def test_the_reference_is_a_softmax_over_the_readable_rows():
+    query, keys, values = _gqa(0)
+    valid = torch.rand(2, 2, 40, generator=_gen(1)) < 0.7
+    _, fk, fv = _gqa(2, N=25)
+    out, lse = decode_attention_reference(query, [Rows(keys, values, valid=valid), Rows(fk, fv)], SCALE)
+    allowed = torch.cat([valid, torch.ones(2, 2, 25, dtype=torch.bool)], dim=2).repeat_interleave(3, 1)
+    r_out, r_lse = _plain(query, torch.cat([keys, fk], 2), torch.cat([values, fv], 2), allowed)
+    assert _rel(out, r_out) <= 1e-6 and _rel(lse, r_lse) <= 1e-6
+
+
+@pytest.mark.parametrize("impl", ["sdpa"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_implementation_equals_the_reference(name, impl):
+    if impl == "sdpa" and name in FINITE_ONLY:
+        pytest.skip("sdpa needs finite values in unreadable rows (the runtime's are): the reference and the kernel do not")
+    query, sources = CASES[name]
+    ref = attend(query, sources, SCALE, lse=True, best=True, mass=True, impl="reference")
+    for kwargs in ({}, {"lse": True}, {"lse": True, "best": True}, {"lse": True, "mass": True}):
+        got = attend(query, sources, SCALE, impl=impl, **kwargs)
+        assert _rel(got.out.float(), ref.out) <= 1e-5, kwargs
+        if kwargs.get("lse"):
+            assert torch.equal(torch.isneginf(got.lse), torch.isneginf(ref.lse))
+            finite = torch.isfinite(ref.lse)
+            assert _rel(got.lse[finite], ref.lse[finite]) <= 1e-5
+        if kwargs.get("best"):
+            finite = torch.isfinite(ref.best)
+            assert torch.equal(finite, torch.isfinite(got.best)) and _rel(got.best[finite], ref.best[finite]) <= 1e-5
+        if kwargs.get("mass"):
+            for a, b in zip(got.mass, ref.mass):
+                assert (a - b).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa"])
+def test_two_parts_merge_into_the_one_softmax_of_both(impl):
+    query, sources = CASES["gqa-two-sources"]
+    whole = attend(query, sources, SCALE, lse=True, mass=True, impl="reference")
+    parts = [attend(query, [src], SCALE, lse=True, mass=True, impl=impl) for src in sources]
+    out, lse, weights = merge(parts, query.dtype)
+    assert _rel(out, whole.out) <= 1e-5 and _rel(lse, whole.lse) <= 1e-5
+    for part, weight, want in zip(parts, weights, whole.mass):  # a part's mass times its weight: the step's
+        assert (part.mass[0] * weight[..., None] - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_rows_agree_with_the_reference_to_their_rounding(dtype):
+    """sdpa rounds the probabilities to the rows' dtype for the second product (as the kernel does); the reference
+    keeps them in fp32: they agree to that rounding (a few units of the dtype's epsilon), not exactly."""
+    query, keys, values = _gqa(7, dtype=dtype)
+    for sources in ([Rows(keys, values)], [Rows(keys, values), Rows(keys[:, :, :9], values[:, :, :9])]):
+        out, lse = decode_attention_reference(query, sources, SCALE)
+        got = attend(query, sources, SCALE, lse=True, impl="sdpa")
+        eps = torch.finfo(dtype).eps
+        assert out.dtype == dtype and _rel(got.out, out) <= 8 * eps and _rel(got.lse, lse) <= 8 * eps
 
 
 def test_length_indices_and_head_valid_against_a_plain_softmax():
@@ -124,8 +177,9 @@ def test_nothing_readable_gives_zero_and_minus_infinity_even_over_nan_rows():
     out, lse = decode_attention_reference(query, [Rows(keys, values, valid=valid)], SCALE)
     assert out[0].abs().max() == 0 and torch.isneginf(lse[0]).all()
     assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
-    r_out, r_lse = gathered_decode_attention(query[1:], keys[1:, :, :7], values[1:, :, :7], None, SCALE,
-                                             (keys[1:, :, 8:], values[1:, :, 8:], valid[1:, :, 8:]))
+    allowed = valid[1:].repeat_interleave(3, 1)
+    r_out, r_lse = _plain(query[1:], keys[1:].nan_to_num(0.0, 0.0, 0.0), values[1:].nan_to_num(0.0, 0.0, 0.0),
+                          allowed)
     assert _rel(out[1:], r_out) <= 1e-6 and _rel(lse[1:], r_lse) <= 1e-6
 
 
@@ -138,13 +192,15 @@ def test_row_blocks_and_splits_do_not_change_the_result(monkeypatch):
     assert _rel(blocked[0], whole[0]) <= 1e-6 and _rel(blocked[1], whole[1]) <= 1e-6
 
 
-def test_decode_attention_on_cpu_takes_the_reference(monkeypatch):
+def test_decode_attention_on_cpu_takes_sdpa_never_the_kernel(monkeypatch):
     monkeypatch.delenv("KVZOO_KERNELS", raising=False)
     query, keys, values = _gqa(14)
     monkeypatch.setattr(da, "_triton", lambda *a, **k: pytest.fail("the kernel ran on CPU in auto mode"))
     out, lse = decode_attention(query, [Rows(keys, values)], SCALE)
-    r_out, r_lse = decode_attention_reference(query, [Rows(keys, values)], SCALE)
-    assert torch.equal(out, r_out) and torch.equal(lse, r_lse)
+    got = attend(query, [Rows(keys, values)], SCALE, lse=True, impl="sdpa")
+    assert torch.equal(out, got.out.to(out.dtype)) and torch.equal(lse, got.lse)
+    with pytest.raises(ValueError, match=r"impl must be one of \('reference', 'sdpa', 'triton'\)"):
+        attend(query, [Rows(keys, values)], SCALE, impl="cuda")
 
 
 def _bad_inputs():

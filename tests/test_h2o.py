@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvzoo.framework.attention as attention
+import kvzoo.framework.step as step
 from kvzoo import TieredCache, registry
 from kvzoo.framework.policy import RowsView
 from kvzoo.framework.runtime import Runtime
@@ -81,18 +82,31 @@ def test_planted_keys_through_the_accumulating_attention_kernel():
 
 
 class AttentionLog:
-    """Logs, per layer and forward, what the attention saw and the tier the step left behind."""
+    """Logs, per layer and forward, what the attention saw (in slot order) and the tier the step left behind.
+
+    The prefill goes through the multi-token reference (``attention_reference``), a decode step through
+    ``framework/step.py``'s ``decode_step``: both are spied on."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entries: list[dict] = []
         self._pending: dict | None = None
         real_attention = attention.attention_reference
+        real_decode = step.decode_step
         real_after_forward = Runtime.after_forward
 
         def attention_spy(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs):
             self._pending = dict(query=query.detach().clone(), keys=keys.clone(), slots=key_slots.clone(),
                                  valid=key_valid.clone(), q_slots=query_slots.clone(), scaling=scaling)
             return real_attention(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs)
+
+        def decode_spy(rt, state, query, scaling):
+            store = state.store
+            order = store.get("slots").argsort(dim=-1)  # the tier may be out of slot order after one in, one out
+            keys = store.get("keys").gather(2, order[..., None].expand(*order.shape, store.get("keys").shape[-1]))
+            self._pending = dict(query=query.detach().clone(), keys=keys, slots=store.get("slots").gather(2, order),
+                                 valid=store.get("valid").gather(2, order),
+                                 q_slots=torch.tensor([store.seen - 1]), scaling=scaling)
+            return real_decode(rt, state, query, scaling)
 
         def after_forward(rt, state):
             real_after_forward(rt, state)
@@ -103,6 +117,7 @@ class AttentionLog:
             self.entries.append(entry)
 
         monkeypatch.setattr(attention, "attention_reference", attention_spy)
+        monkeypatch.setattr(attention, "decode_step", decode_spy)
         monkeypatch.setattr(Runtime, "after_forward", after_forward)
 
 

@@ -14,8 +14,8 @@ from kvzoo.framework.adapters.mla import decompress_break_even
 from kvzoo.framework.attention import detach
 from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.policy import RowsView
+from kvzoo.framework.retrieval import scan
 from kvzoo.framework.retriever import ArchiveView, RowGeometry
-from kvzoo.framework.runtime import scan
 from kvzoo.kernels.index_scan import exact_scores
 from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
 from kvzoo.policies.h2o import H2O

@@ -107,3 +107,42 @@ def first_difference(a: StepTrace, b: StepTrace) -> str | None:
     if len(a.ops) != len(b.ops):
         return f"{len(a.ops)} ops != {len(b.ops)} ops"
     return None
+
+
+# --- one decode step of a model with a given cache ----------------------------------------------------------
+
+
+@dataclass
+class StepCount:
+    """One steady decode step: what it launched and how often it waited for the device."""
+
+    launches: int
+    syncs: int
+    layers: int  # the attention layers the cache handles (Kimi Linear: the MLA layers)
+    trace: StepTrace
+
+    @property
+    def per_layer(self) -> float:
+        return self.launches / max(1, self.layers)
+
+
+def count_decode_step(model: torch.nn.Module, make_cache, prompt: torch.Tensor, *, layers: int,
+                      warmup: int = 3) -> StepCount:
+    """Prefill ``prompt [B, T]`` into ``make_cache()``, compress it (a kvzoo cache), run ``warmup`` decode steps,
+    then count one more. Positions are passed as tensors (what a captured step does)."""
+    cache = make_cache()
+    T = prompt.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1]
+        if hasattr(cache, "compress"):
+            cache.compress()
+        token = logits.argmax(-1, keepdim=True)
+        for t in range(warmup + 1):
+            position = torch.full_like(token, T + t)
+            if t == warmup:
+                with StepTrace() as trace:
+                    model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
+            else:
+                token = model(input_ids=token, position_ids=position, cache=cache,
+                              use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    return StepCount(trace.launches, len(trace.syncs), layers, trace)

@@ -38,17 +38,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvzoo.framework.runtime import Fetched, LayerState, Runtime
-from kvzoo.kernels.attention import (
-    attend_scores,
-    attention_reference,
-    attention_sdpa,
-    decode_sdpa,
-    row_scores,
-    sink_window_mask,
-)
-from kvzoo.kernels.decode_attention import Rows, decode_attention
-from kvzoo.kernels.dispatch import use_triton
+from kvzoo.framework.retrieval import Fetched
+from kvzoo.framework.runtime import LayerState, Runtime
+from kvzoo.framework.step import decode_step
+from kvzoo.kernels.attention import attention_reference, attention_sdpa, sink_window_mask
 
 ATTN_NAME = "kvzoo"
 
@@ -151,70 +144,6 @@ def _query_slots(state: LayerState, q_len: int, device: torch.device) -> torch.T
     return torch.arange(state.store.seen - q_len, state.store.seen, device=device)
 
 
-def _decode_allowed(state: LayerState) -> torch.Tensor | None:
-    """Rows a decode query may read ``[B, G, n]``: None when every row is known valid."""
-    if state.store.all_valid:
-        return None
-    allowed = state.store.get("valid").clone()
-    allowed[..., -1] = True  # a query always reads its own row (defined output for a padding query)
-    return allowed
-
-
-def _decode(rt: Runtime, state: LayerState, query: torch.Tensor, scaling: float, *, sdpa: bool) -> torch.Tensor:
-    """One query per sequence over the tier (in place) and the fetched rows: ``[B, H, 1, Dv]``."""
-    if "accumulate" in rt.policy.observes:  # H2O needs every row's probability: the reference
-        return _multi(rt, state, query, _multi_rows(rt, state, lambda: query, scaling), scaling, sdpa=sdpa)
-    keys, values = state.store.get("keys"), state.store.values()
-    retrieving = state.index is not None and state.store.archive.n > 0
-    allowed = _decode_allowed(state)
-    if use_triton(query):
-        return _decode_kernel(rt, state, query, keys, values, allowed, retrieving, scaling)
-    if sdpa and not retrieving:
-        rt.account_attended(state)
-        return decode_sdpa(query, keys, values, allowed, scaling)
-    tier_scores = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None])  # [B,H,1,n]
-    scores, sources = [tier_scores], [values]
-    if retrieving:  # s* comes from the scores the step computes anyway
-        fetched = rt.fetch(state, query, None, scaling, best=tier_scores.amax(dim=-1), with_slots=False)
-        fetched_scores = row_scores(query, fetched.keys, scaling, fetched.valid[:, :, None])
-        if fetched.head_valid is not None:  # rows only some of the group's heads chose
-            fetched_scores = fetched_scores.masked_fill(~fetched.head_valid[:, :, None], float("-inf"))
-        scores.append(fetched_scores)
-        sources.append(_fetched_values(fetched, values.shape[-1]))
-    else:
-        rt.account_attended(state)
-    out, _, _ = attend_scores(scores, sources, query.dtype)
-    return out
-
-
-def _source(keys: torch.Tensor, values: torch.Tensor | None, width: int, valid: torch.Tensor | None,
-            head_valid: torch.Tensor | None = None) -> Rows:
-    """A :class:`Rows` source; MLA's values (a view of the rows' first ``width`` dims, or None) in absorbed form."""
-    if values is None or (values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()):
-        return Rows(keys, value_width=width, valid=valid, head_valid=head_valid)
-    return Rows(keys, values, valid=valid, head_valid=head_valid)
-
-
-def _decode_kernel(rt: Runtime, state: LayerState, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   allowed: torch.Tensor | None, retrieving: bool, scaling: float) -> torch.Tensor:
-    """:func:`_decode` on the kernel path (``kvzoo.kernels.dispatch``): the tier and the fetched rows read
-    in place by the gathered split-K kernel, one softmax merged by log-sum-exp. s* for a retriever that
-    reads it is still the tier's best exact score, computed as the reference path computes it (one more read
-    of the tier's keys: the kernel does not return per-head maxima); Quest's pages need none."""
-    width = values.shape[-1]
-    sources = [_source(keys, values, width, allowed)]
-    if retrieving:
-        best = None
-        if state.index.needs_best:
-            best = row_scores(query, keys, scaling, None if allowed is None else allowed[:, :, None]).amax(dim=-1)
-        fetched = rt.fetch(state, query, None, scaling, best=best, with_slots=False)
-        sources.append(_source(fetched.keys, fetched.values, width, fetched.valid, fetched.head_valid))
-    else:
-        rt.account_attended(state)
-    out, _ = decode_attention(query[:, :, 0], sources, scaling)
-    return out[:, :, None]
-
-
 def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
     return fetched.values if fetched.values is not None else fetched.keys[..., :width]
 
@@ -246,8 +175,7 @@ def _multi_rows(
     slots, valid = store.get("slots"), store.get("valid")
     fetched = None
     if state.index is not None and store.archive.n > 0:
-        query = index_query()
-        fetched = rt.fetch(state, query, _query_slots(state, query.shape[2], query.device), scaling)
+        fetched = rt.retrieval.fetch_forward(state, index_query(), scaling)
     else:
         rt.account_attended(state)
     n = store.n
@@ -312,7 +240,7 @@ def tiered_attention(
     _begin(state, attention_mask, scaling)
     rt.record_queries(state, query)
     if query.shape[2] == 1:
-        out = _decode(rt, state, query, scaling, sdpa=True)
+        out = decode_step(rt, state, query, scaling)
     else:
         out = _multi(rt, state, query, _multi_rows(rt, state, lambda: query, scaling), scaling, sdpa=True)
     rt.after_forward(state)
@@ -381,7 +309,7 @@ def mla_attention(
     window = rt.observation_window
     rt.record_queries(state, mq.absorbed(last=min(window, q_len)) if window > 0 else None)
     if q_len == 1:
-        latent = _decode(rt, state, mq.absorbed(), mq.scaling, sdpa=False)
+        latent = decode_step(rt, state, mq.absorbed(), mq.scaling)
         out = mq.output(latent)
     elif q_len < threshold:
         query = mq.absorbed()
@@ -428,6 +356,10 @@ def detach(model: torch.nn.Module) -> None:
         if original is not None:
             module.forward = original
             del module._kvzoo_original_forward, module._kvzoo_rotate
+    original = model.__dict__.pop("_kvzoo_original_model_forward", None)  # a CUDA-graph wrapper (framework/graphs.py)
+    if original is not None:
+        model.__dict__.pop("forward", None)  # the class's forward again
+        model.__dict__.pop("_kvzoo_graphs", None)
     previous = getattr(model.config, "_kvzoo_previous_attn", None)
     if previous is not None:
         model.set_attn_implementation(previous)

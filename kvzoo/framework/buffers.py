@@ -1,19 +1,26 @@
-"""Growable row buffers: named tensors that share a row axis, preallocated, growing geometrically.
+"""Row buffers: named tensors that share a row axis, preallocated, with the live row count on the device too.
 
-The storage under a layer's tiers (``framework/store.py``) and under the retrievers' indexes
-(``policies/``); torch only. A :class:`RowStore` holds named tensors ``[B, G, capacity, ...]``
-(keys, values, slots, valid flags, per-row statistics) of which the first ``n`` rows along dim 2
-are live. Appending writes into the
-spare capacity (no new tensor per step); the capacity grows by a quarter (at least ``MIN_GROWTH``
-rows) when it runs out, so a decode of ``T`` steps costs ``O(T)`` row copies in all, and it shrinks
-when an eviction leaves it mostly empty, so that compressing really frees memory. Two ways rows
-leave:
+The storage under a layer's tiers (``framework/store.py``) and under the retrievers' indexes (``policies/``);
+torch only. A :class:`RowStore` holds named tensors ``[B, G, capacity, ...]`` (keys, values, slots, valid
+flags, per-row statistics) of which the first ``n`` rows along dim 2 are live. ``n`` is kept twice: as a
+Python int (``n``: the host's bookkeeping, what events and selectors slice by) and as a device tensor
+(``length``, int64 ``[1]``): a single-row append -- a decode step -- writes at ``length`` and adds one to it,
+so the step launches the same ops with the same arguments whatever the row count (what a CUDA graph needs).
 
-* :meth:`keep` -- keep the rows named by sorted indices, in that order (a compression event);
-* :meth:`remove_one` -- take out one row per ``(batch, group)`` and move the last row into the
-  hole (the per-step "one in, one out" of StreamingLLM and H2O): ``O(1)`` rows move instead of
-  the whole tier. The rows are then no longer in slot order; :meth:`ensure_order` sorts them back
-  (one gather) before anything that reads order (a selector, a multi-token forward).
+Two capacity regimes:
+
+* **growing** (the default): the capacity grows by a quarter (at least ``MIN_GROWTH`` rows) when it runs out,
+  so a decode of ``T`` steps costs ``O(T)`` row copies in all, and it shrinks when an eviction leaves it mostly
+  empty, so that compressing really frees memory; readers see the live rows ``[:n]``;
+* **fixed** (``fixed=True``; ``TieredCache(..., capacity=N)``): the capacity changes only when asked
+  (:meth:`resize`, an event) or when an append would overflow it (a growth, counted in ``growths``); readers of
+  a decode step see the whole buffer (:meth:`reading`), and the rows past ``n`` hold each buffer's ``empty``
+  value (valid flags False, slots -1), so that they are never read. The storage pointers stay put.
+
+Two ways rows leave: :meth:`keep` (the rows named by sorted indices, in that order: a compression event) and
+:meth:`remove_one` (one row per ``(batch, group)``; the last live row moves into the hole: the per-step
+"one in, one out" of StreamingLLM and H2O, ``O(1)`` rows moved, after which the rows are no longer in slot order
+and :meth:`ensure_order` sorts them back before anything that reads order).
 
 It knows no policy, no model and no cache: tensors in, tensors out.
 """
@@ -22,8 +29,10 @@ from __future__ import annotations
 
 import torch
 
-MIN_GROWTH = 64  # rows: the smallest step by which a store grows
+MIN_GROWTH = 64  # rows: the smallest step by which a growing store grows
 GROWTH = 0.25  # grow by a quarter of the current capacity (amortised O(1) copies per appended row)
+
+Fill = bool | int | float
 
 
 def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -34,12 +43,23 @@ def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class RowStore:
-    """Named tensors ``[B, G, capacity, ...]`` sharing a row axis; rows ``[:n]`` are live."""
+    """Named tensors ``[B, G, capacity, ...]`` sharing a row axis; rows ``[:n]`` are live (``length`` on device)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
-        self.n = 0  # live rows
+        self.n = 0  # live rows (host)
+        self.length: torch.Tensor | None = None  # the same count on the buffers' device, int64 [1]
         self.ordered = True  # live rows are in the order they were appended (slot order)
+        self.fixed = False  # fixed capacity: decode-step readers see whole buffers (module docstring)
+        self.empty: dict[str, Fill] = {}  # what a row past n holds, per buffer that must never read as live
+        self.growths = 0  # appends that overflowed a fixed capacity (each reallocated the buffers)
+        self._offsets: torch.Tensor | None = None  # [B, G, 1] (b * G + g) * capacity, kept with the buffers
+        # one in, one out (vacate): the row a step gave up stays where it is until the next appended row takes its
+        # place (hole [B, G] on the device); the live rows are then every row but the hole, and `settle` compacts
+        # them back to [:n] before anything reads them that way
+        self.hole: torch.Tensor | None = None
+        self.holed = False
+        self.into_hole = False  # the latest single-row append filled the hole (rather than writing at length)
 
     # --- reading -----------------------------------------------------------------------------
     @property
@@ -51,7 +71,13 @@ class RowStore:
 
     def get(self, name: str) -> torch.Tensor:
         """The live rows of ``name``: a view ``[B, G, n, ...]`` of the buffer (no copy)."""
+        self.settle()
         return self.buffers[name][:, :, : self.n]
+
+    def reading(self, name: str) -> torch.Tensor:
+        """What a decode step reads of ``name``: the whole buffer when the capacity is fixed (rows past ``n``
+        hold ``empty`` values), else the live rows. The same tensor, shape and storage from step to step."""
+        return self.buffers[name] if self.fixed else self.get(name)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer's live rows ``[B, G, n, ...]`` (views); an empty dict when no row is live."""
@@ -65,9 +91,6 @@ class RowStore:
                 total += buf[:, :, : self.n].numel() * buf.element_size()
         return total
 
-    def allocated_bytes(self) -> int:
-        return sum(buf.numel() * buf.element_size() for buf in self.buffers.values())
-
     # --- writing -----------------------------------------------------------------------------
     def define(
         self,
@@ -76,52 +99,102 @@ class RowStore:
         fields: dict[str, tuple[tuple[int, ...], torch.dtype]],
         device: torch.device,
         capacity: int = 0,
+        *,
+        fixed: bool = False,
+        empty: dict[str, Fill] | None = None,
     ) -> None:
-        """Create the buffers: ``name -> (trailing shape, dtype)``, each ``[batch, groups, capacity, *shape]``."""
+        """Create the buffers: ``name -> (trailing shape, dtype)``, each ``[batch, groups, capacity, *shape]``.
+
+        ``empty``: the value of rows past ``n`` for the buffers named (written now and whenever rows leave).
+        """
+        make = torch.zeros if fixed else torch.empty  # a fixed store's spare rows are read (masked): never NaN
         self.buffers = {
-            name: torch.empty(batch, groups, capacity, *shape, dtype=dtype, device=device)
+            name: make(batch, groups, capacity, *shape, dtype=dtype, device=device)
             for name, (shape, dtype) in fields.items()
         }
+        self.empty = dict(empty or {}) if fixed else {}  # a growing store's readers never see past n
+        for name, value in self.empty.items():
+            self.buffers[name].fill_(value)
         self.n = 0
+        self.length = torch.zeros(1, dtype=torch.long, device=device)
         self.ordered = True
+        self.fixed = fixed
+        self._refresh()
 
-    def append(self, rows: dict[str, torch.Tensor | bool | int | float], count: int | None = None) -> None:
+    def append(self, rows: dict[str, torch.Tensor | Fill], count: int | None = None) -> None:
         """Write ``count`` rows after the live rows: per buffer a tensor ``[B, G, count, ...]`` or a scalar.
 
-        Every buffer must be named. A scalar fills its rows without creating a tensor.
+        Every buffer must be named. One row (a decode step) is written at the device's ``length``
+        (``index_copy_`` / ``index_fill_``), so the ops' arguments do not depend on the row count.
         """
         if set(rows) != set(self.buffers):
             raise ValueError(f"append needs every buffer {sorted(self.buffers)}, got {sorted(rows)}")
         if count is None:
             count = next(t.shape[2] for t in rows.values() if isinstance(t, torch.Tensor))
+        if count == 1 and self.holed:  # the hole a one-in-one-out step left: the new row goes there
+            for name, value in rows.items():
+                buf = self.buffers[name]
+                index = self.hole.view(*self.hole.shape, *([1] * (buf.dim() - 2))).expand(
+                    *self.hole.shape, 1, *buf.shape[3:])
+                buf.scatter_(2, index, value)  # a tensor [B, G, 1, ...] or a scalar
+            self.n += 1
+            self.holed, self.into_hole = False, True
+            return
+        self.into_hole = False
+        self.settle()
         self.reserve(count)
-        for name, value in rows.items():
-            target = self.buffers[name][:, :, self.n : self.n + count]
-            if isinstance(value, torch.Tensor):
-                target.copy_(value)
-            else:
-                target.fill_(value)
+        if count == 1:
+            for name, value in rows.items():
+                if isinstance(value, torch.Tensor):
+                    self.buffers[name].index_copy_(2, self.length, value)
+                else:
+                    self.buffers[name].index_fill_(2, self.length, value)
+            self.length.add_(1)
+        else:
+            for name, value in rows.items():
+                target = self.buffers[name][:, :, self.n : self.n + count]
+                if isinstance(value, torch.Tensor):
+                    target.copy_(value)
+                else:
+                    target.fill_(value)
+            self.length.fill_(self.n + count)
         self.n += count
 
     def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more rows (grow geometrically when the capacity runs out)."""
+        """Make room for ``extra`` more rows: a growing store grows geometrically; a fixed one grows to fit
+        (counted in ``growths``: the storage moves, so a captured step must be captured again)."""
         need = self.n + extra
         cap = self.capacity
         if need > cap:
-            self._resize(max(need, cap + max(MIN_GROWTH, int(cap * GROWTH))))
+            self.settle()
+            self.growths += self.fixed
+            self.resize(max(need, cap + max(MIN_GROWTH, int(cap * GROWTH))))
 
-    def _resize(self, capacity: int) -> None:
+    def resize(self, capacity: int) -> None:
+        """Reallocate every buffer for ``capacity`` rows (>= ``n``), the live rows copied, the rest ``empty``."""
+        capacity = max(capacity, self.n)
+        if capacity == self.capacity:
+            return
         for name, buf in self.buffers.items():
-            new = buf.new_empty(*buf.shape[:2], capacity, *buf.shape[3:])
+            new = (buf.new_zeros if self.fixed else buf.new_empty)(*buf.shape[:2], capacity, *buf.shape[3:])
             new[:, :, : self.n].copy_(buf[:, :, : self.n])
+            if name in self.empty:
+                new[:, :, self.n :].fill_(self.empty[name])
             self.buffers[name] = new
+        self._refresh()
 
     def _shrunk_capacity(self, n: int) -> int:
-        """After an eviction: give memory back when the store would be mostly empty."""
+        """After an eviction, a growing store gives memory back when it would be mostly empty."""
         cap = self.capacity
-        if cap > 2 * n + MIN_GROWTH:
+        if not self.fixed and cap > 2 * n + MIN_GROWTH:
             return n + max(MIN_GROWTH, int(n * GROWTH))
         return cap
+
+    def _clear(self, start: int, stop: int) -> None:
+        """Rows ``[start, stop)`` no longer live: their ``empty`` values written."""
+        if stop > start:
+            for name, value in self.empty.items():
+                self.buffers[name][:, :, start:stop].fill_(value)
 
     def complement(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices ``[B, G, n - k]`` (ascending) of the live rows that ``idx [B, G, k]`` does not name."""
@@ -130,45 +203,86 @@ class RowStore:
         # a stable sort of the 0/1 mask puts the rows not kept first, in order
         return torch.sort(kept.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - k]
 
+    def _refresh(self) -> None:
+        """The buffers were (re)allocated: where each ``(batch, group)``'s rows start in the flattened buffers
+        (``[B, G, 1]`` int64), computed now, so that no step computes it."""
+        buf = next(iter(self.buffers.values()), None)
+        if buf is not None:
+            B, G, cap = buf.shape[:3]
+            self._offsets = torch.arange(B * G, device=buf.device).view(B, G, 1) * cap
+
     def gather(self, idx: torch.Tensor, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-        """Copies of the live rows ``idx [B, G, k]`` of every buffer (or of ``names``).
+        """Copies of the rows ``idx [B, G, k]`` (indices into the buffers) of every buffer (or of ``names``).
 
         One ``index_select`` per buffer over its rows flattened with ``(batch, group)`` offsets
         (the buffers are contiguous), which is a few times faster than ``gather`` on small rows.
         """
         B, G, k = idx.shape
-        flat = None
+        flat = (idx + self._offsets).view(-1)
         out = {}
         for name, buf in self.buffers.items():
             if names is not None and name not in names:
                 continue
-            if flat is None:
-                cap = buf.shape[2]
-                offsets = torch.arange(B * G, device=idx.device).view(B, G, 1) * cap
-                flat = (idx + offsets).view(-1)
             out[name] = buf.view(B * G * buf.shape[2], *buf.shape[3:]).index_select(0, flat).view(B, G, k, *buf.shape[3:])
         return out
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep rows ``idx [B, G, k]`` (int64, ascending) as the new live rows, in that order.
 
-        The buffers shrink when they would be mostly empty (see :meth:`_shrunk_capacity`).
+        A growing store's buffers shrink when they would be mostly empty (see :meth:`_shrunk_capacity`);
+        a fixed store keeps its storage and clears the rows it no longer holds.
         """
+        self.settle()
         n, k = self.n, idx.shape[2]
-        cap = self._shrunk_capacity(k)
+        old, cap = self.capacity, self._shrunk_capacity(k)
         for name, buf in self.buffers.items():
             rows = gather_rows(buf[:, :, :n], idx)
             new = buf if cap == buf.shape[2] else buf.new_empty(*buf.shape[:2], cap, *buf.shape[3:])
             new[:, :, :k].copy_(rows)
+            if name in self.empty:  # the rows past k no longer live (a new buffer: all of them)
+                new[:, :, k : n if new is buf else None].fill_(self.empty[name])
             self.buffers[name] = new
+        if cap != old:
+            self._refresh()
         self.n = k
+        self.length.fill_(k)
+
+    def last_index(self) -> torch.Tensor:
+        """``[B, G, 1]`` int64 on the device: where the latest single-row append wrote (its own row, for a query)."""
+        if self.into_hole:
+            return self.hole[..., None]
+        B, G = next(iter(self.buffers.values())).shape[:2]
+        return (self.length - 1).view(1, 1, 1).expand(B, G, 1)
+
+    def vacate(self, victim: torch.Tensor) -> None:
+        """Take row ``victim[b, g]`` (int64 ``[B, G]``) out of every ``(b, g)`` without moving any row: the next
+        appended row takes its place (``O(1)``, no copy). Until then the live rows are all but that one, and
+        :meth:`settle` compacts them on the first read."""
+        self.settle()
+        if self.hole is None or self.hole.shape != victim.shape:
+            self.hole = victim.clone()
+        else:
+            self.hole.copy_(victim)
+        self.n -= 1
+        self.holed = True
+        self.ordered = False
+
+    def settle(self) -> None:
+        """After :meth:`vacate`, before anything reads the live rows as ``[:n]``: the last row moves into the hole."""
+        if not self.holed:
+            return
+        self.holed = False
+        self.n += 1
+        self.remove_one(self.hole)
 
     def remove_one(self, victim: torch.Tensor) -> None:
         """Take row ``victim[b, g]`` out of every ``(b, g)``; the last live row moves into its place.
 
         ``victim`` is int64 ``[B, G]`` (read the row first with :meth:`gather` to keep it). ``O(1)``
-        rows move; the live rows are no longer in append order afterwards.
+        rows move; the live rows are no longer in append order afterwards. Between two such steps the
+        row count is the same, so the slices here take the same arguments every step.
         """
+        self.settle()
         n = self.n
         idx = victim[..., None]  # [B, G, 1]
         for buf in self.buffers.values():
@@ -176,11 +290,14 @@ class RowStore:
             last = live[:, :, n - 1 : n].clone()
             index = idx if buf.dim() == 3 else idx.view(*idx.shape, *([1] * (buf.dim() - 3))).expand_as(last)
             live.scatter_(2, index, last)
+        self._clear(n - 1, n)
         self.n = n - 1
+        self.length.sub_(1)
         self.ordered = False
 
     def ensure_order(self, key: str = "slots") -> None:
         """Sort the live rows by ``key`` (ascending) if :meth:`remove_one` disturbed their order."""
+        self.settle()
         if not self.ordered and self.n:
             order = self.get(key).argsort(dim=2, stable=True)
             for buf in self.buffers.values():
@@ -188,9 +305,20 @@ class RowStore:
         self.ordered = True
 
     def select_batch(self, index: torch.Tensor) -> None:
-        """Keep batch elements ``index`` (beam reordering, batch selection)."""
-        self.buffers = {name: buf.index_select(0, index) for name, buf in self.buffers.items()}
+        """Keep batch elements ``index`` (beam reordering, batch selection); in place when the batch size stays."""
+        self.settle()
+        resized = False
+        for name, buf in self.buffers.items():
+            picked = buf.index_select(0, index)
+            if picked.shape == buf.shape:
+                buf.copy_(picked)
+            else:
+                self.buffers[name], resized = picked, True
+        if resized:
+            self._refresh()
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every batch element ``repeats`` times (``generate``'s expansion for beams)."""
+        self.settle()
         self.buffers = {name: buf.repeat_interleave(repeats, dim=0) for name, buf in self.buffers.items()}
+        self._refresh()

@@ -34,6 +34,7 @@ from kvzoo.framework.adapters import adapter_for
 from kvzoo.framework.attention import ACTIVE_LAYER, attach
 from kvzoo.framework.names import policy_retriever, resolve_policy
 from kvzoo.framework.policy import Policy
+from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
 from kvzoo.framework.runtime import LayerState, Runtime
 from kvzoo.framework.store import CacheStats, LayerStats
@@ -145,7 +146,7 @@ class TieredLayer(CacheLayerMixin):
         geometry = self.runtime.geometry
         latent = geometry.content_dim if geometry.layout == "mla" else None
         self.state.store.define(key_states, value_states, self.runtime.policy.new_row_stats(),
-                                reserve=self.reserve_rows or 0, latent_width=latent)
+                                reserve=self.reserve_rows or 0, latent_width=latent, capacity=self.runtime.capacity)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
@@ -170,8 +171,11 @@ class TieredLayer(CacheLayerMixin):
             self.runtime.fire(self.state, "context_end")
         store.append(key_states, value_states)
         ACTIVE_LAYER.set(self)
-        self.returned_keys = store.get("keys")
-        return self.returned_keys, (store.get("values") if value_states is not None else None)
+        # what the attention reads: a decode step the tier as the step reads it (framework/step.py), a forward of
+        # several queries the live rows
+        read = store.reading if key_states.shape[2] == 1 else store.get
+        self.returned_keys = read("keys")
+        return self.returned_keys, (read("values") if value_states is not None else None)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Masks are sized by true sequence length; the attention function maps rows to columns by slot.
@@ -252,6 +256,17 @@ class TieredCache(Cache):
     prefill inside ``model.generate`` -- so policies that compress at the context's end (SnapKV,
     ChunkKV, VestigeKV's open block) do so there too.
 
+    ``capacity=N`` (the most tokens the sequence will hold, prompt and generated): each layer's attended tier,
+    archive and index are preallocated for ``N`` rows, and a decode step reads the whole buffers with the live
+    counts, positions and validity on the device, so consecutive steps between events launch the same ops on the
+    same shapes and storage (what a CUDA graph replays; ``tests/test_static_step.py`` records it). After each
+    event the tier's storage is resized to the most rows it can reach before the next one. A sequence longer
+    than ``N`` still works (the storage grows: an event). The price: on the PyTorch path a step reads the spare
+    rows too (masked), as transformers' ``StaticCache`` does; the Triton kernel skips them.
+
+    ``cuda_graph=True`` (needs ``capacity`` and CUDA): decode steps are captured once in a CUDA graph after each
+    event and replayed (``framework/graphs.py``). Off by default: it has not run on a GPU yet.
+
     Use it as a context manager, or call :meth:`close`, to free its rows at a known point.
     """
 
@@ -265,10 +280,21 @@ class TieredCache(Cache):
         decompress_min_queries: int | None = None,
         auto_compress: bool = True,
         record_window: int = 0,
+        capacity: int | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         policy = resolve_policy(policy)
         if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
             raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be None (buffers grow as rows arrive) or an int >= 1 (the most tokens "
+                             f"the sequence will hold, prompt and generated), got {capacity!r}")
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+        if cuda_graph:
+            from kvzoo.framework.graphs import check_cuda_graph
+
+            check_cuda_graph(model, capacity)
         retriever = _retriever_of(policy)
         if decompress_min_queries is not None and (
             isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
@@ -289,8 +315,10 @@ class TieredCache(Cache):
                 f"{type(model).__name__} has linear-attention layers, whose cache layer needs transformers >= 5.18 "
                 f"(this is {transformers.__version__}): pip install 'transformers>=5.18,<5.40'"
             )
-        geometry = RowGeometry(adapter.layout, getattr(adapter, "kv_lora_rank", 0), getattr(adapter, "rope_dim", 0))
-        self.runtime = Runtime(policy, retriever, geometry, len(tiered), context_length=context_length, audit=audit,
+        geometry = RowGeometry(adapter.layout, getattr(adapter, "kv_lora_rank", 0), getattr(adapter, "rope_dim", 0),
+                               capacity=capacity)
+        retrieval = Retrieval(retriever, audit=audit) if retriever is not None else None
+        self.runtime = Runtime(policy, retrieval, geometry, len(tiered), context_length=context_length,
                                record_window=record_window)
         self.adapter = adapter
         # a policy that never evicts (full) holds the whole context: reserve it once instead of growing
@@ -303,6 +331,11 @@ class TieredCache(Cache):
             for i in range(adapter.num_layers)
         ]
         super().__init__(layers=layers)
+        self.graph = None
+        if cuda_graph:
+            from kvzoo.framework.graphs import install
+
+            self.graph = install(model, self)
 
     # --- what the runtime holds, by its user-facing names ------------------------------------------
     @property
@@ -362,8 +395,10 @@ class TieredCache(Cache):
         adapter are shared (they are configuration, not state).
         """
         memo: dict[int, Any] = {id(self.adapter): self.adapter, id(self.runtime.policy): self.runtime.policy}
-        if self.runtime.retriever is not None:
-            memo[id(self.runtime.retriever)] = self.runtime.retriever
+        if self.runtime.retrieval is not None:
+            memo[id(self.runtime.retrieval)] = self.runtime.retrieval
+        if self.graph is not None:  # a fork decodes eagerly (a graph belongs to its cache's buffers)
+            memo[id(self.graph)] = None
         return copy.deepcopy(self, memo)
 
     def prefill_shared_with(self, policy: Policy | str) -> str | None:
@@ -405,12 +440,12 @@ class TieredCache(Cache):
         retriever = _retriever_of(policy)
         copy_ = self.fork()
         old = copy_.runtime
-        runtime = Runtime(policy, retriever, old.geometry, old.num_layers, context_length=old.context_length,
-                          audit=old.audit)
+        retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
+        runtime = Runtime(policy, retrieval, old.geometry, old.num_layers, context_length=old.context_length)
         copy_.runtime = runtime
         for layer in copy_.tiered_layers:
             layer.runtime = runtime
-            layer.state.index = retriever.new_state(runtime.geometry) if retriever is not None else None
+            layer.state.index = retrieval.new_state(runtime.geometry) if retrieval is not None else None
             queries = layer.state.window_queries
             if queries is not None:
                 window = runtime.observation_window

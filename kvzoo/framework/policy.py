@@ -263,6 +263,17 @@ class Policy(ABC):
         """
         return None
 
+    def rows_between_events(self) -> int | None:
+        """The most rows a layer's attended tier gains between two of this policy's events after the context
+        (None: it may grow until the sequence ends). ``TieredCache(..., capacity=N)`` sizes the tier's storage by
+        it after each event; too small is safe (the storage then grows, once). Default: one row for a ``step``
+        schedule (one in, one out), ``block_size`` for a ``block`` schedule."""
+        if self.schedule == "step":
+            return 1
+        if self.schedule == "block":
+            return self.block_size
+        return None
+
     def is_dense(self, layer_rank: int) -> bool:
         """True for the first ``dense_layers`` layers, which this policy never compresses."""
         return layer_rank < self.dense_layers

@@ -35,16 +35,44 @@ class RowGeometry:
     layout: str  # "gqa" or "mla"
     content_dim: int  # MLA: the latent c's width (512); GQA: 0 (the whole key is content)
     branch_dim: int = 0  # MLA: the decoupled branch r's width (64); GQA: 0
+    # TieredCache(..., capacity=N): the most rows a layer sees; an index then preallocates for them and a decode
+    # step scans its whole buffer with the live count on the device (None: it grows as rows arrive)
+    capacity: int | None = None
 
 
-@dataclass
 class ArchiveView:
-    """One layer's archive as tensors (what a retriever may read at scan time)."""
+    """One layer's archive as tensors (what a retriever may read at scan time).
 
-    keys: torch.Tensor  # [B, G, m, D] archived keys (MLA: latent rows)
-    slots: torch.Tensor  # [B, G, m]
-    valid: torch.Tensor  # [B, G, m]
-    budget: int | None  # the layer's budget (rows), fixed at its first event
+    ``keys [B, G, m, D]`` (MLA: latent rows), ``slots [B, G, m]``, ``valid [B, G, m]`` and ``budget`` (the layer's
+    budget in rows, fixed at its first event). Built from tensors, or from ``read(name)`` (the runtime's archive:
+    the tensors are taken only when read, so a step that never reads them launches nothing for them).
+    With a fixed capacity ``m`` is the capacity and the rows past the live ones are not valid.
+    """
+
+    def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None, budget: int | None = None, *,
+                 read: Callable[[str], torch.Tensor] | None = None) -> None:
+        self._given = {"keys": keys, "slots": slots, "valid": valid}
+        self._read = read
+        self.budget = budget
+
+    def _get(self, name: str) -> torch.Tensor:
+        given = self._given[name]
+        if given is None:
+            given = self._given[name] = self._read(name)
+        return given
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._get("keys")
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._get("slots")
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self._get("valid")
 
 
 @dataclass

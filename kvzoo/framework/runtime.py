@@ -1,39 +1,31 @@
-"""The runtime: the one place a row's fate is decided, and the retrieval tier's mechanics.
+"""The runtime: the one place a row's fate is decided.
 
-A :class:`Runtime` (one per cache) holds the policy, the retriever configuration and what the
-model's geometry says; each layer keeps a :class:`LayerState` beside its store. After a forward's
-attention (``framework/attention.py``) the runtime fires the policy's schedule for the layer
-(:meth:`Runtime.after_forward`): it resolves the layer's budget once (from the whole context when
-the cache knows its length), asks the policy how many rows stay, calls the selector, moves the
-rows it does not keep to the archive (indexing them for the retriever) or drops them, and counts.
-During attention it scans the retriever's index and stages the archived rows a forward needs
-(:meth:`Runtime.fetch`), and keeps the KV-path accounting and, with ``audit=True``, the audit.
+A :class:`Runtime` (one per cache) holds the policy, the retrieval tier (:class:`~kvzoo.framework.retrieval.
+Retrieval`, or None) and what the model's geometry says; each layer keeps a :class:`LayerState` beside its
+store. After a forward's attention the runtime fires the policy's schedule for the layer
+(:meth:`Runtime.after_forward`): it resolves the layer's budget once (from the whole context when the cache
+knows its length), asks the policy how many rows stay, calls the selector, moves the rows it does not keep to
+the archive (indexing them for the retriever) or drops them, and counts. A per-step "one in, one out" moves
+``O(1)`` rows in place (:meth:`~kvzoo.framework.policy.Policy.step_victim`). With a fixed capacity
+(``TieredCache(..., capacity=N)``) it also sizes the tier's storage after each event to the most rows the
+tier can reach before the next one, so a decode step reads no more than it may need.
 
-Bounded memory: an index scan runs over the forward's queries in tiles
-(:func:`kvzoo.kernels.attention.query_block`): no more than one tile of ``heads x queries x rows``
-scores exists at a time, and what crosses tiles is one bool per archived row.
-
-Multi-token forwards (a prefill chunk, a question, a teacher-forced answer) follow one rule for
-every retriever (:class:`~kvzoo.framework.retriever.Retriever`'s ``multi_token``): ``"dense"``
-(default, Quest's reference) reads the whole archive; ``"union"`` fetches the union of each
-query's own choice. A decode step (one query) stages the retriever's candidates at a fixed count
-per (batch, group), each row once -- no host synchronisation.
+How a decode step reads the rows is ``framework/step.py``; a multi-token forward, ``framework/attention.py``.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvzoo.framework.policy import Event, Policy, RowsView
-from kvzoo.framework.retriever import ArchiveView, RetrievalState, Retriever, RowGeometry
+from kvzoo.framework.retrieval import Retrieval, figures
+from kvzoo.framework.retriever import RetrievalState, RowGeometry
 from kvzoo.framework.store import LayerStats, LayerStore
-from kvzoo.kernels.attention import query_block, row_mask, window_attention
-from kvzoo.kernels.index_scan import exact_scores
+from kvzoo.kernels.attention import window_attention
 
 
 @dataclass
@@ -47,7 +39,7 @@ class LayerState:
     budget: int | None = None  # fixed at the first event
     scaling: float | None = None  # the attention's softmax scale (for the observation window)
     window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries
-    fetched_rows: int | torch.Tensor = 0  # a device tensor once rows are fetched (read by stats())
+    fetched_rows: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))  # on device
     attended_bytes_read: int = 0  # every forward: bytes of the tier it attended (host arithmetic)
     index_bytes_scanned: int = 0  # every forward: bytes of index entries it scanned
     policy_info: dict[str, Any] = field(default_factory=dict)  # the policy's and retriever's counters
@@ -56,87 +48,6 @@ class LayerState:
     # the "inputs" observation since the layer's last event: the attention module (a weak reference: the cache never
     # keeps the model alive, and fork() never copies it) and its input hidden states / RoPE (cos, sin) per forward
     inputs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Fetched:
-    """Archived rows staged for one forward: ``[B, G, f, ...]``; ``valid`` False on unused staging rows."""
-
-    keys: torch.Tensor
-    values: torch.Tensor | None  # GQA values; None on MLA (the latent row is both)
-    slots: torch.Tensor | None
-    valid: torch.Tensor
-    head_valid: torch.Tensor | None = None  # [B, H, f]: rows each query head may read (None: all of valid)
-    dense: bool = False  # the whole archive, in archive order (a multi-token forward under the "dense" rule)
-
-
-def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``capacity`` set positions of ``mask [B, G, m]`` in order: indices and a picked flag.
-
-    A prefix count places each set position; no sort.
-    """
-    B, G, m = mask.shape
-    position = mask.long().cumsum(-1) - 1
-    target = torch.where(mask & (position < capacity), position, capacity)  # overflow goes to a spare slot
-    idx = torch.zeros(B, G, capacity + 1, dtype=torch.long, device=mask.device)
-    idx.scatter_(2, target, torch.arange(m, device=mask.device).expand(B, G, m))
-    picked = torch.arange(capacity, device=mask.device) < mask.sum(-1, keepdim=True)
-    return idx[..., :capacity], picked
-
-
-def _unique(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag.
-
-    Unchosen candidates become ``archived`` (past every row), the ``K`` indices are sorted, and
-    the first copy of each chosen row is picked. ``O(K log K)``, independent of the archive.
-    """
-    idx = torch.where(ok, rows, archived).sort(dim=-1).values
-    picked = idx < archived
-    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
-    return idx.clamp_(max=archived - 1), picked
-
-
-def scan(
-    state: RetrievalState,
-    query: torch.Tensor,
-    best: Callable[[int, int], torch.Tensor] | None,
-    scaling: float,
-    archive: ArchiveView,
-    *,
-    tile: int | None = None,
-) -> torch.Tensor:
-    """The rows some query of ``query [B, H, q, D]`` names: bool ``[B, G, m]``, padding excluded.
-
-    The queries are scanned ``tile`` at a time (default: as many as fit one score block,
-    :func:`~kvzoo.kernels.attention.query_block`), so no more than one tile of bounds exists at
-    once, and the tiles' choices are OR-ed into one bool per archived row. ``best(start, stop)``
-    returns s* ``[B, H, stop - start]`` for those queries (None when the state does not read it).
-    """
-    B, H, q_len, _ = query.shape
-    m = archive.keys.shape[2]
-    tile = tile or query_block(B * H, m)
-    mask = None
-    for start in range(0, q_len, tile):
-        stop = min(start + tile, q_len)
-        tile_best = best(start, stop) if state.needs_best else None
-        chosen = state.choose(query[:, :, start:stop], tile_best, scaling, archive).as_mask(m)
-        mask = chosen if mask is None else mask.logical_or_(chosen)
-    return mask & archive.valid
-
-
-def figures(step: dict[str, Any]) -> dict[str, Any]:
-    """A forward's accounting with the derived figures: rows and bytes fetched, KV-path bytes read.
-
-    ``step`` holds what the forward recorded (host numbers and the device count ``rows_fetched``);
-    called by ``stats()``, outside the decode step, where reading the device count is fine.
-    """
-    out = {k: v for k, v in step.items() if k != "row_bytes"}
-    if "rows_fetched" in step:
-        fetched = step["rows_fetched"]
-        out["fetched_bytes"] = fetched * step["row_bytes"]
-        out["rows_fetched_per_query"] = fetched / max(1, step["queries"])
-        out["kv_bytes_read"] = step["attended_bytes_read"] + step["index_bytes_scanned"] + out["fetched_bytes"]
-    return out
 
 
 def _number(value: Any) -> float:
@@ -148,23 +59,34 @@ def _number(value: Any) -> float:
 
 @dataclass
 class Runtime:
-    """The policy, the retriever and the model's geometry a cache runs with; per-cache state.
+    """The policy, the retrieval tier and the model's geometry a cache runs with; per-cache state.
 
-    ``geometry`` describes the rows (layout, latent and branch widths); ``num_layers`` counts the
-    layers kvzoo compresses; ``context_length`` (when the pipeline knows it) makes a ratio budget
-    count the whole context; ``audit`` scores every archived row exactly at each retrieval.
+    ``geometry`` describes the rows (layout, latent and branch widths, the fixed capacity if any);
+    ``num_layers`` counts the layers kvzoo compresses; ``context_length`` (when the pipeline knows it) makes a
+    ratio budget count the whole context.
     """
 
     policy: Policy
-    retriever: Retriever | None
+    retrieval: Retrieval | None
     geometry: RowGeometry
     num_layers: int
     context_length: int | None = None
-    audit: bool = False
     shared: dict[str, Any] = field(default_factory=dict)  # the policy's cross-layer scratch (ChunkKV's reuse)
     # queries kept beyond the policy's own window: a prefill that policies with wider windows continue from
     # (TieredCache(..., record_window=w) and fork_as); the policy itself sees only its own window's
     record_window: int = 0
+
+    @property
+    def retriever(self):
+        return self.retrieval.retriever if self.retrieval is not None else None
+
+    @property
+    def audit(self) -> bool:
+        return self.retrieval is not None and self.retrieval.audit
+
+    @property
+    def capacity(self) -> int | None:
+        return self.geometry.capacity
 
     @property
     def observation_window(self) -> int:
@@ -172,7 +94,7 @@ class Runtime:
         return max(self.policy.observation_window, self.record_window)
 
     def new_layer(self, layer_idx: int, layer_rank: int) -> LayerState:
-        index = self.retriever.new_state(self.geometry) if self.retriever is not None else None
+        index = self.retrieval.new_state(self.geometry) if self.retrieval is not None else None
         return LayerState(layer_idx, layer_rank, index=index)
 
     # --- the rows the selector sees ---------------------------------------------------------------
@@ -245,9 +167,10 @@ class Runtime:
         return out
 
     def record_queries(self, state: LayerState, query: torch.Tensor | None) -> None:
-        """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention)."""
+        """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention), until the
+        context ends (after it, no event reads them: a decode step records nothing)."""
         window = self.observation_window
-        if window <= 0 or query is None:
+        if window <= 0 or query is None or state.context_ended:
             return
         query = query[:, :, -window:]
         joined = query if state.window_queries is None else torch.cat([state.window_queries, query], dim=2)
@@ -295,6 +218,8 @@ class Runtime:
         if event == "context_end":
             state.context_ended = True
         if not store.initialized or policy.is_dense(state.layer_rank):
+            if event == "context_end":
+                self._fit(state)
             return
         n = store.n
         target = policy.target_rows(
@@ -302,6 +227,8 @@ class Runtime:
         )
         if target is None or target >= n:
             store.since_event = 0
+            if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
+                self._fit(state)
             return
         if event == "step" and target == n - 1:  # one in, one out: O(1) rows move when the policy can say which
             victim = policy.step_victim(self.view(state, ordered=False))
@@ -319,6 +246,18 @@ class Runtime:
         self._evict(state, store.not_kept(keep), n - target)
         store.keep(keep)
         store.events += 1
+        self._fit(state)
+
+    def _fit(self, state: LayerState) -> None:
+        """Fixed capacity, once the context has ended: the tier's storage holds the rows it has plus the most it
+        can gain before the policy's next event (:meth:`Policy.rows_between_events`), never more than the rows
+        still to come."""
+        store = state.store
+        if store.capacity is None or not state.context_ended or not store.initialized:
+            return
+        remaining = max(0, store.capacity - store.seen)
+        gain = None if self.policy.is_dense(state.layer_rank) else self.policy.rows_between_events()
+        store.fit_tier(store.n + (remaining if gain is None else min(gain, remaining)))
 
     def _check_keep(self, store: LayerStore, keep: torch.Tensor, target: int, n: int) -> None:
         B, G = store.get("keys").shape[:2]
@@ -347,128 +286,17 @@ class Runtime:
             store.drop(count)
             return
         if state.index is not None:  # index the rows before they leave (the block is still whole)
-            view = ArchiveView(store.archive.get("keys"), store.archive.get("slots"), store.archive.get("valid"),
-                               state.budget)
-            state.index.index(rows, store.get("keys"), store.get("valid"), view)
+            self.retrieval.index(state, rows)
         store.add_to_archive(rows)
 
-    # --- retrieval ----------------------------------------------------------------------------------
-    def account_attended(self, state: LayerState) -> None:
+    # --- accounting ------------------------------------------------------------------------------------
+    def account_attended(self, state: LayerState, queries: int = 1) -> None:
         """A forward that reads the attended tier only: host arithmetic, no device work."""
         store = state.store
         B, G = store.tier.buffers["keys"].shape[:2]
         attended = B * G * store.n * store.row_bytes()
         state.last_step = {"attended_bytes_read": attended, "kv_bytes_read": attended}
         state.attended_bytes_read += attended
-
-    def tier_best(self, state: LayerState, query: torch.Tensor, q_slots: torch.Tensor, scaling: float) -> torch.Tensor:
-        """s* ``[B, H, q]``: each query's best exact score over the rows of the attended tier it may read."""
-        store = state.store
-        keys = store.get("keys")
-        scores = exact_scores(query, keys, scaling)  # [B, H, q, n]
-        B, H, q_len, n = scores.shape
-        G = keys.shape[1]
-        allowed = row_mask(store.get("slots"), store.get("valid"), q_slots)[:, :, None]
-        allowed = allowed.expand(B, G, H // G, q_len, n).reshape(scores.shape)
-        return scores.masked_fill(~allowed, float("-inf")).amax(dim=-1)
-
-    def fetch(
-        self,
-        state: LayerState,
-        query: torch.Tensor,
-        q_slots: torch.Tensor | None,
-        scaling: float,
-        best: torch.Tensor | None = None,
-        *,
-        with_slots: bool = True,
-    ) -> Fetched | None:
-        """Scan the layer's index for ``query [B, H, q, D]`` and stage the archived rows it names.
-
-        ``q_slots [q]`` are the queries' slots (None: the forward's last ``q``). ``best [B, H, q]`` is
-        s* when the caller already has it (the decode step computes the tier's scores anyway);
-        otherwise it is computed per query tile. Returns None without a retriever or an archive.
-        Records the forward's accounting in ``state.last_step`` and ``state.policy_info``.
-        """
-        index, store = state.index, state.store
-        if index is None or store.archive.n == 0:
-            return None
-        q_len = query.shape[2]
-        archive = store.archive
-        m = archive.n
-        view = ArchiveView(archive.get("keys"), archive.get("slots"), archive.get("valid"), state.budget)
-
-        def best_of(start: int, stop: int) -> torch.Tensor:
-            if best is not None:
-                return best[:, :, start:stop]
-            slots = q_slots if q_slots is not None else torch.arange(store.seen - q_len, store.seen, device=query.device)
-            return self.tier_best(state, query[:, :, start:stop], slots[start:stop], scaling)
-
-        choice = None
-        dense = q_len > 1 and self.retriever.multi_token == "dense"
-        if dense:  # the reference's rule for a forward of several queries: read the whole archive
-            picked = view.valid.clone()
-            idx = torch.arange(m, device=query.device).expand(*picked.shape)
-        else:
-            if q_len == 1:
-                choice = index.choose(query, best_of(0, 1) if index.needs_best else None, scaling, view)
-            if choice is not None and choice.rows is not None and choice.rows.shape[-1] <= m // 2:
-                idx, picked = _unique(choice.rows, choice.ok, m)  # a decode step: stage the candidates as they are
-            elif choice is not None:  # a mask, or more candidates than half the archive: a fixed capacity of m
-                mask = choice.as_mask(m) & view.valid
-                idx, picked = _compact(mask, m if choice.mask is None else int(mask.sum(-1).max()))
-            else:
-                mask = scan(index, query, best_of, scaling, view)
-                idx, picked = _compact(mask, min(m, int(mask.sum(-1).max())))
-        names = ("keys", "values") + (("slots",) if with_slots else ()) + (() if store.all_valid else ("valid",))
-        rows = archive.gather(idx, names)  # a decode step needs no slots; an archive without padding no flags
-        if "valid" in rows:
-            picked = picked & rows["valid"]  # padding rows are never fetched
-        head_valid = None
-        if choice is not None and choice.visible is not None:
-            H = query.shape[1]
-            head_valid = choice.visible(idx) & picked.repeat_interleave(H // picked.shape[1], dim=1)
-        fetched = Fetched(
-            keys=rows["keys"],
-            values=rows.get("values"),
-            slots=torch.where(picked, rows["slots"], -1) if "slots" in rows else None,
-            valid=picked,
-            head_valid=head_valid,
-            dense=dense,
-        )
-        self._account(state, query, scaling, idx, picked, view, scanned=not dense)
-        return fetched
-
-    def _account(self, state, query, scaling, idx, picked, view, *, scanned: bool) -> None:
-        """This forward's KV-path reads: host numbers, plus one device count (the rows fetched)."""
-        index, store = state.index, state.store
-        B, G = picked.shape[:2]
-        entries = index.entries() if scanned else 0  # the dense rule reads the archive, not the index
-        fetched = picked.sum()  # a device tensor: read only by stats()
-        per_row = store.row_bytes()
-        attended = B * G * store.n * per_row
-        index_bytes = B * G * entries * index.entry_bytes
-        step: dict[str, Any] = {
-            "queries": query.shape[2],
-            "rows_scanned": B * G * entries,
-            "rows_fetched": fetched,
-            "attended_bytes_read": attended,
-            "index_bytes_scanned": index_bytes,
-            "row_bytes": per_row,
-        }
-        if self.audit:
-            m = view.keys.shape[2]
-            mask = torch.zeros(B, G, m + 1, dtype=torch.bool, device=picked.device)
-            mask.scatter_(2, torch.where(picked, idx, m), True)
-            step.update(_audit(query, scaling, index, mask[..., :-1], view))
-        state.last_step = step
-        state.attended_bytes_read += attended
-        state.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
-        info = state.policy_info
-        info["retrieval_steps"] = info.get("retrieval_steps", 0) + 1
-        for key in ("rows_scanned", "bound_violations", "recall_hits", "recall_total", "audited_scores"):
-            if key in step:
-                info[key] = info.get(key, 0) + step[key]
-        state.fetched_rows = state.fetched_rows + fetched  # one device add per step
 
     # --- reporting -----------------------------------------------------------------------------------
     def notes(self, states: list[LayerState]) -> list[str]:
@@ -505,36 +333,3 @@ class Runtime:
             policy_info=info,
             last_step={k: _number(v) for k, v in figures(state.last_step).items()},
         )
-
-
-def _audit(query, scaling, index, mask, view) -> dict[str, float]:
-    """Exact scores of every archived row, tile by tile: bound violations and recall of the true top rows."""
-    B, H, q_len, _ = query.shape
-    G, m = view.keys.shape[1], view.keys.shape[2]
-    hpg = H // G
-    out = {"audited_scores": 0, "bound_violations": 0, "recall_hits": 0, "recall_total": 0}
-    size = index.page_size
-    tile = query_block(B * H, m)
-    for start in range(0, q_len, tile):
-        q_tile = query[:, :, start : start + tile]
-        t = q_tile.shape[2]
-        exact = exact_scores(q_tile, view.keys, scaling)  # [B,H,t,m]
-        ok = view.valid[:, :, None, None, :].expand(B, G, hpg, t, m).reshape(B, H, t, m)
-        out["audited_scores"] += int(ok.sum())
-        bounds = index.bounds(q_tile, scaling)
-        best = exact.masked_fill(~ok, float("-inf"))
-        if size > 1:  # per-page bounds: each must cover the best row of its page
-            pages = bounds.shape[-1]
-            padded = best.new_full((B, H, t, pages * size), float("-inf"))
-            padded[..., :m] = best
-            best = padded.view(B, H, t, pages, size).amax(-1)
-        out["bound_violations"] += int((bounds < best).sum())
-        top = min(index.audit_top, m)
-        if top:
-            true_top = exact.masked_fill(~ok, float("-inf")).topk(top, dim=-1).indices  # [B,H,t,top]
-            fetched = mask[:, :, None, None, :].expand(B, G, hpg, t, m).reshape(B, H, t, m)
-            out["recall_hits"] += int((fetched.gather(-1, true_top) & ok.gather(-1, true_top)).sum())
-            out["recall_total"] += int(ok.gather(-1, true_top).sum())
-    if index.audit_top == 0:
-        del out["recall_hits"], out["recall_total"]
-    return out

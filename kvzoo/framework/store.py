@@ -20,6 +20,7 @@ import torch
 from kvzoo.framework.buffers import RowStore
 
 ARCHIVED = ("keys", "values", "slots", "valid")  # the buffers a row keeps in the archive (no statistics)
+EMPTY = {"valid": False, "slots": -1}  # what a row past the live ones holds: never readable, no slot
 
 
 class LayerStore:
@@ -39,11 +40,16 @@ class LayerStore:
         self.new_rows = 0  # rows appended by the forward in flight
         self.dropped_rows = 0
         self.events = 0
+        self.selections = 0  # events that ran the selector over the tier (every event but a one-in-one-out step)
         self.peak_rows = 0  # most rows the tier held (right after an append)
         # every row appended so far is known to be valid (no padding); a single-token forward that
         # carries a mask cannot be checked without a host sync, so it clears this
         self.all_valid = True
         self.latent_width: int | None = None  # MLA: the latent c's width (values are keys[..., :width])
+        # TieredCache(..., capacity=N): the most rows this layer will see; the buffers are preallocated and fixed
+        # (a decode step reads them whole), None: they grow as rows arrive
+        self.capacity: int | None = None
+        self.seen_dev: torch.Tensor | None = None  # ``seen`` on the rows' device, int64 [1]: a decode row's slot
 
     @property
     def initialized(self) -> bool:
@@ -51,19 +57,26 @@ class LayerStore:
 
     def define(
         self, keys: torch.Tensor, values: torch.Tensor | None, stats: tuple[str, ...], reserve: int = 0,
-        latent_width: int | None = None,
+        latent_width: int | None = None, capacity: int | None = None,
     ) -> None:
-        """Create the buffers from the first rows' shapes and dtypes (``[B, G, q, ...]``)."""
+        """Create the buffers from the first rows' shapes and dtypes (``[B, G, q, ...]``).
+
+        ``capacity`` (the most rows the layer will see): the tier is preallocated for it and fixed; the archive
+        is allocated for it when the first row leaves the tier.
+        """
         B, G = keys.shape[:2]
         fields: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"keys": ((keys.shape[-1],), keys.dtype)}
         if values is not None:
             fields["values"] = ((values.shape[-1],), values.dtype)
         fields.update(slots=((), torch.long), valid=((), torch.bool))
-        self.archive.define(B, G, fields, keys.device)
+        fixed = capacity is not None
+        self.archive.define(B, G, fields, keys.device, fixed=fixed, empty=EMPTY)
         for name in stats:
             fields[f"stat:{name}"] = ((), torch.float32)
-        self.tier.define(B, G, fields, keys.device, capacity=reserve)
+        self.tier.define(B, G, fields, keys.device, capacity=capacity or reserve, fixed=fixed, empty=EMPTY)
         self.latent_width = latent_width
+        self.capacity = capacity
+        self.seen_dev = torch.zeros(1, dtype=torch.long, device=keys.device)
 
     # --- the live rows ---------------------------------------------------------------------------
     @property
@@ -80,6 +93,18 @@ class LayerStore:
             return self.tier.get("values")
         return self.tier.get("keys")[..., : self.latent_width]
 
+    @property
+    def fixed(self) -> bool:
+        """The buffers are preallocated for ``capacity`` rows: a decode step reads them whole."""
+        return self.capacity is not None
+
+    def reading(self, name: str) -> torch.Tensor:
+        """What a decode step reads of the tier's ``name``: the whole buffer when the capacity is fixed (rows past
+        the live ones are not valid), else the live rows (:meth:`RowStore.reading`)."""
+        if name == "values" and "values" not in self.tier:  # MLA: the latent part of the rows
+            return self.tier.reading("keys")[..., : self.latent_width]
+        return self.tier.reading(name)
+
     def stats(self) -> dict[str, torch.Tensor]:
         """The per-row statistics ``name -> [B, G, n]`` (views)."""
         return {name[5:]: self.tier.get(name) for name in self.tier.buffers if name.startswith("stat:")}
@@ -95,18 +120,28 @@ class LayerStore:
 
     # --- appending ---------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
-        """Append one forward's rows ``[B, G, q, D]`` after the tier's rows (valid until marked padding)."""
-        q = keys.shape[2]
-        rows: dict[str, Any] = {"keys": keys, "valid": True}
+        """Append one forward's rows ``[B, G, q, D]`` after the tier's rows (valid until marked padding).
+
+        A decode step's row takes its slot from ``seen_dev`` (a device tensor): no Python number that changes
+        from step to step reaches an op. Rows are stored detached (a cache holds no autograd graph).
+        """
+        B, G, q = keys.shape[:3]
+        rows: dict[str, Any] = {"keys": keys.detach(), "valid": True}
         if values is not None:
-            rows["values"] = values
-        # slots: one scalar fill for a decode step, a range for a prefill chunk
-        rows["slots"] = self.seen if q == 1 else torch.arange(self.seen, self.seen + q, device=keys.device)
+            rows["values"] = values.detach()
+        if q == 1:
+            rows["slots"] = self.seen_dev.view(1, 1, 1).expand(B, G, 1)
+        else:
+            rows["slots"] = torch.arange(self.seen, self.seen + q, device=keys.device)
         for name in self.tier.buffers:
             if name.startswith("stat:"):
                 rows[name] = 0.0
         self.tier.append(rows, count=q)
         self.seen += q
+        if q == 1:
+            self.seen_dev.add_(1)
+        else:
+            self.seen_dev.fill_(self.seen)
         self.since_event += q
         self.new_rows = q
         self.peak_rows = max(self.peak_rows, self.tier.n)
@@ -121,10 +156,16 @@ class LayerStore:
         q = self.new_rows
         if padding_mask is None or q == 0:
             return
-        new = padding_mask[:, self.seen - q : self.seen].to(torch.bool)  # [B, q]
         n = self.tier.n
+        if q == 1:  # written where the row went (the device's length - 1): no host number, no host check
+            new = padding_mask[:, -1:].to(torch.bool)  # [B, 1], the new token's flag
+            B, G = self.tier.buffers["valid"].shape[:2]
+            self.tier.buffers["valid"].scatter_(2, self.tier.last_index(), new[:, None, :].expand(B, G, 1))
+            self.all_valid = False
+            return
+        new = padding_mask[:, self.seen - q : self.seen].to(torch.bool)  # [B, q]
         self.tier.get("valid")[:, :, n - q : n] = new[:, None, :]
-        if q == 1 or not bool(new.all()):
+        if not bool(new.all()):
             self.all_valid = False
 
     # --- moving rows out -------------------------------------------------------------------------
@@ -135,17 +176,27 @@ class LayerStore:
     def keep(self, keep: torch.Tensor) -> None:
         """Keep rows ``keep [B, G, k]`` (sorted) as the tier; the others must have been taken first."""
         self.tier.keep(keep)
+        self.selections += 1
 
     def row(self, victim: torch.Tensor) -> dict[str, torch.Tensor]:
         """Row ``victim[b, g]`` of every (batch, group), ``[B, G, 1, ...]`` (archive buffers)."""
         return self.tier.gather(victim[..., None], ARCHIVED)
 
     def remove_one(self, victim: torch.Tensor) -> None:
-        """Take row ``victim[b, g]`` out of the tier; its last row moves into the hole (``O(1)``)."""
-        self.tier.remove_one(victim)
+        """Take row ``victim[b, g]`` out of the tier without moving a row: the next appended row takes its place
+        (:meth:`RowStore.vacate`, ``O(1)``)."""
+        self.tier.vacate(victim)
 
     def add_to_archive(self, rows: dict[str, torch.Tensor]) -> None:
+        if self.capacity is not None and self.archive.capacity == 0:  # the first eviction: room for every row
+            self.archive.resize(self.capacity)
         self.archive.append({name: rows[name] for name in self.archive.buffers})
+
+    def fit_tier(self, rows: int) -> None:
+        """Fixed capacity, after an event: hold the tier at ``rows`` rows of storage (the most it can reach
+        before the next event), so that a decode step reads no more than it may need."""
+        if self.capacity is not None:
+            self.tier.resize(max(rows, self.tier.n))
 
     def drop(self, count: int) -> None:
         """Count ``count`` rows per (batch, group) evicted to nowhere (``archive=False``)."""

@@ -220,6 +220,8 @@ def _group_readable(query: torch.Tensor, s: _Source) -> torch.Tensor:
     """Bool ``[B, G, N']``: the positions within length, in the pool and valid (before ``head_valid``)."""
     B = query.shape[0]
     src = s.rows
+    if src.length is None and src.indices is None and src.valid is not None:
+        return src.valid  # the common case: the flags alone
     pos = torch.arange(s.positions, device=query.device)
     allowed = torch.ones(B, s.groups, s.positions, dtype=torch.bool, device=query.device)
     if src.length is not None:
@@ -258,8 +260,28 @@ def _blocks(s: _Source, batch_groups: int, width: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, s.positions)) for a in range(0, s.positions, step)]
 
 
-def _reference(query: torch.Tensor, checked: list[_Source],
-               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class Attended:
+    """Decode attention over some of a step's sources, before the last merge (:func:`attend`, :func:`merge`).
+
+    ``out [B, H, Dv]`` is normalised over this part's readable rows (fp32, or the query's dtype where an
+    implementation writes that); ``lse [B, H]`` fp32 their log-sum-exp (``-inf``: none readable); ``best [B, H]``
+    fp32 the best scaled score among them (asked with ``best=True``: VestigeKV's s*); ``mass`` per source
+    ``[B, H, N']`` fp32: the probability each position got within this part (``mass=True``: H2O's accumulator).
+    """
+
+    out: torch.Tensor | None
+    lse: torch.Tensor | None = None
+    best: torch.Tensor | None = None
+    mass: list[torch.Tensor] | None = None
+    # a deferred part (attend(..., defer=True)): each source's masked scores [B, H, N'] fp32, and the sources, which
+    # a later attend(..., prior=part) joins into one softmax with its own
+    scores: list[torch.Tensor] | None = None
+    sources: list | None = None
+
+
+def _reference(query: torch.Tensor, checked: list[_Source], scaling: float, *, best: bool = False,
+               mass: bool = False) -> Attended:
     B, H, D = query.shape
     Dv = checked[0].value_width
     scores, group_masks = [], []
@@ -272,17 +294,21 @@ def _reference(query: torch.Tensor, checked: list[_Source],
         group_masks.append(_group_readable(query, s))
         unreadable = ~_readable(group_masks[-1], s, H)
         scores.append(sc.view(B, H, s.positions).masked_fill(unreadable, float("-inf")))
-    lse = torch.logsumexp(torch.cat(scores, dim=-1), dim=-1)  # [B, H]; -inf where nothing is readable
+    joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
+    lse = torch.logsumexp(joined, dim=-1)  # [B, H]; -inf where nothing is readable
     shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
     out = torch.zeros(B, H, Dv, dtype=torch.float32, device=query.device)
+    masses = []
     for s, sc, group in zip(checked, scores, group_masks):
         G, hpg = s.groups, H // s.groups
-        probs = torch.exp(sc - shift).view(B, G, hpg, s.positions)  # 0 for unreadable rows
+        probs = torch.exp(sc - shift)  # [B, H, N'], 0 for unreadable rows
+        masses.append(probs)
+        probs = probs.view(B, G, hpg, s.positions)
         for a, b in _blocks(s, B * G, Dv):
             # an unreadable row's content never matters, even NaN in an unused slot of a pool (0 * NaN = NaN)
             v = _rows(s, a, b, value=True).masked_fill(~group[..., a:b, None], 0.0)
             out += torch.einsum("bghn,bgnd->bghd", probs[..., a:b], v).reshape(B, H, Dv)
-    return out.to(query.dtype), lse
+    return Attended(out, lse, joined.amax(dim=-1) if best else None, masses if mass else None)
 
 
 def decode_attention_reference(
@@ -293,7 +319,89 @@ def decode_attention_reference(
     ``splits`` is accepted for the kernels' signature and has no effect: the softmax is exact. Rows are
     upcast a block at a time (at most :data:`REFERENCE_ROW_BLOCK_ELEMENTS` fp32 elements per copy).
     """
-    return _reference(query, _validate(query, sources, scaling, splits), float(scaling))
+    part = _reference(query, _validate(query, sources, scaling, splits), float(scaling))
+    return part.out.to(query.dtype), part.lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# the SDPA implementation: torch's fused attention where it applies, the same math in two matmuls elsewhere
+# ----------------------------------------------------------------------------------------------------
+
+
+def _sdpa_mask(query: torch.Tensor, s: _Source) -> torch.Tensor | None:
+    """Bool ``[B, H, 1, N']`` of the positions each head may read (None: every position)."""
+    src = s.rows
+    if src.valid is None and src.length is None and src.indices is None and src.head_valid is None:
+        return None
+    B, H = query.shape[:2]
+    allowed = _group_readable(query, s)  # [B, G, N']
+    if src.head_valid is None:
+        hpg = H // s.groups
+        return allowed[:, :, None, None, :].expand(B, s.groups, hpg, 1, s.positions).reshape(B, H, 1, s.positions)
+    return _readable(allowed, s, H)[:, :, None, :]
+
+
+def _sdpa_rows(s: _Source, value: bool) -> torch.Tensor:
+    """A source's keys (or values) ``[B, G, N', *]`` in their dtype: the pool, or its gathered rows."""
+    src = s.rows
+    pool = src.values if value and src.values is not None else src.keys
+    if value and src.values is None:
+        pool = pool[..., : s.value_width]
+    if src.indices is None:
+        return pool
+    idx = src.indices.to(torch.int64).clamp(0, max(s.pool - 1, 0))
+    return torch.gather(pool, 2, idx[..., None].expand(*idx.shape, pool.shape[-1]))
+
+
+def _sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, lse: bool = False, best: bool = False,
+          mass: bool = False, defer: bool = False, prior: Attended | None = None) -> Attended:
+    """One source without extras through ``F.scaled_dot_product_attention`` (``enable_gqa``: the rows are read
+    in place, the kernels transformers' own SDPA path takes); otherwise per source ``scale * Q K^T`` in the rows'
+    dtype (fp32 accumulation, the query rounded to the rows' dtype as the reference does), one fp32 softmax over
+    every source (``prior``'s deferred scores included), and the probabilities in the values' dtype times the
+    values. ``defer``: stop after the scores (and the best one), for a later part to join.
+
+    Unlike the reference and the kernel, this path multiplies an unreadable row's value by its zero probability:
+    unreadable rows must hold finite values (the runtime's always do: zeros past the live rows, real rows
+    otherwise); a NaN there would reach the output."""
+    import torch.nn.functional as F
+
+    B, H, D = query.shape
+    if len(checked) == 1 and prior is None and not (lse or best or mass or defer) \
+            and checked[0].pool == checked[0].positions:
+        s = checked[0]
+        keys, values = _sdpa_rows(s, False), _sdpa_rows(s, True)
+        q = query.to(keys.dtype)[:, :, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=_sdpa_mask(query, s), scale=scaling,
+                                             enable_gqa=H > s.groups)
+        return Attended(out[:, :, 0])
+    scores = []
+    for s in checked:
+        keys = _sdpa_rows(s, False)
+        G, hpg = s.groups, H // s.groups
+        q = query.to(keys.dtype).view(B, G, hpg, D)
+        sc = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scaling).view(B, H, s.positions)
+        mask = _sdpa_mask(query, s)
+        scores.append(sc if mask is None else sc.masked_fill_(~mask[:, :, 0], float("-inf")))
+    best_t = None
+    if best:
+        best_t = torch.stack([sc.amax(dim=-1) for sc in scores]).amax(0) if len(scores) > 1 else scores[0].amax(-1)
+    if defer:
+        return Attended(None, best=best_t, scores=scores, sources=checked)
+    if prior is not None:
+        scores, checked = prior.scores + scores, prior.sources + checked
+    joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
+    probs = torch._safe_softmax(joined, dim=-1)  # 0 (not NaN) where a head may read no row: out = 0 there
+    parts = probs.split([s.positions for s in checked], dim=-1) if len(checked) > 1 else [probs]
+    out = None
+    for s, p in zip(checked, parts):
+        values = _sdpa_rows(s, True)
+        G = s.groups
+        term = torch.matmul(p.to(values.dtype).view(B, G, H // G, s.positions), values)
+        out = term if out is None else out + term
+    out = out.view(B, H, -1)
+    lse_t = torch.logsumexp(joined, dim=-1) if lse else None  # -inf where no row is readable
+    return Attended(out, lse_t, best_t if prior is None else prior.best, list(parts) if mass else None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -671,24 +779,111 @@ def decode_attention_triton(
     return _triton(query, _validate(query, sources, scaling, splits), float(scaling), splits)
 
 
+# ----------------------------------------------------------------------------------------------------
+# the op: one softmax over a step's sources, in parts that merge exactly
+# ----------------------------------------------------------------------------------------------------
+
+IMPLEMENTATIONS = ("reference", "sdpa", "triton")
+
+
+def _triton_part(query: torch.Tensor, checked: list[_Source], scaling: float, splits: int | None, *, best: bool,
+                 prior: Attended | None = None) -> Attended:
+    out, lse = _triton(query, checked, scaling, splits)
+    top = None
+    if best:  # the kernels return no per-head maximum yet: one more read of the rows, in PyTorch
+        top = _sdpa(query, checked, scaling, best=True, defer=True).best
+    part = Attended(out, lse, top)
+    if prior is None:
+        return part
+    out, lse, _ = merge([prior, part], query.dtype)
+    return Attended(out, lse, prior.best)
+
+
+def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: bool = False, best: bool = False,
+           mass: bool = False, defer: bool = False, prior: Attended | None = None, impl: str | None = None,
+           splits: int | None = None) -> Attended:
+    """Decode attention of ``query [B, H, D]`` over ``sources`` as one part of a step (:class:`Attended`).
+
+    ``lse``/``best``/``mass`` ask for the log-sum-exp, the best score (VestigeKV's s*) and the per-position
+    probabilities. A step that must see the tier's best score before it knows which other rows to read asks the
+    tier for it with ``defer=True`` (the scores are kept, nothing is normalised yet) and passes that part as
+    ``prior`` when it attends over the rest: one softmax over both (the kernel path merges two parts by their
+    log-sum-exp instead: the same softmax). ``impl`` is one of :data:`IMPLEMENTATIONS` (None: what
+    :func:`kvzoo.kernels.dispatch.decode_impl` picks for the query's device): ``reference`` (the specification),
+    ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere) or ``triton`` (the split-K kernels; they
+    compute no per-position probabilities, so ``mass`` takes ``sdpa``). Inputs are checked first.
+    """
+    checked = _validate(query, sources, scaling, splits)
+    scaling = float(scaling)
+    if impl is None:
+        impl = dispatch.decode_impl(query, mass=mass)
+    if impl == "triton" and (mass or (prior is not None and prior.scores is not None)):
+        impl = "sdpa"
+    if impl == "triton":
+        if defer:  # the kernel part stands alone: a later part merges it by its log-sum-exp
+            return dispatch.run("decode_attention", _triton_part, _fallback(query, checked, scaling, best=best,
+                                defer=True), query, checked, scaling, splits, best=best)
+        return dispatch.run("decode_attention", _triton_part, _fallback(query, checked, scaling, best=best,
+                            lse=True, prior=prior), query, checked, scaling, splits, best=best, prior=prior)
+    if prior is not None and prior.scores is None:  # a kernel part before: this one merges with it
+        part = attend(query, sources, scaling, lse=True, mass=mass, impl=impl)
+        out, lse_t, weights = merge([prior, part], query.dtype)
+        return Attended(out, lse_t, prior.best, None if part.mass is None else [m * weights[1][..., None]
+                                                                                 for m in part.mass])
+    if impl == "sdpa":
+        return _sdpa(query, checked, scaling, lse=lse, best=best, mass=mass, defer=defer, prior=prior)
+    if impl == "reference":
+        if prior is not None or defer:  # the specification has no parts: the whole step, scores and all
+            return _sdpa_via_reference(query, checked, scaling, lse=lse, best=best, mass=mass, defer=defer,
+                                       prior=prior)
+        return _reference(query, checked, scaling, best=best, mass=mass)
+    raise ValueError(f"impl must be one of {IMPLEMENTATIONS} or None (the dispatch's choice), got {impl!r}")
+
+
+def _fallback(query, checked, scaling, **kwargs):
+    """The PyTorch path a failing kernel falls back to (``dispatch.run``)."""
+    return lambda *args, **kw: _sdpa(query, checked, scaling, **kwargs)
+
+
+def _sdpa_via_reference(query, checked, scaling, *, lse, best, mass, defer, prior) -> Attended:
+    """``reference`` with parts: a deferred part keeps its sources; the part that ends the step runs the
+    specification over every source of the step at once."""
+    if defer:
+        part = _sdpa(query, checked, scaling, best=best, defer=True)
+        return Attended(None, best=part.best, scores=part.scores, sources=checked)
+    whole = _reference(query, prior.sources + checked, scaling, mass=mass)
+    return Attended(whole.out, whole.lse, prior.best, whole.mass)
+
+
+def merge(parts: list[Attended], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
+    """One softmax from parts over disjoint rows: ``(out [B, H, Dv] in dtype, lse [B, H], weights)``.
+
+    ``weights[i] [B, H]`` is the share of part ``i`` in the whole (``exp(lse_i - lse)``): a part's ``mass``
+    times its weight is the probability each of its positions got in the step. One part merges to itself
+    (``weights`` None).
+    """
+    if len(parts) == 1:
+        part = parts[0]
+        return part.out.to(dtype), part.lse, None
+    lses = torch.stack([p.lse for p in parts])  # [P, B, H]
+    total = torch.logsumexp(lses, dim=0)
+    shift = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    weights = torch.exp(lses - shift)  # [P, B, H]; 0 for a part with no readable row
+    out = sum(w[..., None] * p.out.float().nan_to_num(0.0) for w, p in zip(weights, parts))
+    return out.to(dtype), total, list(weights)
+
+
 def decode_attention(
-    query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None
+    query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None, impl: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``query [B, H, D]`` over ``sources``: ``(out [B, H, Dv], lse [B, H] fp32)``.
 
-    One softmax over every readable row of every source (module docstring). The Triton kernels run
-    where :func:`kvzoo.kernels.dispatch.use_triton` says, the PyTorch reference elsewhere. Inputs are
-    checked first, so a bad input raises a ValueError on either path (never a kernel fallback).
+    One softmax over every readable row of every source (module docstring), by the implementation
+    ``impl`` names or :func:`kvzoo.kernels.dispatch.decode_impl` picks (:func:`attend`). Inputs are checked
+    first, so a bad input raises a ValueError on every path (never a kernel fallback).
     """
-    checked = _validate(query, sources, scaling, splits)
-    if dispatch.use_triton(query):
-        return dispatch.run("decode_attention", _triton, _reference_with_splits,
-                            query, checked, float(scaling), splits)
-    return _reference(query, checked, float(scaling))
-
-
-def _reference_with_splits(query, checked, scaling, splits):
-    return _reference(query, checked, scaling)
+    part = attend(query, sources, scaling, lse=True, impl=impl, splits=splits)
+    return part.out.to(query.dtype), part.lse
 
 
 # ----------------------------------------------------------------------------------------------------

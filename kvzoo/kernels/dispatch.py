@@ -8,6 +8,10 @@ Every op in ``kvzoo/kernels/`` has a PyTorch reference and a Triton kernel with 
 * ``triton``: Triton everywhere; CPU tensors then need Triton's interpreter (``TRITON_INTERPRET=1``
   set before ``triton`` is imported), which is how CI tests the kernels without a GPU.
 
+Decode attention has three implementations (``reference``, ``sdpa``, ``triton``); :func:`decode_impl` says
+which a step takes: ``triton`` where Triton is taken, else ``sdpa`` (the reference is the specification the
+tests hold the others to).
+
 The variable is read at each call (a dict lookup), so a test or a benchmark may switch it between
 steps. Triton is imported only when a Triton path is taken: the policy layer imports with torch alone.
 """
@@ -67,6 +71,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
             f"before triton is imported (or use {ENV}=torch)"
         )
     return True
+
+
+def decode_impl(tensor: torch.Tensor, *, mass: bool = False) -> str:
+    """The implementation decode attention takes on ``tensor``'s device (``kvzoo.kernels.decode_attention``):
+    ``triton`` where :func:`use_triton` says so (except when the per-position probabilities are asked for,
+    which the kernels do not compute: ``sdpa``), ``sdpa`` elsewhere."""
+    return "triton" if use_triton(tensor) and not mass else "sdpa"
 
 
 _failed: set[str] = set()

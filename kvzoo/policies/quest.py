@@ -86,6 +86,9 @@ class Quest(Policy):
         attended = min(self.sinks, max(0, seen - current)) + current
         return attended if resident > attended else None
 
+    def rows_between_events(self) -> int:
+        return self.page_size  # the current page fills, then moves to the archive whole
+
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
         return keep_sinks_and_recent(rows.valid, self.sinks, keep)
 

@@ -1,0 +1,284 @@
+"""CUDA graphs of the decode step: ``TieredCache(model, policy, capacity=N, cuda_graph=True)``.
+
+With a fixed capacity a decode step between two events launches the same kernels on the same shapes and
+storage every step (``framework/step.py``; ``tests/test_static_step.py`` records it on CPU), so it can be
+captured once and replayed, as vLLM, SGLang and gpt-fast do: the host then launches one graph per step instead
+of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
+
+* the model's forward is wrapped (``model.forward``; :func:`kvzoo.framework.attention.detach` restores it): a
+  single-token forward with this cache goes through :meth:`DecodeGraph.forward`, anything else runs as before;
+* a step is *steady* when no layer will run an event (a selection over its tier, a block closing, Quest's page
+  move, the prompt's end) and no buffer has to grow: :meth:`DecodeGraph.step_kind` works that out on the host
+  from the layers' counters, before the step (no device work);
+* an unsteady step runs eagerly, and so does the first steady step after it (it warms the new shapes up); the
+  second is captured (``torch.cuda.CUDAGraph``) into static inputs (token ids and positions) and outputs (logits)
+  and replayed; later steady steps copy the new token's id and position in and replay;
+* what a steady step does to the host's counters (rows seen, live rows, bytes read, ...) is recorded at capture
+  as a delta and added at every replay (:class:`HostNumbers`), so ``cache.stats()`` counts replayed steps too
+  (the step before the capture was steady as well, so a per-step figure changes by 0 and a running count by
+  the same amount every step).
+
+Attention masks are not replayed: a graphed step's token is a real token (``generate`` marks it so); the
+padding of earlier rows is in the tier's valid flags already. This path has not run on a GPU yet (no GPU was
+available where it was written); on CPU its logic is tested with a stand-in graph that re-runs the captured step
+(``tests/test_static_step.py``). It is off by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Number = int | float | bool
+
+
+def check_cuda_graph(model: torch.nn.Module, capacity: int | None) -> None:
+    """ValueError unless a CUDA graph can hold ``model``'s decode steps: CUDA, and a fixed ``capacity``."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"cuda_graph=True captures decode steps in a CUDA graph, which needs CUDA: the model is on "
+                         f"{device}. Use cuda_graph=False (the default) off a GPU")
+    if capacity is None:
+        raise ValueError("cuda_graph=True needs capacity=N (the most tokens the sequence will hold): a captured "
+                         "step replays on buffers preallocated for N rows")
+
+
+class HostNumbers:
+    """The Python numbers an object graph holds (ints, floats, bools in attributes, dicts and lists), by path.
+
+    A replayed step does the device's work only; what a steady step does to the host's numbers is extrapolated
+    from the two steady steps before the capture: in a steady run every such number is at most quadratic in the
+    step count (a running sum of a per-step figure that grows by a fixed amount -- bytes read over one more row
+    each step), so ``value += delta`` with ``delta`` growing by the same second difference every step is exact.
+    Bools take their value after the capture. Tensors are left out: they live on the device, where the graph
+    updates them. ``tests/test_static_step.py`` holds every policy's ``cache.stats()`` after replays to the
+    eager run's."""
+
+    KINDS: tuple[type, ...] = ()  # the classes walked into (set by DecodeGraph: kvzoo's layer, store and index types)
+
+    @classmethod
+    def snapshot(cls, root: Any) -> dict[tuple, Number]:
+        out: dict[tuple, Number] = {}
+        cls._walk(root, (), out, set())
+        return out
+
+    @classmethod
+    def _walk(cls, obj: Any, path: tuple, out: dict, seen: set) -> None:
+        if isinstance(obj, bool | int | float):
+            out[path] = obj
+            return
+        if id(obj) in seen:
+            return
+        if isinstance(obj, dict):
+            seen.add(id(obj))
+            for key, value in obj.items():
+                if isinstance(key, str | int):
+                    cls._walk(value, (*path, ("key", key)), out, seen)
+        elif isinstance(obj, list):
+            seen.add(id(obj))
+            for i, value in enumerate(obj):
+                cls._walk(value, (*path, ("item", i)), out, seen)
+        elif isinstance(obj, cls.KINDS):
+            seen.add(id(obj))
+            for name, value in vars(obj).items():
+                cls._walk(value, (*path, ("attr", name)), out, seen)
+
+    @staticmethod
+    def _set(root: Any, path: tuple, value: Number) -> None:
+        target = root
+        for kind, key in path[:-1]:
+            target = target[key] if kind in ("key", "item") else getattr(target, key)
+        kind, key = path[-1]
+        if kind in ("key", "item"):
+            target[key] = value
+        else:
+            setattr(target, key, value)
+
+
+@dataclasses.dataclass
+class _Steps:
+    """Host numbers around two consecutive steady steps: before the first, between, after the second."""
+
+    first: dict[tuple, Number]
+    second: dict[tuple, Number]
+    third: dict[tuple, Number]
+    replays: int = 0
+
+    def advance(self, root: Any) -> None:
+        """One more replayed step's host effects (:class:`HostNumbers`)."""
+        self.replays += 1
+        now = HostNumbers.snapshot(root)
+        for path, value in self.third.items():
+            if isinstance(value, bool) or path not in now:
+                HostNumbers._set(root, path, value)
+                continue
+            d1 = self.second.get(path, 0) - self.first.get(path, 0)
+            d2 = value - self.second.get(path, 0)
+            step = d2 + self.replays * (d2 - d1)
+            if step:
+                HostNumbers._set(root, path, now[path] + step)
+
+
+def _kinds() -> tuple[type, ...]:
+    from kvzoo.framework.buffers import RowStore
+    from kvzoo.framework.cache import TieredLayer
+    from kvzoo.framework.retriever import RetrievalState
+    from kvzoo.framework.runtime import LayerState
+    from kvzoo.framework.store import LayerStore
+
+    kinds: list[type] = [TieredLayer, LayerState, LayerStore, RowStore, RetrievalState]
+    try:
+        from transformers.cache_utils import CacheLayerMixin
+
+        kinds.append(CacheLayerMixin)  # Kimi's KDA layers count their tokens on the host too
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(kinds)
+
+
+class CUDAGraphRunner:
+    """What :class:`DecodeGraph` needs of a graph: capture a function once, replay it (``torch.cuda.CUDAGraph``)."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.pool = self.graph.pool()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@dataclasses.dataclass
+class _Captured:
+    runner: Any
+    kind: tuple
+    steps: _Steps
+    output: Any
+
+
+class DecodeGraph:
+    """Captures a cache's steady decode steps in a CUDA graph and replays them (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] = CUDAGraphRunner) -> None:
+        HostNumbers.KINDS = _kinds()
+        self.model, self.cache = model, cache
+        self.make_runner = make_runner
+        self.captured: _Captured | None = None
+        self.warm: tuple | None = None  # (kind, numbers before, after) of the eager steady step just run
+        self.ids: torch.Tensor | None = None  # static inputs [B, 1]
+        self.positions: torch.Tensor | None = None
+        self.captures = self.replays = self.eager_steps = 0
+
+    # --- when a step may replay -----------------------------------------------------------------------
+    def step_kind(self) -> tuple | None:
+        """What the next decode step does per layer, from host counters alone (None: an event, run it eagerly)."""
+        from kvzoo.framework.policy import Policy
+
+        runtime = self.cache.runtime
+        policy = runtime.policy
+        kinds = []
+        for layer in self.cache.tiered_layers:
+            state, store = layer.state, layer.state.store
+            if not store.initialized or not state.context_ended:
+                return None  # the prompt's end (generate's first decode step) compresses: an event
+            n, seen = store.n + 1, store.seen + 1
+            if n > store.tier.capacity:
+                return None  # the tier grows
+            fate = "none"
+            if not policy.is_dense(state.layer_rank):
+                if policy.schedule == "step":
+                    target = policy.target_rows("step", budget=state.budget, resident=n,
+                                                block_rows=min(store.since_event + 1, n), seen=seen)
+                    if target is not None and target < n:
+                        if target != n - 1 or type(policy).step_victim is Policy.step_victim:
+                            return None  # a selection over the tier (no one-in-one-out victim rule)
+                        fate = "one"
+                        if store.archive.n + 1 > store.archive.capacity:
+                            return None  # the archive grows
+                elif policy.schedule == "block" and store.since_event + 1 >= (policy.block_size or 0):
+                    return None  # a block closes
+            retrieving = state.index is not None and store.archive.n > 0
+            kinds.append((fate, retrieving))
+        return tuple(kinds)
+
+    # --- the forward -------------------------------------------------------------------------------------
+    def forward(self, call: Callable[..., Any], input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                **kwargs: Any) -> Any:
+        """One decode step: replayed, captured, or eager (``call`` is the model's own forward)."""
+        if position_ids is None:
+            position_ids = torch.full_like(input_ids, self.cache.get_seq_length())
+        kind = self.step_kind()
+        layers = self.cache.layers
+        if kind is not None and self.captured is not None and self.captured.kind == kind \
+                and self.ids.shape == input_ids.shape:
+            self.ids.copy_(input_ids)
+            self.positions.copy_(position_ids)
+            self.captured.runner.replay()
+            self.captured.steps.advance(layers)
+            self.replays += 1
+            return self._output()
+        self.captured = None
+        if kind is not None and self.warm is not None and self.warm[0] == kind:
+            return self._capture(call, kind, input_ids, position_ids, kwargs)
+        # an event, or the first steady step after one: eager (it warms the new shapes up, and gives the host
+        # numbers' first steady delta)
+        before = HostNumbers.snapshot(layers) if kind is not None else None
+        out = call(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        self.warm = (kind, before, HostNumbers.snapshot(layers)) if kind is not None else None
+        self.eager_steps += 1
+        return out
+
+    def _output(self) -> Any:
+        """The captured output with its logits copied out (the graph overwrites them at the next replay)."""
+        out = self.captured.output
+        return type(out)(**{**out, "logits": out["logits"].clone()})
+
+    def _capture(self, call, kind, input_ids, position_ids, kwargs) -> Any:
+        self.ids, self.positions = input_ids.clone(), position_ids.clone()
+        kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # a graphed token is a real token
+        runner = self.make_runner()
+        _, first, second = self.warm
+        output = runner.capture(lambda: call(input_ids=self.ids, position_ids=self.positions, **kwargs))
+        third = HostNumbers.snapshot(self.cache.layers)
+        runner.replay()  # capturing records the kernels; this runs them for the step being captured
+        self.captured = _Captured(runner, kind, _Steps(first, second, third), output)
+        self.warm = None
+        self.captures += 1
+        return self._output()
+
+
+def install(model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] = CUDAGraphRunner) -> DecodeGraph:
+    """Route ``model``'s single-token forwards with ``cache`` through a :class:`DecodeGraph` (idempotent per
+    model: the wrapper dispatches on the cache it is handed, so several graphed caches can share a model)."""
+    graph = DecodeGraph(model, cache, make_runner)
+    graphs = getattr(model, "_kvzoo_graphs", None)
+    if graphs is None:
+        import weakref
+
+        graphs = model._kvzoo_graphs = weakref.WeakKeyDictionary()
+        original = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            cache_arg = kwargs.get("cache", kwargs.get("past_key_values"))
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            graphed = graphs.get(cache_arg) if cache_arg is not None and not isinstance(cache_arg, bool) else None
+            if graphed is None or ids is None or ids.dim() != 2 or ids.shape[1] != 1 or args:
+                return original(*args, **kwargs)
+            kwargs.pop("input_ids")
+            return graphed.forward(original, ids, kwargs.pop("position_ids", None), **kwargs)
+
+        model._kvzoo_original_model_forward = original
+        model.forward = forward
+    graphs[cache] = graph
+    return graph

@@ -1,0 +1,219 @@
+"""A decode step a CUDA graph can replay: with ``TieredCache(..., capacity=N)`` consecutive steps between events
+launch the same ops with the same arguments on the same storage, and never wait for the device.
+
+What a CPU can prove of the condition for graph capture: every aten op a step dispatches is recorded
+(``kvzoo.bench.step_trace``) -- its name, its non-tensor arguments and the shapes and dtypes of its tensors -- and
+the traces of the steady steps (no event: no selection over the tier, no storage growth) must be identical, every
+tensor the cache owns must keep its storage, and no op may synchronise. Also: the same greedy tokens and the
+same kept rows with and without ``capacity``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kvzoo import TieredCache, registry
+from kvzoo.bench.step_trace import StepTrace, first_difference
+from kvzoo.framework.attention import detach
+from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from tests.greedy import assert_same_greedy
+
+PROMPT, STEPS = 120, 24
+
+# every registered policy (quest and vestige with their retrievers), at budgets the tiny models' prompt exceeds
+POLICIES = {
+    "full": {},
+    "streaming_llm": {"budget": 32},
+    "snapkv": {"budget": 32, "window": 8},
+    "h2o": {"budget": 32},
+    "chunkkv": {"budget": 40, "window": 8},
+    "quest": {"budget": 48, "dense_layers": 0},
+    "vestige": {"budget": 16, "block_size": 64},
+    "vestige-evict": {"budget": 16, "block_size": 64, "retriever": None},
+}
+
+
+def _policy(name: str):
+    base = name.split("-")[0]
+    return registry.get(base, **POLICIES[name])
+
+
+@functools.cache
+def _model(family: str):
+    build = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}[family]
+    model = build()[0]
+    detach(model)
+    return model
+
+
+def _ids(model, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (batch, n), generator=g)
+
+
+def _owned(cache: TieredCache) -> dict[str, int]:
+    """Storage pointer of every tensor the cache's tiered layers own: tier, archive, index, lengths, counters."""
+    out = {}
+    for layer in cache.tiered_layers:
+        state, store = layer.state, layer.state.store
+        for where, rows in (("tier", store.tier), ("archive", store.archive)):
+            for name, buf in rows.buffers.items():
+                out[f"{layer.layer_idx}.{where}.{name}"] = buf.data_ptr()
+            out[f"{layer.layer_idx}.{where}.length"] = rows.length.data_ptr()
+        out[f"{layer.layer_idx}.seen"] = store.seen_dev.data_ptr()
+        out[f"{layer.layer_idx}.fetched"] = state.fetched_rows.data_ptr()
+        for attr in ("rows", "pages"):
+            index_rows = getattr(state.index, attr, None)
+            if index_rows is not None and hasattr(index_rows, "buffers"):
+                for name, buf in index_rows.buffers.items():
+                    out[f"{layer.layer_idx}.index.{name}"] = buf.data_ptr()
+    return out
+
+
+def _steady(cache: TieredCache) -> tuple[int, ...]:
+    """What changes at an event: selections over the tier and storage growths, per layer."""
+    return tuple(x for layer in cache.tiered_layers
+                 for x in (layer.state.store.selections, layer.state.store.tier.growths, layer.state.store.archive.growths))
+
+
+def _decode_traces(model, policy, *, steps: int = STEPS):
+    """Prefill, compress, then ``steps`` recorded decode steps: [(trace, steady key before, after, owned)]."""
+    ids = _ids(model, PROMPT)
+    cache = TieredCache(model, policy, capacity=PROMPT + steps + 4)
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        cache.compress()
+        token = logits.argmax(-1, keepdim=True)
+        for t in range(steps + 1):
+            position = torch.tensor([[PROMPT + t]])
+            before = _steady(cache)
+            with StepTrace() as trace:
+                logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits[:, -1]
+            out.append((trace, before, _steady(cache), _owned(cache)))
+            token = logits.argmax(-1, keepdim=True)
+    return out[1:]  # the first decode step sizes what the event left (the archive, the counters): not steady yet
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_steady_decode_steps_repeat_op_for_op(name, family):
+    model = _model(family)
+    policy = _policy(name)
+    if "mla" not in policy.layouts and family != "llama" or "gqa" not in policy.layouts and family == "llama":
+        pytest.skip(f"{name} does not run on {family}")
+    runs: list[list] = [[]]  # steady steps, in runs between events (after an event a graph is captured again)
+    for trace, before, after, owned in _decode_traces(model, policy):
+        if before == after:
+            runs[-1].append((trace, owned))
+        elif runs[-1]:
+            runs.append([])
+    runs = [run for run in runs if run]
+    longest = max((len(run) for run in runs), default=0)
+    # quest moves its current page to the archive every 16 steps (an event); the others have none here
+    assert longest >= (12 if name == "quest" else STEPS), f"the longest run of steady steps is {longest}"
+    for run in runs:
+        reference, ref_owned = run[0]
+        assert reference.syncs == [], f"host syncs in a decode step: {reference.syncs}"
+        for i, (trace, owned) in enumerate(run[1:], 1):
+            assert first_difference(reference, trace) is None, f"steady step {i}: {first_difference(reference, trace)}"
+            moved = sorted(k for k in owned if owned[k] != ref_owned.get(k))
+            assert not moved, f"steady step {i}: storage moved for {moved}"
+            assert trace.syncs == []
+
+
+def _generate(model, policy, ids, mask, capacity):
+    cache = TieredCache(model, policy, capacity=capacity)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                         cache=cache, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    kept = [layer.slots.sort(dim=-1).values for layer in cache.tiered_layers]
+    return out, kept
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_capacity_changes_no_token_and_no_kept_row(name, family):
+    """A left-padded batch of two: the same greedy tokens (up to a near tie) and the same rows kept per layer."""
+    model = _model(family)
+    policy = _policy(name)
+    if "mla" not in policy.layouts and family != "llama" or "gqa" not in policy.layouts and family == "llama":
+        pytest.skip(f"{name} does not run on {family}")
+    ids = _ids(model, PROMPT, seed=1, batch=2)
+    mask = torch.ones_like(ids)
+    ids[1, :9], mask[1, :9] = 0, 0  # the second sequence is 9 tokens shorter, padded on the left
+    with torch.no_grad():
+        grown, grown_kept = _generate(model, policy, ids, mask, None)
+        fixed, fixed_kept = _generate(model, policy, ids, mask, PROMPT + 16)
+    for row in range(2):
+        assert_same_greedy(grown.sequences[row], fixed.sequences[row],
+                           torch.stack([s[row] for s in grown.logits]), torch.stack([s[row] for s in fixed.logits]))
+    if torch.equal(grown.sequences, fixed.sequences):  # the same tokens: the same rows
+        for layer, (a, b) in enumerate(zip(grown_kept, fixed_kept)):
+            assert torch.equal(a, b), f"layer {layer} keeps other rows with capacity"
+
+
+def test_capacity_is_checked():
+    model = _model("llama")
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="capacity must be None"):
+            TieredCache(model, "full", capacity=bad)
+
+
+def test_cuda_graph_off_a_gpu_names_cuda_graph_and_cuda():
+    with pytest.raises(ValueError, match="cuda_graph=True.*CUDA"):
+        TieredCache(_model("llama"), "full", capacity=64, cuda_graph=True)
+
+
+class StandInGraph:
+    """A CUDA graph's stand-in on CPU: ``capture`` runs the step once (on a GPU capture records it and the replay
+    right after runs it); a later ``replay`` re-runs the step with the host's numbers put back afterwards (a
+    graph replays device work only: the host's counters are the DecodeGraph's to advance) and writes its logits
+    into the captured output, as a graph's static output would be."""
+
+    def __init__(self, cache) -> None:
+        self.cache, self.fn, self.fresh = cache, None, False
+
+    def capture(self, fn):
+        self.fn, self.fresh = fn, True
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        from kvzoo.framework.graphs import HostNumbers
+
+        if self.fresh:  # the capture ran it already
+            self.fresh = False
+            return
+        before = HostNumbers.snapshot(self.cache.layers)
+        logits = self.fn()["logits"]
+        for path, value in before.items():
+            HostNumbers._set(self.cache.layers, path, value)
+        self.out["logits"].copy_(logits)
+
+
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o", "quest", "vestige"])
+def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
+    """DecodeGraph's logic on CPU (the stand-in for the CUDA graph): which steps replay, the static inputs, and
+    the host's counters advanced at each replay -- the same tokens and the same cache.stats() as eager steps."""
+    from kvzoo.framework.graphs import install
+
+    model = _model("llama")
+    ids = _ids(model, PROMPT, seed=3)
+    runs = {}
+    for graphed in (False, True):
+        cache = TieredCache(model, _policy(name), capacity=PROMPT + 40)
+        graph = install(model, cache, lambda c=cache: StandInGraph(c)) if graphed else None
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, cache=cache,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        runs[graphed] = (out, cache.stats().totals, graph)
+    detach(model)
+    (eager, eager_totals, _), (replayed, replayed_totals, graph) = runs[False], runs[True]
+    assert graph.replays >= (12 if name == "quest" else 20) and graph.captures >= 1
+    assert_same_greedy(eager.sequences[0], replayed.sequences[0], torch.stack([s[0] for s in eager.logits]),
+                       torch.stack([s[0] for s in replayed.logits]))
+    if torch.equal(eager.sequences, replayed.sequences):
+        assert replayed_totals == eager_totals
