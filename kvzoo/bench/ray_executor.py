@@ -32,7 +32,7 @@ from typing import Any
 from kvzoo.bench.executors import RAY_INSTALL, Emit, TrialGroup, TrialQueue, Work, timed_run
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # a local instance's object store: rows are small, models never travel
-PLACEMENT_TIMEOUT_S = 120.0  # how long a worker may wait for the cluster to place it (start its process)
+PLACEMENT_TIMEOUT_S = 120.0  # how long a worker may wait for the cluster to reserve its CPUs and GPUs
 
 
 class RayUnavailable(RuntimeError):
@@ -95,7 +95,8 @@ class RayExecutor:
     and the model files it runs. ``workers=None``: as many as the cluster's CPUs (or GPUs, with
     ``gpus_per_worker``) allow. A worker with a GPU runs its model on ``cuda``.
     ``max_attempts``: how many workers a trial may lose before it is recorded as an error.
-    ``placement_timeout``: seconds a worker may wait to be placed (and started) before it is given up.
+    ``placement_timeout``: seconds a worker may wait to be placed (its placement group of one bundle, its CPUs
+    and GPUs, reserved) before it is given up; its process's start-up does not count.
     """
 
     name = "ray"
@@ -184,7 +185,8 @@ class RayExecutor:
         short = [f"{need:g} {name} (free now: {available.get(name, 0):g} of {total.get(name, 0):g})"
                  for name, need in self._needs().items() if available.get(name, 0) < need]
         waits = (f"each needs {' and '.join(short)}" if short else
-                 "its resources are free, but its process did not start (a slow node, a broken environment?)")
+                 f"the cluster has {', '.join(f'{need:g} {name}' for name, need in self._needs().items())} free in "
+                 "all, but no single node holds one worker's")
         names = ", ".join(slot.name for slot in late)
         ahead = f"; going on with the {left} worker(s) that started" if left else ""
         return (f"{names} could not be placed on the Ray cluster within {self.placement_timeout:g} s: {waits}{ahead}. "
