@@ -33,17 +33,66 @@ def _parse_value(text: str) -> Any:
 
 
 def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy's parameters from ``--param k=v`` (each once) and ``--ratio`` / ``--budget``; a ValueError when a
+    parameter is given twice (``--param ratio=4 --ratio 8``: which one was meant?)."""
     params: dict[str, Any] = {}
     for item in args.param or []:
         if "=" not in item:
-            raise SystemExit(f"--param expects key=value (e.g. --param sinks=4), got {item!r}")
+            raise ValueError(f"--param expects key=value (e.g. --param sinks=4), got {item!r}")
         key, value = item.split("=", 1)
+        if key in params:
+            raise ValueError(f"--param {key} is given twice ({key}={params[key]!r} and {item!r}): give it once")
         params[key] = _parse_value(value)
-    if args.ratio is not None:
-        params["ratio"] = args.ratio
-    if args.budget is not None:
-        params["budget"] = args.budget
+    for key in ("ratio", "budget"):
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if key in params:
+            raise ValueError(f"{key} is given twice (--param {key}={params[key]!r} and --{key} {value:g}): give one of "
+                             "them")
+        params[key] = value
     return params
+
+
+def _kernels_problem() -> str | None:
+    """``KVZOO_KERNELS`` checked at start-up, before any model loads (None: it is valid or unset)."""
+    from kvzoo.kernels.dispatch import mode
+
+    try:
+        mode()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+CONTEXT_FILE_LIMIT = 16 * 2**20  # bytes of --context-file read at most (about 4M tokens of text)
+
+
+def _read_context_file(path: Path) -> str:
+    """The text of ``--context-file``: a regular UTF-8 file of at most :data:`CONTEXT_FILE_LIMIT` bytes, not empty
+    (a ValueError naming the file and what is valid otherwise). Reads at most the limit plus one byte."""
+    name = f"--context-file {str(path)!r}"
+    if not path.exists():
+        raise ValueError(f"{name} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{name} is a directory; give a text file")
+    if not path.is_file():
+        raise ValueError(f"{name} is not a regular file (a device, FIFO or socket); give a text file")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(CONTEXT_FILE_LIMIT + 1)
+    except OSError as err:
+        raise ValueError(f"{name} cannot be read ({type(err).__name__}: {err.strerror or err})") from None
+    if len(data) > CONTEXT_FILE_LIMIT:
+        raise ValueError(f"{name} is larger than {CONTEXT_FILE_LIMIT // 2**20} MiB: give a text file of at most "
+                         f"{CONTEXT_FILE_LIMIT // 2**20} MiB (a context is a prompt, not a corpus)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{name} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():
+        raise ValueError(f"{name} is empty: there is no context to compress")
+    return text
 
 
 def _fail(command: str, message: str) -> int:
@@ -79,6 +128,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kvzoo.bench.runner import check_model_name, encode_prompt, load
     from kvzoo.bench.tasks import QUESTION, TaskSpec, build_needle_context, make_task
 
+    problem = _kernels_problem()
+    if problem is not None:
+        return _fail("run", problem)
     try:
         policy = registry.get(args.policy, **_policy_params(args))
     except (KeyError, TypeError, ValueError) as err:
@@ -95,42 +147,38 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _fail("run", str(err))
     context_text = None
     if args.context_file:  # read it before the model loads: a bad file fails at once, naming itself
-        path = Path(args.context_file)
         try:
-            context_text = path.read_bytes().decode("utf-8")
-        except FileNotFoundError:
-            return _fail("run", f"--context-file {str(path)!r} does not exist")
-        except IsADirectoryError:
-            return _fail("run", f"--context-file {str(path)!r} is a directory; give a text file")
-        except UnicodeDecodeError as err:
-            return _fail("run", f"--context-file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})")
-        if not context_text.strip():
-            return _fail("run", f"--context-file {str(path)!r} is empty: there is no context to compress")
+            context_text = _read_context_file(Path(args.context_file))
+        except ValueError as err:
+            return _fail("run", str(err))
     try:
         check_model_name(args.model)
+        model, tokenizer = load(args.model)
     except ValueError as err:
         return _fail("run", str(err))
-    model, tokenizer = load(args.model)
     task = None
-    if context_text is not None:
-        context, question = context_text, args.question
-    elif spec is not None:
-        task = make_task(spec, tokenizer)
-        ids = encode_prompt(tokenizer, task)
-        context, question = ids.prefix, ids.question  # token ids: the answer prefix follows the question
-    else:
-        context = build_needle_context(tokenizer, context_tokens=args.context_tokens, depth=args.depth).text
-        question = args.question or QUESTION
-    result = pipeline.generate(
-        model,
-        tokenizer,
-        context,
-        question,
-        policy,
-        max_new_tokens=args.max_new_tokens or (task.max_new_tokens if task else 24),
-        question_position=args.question_position,
-        chunk_size=args.chunk_size,
-    )
+    try:
+        if context_text is not None:
+            context, question = context_text, args.question
+        elif spec is not None:
+            task = make_task(spec, tokenizer)
+            ids = encode_prompt(tokenizer, task)
+            context, question = ids.prefix, ids.question  # token ids: the answer prefix follows the question
+        else:
+            context = build_needle_context(tokenizer, context_tokens=args.context_tokens, depth=args.depth).text
+            question = args.question or QUESTION
+        result = pipeline.generate(
+            model,
+            tokenizer,
+            context,
+            question,
+            policy,
+            max_new_tokens=args.max_new_tokens or (task.max_new_tokens if task else 24),
+            question_position=args.question_position,
+            chunk_size=args.chunk_size,
+        )
+    except ValueError as err:  # the input does not fit the model (too long a context, a budget too small, ...)
+        return _fail("run", str(err))
     print(f"policy   : {policy}")
     print(f"context  : {result.context_tokens} tokens; question {args.question_position} compression")
     if task is not None:
@@ -161,6 +209,12 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
     given = {k: v for k, v in vars(args).items() if v is not None}
     if "policies" in given:
         given["policies"] = [name for value in given["policies"] for name in _policy_list(value)]
+        if not given["policies"]:
+            from kvzoo import registry
+
+            raise ValueError(f"--policies {' '.join(repr(v) for v in args.policies)} names no policy: give registered "
+                             f"names or specs (registered: {', '.join(registry.available())}), or leave out --policies "
+                             "for every registered policy")
     task_options = ("tasks", "haystacks", "context_tokens", "depths", "seeds")
     grid_fields = {"models": "models", "policies": "policies", "ratios": "ratios", "positions": "positions",
                    "max_new_tokens": "max_new_tokens", "chunk_size": "chunk_size",
@@ -172,14 +226,14 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
         specs = base.tasks
         tasks = given.get("tasks") or list(dict.fromkeys(s.task for s in specs))
         grid = needle_grid(
-            models=overrides.pop("models", base.models),
+            models=overrides.get("models", base.models),
             tasks=tasks,
             haystacks=given.get("haystacks") or [None],
             context_tokens=given.get("context_tokens") or sorted({s.context_tokens for s in specs}),
             depths=given.get("depths") or sorted({s.depth for s in specs if s.depth is not None}) or [0.5],
             seeds=given.get("seeds") or sorted({s.seed for s in specs}),
         )
-        return dataclasses.replace(base, tasks=grid.tasks, **overrides)
+        return dataclasses.replace(base, tasks=grid.tasks, **{**overrides, "models": grid.models})
     return dataclasses.replace(base, **overrides)
 
 
@@ -187,7 +241,8 @@ def _executor_from_args(args: argparse.Namespace) -> Any:
     from kvzoo.bench import runner
 
     options = {"address": args.address, "workers": args.workers, "gpus_per_worker": args.gpus_per_worker,
-               "cpus_per_worker": args.cpus_per_worker, "max_attempts": args.max_attempts}
+               "cpus_per_worker": args.cpus_per_worker, "max_attempts": args.max_attempts,
+               "placement_timeout": args.placement_timeout}
     if args.executor == "local":
         given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
         if given:
@@ -201,19 +256,23 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     from kvzoo.bench.ray_executor import RayUnavailable
 
     started = time.perf_counter()
+    problem = _kernels_problem()
+    if problem is not None:
+        return _fail("leaderboard", problem)
     try:
         executor = _executor_from_args(args)
     except (RayUnavailable, ValueError) as err:
         return _fail("leaderboard", str(err))
+    results = Path(args.out or runner.RESULTS_DIR / f"{args.preset}.jsonl")
+    plot_dir = Path(args.plot_dir) if args.plot_dir else results.parent
     try:
         grid = _grid_from_args(args)
+        # the files first: an unusable --out or --plot-dir is refused before anything is planned or run
+        runner.check_results_target(results, force=args.force, fresh=args.fresh)
+        if not args.no_plots:
+            runner.check_output_dir(plot_dir, "--plot-dir" if args.plot_dir else "--plot-dir (default: beside --out)")
         trials = runner.plan(grid)
-    except (TypeError, ValueError) as err:
-        return _fail("leaderboard", str(err))
-    results = Path(args.out or runner.RESULTS_DIR / f"{args.preset}.jsonl")
-    try:
-        runner.check_results_target(results, force=args.force)
-    except runner.NotKvzooResults as err:
+    except (TypeError, ValueError) as err:  # runner.ResultsFileError is a ValueError
         return _fail("leaderboard", str(err))
     where = "" if args.executor == "local" else f" on {executor!r}"
     print(f"kvzoo leaderboard: {len(trials)} trials -> {results}{where} (rerun the same command to resume)",
@@ -221,20 +280,25 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     try:
         rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress,
                                executor=executor)
-    except RayUnavailable as err:
+    except (RayUnavailable, runner.ResultsFileError) as err:
         return _fail("leaderboard", str(err))
     print(report.render(rows, title=f"kvzoo leaderboard ({args.preset} grid)"))
     print("## Workers: who ran what (each row's `worker` and `trial_seconds` in the JSONL)\n")
     print(report.worker_table(rows) + "\n")
+    plots_failed = False
     if not args.no_plots:
-        plot_dir = Path(args.plot_dir) if args.plot_dir else results.parent
         try:
             for path in plots.write_plots(rows, plot_dir, prefix=results.stem + "-"):
                 print(f"wrote {path}")
         except ValueError as err:  # nothing plottable (every trial failed)
             print(f"no plots: {err}", file=sys.stderr)
+        except OSError as err:  # the folder was checked before the trials; it changed since
+            plots_failed = True
+            print(f"kvzoo leaderboard: could not write the plots into {plot_dir} ({type(err).__name__}: "
+                  f"{err.strerror or err}); the results are in {results}: `kvzoo plot {results} --out-dir DIR` "
+                  "draws them", file=sys.stderr)
     print(f"wall time {time.perf_counter() - started:.0f} s for {len(rows)} trials in {results}")
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+    return 0 if any(r["status"] == "ok" for r in rows) and not plots_failed else 1
 
 
 # --- plot ----------------------------------------------------------------------------------------
@@ -244,21 +308,31 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from kvzoo.bench import plots, runner
 
     path = Path(args.results)
+    if path.exists() and not path.is_file():
+        return _fail("plot", f"{str(path)!r} is {'a directory' if path.is_dir() else 'not a regular file'}: give a "
+                     "results JSONL written by `kvzoo leaderboard`")
     if not path.is_file():
         return _fail("plot", f"no results file {str(path)!r}; run `kvzoo leaderboard` first (it writes results/<preset>.jsonl)")
+    out_dir = Path(args.out_dir) if args.out_dir else path.parent
+    try:
+        runner.check_output_dir(out_dir, "--out-dir" if args.out_dir else "--out-dir (default: beside the results)")
+    except runner.ResultsFileError as err:
+        return _fail("plot", str(err))
     found = runner.read_results_file(path)
     for problem in found.problems():
         print(f"kvzoo plot: {problem}", file=sys.stderr)
     if not found.rows:
         return _fail("plot", f"{path} holds no kvzoo results rows (it was not changed); give a JSONL written by "
                      "`kvzoo leaderboard`")
-    rows = found.rows
+    rows = list(runner.latest_rows(found.rows).values())  # one row per trial, as the leaderboard reads them
     if args.model:
         rows = [r for r in rows if r.get("model") == args.model]
     try:
-        written = plots.write_plots(rows, args.out_dir or path.parent, prefix=path.stem + "-", position=args.position)
+        written = plots.write_plots(rows, out_dir, prefix=path.stem + "-", position=args.position)
     except ValueError as err:
         return _fail("plot", str(err))
+    except OSError as err:
+        return _fail("plot", f"could not write the plots into {out_dir} ({type(err).__name__}: {err.strerror or err})")
     for p in written:
         print(f"wrote {p}")
     return 0
@@ -300,15 +374,15 @@ def _depth(text: str) -> float:
     return value
 
 
-def _positive_int(subject: str) -> Any:
-    """An argparse type: an int >= 1, or an error saying ``{subject} is an int >= 1``."""
+def _positive_int(subject: str, low: int = 1, note: str = "") -> Any:
+    """An argparse type: an int >= ``low``, or an error saying ``{subject} is an int >= {low}{note}``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{subject} is an int >= 1, got {text!r}")
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{subject} is an int >= {low}{note}, got {text!r}")
         return value
 
     return parse
@@ -389,12 +463,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="question after and/or before compression")
     p_lb.add_argument("--max-new-tokens", type=_positive, help="tokens to generate (default: each task's own)")
     p_lb.add_argument("--chunk-size", type=_positive, help="prefill in chunks of this many tokens")
-    p_lb.add_argument("--continuation-tokens", type=int, help="held-out continuation length for ΔCE (default 64)")
+    p_lb.add_argument("--continuation-tokens", type=_positive_int("--continuation-tokens", 0, " (0: no ΔCE)"),
+                      help="held-out continuation length for ΔCE (default 64; 0: none, no ΔCE)")
     p_lb.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default float32)")
     p_lb.add_argument("--audit", action="store_true", help="count the retrieval tier's bound violations (slow)")
     p_lb.add_argument("--out", help="results JSONL (default results/<preset>.jsonl)")
     p_lb.add_argument("--plot-dir", help="where the PNGs go (default: beside the results file)")
-    p_lb.add_argument("--fresh", action="store_true", help="discard the (kvzoo) results file and start over")
+    p_lb.add_argument("--fresh", action="store_true",
+                      help="discard the results file and start over (only a file holding nothing but kvzoo rows: "
+                      "any other is refused, whatever --force says)")
     p_lb.add_argument("--force", action="store_true",
                       help="append to --out even when it exists and is not a kvzoo results file")
     p_lb.add_argument("--no-plots", action="store_true", help="do not write the PNGs")
@@ -413,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_lb.add_argument("--max-attempts", type=_positive_int("--max-attempts"),
                       help="ray: workers a trial may lose (killed, out of memory) before it is recorded as an error "
                       "(default 3)")
+    p_lb.add_argument("--placement-timeout", type=_non_negative("placement-timeout", strict=True), metavar="S",
+                      help="ray: seconds a worker may wait to be placed on the cluster (its CPUs/GPUs free) before the "
+                      "run stops naming the resource (default 120)")
     p_lb.set_defaults(func=cmd_leaderboard)
 
     p_plot = sub.add_parser("plot", help="needle heatmap (depth x context length, per policy) and score-vs-ratio curves")

@@ -294,24 +294,33 @@ def looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
 
 
+def model_dir_problem(path: str | pathlib.Path) -> str | None:
+    """Why the existing directory ``path`` is not a transformers model directory (None: it looks like one)."""
+    path = pathlib.Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        return (f"the directory {str(path)!r} holds no config.json, so it is not a transformers model directory "
+                "(one written by save_pretrained: config.json and the weights)")
+    return None
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``, ...), local directory, or hub id.
 
-    The tiny models are random, fp32 whatever ``dtype`` says, and have no tokenizer (``None``). A
-    local directory is read with ``from_pretrained(local_files_only=True)``. A hub id
-    (``owner/name``) that is not a local directory is downloaded by ``from_pretrained`` -- the one
-    path that needs a network; everything else runs offline.
+    Every model comes in ``dtype``: the tiny ones are random (built in fp32, then cast) and have no
+    tokenizer (``None``). A local directory is read with ``from_pretrained(local_files_only=True)``;
+    one without a ``config.json`` is refused (ValueError). A hub id (``owner/name``) that is not a
+    local directory is downloaded by ``from_pretrained`` -- the one path that needs a network;
+    everything else runs offline.
     """
     if name_or_path == "smollm2-135m":
         return load_smollm2(dtype)
-    if name_or_path == "tiny-llama":
-        return tiny_llama()
-    if name_or_path == "tiny-deepseek-v2":
-        return tiny_deepseek_v2()
-    if name_or_path == "tiny-kimi-linear":
-        return tiny_kimi_linear()
+    builders = {"tiny-llama": tiny_llama, "tiny-deepseek-v2": tiny_deepseek_v2, "tiny-kimi-linear": tiny_kimi_linear}
+    if name_or_path in builders:
+        model, tokenizer = builders[name_or_path]()
+        return model.to(dtype), tokenizer
     if name_or_path.startswith(REF_MODEL_PREFIXES):
-        return load_reference_model(name_or_path)
+        model, tokenizer = load_reference_model(name_or_path)
+        return model.to(dtype), tokenizer
     path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir() or looks_like_hub_id(name_or_path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -320,11 +329,15 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
 
         local = path.is_dir()
         source = path if local else name_or_path
+        problem = model_dir_problem(path) if local else None
+        if problem is not None:
+            raise ValueError(f"cannot load model {name_or_path!r}: {problem}")
         try:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
-        except OSError as err:
+        except (OSError, ValueError) as err:
             if local:
-                raise
+                raise ValueError(f"cannot load the model directory {name_or_path!r} with transformers "
+                                 f"({type(err).__name__}: {err})") from err
             raise OSError(f"could not load {name_or_path!r} from the hub ({err}); kvzoo runs offline except for "
                           "hub ids: download it where a network is, then pass the local directory") from err
         try:

@@ -254,15 +254,22 @@ def test_refused_ratio_is_skipped_and_a_failing_policy_is_an_error_not_a_crash(t
     assert [r["finished_at"] for r in again if r["status"] == "ok"] == [r["finished_at"] for r in rows if r["status"] == "ok"]
 
 
+def _row(key: str) -> dict:
+    """The fields a kvzoo row needs to count as one (runner.row_problem)."""
+    return {"key": key, "status": "ok", "model": "m", "policy": "full", "task": "niah_single",
+            "question_position": "after", "ratio": None, "answer_nll": 1.0, "score": 1.0}
+
+
 def test_a_cut_line_is_skipped_reported_and_kept_and_the_next_row_starts_clean(tmp_path: Path):
     path = tmp_path / "r.jsonl"
-    path.write_text('{"key": "a", "status": "ok"}\n{"key": "b", "sta')
+    text = json.dumps(_row("a")) + '\n{"key": "b", "sta'
+    path.write_text(text)
     found = runner.read_results_file(path)
     assert [r["key"] for r in found.rows] == ["a"]
     assert found.problems() == [f"{path}:2: not JSON (Unterminated string starting at) (skipped; the line stays in the file)"]
-    assert path.read_text() == '{"key": "a", "status": "ok"}\n{"key": "b", "sta'  # reading never writes
-    runner.append_row(path, {"key": "c", "status": "ok"})
-    assert path.read_text().splitlines()[-1] == '{"key": "c", "status": "ok"}'
+    assert path.read_text() == text  # reading never writes
+    runner.append_row(path, _row("c"))
+    assert path.read_text().splitlines()[-1] == json.dumps(_row("c"))
     assert [r["key"] for r in runner.read_results(path)] == ["a", "c"]
     assert runner.read_results(tmp_path / "missing.jsonl") == []
 

@@ -15,7 +15,8 @@ from kvzoo.models import tiny_deepseek_v2, tiny_llama
 from tests.greedy import assert_same_greedy, generated_logits
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-ROW = '{"key": "m|t|full|-|after|", "status": "ok", "policy": "full", "ratio": null, "question_position": "after", "score": 1.0}'
+ROW = ('{"key": "m|t|full|-|after|", "status": "ok", "model": "m", "task": "niah_single", "policy": "full", '
+       '"ratio": null, "question_position": "after", "score": 1.0, "answer_nll": 0.5}')
 
 
 def _ids(n, seed=0, vocab=256):

@@ -6,6 +6,11 @@ as workers free up (:class:`~kvzoo.bench.executors.TrialQueue`: a group's refere
 then its other trials on any worker), and streams each row back to
 :func:`~kvzoo.bench.runner.run_grid`, the only writer of the results file.
 
+Placement: the cluster's CPUs and GPUs are checked before any worker is started (a worker needing a GPU on a
+cluster without one is refused at once, naming the resource), and a worker that the cluster cannot place within
+``placement_timeout`` seconds (its CPUs or GPUs held by others) is given up, naming what it waits for: the run
+goes on with the workers that started, or stops with :class:`RayUnavailable` when none did.
+
 Faults: a worker process that dies under a trial (killed, out of memory, a node lost) is replaced
 by a new actor, and the trial goes back to the queue for whichever worker is free next; after
 ``max_attempts`` lost workers it is recorded as an error naming the cause. A trial that fails in
@@ -20,12 +25,14 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvzoo.bench.executors import RAY_INSTALL, Emit, TrialGroup, TrialQueue, Work, timed_run
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # a local instance's object store: rows are small, models never travel
+PLACEMENT_TIMEOUT_S = 120.0  # how long a worker may wait for the cluster to reserve its CPUs and GPUs
 
 
 class RayUnavailable(RuntimeError):
@@ -63,6 +70,9 @@ class _Slot:
     group_key: str | None = None
     model: str | None = None
     restarts: int = 0
+    placement: Any = None  # the worker's placement group (one bundle: its CPUs and GPUs)
+    ready: bool = False  # the placement group is ready: the cluster reserved the worker's resources
+    deadline: float = 0.0  # time.monotonic() by which it must be ready
 
 
 def _cause(err: BaseException) -> str:
@@ -85,6 +95,8 @@ class RayExecutor:
     and the model files it runs. ``workers=None``: as many as the cluster's CPUs (or GPUs, with
     ``gpus_per_worker``) allow. A worker with a GPU runs its model on ``cuda``.
     ``max_attempts``: how many workers a trial may lose before it is recorded as an error.
+    ``placement_timeout``: seconds a worker may wait to be placed (its placement group of one bundle, its CPUs
+    and GPUs, reserved) before it is given up; its process's start-up does not count.
     """
 
     name = "ray"
@@ -97,6 +109,7 @@ class RayExecutor:
         cpus_per_worker: float = 1.0,
         max_attempts: int = 3,
         object_store_memory: int | None = None,
+        placement_timeout: float = PLACEMENT_TIMEOUT_S,
     ) -> None:
         if address is not None and (not isinstance(address, str) or not address.strip()):
             raise ValueError(f"address must be None (start a local Ray), 'auto' or 'ray://host:port', got {address!r}")
@@ -107,6 +120,10 @@ class RayExecutor:
                 raise ValueError(f"{label} must be a number {'>= 0' if low == 0 else '> 0'}, got {value!r}")
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
+        if isinstance(placement_timeout, bool) or not isinstance(placement_timeout, (int, float)) or \
+                not 0 < placement_timeout < float("inf"):
+            raise ValueError(f"placement_timeout must be a number of seconds > 0, got {placement_timeout!r}")
+        self.placement_timeout = float(placement_timeout)
         self.address = address
         self.workers = workers
         self.gpus_per_worker = float(gpus_per_worker)
@@ -142,17 +159,39 @@ class RayExecutor:
             ) from err
         return True
 
+    def _needs(self) -> dict[str, float]:
+        """What one worker asks the cluster for."""
+        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
+
     def _worker_count(self) -> int:
-        if self.workers is not None:
-            return self.workers
+        """How many workers to start: ``workers``, or as many as the cluster holds; a :class:`RayUnavailable`
+        naming the resource when the cluster cannot hold one (Ray would wait for it forever)."""
         resources = self.ray.cluster_resources()
-        count = int(resources.get("CPU", 1) // self.cpus_per_worker)
-        if self.gpus_per_worker:
-            count = min(count, int(resources.get("GPU", 0) // self.gpus_per_worker))
-            if count < 1:
-                raise RayUnavailable(f"the cluster has {resources.get('GPU', 0):g} GPUs: not enough for one worker "
-                                     f"at gpus_per_worker={self.gpus_per_worker:g}")
-        return max(1, count)
+        fits = []
+        for name, need in self._needs().items():
+            have = resources.get(name, 0)
+            if have < need:
+                hint = (" (no GPU is visible to Ray here: leave out --gpus-per-worker to run on CPUs)"
+                        if name == "GPU" and not have else "")
+                raise RayUnavailable(
+                    f"the cluster has {have:g} {name}{'s' if have != 1 else ''} in all: not enough for one worker at "
+                    f"{name.lower()}s_per_worker={need:g}{hint}. Nothing was started")
+            fits.append(int(have // need))
+        return self.workers if self.workers is not None else max(1, min(fits))
+
+    def _unplaceable(self, late: list[_Slot], left: int) -> str:
+        """Why the workers ``late`` were given up, naming what they wait for (``left``: workers still running)."""
+        available, total = self.ray.available_resources(), self.ray.cluster_resources()
+        short = [f"{need:g} {name} (free now: {available.get(name, 0):g} of {total.get(name, 0):g})"
+                 for name, need in self._needs().items() if available.get(name, 0) < need]
+        waits = (f"each needs {' and '.join(short)}" if short else
+                 f"the cluster has {', '.join(f'{need:g} {name}' for name, need in self._needs().items())} free in "
+                 "all, but no single node holds one worker's")
+        names = ", ".join(slot.name for slot in late)
+        ahead = f"; going on with the {left} worker(s) that started" if left else ""
+        return (f"{names} could not be placed on the Ray cluster within {self.placement_timeout:g} s: {waits}{ahead}. "
+                "Free those resources, ask for less (--cpus-per-worker, --gpus-per-worker, --workers), or wait longer "
+                "(--placement-timeout)")
 
     # --- running -------------------------------------------------------------------------------------
     def run(self, work: Work, emit: Emit) -> None:
@@ -167,25 +206,43 @@ class RayExecutor:
             threads = max(1, int(self.cpus_per_worker))
             device = "cuda" if self.gpus_per_worker else None
 
+            placing: dict[Any, _Slot] = {}  # the placement groups not ready yet: their workers are not placed
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
             def start(slot: _Slot) -> None:
-                slot.actor = actor_class.remote(work.make_runner, threads, device)
+                # a placement group of one bundle per worker: ready once the cluster reserved its CPUs and GPUs,
+                # so the timeout measures placement alone, not the worker process's start-up
+                slot.placement = placement_group([self._needs()])
+                slot.actor = actor_class.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot.placement)
+                ).remote(work.make_runner, threads, device)
                 slot.name = f"ray worker {slot.index}" + (f" (restart {slot.restarts})" if slot.restarts else "")
                 slot.busy, slot.group_key, slot.model = False, None, None
+                slot.ready, slot.deadline = False, time.monotonic() + self.placement_timeout
+                placing[slot.placement.ready()] = slot
 
             slots = [_Slot(i) for i in range(min(self._worker_count(), work.trial_count))]
             for slot in slots:
                 start(slot)
-            self._loop(work, emit, slots, start)
+            self._loop(work, emit, slots, start, placing)
         finally:
             for slot in slots:
-                try:
-                    ray.kill(slot.actor, no_restart=True)
-                except Exception:  # already dead, or the cluster went away: nothing left to stop
-                    pass
+                self._release(slot)
             if started_here:
                 ray.shutdown()
 
-    def _loop(self, work: Work, emit: Emit, slots: list[_Slot], start: Any) -> None:
+    def _release(self, slot: _Slot) -> None:
+        """Stop ``slot``'s actor and free its placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        for stop in (lambda: self.ray.kill(slot.actor, no_restart=True), lambda: remove_placement_group(slot.placement)):
+            try:
+                stop()
+            except Exception:  # already dead or removed, or the cluster went away: nothing left to stop
+                pass
+
+    def _loop(self, work: Work, emit: Emit, slots: list[_Slot], start: Any, placing: dict[Any, _Slot]) -> None:
         ray = self.ray
         queue = TrialQueue(work.groups)
         in_flight: dict[Any, tuple[_Slot, TrialGroup, Any]] = {}
@@ -193,7 +250,7 @@ class RayExecutor:
 
         def hand_out() -> None:
             for slot in slots:
-                if slot.busy:
+                if slot.busy or not slot.ready:
                     continue
                 item = queue.take(slot.group_key, slot.model)
                 if item is None:
@@ -206,9 +263,31 @@ class RayExecutor:
 
         while len(queue) or in_flight:
             hand_out()
-            if not in_flight:  # a group waits for a reference that nobody runs: a bug in TrialQueue
+            if not in_flight and not placing:  # a group waits for a reference that nobody runs: a bug in TrialQueue
                 raise RuntimeError(f"{len(queue)} trials are left but none can start")
-            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            timeout = None
+            if placing:  # wake up when the first worker still being placed runs out of time
+                timeout = max(0.0, min(slot.deadline for slot in placing.values()) - time.monotonic())
+            done, _ = ray.wait([*in_flight, *placing], num_returns=1, timeout=timeout)
+            if not done:
+                now = time.monotonic()
+                late = [slot for slot in placing.values() if slot.deadline <= now]
+                if not late:  # woke a little early
+                    continue
+                for ref in [ref for ref, slot in placing.items() if slot in late]:
+                    del placing[ref]
+                for slot in late:
+                    self._release(slot)
+                    slots.remove(slot)
+                message = self._unplaceable(late, len(slots))
+                if not slots:
+                    raise RayUnavailable(message)
+                print(f"kvzoo: {message}", file=sys.stderr)
+                continue
+            (ref,) = done
+            if ref in placing:  # placed (a worker that then fails to start shows on its first trial, as a loss)
+                placing.pop(ref).ready = True
+                continue
             slot, group, trial = in_flight.pop(ref)
             slot.busy = False
             try:
@@ -216,10 +295,7 @@ class RayExecutor:
             except ray.exceptions.RayError as err:  # the worker died (killed, out of memory, node lost)
                 errors = lost.setdefault(trial.key, [])
                 errors.append(f"{slot.name}: {_cause(err)}")
-                try:
-                    ray.kill(slot.actor, no_restart=True)
-                except Exception:  # already gone
-                    pass
+                self._release(slot)
                 slot.restarts += 1
                 start(slot)  # a new process in this slot; the trial goes to whichever worker is free first
                 if len(errors) < self.max_attempts:

@@ -51,6 +51,7 @@ import os
 import platform
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +60,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks
+    fcntl = None
 
 from kvzoo.bench import metrics
 from kvzoo.bench.executors import EXECUTORS, Executor, LocalExecutor, TrialGroup, Work
@@ -100,12 +106,21 @@ class Grid:
             if position not in QUESTION_POSITIONS:
                 raise ValueError(f"question position {position!r} is not one of {QUESTION_POSITIONS}")
         for ratio in self.ratios:
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio < 1:
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 <= ratio < float("inf"):
                 raise ValueError(f"ratios must be numbers >= 1 (keep 1/ratio of the rows), got {ratio!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not self.models or not self.tasks or not self.positions:
             raise ValueError("a grid needs at least one model, one task and one question position")
+        if self.policies is not None and (isinstance(self.policies, str) or not self.policies):
+            raise ValueError(f"policies must be None (every registered policy) or a non-empty list of policy names, "
+                             f"got {self.policies!r}")
+        for name, value in (("max_new_tokens", self.max_new_tokens), ("chunk_size", self.chunk_size)):
+            if value is not None and not _is_int(value, 1):
+                raise ValueError(f"{name} must be None (the default) or an int >= 1, got {value!r}")
+        if not _is_int(self.continuation_tokens, 0):
+            raise ValueError("continuation_tokens must be an int >= 0 (0: no held-out continuation, no ΔCE), "
+                             f"got {self.continuation_tokens!r}")
         self.ratios = tuple(float(r) for r in self.ratios)
 
     def settings(self) -> dict[str, Any]:
@@ -115,6 +130,11 @@ class Grid:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _is_int(value: Any, low: int) -> bool:
+    """``value`` is an int (not a bool) >= ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def needle_grid(
@@ -246,9 +266,15 @@ def plan(grid: Grid) -> list[Trial]:
 
 def check_model_name(name: str) -> None:
     """Raise a ValueError naming the valid models unless ``name`` is one, a local directory, or a hub id."""
-    from kvzoo.models import MODEL_NAMES, looks_like_hub_id
+    from kvzoo.models import MODEL_NAMES, looks_like_hub_id, model_dir_problem
 
-    if name in MODEL_NAMES or Path(name).expanduser().is_dir() or looks_like_hub_id(name):
+    if isinstance(name, str) and Path(name).expanduser().is_dir() and name not in MODEL_NAMES:
+        problem = model_dir_problem(name)
+        if problem is not None:
+            raise ValueError(f"model {name!r}: {problem}; valid models are {', '.join(MODEL_NAMES)}, a local "
+                             "directory holding a transformers model, or a hub id")
+        return
+    if isinstance(name, str) and (name in MODEL_NAMES or looks_like_hub_id(name)):
         return
     raise ValueError(
         f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
@@ -262,7 +288,12 @@ def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
     from kvzoo.models import load_model
 
     check_model_name(name)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model, tokenizer = load_model(name, DTYPES[dtype])
+    loaded = next(model.parameters()).dtype
+    if loaded != DTYPES[dtype]:  # the row records the grid's dtype: it must be the one that ran
+        raise ValueError(f"model {name!r} loaded as {str(loaded).removeprefix('torch.')}, not the {dtype} asked for")
     if tokenizer is None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
         if vocab < 256:
@@ -374,6 +405,13 @@ def run_trial(
         prefix, rest = ids.prefix, ids.question
         if position == "before":
             prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
+        new_tokens_max = pipeline.check_max_new_tokens(max_new_tokens or task.max_new_tokens)
+        prompt = prefix.shape[1] + rest.shape[1]
+        continuation = ids.continuation.shape[1] if position == "after" else 0
+        pipeline.check_positions(
+            model, max(prompt + max(new_tokens_max - 1, ids.answer.shape[1]), prefix.shape[1] + continuation),
+            f"the trial's prompt ({prompt} tokens), its answer ({ids.answer.shape[1]}), held-out continuation "
+            f"({continuation}) and max_new_tokens={new_tokens_max}")
         forked = None if shared is None else shared.fork(shared_key, model, prefix, chunk_size, audit, policy)
         if forked is not None:
             cache, first_logits, prefill_seconds, prefill_shared = forked
@@ -405,8 +443,7 @@ def run_trial(
 
         start = cache.stats().totals
         with metrics.Stopwatch() as t_decode:  # the loop reads no statistics: its time is the forwards'
-            new_tokens = pipeline.greedy_decode(model, cache, logits, max_new_tokens or task.max_new_tokens, eos,
-                                                stop=answered)
+            new_tokens = pipeline.greedy_decode(model, cache, logits, new_tokens_max, eos, stop=answered)
         steps = len(new_tokens) - 1  # the last token's forward is not run
         final = cache.stats().totals
         prediction = tokenizer.decode([t for t in new_tokens if t not in eos], skip_special_tokens=True)
@@ -477,6 +514,46 @@ def add_reference(row: dict[str, Any], reference: Reference | None) -> None:
 
 # --- the results file ----------------------------------------------------------------------------
 
+STATUSES = ("ok", "skipped", "error")
+# what every kvzoo row has (trial_row), and what an ok row adds that readers index (ΔNLL's reference, the tables)
+ROW_FIELDS: dict[str, type] = {"key": str, "status": str, "model": str, "policy": str, "task": str,
+                               "question_position": str}
+OK_ROW_NUMBERS = ("answer_nll", "score")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def row_problem(row: Any) -> str | None:
+    """Why the JSON value ``row`` is not a kvzoo results row (None: it is one).
+
+    A row is an object with the fields every trial's row has (``key``, ``status``, ``model``, ``policy``,
+    ``task``, ``question_position``: strings; ``status`` one of :data:`STATUSES`; ``ratio`` a number or null
+    when present), and an ``ok`` row also its ``answer_nll`` and ``score`` (numbers). Another program's JSON
+    lines that happen to carry a ``"key"`` are not kvzoo's.
+    """
+    if not isinstance(row, dict):
+        return f"JSON, but not a kvzoo results row (a {type(row).__name__}, not an object)"
+    if "key" not in row:
+        return "JSON, but not a kvzoo results row (no 'key')"
+    missing = [name for name in ROW_FIELDS if name not in row]
+    if missing:
+        return f"JSON, but not a kvzoo results row (no {', '.join(map(repr, missing))})"
+    wrong = [name for name, kind in ROW_FIELDS.items() if not isinstance(row[name], kind)]
+    if wrong:
+        return (f"JSON, but not a kvzoo results row ({', '.join(f'{n!r} is {type(row[n]).__name__}' for n in wrong)}, "
+                "not a string)")
+    if row["status"] not in STATUSES:
+        return f"JSON, but not a kvzoo results row (status {row['status']!r} is not one of {', '.join(STATUSES)})"
+    if row.get("ratio") is not None and not _is_number(row["ratio"]):
+        return f"JSON, but not a kvzoo results row (ratio {row['ratio']!r} is not a number or null)"
+    if row["status"] == "ok":
+        bad = [name for name in OK_ROW_NUMBERS if not _is_number(row.get(name))]
+        if bad:
+            return f"JSON, but not a kvzoo results row (an ok row without a number for {', '.join(map(repr, bad))})"
+    return None
+
 
 @dataclass
 class ResultsFile:
@@ -496,17 +573,43 @@ class ResultsFile:
         return [f"{self.path}:{line}: {why} (skipped; the line stays in the file)" for line, why in self.bad_lines]
 
 
+class ResultsFileError(ValueError):
+    """A results file (or output folder) kvzoo will not use; the message says why and what to do. Nothing was
+    written to it."""
+
+
+class NotKvzooResults(ResultsFileError):
+    """An output file exists and holds something other than kvzoo results: it is not overwritten."""
+
+
+class ResultsFileLocked(ResultsFileError):
+    """Another process (a second ``kvzoo leaderboard``) is writing the results file."""
+
+
+def _not_a_regular_file(path: Path) -> str | None:
+    """Why ``path`` (which exists) cannot be read as a results file: a directory, FIFO, socket or device."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory"
+    return "is not a regular file (a FIFO, socket or device: reading it could block or never end)"
+
+
 def read_results_file(path: str | Path) -> ResultsFile:
     """Parse a JSONL results file line by line; reading never writes.
 
-    A line that is not UTF-8, not JSON, or not a kvzoo row (a JSON object with a ``key``) is
-    reported with its line number and skipped -- the tail of a write cut short by an interruption,
-    a line somebody added -- and the file is left exactly as it was.
+    A line that is not UTF-8, not JSON, or not a kvzoo row (:func:`row_problem`) is reported with its line
+    number and skipped -- the tail of a write cut short by an interruption, a line somebody added, another
+    program's JSON -- and the file is left exactly as it was. A path that is not a regular file (a directory,
+    a FIFO) is refused (:class:`ResultsFileError`) without being read.
     """
     path = Path(path)
     found = ResultsFile(path)
     if not path.exists():
         return found
+    problem = _not_a_regular_file(path)
+    if problem is not None:
+        raise ResultsFileError(f"{path} {problem}: it is not a results file")
     for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
@@ -521,16 +624,32 @@ def read_results_file(path: str | Path) -> ResultsFile:
         except json.JSONDecodeError as err:
             found.bad_lines.append((number, f"not JSON ({err.msg})"))
             continue
-        if isinstance(row, dict) and "key" in row:
+        why = row_problem(row)
+        if why is None:
             found.rows.append(row)
         else:
-            found.bad_lines.append((number, "JSON, but not a kvzoo results row (no 'key')"))
+            found.bad_lines.append((number, why))
     return found
 
 
 def read_results(path: str | Path) -> list[dict[str, Any]]:
     """The kvzoo rows of a JSONL results file (none if it does not exist); see :func:`read_results_file`."""
     return read_results_file(path).rows
+
+
+def latest_rows(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One row per trial key, in the order keys first appear: a finished trial stays finished.
+
+    The latest ``ok`` row of a trial wins over any ``skipped`` or ``error`` row, before or after it (files
+    concatenated in any order, a rerun that failed where an earlier one finished); a trial with no ok row
+    keeps its latest row.
+    """
+    latest: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        kept = latest.get(row["key"])
+        if kept is None or row["status"] == "ok" or kept["status"] != "ok":
+            latest[row["key"]] = row
+    return latest
 
 
 def append_row(path: str | Path, row: dict[str, Any]) -> None:
@@ -568,23 +687,150 @@ def _interrupts_deferred() -> Iterator[None]:
             previous(*caught[0])
 
 
-class NotKvzooResults(ValueError):
-    """An output file exists and holds something other than kvzoo results: it is not overwritten."""
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
-def check_results_target(path: str | Path, *, force: bool = False) -> ResultsFile:
-    """The results file a grid will append to, refused (:class:`NotKvzooResults`) when it is not kvzoo's.
+def _cannot_create_in(directory: Path) -> str | None:
+    """Why no file can be created in the existing ``directory`` (None: one can). Tried for real with an unnamed
+    temporary file (nothing appears in the folder), since permission bits do not tell for root or a read-only
+    mount."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    return None
 
-    A file that exists, is not empty and holds no kvzoo row (a README, a markdown table, another
-    program's log) is left alone unless ``force``; its bad lines are reported either way.
+
+def check_output_dir(path: str | Path, option: str = "--plot-dir") -> Path:
+    """``path`` as a folder kvzoo may write files into (made later if missing); a :class:`ResultsFileError`
+    naming ``option`` when it is not a folder, or no file can be created in it (or in the folder it would be
+    made in)."""
+    path = Path(path)
+    base = _existing_ancestor(path)
+    if not base.is_dir():
+        where = "is" if base == path.absolute() else f"would be made under {base}, which is"
+        raise ResultsFileError(f"{option} {path} {where} not a folder: give a folder (or a path where one can be made)")
+    problem = _cannot_create_in(base)
+    if problem is not None:
+        where = "" if base == path.absolute() else f" (it would be made in {base})"
+        raise ResultsFileError(f"{option} {path}: no file can be written there{where} ({problem}); give a writable "
+                               "folder")
+    return path
+
+
+def check_results_path(path: str | Path, option: str = "--out") -> Path:
+    """``path`` as a results file kvzoo can append to: a regular file that opens for appending, or a path where
+    one can be created. A :class:`ResultsFileError` naming ``option`` otherwise (a directory, a FIFO or device,
+    no permission, a read-only file system); nothing is written, nothing is read."""
+    path = Path(path)
+    if path.exists():
+        problem = _not_a_regular_file(path)
+        if problem is not None:
+            hint = f": give a file path such as {path / 'results.jsonl'}" if path.is_dir() else \
+                ": give the path of a regular file (a .jsonl that exists, or one that does not exist yet)"
+            raise ResultsFileError(f"{option} {path} {problem}{hint}")
+        try:  # opening for appending writes nothing (and keeps the file's times)
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        except OSError as err:
+            raise ResultsFileError(f"{option} {path} is not writable ({type(err).__name__}: {err.strerror or err}); "
+                                   "nothing was run. Give a results file you can write, or another --out") from None
+        return path
+    base = _existing_ancestor(path.parent)
+    if not base.is_dir():
+        raise ResultsFileError(f"{option} {path} cannot be created: {base} is not a folder")
+    problem = _cannot_create_in(base)
+    if problem is not None:
+        raise ResultsFileError(f"{option} {path} cannot be created: nothing can be written in {base} ({problem}); "
+                               "nothing was run. Give a path in a writable folder")
+    return path
+
+
+def check_results_target(path: str | Path, *, force: bool = False, fresh: bool = False) -> ResultsFile:
+    """The results file a grid will append to, refused (:class:`ResultsFileError`) when kvzoo may not use it.
+
+    It must be a regular file that can be appended to, or a path where one can be made
+    (:func:`check_results_path`). A file that exists, is not empty and holds no kvzoo row (a README, a markdown
+    table, another program's JSONL) is refused (:class:`NotKvzooResults`) unless ``force``, which lets kvzoo
+    append to it. ``fresh`` (start over) would delete the file: it is refused for a file that is not kvzoo's,
+    ``force`` or not, and for a kvzoo file holding lines that are not kvzoo rows (they would be lost); kvzoo
+    deletes only a file that holds nothing but its own rows.
     """
+    path = check_results_path(path)
     found = read_results_file(path)
-    if not found.is_kvzoo and not force:
+    if not found.is_kvzoo:
+        lines = f"{found.nonempty_lines} line(s), none a kvzoo row"
+        if fresh:
+            raise NotKvzooResults(
+                f"{found.path} is not a kvzoo results file ({lines}): --fresh would delete it, and kvzoo never "
+                f"deletes or truncates a file that is not its own{', whatever --force says (--force only lets it append)' if force else ''}. "
+                "Nothing was changed. Choose another --out, or leave out --fresh"
+                + ("" if force else " (and pass --force to append kvzoo rows to it)")
+            )
+        if not force:
+            raise NotKvzooResults(
+                f"{found.path} exists and is not a kvzoo results file ({lines}): nothing was written to it. Choose "
+                "another --out, or pass --force to append kvzoo rows to it"
+            )
+    elif fresh and found.bad_lines:
+        shown = ", ".join(str(line) for line, _ in found.bad_lines[:10]) + (", ..." if len(found.bad_lines) > 10 else "")
         raise NotKvzooResults(
-            f"{found.path} exists and is not a kvzoo results file ({found.nonempty_lines} line(s), none a kvzoo "
-            "row): nothing was written to it. Choose another --out, or pass --force to append kvzoo rows to it"
+            f"--fresh would delete {found.path}, which holds {len(found.bad_lines)} line(s) that are not kvzoo rows "
+            f"(line {shown}; the first: {found.bad_lines[0][1]}): nothing was deleted. Move those lines out of the "
+            "file, or choose another --out; without --fresh kvzoo appends to the file and keeps them"
         )
     return found
+
+
+def _lock_holder(path: Path) -> str:
+    """Who holds the ``flock`` on ``path``: ``pid N`` from ``/proc/locks`` (Linux), else a plain phrase."""
+    try:
+        inode = os.stat(path).st_ino
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return "pid unknown"
+    for line in table.splitlines():
+        fields = line.split()[1:]  # "1: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF"
+        if fields and fields[0] == "->":  # a process waiting for the lock, not holding it
+            continue
+        if len(fields) >= 5 and fields[0] == "FLOCK" and fields[4].rsplit(":", 1)[-1] == str(inode):
+            return f"pid {fields[3]}"
+    return "pid unknown"
+
+
+@contextlib.contextmanager
+def results_lock(path: str | Path) -> Iterator[int]:
+    """Hold an advisory lock (``flock``) on the results file while a grid appends to it; yields its descriptor.
+
+    A second driver on the same file gets :class:`ResultsFileLocked` naming the first one's pid, instead of
+    running and writing the same trials again. The file is created (empty) if missing, and removed again on the
+    way out when this call created it and nothing was written. Without ``fcntl`` (Windows) nothing is locked.
+    """
+    path = Path(path)
+    existed = path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ResultsFileLocked(
+                    f"{path} is being written by another kvzoo leaderboard ({_lock_holder(path)}): two drivers on one "
+                    "results file would run and write the same trials twice. Nothing was run; wait for it to finish "
+                    "(then rerun to resume), or choose another --out"
+                ) from None
+        yield fd
+    finally:
+        if not existed and os.fstat(fd).st_size == 0:
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    os.unlink(path)
+        os.close(fd)  # releases the lock
 
 
 def _json_default(obj: Any) -> Any:
@@ -758,7 +1004,7 @@ def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dic
 
 def make_executor(name: str, **options: Any) -> Executor:
     """An executor by name: ``local`` (no options) or ``ray`` (``address``, ``workers``, ``gpus_per_worker``,
-    ``cpus_per_worker``, ``max_attempts``: see :class:`kvzoo.bench.ray_executor.RayExecutor`)."""
+    ``cpus_per_worker``, ``max_attempts``, ``placement_timeout``: see :class:`kvzoo.bench.ray_executor.RayExecutor`)."""
     if name == "local":
         given = {k: v for k, v in options.items() if v is not None}
         if given:
@@ -785,7 +1031,10 @@ def run_grid(
     """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
 
     ``results`` must be a kvzoo results file or not exist (:func:`check_results_target`; ``force``
-    appends to another file anyway). ``fresh=True`` deletes a kvzoo results file first. Each
+    appends to another file anyway). ``fresh=True`` empties a file holding nothing but kvzoo rows first (any
+    other file is refused, ``force`` or not). The file is locked while the grid runs (:func:`results_lock`:
+    a second driver on it refuses, naming this one's pid). A trial with an ``ok`` row is finished, whatever
+    other rows of it say (:func:`latest_rows`). Each
     finished trial is appended to ``results`` at once, by this process only, whichever ``executor``
     ran it (default :class:`~kvzoo.bench.executors.LocalExecutor`: in this process, in plan order;
     see :mod:`kvzoo.bench.executors`). ``on_row`` is called with each new row, after it was written.
@@ -794,19 +1043,26 @@ def run_grid(
     ``trial_seconds`` (without ``model_load_s``, the model's loading when this trial came first on its
     worker), ``attempts`` (more than 1 when a worker died under it) and ``attempt_errors``.
     """
-    path = Path(results)
-    found = check_results_target(path, force=force)
-    for problem in found.problems():
-        print(f"kvzoo: {problem}", file=sys.stderr)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = check_results_path(results)
     trials = plan(grid)
-    if fresh and path.exists():  # a kvzoo results file (checked above), started over on request
-        path.unlink()
-        found = ResultsFile(path)
-    latest = {row["key"]: row for row in found.rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with results_lock(path) as locked:
+        found = check_results_target(path, force=force, fresh=fresh)  # read under the lock: nobody else appends
+        if fresh and found.rows:  # nothing but kvzoo's rows (checked above), started over on request
+            os.ftruncate(locked, 0)
+            found = ResultsFile(path)
+        for problem in found.problems():
+            print(f"kvzoo: {problem}", file=sys.stderr)
+        return _run_pending(grid, trials, path, latest_rows(found.rows), progress=progress, on_row=on_row,
+                            executor=executor if executor is not None else LocalExecutor())
+
+
+def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, dict[str, Any]], *, progress: bool,
+                 on_row: Callable[[dict[str, Any]], None] | None, executor: Executor) -> list[dict[str, Any]]:
+    """:func:`run_grid`'s loop: the trials of ``trials`` not finished in ``latest`` (the file's rows), each new row
+    appended to ``path``."""
     done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
     run_info = {"settings": grid.settings(), "versions": versions()}
-    executor = executor if executor is not None else LocalExecutor()
 
     from tqdm.auto import tqdm
 
@@ -826,7 +1082,7 @@ def run_grid(
         row.update(info, **run_info,
                    finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         append_row(path, row)
-        latest[trial.key] = row
+        latest[trial.key] = row  # a pending trial has no ok row to keep
         if row["status"] != "ok":
             bar.write(f"{trial.label}: {row['status']}: {row['error']}", file=sys.stderr)
         bar.update(1)

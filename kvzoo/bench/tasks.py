@@ -237,7 +237,9 @@ def _take_words(tokenizer: Any, sentence: str, budget: int) -> tuple[str, str]:
 
 
 def _continuation(tokenizer: Any, first: str, stream: Iterator[str], tokens: int) -> str:
-    """``first`` and then whole sentences of ``stream`` up to about ``tokens`` tokens."""
+    """``first`` and then whole sentences of ``stream`` up to about ``tokens`` tokens (none for ``tokens=0``)."""
+    if tokens <= 0:
+        return ""
     parts = [first] if first else []
     used = count_tokens(tokenizer, " " + first) if first else 0
     while used < tokens:
@@ -513,8 +515,12 @@ def make_task(spec: TaskSpec | str, tokenizer: Any, *, continuation_tokens: int 
     """Build one task instance for ``tokenizer``: ``make_task("niah_single", tok, context_tokens=2000, depth=0.5)``.
 
     ``spec`` is a :class:`TaskSpec` or a task name (then ``spec_fields`` are its other fields).
-    Same spec and tokenizer, same text. ``continuation_tokens``: length of the held-out text.
+    Same spec and tokenizer, same text. ``continuation_tokens``: length of the held-out text (an int >= 0;
+    0: none, so no ΔCE is measured).
     """
+    if isinstance(continuation_tokens, bool) or not isinstance(continuation_tokens, int) or continuation_tokens < 0:
+        raise ValueError("continuation_tokens must be an int >= 0 (0: no held-out continuation, no ΔCE), got "
+                         f"{continuation_tokens!r}")
     if isinstance(spec, str):
         spec = TaskSpec(task=spec, **spec_fields)
     elif spec_fields:

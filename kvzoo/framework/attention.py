@@ -107,6 +107,7 @@ def kvzoo_attention(
                 f"(the model transformed them after Cache.update); {type(module).__name__} is not supported"
             )
         return _plain_attention(query, key, value, attention_mask, scaling), None
+    layer.check_owner(module, appended=True)  # another model's attention (one that had a TieredCache too)
     out = tiered_attention(layer.runtime, layer.state, query, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 

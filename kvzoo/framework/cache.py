@@ -20,6 +20,7 @@ once, without waiting for the cycle collector.
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import torch
@@ -51,6 +52,18 @@ def _retriever_of(policy: Policy):
     return retriever
 
 
+def _attention_modules(model: torch.nn.Module, adapter: Any) -> dict[int, torch.nn.Module]:
+    """``layer index -> attention module`` of ``model``: what reaches the cache in a forward (MLA: the modules
+    whose forward the adapter runs; GQA: the modules with a ``q_proj`` and a ``layer_idx``)."""
+    found = dict(getattr(adapter, "modules", None) or {})
+    if not found:
+        for module in model.modules():
+            idx = getattr(module, "layer_idx", None)
+            if isinstance(idx, int) and hasattr(module, "q_proj"):
+                found.setdefault(idx, module)
+    return found
+
+
 def dense_prefill_problem(policy: Policy) -> str | None:
     """Why ``policy``'s prefill is not a plain dense prefill another policy could share (None: it is): it
     acts during the prefill, accumulates attention or records inputs there, or prefills token by token."""
@@ -73,6 +86,9 @@ class TieredLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
+    # the model's attention module of this layer (a weakref, set by TieredCache): the one forward allowed in
+    owner: Any = None
+    refused: str | None = None  # why the cache stopped taking forwards (another model's reached it)
 
     def __init__(self, runtime: Runtime, layer_idx: int, layer_rank: int, *, reserve_rows: int | None = None,
                  decompress_min_queries: int | None = None, auto_compress: bool = True) -> None:
@@ -141,6 +157,28 @@ class TieredLayer(CacheLayerMixin):
     def num_rows(self) -> int:
         return self.state.store.n
 
+    # --- which model may use this layer ------------------------------------------------------
+    def check_owner(self, module: torch.nn.Module, *, appended: bool) -> None:
+        """Refuse (RuntimeError) a forward of ``module`` unless it is the attention module of this layer in the
+        model the cache was built for: another model, even one with a TieredCache of its own (so running kvzoo's
+        attention), and even one of the same architecture, would attend over rows it never wrote.
+        ``appended``: the forward's rows already went into this layer (GQA's ``update`` runs before the
+        attention); the cache then refuses every later forward until :meth:`reset` (``close()``)."""
+        owner = self.owner() if self.owner is not None else None
+        if owner is None or owner is module:
+            return
+        message = (
+            f"layer {self.layer_idx} of this TieredCache was reached by a forward of another model's attention "
+            f"({type(module).__name__} at {id(module):#x}, not the {type(owner).__name__} of the model of "
+            f"{self.runtime.num_layers} attention layers the cache was built for): a TieredCache belongs to the model "
+            "it was created for; create TieredCache(model, policy) for this model"
+        )
+        if appended:
+            message += (". This cache took that forward's rows before the check and can no longer be used: create a "
+                        "new one (close() empties it for reuse)")
+            self.refused = message
+        raise RuntimeError(message)
+
     # --- transformers' layer contract --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
         geometry = self.runtime.geometry
@@ -155,6 +193,19 @@ class TieredLayer(CacheLayerMixin):
 
         ``value_states`` is None for MLA layers, whose latent row serves as key and value.
         """
+        if self.refused is not None:
+            raise RuntimeError(self.refused)
+        layout = self.runtime.geometry.layout
+        if (value_states is None) != (layout == "mla") or (
+                self.returned_keys is not None and (key_states.shape[1], key_states.shape[-1])
+                != (self.returned_keys.shape[1], self.returned_keys.shape[-1])):
+            got = "latent rows (MLA)" if value_states is None else f"keys and values of {key_states.shape[1]} KV heads"
+            raise RuntimeError(
+                f"layer {self.layer_idx} of this TieredCache was built for {'an MLA' if layout == 'mla' else 'a GQA'} "
+                f"model and received "
+                f"{got} of width {key_states.shape[-1]}: a TieredCache belongs to the model it was created for; "
+                "create TieredCache(model, policy) for this model"
+            )
         pending = ACTIVE_LAYER.get()
         if pending is not None and pending.runtime is self.runtime:
             raise RuntimeError(
@@ -192,6 +243,7 @@ class TieredLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.is_initialized = False
+        self.refused = None
         self.state = self.runtime.new_layer(self.layer_idx, self.layer_rank)
         self.returned_keys = None
 
@@ -330,6 +382,10 @@ class TieredCache(Cache):
             if i in tiered else LinearAttentionLayer()  # Kimi's KDA layers
             for i in range(adapter.num_layers)
         ]
+        modules = _attention_modules(model, adapter)
+        for i in tiered:  # bound to this model's attention modules: another model's forward is refused
+            if i in modules:
+                layers[i].owner = weakref.ref(modules[i])
         super().__init__(layers=layers)
         self.graph = None
         if cuda_graph:
@@ -399,7 +455,16 @@ class TieredCache(Cache):
             memo[id(self.runtime.retrieval)] = self.runtime.retrieval
         if self.graph is not None:  # a fork decodes eagerly (a graph belongs to its cache's buffers)
             memo[id(self.graph)] = None
-        return copy.deepcopy(self, memo)
+        try:
+            return copy.deepcopy(self, memo)
+        except RuntimeError as err:
+            if "graph leaves" not in str(err):
+                raise
+            raise RuntimeError(
+                "TieredCache.fork(): this cache holds tensors of an autograd graph -- it was filled with gradients "
+                "enabled (model(ids, cache=cache) outside torch.no_grad()) -- and such tensors cannot be copied. A "
+                "cache needs no graph: fill it under torch.no_grad() (or torch.inference_mode()), then fork it"
+            ) from None
 
     def prefill_shared_with(self, policy: Policy | str) -> str | None:
         """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -82,8 +83,29 @@ def build_prompt(tokenizer: Any, context: TokenInput, question: TokenInput) -> t
     return prefix, rest
 
 
+_IDS_VALID = "token ids are ints (a list of int, or an integer tensor)"
+
+
 def _as_ids(x: TokenInput) -> torch.Tensor:
-    t = x if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=torch.long)
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        values = list(x)
+        odd = next((v for v in values if isinstance(v, bool) or not isinstance(v, (numbers.Integral, Sequence))), None)
+        if odd is not None:
+            raise ValueError(f"{_IDS_VALID}, got {type(odd).__name__} {odd!r}: a float or bool id is not a token "
+                             "(it would be truncated to another one)")
+        try:
+            t = torch.tensor(values)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{_IDS_VALID}, got {values!r:.80} ({err})") from None
+        if not values:
+            t = t.long()
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        example = t.flatten()[:1].tolist()
+        raise ValueError(f"{_IDS_VALID}, got a {str(t.dtype).removeprefix('torch.')} tensor"
+                         f"{f' (first value {example[0]!r})' if example else ''}: a float or bool id is not a token "
+                         "(it would be truncated to another one)")
     t = t.long()
     if t.dim() == 1:
         t = t[None]
@@ -107,8 +129,11 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
+@torch.no_grad()
 def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-    """Run ``ids [B, n]`` through the model into ``cache`` (in chunks if asked); the last position's logits ``[B, V]``."""
+    """Run ``ids [B, n]`` through the model into ``cache`` (in chunks if asked); the last position's logits ``[B, V]``.
+
+    Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd graph."""
     step = chunk_size or ids.shape[1]
     logits = None
     for start in range(0, ids.shape[1], step):
@@ -132,6 +157,37 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
+def check_max_new_tokens(value: Any) -> int:
+    """``value`` when it is an int >= 1; a ValueError naming what is valid otherwise (floats, nan, strings, None,
+    bools included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The model's ``max_position_embeddings`` (None when its config declares none)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(model: torch.nn.Module, positions: int, what: str) -> None:
+    """A ValueError when ``positions`` (what the forwards will run through, described by ``what``) exceed the
+    model's ``max_position_embeddings``: positions past it were never trained, the results would be noise."""
+    limit = max_positions(model)
+    if limit is not None and positions > limit:
+        raise ValueError(
+            f"{what} need {positions} positions, more than the model's max_position_embeddings ({limit}): "
+            f"positions past {limit} were never trained. Give at most {limit} positions (a shorter context, fewer "
+            "new tokens)"
+        )
+
+
+@torch.no_grad()
 def greedy_decode(
     model: torch.nn.Module,
     cache: Cache,
@@ -142,6 +198,7 @@ def greedy_decode(
 ) -> list[int]:
     """Greedy tokens from ``logits [1, V]`` on: up to ``max_new_tokens``, ending at an EOS (kept) or when
     ``stop(tokens)`` says so. The forward of the last token is not run (its logits would not be used)."""
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     tokens: list[int] = []
     for _ in range(max_new_tokens):
         token = int(logits.argmax(-1))
@@ -154,6 +211,7 @@ def greedy_decode(
     return tokens
 
 
+@torch.no_grad()
 def teacher_forced_nll(
     model: torch.nn.Module, cache: Cache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor
 ) -> list[float]:
@@ -219,8 +277,9 @@ def generate(
     prefix, rest = build_prompt(tokenizer, context, question)
     check_ids(model, "context", prefix, allow_empty=False)
     check_ids(model, "question", rest)
-    if max_new_tokens < 1 or isinstance(max_new_tokens, bool):
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    check_positions(model, prefix.shape[1] + rest.shape[1] + max_new_tokens - 1,
+                    f"the prompt ({prefix.shape[1] + rest.shape[1]} tokens) and max_new_tokens={max_new_tokens}")
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
@@ -281,6 +340,8 @@ def score(
     check_ids(model, "context", prefix, allow_empty=False)
     check_ids(model, "question", rest)
     check_ids(model, "answer", answer_ids)
+    check_positions(model, prefix.shape[1] + rest.shape[1] + answer_ids.shape[1],
+                    f"the prompt ({prefix.shape[1] + rest.shape[1]} tokens) and the answer ({answer_ids.shape[1]})")
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)

@@ -123,12 +123,12 @@ class LayerStore:
         """Append one forward's rows ``[B, G, q, D]`` after the tier's rows (valid until marked padding).
 
         A decode step's row takes its slot from ``seen_dev`` (a device tensor): no Python number that changes
-        from step to step reaches an op. Rows are stored detached (a cache holds no autograd graph).
+        from step to step reaches an op.
         """
         B, G, q = keys.shape[:3]
-        rows: dict[str, Any] = {"keys": keys.detach(), "valid": True}
+        rows: dict[str, Any] = {"keys": keys, "valid": True}
         if values is not None:
-            rows["values"] = values.detach()
+            rows["values"] = values
         if q == 1:
             rows["slots"] = self.seen_dev.view(1, 1, 1).expand(B, G, 1)
         else:

@@ -55,6 +55,63 @@ def cache_of_3_layers_on_a_4_layer_model(tiny, tmp_path):
     four(input_ids=_ids(10), cache=cache, use_cache=True)
 
 
+def float_token_ids(tiny, tmp_path):
+    pipeline.generate(tiny, None, [1.5, 2.7], [5], "full")
+
+
+def float_tensor_token_ids(tiny, tmp_path):
+    pipeline.generate(tiny, None, torch.tensor([1.0, 2.0]), [5], "full")
+
+
+def bool_token_ids(tiny, tmp_path):
+    pipeline.generate(tiny, None, [True, False, True], [5], "full")
+
+
+def bool_tensor_token_ids(tiny, tmp_path):
+    pipeline.generate(tiny, None, torch.ones(3, dtype=torch.bool), [5], "full")
+
+
+def context_past_max_position_embeddings(tiny, tmp_path):
+    pipeline.generate(tiny, None, _ids(4096 - 2), [5, 6], "full", max_new_tokens=4)
+
+
+def _max_new_tokens(value):
+    def action(tiny, tmp_path):
+        pipeline.generate(tiny, None, [1, 2, 3], [5], "full", max_new_tokens=value)
+
+    return action
+
+
+def greedy_decode_with_max_new_tokens_none(tiny, tmp_path):
+    pipeline.greedy_decode(tiny, TieredCache(tiny, "full"), torch.zeros(1, 256), None, set())
+
+
+def grid_with_no_policy(tiny, tmp_path):
+    from kvzoo.bench.runner import Grid
+
+    Grid(policies=[])
+
+
+def grid_with_negative_continuation(tiny, tmp_path):
+    from kvzoo.bench.runner import Grid
+
+    Grid(continuation_tokens=-5)
+
+
+def a_models_cache_on_another_model_that_has_one_too(tiny, tmp_path):
+    other = tiny_llama(seed=1)[0]
+    cache = TieredCache(tiny, registry.get("full"))
+    TieredCache(other, registry.get("full"))
+    with torch.no_grad():
+        other(input_ids=_ids(5), cache=cache, use_cache=True)
+
+
+def a_directory_without_config_json_as_model(tiny, tmp_path):
+    from kvzoo.models import load_model
+
+    load_model(str(tmp_path))
+
+
 # name, action, error type, what the message must say (it names what is valid)
 MATRIX = [
     ("empty context", empty_context, ValueError, r"the context is empty \(0 tokens\).*give at least one token"),
@@ -66,8 +123,29 @@ MATRIX = [
      r"budget \(4 rows\) must exceed sinks \(4\)"),
     ("streaming_llm ratio=100 on 120 tokens", streaming_ratio_100_on_120_tokens, ValueError,
      r"budget \(1 rows \(from ratio=100 of 120 rows\)\) must exceed sinks \(4\)"),
-    ("3-layer cache on a 4-layer model", cache_of_3_layers_on_a_4_layer_model, IndexError,
-     r"layer 3 does not exist in this TieredCache, which was built for a model of 3 layers"),
+    # refused at its first layer since issue 22 (another model's attention), before the missing layer 3 is reached
+    ("3-layer cache on a 4-layer model", cache_of_3_layers_on_a_4_layer_model, RuntimeError,
+     r"layer 0 of this TieredCache was reached by a forward of another model's attention .*the model of 3 attention "
+     r"layers the cache was built for\): a TieredCache belongs to the model it was created for"),
+    # issue 22
+    ("float token ids", float_token_ids, ValueError, r"token ids are ints \(a list of int, or an integer tensor\), got float 1\.5"),
+    ("float tensor of token ids", float_tensor_token_ids, ValueError, r"token ids are ints .*got a float32 tensor"),
+    ("bool token ids", bool_token_ids, ValueError, r"token ids are ints .*got bool True"),
+    ("bool tensor of token ids", bool_tensor_token_ids, ValueError, r"token ids are ints .*got a bool tensor"),
+    ("context past max_position_embeddings", context_past_max_position_embeddings, ValueError,
+     r"the prompt \(4096 tokens\) and max_new_tokens=4 need 4099 positions, more than the model's max_position_embeddings \(4096\).*Give at most 4096 positions"),
+    *[(f"max_new_tokens={value!r}", _max_new_tokens(value), ValueError, r"max_new_tokens must be an int >= 1, got ")
+      for value in (2.5, float("nan"), "5", None, True)],
+    ("greedy_decode max_new_tokens=None", greedy_decode_with_max_new_tokens_none, ValueError,
+     r"max_new_tokens must be an int >= 1, got None"),
+    ("Grid(policies=[])", grid_with_no_policy, ValueError,
+     r"policies must be None \(every registered policy\) or a non-empty list of policy names"),
+    ("Grid(continuation_tokens=-5)", grid_with_negative_continuation, ValueError,
+     r"continuation_tokens must be an int >= 0 \(0: no held-out continuation, no ΔCE\), got -5"),
+    ("a cache on another model that has one too", a_models_cache_on_another_model_that_has_one_too, RuntimeError,
+     r"another model's attention .*create TieredCache\(model, policy\) for this model"),
+    ("a directory without config.json as model", a_directory_without_config_json_as_model, ValueError,
+     r"holds no config\.json, so it is not a transformers model directory \(one written by save_pretrained"),
 ]
 
 
@@ -85,6 +163,9 @@ def _context_file(tmp_path, kind):
         path.write_text("  \n")
     elif kind == "directory":
         path.mkdir()
+    elif kind == "huge":
+        with open(path, "wb") as fh:  # sparse: 17 MiB of zero bytes that take no disk
+            fh.truncate(17 * 2**20)
     return path
 
 
@@ -98,6 +179,16 @@ CLI = [
      r"--context-file '.*empty\.txt' is empty: there is no context to compress"),
     ("--context-file a directory", lambda tmp: ["run", "--context-file", str(_context_file(tmp, "directory"))],
      r"--context-file '.*directory\.txt' is a directory; give a text file"),
+    # issue 22
+    ("--context-file /dev/zero", lambda tmp: ["run", "--context-file", "/dev/zero"],
+     r"--context-file '/dev/zero' is not a regular file \(a device, FIFO or socket\); give a text file"),
+    ("--context-file over 16 MiB", lambda tmp: ["run", "--context-file", str(_context_file(tmp, "huge"))],
+     r"--context-file '.*huge\.txt' is larger than 16 MiB: give a text file of at most 16 MiB"),
+    ("--param ratio=4 --ratio 8", lambda tmp: ["run", "--policy", "snapkv", "--param", "ratio=4", "--ratio", "8"],
+     r"ratio is given twice \(--param ratio=4 and --ratio 8\): give one of them"),
+    ("--param sinks twice", lambda tmp: ["run", "--policy", "streaming_llm", "--param", "sinks=4", "--param", "sinks=2"],
+     r"--param sinks is given twice \(sinks=4 and 'sinks=2'\): give it once"),
+    ("--param without =", lambda tmp: ["run", "--param", "sinks"], r"--param expects key=value \(e\.g\. --param sinks=4\)"),
 ]
 
 
@@ -123,3 +214,37 @@ def test_an_open_block_is_said_in_stats_and_the_cli_closes_it(tiny, capsys):
                  "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "events 3," in out and "no block has closed" not in out
+
+
+def test_a_model_directory_without_config_json_exits_2_naming_what_is_valid(tmp_path, capsys):
+    """``kvzoo run --model /tmp``: refused before transformers is asked (no traceback)."""
+    assert _cli(["run", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no config.json, so it is not a transformers model directory" in err
+    assert "valid models are smollm2-135m, tiny-llama" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["run", "--model", "no-such-model"],
+                                     ["leaderboard", "--preset", "tiny", "--model", "no-such-model", "--no-progress"]])
+def test_a_bogus_kvzoo_kernels_is_refused_at_start_up(monkeypatch, capsys, command):
+    """``KVZOO_KERNELS=bogus``: refused before anything else is looked at (the unknown model would fail otherwise)."""
+    monkeypatch.setenv("KVZOO_KERNELS", "bogus")
+    assert _cli(command) == 2
+    assert "KVZOO_KERNELS='bogus' is not one of ('auto', 'torch', 'triton')" in capsys.readouterr().err
+
+
+LEADERBOARD = [  # argv after `kvzoo leaderboard --preset tiny`, what stderr must say
+    (["--continuation-tokens", "-5"], r"--continuation-tokens is an int >= 0 \(0: no ΔCE\), got '-5'"),
+    (["--policies", ""], r"--policies '' names no policy: give registered names or specs \(registered: full, "),
+    (["--policies", ",", " "], r"--policies ',' ' ' names no policy"),
+    (["--placement-timeout", "0", "--executor", "ray"], r"--placement-timeout is a number > 0, got '0'"),
+    (["--placement-timeout", "5"], r"--placement-timeout only apply to --executor ray"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), LEADERBOARD, ids=[" ".join(a) for a, _ in LEADERBOARD])
+def test_bad_leaderboard_input_exits_2_naming_what_is_valid(tmp_path, capsys, argv, message):
+    out = tmp_path / "r.jsonl"
+    assert _cli(["leaderboard", "--preset", "tiny", "--no-progress", "--out", str(out), *argv]) == 2
+    assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+    assert not out.exists()

@@ -173,6 +173,7 @@ def _mla_forward(
         ) if position_embeddings is not None else self._kvzoo_original_forward(
             hidden_states, attention_mask=attention_mask, cache=cache, **kwargs
         )
+    layer.check_owner(self, appended=False)  # before any row goes in: another model's MLA module is refused
     B, q_len = hidden_states.shape[:2]
     if self.q_lora_rank is None:
         q = self.q_proj(hidden_states)
