@@ -33,6 +33,7 @@ POLICIES = {
     "quest": {"budget": 48, "dense_layers": 0},
     "vestige": {"budget": 16, "block_size": 64},
     "vestige-evict": {"budget": 16, "block_size": 64, "retriever": None},
+    "streaming_llm-sketch": {"budget": 32, "retriever": "vestige"},  # one in, one out, and indexed every step
 }
 
 

@@ -339,12 +339,11 @@ def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int
     """
     n = slots.shape[-1]
     sinks = min(sinks, n - 1)
-    big = torch.iinfo(slots.dtype).max
-    padding_slot = slots.masked_fill(valid, big)
-    first_padding = padding_slot.argmin(dim=-1)
-    oldest_non_sink = slots.masked_fill(~valid, big).topk(sinks + 1, dim=-1, largest=False).indices[..., -1]
-    has_padding = padding_slot.amin(dim=-1) < big
-    return torch.where(has_padding, first_padding, oldest_non_sink)
+    # padding rows sort before every valid row (by slot among themselves): one top-k finds the earliest padding row
+    # and the oldest valid row past the sinks
+    key = torch.where(valid, slots, slots - (1 << 62))
+    top = key.topk(sinks + 1, dim=-1, largest=False)
+    return torch.where(top.values[..., 0] < 0, top.indices[..., 0], top.indices[..., -1])
 
 
 def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -359,7 +358,7 @@ def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int) -> torch.
     if count <= 0:
         return torch.zeros_like(valid)
     k = min(count, slots.shape[-1])
-    threshold = slots.masked_fill(~valid, -1).topk(k, dim=-1).values[..., -1:]
+    threshold = torch.where(valid, slots, -1).topk(k, dim=-1).values[..., -1:]
     return valid & (slots >= threshold)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvzoo.framework.buffers import RowStore
+from kvzoo.framework.buffers import RowStore, gather_rows
 
 ARCHIVED = ("keys", "values", "slots", "valid")  # the buffers a row keeps in the archive (no statistics)
 EMPTY = {"valid": False, "slots": -1}  # what a row past the live ones holds: never readable, no slot
@@ -179,8 +179,9 @@ class LayerStore:
         self.selections += 1
 
     def row(self, victim: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Row ``victim[b, g]`` of every (batch, group), ``[B, G, 1, ...]`` (archive buffers)."""
-        return self.tier.gather(victim[..., None], ARCHIVED)
+        """Row ``victim[b, g]`` of every (batch, group), ``[B, G, 1, ...]`` (archive buffers): one gather each."""
+        idx = victim[..., None]
+        return {name: gather_rows(self.tier.buffers[name], idx) for name in ARCHIVED if name in self.tier}
 
     def remove_one(self, victim: torch.Tensor) -> None:
         """Take row ``victim[b, g]`` out of the tier without moving a row: the next appended row takes its place

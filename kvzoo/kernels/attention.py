@@ -1,6 +1,7 @@
-"""Attention over a tier of rows that carry their own sequence slots (PyTorch reference).
+"""Attention of a forward of several queries over rows that carry their own sequence slots (PyTorch).
 
-This is the specification the Triton kernels of a later issue are held against. Rows are not
+A decode step (one query per sequence) goes through the decode-attention op instead
+(``kvzoo/kernels/decode_attention.py``: its reference, SDPA and Triton forms). Rows are not
 contiguous positions: after eviction, a tier holds an arbitrary subset of the sequence, so
 causality and padding are decided per row from its *slot* (its index in the sequence) and its
 ``valid`` flag, never from its index in the tensor.
@@ -113,7 +114,7 @@ def attention_sdpa(
     hpg = H // G
     if all_valid and extra_mask is None:
         if q_len == 1:  # one query sees every row: no mask
-            return decode_sdpa(query, keys, values, None, scaling)
+            return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=hpg > 1)
         bias = causal_lower_right(q_len, n)
         if hpg > 1 and query.device.type == "cuda":  # the lower-right kernels take equal head counts
             keys, values = keys.repeat_interleave(hpg, dim=1), values.repeat_interleave(hpg, dim=1)
@@ -135,22 +136,6 @@ def sink_window_mask(valid: torch.Tensor, queries: int, sinks: int, window: int)
     is_sink = (valid & (rank < sinks))[:, :, None, :]
     recent = (q_rank[..., :, None] - rank[..., None, :]) < window
     return is_sink | recent
-
-
-def decode_sdpa(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None, scaling: float
-) -> torch.Tensor:
-    """One decode query per sequence ``[B, H, 1, D]`` through SDPA; ``allowed [B, G, n]`` or None.
-
-    The grouped rows are read in place (``enable_gqa``: no copy per query head, the same kernels
-    as transformers' own SDPA path); only the ``[B, H, 1, n]`` mask is expanded, when there is one.
-    """
-    B, H = query.shape[:2]
-    G, n = keys.shape[1], keys.shape[2]
-    mask = None
-    if allowed is not None:
-        mask = allowed[:, :, None, None, :].expand(B, G, H // G, 1, n).reshape(B, H, 1, n)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=H > G)
 
 
 def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,29 +175,6 @@ def attend_scores(
         term = torch.matmul(p.to(v.dtype).reshape(B, G, (H // G) * q_len, -1), v)
         out = term if out is None else out + term
     return out.view(B, H, q_len, -1).to(out_dtype), lse, list(parts)
-
-
-def gathered_decode_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor | None,
-    scaling: float,
-    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention (one query per sequence) over a row pool and an optional second source.
-
-    ``query [B, H, D]``; ``keys [B, G, n, D]``, ``values [B, G, n, Dv]`` (MLA: a view of the first
-    ``Dv`` dims of the same rows), ``valid [B, G, n]`` or None (every row readable); ``extra`` =
-    ``(keys [B, G, f, D], values [B, G, f, Dv], valid [B, G, f])``, the fetched rows. Returns the
-    output ``[B, H, Dv]`` and the log-sum-exp ``[B, H]`` of the scaled scores. This is the
-    specification of the gathered split-K kernel (DESIGN.md §4): both sources join one softmax.
-    """
-    q = query[:, :, None]
-    sources = [(keys, values, valid)] + ([extra] if extra is not None else [])
-    scores = [row_scores(q, k, scaling, None if m is None else m[:, :, None]) for k, _, m in sources]
-    out, lse, _ = attend_scores(scores, [v for _, v, _ in sources], query.dtype, with_lse=True)
-    return out[:, :, 0], lse[:, :, 0]
 
 
 def window_attention(

@@ -32,8 +32,13 @@ Scores are ``scaling * <q, k>``, with the query first rounded to the rows' dtype
 :func:`kvzoo.kernels.attention.row_scores` does) and the products accumulated in fp32; the softmax
 and the output's accumulation are fp32 and the output is cast to the query's dtype. A ``(b, h)``
 with no readable row gets ``out = 0`` and ``lse = -inf`` (never NaN). With one source and no
-``length`` / ``indices`` / ``head_valid`` this is
-:func:`kvzoo.kernels.attention.gathered_decode_attention` (whose second source is this op's second).
+``length`` / ``indices`` / ``head_valid`` this is plain softmax attention of one query over the rows.
+
+Three implementations (``attend(..., impl=...)``; :func:`kvzoo.kernels.dispatch.decode_impl` picks one): the
+**reference** (the specification, fp32 math), **sdpa** (torch's fused ``scaled_dot_product_attention`` for one
+plain source; per-source scores in the rows' dtype and one fp32 softmax otherwise) and **triton** (below).
+``tests/test_decode_attention_reference.py`` and ``tests/interpreter/test_decode_attention.py`` hold the
+others to the reference on one list of cases.
 
 The Triton path (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``) is split-K: per source one
 program per ``(batch x KV group, split)`` holds *all* the query heads of its group (``BLOCK_H =

@@ -122,7 +122,7 @@ class QuestRetriever(Retriever):
             raise ValueError(f"gqa must be one of {GQA_RULES}, got {self.gqa!r}")
 
     def new_state(self, geometry: RowGeometry) -> PageIndex:
-        return PageIndex(self)
+        return PageIndex(self, geometry.capacity)
 
 
 class PageIndex(RetrievalState):
@@ -134,9 +134,10 @@ class PageIndex(RetrievalState):
 
     needs_best = False
 
-    def __init__(self, config: QuestRetriever) -> None:
+    def __init__(self, config: QuestRetriever, capacity: int | None = None) -> None:
         self.config = config
         self.page_size = config.page_size
+        self.capacity = capacity  # rows: with a fixed capacity the pages are preallocated and scanned whole
         self.pages = RowStore()  # "entries" [B, G, p, 2 D + 1] in the keys' dtype, "empty" [B, G, p] bool
         self.rows = 0  # archived rows indexed
 
@@ -168,7 +169,9 @@ class PageIndex(RetrievalState):
         B, G, k, D = new.shape
         if not self.pages.buffers:
             dtype = rows["keys"].dtype  # min/max/|max| are key values: exact in the keys' dtype
-            self.pages.define(B, G, {"entries": ((2 * D + 1,), dtype), "empty": ((), torch.bool)}, new.device)
+            pages = -(-self.capacity // size) if self.capacity is not None else 0  # unused pages are empty
+            self.pages.define(B, G, {"entries": ((2 * D + 1,), dtype), "empty": ((), torch.bool)}, new.device,
+                              capacity=pages, fixed=self.capacity is not None, empty={"empty": True})
         if self.rows % size:  # the last page is partial: merge the new rows into its index row
             fill = min(size - self.rows % size, k)
             last = self.pages.get("entries")[:, :, -1]  # [B, G, 2 D + 1], a view: updated in place
@@ -196,16 +199,16 @@ class PageIndex(RetrievalState):
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         B, H, q_len, _ = query.shape
-        entries = self.pages.get("entries")
+        entries = self.pages.reading("entries")  # a fixed index: every page, the unused ones empty
         G = entries.shape[1]
         bounds = index_scan(page_query(query, G), entries, scaling)  # [B, G, hpg * q, p]
-        bounds = bounds.masked_fill(self.pages.get("empty")[:, :, None], float("-inf"))  # empty pages: never
+        bounds = bounds.masked_fill(self.pages.reading("empty")[:, :, None], float("-inf"))  # empty pages: never
         return bounds.view(B, H, q_len, -1)
 
     def n_pages(self, budget: int | None) -> int:
         """Archived pages one query head reads: Quest's ``max(3, B // page_size)`` less the current page."""
         wanted = self.config.pages or max(3, (budget or 0) // self.page_size) - 1
-        return min(self.pages.n, wanted)
+        return min(self.pages.capacity if self.pages.fixed else self.pages.n, wanted)
 
     def choose(self, query, best, scaling, archive) -> Choice:
         G = archive.keys.shape[1]
@@ -219,8 +222,8 @@ class PageIndex(RetrievalState):
 
         if self.config.gqa == "group":  # one page set per KV group: the max over its heads
             if query.shape[2] == 1:  # a decode step: one fused scan reduced over the heads
-                group_max = index_scan_reduce(page_query(query, G), self.pages.get("entries"), scaling, None)
-                group_max = group_max.masked_fill(self.pages.get("empty"), float("-inf"))  # empty pages: never
+                group_max = index_scan_reduce(page_query(query, G), self.pages.reading("entries"), scaling, None)
+                group_max = group_max.masked_fill(self.pages.reading("empty"), float("-inf"))  # empty pages: never
                 pages = group_max.topk(n, dim=-1).indices[:, :, None]  # [B, G, 1, n]
             else:
                 bounds = self.bounds(query, scaling)  # [B, H, q, p]

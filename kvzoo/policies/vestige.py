@@ -230,10 +230,18 @@ class SketchIndex(RetrievalState):
         self._append(self._entries(rows["keys"]))
 
     def _append(self, entries: torch.Tensor) -> None:
-        if not self.rows.buffers:
+        if not self.rows.buffers:  # with a fixed capacity: preallocated for every row, scanned with its length
             B, G, _, W = entries.shape
-            self.rows.define(B, G, {"entries": ((W,), entries.dtype)}, entries.device)
+            capacity = self.geometry.capacity
+            self.rows.define(B, G, {"entries": ((W,), entries.dtype)}, entries.device, capacity=capacity or 0,
+                             fixed=capacity is not None)
         self.rows.append({"entries": entries})
+
+    def _scanned(self, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The entries a scan reads and their count per sequence (a fixed index: the whole buffer, its length)."""
+        if self.rows.fixed:
+            return self.rows.reading("entries"), self.rows.length.expand(batch)
+        return self.rows.get("entries"), None
 
     def entries(self) -> int:
         return self.rows.n
@@ -247,7 +255,8 @@ class SketchIndex(RetrievalState):
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         B, H, q_len, D = query.shape
-        return index_scan(self._query_rows(query), self.rows.get("entries"), scaling).view(B, H, q_len, -1)
+        entries, length = self._scanned(B)
+        return index_scan(self._query_rows(query), entries, scaling, length=length).view(B, H, q_len, -1)
 
     def choose(self, query, best, scaling, archive) -> Choice:
         if self.config.certified:  # every row within tau of s*, for some head and query of the group
@@ -255,7 +264,8 @@ class SketchIndex(RetrievalState):
             # exist; margin >= 0 exactly where some bound >= s* - tau (kernels/index_scan.py)
             B, G = best.shape[0], self.basis.shape[1]
             threshold = (best - self.config.tau).reshape(B, G, -1)
-            margin = index_scan_reduce(self._query_rows(query), self.rows.get("entries"), scaling, threshold)
+            entries, length = self._scanned(B)
+            margin = index_scan_reduce(self._query_rows(query), entries, scaling, threshold, length=length)
             return Choice(mask=margin >= 0)
         bounds = self.bounds(query, scaling)  # [B, H, q, m]
         B, H, q_len, m = bounds.shape
