@@ -7,6 +7,7 @@
 #               same rows as local, a killed worker, an interrupted driver); .ci/run calls it after `make test`
 #   make test-triton36  the sm_90 compile gate again with Triton 3.6 (the GPU machine's version), installed
 #                       into .triton36/ beside the test venv's 3.7.1
+#   make gpu-check   on a GPU machine: benchmarks/gpu_check.py (kernels, runtime eager vs CUDA graph) -> results/gpu_check
 #   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
 #                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached)
 # TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
@@ -27,7 +28,7 @@ KVP_STAMP    := $(KVP_VENV)/.kvzoo-installed
 # either way). Benchmarks keep OpenMP's default. Override with OMP_WAIT_POLICY=... make test.
 TEST_ENV     := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
-.PHONY: venv test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean
+.PHONY: venv test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check
 
 venv: $(STAMP)
 
@@ -75,6 +76,12 @@ leaderboard: $(STAMP)
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py --check --json results/soak.json
 	KVZOO_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider tests/reliability
+
+# On a lent GPU machine (no network there: no venv is built; the checkout and carried wheels on PYTHONPATH, see
+# benchmarks/README.md): the kernels and the runtime, eager vs CUDA graphs, in <= 8 minutes. CI runs its toy size.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) benchmarks/gpu_check.py --out results/gpu_check $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -23,8 +23,11 @@ its error and the run goes on.
 ``--kernels torch,triton`` (the default on CUDA) runs every kvzoo policy on both decode paths
 (``KVZOO_KERNELS``: the PyTorch path, and the Triton kernels of ``kvzoo/kernels/``: gathered split-K
 decode attention over the tier and the fetched rows, fused index scans); the ``kernels`` column says
-which. A CUDA-graph-captured decode step is not measured: kvzoo does not capture one yet (issue 12,
-item 4, is open for it).
+which. ``--modes eager,graph`` (the default on CUDA) runs every kvzoo policy eagerly and with
+``TieredCache(..., capacity=N, cuda_graph=True)`` (decode steps captured in a CUDA graph and replayed); the
+``mode`` column says which, and for a graph row how many steps replayed. Rows are written after every
+configuration, so a run cut short keeps what it measured. A configuration that fails -- out of memory, a
+Triton ``CompilationError`` or ``OutOfResources`` -- becomes a row with its error and the run goes on.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Settings:
     policies: list[str]
     weights_in_bound: bool = False
     kernels: list[str] = field(default_factory=lambda: ["torch"])
+    modes: list[str] = field(default_factory=lambda: ["eager"])
     notes: list[str] = field(default_factory=list)
 
 
@@ -118,7 +122,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
 
 
-def make_cache(model: torch.nn.Module, name: str, s: Settings, context: int) -> Any:
+def make_cache(model: torch.nn.Module, name: str, s: Settings, context: int, mode: str = "eager") -> Any:
     from transformers import DynamicCache
 
     from kvzoo import TieredCache, registry
@@ -129,7 +133,11 @@ def make_cache(model: torch.nn.Module, name: str, s: Settings, context: int) -> 
         return DynamicCache(config=model.config)
     policy_name, extra = POLICIES[name]
     params = dict(extra) if policy_name == "full" else {"ratio": s.ratio, **extra}
-    return TieredCache(model, registry.get(policy_name, **params), context_length=context)
+    policy = registry.get(policy_name, **params)
+    if mode == "eager":
+        return TieredCache(model, policy, context_length=context)
+    capacity = context + s.warmup + s.steps + 8  # the prompt and every decode step, preallocated
+    return TieredCache(model, policy, context_length=context, capacity=capacity, cuda_graph=mode == "graph")
 
 
 def forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -144,12 +152,13 @@ def kv_bytes_per_step(name: str, cache: Any, s: Settings) -> int:
     return int(sum(layer.last_step.get("kv_bytes_read", 0) for layer in cache.stats().layers))
 
 
-def run_config(model: torch.nn.Module, name: str, context: int, s: Settings, bandwidth: float) -> list[dict[str, Any]]:
+def run_config(model: torch.nn.Module, name: str, context: int, s: Settings, bandwidth: float,
+               mode: str = "eager") -> list[dict[str, Any]]:
     """Prefill one context at batch 1, then decode at every batch size; one row per batch size."""
     g = torch.Generator(device="cpu").manual_seed(context)
     ids = torch.randint(3, s.vocab, (1, context), generator=g).to(s.device)
     base = memory_mark(s.device)
-    cache = make_cache(model, name, s, context)
+    cache = make_cache(model, name, s, context, mode)
     rows = []
     with torch.no_grad():
         sync(s.device)
@@ -182,8 +191,10 @@ def run_config(model: torch.nn.Module, name: str, context: int, s: Settings, ban
                 token = logits[:, -1].argmax(-1, keepdim=True)
             kv = kv_bytes_per_step(name, cache, s)
             bound_bytes = kv + (weight_bytes(model) if s.weights_in_bound else 0)
+            graph = getattr(cache, "graph", None)
             rows.append({
                 "policy": name, "kernels": "—" if name == "transformers" else os.environ.get("KVZOO_KERNELS", "auto"),
+                "mode": mode if graph is None else f"graph ({graph.replays} replays, {graph.captures} captures)",
                 "context": context, "batch": batch,
                 "decode_ms": 1e3 * statistics.median(times),
                 "prefill_s": prefill_s if batch == 1 else None,
@@ -240,15 +251,15 @@ def markdown(rows: list[dict[str, Any]], s: Settings, bandwidth: float) -> str:
     out = [f"Device {s.device}, {str(s.dtype).removeprefix('torch.')}, {s.layers} layers of DeepSeek-V2-Lite attention "
            f"(hidden {s.hidden}, {s.heads} heads, 512 + 64 latent), ratio {s.ratio:g}x, prefill in chunks of {s.chunk}, "
            f"median of {s.steps} decode steps. Copy bandwidth {bandwidth / 1e9:,.0f} GB/s.", "",
-           "| policy | kernels | context | batch | decode ms/step | bandwidth-bound ms | KV MiB/step | prefill s | prefill peak MiB | decode peak MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| policy | kernels | mode | context | batch | decode ms/step | bandwidth-bound ms | KV MiB/step | prefill s | prefill peak MiB | decode peak MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['policy']} | {r.get('kernels', '—')} | {r['context']} | {r.get('batch', '—')} | {r['error']} "
-                       "| | | | | |")
+            out.append(f"| {r['policy']} | {r.get('kernels', '—')} | {r.get('mode', '—')} | {r['context']} | "
+                       f"{r.get('batch', '—')} | {r['error']} | | | | | |")
             continue
         out.append(
-            f"| {r['policy']} | {r['kernels']} | {r['context']} | {r['batch']} | {r['decode_ms']:.2f} | {r['bandwidth_bound_ms']:.3f} | "
+            f"| {r['policy']} | {r['kernels']} | {r['mode']} | {r['context']} | {r['batch']} | {r['decode_ms']:.2f} | {r['bandwidth_bound_ms']:.3f} | "
             f"{r['kv_bytes_per_step'] / 2**20:,.1f} | {fmt(r['prefill_s'], '.2f')} | {fmt(r['prefill_peak_mib'], ',.0f')} | "
             f"{fmt(r['decode_peak_mib'], ',.0f')} |"
         )
@@ -270,6 +281,9 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--profile", default=None, help="also profile one decode step of this policy")
     p.add_argument("--kernels", default=None, help="comma-separated KVZOO_KERNELS modes for kvzoo's policies "
                    "(torch, triton; default torch,triton on CUDA, torch elsewhere)")
+    p.add_argument("--modes", default=None, help="comma-separated decode modes for kvzoo's policies: eager, capacity "
+                   "(preallocated, not captured), graph (CUDA graphs; CUDA only). Default eager,graph on CUDA, eager "
+                   "elsewhere")
     p.add_argument("--out", default="results/gpu_runtime", help="output stem: STEM.md and STEM.json")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -291,6 +305,10 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     bad = [k for k in s.kernels if k not in ("torch", "triton", "auto")]
     if bad:
         p.error(f"unknown --kernels {bad}; valid: torch, triton, auto")
+    s.modes = (args.modes or ("eager,graph" if device == "cuda" else "eager")).split(",")
+    bad = [m for m in s.modes if m not in ("eager", "capacity", "graph")]
+    if bad or ("graph" in s.modes and device != "cuda"):
+        p.error(f"--modes {s.modes}: valid are eager, capacity and graph (graph needs CUDA)")
     if toy:
         s.notes.append("toy size (hidden 256, 4 heads, the real 512 + 64 row): a smoke run, not a measurement of a GPU")
     return s, args
@@ -303,33 +321,42 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     previous = os.environ.get("KVZOO_KERNELS")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(s).items()}
+
+    def write() -> str:  # after every configuration: a run cut short keeps what it measured
+        report = markdown(rows, s, bandwidth)
+        out.with_suffix(".md").write_text(report + "\n")
+        out.with_suffix(".json").write_text(json.dumps({"settings": settings, "bandwidth_bytes_per_s": bandwidth,
+                                                        "rows": rows}, indent=1) + "\n")
+        return report
+
     for context in s.contexts:
         for name in s.policies:
             for kernels in s.kernels if name != "transformers" else s.kernels[:1]:
-                os.environ["KVZOO_KERNELS"] = kernels
-                try:
-                    rows.extend(run_config(model, name, context, s, bandwidth))
-                except (torch.OutOfMemoryError, RuntimeError, ValueError) as exc:
-                    traceback.print_exc(file=sys.stderr)
-                    rows.append({"policy": name, "kernels": kernels, "context": context,
-                                 "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                    if s.device == "cuda":
-                        torch.cuda.empty_cache()
-                print(f"[{time.perf_counter() - started:6.1f} s] {name} ({kernels}) at {context}", file=sys.stderr)
+                for mode in s.modes if name != "transformers" else ["eager"]:
+                    os.environ["KVZOO_KERNELS"] = kernels
+                    try:
+                        rows.extend(run_config(model, name, context, s, bandwidth, mode))
+                    except Exception as exc:  # OOM, and Triton's CompilationError / OutOfResources (not RuntimeErrors)
+                        traceback.print_exc(file=sys.stderr)
+                        rows.append({"policy": name, "kernels": kernels, "mode": mode, "context": context,
+                                     "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                        if s.device == "cuda":
+                            torch.cuda.empty_cache()
+                    write()
+                    print(f"[{time.perf_counter() - started:6.1f} s] {name} ({kernels}, {mode}) at {context}",
+                          file=sys.stderr)
     if previous is None:
         os.environ.pop("KVZOO_KERNELS", None)
     else:
         os.environ["KVZOO_KERNELS"] = previous
     s.notes.append(f"wall time {time.perf_counter() - started:.0f} s")
-    report = markdown(rows, s, bandwidth)
+    report = write()
     if args.profile:
         report += "\n\n```\n" + profile_step(model, args.profile, s.contexts[0], s) + "\n```\n"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(report + "\n")
-    settings = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(s).items()}
-    out.with_suffix(".json").write_text(json.dumps({"settings": settings, "bandwidth_bytes_per_s": bandwidth,
-                                                    "rows": rows}, indent=1) + "\n")
+        out.with_suffix(".md").write_text(report + "\n")
     print(report)
     return 0
 

@@ -26,7 +26,37 @@ def test_gpu_runtime_toy_run_writes_markdown_and_json(tmp_path, monkeypatch):
     # context grew by batch 1's decode steps in between)
     assert rows[("streaming_llm", 1)]["kv_bytes_per_step"] * 8 < rows[("full", 1)]["kv_bytes_per_step"]
     assert 1.95 < rows[("full", 2)]["kv_bytes_per_step"] / rows[("full", 1)]["kv_bytes_per_step"] < 2.05
-    assert "| vestige+sketch | torch | 1024 | 2 |" in out.with_suffix(".md").read_text()
+    assert "| vestige+sketch | torch | eager | 1024 | 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_gpu_check_toy_run_joins_both_parts(tmp_path, monkeypatch):
+    """make gpu-check at its toy size on CPU: both parts run (the kernels in the interpreter), both reports join."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("gpu_check", None)
+    import gpu_check
+
+    out = tmp_path / "check"
+    assert gpu_check.main(["--toy", "--out", str(out)]) == 0
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert [p["part"] for p in summary] == ["gpu_kernels", "gpu_runtime"]
+    assert all(p["returncode"] == 0 and not p["timed_out"] for p in summary)
+    report = (out / "gpu_check.md").read_text()
+    assert "## gpu_kernels" in report and "## gpu_runtime" in report and "| full | torch | capacity | 512 | 2 |" in report
+
+
+def test_step_ops_counts_every_policy_against_transformers(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("step_ops", None)
+    import step_ops
+
+    from kvzoo.models import tiny_llama
+
+    rows = step_ops.measure({"tiny Llama": tiny_llama}, {k: step_ops.POLICIES[k] for k in ("full", "streaming_llm")})
+    caches = [r["cache"] for r in rows]
+    assert caches[:2] == ["transformers DynamicCache", "transformers StaticCache"]
+    assert {"kvzoo full", "kvzoo streaming_llm"} <= set(caches)
+    assert all(r["syncs"] == 0 for r in rows)
+    assert "| tiny Llama | kvzoo full | yes |" in step_ops.markdown(rows)
 
 
 def test_soak_toy_run_reports_every_policy_and_checks(tmp_path, monkeypatch, capsys):

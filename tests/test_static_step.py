@@ -218,3 +218,27 @@ def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
                        torch.stack([s[0] for s in replayed.logits]))
     if torch.equal(eager.sequences, replayed.sequences):
         assert replayed_totals == eager_totals
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+def test_full_launches_at_most_four_ops_per_layer_beyond_transformers_static_cache(family):
+    """The regression bound on the op count (the exact figures are benchmarks/step_ops.py's): a kvzoo ``full``
+    decode step with capacity launches at most 4 ops per layer more than transformers' own StaticCache, and a
+    compressing policy's steady step no more than it did when this bound was set."""
+    from transformers import StaticCache
+
+    from kvzoo.bench.step_trace import count_decode_step
+
+    model = _model(family)
+    prompt = _ids(model, PROMPT)
+    layers = len(TieredCache(model, "full").tiered_layers)
+    detach(model)
+    static = count_decode_step(model, lambda: StaticCache(config=model.config, max_cache_len=PROMPT + 16), prompt,
+                               layers=layers)
+    kvzoo = count_decode_step(model, lambda: TieredCache(model, "full", capacity=PROMPT + 16), prompt, layers=layers)
+    streaming = count_decode_step(model, lambda: TieredCache(model, _policy("streaming_llm"), capacity=PROMPT + 16),
+                                  prompt, layers=layers)
+    detach(model)
+    assert (kvzoo.launches - static.launches) / layers <= 4, (kvzoo.launches, static.launches)
+    assert (streaming.launches - static.launches) / layers <= 20, (streaming.launches, static.launches)
+    assert static.syncs == kvzoo.syncs == streaming.syncs == 0

@@ -229,13 +229,14 @@ class DecodeGraph:
             self.replays += 1
             return self._output()
         self.captured = None
-        if kind is not None and self.warm is not None and self.warm[0] == kind:
+        shape = tuple(input_ids.shape)
+        if kind is not None and self.warm is not None and self.warm[:2] == (kind, shape):
             return self._capture(call, kind, input_ids, position_ids, kwargs)
         # an event, or the first steady step after one: eager (it warms the new shapes up, and gives the host
         # numbers' first steady delta)
         before = HostNumbers.snapshot(layers) if kind is not None else None
         out = call(input_ids=input_ids, position_ids=position_ids, **kwargs)
-        self.warm = (kind, before, HostNumbers.snapshot(layers)) if kind is not None else None
+        self.warm = (kind, shape, before, HostNumbers.snapshot(layers)) if kind is not None else None
         self.eager_steps += 1
         return out
 
@@ -248,7 +249,7 @@ class DecodeGraph:
         self.ids, self.positions = input_ids.clone(), position_ids.clone()
         kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # a graphed token is a real token
         runner = self.make_runner()
-        _, first, second = self.warm
+        _, _, first, second = self.warm
         output = runner.capture(lambda: call(input_ids=self.ids, position_ids=self.positions, **kwargs))
         third = HostNumbers.snapshot(self.cache.layers)
         runner.replay()  # capturing records the kernels; this runs them for the step being captured
