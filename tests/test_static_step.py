@@ -175,7 +175,7 @@ class StandInGraph:
     into the captured output, as a graph's static output would be."""
 
     def __init__(self, cache) -> None:
-        self.cache, self.fn, self.fresh = cache, None, False
+        self.graph, self.fn, self.fresh = cache.graph, None, False
 
     def capture(self, fn):
         self.fn, self.fresh = fn, True
@@ -188,10 +188,11 @@ class StandInGraph:
         if self.fresh:  # the capture ran it already
             self.fresh = False
             return
-        before = HostNumbers.snapshot(self.cache.layers)
+        roots = self.graph.host_state()
+        before = HostNumbers.snapshot(roots)
         logits = self.fn()["logits"]
         for path, value in before.items():
-            HostNumbers._set(self.cache.layers, path, value)
+            HostNumbers._set(roots, path, value)
         self.out["logits"].copy_(logits)
 
 
@@ -206,7 +207,9 @@ def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
     runs = {}
     for graphed in (False, True):
         cache = TieredCache(model, _policy(name), capacity=PROMPT + 40)
-        graph = install(model, cache, lambda c=cache: StandInGraph(c)) if graphed else None
+        graph = None
+        if graphed:
+            cache.graph = graph = install(model, cache, lambda c=cache: StandInGraph(c))
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, cache=cache,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)

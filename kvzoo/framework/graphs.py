@@ -57,7 +57,9 @@ class HostNumbers:
     updates them. ``tests/test_static_step.py`` holds every policy's ``cache.stats()`` after replays to the
     eager run's."""
 
-    KINDS: tuple[type, ...] = ()  # the classes walked into (set by DecodeGraph: kvzoo's layer, store and index types)
+    # the objects walked into: kvzoo's (layers, their states and stores, row buffers, indexes) and transformers'
+    # cache layers (Kimi's KDA layers count their tokens on the host too)
+    MODULES: tuple[str, ...] = ("kvzoo.", "transformers.cache_utils")
 
     @classmethod
     def snapshot(cls, root: Any) -> dict[tuple, Number]:
@@ -81,7 +83,9 @@ class HostNumbers:
             seen.add(id(obj))
             for i, value in enumerate(obj):
                 cls._walk(value, (*path, ("item", i)), out, seen)
-        elif isinstance(obj, cls.KINDS):
+        elif type(obj).__module__.startswith(cls.MODULES) and hasattr(obj, "__dict__") \
+                and not isinstance(obj, torch.nn.Module) \
+                and not (dataclasses.is_dataclass(obj) and obj.__dataclass_params__.frozen):  # configuration
             seen.add(id(obj))
             for name, value in vars(obj).items():
                 cls._walk(value, (*path, ("attr", name)), out, seen)
@@ -122,23 +126,6 @@ class _Steps:
                 HostNumbers._set(root, path, now[path] + step)
 
 
-def _kinds() -> tuple[type, ...]:
-    from kvzoo.framework.buffers import RowStore
-    from kvzoo.framework.cache import TieredLayer
-    from kvzoo.framework.retriever import RetrievalState
-    from kvzoo.framework.runtime import LayerState
-    from kvzoo.framework.store import LayerStore
-
-    kinds: list[type] = [TieredLayer, LayerState, LayerStore, RowStore, RetrievalState]
-    try:
-        from transformers.cache_utils import CacheLayerMixin
-
-        kinds.append(CacheLayerMixin)  # Kimi's KDA layers count their tokens on the host too
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(kinds)
-
-
 class CUDAGraphRunner:
     """What :class:`DecodeGraph` needs of a graph: capture a function once, replay it (``torch.cuda.CUDAGraph``)."""
 
@@ -171,7 +158,6 @@ class DecodeGraph:
     """Captures a cache's steady decode steps in a CUDA graph and replays them (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] = CUDAGraphRunner) -> None:
-        HostNumbers.KINDS = _kinds()
         self.model, self.cache = model, cache
         self.make_runner = make_runner
         self.captured: _Captured | None = None
@@ -179,6 +165,10 @@ class DecodeGraph:
         self.ids: torch.Tensor | None = None  # static inputs [B, 1]
         self.positions: torch.Tensor | None = None
         self.captures = self.replays = self.eager_steps = 0
+
+    def host_state(self) -> list:
+        """What holds the host's numbers of a step: each tiered layer's state, and the other cache layers (KDA)."""
+        return [getattr(layer, "state", layer) for layer in self.cache.layers]
 
     # --- when a step may replay -----------------------------------------------------------------------
     def step_kind(self) -> tuple | None:
@@ -219,7 +209,7 @@ class DecodeGraph:
         if position_ids is None:
             position_ids = torch.full_like(input_ids, self.cache.get_seq_length())
         kind = self.step_kind()
-        layers = self.cache.layers
+        layers = self.host_state()
         if kind is not None and self.captured is not None and self.captured.kind == kind \
                 and self.ids.shape == input_ids.shape:
             self.ids.copy_(input_ids)
@@ -251,7 +241,7 @@ class DecodeGraph:
         runner = self.make_runner()
         _, _, first, second = self.warm
         output = runner.capture(lambda: call(input_ids=self.ids, position_ids=self.positions, **kwargs))
-        third = HostNumbers.snapshot(self.cache.layers)
+        third = HostNumbers.snapshot(self.host_state())
         runner.replay()  # capturing records the kernels; this runs them for the step being captured
         self.captured = _Captured(runner, kind, _Steps(first, second, third), output)
         self.warm = None

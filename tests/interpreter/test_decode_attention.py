@@ -298,3 +298,25 @@ def test_a_bad_input_is_a_value_error_not_a_kernel_fallback():
     query, rows = _pool("gqa", 31, 1, 20, torch.float32)
     with pytest.raises(ValueError, match=r"sources\[0\].valid must have shape \[1, 2, 20\]"):
         decode_attention(query, [_with(rows, valid=torch.ones(1, 2, 19, dtype=torch.bool))], SCALE)
+
+
+# --- the op's case list (tests/test_decode_attention_reference.py), held against the reference ----------------------
+
+
+@pytest.mark.parametrize("name", sorted(__import__("tests.test_decode_attention_reference",
+                                                   fromlist=["CASES"]).CASES))
+def test_the_triton_implementation_equals_the_reference_on_the_case_list(name, monkeypatch):
+    from kvzoo.kernels.decode_attention import attend
+    from tests.test_decode_attention_reference import CASES
+
+    monkeypatch.setenv("KVZOO_KERNELS", "triton")  # a kernel error fails the test (no fallback)
+    query, sources = CASES[name]
+    ref = attend(query, sources, SCALE, lse=True, best=True, impl="reference")
+    got = attend(query, sources, SCALE, lse=True, best=True, impl="triton")
+    _close((got.out.to(query.dtype), got.lse), (ref.out.to(query.dtype), ref.lse), torch.float32)
+    finite = torch.isfinite(ref.best)
+    assert torch.equal(finite, torch.isfinite(got.best)) and _rel(got.best[finite], ref.best[finite]) <= 1e-5
+    if len(sources) == 2:  # a step in two parts (the tier first, for its best score), merged by log-sum-exp
+        first = attend(query, sources[:1], SCALE, best=True, defer=True, impl="triton")
+        both = attend(query, sources[1:], SCALE, lse=True, prior=first, impl="triton")
+        _close((both.out.to(query.dtype), both.lse), (ref.out.to(query.dtype), ref.lse), torch.float32)
