@@ -385,9 +385,13 @@ def _sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, lse: b
         keys = _sdpa_rows(s, False)
         G, hpg = s.groups, H // s.groups
         q = query.to(keys.dtype).view(B, G, hpg, D)
-        sc = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scaling).view(B, H, s.positions)
-        mask = _sdpa_mask(query, s)
-        scores.append(sc if mask is None else sc.masked_fill_(~mask[:, :, 0], float("-inf")))
+        sc = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scaling)  # [B, G, hpg, N']
+        src = s.rows
+        if src.head_valid is not None:  # a flag per head
+            sc = sc.view(B, H, s.positions).masked_fill_(~_sdpa_mask(query, s)[:, :, 0], float("-inf"))
+        elif src.valid is not None or src.length is not None or src.indices is not None:  # one flag per group row
+            sc = sc.masked_fill_(~_group_readable(query, s)[:, :, None], float("-inf")).view(B, H, s.positions)
+        scores.append(sc.view(B, H, s.positions))
     best_t = None
     if best:
         best_t = torch.stack([sc.amax(dim=-1) for sc in scores]).amax(0) if len(scores) > 1 else scores[0].amax(-1)
