@@ -9,12 +9,8 @@ monkey-patching of modules, and :func:`detach` switches back). MLA layers hand t
 2. the attention marks which new rows are padding (from the 2-D padding mask, indexed by slot),
    records the observation window's queries if the policy wants them, and attends:
 
-   * **a decode step** (one query): over the tier's rows in place (no copy, no upcast of the rows;
-     MLA in absorbed form over the 576-dim latent rows), plus the archived rows the retriever
-     fetches as a second source in the same softmax. No host synchronisation: counters stay on
-     the device until ``stats()`` reads them. Where ``kvzoo.kernels.dispatch`` takes Triton (CUDA
-     tensors, or ``KVZOO_KERNELS=triton``) both sources go to the gathered split-K kernel
-     (``kvzoo/kernels/decode_attention.py``); elsewhere the PyTorch path (SDPA or scores + softmax);
+   * **a decode step** (one query): ``framework/step.py`` (the tier read in place, one call of the
+     decode-attention op, the retriever's rows in the same softmax; no host synchronisation);
    * **a multi-token forward** (a prefill chunk, a question): through SDPA's fused kernels with the
      bottom-right causal mask when the rows allow it; MLA decompresses the rows to per-head K/V
      first (``k = [W_UK c ; r]``, ``v = W_UV c``), as FlashMLA, vLLM and SGLang prefill, when the
