@@ -296,8 +296,10 @@ def _reference(query: torch.Tensor, checked: list[_Source], scaling: float, *, b
         sc = query.new_empty(B, G, hpg, s.positions, dtype=torch.float32)
         for a, b in _blocks(s, B * G, D):
             sc[..., a:b] = torch.einsum("bghd,bgnd->bghn", q, _rows(s, a, b)) * scaling
-        group_masks.append(_group_readable(query, s))
-        unreadable = ~_readable(group_masks[-1], s, H)
+        readable = _readable(_group_readable(query, s), s, H)  # [B, H, N']
+        # a row some head of the group may read (what no head may read may hold anything, NaN included)
+        group_masks.append(readable.view(B, G, hpg, s.positions).any(dim=2))
+        unreadable = ~readable
         scores.append(sc.view(B, H, s.positions).masked_fill(unreadable, float("-inf")))
     joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
     lse = torch.logsumexp(joined, dim=-1)  # [B, H]; -inf where nothing is readable
@@ -827,6 +829,14 @@ def _split_launch(query: torch.Tensor, s: _Source, splits: int | None) -> tuple[
     return cfg, splits
 
 
+def _partials(B: int, H: int, splits: int, Dv: int, best: bool, device: torch.device):
+    """The split kernel's outputs per split: ``(out [B, H, S, Dv], lse [B, H, S], best [B, H, S] or lse)``, fp32,
+    uninitialised (a split with no positions writes nothing, and the merge reads none of its slots)."""
+    part_o = torch.empty(B, H, splits, Dv, dtype=torch.float32, device=device)
+    part_l = torch.empty(B, H, splits, dtype=torch.float32, device=device)
+    return part_o, part_l, torch.empty_like(part_l) if best else part_l
+
+
 def _triton(query: torch.Tensor, checked: list[_Source], scaling: float, splits: int | None, *,
             best: bool = False, prior: tuple | None = None,
             out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -859,9 +869,7 @@ def _triton(query: torch.Tensor, checked: list[_Source], scaling: float, splits:
         flags = None
         if src.valid is not None or src.head_valid is not None:
             flags = _flag_words(src.valid, src.head_valid, H // s.groups)
-        part_o = torch.empty(B, H, count, Dv, dtype=torch.float32, device=device)
-        part_l = torch.empty(B, H, count, dtype=torch.float32, device=device)
-        part_m = torch.empty(B, H, count, dtype=torch.float32, device=device) if best else part_l
+        part_o, part_l, part_m = _partials(B, H, count, Dv, best, device)
         zero3 = (0, 0, 0)
         kernels.split[(B * s.groups, count)](
             query, keys, values,
@@ -976,7 +984,15 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
 
 
 def _fallback(query, checked, scaling, **kwargs):
-    """The PyTorch path a failing kernel falls back to (``dispatch.run``)."""
+    """The PyTorch path a failing kernel falls back to (``dispatch.run``). A prior that a kernel computed has no
+    scores to join: this part is computed alone and merged with it by log-sum-exp."""
+    prior = kwargs.get("prior")
+    if prior is not None and prior.scores is None:
+        def merged(*args, **kw):
+            part = _sdpa(query, checked, scaling, lse=True)
+            out, lse, _ = merge([prior, part], query.dtype)
+            return Attended(out, lse, prior.best)
+        return merged
     return lambda *args, **kw: _sdpa(query, checked, scaling, **kwargs)
 
 
