@@ -128,8 +128,9 @@ def row_buffers(ttgir: str, tiles: list[tuple[int, int, str]]) -> int:
     return min(counts)
 
 
-def score_copies(ttgir: str, heads: int, rows: int) -> int:
-    """How many warps compute each score of the ``heads x rows`` score product (1: each its own)."""
+def score_copies(ttgir: str, heads: int, rows: int) -> int | None:
+    """How many warps compute each score of the ``heads x rows`` score product (1: each its own; None: the
+    product has no MMA layout)."""
     layouts = dict(re.findall(r"^#(\w+) = #ttg\.nvidia_mma<\{([^}]*)\}>", ttgir, flags=re.M))
     for shape_h, shape_n, layout in re.findall(r"tt\.dot .*-> tensor<(\d+)x(\d+)xf32, #(\w+)>", ttgir):
         if (int(shape_h), int(shape_n)) == (heads, rows) and layout in layouts:
@@ -137,7 +138,7 @@ def score_copies(ttgir: str, heads: int, rows: int) -> int:
             warps = [int(x) for x in re.search(r"warpsPerCTA = \[(\d+), (\d+)\]", attrs).groups()]
             instr = [int(x) for x in re.search(r"instrShape = \[(\d+), (\d+)", attrs).groups()]
             return max(1, warps[0] * instr[0] // heads) * max(1, warps[1] * instr[1] // rows)
-    raise RuntimeError(f"no {heads} x {rows} score product with an MMA layout in the TTGIR")
+    return None
 
 
 _CACHE: dict[tuple, Usage] = {}
@@ -199,3 +200,50 @@ def problems(config: KernelConfig, usage: Usage) -> list[str]:
     if "score_copies" in want and usage.score_copies != want["score_copies"]:
         out.append(f"each score computed by {usage.score_copies} warp(s), expected {want['score_copies']}")
     return out
+
+
+def structure_table(rows: list[tuple[KernelConfig, Usage]]) -> str:
+    """The compiled structure of each configuration as a Markdown table."""
+    lines = ["| configuration | warps | stages | registers | shared B | spills B | MMA | row buffers | warps per score "
+             "| programs/SM | problems |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for config, usage in rows:
+        found = problems(config, usage)
+        lines.append(f"| {config.name} | {usage.num_warps} | {config.num_stages} | {usage.registers} | "
+                     f"{usage.shared_bytes:,} | {usage.local_bytes + usage.stack_bytes} | {usage.mma} | "
+                     f"{usage.row_buffers if usage.row_buffers is not None else '—'} | "
+                     f"{usage.score_copies if usage.score_copies is not None else '—'} | {usage.ctas_per_sm} | "
+                     f"{'; '.join(found) or 'ok'} |")
+    return "\n".join(lines)
+
+
+def grid_markdown(rows: list[dict[str, Any]]) -> str:
+    """:func:`kvzoo.kernels.decode_attention.grid_table` as a Markdown table."""
+    lines = ["| shape | batch x groups | positions | tiles | splits | programs | programs the chip holds | merge tile |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['batch']} x {r['groups']} | {r['positions']:,} | {r['tiles']:,} | "
+                     f"{r['splits']} | {r['programs']} | {r['slots']} | {r['merge_block_s']} |")
+    return "\n".join(lines)
+
+
+def shipped() -> list[KernelConfig]:
+    """Every configuration the kernel modules ship (``shipped_configs()`` of each module of kvzoo.kernels)."""
+    import importlib
+    import pkgutil
+
+    import kvzoo.kernels
+
+    configs = []
+    for info in pkgutil.iter_modules(kvzoo.kernels.__path__):
+        module = importlib.import_module(f"kvzoo.kernels.{info.name}")
+        if hasattr(module, "shipped_configs"):
+            configs += module.shipped_configs()
+    return configs
+
+
+if __name__ == "__main__":  # python -m kvzoo.kernels.compile_gate: the tables, without pytest
+    from kvzoo.kernels import decode_attention
+
+    print(structure_table([(c, compile_sm90(c)) for c in shipped()]))
+    print()
+    print(grid_markdown(decode_attention.grid_table()))
