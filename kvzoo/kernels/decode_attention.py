@@ -44,28 +44,35 @@ The Triton path (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``) is split-K: 
 program per ``(batch x KV group, split)`` holds *all* the query heads of its group (``BLOCK_H =
 max(16, next_pow2(H / G))``, masked), so each row is loaded once per group, and runs an online
 softmax over its share of the positions in ``BLOCK_N`` tiles, with the scale folded into ``exp2``.
-Each split writes a partial ``(out, lse)``; a merge kernel combines the partials of every split of
-every source exactly (log-sum-exp weights). ``splits`` sets the splits per source (any count gives
-the same result up to rounding; more splits than tiles leaves some empty); ``None`` aims at about
-two programs per SM, capped by the source's tiles and by a floor of rows per split that keeps the
-partial outputs under 1/8 of the rows' bytes (:func:`default_splits`, :func:`min_split_rows`).
-Block sizes, warps and stages come from :func:`split_config` / :func:`merge_config`, shared by the
-launcher and :func:`shipped_configs` (the sm_90 compile gate, ``tests/test_compile_gate.py``).
-Triton is imported only when its path runs.
+Each split with positions writes a partial ``(out, lse)`` (and, asked for ``best``, its maximum score:
+s* with no second read of the rows); a split with none writes nothing. Then one merge kernel per source
+combines its splits exactly (log-sum-exp weights) in one pass -- every split's lse in one tile, their
+outputs in one load -- and folds in what came before: the previous source's result, or a part computed
+earlier (``attend(..., prior=part)``: the runtime's tier, deferred for its best score, then the fetched
+rows). ``splits`` sets the splits per source (any count gives the same result up to rounding; more
+splits than tiles leaves some empty); ``None`` fills one wave of the chip, ``SMs x ctas_per_sm``
+programs, at most one split per tile (:func:`default_splits`). Block sizes, warps, stages and the
+occupancy they give come from :func:`split_config` / :func:`merge_config`, shared by the launcher and
+:func:`shipped_configs` (the sm_90 compile gate, ``tests/test_compile_gate.py``, checks the compiled code
+against them). Triton is imported only when its path runs.
 
 Kernel details: the split of a sequence is computed in the program from ``length`` (so a captured
 launch follows the true length: the positions ``[0, length)`` are cut into ``splits`` runs of whole
-tiles). ``valid`` and ``head_valid`` are packed on the host into one int32 word per position and 32
-heads (:func:`_flag_words`), which the kernel copies asynchronously like an index: a row past
-``length``, outside the pool or readable by no head of the group is never loaded. The query is
-cast to the rows' dtype for ``tl.dot`` (bf16/fp16 products, fp32 accumulation; fp32 rows use
-``input_precision="ieee"``), the probabilities to the values' dtype for the second product. When
-the pools are 16-byte aligned with row strides that are multiples of 16 elements (the shipped
-shapes), the kernel tells the compiler so (``ALIGNED``), which vectorises and pipelines the loads.
+tiles; the merge recomputes which splits hold positions). ``valid`` and ``head_valid`` are packed on the
+host into ``ceil(hpg / 32)`` int32 words per position (:func:`_flag_words`; the kernel reads exactly
+those). A tile's indices and flag words are loaded one iteration ahead and folded into one row number
+per position (-1: past ``length``, outside the pool or readable by no head of the group: never loaded),
+so no row load waits on a load of its own iteration and two row tiles are in flight in every variant.
+The query is cast to the rows' dtype for ``tl.dot`` (bf16/fp16 products on ``mma.sync``, fp32
+accumulation; fp32 rows use ``input_precision="ieee"``), the probabilities to the values' dtype for the
+second product. When the pools are 16-byte aligned with row strides that are multiples of 16 elements
+(the shipped shapes), the kernel tells the compiler so (``ALIGNED``), which vectorises the loads into
+asynchronous copies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -817,12 +824,16 @@ def _aligned(*pools: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:3]) for t in pools)
 
 
-def _split_launch(query: torch.Tensor, s: _Source, splits: int | None) -> tuple[SplitConfig, int]:
-    """The configuration and the split count the launcher takes for one source."""
+def _split_launch(query: torch.Tensor, s: _Source, splits: int | None,
+                  tune: dict | None = None) -> tuple[SplitConfig, int]:
+    """The configuration and the split count the launcher takes for one source (``tune``: fields of the
+    :class:`SplitConfig` replaced, for ``benchmarks/gpu_kernels.py``'s sweep)."""
     src = s.rows
     H = query.shape[1]
     cfg = split_config(H // s.groups, query.shape[2], s.value_width, src.values is not None,
                        src.keys.element_size())
+    if tune:
+        cfg = dataclasses.replace(cfg, **tune)
     if splits is None:
         splits = default_splits(query.shape[0] * s.groups, s.positions, cfg.BLOCK_N, _sm_count(query.device),
                                 cfg.ctas_per_sm)
@@ -838,11 +849,13 @@ def _partials(B: int, H: int, splits: int, Dv: int, best: bool, device: torch.de
 
 
 def _triton(query: torch.Tensor, checked: list[_Source], scaling: float, splits: int | None, *,
-            best: bool = False, prior: tuple | None = None,
-            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            best: bool = False, prior: tuple | None = None, out_dtype: torch.dtype | None = None,
+            tune: dict | None = None, merge: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(out [B, H, Dv] in out_dtype (default: the query's), lse [B, H], best [B, H] or None)``: per source the
     split kernel, then the merge kernel, which folds in what came before (the previous source's result, or
-    ``prior = (out, lse)``, a part computed earlier) -- one softmax over every source."""
+    ``prior = (out, lse)``, a part computed earlier) -- one softmax over every source. For the benchmark:
+    ``tune`` replaces fields of each source's :class:`SplitConfig`; ``merge=False`` launches the split kernels
+    alone and returns the last source's partials ``(out, lse, best)`` per split."""
     B, H, D = query.shape
     if query.device.type == "cpu" and dispatch.interpreting():
         half = [t.dtype for t in [query] + [s.rows.keys for s in checked] if t.dtype == torch.bfloat16]
@@ -862,7 +875,7 @@ def _triton(query: torch.Tensor, checked: list[_Source], scaling: float, splits:
         query = query.contiguous()
     carried = None if prior is None else (prior[0], prior[1], None)
     for i, s in enumerate(checked):
-        cfg, count = _split_launch(query, s, splits)
+        cfg, count = _split_launch(query, s, splits, tune)
         src = s.rows
         keys = src.keys
         values = src.values if src.values is not None else keys
@@ -893,6 +906,9 @@ def _triton(query: torch.Tensor, checked: list[_Source], scaling: float, splits:
             FP32=keys.dtype == torch.float32, ALIGNED=_aligned(keys, values), BEST=best,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if not merge:
+            carried = (part_o, part_l, part_m if best else None)
+            continue
         last = i == len(checked) - 1
         out = torch.empty(B, H, Dv, dtype=out_dtype if last else torch.float32, device=device)
         lse = torch.empty(B, H, dtype=torch.float32, device=device)
