@@ -263,16 +263,28 @@ def test_bad_inputs_are_value_errors_naming_what_is_valid(case):
             fn(query, sources, scaling, **kwargs)
 
 
-def test_default_splits_aim_at_two_programs_per_sm_within_the_tiles():
-    assert da.default_splits(1, 10_000, 64, sms=132) == 157  # every tile its own split (157 < 264)
-    assert da.default_splits(1, 100_000, 64, sms=132) == 264  # two programs per SM
-    assert da.default_splits(16, 100_000, 64, sms=132) == 17  # 16 x 17 = 272 programs
+def test_default_splits_fill_one_wave_of_the_chip_within_the_tiles():
+    """``batch x groups x splits`` fills the ``sms x ctas_per_sm`` programs the chip holds at once, never more (a
+    second, partial wave would double the time of the longest program), at most one split per tile. Replaces the
+    old heuristic's floor of rows per split (228 rows for MLA: 5 programs on 132 SMs for the 1/32-kept step at
+    batch 1): the one-pass merge reads the partials back from L2."""
+    assert da.default_splits(1, 10_000, 64, sms=132, ctas_per_sm=2) == 157  # every tile its own split (157 < 264)
+    assert da.default_splits(1, 100_000, 64, sms=132, ctas_per_sm=2) == 264  # two programs per SM
+    assert da.default_splits(16, 100_000, 64, sms=132, ctas_per_sm=2) == 16  # 16 x 16 = 256 <= 264 (17: 272 > 264)
+    assert da.default_splits(8, 100_000, 64, sms=132, ctas_per_sm=3) == 49  # 392 <= 396
     assert da.default_splits(300, 100_000, 64, sms=132) == 1
     assert da.default_splits(4, 0, 64) == 1  # an empty source still has one (empty) split
-    # MLA, 16 heads over 576-dim bf16 rows: a split reads >= 228 rows, so 32k rows take 144 splits, not 264
-    floor = da.min_split_rows(16, 576, 512, False, 2)
-    assert floor == 228 and 16 * 512 * 4 <= floor * 1152 / 8
-    assert da.default_splits(1, 32_768, 32, sms=132, min_rows=floor) == 144
+    # MLA, 16 heads over 576-dim bf16 rows, 1/32 of 32k kept at batch 1: one split per tile of 32 rows
+    cfg = da.split_config(16, 576, 512, False, 2)
+    assert da.default_splits(1, 1024, cfg.BLOCK_N, sms=132, ctas_per_sm=cfg.ctas_per_sm) == 32
+    assert da.default_splits(1, 32_768, cfg.BLOCK_N, sms=132, ctas_per_sm=cfg.ctas_per_sm) == 264
+
+
+def test_the_grid_table_fills_the_chip_unless_the_tiles_run_out():
+    for row in da.grid_table(132):
+        assert row["programs"] <= max(row["slots"], row["batch"] * row["groups"])
+        more = row["batch"] * row["groups"] * (row["splits"] + 1)
+        assert row["splits"] == row["tiles"] or more > row["slots"], row  # one more split would not fit
 
 
 @pytest.mark.parametrize("hpg,width,value_width,separate", [(16, 576, 512, False), (32, 576, 512, False),
@@ -287,7 +299,8 @@ def test_split_config_blocks_cover_the_shape_with_dots_of_at_least_16(hpg, width
     assert cfg.BLOCK_H >= hpg and cfg.BLOCK_D1 >= cfg.D1 and cfg.BLOCK_D2 >= cfg.D2
     assert cfg.BLOCK_DV >= value_width
     assert cfg.D1 + cfg.D2 == width and (separate or cfg.D1 == value_width)
-    assert cfg.num_warps in (4, 8) and cfg.num_stages in (2, 3)
+    assert cfg.num_warps in (4, 8) and cfg.num_stages == 3 and cfg.row_buffers == 2
+    assert 1 <= cfg.ctas_per_sm <= 4 and cfg.score_copies == max(1, 8 * cfg.num_warps // cfg.BLOCK_N)
 
 
 @pytest.mark.parametrize("hpg", [3, 32, 40])
@@ -307,3 +320,24 @@ def test_flag_words_hold_valid_and_head_valid_bit_per_head(hpg):
         if hv is not None:
             want &= hv.view(B, G, hpg, P)
         assert torch.equal(heads, want)
+
+
+def test_a_failing_kernel_after_a_kernel_part_falls_back_to_a_merge(monkeypatch):
+    """auto mode: the second part's kernel fails; its fallback computes the part alone and merges it with the
+    first (a kernel part: no scores to join) by log-sum-exp."""
+    from kvzoo.kernels import dispatch
+
+    monkeypatch.delenv("KVZOO_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "_failed", set())
+    query, sources = CASES["gqa-two-sources"]
+    first = attend(query, sources[:1], SCALE, lse=True, impl="sdpa")  # like a kernel part: out and lse, no scores
+    assert first.scores is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(da, "_triton", broken)
+    with pytest.warns(RuntimeWarning, match="decode_attention"):
+        got = attend(query, sources[1:], SCALE, lse=True, prior=first, impl="triton")
+    want = attend(query, sources, SCALE, lse=True, impl="reference")
+    assert _rel(got.out, want.out) <= 1e-5 and _rel(got.lse, want.lse) <= 1e-5

@@ -1,11 +1,31 @@
-"""Compile a Triton kernel for sm_90 without a GPU and read what it costs (the compile gate).
+"""Compile a Triton kernel for sm_90 without a GPU and read what the compiler made (the compile gate).
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` builds the H100/H200 binary on
-any machine; its metadata gives the shared memory a program needs (limit 232,448 B per block on
-sm_90) and ``cuobjdump --dump-resource-usage`` of the cubin gives registers per thread and the local
-memory (register spills) and stack. Each kernel module lists the configurations it ships
-(``shipped_configs()``, the ones its launcher picks on a GPU); ``tests/test_compile_gate.py`` compiles
-every one and holds it to the limits. Imports Triton: never imported by the runtime.
+any machine. From it, :func:`compile_sm90` reads:
+
+* the shared memory a program needs (metadata; limit 232,448 B per block on sm_90) and, from
+  ``cuobjdump --dump-resource-usage`` of the cubin, registers per thread, local memory and stack
+  (spills);
+* the matrix instruction the products became, from the PTX: ``mma.sync`` (``m16n8k16``, MMAv2),
+  ``wgmma.mma_async`` (MMAv3) or neither (FMA);
+* the *row buffers in flight*, from the TTGIR: Triton's pipeliner turns a pipelined load into
+  ``ttg.async_copy_global_to_local`` into one slice of a multi-buffered allocation
+  ``ttg.local_alloc : () -> !ttg.memdesc<S x rows x cols x dtype>``; ``S`` is how many tiles of that
+  operand are in flight at the wait for the current one (the loop waits for tile ``i`` while tiles
+  ``i+1 .. i+S-1`` are still being copied, and refills tile ``i``'s slot after its last use). The count
+  of a kernel is the smallest ``S`` over the row-tile operands it names (keys, tail, values); an operand
+  with no such allocation is loaded synchronously: 1 (its latency exposed every tile). This counts the
+  buffers the code really has, whatever ``num_stages`` asked for (which it does not honour where a load
+  waits on another load of the same iteration);
+* how many warps compute each score: the ``#ttg.nvidia_mma`` layout of the score product (``warpsPerCTA``
+  x ``instrShape``) against its tile;
+* the programs one SM holds at once, from registers (64K per SM, allocated per warp in units of 256),
+  shared memory (228 KiB per SM, 1 KiB reserved per block) and threads (2,048).
+
+Each kernel module lists the configurations it ships (``shipped_configs()``: the ones its launcher picks
+on a GPU, each with what it is built for in ``expect``); ``tests/test_compile_gate.py`` compiles every one,
+prints the table and holds each to its expectations. Results are cached per process. Imports Triton: never
+imported by the runtime.
 """
 
 from __future__ import annotations
@@ -19,11 +39,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SM90_SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on H100 / H200
+SM90_SHARED_PER_SM = 233_472  # bytes per SM (a block reserves 1 KiB of it)
+SM90_REGISTERS = 65_536  # 32-bit registers per SM
+SM90_THREADS = 2_048  # threads per SM
+SM90_BLOCKS = 32  # blocks per SM
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One compiled specialisation: the kernel, its argument types and constexprs, warps and stages."""
+    """One compiled specialisation: the kernel, its argument types and constexprs, warps, stages, the register
+    cap given to the compiler, and what the gate holds the compiled code to (``expect``: ``mma`` the
+    instruction, ``row_tiles`` the row-tile operands as ``(rows, cols, dtype)``, ``row_buffers`` the fewest
+    buffers in flight, ``ctas_per_sm`` the fewest programs per SM, ``max_registers``, ``score_tile`` ``(heads, rows)`` and
+    ``score_copies`` the warps per score)."""
 
     name: str
     fn: Any  # a triton.JITFunction
@@ -31,6 +59,8 @@ class KernelConfig:
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None
+    expect: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -40,14 +70,20 @@ class Usage:
     registers: int
     local_bytes: int  # per-thread local memory: register spills
     stack_bytes: int
+    num_warps: int = 4
+    mma: str = "fma"  # "mma.sync.m16n8k16", "wgmma", or "fma" (no tensor-core instruction)
+    row_buffers: int | None = None  # row tiles in flight (None: the kernel names no row tiles)
+    score_copies: int | None = None  # warps computing each score (None: no score tile named)
+    ctas_per_sm: int = 0
 
     @property
     def ok(self) -> bool:
-        return self.shared_bytes <= SM90_SHARED_LIMIT and self.local_bytes == 0
+        return self.shared_bytes <= SM90_SHARED_LIMIT and self.local_bytes == 0 and self.stack_bytes == 0
 
     def __str__(self) -> str:
         return (f"{self.name}: {self.registers} registers/thread, {self.shared_bytes:,} B shared "
-                f"(limit {SM90_SHARED_LIMIT:,}), local (spills) {self.local_bytes} B, stack {self.stack_bytes} B")
+                f"(limit {SM90_SHARED_LIMIT:,}), local (spills) {self.local_bytes} B, stack {self.stack_bytes} B, "
+                f"{self.mma}, {self.row_buffers} row buffers, {self.ctas_per_sm} programs/SM")
 
 
 def _cuobjdump() -> str:
@@ -60,15 +96,69 @@ def _cuobjdump() -> str:
     return found
 
 
+def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Programs one sm_90 SM holds at once (registers per warp rounded up to 256, 1 KiB of shared memory reserved
+    per block)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM90_REGISTERS // (per_warp * num_warps)
+    by_shared = SM90_SHARED_PER_SM // (shared_bytes + 1024)
+    return max(0, min(by_registers, by_shared, SM90_THREADS // (32 * num_warps), SM90_BLOCKS))
+
+
+_DTYPE = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "f16": "f16", "f32": "f32"}
+
+
+def mma_kind(ptx: str) -> str:
+    """The matrix instruction in the PTX: ``wgmma``, ``mma.sync.<shape>`` or ``fma``."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    found = re.search(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+    return f"mma.sync.{found.group(1)}" if found else "fma"
+
+
+def row_buffers(ttgir: str, tiles: list[tuple[int, int, str]]) -> int:
+    """The fewest buffers in flight over the row-tile operands ``(rows, cols, dtype)`` (module docstring)."""
+    allocs = re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x(\d+)x(\d+)x(\w+),", ttgir)
+    pool = sorted(((int(r), int(c), d), int(s)) for s, r, c, d in allocs)
+    counts = []
+    for rows, cols, dtype in tiles:  # each operand its own allocation (two operands of one shape: two of them)
+        key = (rows, cols, _DTYPE.get(dtype, dtype))
+        found = [i for i, (shape, _) in enumerate(pool) if shape == key]
+        counts.append(pool.pop(max(found, key=lambda i: pool[i][1]))[1] if found else 1)
+    return min(counts)
+
+
+def score_copies(ttgir: str, heads: int, rows: int) -> int | None:
+    """How many warps compute each score of the ``heads x rows`` score product (1: each its own; None: the
+    product has no MMA layout)."""
+    layouts = dict(re.findall(r"^#(\w+) = #ttg\.nvidia_mma<\{([^}]*)\}>", ttgir, flags=re.M))
+    for shape_h, shape_n, layout in re.findall(r"tt\.dot .*-> tensor<(\d+)x(\d+)xf32, #(\w+)>", ttgir):
+        if (int(shape_h), int(shape_n)) == (heads, rows) and layout in layouts:
+            attrs = layouts[layout]
+            warps = [int(x) for x in re.search(r"warpsPerCTA = \[(\d+), (\d+)\]", attrs).groups()]
+            instr = [int(x) for x in re.search(r"instrShape = \[(\d+), (\d+)", attrs).groups()]
+            return max(1, warps[0] * instr[0] // heads) * max(1, warps[1] * instr[1] // rows)
+    return None
+
+
+_CACHE: dict[tuple, Usage] = {}
+
+
 def compile_sm90(config: KernelConfig) -> Usage:
-    """Compile ``config`` for sm_90 and return its resource usage."""
+    """Compile ``config`` for sm_90 and return what the compiled code holds (cached per process)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    key = (config.name, config.fn, tuple(sorted(config.signature.items())), tuple(sorted(config.constexprs.items())),
+           config.num_warps, config.num_stages, config.maxnreg)
+    if key in _CACHE:
+        return _CACHE[key]
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg is not None:
+        options["maxnreg"] = config.maxnreg
     source = ASTSource(fn=config.fn, signature=config.signature, constexprs=config.constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as fh:
@@ -79,4 +169,81 @@ def compile_sm90(config: KernelConfig) -> Usage:
     if found is None:
         raise RuntimeError(f"cuobjdump gave no resource line for {config.name}:\n{report}")
     registers, stack, _static_shared, local = (int(x) for x in found.groups())
-    return Usage(config.name, int(compiled.metadata.shared), registers, local, stack)
+    ttgir = compiled.asm["ttgir"]
+    shared = int(compiled.metadata.shared)
+    tiles = config.expect.get("row_tiles")
+    score = config.expect.get("score_tile")
+    usage = Usage(config.name, shared, registers, local, stack, config.num_warps, mma_kind(compiled.asm["ptx"]),
+                  row_buffers(ttgir, tiles) if tiles else None,
+                  score_copies(ttgir, *score) if score else None,
+                  ctas_per_sm(registers, config.num_warps, shared))
+    _CACHE[key] = usage
+    return usage
+
+
+def problems(config: KernelConfig, usage: Usage) -> list[str]:
+    """What the compiled code of ``config`` breaks: the sm_90 limits, then each of ``config.expect``."""
+    out = []
+    if usage.shared_bytes > SM90_SHARED_LIMIT:
+        out.append(f"{usage.shared_bytes:,} B of shared memory > {SM90_SHARED_LIMIT:,}")
+    if usage.local_bytes or usage.stack_bytes:
+        out.append(f"register spills: local {usage.local_bytes} B, stack {usage.stack_bytes} B")
+    want = config.expect
+    if "mma" in want and usage.mma != want["mma"]:
+        out.append(f"the products became {usage.mma}, not {want['mma']} (the tensor-core path is lost)")
+    if "row_buffers" in want and (usage.row_buffers or 0) < want["row_buffers"]:
+        out.append(f"{usage.row_buffers} row tile(s) in flight, expected >= {want['row_buffers']} (pipelining lost)")
+    if "ctas_per_sm" in want and usage.ctas_per_sm < want["ctas_per_sm"]:
+        out.append(f"{usage.ctas_per_sm} program(s) per SM, the launch heuristic assumes {want['ctas_per_sm']}")
+    if "max_registers" in want and usage.registers > want["max_registers"]:
+        out.append(f"{usage.registers} registers per thread > the budget {want['max_registers']}")
+    if "score_copies" in want and usage.score_copies != want["score_copies"]:
+        out.append(f"each score computed by {usage.score_copies} warp(s), expected {want['score_copies']}")
+    return out
+
+
+def structure_table(rows: list[tuple[KernelConfig, Usage]]) -> str:
+    """The compiled structure of each configuration as a Markdown table."""
+    lines = ["| configuration | warps | stages | registers | shared B | spills B | MMA | row buffers | warps per score "
+             "| programs/SM | problems |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for config, usage in rows:
+        found = problems(config, usage)
+        lines.append(f"| {config.name} | {usage.num_warps} | {config.num_stages} | {usage.registers} | "
+                     f"{usage.shared_bytes:,} | {usage.local_bytes + usage.stack_bytes} | {usage.mma} | "
+                     f"{usage.row_buffers if usage.row_buffers is not None else '—'} | "
+                     f"{usage.score_copies if usage.score_copies is not None else '—'} | {usage.ctas_per_sm} | "
+                     f"{'; '.join(found) or 'ok'} |")
+    return "\n".join(lines)
+
+
+def grid_markdown(rows: list[dict[str, Any]]) -> str:
+    """:func:`kvzoo.kernels.decode_attention.grid_table` as a Markdown table."""
+    lines = ["| shape | batch x groups | positions | tiles | splits | programs | programs the chip holds | merge tile |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['batch']} x {r['groups']} | {r['positions']:,} | {r['tiles']:,} | "
+                     f"{r['splits']} | {r['programs']} | {r['slots']} | {r['merge_block_s']} |")
+    return "\n".join(lines)
+
+
+def shipped() -> list[KernelConfig]:
+    """Every configuration the kernel modules ship (``shipped_configs()`` of each module of kvzoo.kernels)."""
+    import importlib
+    import pkgutil
+
+    import kvzoo.kernels
+
+    configs = []
+    for info in pkgutil.iter_modules(kvzoo.kernels.__path__):
+        module = importlib.import_module(f"kvzoo.kernels.{info.name}")
+        if hasattr(module, "shipped_configs"):
+            configs += module.shipped_configs()
+    return configs
+
+
+if __name__ == "__main__":  # python -m kvzoo.kernels.compile_gate: the tables, without pytest
+    from kvzoo.kernels import decode_attention
+
+    print(structure_table([(c, compile_sm90(c)) for c in shipped()]))
+    print()
+    print(grid_markdown(decode_attention.grid_table()))

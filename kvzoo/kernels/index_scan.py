@@ -498,5 +498,8 @@ def shipped_configs(lengths: tuple[bool, ...] = (False, True)):
                 constexprs["len_ptr"] = None
             signature.update({name: "constexpr" for name in ("REDUCE", "HAS_THRESHOLD", "HAS_LENGTH", *config)})
             name = f"index_scan_{op}_{label}_W{W}" + ("_length" if has_length else "")
-            configs.append(KernelConfig(name, kernel, signature, constexprs, num_warps=warps, num_stages=stages))
+            # the compile gate's expectations: fp32 FMA products (IEEE: a certified bound cannot take TF32), no
+            # software pipelining (num_stages 1): the loads' latency is hidden by 3 or more programs per SM
+            configs.append(KernelConfig(name, kernel, signature, constexprs, num_warps=warps, num_stages=stages,
+                                        expect={"mma": "fma", "ctas_per_sm": 3}))
     return configs

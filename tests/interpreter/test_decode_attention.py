@@ -300,6 +300,93 @@ def test_a_bad_input_is_a_value_error_not_a_kernel_fallback():
         decode_attention(query, [_with(rows, valid=torch.ones(1, 2, 19, dtype=torch.bool))], SCALE)
 
 
+@pytest.mark.parametrize("hpg", [65, 80, 96])
+def test_groups_of_65_to_96_heads_read_their_own_flag_words_and_never_nan_rows(hpg):
+    """Two KV groups of 65-96 heads: a block of 128 heads, flags packed in ceil(hpg / 32) = 3 words per position.
+    The kernel reads exactly those words (it once looped over BLOCK_H / 32 = 4: the fourth was the next group's,
+    or past the end of the tensor). Group 0's heads may read rows [0, 16) only, and rows [16, 32) hold NaN."""
+    B, G, N, D, Dv = 1, 2, 32, 32, 16
+    g = _gen(40 + hpg)
+    query = torch.randn(B, G * hpg, D, generator=g)
+    keys = torch.randn(B, G, N, D, generator=g)
+    keys[0, 0, 16:] = float("nan")
+    head_valid = torch.rand(B, G * hpg, N, generator=g) < 0.7
+    head_valid[0, :hpg, 16:] = False  # group 0: no head reads the NaN rows
+    head_valid[0, hpg:, 16:] = True  # group 1 reads them (its own rows, finite)
+    head_valid[0, 70 % hpg] = False  # a head of the third word reads nothing
+    src = Rows(keys, value_width=Dv, head_valid=head_valid)
+    want = decode_attention_reference(query, [src], SCALE)
+    assert torch.isfinite(want[0]).all()
+    _close(decode_attention_triton(query, [src], SCALE, splits=2), want, torch.float32)
+    valid = torch.ones(B, G, N, dtype=torch.bool)
+    valid[0, 0, 16:] = False  # the same rows unreadable by valid alone (every word of the group: 0)
+    _close(decode_attention_triton(query, [Rows(keys, value_width=Dv, valid=valid)], SCALE),
+           decode_attention_reference(query, [Rows(keys, value_width=Dv, valid=valid)], SCALE), torch.float32)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_best_score_comes_from_the_split_kernel(form, monkeypatch):
+    """s*: each split's maximum, reduced by the merge; no second read of the rows in PyTorch. A deferred part keeps
+    its output in fp32 for the merge that ends the step."""
+    query, rows = _pool(form, 41, 2, 150, torch.float16)
+    valid = torch.rand(2, rows.keys.shape[1], 150, generator=_gen(42)) < 0.8
+    valid[1] = False  # a sequence with nothing readable: best -inf
+    src = _with(rows, valid=valid)
+    monkeypatch.setattr(da, "_sdpa", lambda *a, **k: pytest.fail("the kernel path read the rows again"))
+    part = da.attend(query, [src], SCALE, best=True, defer=True, impl="triton", splits=3)
+    ref = da.attend(query, [src], SCALE, lse=True, best=True, impl="reference")
+    assert part.out.dtype == torch.float32 and part.best.dtype == torch.float32
+    assert torch.isneginf(part.best[1]).all() and torch.isfinite(part.best[0]).all()
+    assert _rel(part.best[0], ref.best[0]) <= 1e-5
+    _close((part.out.half(), part.lse), (ref.out.half(), ref.lse), torch.float16)
+
+
+def test_a_prior_part_is_merged_by_the_merge_kernel(monkeypatch):
+    """The runtime's retrieving step: the tier deferred (with its best score), then the fetched rows with that part
+    as the prior, folded into the merge kernel (no PyTorch merge); the best score stays the tier's."""
+    query, sources = __import__("tests.test_decode_attention_reference", fromlist=["CASES"]).CASES["gqa-head-valid"]
+    monkeypatch.setattr(da, "merge", lambda *a, **k: pytest.fail("a PyTorch merge on the kernel path"))
+    first = da.attend(query, sources[:1], SCALE, best=True, defer=True, impl="triton")
+    both = da.attend(query, sources[1:], SCALE, lse=True, prior=first, impl="triton")
+    ref = da.attend(query, sources, SCALE, lse=True, impl="reference")
+    _close((both.out, both.lse), (ref.out.to(query.dtype), ref.lse), torch.float32)
+    assert both.best is first.best
+
+
+def test_a_split_with_no_positions_writes_nothing(monkeypatch):
+    """Partials start as NaN: the empty splits' slots stay NaN (never written) and the merge reads none of them."""
+    query, rows = _pool("gqa", 43, 2, 150, torch.float32)
+    src = _with(rows, length=torch.tensor([150, 40]))  # sequence 1: 1 tile of 64 rows, 6 of its 7 splits empty
+    made = []
+
+    def poisoned(*args):
+        buffers = real(*args)
+        for t in buffers:
+            t.fill_(float("nan"))
+        made.append(buffers)
+        return buffers
+
+    real = da._partials
+    monkeypatch.setattr(da, "_partials", poisoned)
+    got = decode_attention_triton(query, [src], SCALE, splits=7)
+    _close(got, decode_attention_reference(query, [src], SCALE), torch.float32)
+    part_o, part_l, _ = made[0]
+    assert torch.isnan(part_l[1, :, 1:]).all() and torch.isnan(part_o[1, :, 1:]).all()  # never written
+    assert not torch.isnan(part_l[1, :, 0]).any() and not torch.isnan(part_l[0, :, :3]).any()
+    assert torch.isnan(part_l[0, :, 3:]).all()  # 150 rows = 3 tiles: splits 3..6 hold none
+
+
+def test_more_splits_than_one_merge_tile_take_the_chunked_merge(monkeypatch):
+    """Past MAX_MERGE_BLOCK_S splits the merge takes them in chunks (a maximum first, then one pass)."""
+    monkeypatch.setattr(da, "MAX_MERGE_BLOCK_S", 16)
+    query, rows = _pool("mla", 44, 1, 40 * 64, torch.float32)
+    assert da.merge_config(40).BLOCK_S == 16
+    got = da.attend(query, [rows], SCALE, lse=True, best=True, impl="triton", splits=40)
+    ref = da.attend(query, [rows], SCALE, lse=True, best=True, impl="reference")
+    _close((got.out, got.lse), (ref.out.to(query.dtype), ref.lse), torch.float32)
+    assert _rel(got.best, ref.best) <= 1e-5
+
+
 # --- the op's case list (tests/test_decode_attention_reference.py), held against the reference ----------------------
 
 

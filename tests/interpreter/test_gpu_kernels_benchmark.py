@@ -3,22 +3,30 @@
 import importlib.util
 import json
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_gpu_kernels_toy(tmp_path):
+def test_gpu_kernels_toy(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "benchmarks" / "gpu_kernels.py")
     bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_kernels", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     out = tmp_path / "gk"
     assert bench.main(["--toy", "--rows", "64", "--batches", "1", "--device", "cpu", "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
-    ops = {(r["op"], r["case"]) for r in result["rows"]}
-    assert ops == {("decode_attention", "all rows"), ("decode_attention", "1/32 + 16"),
-                   ("index_scan_reduce", "sketch"), ("index_scan", "pages")}
-    assert all(r["check"] == "ok" and r["ms"] > 0 for r in result["rows"])
-    assert "| decode_attention | 1 | 64 |" in out.with_suffix(".md").read_text()
+    ops = {(r["op"], r["model"], r["case"]) for r in result["rows"]}
+    assert ops == {("decode_attention", "mla16", "dense"), ("decode_attention", "mla16", "pool"),
+                   ("decode_attention", "mla16", "gathered 16"), ("decode_attention", "mla16", "step 1/32 + 16"),
+                   ("decode_attention", "gqa32/8", "dense"), ("decode_attention", "gqa32/8", "pool"),
+                   ("index_scan_reduce", "mla16", "sketch"), ("index_scan", "mla16", "pages")}
+    assert all(r["check"] == "ok" and r["eager_ms"] > 0 and r["graph_ms"] is None for r in result["rows"])
+    assert all(r["split_eager_ms"] > 0 for r in result["rows"] if r["case"] in ("dense", "pool"))
+    (swept,) = result["sweep"]  # the toy sweep: one case, two configurations, each checked against fp32
+    assert swept["best"] is not None and all(p["ok"] for p in swept["points"]) and len(swept["points"]) == 2
+    text = out.with_suffix(".md").read_text()
+    assert "| decode_attention | mla16 | 1 | 64 | step 1/32 + 16 |" in text and "| sweep case |" in text
 
 
 def test_gpu_runtime_kernel_path_toy(tmp_path, monkeypatch):
@@ -35,4 +43,5 @@ def test_gpu_runtime_kernel_path_toy(tmp_path, monkeypatch):
     assert all("error" not in r for r in rows.values())
     for policy in ("full", "vestige+sketch"):
         assert rows[(policy, "triton")]["kv_bytes_per_step"] == rows[(policy, "torch")]["kv_bytes_per_step"]
-    assert "| vestige+sketch | triton | 256 | 1 |" in out.with_suffix(".md").read_text()
+    # the table has a mode column (eager, graph, capacity) since the runtime benchmark compares CUDA graphs
+    assert "| vestige+sketch | triton | eager | 256 | 1 |" in out.with_suffix(".md").read_text()
