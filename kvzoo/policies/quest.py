@@ -190,6 +190,8 @@ class PageIndex(RetrievalState):
         self.capacity = capacity  # rows: with a fixed capacity the pages are preallocated and scanned whole
         self.pages = RowStore()  # "entries" [B, G, p, 2 D + 1] in the keys' dtype, "empty" [B, G, p] bool
         self.rows = 0  # archived rows indexed
+        self.count: torch.Tensor | None = None  # the same on the device, int64 [1] (what a fixed index's steps read)
+        self._blank: torch.Tensor | None = None  # a page with no row yet: [max = -inf, min = +inf, max|k| = 0]
 
     @property
     def entry_bytes(self) -> int:  # type: ignore[override]
@@ -199,16 +201,26 @@ class PageIndex(RetrievalState):
         return entries.shape[-1] * entries.element_size()
 
     @property
+    def live_pages(self) -> int:
+        """Pages holding some indexed row (the last may be partial)."""
+        return -(-self.rows // self.page_size)
+
+    def _live_entries(self) -> torch.Tensor:
+        return self.pages.reading("entries")[:, :, : self.live_pages]
+
+    @property
     def page_min(self) -> torch.Tensor:
         """Element-wise minimum of each page's keys ``[B, G, p, D]`` (+inf for an empty page)."""
-        D = (self.pages.get("entries").shape[-1] - 1) // 2
-        return self.pages.get("entries")[..., D : 2 * D]
+        entries = self._live_entries()
+        D = (entries.shape[-1] - 1) // 2
+        return entries[..., D : 2 * D]
 
     @property
     def page_max(self) -> torch.Tensor:
         """Element-wise maximum of each page's keys ``[B, G, p, D]`` (-inf for an empty page)."""
-        D = (self.pages.get("entries").shape[-1] - 1) // 2
-        return self.pages.get("entries")[..., :D]
+        entries = self._live_entries()
+        D = (entries.shape[-1] - 1) // 2
+        return entries[..., :D]
 
     def index(self, rows, block_keys, block_valid, archive) -> None:
         size = self.page_size
@@ -222,6 +234,15 @@ class PageIndex(RetrievalState):
             pages = -(-self.capacity // size) if self.capacity is not None else 0  # unused pages are empty
             self.pages.define(B, G, {"entries": ((2 * D + 1,), dtype), "empty": ((), torch.bool)}, new.device,
                               capacity=pages, fixed=self.capacity is not None, empty={"empty": True})
+            self.count = torch.zeros(1, dtype=torch.long, device=new.device)
+            inf = torch.full((D,), float("inf"), device=new.device)
+            self._blank = torch.cat([-inf, inf, inf.new_zeros(1)])
+        if k == 1 and self.pages.fixed and self.rows < self.pages.capacity * size:
+            self._index_one(new, hi, lo, valid)
+            return
+        if self.pages.n != self.live_pages:  # after single rows (_index_one leaves the host's page count)
+            self.pages.n = self.live_pages
+            self.pages.length.fill_(self.pages.n)
         if self.rows % size:  # the last page is partial: merge the new rows into its index row
             fill = min(size - self.rows % size, k)
             last = self.pages.get("entries")[:, :, -1]  # [B, G, 2 D + 1], a view: updated in place
@@ -243,9 +264,35 @@ class PageIndex(RetrievalState):
             entries = torch.cat([hi, lo, magnitude], dim=-1).to(self.pages.buffers["entries"].dtype)
             self.pages.append({"entries": entries, "empty": empty})
             self.rows += k
+        self.count.fill_(self.rows)
+
+    def _index_one(self, new: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, valid: torch.Tensor) -> None:
+        """One row (``[B, G, 1, D]``) joins a fixed index -- Quest's ``rule="eval"`` archives each decode step's
+        row -- with the same ops whether it opens a page or joins the open one: its page is found from the device
+        count, read, merged (a new page merges into the blank entry) and written back. The host's page count
+        (``pages.n``) is left as it is -- a number that jumped every ``page_size`` steps could not be carried by a
+        replayed CUDA graph (``framework/graphs.py`` extrapolates host numbers) -- and brought up to date by the
+        next multi-row index; a fixed index is scanned whole anyway (:meth:`entries`)."""
+        size = self.page_size
+        page = torch.div(self.count, size, rounding_mode="floor")  # [1], on the device
+        entries, empty = self.pages.buffers["entries"], self.pages.buffers["empty"]
+        opens = (self.count % size == 0).view(1, 1, 1, 1)
+        current = torch.where(opens, self._blank, entries.index_select(2, page).float())  # [B, G, 1, 2 D + 1]
+        D = new.shape[-1]
+        magnitude = new.abs().masked_fill(~valid[..., None], 0).amax(-1, keepdim=True)
+        merged = torch.cat([torch.maximum(current[..., :D], hi), torch.minimum(current[..., D : 2 * D], lo),
+                            torch.maximum(current[..., -1:], magnitude)], dim=-1)
+        entries.index_copy_(2, page, merged.to(entries.dtype))
+        was_empty = torch.where(opens[..., 0], True, empty.index_select(2, page))
+        empty.index_copy_(2, page, was_empty & ~valid)
+        self.count.add_(1)
+        self.rows += 1
+        self.pages.length.copy_(torch.div(self.count + (size - 1), size, rounding_mode="floor"))
 
     def entries(self) -> int:
-        return self.pages.n
+        """Index entries one scan reads: the live pages, or every page slot of a fixed index (its scan reads the
+        whole buffer, the unused pages flagged empty: :meth:`bounds` passes no length)."""
+        return self.pages.capacity if self.pages.fixed else self.pages.n
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         B, H, q_len, _ = query.shape
@@ -284,7 +331,7 @@ class PageIndex(RetrievalState):
                 H, q_len, p = bounds.shape[1:]
                 pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
             rows = page_rows(pages)
-            return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows)
+            return Choice(rows=self._clamped(rows), ok=rows < self._live())
         bounds = self.bounds(query, scaling)  # [B, H, q, p]
         H, q_len, p = bounds.shape[1:]
         pages = bounds.topk(n, dim=-1).indices  # [B, H, q, n]: each head's own pages
@@ -296,7 +343,16 @@ class PageIndex(RetrievalState):
             own.scatter_(2, pages.view(B, H, q_len * n), True)
             return own.gather(2, (staged // size).repeat_interleave(H // G, dim=1))
 
-        return Choice(rows=rows.clamp(max=self.rows - 1), ok=rows < self.rows, visible=visible)
+        return Choice(rows=self._clamped(rows), ok=rows < self._live(), visible=visible)
+
+    def _live(self) -> int | torch.Tensor:
+        """Rows indexed: the device count for a fixed index (a decode step's ops do not depend on it), else the
+        host's."""
+        return self.count if self.pages.fixed else self.rows
+
+    def _clamped(self, rows: torch.Tensor) -> torch.Tensor:
+        live = self._live()
+        return torch.minimum(rows, live - 1) if isinstance(live, torch.Tensor) else rows.clamp(max=live - 1)
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.pages.select_batch(index)
