@@ -2,11 +2,16 @@
 
 from kvzoo.framework.pipeline import (
     QUESTION_POSITIONS,
+    TEACHER_FORCING,
+    ContinuationResult,
+    DeltaCE,
     GenerationResult,
     ScoreResult,
     build_prompt,
     cache_kwargs,
     compress,
+    continuation_nll,
+    delta_ce,
     eos_ids,
     generate,
     greedy_decode,
@@ -16,6 +21,7 @@ from kvzoo.framework.pipeline import (
 )
 
 __all__ = [
-    "QUESTION_POSITIONS", "GenerationResult", "ScoreResult", "build_prompt", "cache_kwargs", "compress", "eos_ids",
-    "generate", "greedy_decode", "prefill", "score", "teacher_forced_nll",
+    "QUESTION_POSITIONS", "TEACHER_FORCING", "ContinuationResult", "DeltaCE", "GenerationResult", "ScoreResult",
+    "build_prompt", "cache_kwargs", "compress", "continuation_nll", "delta_ce", "eos_ids", "generate",
+    "greedy_decode", "prefill", "score", "teacher_forced_nll",
 ]

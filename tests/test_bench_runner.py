@@ -63,16 +63,24 @@ def test_trial_on_a_forked_cache_equals_pipeline_generate_and_score(tiny, name: 
     row = runner.run_trial(tiny, BYTES, task, policy(), position=position, max_new_tokens=6, stop_when_answered=False)
     generated = pipeline.generate(tiny, None, ids.prefix, ids.question, policy(), max_new_tokens=6,
                                   question_position=position)
-    scored = pipeline.score(tiny, None, ids.prefix, ids.question, ids.answer, policy(), question_position=position)
+    scored = pipeline.score(tiny, None, ids.prefix, ids.question, ids.answer, policy(), question_position=position,
+                            mode="decode")
+    one_forward = pipeline.score(tiny, None, ids.prefix, ids.question, ids.answer, policy(),
+                                 question_position=position)
     assert row["prediction"] == BYTES.decode(generated.token_ids)
+    assert row["teacher_forcing"] == "decode"
     assert row["answer_nll"] == pytest.approx(scored.nll, abs=1e-4)
+    assert row["answer_nll_one_forward"] == pytest.approx(one_forward.nll, abs=1e-4)
     assert row["answer_tokens"] == scored.answer_tokens
     totals = generated.stats.totals
     assert row["peak_resident_rows"] == totals["peak_resident_rows"]
     if position == "after":
         assert row["continuation_tokens"] == ids.continuation.shape[1]
+        for mode, key in (("decode", "continuation_ce"), ("one_forward", "continuation_ce_one_forward")):
+            expected = pipeline.continuation_nll(tiny, ids.prefix, ids.continuation, policy(), mode=mode).ce
+            assert row[key] == pytest.approx(expected, abs=1e-4)
     else:
-        assert row["continuation_ce"] is None
+        assert row["continuation_ce"] is None and row["continuation_ce_one_forward"] is None
 
 
 def test_forked_cache_shares_the_model_and_copies_the_rows(tiny):
@@ -278,7 +286,7 @@ def test_detail_table_reports_intact_rate_and_na_for_unreported_violations(tmp_p
     rows = runner.run_grid(tiny_grid(), tmp_path / "d.jsonl", progress=False)
     detail = report.detail_table(rows).splitlines()
     assert detail[0].startswith("| policy | ratio | trials | intact rate |")
-    assert detail[2].startswith("| full | — | 1 | 1.00 | +0.00 | +0.000 |")
+    assert detail[2].startswith("| full | — | 1 | 1.00 | +0.00 | +0.0000 | +0.0000 |")
     assert "| n/a |" in detail[3]  # no retrieval tier, no audit: bound violations not reported
 
 

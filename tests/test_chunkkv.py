@@ -195,6 +195,49 @@ def test_reuse_calls_the_scorer_on_ceil_layers_over_reuse(tiny, tiny4, monkeypat
         assert torch.equal(layer.slots, leader.slots)  # the same positions as the group's first layer
 
 
+@pytest.mark.parametrize(("layers", "reuse", "computed"), [(4, 2, [0, 2]), (3, 2, [0, 2]), (4, 1, [0, 1, 2, 3]),
+                                                            (4, 3, [0, 3]), (3, 3, [0])])
+def test_a_reusing_layer_computes_no_window_attention(tiny, tiny4, monkeypatch, layers, reuse, computed):
+    """The window attention (what the runtime computes when a selector asks) runs on the scoring layers only: a
+    reusing layer's checks read lengths. Counted at the one function that computes it."""
+    import kvzoo.framework.runtime as runtime
+
+    calls = []
+    real = runtime.window_attention
+
+    def counting(queries, q_slots, keys, slots, valid, scaling):
+        calls.append(keys.shape[2])
+        return real(queries, q_slots, keys, slots, valid, scaling)
+
+    monkeypatch.setattr(runtime, "window_attention", counting)
+    model = tiny4 if layers == 4 else tiny
+    cache, _ = run_context(model, ChunkKV(ratio=4, reuse=reuse))
+    assert len(calls) == len(computed) == math.ceil(layers / reuse)
+    assert cache.stats().totals["chunkkv_reused"] == layers - len(computed)
+
+
+def test_the_window_check_reads_lengths_only():
+    """check_window_fits on a view that only knows w (window_queries): no attention computed, the error still
+    raised when the window does not fit."""
+    computed = []
+
+    def window_fn():
+        computed.append(1)
+        return torch.zeros(1, 2, 8, 20)
+
+    keys = torch.zeros(1, 1, 20, 4)
+    rows = RowsView(keys=keys, values=keys.clone(), slots=torch.arange(20).expand(1, 1, 20),
+                    valid=torch.ones(1, 1, 20, dtype=torch.bool), layer_idx=1, num_layers=2, layer_rank=1,
+                    window_fn=window_fn, window_queries=8)
+    from kvzoo.framework.policy import check_window_fits
+
+    check_window_fits("chunkkv", rows, 8)
+    with pytest.raises(ValueError, match="may keep 7 rows, fewer than the observation window of 8 rows"):
+        check_window_fits("chunkkv", rows, 7)
+    assert computed == []
+    assert rows.window_size() == 8
+
+
 def test_without_reuse_layers_choose_differently(tiny4):
     """So the reuse test above is not vacuous: on this model the layers' own choices differ."""
     cache, _ = run_context(tiny4, ChunkKV(ratio=4, reuse=1))

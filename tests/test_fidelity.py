@@ -119,16 +119,117 @@ def test_group_rule_fetches_one_page_set_per_kv_group():
     assert choice.visible is None and (choice.as_mask(160).sum(-1) == 32).all()
 
 
-def test_quest_budget_counts_the_current_page_and_reads_max3_pages(tiny):
-    """B = floor(context / ratio): max(3, B // 16) pages per head, the current page one of them."""
+def quest_reference_reads(query, keys, budget, page_size, rule):
+    """The rows each query head reads at one decode step by Quest's reference rules, restated from the reference
+    (mit-han-lab/Quest) on the whole sequence ``keys [G, L, D]`` (the step's own key last) for ``query [H, D]``.
+
+    eval (``evaluation/quest_attention.py``, ``local_heavy_hitter_mask``): pages of ``page_size`` from the first
+    token, each scored by ``sum_i max(q_i min_i, q_i max_i)``; the top ``min(max(3, B // page_size), pages)``
+    pages over all pages, the current one included but not forced. kernel (``quest/utils/controller.py``,
+    ``quest/models/llama.py``): ``page_budget = B // page_size``; all pages when there are no more than that,
+    else the last page plus the top ``min(page_budget, pages) - 1`` of the others. Per query head (repeat_kv)."""
+    H, G, L = query.shape[0], keys.shape[0], keys.shape[1]
+    pages = -(-L // page_size)
+    out = []
+    for h in range(H):
+        k = keys[h // (H // G)].double()
+        q = query[h].double()
+        bound = torch.stack([torch.maximum(q * k[p * page_size:(p + 1) * page_size].amin(0),
+                                           q * k[p * page_size:(p + 1) * page_size].amax(0)).sum()
+                             for p in range(pages)])
+        if rule == "eval":
+            chosen = set(bound.topk(min(max(3, budget // page_size), pages)).indices.tolist())
+        else:
+            page_budget = budget // page_size
+            if pages <= page_budget:
+                chosen = set(range(pages))
+            else:
+                others = max(0, min(page_budget, pages) - 1)
+                chosen = {pages - 1} | set(bound[:-1].topk(others).indices.tolist())
+        out.append({r for p in chosen for r in range(p * page_size, min(L, (p + 1) * page_size))})
+    return out
+
+
+def quest_kvzoo_reads(query, keys, budget, page_size, rule):
+    """The rows each query head reads with kvzoo's ``quest(rule=...)`` at that step: the attended tier (eval: the
+    step's own row; kernel: the current page) plus the archived rows its retriever lets the head see."""
+    G, L, _ = keys.shape
+    archived = L - 1 if rule == "eval" else (L - 1) // page_size * page_size
+    state = PageIndex(QuestRetriever(page_size=page_size, rule=rule))
+    arch = keys[None, :, :archived]
+    valid = torch.ones(arch.shape[:3], dtype=torch.bool)
+    if archived:
+        state.index({"keys": arch, "valid": valid}, arch, valid, None)
+    view = ArchiveView(arch, torch.arange(archived).expand(1, G, archived), valid, budget=budget)
+    H = query.shape[0]
+    if archived:
+        choice = state.choose(query[None, :, None], None, 1.0, view)
+        staged = torch.arange(archived).expand(1, G, archived)
+        ok = choice.as_mask(archived)  # [1, G, m]: the group fetched it
+        seen = choice.visible(staged) if choice.visible is not None else ok.repeat_interleave(H // G, dim=1)
+        seen = seen & ok.repeat_interleave(H // G, dim=1)
+    else:
+        seen = torch.zeros(1, H, 0, dtype=torch.bool)
+    return [set(torch.nonzero(seen[0, h]).flatten().tolist()) | set(range(archived, L)) for h in range(H)]
+
+
+def _planted_sequence(seed, L, G=2, H=6, D=16, page_size=16):
+    """Random keys and a query; the current page planted to rank first for head 0 and last for head 1 (so the
+    eval rule includes it for one head and not the other), and the step's own key a copy of an earlier key of
+    its page (so the page's min/max, the bound, is the same with or without it)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(G, L, D, generator=g)
+    query = torch.randn(H, D, generator=g)
+    start = (L - 1) // page_size * page_size  # the current page's first row
+    if start < L - 1:
+        keys[0, start:L - 1] = query[0] * 3  # head 0's group: the current page is its best
+        keys[0, L - 1] = keys[0, start]
+        keys[1, start:L - 1] = -query[H // G] * 3  # head 3's group: its worst
+        keys[1, L - 1] = keys[1, start]
+    return query, keys
+
+
+@pytest.mark.parametrize("rule", ["eval", "kernel"])
+@pytest.mark.parametrize("L", [200, 201, 208, 209, 40, 33])
+@pytest.mark.parametrize("budget", [15, 31, 64, 100, 1000])
+def test_quest_rules_read_what_the_reference_rules_read(rule, L, budget):
+    """Planted sequences against the reference's two rules, restated. kernel: the same rows for every head. eval:
+    the same rows, except that kvzoo always reads the step's own row; at a step that opens a page (L - 1 a
+    multiple of 16) the 1-row current page is not a candidate, so a head reads at most one more archived page
+    than the reference (its docstring's deviation)."""
+    for seed in range(3):
+        query, keys = _planted_sequence(seed, L)
+        ref = quest_reference_reads(query, keys, budget, 16, rule)
+        got = quest_kvzoo_reads(query, keys, budget, 16, rule)
+        for h in range(query.shape[0]):
+            if rule == "kernel":
+                assert got[h] == ref[h], (h, sorted(got[h] ^ ref[h]))
+            elif (L - 1) % 16:
+                assert got[h] == ref[h] | {L - 1}, (h, sorted(got[h] ^ (ref[h] | {L - 1})))
+            else:
+                assert ref[h] <= got[h] and len(got[h] - ref[h] - {L - 1}) <= 16
+    if rule == "eval" and (L - 1) % 16 and budget < 64 and L > 48:  # the planted current page: in for head 0 only
+        assert L - 2 in ref[0] and L - 2 not in ref[3]
+
+
+def test_quest_page_counts_of_both_rules_through_the_model(tiny):
+    """B = floor(context / ratio). eval: max(3, B // 16) pages chosen among all pages, the current page (the
+    archive's last, partial) among them; kernel: the current page attended plus B // 16 - 1 archived pages
+    (none when B < 32). One page set per KV group here (gqa="group"), so the counts are exact."""
     ctx = _ids(500, 4)
-    for ratio, expected_pages in ((4, 125 // 16), (32, 3)):
-        policy = registry.get("quest", ratio=ratio, dense_layers=0, gqa="group")
+    for rule, ratio, pages in (("eval", 4, 7), ("eval", 32, 3), ("kernel", 4, 6), ("kernel", 32, 0)):
+        policy = registry.get("quest", ratio=ratio, dense_layers=0, gqa="group", rule=rule)
         r = pipeline.generate(tiny, None, ctx, ctx[:5], policy, max_new_tokens=3)
         for s in r.stats.layers:
-            current = (s.seen_rows - 1) % 16 + 1
-            assert s.resident_rows == current  # the tier is the current page
-            assert s.last_step["rows_fetched"] == (expected_pages - 1) * 16 * 2  # 2 KV groups, one page set each
+            assert s.seen_rows == 507  # the last decode step's token is the 507th row
+            fetched = s.last_step["rows_fetched"]  # of the last decode step, both KV groups
+            if rule == "eval":  # every row archived after its forward; at the step, 506 rows archived
+                assert s.resident_rows == 0 and s.archived_rows == 507
+                partial = 506 - 31 * 16  # the current page's rows before the step's own
+                assert fetched in (pages * 16 * 2, ((pages - 1) * 16 + partial) * 2)
+            else:  # the current page (rows 496..506) attended, 31 complete pages archived
+                assert s.resident_rows == 507 % 16 and s.archived_rows == 496
+                assert fetched == pages * 16 * 2
 
 
 def test_quest_page_size_reaches_its_retriever_and_refuses_a_conflict(tiny):

@@ -74,19 +74,23 @@ def test_quest_fetching_every_page_equals_full(tiny):
     assert max(abs(x - y) for x, y in zip(full.token_nll, got.token_nll)) < 1e-4
 
 
-def test_quest_keeps_everything_and_first_layers_dense(tiny):
+@pytest.mark.parametrize("rule", ["eval", "kernel"])
+def test_quest_keeps_everything_and_first_layers_dense(tiny, rule):
     ctx = torch.randint(1, 256, (400,), generator=torch.Generator().manual_seed(3))
-    policy = registry.get("quest", ratio=8, dense_layers=1)
+    policy = registry.get("quest", ratio=8, dense_layers=1, rule=rule)
     r = pipeline.generate(tiny, None, ctx, ctx[:5], policy, max_new_tokens=6, audit=True)
     layers = r.stats.layers
     assert layers[0].resident_rows == layers[0].seen_rows and layers[0].archived_rows == 0
     for s in layers[1:]:
-        # the attended tier is the current page; everything else is archived, nothing dropped
-        assert s.resident_rows == (s.seen_rows - 1) % 16 + 1 and s.resident_rows + s.archived_rows == s.seen_rows
-        assert s.dropped_rows == 0
-        # B = 400 // 8 = 50: max(3, 50 // 16) = 3 pages per query head, the current page one of them, so
-        # 2 archived pages per head; a KV group fetches the union of its 2 heads' pages
-        assert 2 * 16 * 2 <= s.last_step["rows_fetched"] <= 2 * 2 * 16 * 2  # 2 KV heads
+        # everything is kept, nothing dropped: eval archives every row after its forward (the current page is the
+        # archive's last page); kernel keeps the current page attended, completed pages archived
+        assert s.resident_rows == (0 if rule == "eval" else s.seen_rows % 16)
+        assert s.resident_rows + s.archived_rows == s.seen_rows and s.dropped_rows == 0
+        # B = 400 // 8 = 50 rows: eval reads max(3, 50 // 16) = 3 archived pages per query head (the last step's
+        # current page is one of the candidates, 9 rows of it indexed), kernel 50 // 16 - 1 = 2 besides the
+        # current page; a KV group fetches the union of its 2 heads' pages (2 KV heads)
+        pages = 3 if rule == "eval" else 2
+        assert (pages - 1) * 16 * 2 < s.last_step["rows_fetched"] <= 2 * pages * 16 * 2
         assert s.policy_info["bound_violations"] == 0
     with pytest.raises(ValueError, match="archive must be True"):
         registry.get("quest", ratio=8, archive=False)

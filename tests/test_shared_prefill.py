@@ -71,7 +71,7 @@ def test_the_runner_gives_the_same_row_with_a_shared_prefill(tiny):
     task = make_task(TaskSpec(context_tokens=200, depth=0.5), ByteTokenizer(), continuation_tokens=16)
     shared = runner.SharedPrefill(record_window=32)
     key = ("tiny", "task", "after")
-    timing = {"prefill_s", "compress_s", "score_s", "question_s", "decode_s", "decode_ms_per_step", "wall_s",
+    timing = {"prefill_s", "compress_s", "score_s", "continuation_s", "question_s", "decode_s", "decode_ms_per_step", "wall_s",
               "peak_rss_bytes", "prefill_shared"}
     for i, name in enumerate(["full", "chunkkv", "h2o"]):
         policy = registry.get(name) if name == "full" else registry.get(name, ratio=4)

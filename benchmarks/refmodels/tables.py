@@ -49,7 +49,8 @@ from kvzoo.refmodel import data as D  # noqa: E402
 from kvzoo.refmodel.modeling import rotate_branch  # noqa: E402
 
 RATIOS = (8, 32)
-POLICIES = ("full", "vestige", "vestige+certified", "snapkv", "h2o", "streaming_llm", "chunkkv", "quest")
+POLICIES = ("full", "vestige", "vestige+certified", "snapkv", "h2o", "streaming_llm", "chunkkv", "quest",
+            "quest(rule=kernel)")
 TABLE_SEED = 2026  # held-out examples for the tables: a stream no training run saw
 KAPPA = 8
 
@@ -65,9 +66,10 @@ def make_policy(name: str, ratio: int, context_len: int) -> Any:
                                                                               multi_token="union"))
     if name in ("snapkv", "chunkkv"):
         return registry.get(name, ratio=ratio, window=min(32, budget))
-    if name == "quest":  # the page index scanned by the 2-token question too (its reference rule is dense)
-        return registry.get("quest", ratio=ratio, dense_layers=0,
-                            retriever=build_retriever("quest", multi_token="union"))
+    if name.startswith("quest"):  # the page index scanned by the 2-token question too (its reference rule is dense)
+        rule = registry.parse_spec(name)[1].get("rule", "eval")
+        return registry.get("quest", ratio=ratio, dense_layers=0, rule=rule,
+                            retriever=build_retriever("quest", multi_token="union", rule=rule))
     return registry.get(name, ratio=ratio)
 
 
@@ -90,21 +92,24 @@ def fmt(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {(max(values) - min(values)) / 2:.3f}"
 
 
-def arm_seed_accuracies(arm: str, seed: int, examples: list[D.Example]) -> dict[tuple[str, int], float]:
+def arm_seed_accuracies(arm: str, seed: int, examples: list[D.Example],
+                        policies: tuple[str, ...] = POLICIES) -> dict[tuple[str, int], float]:
     """Accuracy of every (policy, ratio) cell for one trained model (one worker process's job)."""
     torch.set_num_threads(1)
     model = load_model(f"ref-{arm}-s{seed}")[0]
     return {(name, ratio): accuracy(model, examples, name, ratio)
-            for name in POLICIES for ratio in ((1,) if name == "full" else RATIOS)}
+            for name in policies for ratio in ((1,) if name == "full" else RATIOS)}
 
 
-def dual_arm_table(examples: list[D.Example], seeds: dict[str, list[int]], workers: int) -> str:
+def dual_arm_table(examples: list[D.Example], seeds: dict[str, list[int]], workers: int,
+                   policies: tuple[str, ...] = POLICIES) -> str:
     jobs = [(arm, s) for arm in ("nope", "rope") for s in seeds[arm]]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        results = dict(zip(jobs, pool.map(arm_seed_accuracies, *zip(*jobs), [examples] * len(jobs)), strict=True))
+        results = dict(zip(jobs, pool.map(arm_seed_accuracies, *zip(*jobs), [examples] * len(jobs),
+                                          [policies] * len(jobs)), strict=True))
     lines = ["| policy | ratio | NoPE arm | RoPE arm |", "|---|---|---|---|"]
-    for name in POLICIES:
+    for name in policies:
         for ratio in (1,) if name == "full" else RATIOS:
             cells = [fmt([results[(arm, s)][(name, ratio)] for s in seeds[arm]]) for arm in ("nope", "rope")]
             lines.append(f"| {name} | {'full' if ratio == 1 else f'{ratio}x'} | {cells[0]} | {cells[1]} |")
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="*", default=None, help="training seeds (default: all shipped)")
     p.add_argument("--workers", type=int, default=2, help="processes for the dual-arm table (one thread each)")
     p.add_argument("--out", default=str(pathlib.Path(__file__).with_name("RESULTS.md")))
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                   help="rows of the dual-arm table (default: all)")
+    p.add_argument("--dual-arm-only", action="store_true",
+                   help="print the dual-arm table only (of --policies); RESULTS.md is left as it is")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     seeds = {arm: args.seeds if args.seeds is not None else shipped_seeds(arm) for arm in ("nope", "rope")}
@@ -228,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     examples = D.heldout_recall(T, n_pairs, max(args.count, args.signal_count, args.retrieval_count), seed=TABLE_SEED)
     t0 = time.perf_counter()
     print(f"## Dual arm: held-out recall, T = {T}, {n_pairs} pairs, {args.count} examples, seeds {seeds}\n")
-    dual = dual_arm_table(examples[: args.count], seeds, args.workers)
+    dual = dual_arm_table(examples[: args.count], seeds, args.workers, tuple(args.policies))
     print(dual, flush=True)
+    if args.dual_arm_only:
+        print(f"\n({time.perf_counter() - t0:.0f}s; RESULTS.md not written: --dual-arm-only)")
+        return 0
     print(f"\n## Selector signal: recall of the rows read most, {args.signal_count} examples, kappa = {KAPPA}\n")
     signal = selector_table(examples[: args.signal_count], seeds)
     print(f"\n## Retrieval tier: vestige + certified retriever (tau 8), audit, {args.retrieval_count} examples\n")

@@ -12,8 +12,12 @@ The leaderboard table -- stable format, documented in ``benchmarks/README.md``:
 * ``skipped`` / ``error`` where no trial of that cell succeeded; the reasons are listed below.
 
 The detail table has one row per (policy, ratio): trials, needle intact rate, mean ΔNLL, ΔCE,
-resident KV bytes, bytes freed, rows fetched per step, bound violations, prefill+compress time,
-decode time per step.
+ΔCE (one forward), resident KV bytes, bytes freed, rows fetched per step, bound violations,
+prefill+compress time, decode time per step. The intact rate, ΔNLL and ΔCE are teacher-forced one decode
+step per token (the forwards generation runs: a retriever's per-step rule is what they see); "ΔCE (one
+forward)" feeds the continuation in one multi-token forward, which under a retriever's default
+``multi_token="dense"`` rule reads the whole archive (≈ 0 for such a policy by construction). Rows written
+before the decode-step measure existed (no ``teacher_forcing`` field) measured the first three in one forward.
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ def leaderboard_table(rows: Sequence[dict[str, Any]], ratios: Sequence[float] | 
 def detail_table(rows: Sequence[dict[str, Any]]) -> str:
     """One row per (policy, ratio): intact rate, ΔNLL, ΔCE, memory and time figures (successful trials)."""
     columns = [
-        "policy", "ratio", "trials", "intact rate", "mean ΔNLL (nats)", "ΔCE (nats/token)", "resident KV",
+        "policy", "ratio", "trials", "intact rate", "mean ΔNLL (nats)", "ΔCE (nats/token)", "ΔCE (one forward)",
+        "resident KV",
         "KV freed", "fetched rows/step", "bound violations", "prefill+compress (s)", "decode (ms/step)",
     ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -148,7 +153,8 @@ def detail_table(rows: Sequence[dict[str, Any]]) -> str:
                 str(len(cell)),
                 _fmt(sum(intact) / len(intact) if intact else None),
                 _fmt(_mean(r.get("delta_nll") for r in cell), signed=True),
-                _fmt(_mean(r.get("delta_ce") for r in cell), ".3f", signed=True),
+                _fmt(_mean(r.get("delta_ce") for r in cell), ".4f", signed=True),
+                _fmt(_mean(r.get("delta_ce_one_forward") for r in cell), ".4f", signed=True),
                 format_bytes(_mean(r.get("resident_bytes") for r in cell)),
                 format_bytes(_mean(r.get("bytes_freed") for r in cell)),
                 _fmt(_mean(r.get("fetched_rows_per_step") for r in cell), ".1f"),

@@ -23,8 +23,13 @@ One trial (:func:`run_trial`) is built from ``kvzoo.pipeline``'s steps: it prefi
 (``TieredCache.fork``) for three continuations -- what ``pipeline.score`` / ``pipeline.generate`` do
 from the same point, without paying for the prefill three times:
 
-* the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL;
-* the held-out continuation of the haystack, teacher-forced (question after compression only): ΔCE;
+* the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL (ΔNLL, the
+  needle-intact test), one decode step per answer token after the question's forward -- the forwards greedy
+  decoding runs, so a retriever's per-step rule is what the NLL sees (``pipeline.teacher_forced_nll``,
+  ``mode="decode"``); and again in one forward (``answer_nll_one_forward``: under a retriever's default
+  ``multi_token="dense"`` rule that forward reads the whole archive, so it equals ``full``'s by construction);
+* the held-out continuation of the haystack, teacher-forced (question after compression only) the same two
+  ways: ΔCE (decode steps, the VestigeKV paper's measure) and ``delta_ce_one_forward``;
 * the question and the answer prefix, then greedy decoding, stopped at EOS, at ``max_new_tokens``,
   or once every reference answer has appeared (the score cannot change after that): the string-match
   score, and the per-step KV-path bytes and fetched rows.
@@ -124,12 +129,20 @@ class Grid:
         self.ratios = tuple(float(r) for r in self.ratios)
 
     def settings(self) -> dict[str, Any]:
-        """The run settings that change results (recorded in every row, part of each trial's key)."""
+        """The run settings that change results (recorded in every row, part of each trial's key).
+
+        ``teacher_forcing`` says how ``answer_nll`` and ``continuation_ce`` were measured (:data:`TEACHER_FORCING`):
+        rows written before it existed measured them in one forward, so their keys differ and they are not taken
+        for finished trials of this measure."""
         return {"max_new_tokens": self.max_new_tokens, "chunk_size": self.chunk_size,
-                "continuation_tokens": self.continuation_tokens, "audit": self.audit, "dtype": self.dtype}
+                "continuation_tokens": self.continuation_tokens, "audit": self.audit, "dtype": self.dtype,
+                "teacher_forcing": TEACHER_FORCING}
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The answer's NLL and the continuation's CE are teacher-forced one decode step per token (what greedy decoding
+# runs: a retriever's per-step rule is what they see); the one-forward figures are kept beside them (*_one_forward)
+TEACHER_FORCING = "decode"
 
 
 def _is_int(value: Any, low: int) -> bool:
@@ -157,8 +170,10 @@ def needle_grid(
 
 
 PRESETS: dict[str, Callable[[], Grid]] = {
-    # `make demo`: every registered policy, one needle in 2k tokens of essay text at 3 depths, 4x and 8x
-    "demo": lambda: needle_grid(depths=(0.25, 0.5, 0.75), ratios=(4, 8), positions=("after",)),
+    # `make demo`: every registered policy, one needle in 2k tokens of essay text at 3 depths, 4x and 8x; a 32-token
+    # held-out continuation (each token one decode step for ΔCE: the demo's budget)
+    "demo": lambda: needle_grid(depths=(0.25, 0.5, 0.75), ratios=(4, 8), positions=("after",),
+                                continuation_tokens=32),
     # `make leaderboard`: every RULER task at 2k tokens, the single needle also at 1k and on every haystack,
     # ratios 2-8, question after and before compression (~500 trials, about an hour on 2 CPU cores)
     "leaderboard": lambda: Grid(
@@ -174,6 +189,7 @@ PRESETS: dict[str, Callable[[], Grid]] = {
         ),
         ratios=(2, 4, 8),
         positions=("after", "before"),
+        continuation_tokens=32,
     ),
     # the test suite's: a tiny random Llama, two short needle contexts
     "tiny": lambda: needle_grid(
@@ -209,9 +225,10 @@ class Trial:
 
 
 
-# Configured variants that the leaderboard runs beside every registered policy (grid.policies=None):
-# kvzoo's per-KV-group Quest, so that the equal-bytes comparison with the reference's per-head rule shows.
-DEFAULT_VARIANTS: tuple[str, ...] = ("quest(gqa=group)",)
+# Configured variants that the leaderboard runs beside every registered policy (grid.policies=None): Quest's
+# other reference rule (its kernels' page count; the default `quest` is its evaluation code's), and kvzoo's
+# per-KV-group Quest, so that the equal-bytes comparison with the reference's per-head rule shows.
+DEFAULT_VARIANTS: tuple[str, ...] = ("quest(rule=kernel)", "quest(gqa=group)")
 
 
 def needs_ratio(name: str) -> bool:
@@ -332,10 +349,19 @@ def encode_prompt(tokenizer: Any, task: Task) -> PromptIds:
 
 @dataclass
 class Reference:
-    """The full cache's figures for one (task, position): what ΔNLL and ΔCE subtract."""
+    """The full cache's figures for one (task, position): what ΔNLL and ΔCE subtract (each measured the same way
+    as the figure it is subtracted from: decode steps, and one forward)."""
 
     answer_nll: float
     continuation_ce: float | None
+    answer_nll_one_forward: float | None = None
+    continuation_ce_one_forward: float | None = None
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> Reference:
+        """The reference figures of a ``full`` row."""
+        return cls(row["answer_nll"], row.get("continuation_ce"), row.get("answer_nll_one_forward"),
+                   row.get("continuation_ce_one_forward"))
 
 
 class SharedPrefill:
@@ -424,14 +450,22 @@ def run_trial(
             pipeline.compress(cache)
         compressed = cache.stats().totals
 
-        with metrics.Stopwatch() as t_score:  # the reference answer, teacher-forced, on a fork
+        with metrics.Stopwatch() as t_score:  # the reference answer, teacher-forced, on forks: decode steps, one forward
             with cache.fork() as fork:
-                answer_nll = pipeline.teacher_forced_nll(model, fork, rest, ids.answer, first_logits)
+                answer_nll = pipeline.teacher_forced_nll(model, fork, rest, ids.answer, first_logits, TEACHER_FORCING)
                 answer_kv_bytes = fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
-        continuation_nll = None
-        if position == "after" and ids.continuation.shape[1]:  # the held-out continuation, on a fork
             with cache.fork() as fork:
-                continuation_nll = pipeline.teacher_forced_nll(model, fork, rest[:, :0], ids.continuation, first_logits)
+                answer_nll_one_forward = pipeline.teacher_forced_nll(model, fork, rest, ids.answer, first_logits,
+                                                                     "one_forward")
+        continuation_nll = continuation_nll_one_forward = None
+        with metrics.Stopwatch() as t_continuation:
+            if position == "after" and ids.continuation.shape[1]:  # the held-out continuation, on forks
+                with cache.fork() as fork:
+                    continuation_nll = pipeline.teacher_forced_nll(model, fork, rest[:, :0], ids.continuation,
+                                                                   first_logits, TEACHER_FORCING)
+                with cache.fork() as fork:
+                    continuation_nll_one_forward = pipeline.teacher_forced_nll(
+                        model, fork, rest[:, :0], ids.continuation, first_logits, "one_forward")
 
         with metrics.Stopwatch() as t_question:
             logits = pipeline.prefill(model, cache, rest, chunk_size) if rest.shape[1] else first_logits
@@ -453,9 +487,13 @@ def run_trial(
         "prediction": prediction,
         "answers": list(task.answers),
         "score": metrics.string_match(task.metric, prediction, task.answers),
+        "teacher_forcing": TEACHER_FORCING,
         "answer_nll": sum(answer_nll),
+        "answer_nll_one_forward": sum(answer_nll_one_forward),
         "answer_tokens": len(answer_nll),
         "continuation_ce": None if continuation_nll is None else metrics.mean_token_nll(continuation_nll),
+        "continuation_ce_one_forward": (None if continuation_nll_one_forward is None
+                                        else metrics.mean_token_nll(continuation_nll_one_forward)),
         "continuation_tokens": 0 if continuation_nll is None else len(continuation_nll),
         "prompt_tokens": int(prefix.shape[1]),
         "question_tokens": int(rest.shape[1]),
@@ -482,6 +520,7 @@ def run_trial(
         "prefill_shared": prefill_shared,
         "compress_s": t_compress.seconds,
         "score_s": t_score.seconds,
+        "continuation_s": t_continuation.seconds,
         "question_s": t_question.seconds,
         "decode_s": t_decode.seconds,
         "decode_ms_per_step": 1e3 * t_decode.seconds / steps if steps else None,
@@ -499,17 +538,25 @@ _STAT_FIELDS = {
 
 
 def add_reference(row: dict[str, Any], reference: Reference | None) -> None:
-    """Fill ΔNLL, intact and ΔCE of ``row`` against the full cache's figures (None without a reference)."""
-    row["full_answer_nll"] = row["delta_nll"] = row["intact"] = None
-    row["full_continuation_ce"] = row["delta_ce"] = None
+    """Fill ΔNLL, intact and ΔCE of ``row`` against the full cache's figures (None without a reference): from the
+    decode-step figures (``delta_nll``, ``intact``, ``delta_ce``) and from the one-forward ones (``*_one_forward``)."""
+    for suffix in ("", "_one_forward"):
+        row[f"full_answer_nll{suffix}"] = row[f"delta_nll{suffix}"] = row[f"intact{suffix}"] = None
+        row[f"full_continuation_ce{suffix}"] = row[f"delta_ce{suffix}"] = None
     if reference is None:
         return
-    row["full_answer_nll"] = reference.answer_nll
-    row["delta_nll"] = metrics.delta_nll(row["answer_nll"], reference.answer_nll)
-    row["intact"] = metrics.is_intact(row["answer_nll"], reference.answer_nll)
-    if row["continuation_ce"] is not None and reference.continuation_ce is not None:
-        row["full_continuation_ce"] = reference.continuation_ce
-        row["delta_ce"] = row["continuation_ce"] - reference.continuation_ce
+    pairs = (("", reference.answer_nll, reference.continuation_ce),
+             ("_one_forward", reference.answer_nll_one_forward, reference.continuation_ce_one_forward))
+    for suffix, answer_nll, continuation_ce in pairs:
+        mine = row.get(f"answer_nll{suffix}")
+        if mine is not None and answer_nll is not None:
+            row[f"full_answer_nll{suffix}"] = answer_nll
+            row[f"delta_nll{suffix}"] = metrics.delta_nll(mine, answer_nll)
+            row[f"intact{suffix}"] = metrics.is_intact(mine, answer_nll)
+        mine = row.get(f"continuation_ce{suffix}")
+        if mine is not None and continuation_ce is not None:
+            row[f"full_continuation_ce{suffix}"] = continuation_ce
+            row[f"delta_ce{suffix}"] = mine - continuation_ce
 
 
 # --- the results file ----------------------------------------------------------------------------
@@ -932,7 +979,7 @@ def reference_of(latest: dict[str, dict[str, Any]], trial: Trial) -> Reference |
     row = latest.get(trial.reference().key)
     if not row or row.get("status") != "ok":
         return None
-    return Reference(row["answer_nll"], row.get("continuation_ce"))
+    return Reference.of(row)
 
 
 def group_trials(trials: Sequence[Trial]) -> list[TrialGroup]:
@@ -998,7 +1045,7 @@ def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dic
         row.update(status="error", error=f"{type(err).__name__}: {err}")
         return row
     if trial.policy == REFERENCE_POLICY and trial.ratio is None:
-        add_reference(row, Reference(row["answer_nll"], row["continuation_ce"]))
+        add_reference(row, Reference.of(row))
     return row
 
 

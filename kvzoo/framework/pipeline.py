@@ -3,7 +3,9 @@
 The steps -- :func:`prefill`, :func:`compress`, :func:`greedy_decode`, :func:`teacher_forced_nll`,
 :func:`eos_ids` -- are public: the benchmark runner builds its trials from them (prefill and
 compress once, fork the cache, continue several ways), so "prefill, compress, ask" has one
-implementation.
+implementation. :func:`continuation_nll` and :func:`delta_ce` measure a policy's cross-entropy on a known
+continuation of a compressed context against ``full``'s (by default one decode step per token: the VestigeKV
+paper's ΔCE), for benchmarks to call.
 
 The order of events is the point (VestigeKV's setting, kvpress's leaderboard format): the context
 is prefilled and compressed *before* the question exists, so a policy cannot use the question to
@@ -33,6 +35,11 @@ from kvzoo.framework.cache import CacheStats, TieredCache
 from kvzoo.framework.policy import Policy
 
 QUESTION_POSITIONS = ("after", "before")
+# How a known text is teacher-forced after compression (teacher_forced_nll): "decode" feeds each token as its own
+# decode step -- what generation does, so a retriever's per-step rule is what the NLL sees; "one_forward" feeds
+# the text in one multi-token forward (under a retriever's default multi_token="dense" rule it reads the whole
+# archive: the NLL of a policy with a retriever then equals full's by construction).
+TEACHER_FORCING = ("decode", "one_forward")
 TokenInput = str | Sequence[int] | torch.Tensor
 
 
@@ -211,24 +218,148 @@ def greedy_decode(
     return tokens
 
 
+def check_teacher_forcing(mode: Any) -> str:
+    if mode not in TEACHER_FORCING:
+        raise ValueError(f"mode must be one of {TEACHER_FORCING} ('decode': one decode step per token, as generation "
+                         f"reads the cache; 'one_forward': the whole text in one multi-token forward), got {mode!r}")
+    return mode
+
+
 @torch.no_grad()
 def teacher_forced_nll(
-    model: torch.nn.Module, cache: Cache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor
+    model: torch.nn.Module, cache: Cache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor,
+    mode: str = "one_forward",
 ) -> list[float]:
-    """Per-token NLL (nats) of ``target [1, n]`` fed after ``lead [1, l]`` in one forward.
+    """Per-token NLL (nats) of ``target [1, n]`` fed after ``lead [1, l]``, teacher-forced into ``cache``.
 
-    Position ``-n - 1`` of the forward predicts target token 0; when ``lead`` is empty, ``last_logits``
-    (the logits the cache's last forward produced) predict it.
+    ``mode="one_forward"`` (default): ``lead`` and ``target`` in one forward; position ``-n - 1`` predicts target
+    token 0. ``mode="decode"``: ``lead`` in one forward (as a question is prefilled before generation), then each
+    target token but the last as its own decode step, ``n - 1`` forwards of one token -- the forwards greedy
+    decoding would run had it produced ``target``, so a retriever reads the archive by its per-step rule, not by
+    the multi-token rule. Either way, when ``lead`` is empty, ``last_logits`` (the logits the cache's last forward
+    produced) predict target token 0. The cache is advanced (run it on a fork to keep the original).
     """
+    mode = check_teacher_forcing(mode)
     n = target.shape[1]
-    tail = torch.cat([lead, target], dim=1).to(model.device)
-    if lead.shape[1]:
-        logits = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=n + 1).logits[0, :n].float()
+    if mode == "decode":
+        logits = prefill(model, cache, lead) if lead.shape[1] else last_logits
+        steps = [logits.float()]
+        ids = target.to(model.device)
+        for i in range(n - 1):
+            out = model(input_ids=ids[:, i : i + 1], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+            steps.append(out.logits[:, -1].float())
+        logits = torch.cat(steps, dim=0)  # [n, V]: row i predicts target token i
     else:
-        out = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=n).logits
-        logits = torch.cat([last_logits.float(), out[0, :-1].float()], dim=0)
+        tail = torch.cat([lead, target], dim=1).to(model.device)
+        if lead.shape[1]:
+            logits = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True,
+                           logits_to_keep=n + 1).logits[0, :n].float()
+        else:
+            out = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=n).logits
+            logits = torch.cat([last_logits.float(), out[0, :-1].float()], dim=0)
     logp = torch.log_softmax(logits, dim=-1)
     return (-logp.gather(-1, target[0].to(logp.device)[:, None])[:, 0]).tolist()
+
+
+@dataclass
+class ContinuationResult:
+    """A text teacher-forced right after a compressed context: per-token NLLs and the cross-entropy over the
+    ``scored`` tokens (all of them by default)."""
+
+    token_nll: list[float]
+    scored: list[int]  # positions in the continuation whose NLL counts
+    mode: str  # "decode" or "one_forward" (TEACHER_FORCING)
+    stats: CacheStats
+
+    @property
+    def ce(self) -> float:
+        """Mean NLL (nats/token) over the scored tokens."""
+        return sum(self.token_nll[i] for i in self.scored) / len(self.scored)
+
+    def scored_nll(self) -> list[float]:
+        return [self.token_nll[i] for i in self.scored]
+
+
+@dataclass
+class DeltaCE:
+    """ΔCE of one policy on one continuation: its cross-entropy minus ``full``'s, both measured the same way."""
+
+    delta: float  # nats per scored token
+    result: ContinuationResult  # the policy's
+    reference: ContinuationResult  # full's (pass it back in as ``reference=`` to measure another policy)
+
+    @property
+    def token_deltas(self) -> list[float]:
+        """Per scored token: the policy's NLL minus full's (a needle is intact where this is < 1 nat)."""
+        return [a - b for a, b in zip(self.result.scored_nll(), self.reference.scored_nll(), strict=True)]
+
+
+@torch.no_grad()
+def continuation_nll(
+    model: torch.nn.Module,
+    context: TokenInput,
+    continuation: TokenInput,
+    policy: Policy | str | None = None,
+    *,
+    tokenizer: Any = None,
+    mode: str = "decode",
+    scored: Sequence[int] | None = None,
+    chunk_size: int | None = None,
+) -> ContinuationResult:
+    """Prefill ``context`` under ``policy``, compress, then teacher-force ``continuation`` right after it
+    (:func:`teacher_forced_nll`; ``mode="decode"``: one decode step per token). ``scored``: the positions of
+    ``continuation`` whose NLL the cross-entropy averages (e.g. a recall task's answer tokens; default all).
+    Text needs ``tokenizer`` (the context as given, the continuation without special tokens)."""
+    mode = check_teacher_forcing(mode)
+    if isinstance(context, str) or isinstance(continuation, str):
+        if tokenizer is None:
+            raise ValueError("context/continuation given as text need a tokenizer; pass token ids to run without one")
+    prefix = tokenizer(context, return_tensors="pt").input_ids if isinstance(context, str) else _as_ids(context)
+    target = (tokenizer(continuation, add_special_tokens=False, return_tensors="pt").input_ids
+              if isinstance(continuation, str) else _as_ids(continuation))
+    check_ids(model, "context", prefix, allow_empty=False)
+    check_ids(model, "continuation", target, allow_empty=False)
+    check_positions(model, prefix.shape[1] + target.shape[1],
+                    f"the context ({prefix.shape[1]} tokens) and the continuation ({target.shape[1]})")
+    n = target.shape[1]
+    scored = list(range(n)) if scored is None else [int(i) for i in scored]
+    if not scored or any(i < 0 or i >= n for i in scored):
+        raise ValueError(f"scored must name at least one position of the {n}-token continuation (0..{n - 1}), "
+                         f"got {scored!r}")
+    cache = TieredCache(model, policy, context_length=prefix.shape[1])
+    try:
+        last_logits = prefill(model, cache, prefix.long(), chunk_size)
+        compress(cache)
+        token_nll = teacher_forced_nll(model, cache, prefix[:, :0], target.long(), last_logits, mode)
+        stats = cache.stats()
+    finally:
+        cache.close()
+    return ContinuationResult(token_nll, scored, mode, stats)
+
+
+def delta_ce(
+    model: torch.nn.Module,
+    context: TokenInput,
+    continuation: TokenInput,
+    policy: Policy | str,
+    *,
+    reference: ContinuationResult | None = None,
+    **options: Any,
+) -> DeltaCE:
+    """ΔCE (nats per scored token) of ``policy`` on ``continuation`` after ``context``: its
+    :func:`continuation_nll` minus ``full``'s, both in ``mode`` (default ``"decode"``, the VestigeKV paper's
+    measure: each continuation token a decode step, so a retriever's per-step rule is what the CE sees).
+    ``reference``: full's result from an earlier call (same context, continuation and options), reused.
+    ``options``: :func:`continuation_nll`'s (``tokenizer``, ``mode``, ``scored``, ``chunk_size``)."""
+    result = continuation_nll(model, context, continuation, policy, **options)
+    if reference is None:
+        reference = continuation_nll(model, context, continuation, "full", **options)
+    if reference.mode != result.mode or reference.scored != result.scored \
+            or len(reference.token_nll) != len(result.token_nll):
+        raise ValueError(f"the reference was measured another way ({reference.mode}, {len(reference.token_nll)} tokens, "
+                         f"{len(reference.scored)} scored) than this policy ({result.mode}, {len(result.token_nll)} "
+                         f"tokens, {len(result.scored)} scored): ΔCE compares the same tokens measured the same way")
+    return DeltaCE(result.ce - reference.ce, result, reference)
 
 
 def check_ids(model: torch.nn.Module, name: str, ids: torch.Tensor, *, allow_empty: bool = True) -> None:
@@ -321,12 +452,17 @@ def score(
     question_position: str = "after",
     chunk_size: int | None = None,
     audit: bool = False,
+    mode: str = "one_forward",
 ) -> ScoreResult:
     """Teacher-forced NLL (nats) of ``answer`` given the compressed context and the question.
 
-    The answer tokens are fed in one forward after the question, exactly as greedy decoding would
-    see them if it produced them; the NLL of token i is ``-log p(answer_i | everything before)``.
+    The NLL of token i is ``-log p(answer_i | everything before)``. ``mode="one_forward"`` (default) feeds the
+    answer in one forward after the question; ``mode="decode"`` feeds the question in one forward and then each
+    answer token as its own decode step, the forwards greedy decoding runs (:func:`teacher_forced_nll`) -- with a
+    retriever the two differ: a multi-token forward reads the archive by the retriever's ``multi_token`` rule
+    (default ``"dense"``: all of it), a decode step by its per-step rule.
     """
+    check_teacher_forcing(mode)
     _check(question_position, chunk_size)
     prefix, rest = build_prompt(tokenizer, context, question)
     if isinstance(answer, str):
@@ -347,7 +483,7 @@ def score(
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     first_logits = prefill(model, cache, prefix, chunk_size)
     compress(cache)
-    token_nll = teacher_forced_nll(model, cache, rest, answer_ids, first_logits)
+    token_nll = teacher_forced_nll(model, cache, rest, answer_ids, first_logits, mode)
     n_ans = answer_ids.shape[1]
     return ScoreResult(
         nll=float(sum(token_nll)),

@@ -78,6 +78,9 @@ class RowsView:
     # Read it with observed_window(): the runtime computes it only when a selector asks.
     window_attention: torch.Tensor | None = None  # [B, H, w, N]
     window_fn: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    # w, the observation window's query count, known without computing its attention (0: not given; then
+    # window_size() computes the attention to learn it). What a check of lengths alone reads.
+    window_queries: int = 0
     # per-row statistics the policy keeps (e.g. H2O's accumulated attention), [B, G, N] each;
     # the runtime gathers them along with the rows, so they follow rows when rows move.
     row_stats: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -100,6 +103,16 @@ class RowsView:
         if self.window_attention is None and self.window_fn is not None:
             self.window_attention = self.window_fn()
         return self.window_attention
+
+    def window_size(self) -> int:
+        """``w``, the observation window's query count (0: none recorded), from lengths alone when the runtime gave
+        it (``window_queries``): the window attention is then not computed."""
+        if self.window_attention is not None:
+            return self.window_attention.shape[2]
+        if self.window_queries:
+            return self.window_queries
+        window = self.observed_window()
+        return 0 if window is None else window.shape[2]
 
     @property
     def group_size(self) -> int:
@@ -393,12 +406,13 @@ def window_rows_mask(rows: RowsView) -> torch.Tensor:
     The window queries are the latest ``w`` tokens and their rows were appended last, so they are
     the last ``w`` rows of the tier (sequence order); padding rows are never counted as window rows.
     """
-    if rows.observed_window() is None:
+    w = rows.window_size()
+    if not w:
         raise RuntimeError(
             "the observation window was not recorded for this layer; the policy must list 'window' in "
             "`observes` and return a positive `observation_window`"
         )
-    return recent_and_sinks(rows.valid, 0, rows.observed_window().shape[2])
+    return recent_and_sinks(rows.valid, 0, w)
 
 
 WINDOW_POOLINGS = ("maxpool", "avgpool")
@@ -460,8 +474,9 @@ def validate_window(policy: Policy) -> None:
 
 
 def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
-    """ValueError when the always-kept window does not fit in ``keep`` rows."""
-    w = rows.observed_window().shape[2] if rows.observed_window() is not None else 0
+    """ValueError when the always-kept window does not fit in ``keep`` rows. Reads lengths only
+    (:meth:`RowsView.window_size`): a layer that reuses another's indices computes no window attention here."""
+    w = rows.window_size()
     if keep < w:
         raise ValueError(
             f"{name}: layer {rows.layer_idx} may keep {keep} rows, fewer than the observation window of {w} rows "

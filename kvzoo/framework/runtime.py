@@ -125,6 +125,7 @@ class Runtime:
             branch_dim=self.geometry.branch_dim,
             first_new=max(0, store.n - store.since_event),
             window_fn=window_fn,
+            window_queries=0 if window_fn is None else queries.shape[2],  # w without computing the attention
             row_stats=store.stats(),
             shared=self.shared,
             info=state.policy_info,

@@ -87,7 +87,7 @@ class KvzooPress(BasePress):
         valid = torch.ones(B, G, n, dtype=torch.bool, device=keys.device)
         scaling = getattr(module, "scaling", module.head_dim ** -0.5)
         policy = self.policy
-        window_fn = None
+        window_fn, w = None, 0
         if "window" in policy.observes and policy.observation_window > 0:
             w = min(policy.observation_window, n)
 
@@ -105,7 +105,7 @@ class KvzooPress(BasePress):
         return RowsView(
             keys=keys, values=values, slots=slots, valid=valid, layer_idx=layer,
             num_layers=module.config.num_hidden_layers, layout="gqa", layer_rank=layer, window_fn=window_fn,
-            row_stats=row_stats, shared=self._shared,
+            window_queries=w, row_stats=row_stats, shared=self._shared,
         )
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -80,6 +80,12 @@ class ChunkKV(Policy):
     * in a left-padded batch chunks start at each sequence's first real token (padding is never
       chunked or kept while valid rows remain), so a padded sequence keeps what it would alone;
     * ties between chunks go to the earlier chunk (``topk`` leaves tie order unspecified);
+    * the window scores are the window queries' *softmax* attention (fp32, causal, per query head), as SnapKV's
+      and kvpress's scorers take them; the paper's Algorithm 1 writes the score as the plain product
+      ``A = Q[T - w : T] K^T`` summed over the window and the heads, with no softmax. Both rank chunks by how
+      much the window attends to them; they can rank differently (a softmax normalises each query's row, so a
+      query with one sharp peak counts as much as one with a flat row). kvzoo keeps the softmax so that
+      ``tiling="kvpress"`` reproduces kvpress's port exactly (``tests/kvpress/test_fidelity.py``);
     * scores and softmax are fp32; no pooling by default (Algorithm 1 has none).
 
     kvpress's port, ``ChunkKVPress(press=SnapKVPress(...))`` (kvpress 0.5.5), differs from the paper
@@ -96,8 +102,12 @@ class ChunkKV(Policy):
     keeps the budget exactly, cutting the last chunk taken), and it takes batch element 0's chunks for
     the whole batch (kvzoo chooses per sequence).
 
-    Reusing layers still receive the window attention from the runtime (it is computed for every
-    layer of a policy that observes ``"window"``); they do not score with it.
+    A reusing layer reads nothing it does not need: the slots its group's first layer kept and its own slots
+    (to find those rows). It computes no window attention -- the runtime computes a layer's window attention
+    only when the selector asks for it, and the check that the window fits in the budget reads lengths alone
+    (:meth:`~kvzoo.framework.policy.RowsView.window_size`); ``tests/test_chunkkv.py`` counts the calls
+    (``ceil(num_layers / reuse)``). Measured on SmolLM2-135M (README, "ChunkKV's layer-wise index reuse"):
+    ``python benchmarks/chunkkv_reuse.py``.
     """
 
     window: int = 32

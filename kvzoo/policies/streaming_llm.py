@@ -39,23 +39,28 @@ class StreamingLLM(Policy):
       ``schedule="block"`` evicts only when ``block_size`` rows have been appended since the last
       eviction, then drops back to the budget (amortised eviction; same rows kept at block ends).
 
-    * ``prefill="dense"`` -- kvzoo's default: a multi-token forward (the context's prefill, a
-      question) attends to every row the tier holds, and the eviction follows the forward.
-      ``prefill="stream"`` is the reference's token-by-token rule: inside a multi-token forward each
-      token reads only the ``sinks`` first rows and the ``budget - sinks`` latest rows up to and
-      including its own, exactly as if the tokens had been fed one at a time with eviction before
-      each (the reference's ``evict_for_space``).
+    * ``prefill="dense"`` (default) -- a multi-token forward (the context's prefill, a question)
+      attends to every row the tier holds, and the eviction follows the forward. This is what the
+      reference's example script does (``examples/run_streaming_llama.py``): each prompt is prefilled
+      whole and densely, over the rows the cache holds and the prompt's own. ``prefill="stream"`` is
+      kvzoo's option, not the reference's prefill: inside a multi-token forward each token reads only
+      the ``sinks`` first rows and the ``budget - sinks`` latest rows up to and including its own, as if
+      the tokens had been fed one at a time with the cache at ``budget`` rows before each (the paper's
+      streaming setting, which the reference's perplexity script ``examples/eval_long_ppl.py`` runs by
+      feeding tokens one at a time).
 
     Deviations, all known:
 
     * the reference re-assigns positions inside the cache (it rotates keys at their cache index);
       kvzoo keeps every key rotated at its original position and decodes at the true sequence
       length, as DESIGN.md §3 requires for all policies;
-    * with the default ``prefill="dense"`` the context is prefilled densely and evicted after, and
-      a question after compression attends to budget + its own rows -- both help the baseline
-      against the reference, where every token sees at most ``budget`` rows (``prefill="stream"``);
-    * a decode step evicts after its attention (one in, one out), so the step reads ``budget + 1``
-      rows, its own included; the reference evicts for space first (``budget`` rows).
+    * when eviction happens: the reference's example script evicts *before* a prompt's forward
+      (``evict_for_space(past_key_values, prompt_len + max_gen_len)`` makes room for the prompt and the
+      whole generation at once, so no decode step reads more than ``budget`` rows); kvzoo evicts *after*
+      each forward -- the context is prefilled densely and then evicted, a question after compression
+      attends to budget + its own rows, and a decode step evicts after its attention (one in, one out),
+      so a step reads ``budget + 1`` rows, its own included (the perplexity script, which evicts after
+      each token's forward, reads the same ``budget + 1``).
     """
 
     sinks: int = 4

@@ -114,6 +114,37 @@ def heldout_recall(length: int, n_pairs: int, count: int = 200, shared: bool = F
     return [recall_example(rng, length, n_pairs, shared) for _ in range(count)]
 
 
+@dataclass
+class ContinuationExample:
+    """A held-out recall context and its continuation in the training layout, ``[QUERY k v] * n_queries``:
+    ``scored`` are the continuation's answer positions (the ``v`` tokens, what the twins were trained to predict;
+    the markers and the keys asked are chance by design)."""
+
+    context: list[int]
+    continuation: list[int]
+    scored: list[int]
+
+
+def heldout_recall_continuation(length: int = 512, n_pairs: int = 16, n_queries: int = 16, count: int = 100,
+                                seed: int = 12345) -> list[ContinuationExample]:
+    """Held-out sequences of the twins' own distribution for ΔCE: what :func:`training_batch` builds (a context of
+    ``length - 3 * n_queries`` tokens, then ``n_queries`` questions with their answers, distinct keys), from a
+    stream no training run draws (seeded by ``seed``, not by a training seed)."""
+    rng = random.Random(f"heldout-continuation-{seed}-{length}-{n_pairs}-{n_queries}")
+    out = []
+    for _ in range(count):
+        context, keys, values = recall_context(rng, length - 3 * n_queries, n_pairs)
+        order = rng.sample(range(n_pairs), n_queries) if n_queries <= n_pairs else [
+            rng.randrange(n_pairs) for _ in range(n_queries)]
+        continuation: list[int] = []
+        scored: list[int] = []
+        for i in order:
+            continuation += [QUERY, keys[i], values[i]]
+            scored.append(len(continuation) - 1)
+        out.append(ContinuationExample(context, continuation, scored))
+    return out
+
+
 # --- RULER-style needles in text --------------------------------------------------------------
 # Characters of the haystack map onto the noise symbols (lower-cased; anything else -> one symbol),
 # so the text never contains a key, a value or a marker. A needle is [NEEDLE, k, v] between words.

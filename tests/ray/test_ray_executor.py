@@ -35,7 +35,7 @@ CLI = ["leaderboard", "--preset", "tiny", "--model", "tiny-llama", "--tasks", "n
 TRIALS = 2 * (1 + 3 * 2)
 # where and how a row ran, and how long things took: the only fields that may differ between executors
 RUN_FIELDS = {"worker", "trial_seconds", "model_load_s", "attempts", "attempt_errors", "finished_at", "peak_rss_bytes", "wall_s",
-              "prefill_s", "compress_s", "score_s", "question_s", "decode_s", "decode_ms_per_step",
+              "prefill_s", "compress_s", "score_s", "continuation_s", "question_s", "decode_s", "decode_ms_per_step",
               "prefill_shared"}  # which trial of a worker made the shared prefill depends on the schedule
 
 

@@ -14,10 +14,12 @@ from tests.greedy import assert_same_greedy
 
 from .conftest import MODELS, model
 
-POLICIES = [name for name in registry.available()]  # every registered policy, plugins included
+# every registered policy, plugins included, and Quest's second page rule
+POLICIES = [name for name in registry.available()] + ["quest(rule=kernel)"]
 
 
 def _params(name: str, budget: int, block: int) -> dict:
+    name = registry.parse_spec(name)[0]
     params = {} if name == "full" else {"budget": budget}
     if name in ("snapkv", "chunkkv"):
         params["window"] = min(8, budget)
@@ -67,7 +69,7 @@ def _run(name, family, lengths, budget, block, chunk, steps, seed, beams=False):
     m = model(family)
     vocab = m.config.vocab_size
     ids, mask = _batch(vocab, lengths, seed)
-    cache = TieredCache(m, registry.get(name, **_params(name, budget, block)), context_length=ids.shape[1])
+    cache = TieredCache(m, registry.get_spec(name, **_params(name, budget, block)), context_length=ids.shape[1])
     g = torch.Generator().manual_seed(seed + 1)
     with Recorder() as recorder, torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
@@ -101,8 +103,10 @@ def test_partition_invariant_and_budget(name, family, lengths, budget, block, ch
         s = layer.stats()
         if name in ("streaming_llm", "snapkv", "h2o", "chunkkv") and T > budget:
             assert s.resident_rows == budget + (0 if name in ("streaming_llm", "h2o") else steps)
-        if name == "quest":
-            assert s.resident_rows == (T - 1) % 16 + 1
+        if name == "quest":  # rule="eval": every row archived after its forward
+            assert s.resident_rows == 0
+        if name == "quest(rule=kernel)":  # the current page attended, completed pages archived
+            assert s.resident_rows == T % 16
         assert s.resident_rows <= T
 
 
@@ -113,7 +117,7 @@ def test_a_sequence_is_independent_of_its_batch_companions(name, family, n, budg
     m = model(family)
     vocab = m.config.vocab_size
     ids, _ = _batch(vocab, [n, n, n], seed)
-    policy = registry.get(name, **_params(name, budget, 32))
+    policy = registry.get_spec(name, **_params(name, budget, 32))
 
     def decode(batch):
         cache = TieredCache(m, policy, context_length=n)
