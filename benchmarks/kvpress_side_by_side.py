@@ -13,7 +13,8 @@ Interleaved: every round runs each arm once, in a fresh process of its own, the 
 round, so a drift in the machine's load falls on every arm alike. Every arm reads the same token ids (the context and
 the question as kvpress's pipeline tokenizes them, prepared once in a process of their own and handed to each arm;
 the kvpress arms run the pipeline's ``forward`` on them, which is its ``__call__`` less the tokenization). A process
-loads the model, warms up on a 256-token slice (one call, two new tokens), then times one whole call: the context's
+loads the model, makes one warm-up call (the whole context unless ``--warmup-tokens``: a 256-token warm-up left
+the timed call paying first-touch costs unevenly between the arms), then times one whole call: the context's
 prefill and compression, the question, greedy decoding (``--max-new-tokens``, ending early at EOS). Peak memory is
 the process's ``ru_maxrss`` at its end (model, libraries and the call; the same accounting for every arm); tokens
 generated are counted. Per round: each arm's wall time and peak, and the ratios kvzoo / kvpress and
@@ -37,7 +38,6 @@ import tempfile
 import time
 
 ARMS = ("kvpress", "kvzoo", "kvpress+kvzoo")
-WARMUP_TOKENS = 256
 
 
 def _peak_mib() -> float:
@@ -61,7 +61,7 @@ def prepare(context_tokens: int, path: str) -> None:
                 "answers": list(task.answers)}, path)
 
 
-def run_arm(arm: str, ids_path: str, max_new_tokens: int) -> dict:
+def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | None = None) -> dict:
     import torch
     from transformers import DynamicCache, pipeline
 
@@ -103,7 +103,7 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int) -> dict:
             return out[0], [layer.keys.shape[2] for layer in cache.layers], forwards[0]
 
     with torch.no_grad():
-        call(context_ids[:, :WARMUP_TOKENS], 2)
+        call(context_ids[:, :warmup_tokens], max_new_tokens)  # None: the whole context
         warm_peak = _peak_mib()
         t0 = time.perf_counter()
         answer, kept, generated = call(context_ids, max_new_tokens)
@@ -124,7 +124,8 @@ def _child(*args: str) -> str:
     return done.stdout
 
 
-def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tuple[str, ...]) -> dict:
+def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tuple[str, ...],
+                 warmup_tokens: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ids_path = os.path.join(tmp, "ids.pt")
         _child("--prepare", ids_path, "--context-tokens", str(context_tokens))
@@ -133,8 +134,9 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
             order = arms[r % len(arms):] + arms[: r % len(arms)]
             for arm in order:
                 load_before = os.getloadavg()
-                row = json.loads(_child("--arm", arm, "--ids", ids_path, "--max-new-tokens",
-                                        str(max_new_tokens)).strip().splitlines()[-1])
+                row = json.loads(_child("--arm", arm, "--ids", ids_path, "--max-new-tokens", str(max_new_tokens),
+                                        *(["--warmup-tokens", str(warmup_tokens)] if warmup_tokens else [])
+                                        ).strip().splitlines()[-1])
                 row.update(round=r, load_before=load_before, load_after=os.getloadavg())
                 runs.append(row)
                 print(f"  [{context_tokens} tokens, round {r + 1}/{rounds}] {arm}: {row['wall_s']:.2f} s, "
@@ -185,6 +187,8 @@ def main() -> None:
     parser.add_argument("--context-tokens", default="2000", help="comma-separated context lengths, e.g. 2000,8000")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--warmup-tokens", type=int, default=None,
+                        help="context tokens of each process's warm-up call (default: the whole context, as timed)")
     parser.add_argument("--json", help="write the runs, ratios and medians here too")
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # a child process runs one arm
     parser.add_argument("--ids", help=argparse.SUPPRESS)
@@ -194,7 +198,7 @@ def main() -> None:
         prepare(int(args.context_tokens), args.prepare)
         return
     if args.arm:
-        print(json.dumps(run_arm(args.arm, args.ids, args.max_new_tokens)))
+        print(json.dumps(run_arm(args.arm, args.ids, args.max_new_tokens, args.warmup_tokens)))
         return
     arms = tuple(args.arms.split(","))
     unknown = [a for a in arms if a not in ARMS]
@@ -203,7 +207,7 @@ def main() -> None:
     print(f"uptime at start: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     results = []
     for n in (int(x) for x in args.context_tokens.split(",")):
-        results.append(side_by_side(n, args.rounds, args.max_new_tokens, arms))
+        results.append(side_by_side(n, args.rounds, args.max_new_tokens, arms, args.warmup_tokens))
         print("\n".join(["", *render(results[-1])]), flush=True)
     print(f"\nuptime at end: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     if args.json:
