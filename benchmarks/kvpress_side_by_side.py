@@ -17,8 +17,10 @@ loads the model, makes one warm-up call (the whole context unless ``--warmup-tok
 the timed call paying first-touch costs unevenly between the arms), then times one whole call: the context's
 prefill and compression, the question, greedy decoding (``--max-new-tokens``, ending early at EOS). Peak memory is
 the process's ``ru_maxrss`` at its end (model, libraries and the call; the same accounting for every arm); tokens
-generated are counted. Per round: each arm's wall time and peak, and the ratios kvzoo / kvpress and
-kvpress+kvzoo / kvpress; then their medians over the rounds. The load average (``os.getloadavg``) is recorded beside
+generated are counted, and the call's CPU time (``time.process_time``, every thread; OpenMP's idle threads sleep:
+``OMP_WAIT_POLICY=PASSIVE`` unless set), which other processes on the machine disturb less than the wall time. Per
+round: each arm's wall time, CPU time and peak, and the ratios kvzoo / kvpress and kvpress+kvzoo / kvpress; then
+their medians over the rounds. The load average (``os.getloadavg``) is recorded beside
 every process: on a shared machine, read the ratios, not the seconds.
 
 Runs only in kvpress's environment: ``.venv-kvpress/bin/python benchmarks/kvpress_side_by_side.py``
@@ -105,20 +107,23 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
     with torch.no_grad():
         call(context_ids[:, :warmup_tokens], max_new_tokens)  # None: the whole context
         warm_peak = _peak_mib()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         answer, kept, generated = call(context_ids, max_new_tokens)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "arm": arm, "context_tokens": context_ids.shape[1], "question_tokens": question_ids.shape[1],
         "kept_rows_per_layer": sorted(set(kept)), "layers": len(kept), "tokens_generated": generated,
-        "wall_s": wall, "peak_rss_mib": _peak_mib(), "peak_rss_after_warmup_mib": warm_peak,
+        "wall_s": wall, "cpu_s": cpu, "peak_rss_mib": _peak_mib(), "peak_rss_after_warmup_mib": warm_peak,
         "answer": answer.strip(), "needle_found": all(a in answer for a in prepared["answers"]),
         "threads": torch.get_num_threads(),
     }
 
 
 def _child(*args: str) -> str:
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    # idle OpenMP threads sleep (unless the caller set a policy): on a shared machine spinning threads fight the other
+    # processes for the cores, and their spinning would count as CPU time
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return done.stdout
@@ -149,9 +154,10 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
         if base is None:
             continue
         ratios.append({f"{arm}/kvpress": {"wall": by_arm[arm]["wall_s"] / base["wall_s"],
+                                          "cpu": by_arm[arm]["cpu_s"] / base["cpu_s"],
                                           "peak": by_arm[arm]["peak_rss_mib"] / base["peak_rss_mib"]}
                        for arm in arms if arm != "kvpress" and arm in by_arm})
-    medians = {key: {what: statistics.median(r[key][what] for r in ratios) for what in ("wall", "peak")}
+    medians = {key: {what: statistics.median(r[key][what] for r in ratios) for what in ("wall", "cpu", "peak")}
                for key in (ratios[0] if ratios else {})}
     return {"context_tokens": context_tokens, "rounds": rounds, "runs": runs, "ratios": ratios, "medians": medians}
 
@@ -161,20 +167,22 @@ def render(result: dict) -> list[str]:
     first = runs[0]
     lines = [f"SmolLM2-135M fp32, {first['context_tokens']} context tokens + {first['question_tokens']} question "
              f"tokens, kept rows per layer {first['kept_rows_per_layer']}, {first['threads']} threads",
-             "", "| round | " + " | ".join(f"{a} wall s / peak MiB / tokens" for a in arms) + " | "
-             + " | ".join(f"{a}/kvpress wall, peak" for a in arms if a != "kvpress") + " | load (1 min) |",
+             "", "| round | " + " | ".join(f"{a}: wall s / CPU s / peak MiB / tokens" for a in arms) + " | "
+             + " | ".join(f"{a}/kvpress: wall, CPU, peak" for a in arms if a != "kvpress") + " | load (1 min) |",
              "|---|" + "---|" * (2 * len(arms))]
     for r, ratio in enumerate(result["ratios"]):
         cells = [next(row for row in runs if row["round"] == r and row["arm"] == a) for a in arms]
         load = [row["load_before"][0] for row in runs if row["round"] == r]
-        lines.append(f"| {r + 1} | " + " | ".join(f"{c['wall_s']:.2f} / {c['peak_rss_mib']:.0f} / {c['tokens_generated']}"
-                                                 for c in cells) + " | "
-                     + " | ".join(f"{v['wall']:.2f}x, {v['peak']:.2f}x" for v in ratio.values())
+        lines.append(f"| {r + 1} | " + " | ".join(
+            f"{c['wall_s']:.1f} / {c['cpu_s']:.1f} / {c['peak_rss_mib']:.0f} / {c['tokens_generated']}" for c in cells)
+            + " | " + " | ".join(f"{v['wall']:.2f}x, {v['cpu']:.2f}x, {v['peak']:.2f}x" for v in ratio.values())
                      + f" | {min(load):.1f}-{max(load):.1f} |")
     lines.append("| median | " + " | ".join(
-        f"{statistics.median(row['wall_s'] for row in runs if row['arm'] == a):.2f} / "
+        f"{statistics.median(row['wall_s'] for row in runs if row['arm'] == a):.1f} / "
+        f"{statistics.median(row['cpu_s'] for row in runs if row['arm'] == a):.1f} / "
         f"{statistics.median(row['peak_rss_mib'] for row in runs if row['arm'] == a):.0f} / -" for a in arms) + " | "
-        + " | ".join(f"**{v['wall']:.2f}x, {v['peak']:.2f}x**" for v in result["medians"].values()) + " | |")
+        + " | ".join(f"**{v['wall']:.2f}x, {v['cpu']:.2f}x, {v['peak']:.2f}x**" for v in result["medians"].values())
+        + " | |")
     found = {a: sorted({row["needle_found"] for row in runs if row["arm"] == a}) for a in arms}
     answers = {a: sorted({row["answer"][:40] for row in runs if row["arm"] == a}) for a in arms}
     lines += ["", f"needle found: {found}; answers: {answers}"]
