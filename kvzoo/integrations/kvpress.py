@@ -120,12 +120,22 @@ def exact_compression_ratio(policy: Policy) -> float | None:
 def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_only: bool = False) -> Any:
     """A kvpress press that runs ``policy``'s selector at the end of the prefill, in kvpress's pipeline.
 
-    A ``ScorerPress`` (``KvzooScorerPress``) for a score-based selector (one that implements
-    :meth:`Policy.priority`: ``snapkv``, ``streaming_llm``, ``h2o``, ``vestige``), so kvpress's wrappers
-    compose; a ``BasePress`` (``KvzooPress``) otherwise (``chunkkv``, ``full``). Either way, used alone it
-    keeps exactly the rows ``policy.select`` chooses. ``compression_ratio``: kvpress's, fraction removed
-    (default: ``1 - 1/policy.ratio``; see the module docstring for the counts). ``prefill_only=True``
-    accepts a policy that also evicts at every decode step and runs its context-end eviction alone.
+    A ``ScorerPress`` (``KvzooScorerPress``) for a selector that is a score (one that implements
+    :meth:`Policy.priority`: ``snapkv``, ``streaming_llm``, ``h2o``, ``vestige``, ``chunkkv`` -- its chunk scores
+    spread to the rows -- or has a press rule: ``quest``, its page bounds), so kvpress's wrappers compose; a
+    ``BasePress`` (``KvzooPress``) otherwise (``full``: it keeps every row, there is nothing to score; kvpress's
+    wrappers refuse a press that is not a ``ScorerPress``). Used alone it keeps exactly the rows
+    ``policy.select`` chooses (``quest``: see ``kvpress_presses.quest_priority``). ``compression_ratio``:
+    kvpress's, fraction removed (default: ``1 - 1/policy.ratio``; see the module docstring for the counts).
+    ``prefill_only=True`` accepts a policy that also evicts at every decode step and runs its context-end
+    eviction alone.
+
+    Where kvzoo's runtime refuses an input the press runs: a press's observation window shrinks to what the
+    call gives (short inputs, a budget below the window, ``DecodingPress``'s buffer) and says so once; see
+    ``kvpress_presses``. Attention-based scores depend on every query the press sees, so compressing a context
+    and compressing it with one more token may keep other rows: ``h2o`` fails kvpress's ``test_generate`` for
+    this reason (the pipeline compresses the context, ``model.generate`` context + "\n"); ``snapkv`` and
+    ``chunkkv`` pass it only because at its 23 tokens their shrunk window is every row they keep.
     """
     require_kvpress()
     if not isinstance(policy, Policy):
@@ -162,7 +172,7 @@ def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_
         )
     from kvzoo.integrations import kvpress_presses
 
-    score_based = type(policy).priority is not Policy.priority
+    score_based = type(policy).priority is not Policy.priority or policy.name in kvpress_presses.PRESS_RULES
     cls = kvpress_presses.KvzooScorerPress if score_based else kvpress_presses.KvzooPress
     return cls(policy, compression_ratio=compression_ratio, exact_compression_ratio=exact_compression_ratio(policy))
 

@@ -8,10 +8,32 @@ for them, the observation window's attention (the last ``w`` queries recomputed 
 states and rotated with the forward's RoPE, as kvpress's ``SnapKVPress.compute_window_attention``
 recomputes them, then softmaxed by kvzoo's own kernel) or H2O's accumulated attention (every
 query of the prefill, recomputed the same way, column-summed by kvzoo's reference attention).
+
+**Where a press runs and kvzoo's runtime refuses.** A press runs wherever its kvpress twin runs. Its
+observation window (SnapKV, ChunkKV) is the last ``w`` queries with ``w`` the policy's ``window``
+bounded by what the call can give: the rows the layer holds, the rows it may keep (the window is always
+kept), and the queries kvpress hands over with their RoPE (``DecodingPress``/``CAMPress`` hand a buffer of
+recent hidden states and the current token's RoPE alone, so there the window is the current token). A
+shrunk window is said once per press (a ``UserWarning``); kvzoo's own runtime stays strict (a budget below
+the window is a ``ValueError``, ``policies/snapkv.py``). H2O's accumulated attention is likewise summed over
+the queries the call hands over. Wrappers that score a layer in parts (``ChunkPress``) hand each part the
+whole forward's RoPE; the window queries of a part are rotated with the forward's last positions, as kvpress's
+own ``SnapKVPress`` rotates them.
+
+**Quest as a press** (:func:`quest_priority`). Quest's attended tier is the current page; the rest of a
+context is read back page by page at every decode step, which a prefill press cannot do. With
+``retriever=None`` the press therefore keeps, at the budget ``compression_ratio`` sets, what Quest's
+retriever ranks highest for the context's last query: the sinks, the current page, and the archived pages
+by Quest's bound ``sum_i max(q_i min_i, q_i max_i)``, computed by kvzoo's own page index (``QuestRetriever``).
+A KV head ranks pages by the max of its query heads' bounds (Quest's ``gqa="group"`` rule: the reference's
+per-head page sets have no form as one row set per KV head).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +41,8 @@ from kvpress import BasePress, ScorerPress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
 from torch import nn
 
-from kvzoo.framework.policy import Policy, RowsView
+from kvzoo import registry
+from kvzoo.framework.policy import Policy, RowsView, top_rows
 from kvzoo.kernels.attention import attention_reference, window_attention
 
 
@@ -39,14 +62,70 @@ def recomputed_queries(module: nn.Module, hidden_states: torch.Tensor, kwargs: d
     return query * cos + _rotate_half(query) * sin
 
 
+def queries_available(hidden_states: torch.Tensor, kwargs: dict, n: int) -> int:
+    """How many of the latest queries a call can recompute: those whose input (``hidden_states``) and RoPE
+    (``position_embeddings``) the forward hands over, at most the layer's ``n`` rows."""
+    cos, _ = kwargs["position_embeddings"]
+    return max(1, min(hidden_states.shape[1], cos.shape[1], n))
+
+
+def quest_priority(policy: Policy, rows: RowsView, keep: int) -> torch.Tensor:
+    """Quest at the context's end, as a score ``[B, G, n]`` (fp32): the rows its retriever would read first.
+
+    The rows are laid out as kvzoo's runtime lays them out at the context's end: the first ``sinks`` rows,
+    the archived rows paged from there (``page_size`` rows a page, the last one partial), and the current
+    page (the last ``(n - 1) % page_size + 1`` rows, Quest's ``target_rows``). An archived row scores its
+    page's bound for the context's last query -- ``QuestRetriever``'s index, max over the KV head's query
+    heads -- and the sinks and the current page are kept first (``+inf``). When ``keep`` cannot hold them
+    all, the first ``min(sinks, keep)`` and the latest of the rest are (``+inf``); the others score one above
+    the best page.
+    """
+    inputs = rows.inputs
+    module = inputs["module"]
+    B, G, n, _ = rows.keys.shape
+    size = policy.page_size
+    current = (n - 1) % size + 1
+    sinks = min(policy.sinks, n - current)
+    archived = slice(sinks, n - current)
+    priority = torch.full((B, G, n), math.inf, dtype=torch.float32, device=rows.keys.device)
+    if n - current > sinks:
+        query = recomputed_queries(module, inputs["hidden_states"], inputs, last=1)  # [B, H, 1, dh]
+        index = registry.build_retriever("quest", page_size=size, gqa="group").new_state(None)
+        index.index({"keys": rows.keys[:, :, archived], "valid": rows.valid[:, :, archived]}, None, None, None)
+        bounds = index.bounds(query, getattr(module, "scaling", module.head_dim ** -0.5))  # [B, H, 1, pages]
+        H = bounds.shape[1]
+        page_bounds = bounds.view(B, G, H // G, -1).amax(dim=2).float()  # [B, G, pages]
+        page_of_row = torch.arange(n - current - sinks, device=rows.keys.device) // size
+        priority[:, :, archived] = page_bounds[:, :, page_of_row]
+    if keep >= sinks + current:
+        return priority
+    special = torch.zeros(n, dtype=torch.bool, device=rows.keys.device)
+    special[:sinks] = True
+    special[n - current:] = True
+    first = min(sinks, keep)
+    forced = torch.zeros_like(special)
+    forced[:first] = True
+    if keep > first:
+        forced[n - (keep - first):] = True
+    pages = priority[:, :, ~special]
+    top = pages.max() if pages.numel() else priority.new_zeros(())
+    return torch.where(forced, priority, torch.where(special, top + 1, priority))
+
+
+# selectors whose press form is not their runtime selector, by policy name: (policy, rows, keep) -> priority [B, G, n]
+PRESS_RULES: dict[str, Callable[[Policy, RowsView, int], torch.Tensor]] = {"quest": quest_priority}
+
+
 class KvzooPress(BasePress):
-    """A kvzoo policy run by kvpress: at the end of the prefill each layer keeps what ``policy.select`` chooses.
+    """A kvzoo policy run by kvpress: at the end of the prefill each layer keeps what ``policy.select`` chooses
+    (for a policy in :data:`PRESS_RULES`, ``quest``: the top rows of its press rule).
 
     ``compression_ratio`` is kvpress's (the fraction removed). Given the policy's ``ratio`` r it is
     ``1 - 1/r``, and then the press keeps exactly what kvzoo's runtime keeps at the context's end
-    (``policy.target_rows`` of ``max(1, floor(n / r))`` rows); set to any other value -- by the caller,
-    or by a kvpress wrapper such as ``PerLayerCompressionPress`` or ``DecodingPress`` -- it keeps
-    kvpress's count for that value, ``max(1, int(n * (1 - compression_ratio)))``.
+    (``policy.target_rows`` of ``max(1, floor(n / r))`` rows; a press rule keeps the budget itself); set to
+    any other value -- by the caller, or by a kvpress wrapper such as ``PerLayerCompressionPress`` or
+    ``DecodingPress`` -- it keeps kvpress's count for that value, ``max(1, int(n * (1 - compression_ratio)))``
+    (0 at a ratio of 1, as kvpress's).
     """
 
     def __init__(self, policy: Policy, compression_ratio: float | None = None, *,
@@ -54,8 +133,13 @@ class KvzooPress(BasePress):
         self.policy = policy
         self.exact_compression_ratio = exact_compression_ratio  # 1 - 1/ratio (to_press computes it)
         self.compression_ratio = self.exact_compression_ratio if compression_ratio is None else compression_ratio
-        self._shared: dict[str, Any] = {}  # the policy's cross-layer scratch for one prefill (ChunkKV's reuse)
+        self.press_rule = PRESS_RULES.get(policy.name)
+        # the policy's cross-layer scratch for one prefill (ChunkKV's reuse), one per call of a layer: a wrapper that
+        # scores a layer in parts (ChunkPress) calls each layer once per part, and part i reuses part i's scratch
+        self._shared: dict[int, dict[str, Any]] = {}
         self._last_layer = -1
+        self._part = 0
+        self._said: set[str] = set()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(policy={self.policy!r}, compression_ratio={self.compression_ratio!r})"
@@ -71,25 +155,52 @@ class KvzooPress(BasePress):
         if self.compression_ratio != self.exact_compression_ratio:
             return min(n, compute_n_kept(n, self.compression_ratio))
         budget = self.policy.resolve_budget(n)
+        if self.press_rule is not None:
+            return n if budget is None else min(n, budget)
         target = self.policy.target_rows("context_end", budget=budget, resident=n, block_rows=n, seen=n)
         return n if target is None else target
 
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def _window(self, n: int, keep: int, available: int) -> int:
+        """The observation window's queries for a call (see the module docstring), said once when shrunk."""
+        window = self.policy.observation_window
+        w = min(window, n, max(1, keep), available)
+        if w < window:
+            why = (f"the layer holds {n} rows" if w == n else
+                   f"kvpress hands over the input and RoPE of {available} tokens" if w == available else
+                   f"it may keep {keep} rows and the window is always kept")
+            self._say_once("window", (
+                f"{self.policy.name} as a kvpress press: an observation window of {w} quer{'y' if w == 1 else 'ies'} "
+                "instead of "
+                f"window={window} ({why}); said once per press. kvzoo's own runtime refuses a budget below the "
+                "window (ValueError)"))
+        return w
+
     # --- the rows a kvzoo selector reads -----------------------------------------------------------------------
     def rows(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             kwargs: dict) -> RowsView:
+             kwargs: dict, keep: int) -> RowsView:
         """The layer's rows as the selector sees them in kvzoo's runtime after an unpadded prefill."""
         B, G, n, _ = keys.shape
         layer = module.layer_idx
-        if layer <= self._last_layer:  # a new prefill: the cross-layer scratch starts over
-            self._shared = {}
+        if layer < self._last_layer or (layer == self._last_layer and module.config.num_hidden_layers == 1):
+            self._shared, self._part = {}, 0  # a new prefill (or compression event): the scratch starts over
+        elif layer == self._last_layer:
+            self._part += 1  # the same layer again: its next part
+        else:
+            self._part = 0
         self._last_layer = layer
         slots = torch.arange(n, device=keys.device).expand(B, G, n)
         valid = torch.ones(B, G, n, dtype=torch.bool, device=keys.device)
         scaling = getattr(module, "scaling", module.head_dim ** -0.5)
         policy = self.policy
+        available = queries_available(hidden_states, kwargs, n)
         window_fn, w = None, 0
         if "window" in policy.observes and policy.observation_window > 0:
-            w = min(policy.observation_window, n)
+            w = self._window(n, keep, available)
 
             def window_fn() -> torch.Tensor:  # [B, H, w, n], computed only if the selector reads it
                 queries = recomputed_queries(module, hidden_states, kwargs, last=w)
@@ -97,16 +208,30 @@ class KvzooPress(BasePress):
 
         row_stats = {name: torch.zeros(B, G, n, dtype=torch.float32, device=keys.device)
                      for name in policy.new_row_stats()}
-        if "accumulate" in policy.observes:  # H2O: the attention every row received from the prefill's queries
-            queries = recomputed_queries(module, hidden_states, kwargs)
-            _, sums = attention_reference(queries, keys, values, slots, valid, torch.arange(n, device=keys.device),
-                                          scaling, column_sums=True)
+        if "accumulate" in policy.observes:  # H2O: the attention every row received from the call's queries
+            queries = recomputed_queries(module, hidden_states, kwargs, last=available)
+            _, sums = attention_reference(queries, keys, values, slots, valid,
+                                          torch.arange(n - available, n, device=keys.device), scaling, column_sums=True)
             row_stats["attention"] = sums
         return RowsView(
             keys=keys, values=values, slots=slots, valid=valid, layer_idx=layer,
             num_layers=module.config.num_hidden_layers, layout="gqa", layer_rank=layer, window_fn=window_fn,
-            window_queries=w, row_stats=row_stats, shared=self._shared,
+            window_queries=w, row_stats=row_stats, shared=self._shared.setdefault(self._part, {}),
+            inputs={"module": module, "hidden_states": hidden_states,
+                    "position_embeddings": kwargs["position_embeddings"]},
         )
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """Sorted indices ``[B, G, keep]``: the policy's selector, or the top rows of its press rule."""
+        if self.press_rule is not None:
+            return top_rows(self.press_rule(self.policy, rows, keep), keep)
+        return self.policy.select(rows, keep)
+
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor | None:
+        """The selector as a score (fp32 ``[B, G, n]``, forced rows ``+inf``), or None for a selector that is none."""
+        if self.press_rule is not None:
+            return self.press_rule(self.policy, rows, keep)
+        return self.policy.priority(rows, keep)
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,17 +239,21 @@ class KvzooPress(BasePress):
         keep = self.kept_rows(n)
         if self.compression_ratio == 0 or keep >= n or self.policy.is_dense(module.layer_idx):
             return keys, values
-        kept = self.policy.select(self.rows(module, hidden_states, keys, values, kwargs), keep)  # [B, G, keep] sorted
+        if keep == 0:  # compression_ratio 1 (PerLayerCompressionPress may ask it): the layer keeps nothing
+            return keys[:, :, :0].contiguous(), values[:, :, :0].contiguous()
+        kept = self.select(self.rows(module, hidden_states, keys, values, kwargs, keep), keep)  # [B, G, keep] sorted
         keys = keys.gather(2, kept[..., None].expand(-1, -1, -1, keys.shape[-1])).contiguous()
         values = values.gather(2, kept[..., None].expand(-1, -1, -1, values.shape[-1])).contiguous()
         return keys, values
 
 
 class KvzooScorerPress(KvzooPress, ScorerPress):
-    """A score-based kvzoo selector as a kvpress ``ScorerPress``: ``score()`` is ``policy.priority``, so kvpress's
-    wrappers that take their own top-k (``ChunkKVPress``, ``KeyRerotationPress``, ``AdaKVPress``, ...) compose.
+    """A score-based kvzoo selector as a kvpress ``ScorerPress``: ``score()`` is the selector as a score
+    (``policy.priority``; ChunkKV's chunk scores spread to their rows; Quest's page bounds, :func:`quest_priority`),
+    so kvpress's wrappers that take their own top-k (``ChunkKVPress``, ``KeyRerotationPress``, ``AdaKVPress``,
+    ``DecodingPress``, ...) compose.
 
-    Alone (and under wrappers that call ``compress``) it keeps exactly what ``policy.select`` keeps, ties to the
+    Alone (and under wrappers that call ``compress``) it keeps exactly what the selector keeps, ties to the
     earlier row; the rows a selector always keeps (SnapKV's window, the sinks, the recent rows) score one above
     the best other row, as kvpress's own presses pad their windows.
     """
@@ -132,8 +261,8 @@ class KvzooScorerPress(KvzooPress, ScorerPress):
     def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor, kwargs: dict) -> torch.Tensor:
         n = keys.shape[2]
-        rows = self.rows(module, hidden_states, keys, values, kwargs)
-        priority = self.policy.priority(rows, min(n, self.kept_rows(n)))  # [B, G, n] fp32, forced rows +inf
+        keep = max(1, min(n, self.kept_rows(n)))  # a wrapper may ask 0 rows (ratio 1): rank as if one stayed
+        priority = self.priority(self.rows(module, hidden_states, keys, values, kwargs, keep), keep)  # forced: +inf
         forced = priority == torch.inf
         others = priority[~forced]
         top = others.max() if others.numel() else priority.new_zeros(())

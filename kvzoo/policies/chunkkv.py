@@ -17,7 +17,7 @@ from kvzoo.framework.policy import (
     RowsView,
     check_window_fits,
     require_int,
-    sorted_keep,
+    top_rows,
     validate_votes,
     validate_window,
     window_rows_mask,
@@ -26,6 +26,8 @@ from kvzoo.framework.policy import (
 
 # rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
 SHARED_KEY = "chunkkv_kept_slots"
+# rows.shared[PRIORITY_KEY][layer_rank of a group's first layer] = (slots [B, N], row priority [B, N], layer_idx)
+PRIORITY_KEY = "chunkkv_priority"
 TILINGS = ("paper", "kvpress")
 
 
@@ -149,7 +151,7 @@ class ChunkKV(Policy):
         B, G, N = rows.slots.shape
         rank = rows.layer_rank  # position among the layers that hold rows (groups skip Kimi's KDA layers)
         if rank % self.reuse == 0:  # the first layer of its reuse group: score and choose
-            kept = self._choose(rows, keep)  # [B, keep]
+            kept = top_rows(self._row_priority(rows), keep)  # [B, keep], shared by the layer's KV heads
             rows.shared.setdefault(SHARED_KEY, {})[rank] = (
                 rows.slots[:, 0].gather(1, kept), rows.slots[:, 0, -1].clone(), rows.layer_idx
             )
@@ -158,8 +160,32 @@ class ChunkKV(Policy):
         rows.info.update(chunkkv_scored=0, chunkkv_reused=1)
         return self._reuse(rows, keep, rank - rank % self.reuse)
 
-    def _choose(self, rows: RowsView, keep: int) -> torch.Tensor:
-        """Row indices ``[B, keep]`` (sorted) chosen from this layer's scores, shared by its KV heads."""
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """The selector as a score ``[B, G, N]`` (what a kvpress ``ScorerPress`` returns): each row scores its
+        chunk's score, so the top ``keep`` rows (ties to the earlier row) are :meth:`select`'s -- the best chunks
+        whole, in rank order, the last one cut. The window is ``+inf`` (paper tiling), padding ``-inf``. A layer
+        that reuses indices scores its rows as the first layer of its group scored the same slots."""
+        B, G, N = rows.slots.shape
+        rank = rows.layer_rank
+        first = rank - rank % self.reuse
+        if rank == first:
+            priority = self._row_priority(rows)
+            rows.shared.setdefault(PRIORITY_KEY, {})[rank] = (rows.slots[:, 0].clone(), priority, rows.layer_idx)
+            return priority[:, None, :].expand(B, G, N)
+        stored = rows.shared.get(PRIORITY_KEY, {}).get(first)
+        if stored is None or not torch.equal(stored[0], rows.slots[:, 0]):
+            layer = stored[2] if stored is not None else f"#{first} (counting layers that hold rows)"
+            raise RuntimeError(
+                f"chunkkv: layer {rows.layer_idx} reuses the scores of layer {layer} (reuse={self.reuse}), but that "
+                "layer scored no rows with these slots at this event; index reuse needs all layers to hold the same "
+                "rows and to be scored in order 0..L-1 -- use reuse=1 otherwise"
+            )
+        return stored[1][:, None, :].expand(B, G, N)
+
+    def _row_priority(self, rows: RowsView) -> torch.Tensor:
+        """``[B, N]`` fp32: each row's chunk score (shared by the layer's KV heads); window rows ``+inf`` (paper
+        tiling), padding ``-inf``. Sorted descending with ties to the earlier row, the rows come best chunk first,
+        in sequence order inside a chunk (Algorithm 1's ``K'`` as kvzoo reads it)."""
         valid = rows.valid[:, 0]  # [B, N]; padding is per token, the same for every KV head
         window = window_rows_mask(rows)[:, 0]
         B, N = valid.shape
@@ -175,22 +201,14 @@ class ChunkKV(Policy):
         chunk = (chunked.long().cumsum(-1) - 1).clamp(min=0) // self.chunk_size  # [B, N], meaningful where chunked
         n_chunks = max(1, -(-N // self.chunk_size))
         chunk_scores = torch.zeros(B, n_chunks, dtype=torch.float32, device=scores.device)
-        chunk_scores.scatter_add_(1, chunk, torch.where(chunked, scores, torch.zeros_like(scores)))
+        chunk_scores.scatter_add_(1, chunk, torch.where(chunked, scores, torch.zeros_like(scores)).float())
         if self.tiling == "kvpress":  # the mean: a partial last chunk competes as if whole
             sizes = torch.zeros_like(chunk_scores).scatter_add_(1, chunk, chunked.float())
             chunk_scores = chunk_scores / sizes.clamp(min=1)
-        # rank 0 = best chunk; ties toward the earlier chunk
-        order = torch.sort(chunk_scores, dim=-1, descending=True, stable=True).indices
-        chunk_rank = torch.empty_like(order)
-        chunk_rank.scatter_(1, order, torch.arange(n_chunks, device=order.device).expand_as(order))
-        position = torch.arange(N, device=valid.device).expand(B, N)
-        # one sort key per row, smaller = kept first: window rows (paper tiling), then chunk rows best chunk first
-        # (in sequence order inside a chunk), then padding (never chunked)
-        priority = chunk_rank.gather(1, chunk) * N + position
+        priority = chunk_scores.gather(1, chunk)  # every row of a chunk scores the chunk: one value, one rank
         if self.tiling == "paper":
-            priority = torch.where(window, position - N, priority)
-        priority = torch.where(valid, priority, n_chunks * N + position)
-        return sorted_keep(priority.topk(keep, dim=-1, largest=False).indices)
+            priority = priority.masked_fill(window, torch.inf)
+        return priority.masked_fill(~valid, -torch.inf)
 
     def _reuse(self, rows: RowsView, keep: int, first_rank: int) -> torch.Tensor:
         """Indices of the slots that the first layer of this layer's reuse group kept at this event."""
