@@ -226,24 +226,26 @@ def grid_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def shipped() -> list[KernelConfig]:
-    """Every configuration the kernel modules ship (``shipped_configs()`` of each module of kvzoo.kernels)."""
+def _kernel_modules() -> list:
+    """The modules of kvzoo.kernels, found at run time: they import this module (for :class:`KernelConfig`), this
+    module never imports them by name (no import cycle)."""
     import importlib
     import pkgutil
 
     import kvzoo.kernels
 
-    configs = []
-    for info in pkgutil.iter_modules(kvzoo.kernels.__path__):
-        module = importlib.import_module(f"kvzoo.kernels.{info.name}")
-        if hasattr(module, "shipped_configs"):
-            configs += module.shipped_configs()
-    return configs
+    return [importlib.import_module(f"kvzoo.kernels.{info.name}") for info in pkgutil.iter_modules(kvzoo.kernels.__path__)]
+
+
+def shipped() -> list[KernelConfig]:
+    """Every configuration the kernel modules ship (``shipped_configs()`` of each module of kvzoo.kernels)."""
+    return [config for module in _kernel_modules() if hasattr(module, "shipped_configs")
+            for config in module.shipped_configs()]
 
 
 if __name__ == "__main__":  # python -m kvzoo.kernels.compile_gate: the tables, without pytest
-    from kvzoo.kernels import decode_attention
-
     print(structure_table([(c, compile_sm90(c)) for c in shipped()]))
-    print()
-    print(grid_markdown(decode_attention.grid_table()))
+    for module in _kernel_modules():  # the grids the launchers pick (decode_attention.grid_table)
+        if hasattr(module, "grid_table"):
+            print()
+            print(grid_markdown(module.grid_table()))
