@@ -133,7 +133,7 @@ def test_the_results_file_records_the_page_size_that_ran(tmp_path):
     quest = next(r for r in stored if r["policy"] == "quest(page_size=8)")
     assert quest["policy_config"]["page_size"] == 8 and len(rows) == 2
     assert quest["retriever_config"] == {"name": "quest", "multi_token": "dense", "page_size": 8, "pages": None,
-                                         "gqa": "head"}
+                                         "gqa": "head", "rule": "eval"}
 
 
 # --- 6. a policy without a retriever never pays for the archive -----------------------------------------
