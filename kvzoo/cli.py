@@ -408,10 +408,10 @@ def _non_negative(option: str, strict: bool = False) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvzoo.bench.executors import EXECUTORS, RAY_INSTALL
-    from kvzoo.bench.haystacks import ALL_HAYSTACKS
     from kvzoo.bench.runner import DTYPES, PRESETS
     from kvzoo.bench.tasks import TASKS
-    from kvzoo.framework.pipeline import QUESTION_POSITIONS
+    from kvzoo.haystacks import ALL_HAYSTACKS
+    from kvzoo.pipeline import QUESTION_POSITIONS
 
     parser = argparse.ArgumentParser(prog="kvzoo", description="KV-cache policies on one tiered-cache runtime")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{list,run,leaderboard,plot}")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvzoo.haystacks import haystack_sentences
+
 VOCAB_SIZE = 256
 PAD, BOS, QUERY, NEEDLE = 0, 1, 2, 3
 KEYS = tuple(range(4, 68))  # 64 key symbols
@@ -158,9 +160,7 @@ def text_ids(text: str) -> list[int]:
 
 
 def needle_text_example(rng: random.Random, length: int, n_needles: int, haystack: str = "book") -> Example:
-    """RULER multi-key NIAH on character-level text from :mod:`kvzoo.bench.haystacks` (``length`` in all)."""
-    from kvzoo.bench.haystacks import haystack_sentences
-
+    """RULER multi-key NIAH on character-level text from :mod:`kvzoo.haystacks` (``length`` in all)."""
     context_len = length - 2
     body_len = context_len - 1 - 3 * n_needles
     sentences = haystack_sentences(haystack, seed=rng.randrange(1 << 30))
