@@ -30,7 +30,7 @@ NOISE = tuple(range(132, 256))  # 124 filler symbols
 SHARED = tuple(range(4, 256))  # the harder variant: keys, values and filler share one vocabulary
 IGNORE = -100
 
-# Curriculum (FACTS.md): start short with few pairs, advance at >= 95 % held-out accuracy.
+# Curriculum (docs/environment.md): start short with few pairs, advance at >= 95 % held-out accuracy.
 CURRICULUM: tuple[tuple[int, int], ...] = ((64, 4), (64, 8), (128, 8), (256, 8), (256, 16), (512, 16))
 TASKS = ("recall", "shared", "needle_text")
 
