@@ -33,10 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvzoo import TieredCache  # noqa: E402
+from kvzoo import TieredCache, pipeline  # noqa: E402
 from kvzoo.bench.runner import encode_prompt  # noqa: E402
 from kvzoo.bench.tasks import TaskSpec, make_task  # noqa: E402
-from kvzoo.framework import pipeline  # noqa: E402
 from kvzoo.models import load_smollm2  # noqa: E402
 from kvzoo.policies.chunkkv import ChunkKV  # noqa: E402
 

@@ -69,8 +69,8 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
 
     from kvzoo import registry
     from kvzoo.framework.cache import TieredCache
-    from kvzoo.framework.pipeline import compress, eos_ids, greedy_decode, prefill
     from kvzoo.models import load_smollm2
+    from kvzoo.pipeline import compress, eos_ids, greedy_decode, prefill
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(torch.float32)

@@ -1,7 +1,8 @@
 """The ``kvzoo`` command.
 
     kvzoo list                                   the registry: names, summaries, papers
-    kvzoo run --policy streaming_llm --ratio 4   one policy on one prompt or task; prints answer and stats
+    kvzoo run --policy streaming_llm --ratio 4   one policy on one prompt or task; prints the answer and one summary
+                                                 of the cache (--per-layer: the table by layer)
     kvzoo leaderboard [--preset demo]            runs a grid; prints the markdown leaderboard, writes plots
     kvzoo leaderboard --executor ray --workers 2 the same grid on Ray (a local instance, or --address auto)
     kvzoo plot results/demo.jsonl                the needle heatmap and score-vs-ratio curves (PNG)
@@ -191,9 +192,101 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(f"question : {question}")
         print(f"answer   : {result.answer!r}")
-    print("timings  : " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
-    print(result.stats)  # includes notes such as "no block has closed yet"
+    print(run_summary(result, per_layer=args.per_layer))
     return 0
+
+
+# Counters the summary states in its own lines (the KV-path reads); the policy's other counters follow as they are.
+_READ_COUNTERS = ("rows_fetched", "fetched_bytes", "attended_bytes_read", "index_bytes_scanned")
+_LAYER_COLUMNS = ("seen_rows", "resident_rows", "archived_rows", "dropped_rows", "events", "fetched_rows",
+                  "kv_bytes_read")
+_PLACEMENT = ("seen_rows", "resident_rows", "archived_rows", "dropped_rows", "events")  # where a layer's rows are
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f} %" if whole else "n/a"
+
+
+def _counter(key: str, value: float) -> str:
+    if "bytes" in key:
+        return f"{key} {_mib(value)}"
+    return f"{key} {int(value):,}" if float(value).is_integer() else f"{key} {value:.3g}"
+
+
+def _groups(layers: list[Any]) -> float:
+    """KV groups x batch, from the last forward's byte counts: the runtime counts fetched rows over all groups and
+    the tiers' rows per group. A fetch gives the bytes of a row; a layer that attended gives
+    attended bytes = groups * kept rows * row bytes."""
+    fetching = [s.last_step for s in layers if s.last_step.get("rows_fetched")]
+    attending = [s for s in layers if s.resident_rows and s.last_step.get("attended_bytes_read")]
+    if not fetching or not attending:
+        return 1.0
+    row_bytes = fetching[0]["fetched_bytes"] / fetching[0]["rows_fetched"]
+    return max(1.0, attending[0].last_step["attended_bytes_read"] / (attending[0].resident_rows * row_bytes))
+
+
+def run_summary(result: Any, *, per_layer: bool = False) -> str:
+    """What ``kvzoo run`` prints after the answer: one summary of the cache, and the per-layer table only when
+    the layers differ or ``per_layer`` asks for it.
+
+    Rows are per layer and KV group (one token's entry), as means over the layers; "per decode step" figures are
+    the last decode step's (the latest forward's when no decode step ran); bytes in MiB, per token in KiB.
+    """
+    stats, timings = result.stats, result.timings
+    layers = stats.layers
+    n = max(1, len(layers))
+    t = stats.totals
+    seen = t["seen_rows"] / n
+    steps = max(0, len(result.token_ids) - 1)  # the first new token comes from the question's forward
+    lines = []
+    phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in timings.items())
+    per_step = f", {1000 * timings['decode_s'] / steps:.1f} ms/step" if steps and "decode_s" in timings else ""
+    lines.append(f"time     : {phases} ({steps} decode steps{per_step})")
+    lines.append(
+        f"rows     : of {seen:.0f} seen per layer and KV group (mean of {len(layers)} layers): "
+        f"kept {t['resident_rows'] / n:.0f} ({_share(t['resident_rows'], t['seen_rows'])}), "
+        f"archived {t['archived_rows'] / n:.0f} ({_share(t['archived_rows'], t['seen_rows'])}), "
+        f"dropped {t['dropped_rows'] / n:.0f} ({_share(t['dropped_rows'], t['seen_rows'])}); "
+        f"{int(t['events'])} compression events"
+    )
+    when = "per decode step" if steps else "in the last forward (no decode step ran)"
+    retrieving = [s for s in layers if "rows_fetched" in s.last_step]
+    if retrieving:
+        fetched = sum(s.last_step["rows_fetched"] for s in retrieving) / len(retrieving) / _groups(layers)
+        lines.append(f"fetched  : {fetched:.1f} archived rows {when} per layer and KV group "
+                     f"({_share(fetched, seen)} of the rows seen), in {len(retrieving)} of {len(layers)} layers")
+    read = sum(s.last_step.get("kv_bytes_read", 0) for s in layers)
+    parts = [(name, sum(s.last_step.get(key, 0) for s in layers)) for name, key in
+             (("attended", "attended_bytes_read"), ("index", "index_bytes_scanned"), ("fetched", "fetched_bytes"))]
+    detail = ", ".join(f"{name} {v / 2**20:.2f}" for name, v in parts if v) if retrieving else ""
+    tokens = max(1.0, seen)
+    lines.append(
+        f"KV bytes : resident {_mib(t['resident_bytes'])} ({t['resident_bytes'] / tokens / 1024:.2f} KiB/token), "
+        f"archived {_mib(t['archived_bytes'])} ({t['archived_bytes'] / tokens / 1024:.2f} KiB/token); "
+        f"read {_mib(read)} {when}" + (f" ({detail})" if detail else "")
+        + f", {_mib(t['kv_bytes_read'])} in all"
+    )
+    extra = {k: v for k, v in t.items() if k not in _LAYER_COLUMNS and k not in _READ_COUNTERS
+             and k not in ("resident_bytes", "archived_bytes", "peak_resident_rows")}
+    if extra:
+        lines.append("counters : " + ", ".join(_counter(k, v) for k, v in extra.items()))
+    lines += [f"note     : {note}" for note in stats.notes]
+    differ = len({tuple(getattr(s, c) for c in _PLACEMENT) for s in layers}) > 1  # fetches vary step by step
+    if per_layer or differ:
+        lines.append("layers   :" + (" they hold their rows differently" if differ else "")
+                     + " (fetched and read: the whole run, all KV groups)")
+        lines.append("  layer   seen  kept  archived  dropped  events  fetched  resident KiB  read MiB")
+        for s in layers:
+            lines.append(f"  {s.layer:5d} {s.seen_rows:6d} {s.resident_rows:5d} {s.archived_rows:9d} {s.dropped_rows:8d} "
+                         f"{s.events:7d} {s.fetched_rows:8d} {s.resident_bytes / 1024:13.1f} "
+                         f"{s.kv_bytes_read / 2**20:9.2f}")
+    else:
+        lines.append(f"layers   : all {len(layers)} hold their rows alike (--per-layer prints the table)")
+    return "\n".join(lines)
 
 
 # --- leaderboard ---------------------------------------------------------------------------------
@@ -408,10 +501,10 @@ def _non_negative(option: str, strict: bool = False) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvzoo.bench.executors import EXECUTORS, RAY_INSTALL
-    from kvzoo.bench.haystacks import ALL_HAYSTACKS
     from kvzoo.bench.runner import DTYPES, PRESETS
     from kvzoo.bench.tasks import TASKS
-    from kvzoo.framework.pipeline import QUESTION_POSITIONS
+    from kvzoo.haystacks import ALL_HAYSTACKS
+    from kvzoo.pipeline import QUESTION_POSITIONS
 
     parser = argparse.ArgumentParser(prog="kvzoo", description="KV-cache policies on one tiered-cache runtime")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{list,run,leaderboard,plot}")
@@ -436,6 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--question-position", choices=list(QUESTION_POSITIONS), default="after")
     p_run.add_argument("--max-new-tokens", type=_positive, default=None, help="default 24 (with --task: the task's)")
     p_run.add_argument("--chunk-size", type=_positive, default=None, help="prefill in chunks of this many tokens")
+    p_run.add_argument("--per-layer", action="store_true",
+                       help="print the per-layer table even when every layer holds the same rows")
     p_run.set_defaults(func=cmd_run)
 
     p_lb = sub.add_parser(

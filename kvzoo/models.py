@@ -251,7 +251,7 @@ def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
     """A tiny random ``KimiLinearForCausalLM``: KDA, MLA, KDA, MLA with the real 512 + 64 MLA row (fp32, eval).
 
     ``linear_attn_config`` is always passed explicitly (1-based layer numbers, as in the hub
-    checkpoints); the config's default layer pattern is off by one (FACTS.md).
+    checkpoints); the config's default layer pattern is off by one (docs/environment.md).
     """
     from kvzoo.framework.adapters.mla import check_transformers_for
 

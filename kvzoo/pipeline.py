@@ -1,27 +1,497 @@
-"""``kvzoo.pipeline``: question-after-compression generation and scoring, and their steps (see ``framework/pipeline.py``)."""
+"""Question-after-compression generation and teacher-forced scoring, and the steps they are made of.
 
-from kvzoo.framework.pipeline import (
-    QUESTION_POSITIONS,
-    TEACHER_FORCING,
-    ContinuationResult,
-    DeltaCE,
-    GenerationResult,
-    ScoreResult,
-    build_prompt,
-    cache_kwargs,
-    compress,
-    continuation_nll,
-    delta_ce,
-    eos_ids,
-    generate,
-    greedy_decode,
-    prefill,
-    score,
-    teacher_forced_nll,
-)
+A user-layer module (with ``bench`` and ``cli``): it drives a :class:`~kvzoo.framework.cache.TieredCache`
+through its public methods and never reaches into the runtime (docs/architecture.md).
 
-__all__ = [
-    "QUESTION_POSITIONS", "TEACHER_FORCING", "ContinuationResult", "DeltaCE", "GenerationResult", "ScoreResult",
-    "build_prompt", "cache_kwargs", "compress", "continuation_nll", "delta_ce", "eos_ids", "generate",
-    "greedy_decode", "prefill", "score", "teacher_forced_nll",
-]
+The steps -- :func:`prefill`, :func:`compress`, :func:`greedy_decode`, :func:`teacher_forced_nll`,
+:func:`eos_ids` -- are public: the benchmark runner builds its trials from them (prefill and
+compress once, fork the cache, continue several ways), so "prefill, compress, ask" has one
+implementation. :func:`continuation_nll` and :func:`delta_ce` measure a policy's cross-entropy on a known
+continuation of a compressed context against ``full``'s (by default one decode step per token: the VestigeKV
+paper's ΔCE), for benchmarks to call.
+
+The order of events is the point (VestigeKV's setting, kvpress's leaderboard format): the context
+is prefilled and compressed *before* the question exists, so a policy cannot use the question to
+decide what to keep. ``question_position="before"`` is the other column (question inside the
+compressed prefix).
+
+Prompts: with a tokenizer that has a chat template, context and question go into one user turn
+(``context + "\\n\\n" + question``); the rendered prompt is split where the question starts, and
+the two halves are tokenized separately (both the full and the compressed runs use the same ids).
+Without a chat template, or given token ids, the context and question are used as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import numbers
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvzoo.framework.cache import CacheStats, TieredCache
+from kvzoo.framework.policy import Policy
+
+QUESTION_POSITIONS = ("after", "before")
+# How a known text is teacher-forced after compression (teacher_forced_nll): "decode" feeds each token as its own
+# decode step -- what generation does, so a retriever's per-step rule is what the NLL sees; "one_forward" feeds
+# the text in one multi-token forward (under a retriever's default multi_token="dense" rule it reads the whole
+# archive: the NLL of a policy with a retriever then equals full's by construction).
+TEACHER_FORCING = ("decode", "one_forward")
+TokenInput = str | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class GenerationResult:
+    answer: str
+    token_ids: list[int]
+    stats: CacheStats
+    timings: dict[str, float]
+    context_tokens: int
+    question_tokens: int
+    cache: TieredCache = field(repr=False)
+
+
+@dataclass
+class ScoreResult:
+    """Teacher-forced negative log-likelihood (nats) of the answer tokens after compression."""
+
+    nll: float  # summed over answer tokens
+    token_nll: list[float]
+    stats: CacheStats
+    answer_tokens: int
+    cache: TieredCache = field(repr=False)
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / max(1, self.answer_tokens)
+
+
+def build_prompt(tokenizer: Any, context: TokenInput, question: TokenInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[1, n]`` of the prefix (everything before the question) and of the rest."""
+    if not isinstance(context, str) and not isinstance(question, str):
+        return _as_ids(context), _as_ids(question)
+    if tokenizer is None:
+        raise ValueError("context/question given as text need a tokenizer; pass token ids to run without one")
+    if not isinstance(context, str) or not isinstance(question, str):
+        raise TypeError("give context and question both as text or both as token ids")
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": context + "\n\n" + question}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        split = rendered.rindex(question)
+        prefix_text, rest_text = rendered[:split], rendered[split:]
+        prefix = tokenizer(prefix_text, add_special_tokens=False, return_tensors="pt").input_ids
+        rest = tokenizer(rest_text, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        prefix = tokenizer(context + "\n\n", return_tensors="pt").input_ids
+        rest = tokenizer(question + "\n", add_special_tokens=False, return_tensors="pt").input_ids
+    return prefix, rest
+
+
+_IDS_VALID = "token ids are ints (a list of int, or an integer tensor)"
+
+
+def _as_ids(x: TokenInput) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        values = list(x)
+        odd = next((v for v in values if isinstance(v, bool) or not isinstance(v, (numbers.Integral, Sequence))), None)
+        if odd is not None:
+            raise ValueError(f"{_IDS_VALID}, got {type(odd).__name__} {odd!r}: a float or bool id is not a token "
+                             "(it would be truncated to another one)")
+        try:
+            t = torch.tensor(values)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{_IDS_VALID}, got {values!r:.80} ({err})") from None
+        if not values:
+            t = t.long()
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        example = t.flatten()[:1].tolist()
+        raise ValueError(f"{_IDS_VALID}, got a {str(t.dtype).removeprefix('torch.')} tensor"
+                         f"{f' (first value {example[0]!r})' if example else ''}: a float or bool id is not a token "
+                         "(it would be truncated to another one)")
+    t = t.long()
+    if t.dim() == 1:
+        t = t[None]
+    if t.dim() != 2 or t.shape[0] != 1:
+        raise ValueError(f"token ids must be a 1-D sequence or a [1, n] tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{"cache": cache}``, or ``{"past_key_values": cache}`` for a model whose forward predates the rename.
+
+    transformers 5.x renamed the forward's ``past_key_values=`` to ``cache=``; the transformers that
+    kvpress 0.5.5 pins (< 5.3) knows only the old name, and silently ignores ``cache=`` (it would
+    build a cache of its own). Read from the model's signature, so either works.
+    """
+    return {"cache": cache} if "cache" in _forward_parameters(type(model)) else {"past_key_values": cache}
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+@torch.no_grad()
+def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Run ``ids [B, n]`` through the model into ``cache`` (in chunks if asked); the last position's logits ``[B, V]``.
+
+    Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd graph."""
+    step = chunk_size or ids.shape[1]
+    logits = None
+    for start in range(0, ids.shape[1], step):
+        out = model(input_ids=ids[:, start : start + step].to(model.device), **cache_kwargs(model, cache), use_cache=True,
+                    logits_to_keep=1)
+        logits = out.logits[:, -1]
+    return logits
+
+
+def compress(cache: TieredCache) -> None:
+    """The context ended: the cache's ``context_end`` event (every policy compresses here)."""
+    cache.compress()
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """The ids that end a generation: the model's generation config's and the tokenizer's EOS."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def check_max_new_tokens(value: Any) -> int:
+    """``value`` when it is an int >= 1; a ValueError naming what is valid otherwise (floats, nan, strings, None,
+    bools included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The model's ``max_position_embeddings`` (None when its config declares none)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(model: torch.nn.Module, positions: int, what: str) -> None:
+    """A ValueError when ``positions`` (what the forwards will run through, described by ``what``) exceed the
+    model's ``max_position_embeddings``: positions past it were never trained, the results would be noise."""
+    limit = max_positions(model)
+    if limit is not None and positions > limit:
+        raise ValueError(
+            f"{what} need {positions} positions, more than the model's max_position_embeddings ({limit}): "
+            f"positions past {limit} were never trained. Give at most {limit} positions (a shorter context, fewer "
+            "new tokens)"
+        )
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: torch.nn.Module,
+    cache: Cache,
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    eos: set[int],
+    stop: Callable[[list[int]], bool] | None = None,
+) -> list[int]:
+    """Greedy tokens from ``logits [1, V]`` on: up to ``max_new_tokens``, ending at an EOS (kept) or when
+    ``stop(tokens)`` says so. The forward of the last token is not run (its logits would not be used)."""
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits.argmax(-1))
+        tokens.append(token)
+        if token in eos or len(tokens) == max_new_tokens or (stop is not None and stop(tokens)):
+            break
+        out = model(input_ids=torch.tensor([[token]], device=model.device), **cache_kwargs(model, cache), use_cache=True,
+                    logits_to_keep=1)
+        logits = out.logits[:, -1]
+    return tokens
+
+
+def check_teacher_forcing(mode: Any) -> str:
+    if mode not in TEACHER_FORCING:
+        raise ValueError(f"mode must be one of {TEACHER_FORCING} ('decode': one decode step per token, as generation "
+                         f"reads the cache; 'one_forward': the whole text in one multi-token forward), got {mode!r}")
+    return mode
+
+
+@torch.no_grad()
+def teacher_forced_nll(
+    model: torch.nn.Module, cache: Cache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor,
+    mode: str = "one_forward",
+) -> list[float]:
+    """Per-token NLL (nats) of ``target [1, n]`` fed after ``lead [1, l]``, teacher-forced into ``cache``.
+
+    ``mode="one_forward"`` (default): ``lead`` and ``target`` in one forward; position ``-n - 1`` predicts target
+    token 0. ``mode="decode"``: ``lead`` in one forward (as a question is prefilled before generation), then each
+    target token but the last as its own decode step, ``n - 1`` forwards of one token -- the forwards greedy
+    decoding would run had it produced ``target``, so a retriever reads the archive by its per-step rule, not by
+    the multi-token rule. Either way, when ``lead`` is empty, ``last_logits`` (the logits the cache's last forward
+    produced) predict target token 0. The cache is advanced (run it on a fork to keep the original).
+    """
+    mode = check_teacher_forcing(mode)
+    n = target.shape[1]
+    if mode == "decode":
+        logits = prefill(model, cache, lead) if lead.shape[1] else last_logits
+        steps = [logits.float()]
+        ids = target.to(model.device)
+        for i in range(n - 1):
+            out = model(input_ids=ids[:, i : i + 1], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+            steps.append(out.logits[:, -1].float())
+        logits = torch.cat(steps, dim=0)  # [n, V]: row i predicts target token i
+    else:
+        tail = torch.cat([lead, target], dim=1).to(model.device)
+        if lead.shape[1]:
+            logits = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True,
+                           logits_to_keep=n + 1).logits[0, :n].float()
+        else:
+            out = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=n).logits
+            logits = torch.cat([last_logits.float(), out[0, :-1].float()], dim=0)
+    logp = torch.log_softmax(logits, dim=-1)
+    return (-logp.gather(-1, target[0].to(logp.device)[:, None])[:, 0]).tolist()
+
+
+@dataclass
+class ContinuationResult:
+    """A text teacher-forced right after a compressed context: per-token NLLs and the cross-entropy over the
+    ``scored`` tokens (all of them by default)."""
+
+    token_nll: list[float]
+    scored: list[int]  # positions in the continuation whose NLL counts
+    mode: str  # "decode" or "one_forward" (TEACHER_FORCING)
+    stats: CacheStats
+
+    @property
+    def ce(self) -> float:
+        """Mean NLL (nats/token) over the scored tokens."""
+        return sum(self.token_nll[i] for i in self.scored) / len(self.scored)
+
+    def scored_nll(self) -> list[float]:
+        return [self.token_nll[i] for i in self.scored]
+
+
+@dataclass
+class DeltaCE:
+    """ΔCE of one policy on one continuation: its cross-entropy minus ``full``'s, both measured the same way."""
+
+    delta: float  # nats per scored token
+    result: ContinuationResult  # the policy's
+    reference: ContinuationResult  # full's (pass it back in as ``reference=`` to measure another policy)
+
+    @property
+    def token_deltas(self) -> list[float]:
+        """Per scored token: the policy's NLL minus full's (a needle is intact where this is < 1 nat)."""
+        return [a - b for a, b in zip(self.result.scored_nll(), self.reference.scored_nll(), strict=True)]
+
+
+@torch.no_grad()
+def continuation_nll(
+    model: torch.nn.Module,
+    context: TokenInput,
+    continuation: TokenInput,
+    policy: Policy | str | None = None,
+    *,
+    tokenizer: Any = None,
+    mode: str = "decode",
+    scored: Sequence[int] | None = None,
+    chunk_size: int | None = None,
+) -> ContinuationResult:
+    """Prefill ``context`` under ``policy``, compress, then teacher-force ``continuation`` right after it
+    (:func:`teacher_forced_nll`; ``mode="decode"``: one decode step per token). ``scored``: the positions of
+    ``continuation`` whose NLL the cross-entropy averages (e.g. a recall task's answer tokens; default all).
+    Text needs ``tokenizer`` (the context as given, the continuation without special tokens)."""
+    mode = check_teacher_forcing(mode)
+    if isinstance(context, str) or isinstance(continuation, str):
+        if tokenizer is None:
+            raise ValueError("context/continuation given as text need a tokenizer; pass token ids to run without one")
+    prefix = tokenizer(context, return_tensors="pt").input_ids if isinstance(context, str) else _as_ids(context)
+    target = (tokenizer(continuation, add_special_tokens=False, return_tensors="pt").input_ids
+              if isinstance(continuation, str) else _as_ids(continuation))
+    check_ids(model, "context", prefix, allow_empty=False)
+    check_ids(model, "continuation", target, allow_empty=False)
+    check_positions(model, prefix.shape[1] + target.shape[1],
+                    f"the context ({prefix.shape[1]} tokens) and the continuation ({target.shape[1]})")
+    n = target.shape[1]
+    scored = list(range(n)) if scored is None else [int(i) for i in scored]
+    if not scored or any(i < 0 or i >= n for i in scored):
+        raise ValueError(f"scored must name at least one position of the {n}-token continuation (0..{n - 1}), "
+                         f"got {scored!r}")
+    cache = TieredCache(model, policy, context_length=prefix.shape[1])
+    try:
+        last_logits = prefill(model, cache, prefix.long(), chunk_size)
+        compress(cache)
+        token_nll = teacher_forced_nll(model, cache, prefix[:, :0], target.long(), last_logits, mode)
+        stats = cache.stats()
+    finally:
+        cache.close()
+    return ContinuationResult(token_nll, scored, mode, stats)
+
+
+def delta_ce(
+    model: torch.nn.Module,
+    context: TokenInput,
+    continuation: TokenInput,
+    policy: Policy | str,
+    *,
+    reference: ContinuationResult | None = None,
+    **options: Any,
+) -> DeltaCE:
+    """ΔCE (nats per scored token) of ``policy`` on ``continuation`` after ``context``: its
+    :func:`continuation_nll` minus ``full``'s, both in ``mode`` (default ``"decode"``, the VestigeKV paper's
+    measure: each continuation token a decode step, so a retriever's per-step rule is what the CE sees).
+    ``reference``: full's result from an earlier call (same context, continuation and options), reused.
+    ``options``: :func:`continuation_nll`'s (``tokenizer``, ``mode``, ``scored``, ``chunk_size``)."""
+    result = continuation_nll(model, context, continuation, policy, **options)
+    if reference is None:
+        reference = continuation_nll(model, context, continuation, "full", **options)
+    if reference.mode != result.mode or reference.scored != result.scored \
+            or len(reference.token_nll) != len(result.token_nll):
+        raise ValueError(f"the reference was measured another way ({reference.mode}, {len(reference.token_nll)} tokens, "
+                         f"{len(reference.scored)} scored) than this policy ({result.mode}, {len(result.token_nll)} "
+                         f"tokens, {len(result.scored)} scored): ΔCE compares the same tokens measured the same way")
+    return DeltaCE(result.ce - reference.ce, result, reference)
+
+
+def check_ids(model: torch.nn.Module, name: str, ids: torch.Tensor, *, allow_empty: bool = True) -> None:
+    """ValueError for an empty ``ids`` (when not allowed) or ids outside the model's vocabulary."""
+    if ids.shape[1] == 0:
+        if allow_empty:
+            return
+        raise ValueError(f"the {name} is empty (0 tokens): there is nothing to prefill or compress; give at least one token")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    low, high = int(ids.min()), int(ids.max())
+    if vocab is not None and (low < 0 or high >= vocab):
+        bad = low if low < 0 else high
+        raise ValueError(f"the {name} holds token id {bad}, outside the model's vocabulary: valid ids are 0..{vocab - 1}")
+
+
+def _check(question_position: str, chunk_size: int | None) -> None:
+    if question_position not in QUESTION_POSITIONS:
+        raise ValueError(f"question_position must be one of {QUESTION_POSITIONS}, got {question_position!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None (one-shot prefill) or an int >= 1, got {chunk_size!r}")
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    context: TokenInput,
+    question: TokenInput,
+    policy: Policy | str | None = None,
+    *,
+    max_new_tokens: int = 32,
+    question_position: str = "after",
+    chunk_size: int | None = None,
+    audit: bool = False,
+) -> GenerationResult:
+    """Prefill ``context``, compress it, then prefill ``question`` and decode greedily.
+
+    ``policy``: a Policy, a registered name, or None (``full``). Returns the decoded answer, the
+    new token ids, ``cache.stats()`` and timings (``prefill_s`` context prefill, ``compress_s``
+    the context-end event, ``question_s`` question prefill, ``decode_s`` the decode loop).
+    ``chunk_size`` prefills in chunks (streaming prefill); ``audit=True`` makes the retrieval tier
+    score every archived row exactly too, to count bound violations and recall (slow).
+    """
+    _check(question_position, chunk_size)
+    prefix, rest = build_prompt(tokenizer, context, question)
+    check_ids(model, "context", prefix, allow_empty=False)
+    check_ids(model, "question", rest)
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    check_positions(model, prefix.shape[1] + rest.shape[1] + max_new_tokens - 1,
+                    f"the prompt ({prefix.shape[1] + rest.shape[1]} tokens) and max_new_tokens={max_new_tokens}")
+    if question_position == "before":
+        prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
+    cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, prefix, chunk_size)
+    t1 = time.perf_counter()
+    compress(cache)
+    t2 = time.perf_counter()
+    if rest.shape[1]:
+        logits = prefill(model, cache, rest, chunk_size)
+    t3 = time.perf_counter()
+    eos = eos_ids(model, tokenizer)
+    new_tokens = greedy_decode(model, cache, logits, max_new_tokens, eos)
+    t4 = time.perf_counter()
+    timings.update(prefill_s=t1 - t0, compress_s=t2 - t1, question_s=t3 - t2, decode_s=t4 - t3)
+    answer_ids = [t for t in new_tokens if t not in eos]
+    answer = tokenizer.decode(answer_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    return GenerationResult(
+        answer=answer,
+        token_ids=new_tokens,
+        stats=cache.stats(),
+        timings=timings,
+        context_tokens=prefix.shape[1],
+        question_tokens=rest.shape[1],
+        cache=cache,
+    )
+
+
+@torch.no_grad()
+def score(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    context: TokenInput,
+    question: TokenInput,
+    answer: TokenInput,
+    policy: Policy | str | None = None,
+    *,
+    question_position: str = "after",
+    chunk_size: int | None = None,
+    audit: bool = False,
+    mode: str = "one_forward",
+) -> ScoreResult:
+    """Teacher-forced NLL (nats) of ``answer`` given the compressed context and the question.
+
+    The NLL of token i is ``-log p(answer_i | everything before)``. ``mode="one_forward"`` (default) feeds the
+    answer in one forward after the question; ``mode="decode"`` feeds the question in one forward and then each
+    answer token as its own decode step, the forwards greedy decoding runs (:func:`teacher_forced_nll`) -- with a
+    retriever the two differ: a multi-token forward reads the archive by the retriever's ``multi_token`` rule
+    (default ``"dense"``: all of it), a decode step by its per-step rule.
+    """
+    check_teacher_forcing(mode)
+    _check(question_position, chunk_size)
+    prefix, rest = build_prompt(tokenizer, context, question)
+    if isinstance(answer, str):
+        if tokenizer is None:
+            raise ValueError("an answer given as text needs a tokenizer")
+        answer_ids = tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        answer_ids = _as_ids(answer)
+    if answer_ids.shape[1] == 0:
+        raise ValueError("answer is empty: nothing to score")
+    check_ids(model, "context", prefix, allow_empty=False)
+    check_ids(model, "question", rest)
+    check_ids(model, "answer", answer_ids)
+    check_positions(model, prefix.shape[1] + rest.shape[1] + answer_ids.shape[1],
+                    f"the prompt ({prefix.shape[1] + rest.shape[1]} tokens) and the answer ({answer_ids.shape[1]})")
+    if question_position == "before":
+        prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
+    cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
+    first_logits = prefill(model, cache, prefix, chunk_size)
+    compress(cache)
+    token_nll = teacher_forced_nll(model, cache, rest, answer_ids, first_logits, mode)
+    n_ans = answer_ids.shape[1]
+    return ScoreResult(
+        nll=float(sum(token_nll)),
+        token_nll=token_nll,
+        stats=cache.stats(),
+        answer_tokens=n_ans,
+        cache=cache,
+    )

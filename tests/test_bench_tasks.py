@@ -9,7 +9,8 @@ import re
 import pytest
 
 from kvzoo.bench import metrics
-from kvzoo.bench.haystacks import (
+from kvzoo.bench.tasks import TASKS, ByteTokenizer, TaskSpec, count_tokens, make_task
+from kvzoo.haystacks import (
     BOOK_FILE,
     HAYSTACKS,
     NOISE_SENTENCES,
@@ -17,7 +18,6 @@ from kvzoo.bench.haystacks import (
     haystack_sentences,
     split_sentences,
 )
-from kvzoo.bench.tasks import TASKS, ByteTokenizer, TaskSpec, count_tokens, make_task
 
 NEEDLE_TASKS = [t for t in TASKS if t.startswith("niah")]
 BYTES = ByteTokenizer()

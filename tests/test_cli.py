@@ -83,7 +83,7 @@ def test_run_a_task_on_a_tiny_model(capsys: pytest.CaptureFixture):
     out = capsys.readouterr().out
     assert "task     : niah_multikey/essay/500/d0.35/s0" in out
     assert "score    : 0.00 (string_match_all" in out or "score    : 1.00 (string_match_all" in out
-    assert "policy snapkv: 3 layers" in out
+    assert "rows     : of " in out and "(mean of 3 layers)" in out
 
 
 def test_run_keeps_its_default_needle_and_options(capsys: pytest.CaptureFixture):
@@ -93,6 +93,73 @@ def test_run_keeps_its_default_needle_and_options(capsys: pytest.CaptureFixture)
     out = capsys.readouterr().out
     assert "question : What is the special magic number for Lisbon?" in out
     assert "question before compression" in out
+    # one summary: every layer holds its rows alike, so no per-layer table
+    assert "layers   : all 3 hold their rows alike (--per-layer prints the table)" in out
+    assert "  layer   seen" not in out
+
+
+def _summary_lines(out: str) -> dict[str, str]:
+    return {line[:9].strip(): line[11:] for line in out.splitlines() if line[9:11] == ": "}
+
+
+def test_run_prints_one_summary_and_the_layer_table_on_request(capsys: pytest.CaptureFixture):
+    args = ["run", "--model", "tiny-llama", "--policy", "vestige", "--ratio", "4", "--context-tokens", "400",
+            "--max-new-tokens", "3"]
+    assert main(args) == 0
+    summary = _summary_lines(capsys.readouterr().out)
+    assert list(summary) == ["policy", "context", "question", "answer", "time", "rows", "fetched", "KV bytes",
+                             "counters", "layers"]
+    assert "e+" not in "".join(summary.values())  # counts and MiB, never raw floats
+    assert summary["time"].startswith("prefill ") and "decode steps" in summary["time"]
+    assert "per decode step per layer and KV group" in summary["fetched"] and "in 3 of 3 layers" in summary["fetched"]
+    assert " MiB (" in summary["KV bytes"] and "KiB/token" in summary["KV bytes"]
+    assert "rows_scanned " in summary["counters"] and "index_bytes_scanned" not in summary["counters"]
+    assert summary["layers"].startswith("all 3 hold their rows alike")
+
+    assert main([*args, "--per-layer"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = lines.index("  layer   seen  kept  archived  dropped  events  fetched  resident KiB  read MiB")
+    assert [line.split()[0] for line in lines[head + 1:]] == ["0", "1", "2"]
+
+
+def test_run_prints_the_layer_table_when_layers_differ(capsys: pytest.CaptureFixture):
+    # quest keeps its first two layers dense (dense_layers=2): those hold every row, layer 2 archives
+    assert main(["run", "--model", "tiny-llama", "--policy", "quest", "--ratio", "4", "--context-tokens", "300",
+                 "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layers   : they hold their rows differently" in out
+    table = out.split("resident KiB  read MiB\n")[1].splitlines()
+    assert [int(line.split()[2]) == int(line.split()[1]) for line in table] == [True, True, False]  # kept == seen
+
+
+def test_run_summary_counts_rows_per_kv_group_and_shares_of_the_rows_seen():
+    from kvzoo.cli import run_summary
+    from kvzoo.framework.store import CacheStats, LayerStats
+    from kvzoo.pipeline import GenerationResult
+
+    def layer(i: int) -> LayerStats:
+        # 2 KV groups, 100-byte rows, 1000 rows seen: 250 kept, 750 archived; the last step fetched 40 rows in all
+        last = {"attended_bytes_read": 2 * 250 * 100, "index_bytes_scanned": 2 * 2**20, "rows_fetched": 40,
+                "fetched_bytes": 4000, "kv_bytes_read": 2 * 250 * 100 + 2 * 2**20 + 4000}
+        return LayerStats(layer=i, seen_rows=1000, resident_rows=250, peak_resident_rows=300, resident_bytes=2**20,
+                          archived_bytes=3 * 2**20, archived_rows=750, dropped_rows=0, events=1, fetched_rows=400,
+                          kv_bytes_read=5 * 2**20, policy_info={"retrieval_steps": 10, "index_bytes_scanned": 265142000},
+                          last_step=last)
+
+    stats = CacheStats(policy={"name": "p"}, layers=[layer(0), layer(1)])
+    result = GenerationResult(answer="", token_ids=[1, 2, 3, 4, 5], stats=stats, context_tokens=990,
+                              timings={"prefill_s": 1.0, "compress_s": 0.5, "question_s": 0.25, "decode_s": 0.2},
+                              question_tokens=5, cache=None)
+    summary = _summary_lines(run_summary(result))
+    assert summary["time"] == "prefill 1.00 s, compress 0.50 s, question 0.25 s, decode 0.20 s (4 decode steps, 50.0 ms/step)"
+    assert summary["rows"] == ("of 1000 seen per layer and KV group (mean of 2 layers): kept 250 (25.0 %), "
+                               "archived 750 (75.0 %), dropped 0 (0.0 %); 2 compression events")
+    assert summary["fetched"] == ("20.0 archived rows per decode step per layer and KV group (2.0 % of the rows seen), "
+                                  "in 2 of 2 layers")
+    assert summary["KV bytes"] == ("resident 2.00 MiB (2.05 KiB/token), archived 6.00 MiB (6.14 KiB/token); "
+                                   "read 4.10 MiB per decode step (attended 0.10, index 4.00, fetched 0.01), 10.00 MiB in all")
+    assert summary["counters"] == "retrieval_steps 20"
+    assert summary["layers"] == "all 2 hold their rows alike (--per-layer prints the table)"
 
 
 def test_leaderboard_prints_the_table_and_writes_plots_then_plot_redraws(tmp_path: Path,

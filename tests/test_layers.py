@@ -1,4 +1,4 @@
-"""The layers kvzoo keeps (STYLE.md): arrows point down, no import cycle, the policy layer needs torch
+"""The layers kvzoo keeps (docs/architecture.md): arrows point down, no import cycle, the policy layer needs torch
 alone, and a dropped cache frees its memory without the cycle collector."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import kvzoo
@@ -126,6 +127,55 @@ def test_the_framework_never_imports_policies_bench_or_the_registry_beyond_the_s
         and (src, dst) not in SEAMS
     ]
     assert upward == []
+
+
+# The user layer: it uses the cache and never reaches into it; nothing below it imports it.
+USER_LAYER = ("kvzoo.bench", "kvzoo.cli", "kvzoo.demo", "kvzoo.pipeline")
+# adapters/mla.py rotates the RoPE twin's branch with refmodel.modeling.rotate_branch; issue 26's adapter
+# plugin (part 2) moves that into the twin's own registration. Listed so that no *new* edge slips in.
+FRAMEWORK_TO_REFMODEL_UNTIL_ADAPTER_PLUGINS = {("kvzoo.framework.adapters.mla", "kvzoo.refmodel.modeling")}
+
+
+def _in(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_pipeline_is_a_user_layer_module_not_a_framework_one():
+    graph = _graph()
+    assert "kvzoo.pipeline" in graph
+    assert not (PACKAGE / "framework" / "pipeline.py").exists()
+    assert not [m for m in graph if m.startswith("kvzoo.framework") and m.rpartition(".")[2] == "pipeline"]
+    # it drives the cache (framework) and is driven by bench and cli, never the other way round
+    assert not {d for d in graph["kvzoo.pipeline"] if _in(d, "kvzoo.bench", "kvzoo.cli")}
+    assert "kvzoo.pipeline" in graph["kvzoo.bench.runner"]
+
+
+def test_nothing_below_the_user_layer_imports_bench_or_the_pipeline():
+    upward = sorted(
+        (src, dst) for src, dsts in _graph().items() if src != "kvzoo" and not _in(src, *USER_LAYER)
+        for dst in dsts if _in(dst, *USER_LAYER)
+    )
+    assert upward == []
+
+
+def test_refmodel_imports_nothing_of_bench_and_loads_without_it():
+    graph = _graph()
+    refmodel = [m for m in graph if _in(m, "kvzoo.refmodel")]
+    assert len(refmodel) >= 3
+    assert [(m, d) for m in refmodel for d in graph[m] if _in(d, *USER_LAYER)] == []
+    code = ("import sys, kvzoo.refmodel.data\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('kvzoo.bench', 'kvzoo.pipeline'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_framework_module_imports_refmodel():
+    edges = {(src, dst) for src, dsts in _graph().items() if _in(src, "kvzoo.framework")
+             for dst in dsts if _in(dst, "kvzoo.refmodel")}
+    assert edges <= FRAMEWORK_TO_REFMODEL_UNTIL_ADAPTER_PLUGINS, edges - FRAMEWORK_TO_REFMODEL_UNTIL_ADAPTER_PLUGINS
+    if edges:
+        pytest.xfail(f"until the adapter plugin lands (issue 26 part 2): {sorted(edges)}")
 
 
 def test_the_policy_layer_and_kernels_import_nothing_above_them():

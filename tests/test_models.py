@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvzoo import models
-from kvzoo.bench.haystacks import filler_sentences
 from kvzoo.bench.tasks import NEEDLE, NEEDLE_VALUE, build_needle_context
+from kvzoo.haystacks import filler_sentences
 
 
 def test_tiny_llama_same_seed_same_weights_and_forward_works() -> None:

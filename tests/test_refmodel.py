@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvzoo.framework import pipeline
+from kvzoo import pipeline
 from kvzoo.framework.cache import TieredCache
 from kvzoo.models import load_model
 from kvzoo.refmodel import CHECKPOINT_DIR, KvzooMLAConfig, KvzooMLAForCausalLM

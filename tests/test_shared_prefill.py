@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from kvzoo import TieredCache, registry
+from kvzoo import TieredCache, pipeline, registry
 from kvzoo.bench import runner
 from kvzoo.bench.tasks import ByteTokenizer, TaskSpec, make_task
-from kvzoo.framework import pipeline
 from kvzoo.models import tiny_deepseek_v2
 
 SHAREABLE = {

@@ -41,8 +41,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kvzoo import registry  # noqa: E402
-from kvzoo.framework import pipeline  # noqa: E402
+from kvzoo import pipeline, registry  # noqa: E402
 from kvzoo.models import load_model  # noqa: E402
 from kvzoo.refmodel import CHECKPOINT_DIR  # noqa: E402
 from kvzoo.refmodel import data as D  # noqa: E402

@@ -4,11 +4,12 @@
     rows = run_grid(Grid(models=["smollm2-135m"], tasks=[TaskSpec("niah_single", 2000, 0.5)]), "results/my.jsonl")
     print(render(rows))
 
-Modules: ``haystacks`` (noise / book / essay text), ``tasks`` (the six RULER tasks, sized in tokens),
+Modules: ``tasks`` (the six RULER tasks, sized in tokens),
 ``metrics`` (one function per metric), ``runner`` (trials, the grid, the resumable JSONL file),
 ``executors`` (where trials run: in this process, or ``ray_executor`` on a Ray cluster),
 ``report`` (markdown tables), ``plots`` (PNG heatmap and curves). ``benchmarks/README.md``
-documents the results format and the tables.
+documents the results format and the tables. The haystack text the tasks hide needles in is
+:mod:`kvzoo.haystacks` (shared with the reference twins, below both).
 """
 
 from kvzoo.bench.report import detail_table, leaderboard_table, render

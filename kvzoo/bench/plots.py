@@ -83,38 +83,91 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position
     return path
 
 
-def score_vs_ratio(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
-    """Mean score and needle intact rate against the compression ratio, one line per policy."""
+# Each policy its own marker, so lines that coincide still show which policies they are.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+# Points of equal value at one ratio are spread vertically by at most this much in all (axis units: scores
+# and rates are in [0, 1]); the labels at the lines' right ends name every policy of a group that ties there.
+TIE_SPREAD = 0.08
+
+
+def _spread(values: dict[str, float]) -> dict[str, float]:
+    """Drawn heights for one ratio: policies with equal values are offset around it, in policy order; others stay."""
+    groups: dict[float, list[str]] = {}
+    for policy, value in values.items():
+        if value == value:  # not NaN
+            groups.setdefault(round(value, 9), []).append(policy)
+    drawn = dict(values)
+    for members in groups.values():
+        if len(members) > 1:
+            step = min(0.02, TIE_SPREAD / (len(members) - 1))
+            for k, policy in enumerate(members):
+                drawn[policy] = values[policy] + (k - (len(members) - 1) / 2) * step
+    return drawn
+
+
+def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") -> Any:
+    """The figure :func:`score_vs_ratio` writes: one line per policy, ties at a ratio offset and labelled at the end.
+
+    Policies with equal means at a ratio (five at 0.0 and three at 1.0 in ``make demo``) would otherwise draw
+    one line: each policy has its own marker, equal points are spread by up to :data:`TIE_SPREAD` around their
+    value (the legend says so), and at the last ratio a label names the policies that share a value there.
+    """
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok" and r["question_position"] == position]
     if not ok:
         raise ValueError(f"no successful trials with the question {position} compression to plot")
     ratios = ratio_order(ok)
-    fig, (ax_score, ax_intact) = plt.subplots(1, 2, figsize=(10, 4))
-    for policy in policy_order(ok):
-        mine = [r for r in ok if r["policy"] == policy]
-        for ax, key in ((ax_score, "score"), (ax_intact, "intact")):
+    policies = policy_order(ok)
+    fig, (ax_score, ax_intact) = plt.subplots(1, 2, figsize=(12, 4.2))
+    spread_any = False
+    for ax, key in ((ax_score, "score"), (ax_intact, "intact")):
+        means: dict[str, dict[float, float]] = {}
+        for policy in policies:
+            mine = [r for r in ok if r["policy"] == policy]
             if all(r.get("ratio") is None for r in mine):  # the reference: a horizontal line
                 value = _mean([float(r[key]) for r in mine if r.get(key) is not None])
                 ax.axhline(value, linestyle="--", color="gray", label=policy)
                 continue
-            xs = [x for x in ratios if any(r.get("ratio") == x for r in mine)]
-            ys = [_mean([float(r[key]) for r in mine if r.get("ratio") == x and r.get(key) is not None]) for x in xs]
-            ax.plot(xs, ys, marker="o", label=policy)
+            means[policy] = {x: _mean([float(r[key]) for r in mine if r.get("ratio") == x and r.get(key) is not None])
+                             for x in ratios if any(r.get("ratio") == x for r in mine)}
+        drawn = {x: _spread({p: m[x] for p, m in means.items() if x in m}) for x in ratios}
+        for i, (policy, by_ratio) in enumerate(means.items()):
+            xs = list(by_ratio)
+            ys = [drawn[x][policy] for x in xs]
+            spread_any = spread_any or any(y != by_ratio[x] for x, y in zip(xs, ys))
+            ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markerfacecolor="none", label=policy)
+        if ratios:  # name the policies that end on the same value
+            last = ratios[-1]
+            ends: dict[float, list[str]] = {}
+            for policy, by_ratio in means.items():
+                if last in by_ratio and by_ratio[last] == by_ratio[last]:
+                    ends.setdefault(round(by_ratio[last], 9), []).append(policy)
+            for value, members in ends.items():
+                if len(members) > 1:
+                    names = [", ".join(members[k:k + 2]) for k in range(0, len(members), 2)]
+                    ax.annotate(f"{value:.2f}: " + ",\n".join(names), (last, value), xytext=(8, 0),
+                                textcoords="offset points", va="center", fontsize=7, annotation_clip=False)
     for ax, label in ((ax_score, "string-match score"), (ax_intact, "needle intact rate (ΔNLL < 1 nat)")):
         ax.set_xscale("log", base=2)
         if ratios:
             ax.set_xticks(ratios, [f"{x:g}x" for x in ratios])
-        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylim(-0.05 - TIE_SPREAD / 2, 1.05 + TIE_SPREAD / 2)
         ax.set_xlabel("compression ratio")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    ax_score.legend(fontsize=8)
+    ax_score.legend(fontsize=8, title=f"equal points offset ±{TIE_SPREAD / 2:g}" if spread_any else None, title_fontsize=7)
     fig.suptitle(f"question {position} compression", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def score_vs_ratio(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
+    """Mean score and needle intact rate against the compression ratio, one line per policy (a PNG at ``path``)."""
+    plt = _pyplot()
+    fig = score_vs_ratio_figure(rows, position=position)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

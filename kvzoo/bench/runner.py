@@ -71,15 +71,15 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None
 
+from kvzoo import pipeline
 from kvzoo.bench import metrics
 from kvzoo.bench.executors import EXECUTORS, Executor, LocalExecutor, TrialGroup, Work
 from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
-from kvzoo.framework import pipeline
 from kvzoo.framework.cache import TieredCache, dense_prefill_problem
 from kvzoo.framework.names import policy_retriever
-from kvzoo.framework.pipeline import QUESTION_POSITIONS, build_prompt
 from kvzoo.framework.policy import Policy
+from kvzoo.pipeline import QUESTION_POSITIONS, build_prompt
 
 RESULTS_DIR = Path("results")
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from kvzoo.bench.haystacks import ALL_HAYSTACKS, filler_sentences, haystack_sentences, vocabulary
+from kvzoo.haystacks import ALL_HAYSTACKS, filler_sentences, haystack_sentences, vocabulary
 
 # --- task table ----------------------------------------------------------------------------------
 

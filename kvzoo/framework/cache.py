@@ -1,6 +1,6 @@
 """``TieredCache``: a transformers ``Cache`` that wires a layer store, a model adapter and the runtime.
 
-Per layer and sequence, every row ever appended is in exactly one place (DESIGN.md §1): the
+Per layer and sequence, every row ever appended is in exactly one place (docs/architecture.md): the
 **attended tier** -- what every step attends to, whose storage really shrinks at a compression
 event -- or the **archive** (evicted rows, bit-exact; or dropped and counted with
 ``archive=False``). The rows live in a :class:`~kvzoo.framework.store.LayerStore` per layer, a

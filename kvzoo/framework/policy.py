@@ -7,7 +7,7 @@ tensors in a :class:`RowsView`, so a selector can be called from any runtime -- 
 kvpress's pipeline in an environment that pins an older transformers -- without touching a cache
 object. This module imports torch alone.
 
-Vocabulary (DESIGN.md §1):
+Vocabulary (docs/architecture.md):
 
 * a *row* is one token's entry for one KV group: on GQA models the key and value of one KV head,
   on MLA models the 576-dim latent ``[c ; r]`` shared by all heads (one group per layer);
@@ -133,7 +133,7 @@ class Policy(ABC):
       sets neither);
     * ``archive`` -- True: evicted rows go to the bit-exact archive; False: they are dropped and
       counted;
-    * ``retriever`` -- the retriever over the archive (DESIGN.md §2): a registered name, a
+    * ``retriever`` -- the retriever over the archive (docs/row-life.md): a registered name, a
       ``Retriever`` object, or None. Names are resolved by the registry (an unknown one is refused
       there, with the valid names).
     """

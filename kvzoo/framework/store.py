@@ -1,6 +1,6 @@
 """One layer's rows: the attended tier, the archive, per-row statistics, and what they count.
 
-Per layer and sequence, every row ever appended is in exactly one place (DESIGN.md §1): the
+Per layer and sequence, every row ever appended is in exactly one place (docs/architecture.md): the
 **attended tier** (what every step attends to) or the **archive** (evicted rows, bit-exact, with
 their slots); with eviction to nowhere (``archive=False``) a row is dropped and counted. The store
 appends rows, keeps the rows it is told to keep, hands back the others, and reports; which rows

@@ -53,7 +53,7 @@ class StreamingLLM(Policy):
 
     * the reference re-assigns positions inside the cache (it rotates keys at their cache index);
       kvzoo keeps every key rotated at its original position and decodes at the true sequence
-      length, as DESIGN.md §3 requires for all policies;
+      length, as docs/architecture.md requires of all policies;
     * when eviction happens: the reference's example script evicts *before* a prompt's forward
       (``evict_for_space(past_key_values, prompt_len + max_gen_len)`` makes room for the prompt and the
       whole generation at once, so no decode step reads more than ``budget`` rows); kvzoo evicts *after*

@@ -65,7 +65,7 @@ class Vestige(Policy):
     ``"key"`` the key (GQA). ``cache.stats()`` reports ``selector_bytes_read`` and
     ``selector_rows_read``: the bytes of the rows the selector read.
 
-    Defaults and where they come from: ``block_size=8192`` (the issue/DESIGN default: blocks of
+    Defaults and where they come from: ``block_size=8192`` (VestigeKV's blocks of
     T tokens); ``sinks=4`` (StreamingLLM's sink count, as the paper keeps 4 sinks); ``kappa=8``
     low-frequency bins removed and ``recent=32`` are kvzoo's choices (no value is fixed in the
     design we follow); ``retriever="vestige"`` (the certified sketch; ``retriever=None`` is
@@ -81,7 +81,7 @@ class Vestige(Policy):
 
     name: ClassVar[str] = "vestige"
     summary: ClassVar[str] = "branch-σ salience per closed block (question-free) + certified sketch recall tier"
-    paper: ClassVar[str] = "VestigeKV (kvzoo's DESIGN.md §2, paper §4.1-4.2)"
+    paper: ClassVar[str] = "VestigeKV (paper §4.1-4.2; kvzoo's docs/fidelity.md)"
     schedule: ClassVar[str] = "block"
 
     def validate(self) -> None:
@@ -144,7 +144,7 @@ class Vestige(Policy):
 
 @dataclass
 class VestigeRetriever(Retriever):
-    """The certified sketch index over archived rows (paper §4.2; DESIGN.md §2).
+    """The certified sketch index over archived rows (paper §4.2; docs/fidelity.md).
 
     Per archived row u: ``(r_u, z_u = V_r^T c_u, eta_u = ||(I - V_r V_r^T) c_u||)`` with V_r an
     orthonormal rank-``rank`` basis of the content latents, fitted per sequence and layer (per KV

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvzoo.haystacks import haystack_sentences
+
 VOCAB_SIZE = 256
 PAD, BOS, QUERY, NEEDLE = 0, 1, 2, 3
 KEYS = tuple(range(4, 68))  # 64 key symbols
@@ -28,7 +30,7 @@ NOISE = tuple(range(132, 256))  # 124 filler symbols
 SHARED = tuple(range(4, 256))  # the harder variant: keys, values and filler share one vocabulary
 IGNORE = -100
 
-# Curriculum (FACTS.md): start short with few pairs, advance at >= 95 % held-out accuracy.
+# Curriculum (docs/environment.md): start short with few pairs, advance at >= 95 % held-out accuracy.
 CURRICULUM: tuple[tuple[int, int], ...] = ((64, 4), (64, 8), (128, 8), (256, 8), (256, 16), (512, 16))
 TASKS = ("recall", "shared", "needle_text")
 
@@ -158,9 +160,7 @@ def text_ids(text: str) -> list[int]:
 
 
 def needle_text_example(rng: random.Random, length: int, n_needles: int, haystack: str = "book") -> Example:
-    """RULER multi-key NIAH on character-level text from :mod:`kvzoo.bench.haystacks` (``length`` in all)."""
-    from kvzoo.bench.haystacks import haystack_sentences
-
+    """RULER multi-key NIAH on character-level text from :mod:`kvzoo.haystacks` (``length`` in all)."""
     context_len = length - 2
     body_len = context_len - 1 - 3 * n_needles
     sentences = haystack_sentences(haystack, seed=rng.randrange(1 << 30))

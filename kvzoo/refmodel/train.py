@@ -1,4 +1,4 @@
-"""Training of the reference twins (FACTS.md's measured recipe); CLI in ``benchmarks/refmodels/train.py``.
+"""Training of the reference twins (the measured recipe, docs/environment.md); CLI in ``benchmarks/refmodels/train.py``.
 
 One arm per process (``torch.set_num_threads(1)`` by default, so two arms train side by side on
 two cores). Same seed -> same initial weights for both arms (``rope_branch`` adds no parameter)

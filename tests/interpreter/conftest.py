@@ -2,7 +2,7 @@
 
 Run as its own process: ``TRITON_INTERPRET=1 python -m pytest tests/interpreter`` (``make test`` does).
 Sizes are toys with every ``tl.dot`` dimension >= 16 (the real compiler's minimum); bf16 is not
-tested here (the interpreter computes it wrong, ../shared/FACTS.md), fp32 and fp16 are.
+tested here (the interpreter computes it wrong, docs/environment.md), fp32 and fp16 are.
 """
 
 from __future__ import annotations

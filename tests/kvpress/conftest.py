@@ -29,9 +29,9 @@ except ImportError as err:  # said loudly: these tests exist to run with kvpress
 from transformers import DynamicCache  # noqa: E402
 
 from kvzoo import pipeline  # noqa: E402
-from kvzoo.bench.haystacks import book_text_sentences  # noqa: E402
 from kvzoo.framework.cache import TieredCache  # noqa: E402
 from kvzoo.framework.policy import Policy  # noqa: E402
+from kvzoo.haystacks import book_text_sentences  # noqa: E402
 
 
 @torch.no_grad()

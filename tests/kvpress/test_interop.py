@@ -49,7 +49,7 @@ def pipe(smol):
 @pytest.fixture(scope="module")
 def context(smol) -> str:
     """About 600 tokens of public-domain text."""
-    from kvzoo.bench.haystacks import book_text_sentences
+    from kvzoo.haystacks import book_text_sentences
 
     _, tokenizer = smol
     ids = tokenizer(" ".join(book_text_sentences()), add_special_tokens=False).input_ids[:600]

@@ -213,7 +213,7 @@ def test_an_open_block_is_said_in_stats_and_the_cli_closes_it(tiny, capsys):
     assert _cli(["run", "--model", "tiny-llama", "--policy", "vestige", "--ratio", "8", "--context-tokens", "300",
                  "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
-    assert "events 3," in out and "no block has closed" not in out
+    assert "; 3 compression events" in out and "no block has closed" not in out
 
 
 def test_a_model_directory_without_config_json_exits_2_naming_what_is_valid(tmp_path, capsys):

@@ -4,7 +4,7 @@ Three kinds, after RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654):
 
 * ``"noise"`` -- RULER's repeated noise: "The grass is green. The sky is blue. The sun is yellow.
   Here we go. There and back again." over and over (the seed does not change it);
-* ``"book"`` -- natural English from public-domain works shipped in ``data/public_domain.txt``
+* ``"book"`` -- natural English from public-domain works shipped in ``kvzoo/data/public_domain.txt``
   (Austen, Melville, Dickens, Lincoln, the US Constitution; sources cited in the file), read
   sentence by sentence from a seeded starting sentence and wrapping around at the end;
 * ``"essay"`` -- essay-like prose generated from templates (RULER uses Paul Graham's essays, which
@@ -15,6 +15,9 @@ Plus ``"town"``, the varied town-life filler of the original ``make demo`` needl
 
 No stream contains a number of three or more digits, the words "magic" or "VAR", so nothing in a
 haystack competes with a needle.
+
+A data module below both of its users, the benchmark tasks (:mod:`kvzoo.bench.tasks`) and the reference
+twins' character-level needles (:mod:`kvzoo.refmodel.data`); it imports nothing of kvzoo.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 HAYSTACKS: tuple[str, ...] = ("noise", "book", "essay")
 ALL_HAYSTACKS: tuple[str, ...] = (*HAYSTACKS, "town")
-BOOK_FILE = Path(__file__).with_name("data") / "public_domain.txt"
+BOOK_FILE = Path(__file__).with_name("data") / "public_domain.txt"  # kvzoo/data/
 
 # RULER's noise haystack (its "repeat" haystack), one sentence at a time.
 NOISE_SENTENCES: tuple[str, ...] = (
