@@ -152,11 +152,13 @@ def test_quest_press_honours_compression_ratio_with_the_pages_quest_ranks_first(
 
 
 def test_quest_press_keeps_more_than_the_runtime_attends(tiny, tiny_ids, kv):
-    """kvzoo's runtime attends to Quest's current page and fetches pages every decode step; the press, which cannot
-    fetch, keeps the budget at the context's end."""
-    policy = registry.get("quest", ratio=5, retriever=None, dense_layers=0)
-    assert [r.shape[2] for r in kv.zoo_rows(tiny, tiny_ids, policy)] == [16] * 3
-    assert [r.shape[2] for r in kv.press_rows(tiny, tiny_ids, to_press(policy, prefill_only=True))] == [80] * 3
+    """kvzoo's runtime attends to Quest's sinks (``rule="eval"``: none by default, every other row competes from the
+    index) or to its current page (``rule="kernel"``) and fetches pages every decode step; the press, which cannot
+    fetch, keeps the budget at the context's end under either rule."""
+    for rule, attended in (("eval", 0), ("kernel", 16)):
+        policy = registry.get("quest", ratio=5, retriever=None, dense_layers=0, rule=rule)
+        assert [r.shape[2] for r in kv.zoo_rows(tiny, tiny_ids, policy)] == [attended] * 3, rule
+        assert [r.shape[2] for r in kv.press_rows(tiny, tiny_ids, to_press(policy, prefill_only=True))] == [80] * 3
 
 
 @pytest.mark.parametrize(("name", "overrides", "ratio"), [("chunkkv", {"window": 20}, 4), ("quest", {"page_size": 20}, 4)])
