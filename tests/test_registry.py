@@ -54,7 +54,7 @@ def make_plugin(*classes: object) -> types.SimpleNamespace:
 class ImpostorKeepFirst(Policy):
     name: ClassVar[str] = "keep_first"
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -62,13 +62,13 @@ class ImpostorKeepFirst(Policy):
 class ImpostorFull(Policy):
     name: ClassVar[str] = "full"
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         raise NotImplementedError
 
 
 @dataclass
 class Nameless(Policy):
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -245,7 +245,7 @@ def test_plugin_cannot_take_a_builtin_name():
         ([Full()], r"plugin 'bad'.*returned Full\(.*\), which is not a Policy subclass"),
         ([Nameless], r"plugin 'bad'.*test_registry:Nameless has no name"),
         ([Policy], r"plugin 'bad'.*has no name"),
-        ([Unfinished], r"plugin 'bad'.*policy 'unfinished' .*does not implement select"),
+        ([Unfinished], r"plugin 'bad'.*policy 'unfinished' .*does not implement priority"),
     ],
 )
 def test_malformed_plugin_is_rejected_by_name(returned: list, expected: str):

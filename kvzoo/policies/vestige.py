@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvzoo.framework.buffers import RowStore
-from kvzoo.framework.policy import Policy, RowsView, forced_priority, recent_and_sinks, require_int, top_rows
+from kvzoo.framework.policy import Policy, RowsView, forced_priority, recent_and_sinks, require_int
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.index_scan import index_scan, index_scan_reduce, sketch_entries, sketch_query
 
@@ -137,9 +137,6 @@ class Vestige(Policy):
         recent = min(self.recent, block_keep // 2)
         forced[:, :, start:] |= recent_and_sinks(rows.valid[:, :, start:], 0, recent)  # the block's latest rows
         return forced_priority(scores, forced, rows.valid)
-
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        return top_rows(self.priority(rows, keep), keep)
 
 
 @dataclass
