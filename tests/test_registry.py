@@ -77,6 +77,18 @@ class Unfinished(Policy):
     name: ClassVar[str] = "unfinished"
 
 
+@dataclass
+class MisObserving(ImpostorKeepFirst):
+    name: ClassVar[str] = "misobserving"
+    observes: ClassVar[frozenset[str]] = frozenset({"windows"})  # a typo of "window"
+
+
+@dataclass
+class ObservingText(ImpostorKeepFirst):
+    name: ClassVar[str] = "observing_text"
+    observes: ClassVar[str] = "window"  # a string, not a set of observations
+
+
 # --- built-ins -----------------------------------------------------------------------------------
 
 
@@ -246,6 +258,9 @@ def test_plugin_cannot_take_a_builtin_name():
         ([Nameless], r"plugin 'bad'.*test_registry:Nameless has no name"),
         ([Policy], r"plugin 'bad'.*has no name"),
         ([Unfinished], r"plugin 'bad'.*policy 'unfinished' .*does not implement priority"),
+        ([MisObserving], r"plugin 'bad'.*policy 'misobserving' observes 'windows', which the runtime does not record; "
+                         r"valid observations: window, accumulate, inputs"),
+        ([ObservingText], r"policy 'observing_text': observes must be a frozenset of observations"),
     ],
 )
 def test_malformed_plugin_is_rejected_by_name(returned: list, expected: str):
