@@ -221,16 +221,16 @@ def test_reuse_calls_the_scorer_on_ceil_layers_over_reuse(tiny, tiny4, monkeypat
 def test_a_reusing_layer_computes_no_window_attention(tiny, tiny4, monkeypatch, layers, reuse, computed):
     """The window attention (what the runtime computes when a selector asks) runs on the scoring layers only: a
     reusing layer's checks read lengths. Counted at the one function that computes it."""
-    import kvzoo.framework.runtime as runtime
+    import kvzoo.framework.policy as policy_layer  # the one RowsView builder, observed_rows, computes it there
 
     calls = []
-    real = runtime.window_attention
+    real = policy_layer.window_attention
 
     def counting(queries, q_slots, keys, slots, valid, scaling):
         calls.append(keys.shape[2])
         return real(queries, q_slots, keys, slots, valid, scaling)
 
-    monkeypatch.setattr(runtime, "window_attention", counting)
+    monkeypatch.setattr(policy_layer, "window_attention", counting)
     model = tiny4 if layers == 4 else tiny
     cache, _ = run_context(model, ChunkKV(ratio=4, reuse=reuse))
     assert len(calls) == len(computed) == math.ceil(layers / reuse)

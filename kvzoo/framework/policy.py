@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from kvzoo.framework.retriever import Retriever
+from kvzoo.kernels.attention import window_attention
 
 Event = Literal["context_end", "step", "block"]
 LAYOUTS: tuple[str, ...] = ("gqa", "mla")
@@ -79,6 +80,35 @@ def observations(observes: Iterable[Any], who: str = "a policy") -> frozenset[Ob
             raise ValueError(f"{who} observes {what!r}, which the runtime does not record; valid observations: "
                              f"{', '.join(valid)} (kvzoo.framework.policy.Observation)") from None
     return frozenset(out)
+
+
+@dataclass
+class Counters:
+    """Numbers a policy counts for one layer (int or float fields, zero by default): subclass it, and hand one to
+    :meth:`RowsView.count`; ``cache.stats()`` reports them in ``policy_info``, and the results rows carry them."""
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class AttentionInputs:
+    """What an attention layer was given for some rows (the ``inputs`` observation)."""
+
+    module: Any  # the attention module (torch.nn.Module)
+    hidden_states: torch.Tensor  # [B, n, d], its input
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE (cos, sin), [B, n, dh] each
+
+
+@dataclass
+class WindowQueries:
+    """The observation window's source: the latest ``size`` queries of a layer, the last at slot ``end - 1``;
+    ``queries()`` gives them ``[B, H, size, D]``, called only when a selector reads the window."""
+
+    size: int
+    end: int
+    scaling: float
+    queries: Callable[[], torch.Tensor]
 
 
 @dataclass
@@ -112,17 +142,22 @@ class RowsView:
     row_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # cross-layer scratch of this policy on this cache (ChunkKV's index reuse); plain dict.
     shared: dict[str, Any] = field(default_factory=dict)
-    # per-layer counters the policy reports; the runtime shows them in cache.stats() (int/float values)
+    # the layer's counters, the policy's and the retriever's, by name: what cache.stats() reports in policy_info.
+    # A policy adds its own with count(Counters)
     info: dict[str, float] = field(default_factory=dict)
-    # what the attention layer was given for the rows since the layer's last event, for a policy that runs the
-    # model's own code on it (a kvpress press: kvzoo.integrations.kvpress): "module" (the attention module),
-    # "hidden_states" [B, n, d] (its input), "position_embeddings" ((cos, sin), [B, n, dh] each). Empty unless the
-    # policy observes "inputs"; recorded on GQA models, until the context ends.
-    inputs: dict[str, Any] = field(default_factory=dict)
+    # what the attention layer was given for the rows since the layer's last event (AttentionInputs), for a policy
+    # that runs the model's own code on it (a kvpress press: kvzoo.integrations.kvpress). None unless the policy
+    # observes "inputs" (recorded on GQA models, until the context ends) or a kvpress press hands them over.
+    inputs: AttentionInputs | None = None
 
     @property
     def num_rows(self) -> int:
         return self.keys.shape[2]
+
+    def count(self, counters: Counters) -> None:
+        """Add ``counters`` to the layer's (``info``)."""
+        for name, value in counters.as_dict().items():
+            self.info[name] = self.info.get(name, 0) + value
 
     def observed_window(self) -> torch.Tensor | None:
         """The observation-window attention ``[B, H, w, N]`` (computed on first use, then kept)."""
@@ -147,6 +182,22 @@ class RowsView:
         if window is None:
             return 0
         return window.shape[1] // self.keys.shape[1]
+
+
+def observed_rows(policy: Policy, keys: torch.Tensor, values: torch.Tensor | None, slots: torch.Tensor,
+                  valid: torch.Tensor, *, window: WindowQueries | None = None, **where: Any) -> RowsView:
+    """The one builder of a :class:`RowsView` (kvzoo's runtime and the kvpress bridge): the rows, what ``policy``
+    observes of them, and ``where`` (the other :class:`RowsView` fields). The window attention -- the ``window``
+    queries' fp32 softmax over the rows, causal by slot -- is wired only for a policy observing the window, and
+    computed on first read."""
+    window_fn = None
+    if window is not None and window.size > 0 and Observation.WINDOW in policy.observes:
+        def window_fn() -> torch.Tensor:  # [B, H, w, N]
+            q_slots = torch.arange(window.end - window.size, window.end, device=keys.device)
+            return window_attention(window.queries(), q_slots, keys, slots, valid, window.scaling)
+
+    return RowsView(keys=keys, values=values, slots=slots, valid=valid, window_fn=window_fn,
+                    window_queries=window.size if window_fn is not None else 0, **where)
 
 
 @dataclass

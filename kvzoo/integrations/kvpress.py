@@ -57,7 +57,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, forced_priority
+from kvzoo.framework.policy import Observation, Policy, RowsView, forced_priority
 from kvzoo.framework.retriever import Retriever
 
 KVPRESS_VERSION = "0.5.5"
@@ -229,7 +229,7 @@ class KvpressPolicy(Policy):
     """
 
     press_class: ClassVar[type] = object
-    observes: ClassVar[frozenset[str]] = frozenset({"inputs"})
+    observes: ClassVar[frozenset[Observation]] = frozenset({Observation.INPUTS})
     layouts: ClassVar[tuple[str, ...]] = ("gqa",)
     paper: ClassVar[str] = "https://github.com/NVIDIA/kvpress"
 
@@ -272,8 +272,8 @@ class KvpressPolicy(Policy):
 
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         inputs = rows.inputs
-        module = inputs.get("module")
-        hidden_states = inputs.get("hidden_states")
+        module = inputs.module if inputs is not None else None
+        hidden_states = inputs.hidden_states if inputs is not None else None
         n = rows.num_rows
         if module is None or hidden_states is None or hidden_states.shape[1] != n:
             seen = "none" if hidden_states is None else f"{hidden_states.shape[1]} tokens' worth"
@@ -286,7 +286,7 @@ class KvpressPolicy(Policy):
             raise ValueError(f"{self.name}: kvpress presses assume unpadded sequences; run one sequence at a time")
         kwargs = {
             "hidden_states": hidden_states,
-            "position_embeddings": inputs.get("position_embeddings"),
+            "position_embeddings": inputs.position_embeddings,
             "cache_position": torch.arange(n, device=rows.keys.device),
             "attention_mask": None,
         }

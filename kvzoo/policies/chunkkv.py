@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from kvzoo.framework.policy import (
+    Counters,
     RowsView,
     WindowPolicy,
     require_int,
@@ -25,6 +26,13 @@ from kvzoo.framework.policy import (
 PRIORITY_KEY = "chunkkv_priority"
 TILINGS = ("paper", "kvpress")
 
+
+@dataclass
+class ReuseCounts(Counters):
+    """What a layer did at its event (``cache.stats()`` sums them: how many layers did each)."""
+
+    chunkkv_scored: int = 0  # 1: it scored its rows
+    chunkkv_reused: int = 0  # 1: it kept the slots its reuse group's first layer kept
 
 
 @dataclass
@@ -99,8 +107,8 @@ class ChunkKV(WindowPolicy):
     keeps the budget exactly, cutting the last chunk taken), and it takes batch element 0's chunks for
     the whole batch (kvzoo chooses per sequence).
 
-    A reusing layer reads nothing it does not need: the slots its group's first layer kept and its own slots
-    (to find those rows). It computes no window attention -- the runtime computes a layer's window attention
+    A reusing layer reads nothing it does not need: the row scores its group's first layer stored with their slots,
+    and its own slots (which must be the same). It computes no window attention -- the runtime computes a layer's window attention
     only when the selector asks for it, and the check that the window fits in the budget reads lengths alone
     (:meth:`~kvzoo.framework.policy.RowsView.window_size`); ``tests/test_chunkkv.py`` counts the calls
     (``ceil(num_layers / reuse)``). Measured on SmolLM2-135M (README, "ChunkKV's layer-wise index reuse"):
@@ -145,7 +153,7 @@ class ChunkKV(WindowPolicy):
         if rank == first:  # the first layer of its reuse group: score
             priority = self._row_priority(rows)
             rows.shared.setdefault(PRIORITY_KEY, {})[rank] = (rows.slots[:, 0].clone(), priority, rows.layer_idx)
-            rows.info.update(chunkkv_scored=1, chunkkv_reused=0)
+            rows.info.update(ReuseCounts(chunkkv_scored=1).as_dict())
             return priority[:, None, :].expand(B, G, N)
         stored = rows.shared.get(PRIORITY_KEY, {}).get(first)
         if stored is None or not torch.equal(stored[0], rows.slots[:, 0]):
@@ -155,7 +163,7 @@ class ChunkKV(WindowPolicy):
                 "layer scored no rows with these slots at this event; index reuse needs all layers to hold the same "
                 "rows and to be compressed in order 0..L-1 at each event -- use reuse=1 otherwise"
             )
-        rows.info.update(chunkkv_scored=0, chunkkv_reused=1)
+        rows.info.update(ReuseCounts(chunkkv_reused=1).as_dict())
         return stored[1][:, None, :].expand(B, G, N)
 
     def _row_priority(self, rows: RowsView) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, forced_priority, latest_valid
+from kvzoo.framework.policy import Observation, Policy, RowsView, forced_priority, latest_valid
 
 
 @dataclass
@@ -62,7 +62,7 @@ class H2O(Policy):
     name: ClassVar[str] = "h2o"
     summary: ClassVar[str] = "heavy hitters by accumulated attention + recent rows, one in one out per step"
     paper: ClassVar[str] = "https://arxiv.org/abs/2306.14048"
-    observes: ClassVar[frozenset[str]] = frozenset({"accumulate"})
+    observes: ClassVar[frozenset[Observation]] = frozenset({Observation.ACCUMULATE})
     schedule: ClassVar[str] = "step"
 
     def validate(self) -> None:
