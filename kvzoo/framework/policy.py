@@ -65,6 +65,12 @@ class Observation(str, Enum):
     # forward summed, over the query heads of its group too
     INPUTS = "inputs"  # RowsView.inputs: the attention module and its input hidden states (GQA models)
 
+    def __str__(self) -> str:  # messages name an observation as a policy writes it: accumulate, ['accumulate']
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
 
 def observations(observes: Iterable[Any], who: str = "a policy") -> frozenset[Observation]:
     """``observes`` as :class:`Observation` members; ValueError naming the valid ones for anything else."""
