@@ -200,7 +200,7 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
 
 def _policy_classes(result: object, where: str) -> list[type[Policy]]:
     """Check what one plugin's ``kvzoo_policies()`` returned; the classes, in order."""
-    from kvzoo.framework.policy import LAYOUTS, Policy
+    from kvzoo.framework.policy import LAYOUTS, Policy, observations
 
     if result is None:
         return []
@@ -225,6 +225,10 @@ def _policy_classes(result: object, where: str) -> list[type[Policy]]:
             raise RegistryError(
                 f"{where}: policy {cls.name!r} has layouts={cls.layouts!r}; use a non-empty subset of {LAYOUTS}"
             )
+        try:
+            observations(cls.observes, f"{where}: policy {cls.name!r}")
+        except ValueError as exc:
+            raise RegistryError(str(exc)) from None
         if cls not in classes:
             classes.append(cls)
     return classes

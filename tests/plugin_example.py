@@ -23,9 +23,8 @@ class KeepFirst(Policy):
     summary: ClassVar[str] = "keep the first rows (test plugin)"
     layouts: ClassVar[tuple[str, ...]] = ("gqa",)
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        batch, groups = rows.valid.shape[:2]
-        return torch.arange(keep, device=rows.valid.device).expand(batch, groups, keep)  # [B, G, keep]
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        return -torch.arange(rows.num_rows, dtype=torch.float32, device=rows.valid.device).expand(rows.valid.shape)
 
 
 @kvzoo.registry.hookimpl

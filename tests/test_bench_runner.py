@@ -228,9 +228,8 @@ class CappedRatio(Policy):
         if self.ratio is not None and self.ratio > 3:
             raise ValueError(f"ratio must be <= 3 for capped_ratio, got {self.ratio}")
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        n = rows.num_rows
-        return torch.arange(n - keep, n).expand(*rows.valid.shape[:2], keep)
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        return torch.arange(rows.num_rows, dtype=torch.float32).expand(rows.valid.shape)  # the latest rows stay
 
 
 @dataclass
@@ -238,7 +237,7 @@ class Broken(CappedRatio):
     name: ClassVar[str] = "broken"
     summary: ClassVar[str] = "test: fails at compression"
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         raise RuntimeError("selector exploded")
 
 

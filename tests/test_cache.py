@@ -8,7 +8,7 @@ import torch
 
 from kvzoo import TieredCache, registry
 from kvzoo.framework.cache import TieredLayer
-from kvzoo.framework.policy import Policy, RowsView, sorted_keep
+from kvzoo.framework.policy import Policy, RowsView
 from kvzoo.policies.full import Full
 from kvzoo.policies.streaming_llm import StreamingLLM
 from tests.greedy import assert_same_greedy, generated_logits
@@ -25,10 +25,9 @@ class RandomKeep(Policy):
     def schedule(self) -> str:
         return "step"
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed + rows.num_rows)
-        noise = torch.rand(rows.slots.shape, generator=g)
-        return sorted_keep(noise.topk(keep, dim=-1).indices)
+        return torch.rand(rows.slots.shape, generator=g)
 
 
 def _generate(model, ids, cache=None, n=20, mask=None):

@@ -230,3 +230,17 @@ def test_a_dropped_cache_is_freed_without_the_cycle_collector(tiny):
     finally:
         gc.enable()
     assert growth < 50, f"RSS grew {growth:.0f} MiB over 200 dropped caches"
+
+
+def test_a_policy_writes_one_method_and_the_readme_example_writes_only_that():
+    """Policy's one abstract method is priority (the rule as a score read by slot); select and step_victim derive
+    from it. The README's example policy, registered from outside the package (tests/test_readme_example.py runs
+    it), writes that method and no other."""
+    from kvzoo.framework.policy import Policy
+    from tests.test_readme_example import _example_source
+
+    assert Policy.__abstractmethods__ == {"priority"}
+    classes = [node for node in ast.parse(_example_source()).body if isinstance(node, ast.ClassDef)]
+    assert len(classes) == 1
+    methods = [node.name for node in classes[0].body if isinstance(node, ast.FunctionDef)]
+    assert methods == ["priority"]

@@ -54,7 +54,7 @@ def make_plugin(*classes: object) -> types.SimpleNamespace:
 class ImpostorKeepFirst(Policy):
     name: ClassVar[str] = "keep_first"
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -62,19 +62,31 @@ class ImpostorKeepFirst(Policy):
 class ImpostorFull(Policy):
     name: ClassVar[str] = "full"
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         raise NotImplementedError
 
 
 @dataclass
 class Nameless(Policy):
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         raise NotImplementedError
 
 
 @dataclass
 class Unfinished(Policy):
     name: ClassVar[str] = "unfinished"
+
+
+@dataclass
+class MisObserving(ImpostorKeepFirst):
+    name: ClassVar[str] = "misobserving"
+    observes: ClassVar[frozenset[str]] = frozenset({"windows"})  # a typo of "window"
+
+
+@dataclass
+class ObservingText(ImpostorKeepFirst):
+    name: ClassVar[str] = "observing_text"
+    observes: ClassVar[str] = "window"  # a string, not a set of observations
 
 
 # --- built-ins -----------------------------------------------------------------------------------
@@ -245,7 +257,10 @@ def test_plugin_cannot_take_a_builtin_name():
         ([Full()], r"plugin 'bad'.*returned Full\(.*\), which is not a Policy subclass"),
         ([Nameless], r"plugin 'bad'.*test_registry:Nameless has no name"),
         ([Policy], r"plugin 'bad'.*has no name"),
-        ([Unfinished], r"plugin 'bad'.*policy 'unfinished' .*does not implement select"),
+        ([Unfinished], r"plugin 'bad'.*policy 'unfinished' .*does not implement priority"),
+        ([MisObserving], r"plugin 'bad'.*policy 'misobserving' observes 'windows', which the runtime does not record; "
+                         r"valid observations: window, accumulate, inputs"),
+        ([ObservingText], r"policy 'observing_text': observes must be a frozenset of observations"),
     ],
 )
 def test_malformed_plugin_is_rejected_by_name(returned: list, expected: str):

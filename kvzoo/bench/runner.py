@@ -79,6 +79,7 @@ from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
 from kvzoo.framework.cache import TieredCache, dense_prefill_problem
 from kvzoo.framework.names import policy_retriever
 from kvzoo.framework.policy import Policy
+from kvzoo.framework.store import LayerStats
 from kvzoo.pipeline import QUESTION_POSITIONS, build_prompt
 
 RESULTS_DIR = Path("results")
@@ -531,10 +532,9 @@ def run_trial(
     return row
 
 
-_STAT_FIELDS = {
-    "seen_rows", "resident_rows", "peak_resident_rows", "resident_bytes", "archived_rows", "archived_bytes",
-    "dropped_rows", "events", "fetched_rows",
-}
+# the cache's own counters, carried by name above (LayerStats, so a renamed counter cannot leak into policy_info);
+# kv_bytes_read has always been carried in policy_info too, and stays there so that results files compare
+_STAT_FIELDS = set(LayerStats.counters()) - {"kv_bytes_read"}
 
 
 def add_reference(row: dict[str, Any], reference: Reference | None) -> None:

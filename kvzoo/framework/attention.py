@@ -212,7 +212,7 @@ def _multi(
     """A multi-token forward over ``rows``: ``[B, H, q, Dv]``."""
     q_slots = _query_slots(state, query.shape[2], query.device)
     extra = _window_mask(rt, state, rows, query.shape[2], rows.valid.shape[1]) if query.shape[2] > 1 else None
-    if "accumulate" in rt.policy.observes:
+    if rt.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                         column_sums=True, extra_mask=extra)
         stat = state.store.get("stat:attention")  # [B, G, n]; MLA's per-head rows sum into their one group

@@ -173,8 +173,6 @@ class DecodeGraph:
     # --- when a step may replay -----------------------------------------------------------------------
     def step_kind(self) -> tuple | None:
         """What the next decode step does per layer, from host counters alone (None: an event, run it eagerly)."""
-        from kvzoo.framework.policy import Policy
-
         runtime = self.cache.runtime
         policy = runtime.policy
         kinds = []
@@ -191,8 +189,8 @@ class DecodeGraph:
                     target = policy.target_rows("step", budget=state.budget, resident=n,
                                                 block_rows=min(store.since_event + 1, n), seen=seen)
                     if target is not None and target < n:
-                        if target != n - 1 or type(policy).step_victim is Policy.step_victim:
-                            return None  # a selection over the tier (no one-in-one-out victim rule)
+                        if target != n - 1:
+                            return None  # a selection over the tier (not one in, one out)
                         fate = "one"
                         if store.archive.n + 1 > store.archive.capacity:
                             return None  # the archive grows

@@ -42,17 +42,79 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
 from kvzoo.framework.retriever import Retriever
+from kvzoo.kernels.attention import window_attention
 
 Event = Literal["context_end", "step", "block"]
 LAYOUTS: tuple[str, ...] = ("gqa", "mla")
+
+
+class Observation(str, Enum):
+    """What a policy may ask the runtime to record for it (``Policy.observes``); a member equals its string."""
+
+    WINDOW = "window"  # RowsView.observed_window(): the last `observation_window` queries' attention over the rows
+    ACCUMULATE = "accumulate"  # row_stats["attention"]: the attention each row received, every query of every
+    # forward summed, over the query heads of its group too
+    INPUTS = "inputs"  # RowsView.inputs: the attention module and its input hidden states (GQA models)
+
+    def __str__(self) -> str:  # messages name an observation as a policy writes it: accumulate, ['accumulate']
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def observations(observes: Iterable[Any], who: str = "a policy") -> frozenset[Observation]:
+    """``observes`` as :class:`Observation` members; ValueError naming the valid ones for anything else."""
+    valid = [o.value for o in Observation]
+    if isinstance(observes, (str, bytes)) or not isinstance(observes, Iterable):
+        raise ValueError(f"{who}: observes must be a frozenset of observations (frozenset({{Observation.WINDOW}})), "
+                         f"got {observes!r}; valid observations: {', '.join(valid)}")
+    out = set()
+    for what in observes:
+        try:
+            out.add(Observation(what))
+        except ValueError:
+            raise ValueError(f"{who} observes {what!r}, which the runtime does not record; valid observations: "
+                             f"{', '.join(valid)} (kvzoo.framework.policy.Observation)") from None
+    return frozenset(out)
+
+
+@dataclass
+class Counters:
+    """Numbers a policy counts for one layer (int or float fields, zero by default): subclass it, and hand one to
+    :meth:`RowsView.count`; ``cache.stats()`` reports them in ``policy_info``, and the results rows carry them."""
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class AttentionInputs:
+    """What an attention layer was given for some rows (the ``inputs`` observation)."""
+
+    module: Any  # the attention module (torch.nn.Module)
+    hidden_states: torch.Tensor  # [B, n, d], its input
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE (cos, sin), [B, n, dh] each
+
+
+@dataclass
+class WindowQueries:
+    """The observation window's source: the latest ``size`` queries of a layer, the last at slot ``end - 1``;
+    ``queries()`` gives them ``[B, H, size, D]``, called only when a selector reads the window."""
+
+    size: int
+    end: int
+    scaling: float
+    queries: Callable[[], torch.Tensor]
 
 
 @dataclass
@@ -86,17 +148,22 @@ class RowsView:
     row_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # cross-layer scratch of this policy on this cache (ChunkKV's index reuse); plain dict.
     shared: dict[str, Any] = field(default_factory=dict)
-    # per-layer counters the policy reports; the runtime shows them in cache.stats() (int/float values)
+    # the layer's counters, the policy's and the retriever's, by name: what cache.stats() reports in policy_info.
+    # A policy adds its own with count(Counters)
     info: dict[str, float] = field(default_factory=dict)
-    # what the attention layer was given for the rows since the layer's last event, for a policy that runs the
-    # model's own code on it (a kvpress press: kvzoo.integrations.kvpress): "module" (the attention module),
-    # "hidden_states" [B, n, d] (its input), "position_embeddings" ((cos, sin), [B, n, dh] each). Empty unless the
-    # policy observes "inputs"; recorded on GQA models, until the context ends.
-    inputs: dict[str, Any] = field(default_factory=dict)
+    # what the attention layer was given for the rows since the layer's last event (AttentionInputs), for a policy
+    # that runs the model's own code on it (a kvpress press: kvzoo.integrations.kvpress). None unless the policy
+    # observes "inputs" (recorded on GQA models, until the context ends) or a kvpress press hands them over.
+    inputs: AttentionInputs | None = None
 
     @property
     def num_rows(self) -> int:
         return self.keys.shape[2]
+
+    def count(self, counters: Counters) -> None:
+        """Add ``counters`` to the layer's (``info``)."""
+        for name, value in counters.as_dict().items():
+            self.info[name] = self.info.get(name, 0) + value
 
     def observed_window(self) -> torch.Tensor | None:
         """The observation-window attention ``[B, H, w, N]`` (computed on first use, then kept)."""
@@ -123,11 +190,29 @@ class RowsView:
         return window.shape[1] // self.keys.shape[1]
 
 
+def observed_rows(policy: Policy, keys: torch.Tensor, values: torch.Tensor | None, slots: torch.Tensor,
+                  valid: torch.Tensor, *, window: WindowQueries | None = None, **where: Any) -> RowsView:
+    """The one builder of a :class:`RowsView` (kvzoo's runtime and the kvpress bridge): the rows, what ``policy``
+    observes of them, and ``where`` (the other :class:`RowsView` fields). The window attention -- the ``window``
+    queries' fp32 softmax over the rows, causal by slot -- is wired only for a policy observing the window, and
+    computed on first read."""
+    window_fn = None
+    if window is not None and window.size > 0 and Observation.WINDOW in policy.observes:
+        def window_fn() -> torch.Tensor:  # [B, H, w, N]
+            q_slots = torch.arange(window.end - window.size, window.end, device=keys.device)
+            return window_attention(window.queries(), q_slots, keys, slots, valid, window.scaling)
+
+    return RowsView(keys=keys, values=values, slots=slots, valid=valid, window_fn=window_fn,
+                    window_queries=window.size if window_fn is not None else 0, **where)
+
+
 @dataclass
 class Policy(ABC):
     """Base class of every kvzoo policy: a dataclass whose fields are its hyperparameters.
 
-    Subclasses set the class attributes below and implement :meth:`select`. Fields shared by all:
+    Subclasses set the class attributes below and write one method, :meth:`priority` (a score per row, as a
+    kvpress ``ScorerPress`` writes ``score()``); :meth:`select` and :meth:`step_victim` derive from it. Fields
+    shared by all:
 
     * ``ratio`` / ``budget`` -- how many rows stay attended (exactly one may be set; ``full``
       sets neither);
@@ -148,12 +233,9 @@ class Policy(ABC):
     summary: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     layouts: ClassVar[tuple[str, ...]] = LAYOUTS
-    # Observations the runtime must record for this policy:
-    #   "window"     -> RowsView.window_attention (last `observation_window` queries)
-    #   "accumulate" -> row_stats["attention"]: the attention each row received, summed over every
-    #                   query of every forward pass and over the query heads of its group
-    #   "inputs"     -> RowsView.inputs: the attention module and its input hidden states (GQA models)
-    observes: ClassVar[frozenset[str]] = frozenset()
+    # what the runtime must record for this policy (Observation: window, accumulate, inputs); the registry
+    # refuses any other name
+    observes: ClassVar[frozenset[Observation]] = frozenset()
     requires_budget: ClassVar[bool] = True
     # The schedule (see the module docstring): when the selector fires besides "context_end"
     schedule: ClassVar[str] = "context_end"
@@ -236,23 +318,26 @@ class Policy(ABC):
 
     # --- the selector ----------------------------------------------------------------------
     @abstractmethod
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        """Indices of the rows to keep: int64 ``[B, G, keep]``, each row sorted ascending.
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """The policy's rule, as a score: fp32 ``[B, G, N]``, the ``keep`` highest rows stay (ties to the earlier row).
 
-        ``keep < rows.num_rows`` always holds when the runtime calls this. Rows not named move to
-        the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
-        """
-
-    def priority(self, rows: RowsView, keep: int) -> torch.Tensor | None:
-        """The selector as a score: fp32 ``[B, G, N]`` whose ``keep`` highest rows (ties to the earlier row) are
-        exactly the rows :meth:`select` keeps, or None (the default) for a selector that is not a per-row top-k
-        (``full``). A selector of groups scores each row as its group (ChunkKV: a chunk's score, spread to its
-        rows). Rows the selector always keeps score ``+inf``, padding ``-inf``.
+        Rows the rule always keeps score ``+inf``, padding ``-inf`` (:func:`forced_priority`). A rule of groups scores
+        each row as its group (ChunkKV: a chunk's score, spread to its rows). A policy with a ``step`` schedule is
+        also asked for its per-step victim from this score on the tier as stored, in any row order: it must then
+        read ``slots``, never positions (H2O: :func:`latest_valid`), or write its own :meth:`step_victim`.
 
         What a kvpress ``ScorerPress`` computes in ``score()``: ``kvzoo.integrations.kvpress`` hands it to
         kvpress's wrappers (``ChunkKVPress``, ``KeyRerotationPress``, ...), which take their own top-k of it.
         """
-        return None
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """Indices of the rows to keep: int64 ``[B, G, keep]``, each row sorted ascending; by default the top
+        ``keep`` rows of :meth:`priority`. Override only for a rule that is not a top-k of a score.
+
+        ``keep < rows.num_rows`` always holds when the runtime calls this. Rows not named move to
+        the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
+        """
+        return top_rows(self.priority(rows, keep), keep)
 
     def multi_token_window(self, budget: int) -> tuple[int, int] | None:
         """``(sinks, window)`` when each token of a multi-token forward may read only the first
@@ -266,16 +351,16 @@ class Policy(ABC):
         return {}
 
     def step_victim(self, rows: RowsView) -> torch.Tensor | None:
-        """For a ``step`` event that evicts exactly one row: int64 ``[B, G]``, the row each gives up.
+        """For a ``step`` event that evicts exactly one row: int64 ``[B, G]``, the row each gives up -- by default
+        the one ``select(rows, rows.num_rows - 1)`` leaves out, the lowest :meth:`priority` (ties to the latest slot).
 
         The per-step "one in, one out" of StreamingLLM and H2O runs every decode step, so the runtime
         offers this cheaper path: the named row leaves and the tier's last row takes its place
         (``O(1)`` rows move, no gather of the tier). The rows of ``rows`` may therefore be in any
-        order: read ``slots``, never positions. It must name exactly the row that
-        ``select(rows, rows.num_rows - 1)`` would leave out (a test holds every built-in to that).
-        Returning None (the default) makes the runtime sort the tier and call :meth:`select`.
+        order (``tests/test_runtime.py`` holds every built-in to ``select`` on shuffled rows). An override
+        returning None makes the runtime sort the tier and call :meth:`select`.
         """
-        return None
+        return lowest_priority_victim(self.priority(rows, rows.num_rows - 1), rows.slots)
 
     def rows_between_events(self) -> int | None:
         """The most rows a layer's attended tier gains between two of this policy's events after the context
@@ -294,7 +379,7 @@ class Policy(ABC):
 
     def new_row_stats(self) -> tuple[str, ...]:
         """Names of the per-row statistics this policy keeps (zero for a new row)."""
-        return ("attention",) if "accumulate" in self.observes else ()
+        return ("attention",) if Observation.ACCUMULATE in self.observes else ()
 
 
 def require_int(value: Any, field_name: str, low: int, meaning: str = "") -> None:
@@ -322,23 +407,10 @@ def recent_and_sinks(valid: torch.Tensor, sinks: int, recent: int) -> torch.Tens
     return is_sink | is_recent
 
 
-def keep_sinks_and_recent(valid: torch.Tensor, sinks: int, keep: int) -> torch.Tensor:
-    """Indices ``[B, G, keep]`` of the first ``sinks`` and the latest valid rows, ``keep`` in all.
-
-    Where a sequence has fewer valid rows than ``keep`` (left padding), the shortfall is filled
-    with its latest padding rows, so every (batch, group) keeps exactly ``keep`` rows.
-    """
-    sinks = min(sinks, keep)
-    kept = recent_and_sinks(valid, sinks, keep - sinks)
-    n = valid.shape[-1]
-    order = torch.arange(n, device=valid.device).expand_as(kept)
-    priority = torch.where(kept, order + n, order)  # kept rows first, then the latest rows
-    return sorted_keep(priority.topk(keep, dim=-1).indices)
-
-
 def sinks_then_recent_priority(valid: torch.Tensor, sinks: int) -> torch.Tensor:
-    """fp32 ``[B, G, N]`` whose top ``keep`` rows are :func:`keep_sinks_and_recent`'s for every ``keep``:
-    the first ``sinks`` valid rows (earliest highest), then valid rows by recency, then padding by recency."""
+    """fp32 ``[B, G, N]``, the rows in sequence order: the first ``sinks`` valid rows (earliest highest), then valid
+    rows by recency, then padding by recency. Its top ``keep`` rows are the sinks and the latest valid rows,
+    ``keep`` in all; where a sequence has fewer valid rows than ``keep`` (left padding), its latest padding rows."""
     n = valid.shape[-1]
     order = torch.arange(n, device=valid.device, dtype=torch.float32).expand(valid.shape)
     is_sink = recent_and_sinks(valid, sinks, 0)
@@ -346,11 +418,8 @@ def sinks_then_recent_priority(valid: torch.Tensor, sinks: int) -> torch.Tensor:
 
 
 def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch.Tensor:
-    """The row :func:`keep_sinks_and_recent` leaves out when keeping all rows but one, ``[B, G]``.
-
-    Order-free (reads slots): the earliest padding row if there is one, else the oldest valid row
-    that is not a sink.
-    """
+    """The row the top ``N - 1`` of :func:`sinks_then_recent_priority` leave out, ``[B, G]``, on rows in any order
+    (reads slots): the earliest padding row if there is one, else the oldest valid row that is not a sink."""
     n = slots.shape[-1]
     sinks = min(sinks, n - 1)
     # padding rows sort before every valid row (by slot among themselves): one top-k finds the earliest padding row
@@ -360,15 +429,38 @@ def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int
     return torch.where(top.values[..., 0] < 0, top.indices[..., 0], top.indices[..., -1])
 
 
+@dataclass
+class SinksAndRecentPolicy(Policy):
+    """The rule of StreamingLLM (and of Quest's attended tier): the first ``sinks`` rows, then the latest ones.
+
+    A subclass writes no selector. Its per-step victim is :func:`sinks_and_recent_victim` (one top-k over the
+    slots) rather than the lowest of the score found on shuffled rows: the same row, in the fewer ops a decode
+    step launches (``tests/test_static_step.py`` bounds them).
+    """
+
+    sinks: int = 4
+
+    def validate(self) -> None:
+        super().validate()
+        require_int(self.sinks, "sinks", 0, "attention sinks kept at the start")
+
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        return sinks_then_recent_priority(rows.valid, self.sinks)
+
+    def step_victim(self, rows: RowsView) -> torch.Tensor:
+        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)
+
+
 def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The row :func:`topk_with_forced` leaves out when keeping all but one: the lowest ``priority``
+    """The row :func:`top_rows` leaves out when keeping all but one, on rows in any order: the lowest ``priority``
     ``[B, G, n]`` (fp32, ``-inf`` for padding, ``+inf`` for forced rows), ties to the latest slot."""
     lowest = priority == priority.amin(dim=-1, keepdim=True)
-    return slots.masked_fill(~lowest, -1).argmax(dim=-1)
+    return torch.where(lowest, slots, -1).argmax(dim=-1)
 
 
 def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
-    """Bool ``[B, G, n]``: the ``count`` valid rows with the largest slots (order-free :func:`recent_and_sinks`)."""
+    """Bool ``[B, G, n]``: the ``count`` valid rows with the largest slots (:func:`recent_and_sinks`'s recent rows,
+    on rows in any order)."""
     if count <= 0:
         return torch.zeros_like(valid)
     k = min(count, slots.shape[-1])
@@ -378,24 +470,13 @@ def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int) -> torch.
 
 def forced_priority(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``scores`` as fp32 with the ``forced`` rows at ``+inf`` and padding at ``-inf``, ``[B, G, N]``."""
-    priority = scores.float()
-    priority = torch.where(valid, priority, torch.full_like(priority, -math.inf))
-    return torch.where(forced, torch.full_like(priority, math.inf), priority)
+    return scores.float().masked_fill(~valid, -math.inf).masked_fill(forced, math.inf)
 
 
 def top_rows(priority: torch.Tensor, keep: int) -> torch.Tensor:
     """Sorted indices ``[B, G, keep]`` of the ``keep`` highest ``priority`` rows, ties toward the earlier row."""
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices  # stable: earlier rows first
     return sorted_keep(order[..., :keep])
-
-
-def topk_with_forced(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
-    """Keep the ``forced`` rows, fill the rest of ``keep`` by highest ``scores``; sorted indices.
-
-    ``scores`` float ``[B, G, N]``; ``forced``/``valid`` bool ``[B, G, N]``. Padding rows get the
-    lowest priority; forced rows the highest. Ties break toward the earlier row.
-    """
-    return top_rows(forced_priority(scores, forced, valid), keep)
 
 
 # --- the observation window (SnapKV, ChunkKV) ------------------------------------------------
@@ -464,16 +545,6 @@ def validate_votes(kernel_size: Any, pooling: Any, aggregate: Any) -> None:
         )
 
 
-def validate_window(policy: Policy) -> None:
-    """The observation window's checks (``policy.window``), shared by SnapKV and ChunkKV."""
-    require_int(policy.window, "window", 1, "observation-window queries, always kept")
-    if policy.budget is not None and policy.budget < policy.window:
-        raise ValueError(
-            f"window ({policy.window}) is larger than budget ({policy.budget}): the observation window is always "
-            f"kept inside the budget; use window <= {policy.budget} or budget >= {policy.window}"
-        )
-
-
 def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
     """ValueError when the always-kept window does not fit in ``keep`` rows. Reads lengths only
     (:meth:`RowsView.window_size`): a layer that reuses another's indices computes no window attention here."""
@@ -484,3 +555,31 @@ def check_window_fits(name: str, rows: RowsView, keep: int) -> None:
             f"that is always kept (the tier holds {rows.num_rows} rows); use a smaller window= (<= {keep}), a "
             f"larger budget=, or a smaller ratio= (<= {rows.num_rows / w:g})"
         )
+
+
+@dataclass
+class WindowPolicy(Policy):
+    """A policy that reads the observation window: the attention of the last ``window`` queries over the rows,
+    which are always kept (SnapKV, ChunkKV). A subclass writes :meth:`Policy.priority` from
+    :func:`window_votes` (forcing :func:`window_rows_mask`); the selector refuses a ``keep`` below the window."""
+
+    window: int = 32
+
+    observes: ClassVar[frozenset[Observation]] = frozenset({Observation.WINDOW})
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def validate(self) -> None:
+        super().validate()
+        require_int(self.window, "window", 1, "observation-window queries, always kept")
+        if self.budget is not None and self.budget < self.window:
+            raise ValueError(
+                f"window ({self.window}) is larger than budget ({self.budget}): the observation window is always "
+                f"kept inside the budget; use window <= {self.budget} or budget >= {self.window}"
+            )
+
+    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+        check_window_fits(self.name, rows, keep)
+        return super().select(rows, keep)

@@ -21,11 +21,18 @@ from typing import Any
 
 import torch
 
-from kvzoo.framework.policy import Event, Policy, RowsView
+from kvzoo.framework.policy import (
+    AttentionInputs,
+    Event,
+    Observation,
+    Policy,
+    RowsView,
+    WindowQueries,
+    observed_rows,
+)
 from kvzoo.framework.retrieval import Retrieval, figures
 from kvzoo.framework.retriever import RetrievalState, RowGeometry
 from kvzoo.framework.store import LayerStats, LayerStore
-from kvzoo.kernels.attention import window_attention
 
 
 @dataclass
@@ -89,6 +96,11 @@ class Runtime:
         return self.geometry.capacity
 
     @property
+    def accumulates(self) -> bool:
+        """The policy observes each row's accumulated attention: the attention path adds to ``stat:attention``."""
+        return Observation.ACCUMULATE in self.policy.observes
+
+    @property
     def observation_window(self) -> int:
         """How many of the latest queries each layer keeps: the policy's window, or ``record_window`` if wider."""
         return max(self.policy.observation_window, self.record_window)
@@ -103,29 +115,23 @@ class Runtime:
         store = state.store
         if ordered:
             store.ensure_order()
-        keys, slots, valid = store.get("keys"), store.get("slots"), store.get("valid")
-        window_fn = None
-        if "window" in self.policy.observes and state.window_queries is not None:
+        window = None
+        if state.window_queries is not None:
             queries = state.window_queries[:, :, -self.policy.observation_window:]
-            q_slots = torch.arange(store.seen - queries.shape[2], store.seen, device=keys.device)
-            scaling = state.scaling
-
-            def window_fn() -> torch.Tensor:  # w x n, computed only if the selector reads it
-                return window_attention(queries, q_slots, keys, slots, valid, scaling)
-
-        return RowsView(
-            keys=keys,
-            values=store.get("values") if "values" in store.tier else None,
-            slots=slots,
-            valid=valid,
+            window = WindowQueries(queries.shape[2], store.seen, state.scaling, lambda: queries)
+        return observed_rows(
+            self.policy,
+            store.get("keys"),
+            store.get("values") if "values" in store.tier else None,
+            store.get("slots"),
+            store.get("valid"),
+            window=window,
             layer_idx=state.layer_idx,
             num_layers=self.num_layers,
             layout=self.geometry.layout,
             layer_rank=state.layer_rank,
             branch_dim=self.geometry.branch_dim,
             first_new=max(0, store.n - store.since_event),
-            window_fn=window_fn,
-            window_queries=0 if window_fn is None else queries.shape[2],  # w without computing the attention
             row_stats=store.stats(),
             shared=self.shared,
             info=state.policy_info,
@@ -144,7 +150,7 @@ class Runtime:
         Kept from the layer's last event until the next, and only until the context ends (a policy that
         runs the model's own code on the layer -- a kvpress press -- compresses the context once).
         """
-        if "inputs" not in self.policy.observes or state.context_ended:
+        if Observation.INPUTS not in self.policy.observes or state.context_ended:
             return
         inputs = state.inputs
         inputs["module"] = weakref.ref(module)
@@ -152,20 +158,20 @@ class Runtime:
         if position_embeddings is not None:
             inputs.setdefault("position_embeddings", []).append(tuple(t.detach() for t in position_embeddings))
 
-    def _inputs(self, state: LayerState) -> dict[str, Any]:
+    def _inputs(self, state: LayerState) -> AttentionInputs | None:
         """The "inputs" observation as :class:`RowsView` gives it: the module and the forwards' inputs joined."""
         recorded = state.inputs
         if not recorded:
-            return {}
+            return None
         # the rows appended since the last event; a forward still in flight (generate's first decode step, which
         # ends the context before its own row is appended) recorded its input already: left out
         rows = state.store.since_event
-        out: dict[str, Any] = {"module": recorded["module"](),
-                               "hidden_states": torch.cat(recorded["hidden_states"], dim=1)[:, :rows]}
+        hidden_states = torch.cat(recorded["hidden_states"], dim=1)[:, :rows]
+        position_embeddings = None
         if "position_embeddings" in recorded:
             cos, sin = zip(*recorded["position_embeddings"])
-            out["position_embeddings"] = (torch.cat(cos, dim=1)[:, :rows], torch.cat(sin, dim=1)[:, :rows])
-        return out
+            position_embeddings = (torch.cat(cos, dim=1)[:, :rows], torch.cat(sin, dim=1)[:, :rows])
+        return AttentionInputs(recorded["module"](), hidden_states, position_embeddings)
 
     def record_queries(self, state: LayerState, query: torch.Tensor | None) -> None:
         """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention), until the

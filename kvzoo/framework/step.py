@@ -56,7 +56,7 @@ def decode_step(rt: Runtime, state: LayerState, query: torch.Tensor, scaling: fl
     store = state.store
     q = query[:, :, 0]
     tier = tier_rows(store)
-    accumulate = "accumulate" in rt.policy.observes
+    accumulate = rt.accumulates
     index = state.index if state.index is not None and store.archive.n else None
     if index is None:
         part = attend(q, [tier], scaling, mass=accumulate)

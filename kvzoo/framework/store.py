@@ -12,6 +12,7 @@ Also here: :class:`LayerStats` and :class:`CacheStats`, the figures ``cache.stat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +238,14 @@ class LayerStats:
     policy_info: dict[str, float] = field(default_factory=dict)  # the policy's and retriever's counters
     last_step: dict[str, float] = field(default_factory=dict)  # the latest forward's KV-path figures
 
+    @classmethod
+    def counters(cls) -> tuple[str, ...]:
+        """The cache's own counters: every field but the layer index and the two dicts of figures."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("layer", "policy_info", "last_step"))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
 
 @dataclass
 class CacheStats:
@@ -247,17 +256,23 @@ class CacheStats:
     @property
     def totals(self) -> dict[str, float]:
         """Sums over layers of every counter, the policy's own counters included."""
-        skip = ("layer", "policy_info", "last_step", "peak_resident_rows")
-        keys = [k for k in LayerStats.__dataclass_fields__ if k not in skip]
-        out: dict[str, float] = {k: sum(getattr(s, k) for s in self.layers) for k in keys}
+        out: dict[str, float] = {k: sum(getattr(s, k) for s in self.layers) for k in LayerStats.counters()}
         out["peak_resident_rows"] = max((s.peak_resident_rows for s in self.layers), default=0)  # per layer, max
+        for k, v in self.policy_totals.items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    @property
+    def policy_totals(self) -> dict[str, float]:
+        """The policy's and the retriever's own counters (``LayerStats.policy_info``), summed over layers."""
+        out: dict[str, float] = {}
         for s in self.layers:
             for k, v in s.policy_info.items():
                 out[k] = out.get(k, 0) + v
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "totals": self.totals, "layers": [vars(s) for s in self.layers],
+        return {"policy": self.policy, "totals": self.totals, "layers": [s.as_dict() for s in self.layers],
                 "notes": list(self.notes)}
 
     def __str__(self) -> str:

@@ -57,7 +57,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Policy, RowsView, forced_priority, top_rows
+from kvzoo.framework.policy import Observation, Policy, RowsView, forced_priority
 from kvzoo.framework.retriever import Retriever
 
 KVPRESS_VERSION = "0.5.5"
@@ -120,9 +120,9 @@ def exact_compression_ratio(policy: Policy) -> float | None:
 def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_only: bool = False) -> Any:
     """A kvpress press that runs ``policy``'s selector at the end of the prefill, in kvpress's pipeline.
 
-    A ``ScorerPress`` (``KvzooScorerPress``) for a selector that is a score (one that implements
+    A ``ScorerPress`` (``KvzooScorerPress``) for a selector that is a score (every policy that evicts writes
     :meth:`Policy.priority`: ``snapkv``, ``streaming_llm``, ``h2o``, ``vestige``, ``chunkkv`` -- its chunk scores
-    spread to the rows -- or has a press rule: ``quest``, its page bounds), so kvpress's wrappers compose; a
+    spread to the rows -- and ``quest`` has a press rule, its page bounds), so kvpress's wrappers compose; a
     ``BasePress`` (``KvzooPress``) otherwise (``full``: it keeps every row, there is nothing to score; kvpress's
     wrappers refuse a press that is not a ``ScorerPress``). Used alone it keeps exactly the rows
     ``policy.select`` chooses (``quest``: see ``kvpress_presses.quest_priority``). ``compression_ratio``:
@@ -172,7 +172,7 @@ def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_
         )
     from kvzoo.integrations import kvpress_presses
 
-    score_based = type(policy).priority is not Policy.priority or policy.name in kvpress_presses.PRESS_RULES
+    score_based = policy.requires_budget or policy.name in kvpress_presses.PRESS_RULES  # full keeps every row
     cls = kvpress_presses.KvzooScorerPress if score_based else kvpress_presses.KvzooPress
     return cls(policy, compression_ratio=compression_ratio, exact_compression_ratio=exact_compression_ratio(policy))
 
@@ -229,7 +229,7 @@ class KvpressPolicy(Policy):
     """
 
     press_class: ClassVar[type] = object
-    observes: ClassVar[frozenset[str]] = frozenset({"inputs"})
+    observes: ClassVar[frozenset[Observation]] = frozenset({Observation.INPUTS})
     layouts: ClassVar[tuple[str, ...]] = ("gqa",)
     paper: ClassVar[str] = "https://github.com/NVIDIA/kvpress"
 
@@ -270,10 +270,10 @@ class KvpressPolicy(Policy):
             return kvpress_kept_rows(rows_seen, compression_ratio)
         return super().resolve_budget(rows_seen)
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         inputs = rows.inputs
-        module = inputs.get("module")
-        hidden_states = inputs.get("hidden_states")
+        module = inputs.module if inputs is not None else None
+        hidden_states = inputs.hidden_states if inputs is not None else None
         n = rows.num_rows
         if module is None or hidden_states is None or hidden_states.shape[1] != n:
             seen = "none" if hidden_states is None else f"{hidden_states.shape[1]} tokens' worth"
@@ -286,7 +286,7 @@ class KvpressPolicy(Policy):
             raise ValueError(f"{self.name}: kvpress presses assume unpadded sequences; run one sequence at a time")
         kwargs = {
             "hidden_states": hidden_states,
-            "position_embeddings": inputs.get("position_embeddings"),
+            "position_embeddings": inputs.position_embeddings,
             "cache_position": torch.arange(n, device=rows.keys.device),
             "attention_mask": None,
         }
@@ -294,7 +294,7 @@ class KvpressPolicy(Policy):
         if scores.shape != rows.valid.shape:
             raise RuntimeError(f"{self.name}: score() returned shape {tuple(scores.shape)}, expected "
                                f"{tuple(rows.valid.shape)} (batch, KV heads, rows)")
-        return top_rows(forced_priority(scores, torch.zeros_like(rows.valid), rows.valid), keep)
+        return forced_priority(scores, torch.zeros_like(rows.valid), rows.valid)
 
 
 @functools.cache

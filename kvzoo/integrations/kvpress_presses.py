@@ -42,8 +42,17 @@ from kvpress.utils import compute_n_kept, get_prerope_query_states
 from torch import nn
 
 from kvzoo import registry
-from kvzoo.framework.policy import Policy, RowsView, top_rows
-from kvzoo.kernels.attention import attention_reference, window_attention
+from kvzoo.framework.policy import (
+    AttentionInputs,
+    Observation,
+    Policy,
+    RowsView,
+    WindowQueries,
+    observed_rows,
+    top_rows,
+)
+from kvzoo.framework.retriever import RowGeometry
+from kvzoo.kernels.attention import attention_reference
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +90,7 @@ def quest_priority(policy: Policy, rows: RowsView, keep: int) -> torch.Tensor:
     the best page.
     """
     inputs = rows.inputs
-    module = inputs["module"]
+    module = inputs.module
     B, G, n, _ = rows.keys.shape
     size = policy.page_size
     current = (n - 1) % size + 1
@@ -89,8 +98,9 @@ def quest_priority(policy: Policy, rows: RowsView, keep: int) -> torch.Tensor:
     archived = slice(sinks, n - current)
     priority = torch.full((B, G, n), math.inf, dtype=torch.float32, device=rows.keys.device)
     if n - current > sinks:
-        query = recomputed_queries(module, inputs["hidden_states"], inputs, last=1)  # [B, H, 1, dh]
-        index = registry.build_retriever("quest", page_size=size, gqa="group").new_state(None)
+        kwargs = {"position_embeddings": inputs.position_embeddings}
+        query = recomputed_queries(module, inputs.hidden_states, kwargs, last=1)  # [B, H, 1, dh]
+        index = registry.build_retriever("quest", page_size=size, gqa="group").new_state(RowGeometry("gqa", 0))
         index.index({"keys": rows.keys[:, :, archived], "valid": rows.valid[:, :, archived]}, None, None, None)
         bounds = index.bounds(query, getattr(module, "scaling", module.head_dim ** -0.5))  # [B, H, 1, pages]
         H = bounds.shape[1]
@@ -198,27 +208,22 @@ class KvzooPress(BasePress):
         scaling = getattr(module, "scaling", module.head_dim ** -0.5)
         policy = self.policy
         available = queries_available(hidden_states, kwargs, n)
-        window_fn, w = None, 0
-        if "window" in policy.observes and policy.observation_window > 0:
+        window = None
+        if Observation.WINDOW in policy.observes and policy.observation_window > 0:
             w = self._window(n, keep, available)
-
-            def window_fn() -> torch.Tensor:  # [B, H, w, n], computed only if the selector reads it
-                queries = recomputed_queries(module, hidden_states, kwargs, last=w)
-                return window_attention(queries, torch.arange(n - w, n, device=keys.device), keys, slots, valid, scaling)
-
+            window = WindowQueries(w, n, scaling, lambda: recomputed_queries(module, hidden_states, kwargs, last=w))
         row_stats = {name: torch.zeros(B, G, n, dtype=torch.float32, device=keys.device)
                      for name in policy.new_row_stats()}
-        if "accumulate" in policy.observes:  # H2O: the attention every row received from the call's queries
+        if Observation.ACCUMULATE in policy.observes:  # H2O: the attention every row received from the call's queries
             queries = recomputed_queries(module, hidden_states, kwargs, last=available)
             _, sums = attention_reference(queries, keys, values, slots, valid,
                                           torch.arange(n - available, n, device=keys.device), scaling, column_sums=True)
             row_stats["attention"] = sums
-        return RowsView(
-            keys=keys, values=values, slots=slots, valid=valid, layer_idx=layer,
-            num_layers=module.config.num_hidden_layers, layout="gqa", layer_rank=layer, window_fn=window_fn,
-            window_queries=w, row_stats=row_stats, shared=self._shared.setdefault(self._part, {}),
-            inputs={"module": module, "hidden_states": hidden_states,
-                    "position_embeddings": kwargs["position_embeddings"]},
+        return observed_rows(
+            policy, keys, values, slots, valid, window=window, layer_idx=layer,
+            num_layers=module.config.num_hidden_layers, layout="gqa", layer_rank=layer, row_stats=row_stats,
+            shared=self._shared.setdefault(self._part, {}),
+            inputs=AttentionInputs(module, hidden_states, kwargs["position_embeddings"]),
         )
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:

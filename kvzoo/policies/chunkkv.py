@@ -13,27 +13,30 @@ from typing import ClassVar
 import torch
 
 from kvzoo.framework.policy import (
-    Policy,
+    Counters,
     RowsView,
-    check_window_fits,
+    WindowPolicy,
     require_int,
-    top_rows,
     validate_votes,
-    validate_window,
     window_rows_mask,
     window_votes,
 )
 
-# rows.shared[SHARED_KEY][layer_rank of a group's first layer] = (kept slots [B, keep], latest slot [B], layer_idx)
-SHARED_KEY = "chunkkv_kept_slots"
 # rows.shared[PRIORITY_KEY][layer_rank of a group's first layer] = (slots [B, N], row priority [B, N], layer_idx)
 PRIORITY_KEY = "chunkkv_priority"
 TILINGS = ("paper", "kvpress")
 
 
+@dataclass
+class ReuseCounts(Counters):
+    """What a layer did at its event (``cache.stats()`` sums them: how many layers did each)."""
+
+    chunkkv_scored: int = 0  # 1: it scored its rows
+    chunkkv_reused: int = 0  # 1: it kept the slots its reuse group's first layer kept
+
 
 @dataclass
-class ChunkKV(Policy):
+class ChunkKV(WindowPolicy):
     """At the end of the context, keep the chunks of ``chunk_size`` tokens the last window attends to most.
 
     The algorithm (Algorithm 1 of the paper): the last ``window`` queries attend to all rows
@@ -104,15 +107,14 @@ class ChunkKV(Policy):
     keeps the budget exactly, cutting the last chunk taken), and it takes batch element 0's chunks for
     the whole batch (kvzoo chooses per sequence).
 
-    A reusing layer reads nothing it does not need: the slots its group's first layer kept and its own slots
-    (to find those rows). It computes no window attention -- the runtime computes a layer's window attention
+    A reusing layer reads nothing it does not need: the row scores its group's first layer stored with their slots,
+    and its own slots (which must be the same). It computes no window attention -- the runtime computes a layer's window attention
     only when the selector asks for it, and the check that the window fits in the budget reads lengths alone
     (:meth:`~kvzoo.framework.policy.RowsView.window_size`); ``tests/test_chunkkv.py`` counts the calls
     (``ceil(num_layers / reuse)``). Measured on SmolLM2-135M (README, "ChunkKV's layer-wise index reuse"):
     ``python benchmarks/chunkkv_reuse.py``.
     """
 
-    window: int = 32
     chunk_size: int = 10
     reuse: int = 2
     kernel_size: int = 1  # Algorithm 1 does not pool; kvpress's ChunkKVPress(SnapKVPress) pools with 5
@@ -123,15 +125,9 @@ class ChunkKV(Policy):
     name: ClassVar[str] = "chunkkv"
     summary: ClassVar[str] = "top chunks of c tokens by observation-window attention + the window; layer-wise index reuse"
     paper: ClassVar[str] = "https://arxiv.org/abs/2502.00299"
-    observes: ClassVar[frozenset[str]] = frozenset({"window"})
-
-    @property
-    def observation_window(self) -> int:
-        return self.window
 
     def validate(self) -> None:
         super().validate()
-        validate_window(self)
         require_int(self.chunk_size, "chunk_size", 1, "tokens per chunk; the paper uses 10")
         require_int(self.reuse, "reuse", 1, "layers sharing one layer's indices; 1 = no reuse, the paper uses 2")
         validate_votes(self.kernel_size, self.pooling, self.aggregate)
@@ -146,40 +142,28 @@ class ChunkKV(Policy):
         never chunked). With the defaults: the window attention summed over window queries and all heads."""
         return window_votes(rows, self.kernel_size, self.pooling, self.aggregate).sum(dim=1)
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        check_window_fits(self.name, rows, keep)
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """Each row scores its chunk's score ``[B, G, N]`` (one selection for the layer's KV heads), so the top
+        ``keep`` rows (ties to the earlier row) are the best chunks whole, in rank order, the last one cut. The
+        window is ``+inf`` (paper tiling), padding ``-inf``. A layer that reuses indices scores its rows as the
+        first layer of its group scored the same slots, so it keeps the same slots."""
         B, G, N = rows.slots.shape
         rank = rows.layer_rank  # position among the layers that hold rows (groups skip Kimi's KDA layers)
-        if rank % self.reuse == 0:  # the first layer of its reuse group: score and choose
-            kept = top_rows(self._row_priority(rows), keep)  # [B, keep], shared by the layer's KV heads
-            rows.shared.setdefault(SHARED_KEY, {})[rank] = (
-                rows.slots[:, 0].gather(1, kept), rows.slots[:, 0, -1].clone(), rows.layer_idx
-            )
-            rows.info.update(chunkkv_scored=1, chunkkv_reused=0)
-            return kept[:, None, :].expand(B, G, keep).contiguous()
-        rows.info.update(chunkkv_scored=0, chunkkv_reused=1)
-        return self._reuse(rows, keep, rank - rank % self.reuse)
-
-    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
-        """The selector as a score ``[B, G, N]`` (what a kvpress ``ScorerPress`` returns): each row scores its
-        chunk's score, so the top ``keep`` rows (ties to the earlier row) are :meth:`select`'s -- the best chunks
-        whole, in rank order, the last one cut. The window is ``+inf`` (paper tiling), padding ``-inf``. A layer
-        that reuses indices scores its rows as the first layer of its group scored the same slots."""
-        B, G, N = rows.slots.shape
-        rank = rows.layer_rank
         first = rank - rank % self.reuse
-        if rank == first:
+        if rank == first:  # the first layer of its reuse group: score
             priority = self._row_priority(rows)
             rows.shared.setdefault(PRIORITY_KEY, {})[rank] = (rows.slots[:, 0].clone(), priority, rows.layer_idx)
+            rows.info.update(ReuseCounts(chunkkv_scored=1).as_dict())
             return priority[:, None, :].expand(B, G, N)
         stored = rows.shared.get(PRIORITY_KEY, {}).get(first)
         if stored is None or not torch.equal(stored[0], rows.slots[:, 0]):
             layer = stored[2] if stored is not None else f"#{first} (counting layers that hold rows)"
             raise RuntimeError(
-                f"chunkkv: layer {rows.layer_idx} reuses the scores of layer {layer} (reuse={self.reuse}), but that "
+                f"chunkkv: layer {rows.layer_idx} reuses the indices of layer {layer} (reuse={self.reuse}), but that "
                 "layer scored no rows with these slots at this event; index reuse needs all layers to hold the same "
-                "rows and to be scored in order 0..L-1 -- use reuse=1 otherwise"
+                "rows and to be compressed in order 0..L-1 at each event -- use reuse=1 otherwise"
             )
+        rows.info.update(ReuseCounts(chunkkv_reused=1).as_dict())
         return stored[1][:, None, :].expand(B, G, N)
 
     def _row_priority(self, rows: RowsView) -> torch.Tensor:
@@ -209,24 +193,3 @@ class ChunkKV(Policy):
         if self.tiling == "paper":
             priority = priority.masked_fill(window, torch.inf)
         return priority.masked_fill(~valid, -torch.inf)
-
-    def _reuse(self, rows: RowsView, keep: int, first_rank: int) -> torch.Tensor:
-        """Indices of the slots that the first layer of this layer's reuse group kept at this event."""
-        B, G, N = rows.slots.shape
-        stored = rows.shared.get(SHARED_KEY, {}).get(first_rank)
-        first = stored[2] if stored is not None else f"#{first_rank} (counting layers that hold rows)"
-        if stored is None or not torch.equal(stored[1], rows.slots[:, 0, -1]) or stored[0].shape != (B, keep):
-            raise RuntimeError(
-                f"chunkkv: layer {rows.layer_idx} reuses the indices of layer {first} (reuse={self.reuse}), but that "
-                f"layer made no selection of {keep} rows at this event; index reuse needs all layers to hold the "
-                "same rows and to be compressed in order 0..L-1 at each event -- use reuse=1 otherwise"
-            )
-        kept_slots = stored[0][:, None, :].expand(B, G, keep).contiguous()
-        # tier rows are in slot order, so a binary search finds each kept slot's row
-        idx = torch.searchsorted(rows.slots.contiguous(), kept_slots).clamp(max=N - 1)
-        if not torch.equal(rows.slots.gather(2, idx), kept_slots):
-            raise RuntimeError(
-                f"chunkkv: layer {rows.layer_idx} does not hold every slot that layer {first} kept, so it cannot "
-                f"reuse that layer's indices (reuse={self.reuse}); the layers' attended tiers differ -- use reuse=1"
-            )
-        return idx

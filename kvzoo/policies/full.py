@@ -33,5 +33,5 @@ class Full(Policy):
     def target_rows(self, event, *, budget, resident, block_rows=0, seen=0):
         return None
 
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        raise RuntimeError("full never evicts; select() should not be called")
+    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        raise RuntimeError("full never evicts; no row is ever scored")

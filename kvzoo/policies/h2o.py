@@ -13,15 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import (
-    Policy,
-    RowsView,
-    forced_priority,
-    latest_valid,
-    lowest_priority_victim,
-    recent_and_sinks,
-    top_rows,
-)
+from kvzoo.framework.policy import Observation, Policy, RowsView, forced_priority, latest_valid
 
 
 @dataclass
@@ -70,7 +62,7 @@ class H2O(Policy):
     name: ClassVar[str] = "h2o"
     summary: ClassVar[str] = "heavy hitters by accumulated attention + recent rows, one in one out per step"
     paper: ClassVar[str] = "https://arxiv.org/abs/2306.14048"
-    observes: ClassVar[frozenset[str]] = frozenset({"accumulate"})
+    observes: ClassVar[frozenset[Observation]] = frozenset({Observation.ACCUMULATE})
     schedule: ClassVar[str] = "step"
 
     def validate(self) -> None:
@@ -88,14 +80,6 @@ class H2O(Policy):
         return heavy, keep - heavy
 
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
+        """The accumulated attention, the ``recent`` latest valid rows forced (read by slot: any row order)."""
         _, recent = self.split(keep)
-        return forced_priority(rows.row_stats["attention"], recent_and_sinks(rows.valid, 0, recent), rows.valid)
-
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        return top_rows(self.priority(rows, keep), keep)
-
-    def step_victim(self, rows: RowsView) -> torch.Tensor:
-        _, recent = self.split(rows.num_rows - 1)
-        forced = latest_valid(rows.slots, rows.valid, recent)
-        priority = rows.row_stats["attention"].masked_fill(~rows.valid, -math.inf).masked_fill(forced, math.inf)
-        return lowest_priority_victim(priority, rows.slots)
+        return forced_priority(rows.row_stats["attention"], latest_valid(rows.slots, rows.valid, recent), rows.valid)

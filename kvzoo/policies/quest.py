@@ -13,13 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvzoo.framework.buffers import RowStore
-from kvzoo.framework.policy import (
-    Policy,
-    RowsView,
-    keep_sinks_and_recent,
-    require_int,
-    sinks_and_recent_victim,
-)
+from kvzoo.framework.policy import SinksAndRecentPolicy, require_int
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.index_scan import index_scan, index_scan_reduce, page_query
 
@@ -30,7 +24,7 @@ RULES = ("eval", "kernel")
 
 
 @dataclass
-class Quest(Policy):
+class Quest(SinksAndRecentPolicy):
     """Read the pages whose key bound says they could matter, each decode step; nothing is deleted.
 
     Quest keeps the whole KV cache in pages of ``page_size`` consecutive tokens, aligned to the sequence
@@ -92,7 +86,7 @@ class Quest(Policy):
 
     def validate(self) -> None:
         super().validate()
-        for field_name, low in (("sinks", 0), ("page_size", 1), ("dense_layers", 0)):
+        for field_name, low in (("page_size", 1), ("dense_layers", 0)):
             require_int(getattr(self, field_name), field_name, low)
         if self.gqa not in GQA_RULES:
             raise ValueError(
@@ -117,12 +111,6 @@ class Quest(Policy):
 
     def rows_between_events(self) -> int:
         return self.page_size if self.rule == "kernel" else 1  # eval: each forward's rows leave after it
-
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        return keep_sinks_and_recent(rows.valid, self.sinks, keep)
-
-    def step_victim(self, rows: RowsView) -> torch.Tensor:
-        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)
 
 
 def check_rule(rule: Any) -> None:

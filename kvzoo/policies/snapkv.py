@@ -13,20 +13,17 @@ from typing import ClassVar
 import torch
 
 from kvzoo.framework.policy import (
-    Policy,
     RowsView,
-    check_window_fits,
+    WindowPolicy,
     forced_priority,
-    top_rows,
     validate_votes,
-    validate_window,
     window_rows_mask,
     window_votes,
 )
 
 
 @dataclass
-class SnapKV(Policy):
+class SnapKV(WindowPolicy):
     """At the end of the context, the last ``window`` queries vote for the rows each KV head keeps.
 
     The algorithm (the reference's ``update_kv``): the window queries' softmax attention over all
@@ -73,7 +70,6 @@ class SnapKV(Policy):
     generated tokens) stay, as in the reference, which compresses the prompt only.
     """
 
-    window: int = 32
     kernel_size: int = 7
     pooling: str = "maxpool"
     aggregate: str = "mean"
@@ -81,15 +77,9 @@ class SnapKV(Policy):
     name: ClassVar[str] = "snapkv"
     summary: ClassVar[str] = "last-window attention, pooled, per-KV-head top-k; the window is kept"
     paper: ClassVar[str] = "https://arxiv.org/abs/2404.14469"
-    observes: ClassVar[frozenset[str]] = frozenset({"window"})
-
-    @property
-    def observation_window(self) -> int:
-        return self.window
 
     def validate(self) -> None:
         super().validate()
-        validate_window(self)
         validate_votes(self.kernel_size, self.pooling, self.aggregate)
 
     def scores(self, rows: RowsView) -> torch.Tensor:
@@ -99,7 +89,3 @@ class SnapKV(Policy):
 
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         return forced_priority(self.scores(rows), window_rows_mask(rows), rows.valid)
-
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        check_window_fits(self.name, rows, keep)
-        return top_rows(self.priority(rows, keep), keep)

@@ -9,23 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
-from kvzoo.framework.policy import (
-    Policy,
-    RowsView,
-    keep_sinks_and_recent,
-    require_int,
-    sinks_and_recent_victim,
-    sinks_then_recent_priority,
-)
+from kvzoo.framework.policy import SinksAndRecentPolicy, require_int
 
 STREAMING_SCHEDULES = ("step", "block")
 PREFILLS = ("dense", "stream")
 
 
 @dataclass
-class StreamingLLM(Policy):
+class StreamingLLM(SinksAndRecentPolicy):
     """Keep the first ``sinks`` rows and the most recent rows; the budget counts both.
 
     Defaults and where they come from:
@@ -63,7 +54,6 @@ class StreamingLLM(Policy):
       each token's forward, reads the same ``budget + 1``).
     """
 
-    sinks: int = 4
     schedule: str = "step"
     block_size: int = 256
     prefill: str = "dense"
@@ -74,7 +64,6 @@ class StreamingLLM(Policy):
 
     def validate(self) -> None:
         super().validate()
-        require_int(self.sinks, "sinks", 0, "attention sinks kept at the start")
         if self.schedule not in STREAMING_SCHEDULES:
             raise ValueError(f"schedule must be one of {STREAMING_SCHEDULES}, got {self.schedule!r}")
         require_int(self.block_size, "block_size", 1, "rows appended between evictions")
@@ -93,16 +82,6 @@ class StreamingLLM(Policy):
                 f"budget ({budget} rows{given}) must exceed sinks ({self.sinks}) to leave room for a recent window; "
                 f"use a smaller ratio, a larger budget, or fewer sinks"
             )
-
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        return keep_sinks_and_recent(rows.valid, self.sinks, keep)
-
-    def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
-        """Recency: the sinks first (earliest first), then the latest valid rows, then the latest padding."""
-        return sinks_then_recent_priority(rows.valid, self.sinks)
-
-    def step_victim(self, rows: RowsView) -> torch.Tensor:
-        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)
 
     def multi_token_window(self, budget: int) -> tuple[int, int] | None:
         if self.prefill != "stream":

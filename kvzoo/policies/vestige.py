@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvzoo.framework.buffers import RowStore
-from kvzoo.framework.policy import Policy, RowsView, forced_priority, recent_and_sinks, require_int, top_rows
+from kvzoo.framework.policy import Counters, Policy, RowsView, forced_priority, recent_and_sinks, require_int
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.index_scan import index_scan, index_scan_reduce, sketch_entries, sketch_query
 
@@ -44,6 +44,14 @@ def branch_sigma(branch: torch.Tensor, kappa: int, valid: torch.Tensor | None = 
     spectrum = torch.fft.rfft(x, dim=-2)
     spectrum[..., : min(kappa, spectrum.shape[-2]), :] = 0
     return torch.fft.irfft(spectrum, n=n, dim=-2).norm(dim=-1)
+
+
+@dataclass
+class SelectorReads(Counters):
+    """What the selector read of the closing blocks (``cache.stats()``'s policy_info)."""
+
+    selector_rows_read: int = 0
+    selector_bytes_read: int = 0  # the branch dims of those rows
 
 
 @dataclass
@@ -128,8 +136,7 @@ class Vestige(Policy):
                 if own.numel():
                     sigma[b, g, own] = branch_sigma(branch[b, g, own], self.kappa)
         B, G, N = rows.valid.shape
-        rows.info["selector_rows_read"] = rows.info.get("selector_rows_read", 0) + B * G * block_rows
-        rows.info["selector_bytes_read"] = rows.info.get("selector_bytes_read", 0) + branch.numel() * branch.element_size()
+        rows.count(SelectorReads(B * G * block_rows, branch.numel() * branch.element_size()))
         scores = torch.zeros(B, G, N, dtype=torch.float32, device=sigma.device)
         scores[:, :, start:] = sigma
         forced = (torch.arange(N, device=sigma.device) < start).expand(B, G, N).clone()  # earlier blocks: final
@@ -137,9 +144,6 @@ class Vestige(Policy):
         recent = min(self.recent, block_keep // 2)
         forced[:, :, start:] |= recent_and_sinks(rows.valid[:, :, start:], 0, recent)  # the block's latest rows
         return forced_priority(scores, forced, rows.valid)
-
-    def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        return top_rows(self.priority(rows, keep), keep)
 
 
 @dataclass
