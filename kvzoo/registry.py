@@ -384,7 +384,7 @@ def _discover_classes(pm: pluggy.PluginManager, hook: str, keys: Any) -> dict[st
 
 def _adapter_keys(cls: type, where: str) -> tuple[str, ...]:
     """The model types an adapter class serves, checked against :class:`kvzoo.framework.adapters.Adapter`."""
-    from kvzoo.framework.adapters import adapter_problem
+    from kvzoo.framework.adapters.base import adapter_problem
 
     problem = adapter_problem(cls)
     if problem is not None:
@@ -414,7 +414,7 @@ def adapter_class(model_type: str | None) -> type:
     """The adapter class serving ``model_type``; a ValueError naming the supported model types if none does."""
     table = adapters()
     if model_type not in table:
-        raise ValueError(f"kvzoo has no adapter for model_type={model_type!r}; supported: {', '.join(table)} "
+        raise ValueError(f"kvzoo does not support model_type={model_type!r}: no adapter serves it; supported: {', '.join(table)} "
                          "(a plugin adds a model family through the kvzoo_adapters hook)")
     return table[model_type]
 

@@ -26,11 +26,6 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-try:  # Kimi Linear's KDA layers (transformers >= 5.18); the transformers kvpress pins (< 5.3) has no such layer
-    from transformers.cache_utils import LinearAttentionLayer
-except ImportError:
-    LinearAttentionLayer = None
-
 from kvzoo.framework.adapters import adapter_for
 from kvzoo.framework.attention import ACTIVE_LAYER, attach
 from kvzoo.framework.names import policy_retriever, resolve_policy
@@ -50,18 +45,6 @@ def _retriever_of(policy: Policy):
             "fetches from the archive; use archive=True or retriever=None"
         )
     return retriever
-
-
-def _attention_modules(model: torch.nn.Module, adapter: Any) -> dict[int, torch.nn.Module]:
-    """``layer index -> attention module`` of ``model``: what reaches the cache in a forward (MLA: the modules
-    whose forward the adapter runs; GQA: the modules with a ``q_proj`` and a ``layer_idx``)."""
-    found = dict(getattr(adapter, "modules", None) or {})
-    if not found:
-        for module in model.modules():
-            idx = getattr(module, "layer_idx", None)
-            if isinstance(idx, int) and hasattr(module, "q_proj"):
-                found.setdefault(idx, module)
-    return found
 
 
 def dense_prefill_problem(policy: Policy) -> str | None:
@@ -359,30 +342,23 @@ class TieredCache(Cache):
         adapter = adapter_for(model, policy)
         adapter.attach()
         attach(model)
-        tiered = [i for i in range(adapter.num_layers) if adapter.is_tiered(i)]
-        if len(tiered) < adapter.num_layers and LinearAttentionLayer is None:
-            import transformers
-
-            raise RuntimeError(
-                f"{type(model).__name__} has linear-attention layers, whose cache layer needs transformers >= 5.18 "
-                f"(this is {transformers.__version__}): pip install 'transformers>=5.18,<5.40'"
-            )
-        geometry = RowGeometry(adapter.layout, getattr(adapter, "kv_lora_rank", 0), getattr(adapter, "rope_dim", 0),
-                               capacity=capacity)
+        shape = adapter.geometry
+        tiered = list(shape.tiered)
+        geometry = RowGeometry(shape.layout, shape.content_dim, shape.branch_dim, capacity=capacity)
         retrieval = Retrieval(retriever, audit=audit) if retriever is not None else None
         self.runtime = Runtime(policy, retrieval, geometry, len(tiered), context_length=context_length,
                                record_window=record_window)
         self.adapter = adapter
         # a policy that never evicts (full) holds the whole context: reserve it once instead of growing
         reserve = context_length if context_length and not policy.requires_budget else None
-        threshold = decompress_min_queries or getattr(adapter, "decompress_min_queries", None)
+        threshold = decompress_min_queries or shape.decompress_min_queries
         layers = [
             TieredLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold,
                         auto_compress=auto_compress)
-            if i in tiered else LinearAttentionLayer()  # Kimi's KDA layers
-            for i in range(adapter.num_layers)
+            if i in tiered else adapter.untiered_layer(i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
+            for i in range(shape.num_layers)
         ]
-        modules = _attention_modules(model, adapter)
+        modules = adapter.attention_modules()
         for i in tiered:  # bound to this model's attention modules: another model's forward is refused
             if i in modules:
                 layers[i].owner = weakref.ref(modules[i])
@@ -482,8 +458,9 @@ class TieredCache(Cache):
             problem = dense_prefill_problem(p)
             if problem is not None:
                 return f"{role} {problem}"
-        if self.adapter.layout not in policy.layouts:
-            return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {self.adapter.layout!r}"
+        layout = self.adapter.geometry.layout
+        if layout not in policy.layouts:
+            return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {layout!r}"
         needed = policy.observation_window if "window" in policy.observes else 0
         if needed > self.runtime.observation_window:
             return (f"policy {policy.name!r} reads the last {needed} queries, this cache kept "
