@@ -20,6 +20,7 @@ once, without waiting for the cycle collector.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from typing import Any
 
@@ -423,16 +424,40 @@ class TieredCache(Cache):
         """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
 
         What a benchmark needs to prefill and compress once and then continue several ways (answer,
-        continuation, question): the copy's tensors are new, the policy, retriever configuration and
-        adapter are shared (they are configuration, not state).
+        continuation, question): the copy's tensors are new; its configuration -- adapter, policy, retrieval
+        tier, geometry -- is this cache's (:meth:`_clone`). A fork decodes eagerly (a CUDA graph belongs to
+        its cache's buffers).
         """
-        memo: dict[int, Any] = {id(self.adapter): self.adapter, id(self.runtime.policy): self.runtime.policy}
-        if self.runtime.retrieval is not None:
-            memo[id(self.runtime.retrieval)] = self.runtime.retrieval
-        if self.graph is not None:  # a fork decodes eagerly (a graph belongs to its cache's buffers)
-            memo[id(self.graph)] = None
+        shared, states = self._copied((self.runtime.shared, self._layer_states()))  # one pass: shared storage stays so
+        return self._clone(dataclasses.replace(self.runtime, shared=shared), states)
+
+    def _layer_states(self) -> list[Any]:
+        """What each layer holds of the sequence: a tiered layer's :class:`LayerState` (rows, archive, index,
+        counters, kept queries) and the view it last handed the model; a layer kvzoo does not tier (Kimi's KDA
+        layers) whole."""
+        return [(layer.state, layer.returned_keys) if isinstance(layer, TieredLayer) else layer for layer in self.layers]
+
+    def _clone(self, runtime: Runtime, states: list[Any]) -> TieredCache:
+        """A cache on the same model and adapter that runs with ``runtime`` and holds ``states`` (copies of
+        :meth:`_layer_states`); the rest of each layer (its index and rank, the module it belongs to, its settings)
+        is taken as it is."""
+        clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
+        clone.runtime, clone.graph = runtime, None
+        clone.layers = []
+        for layer, state in zip(self.layers, states):
+            if isinstance(layer, TieredLayer):
+                twin = copy.copy(layer)
+                twin.runtime, (twin.state, twin.returned_keys) = runtime, state
+                state = twin
+            clone.layers.append(state)
+        return clone
+
+    def _copied(self, state: Any) -> Any:
+        """A deep copy of ``state`` (tensors, counters), sharing the configuration objects it may point to (the
+        policy, the retrieval tier and its retriever: a retriever's index state may keep its retriever)."""
+        shared = (self.runtime.policy, self.runtime.retrieval, self.runtime.retriever)
         try:
-            return copy.deepcopy(self, memo)
+            return copy.deepcopy(state, {id(obj): obj for obj in shared if obj is not None})
         except RuntimeError as err:
             if "graph leaves" not in str(err):
                 raise
@@ -468,31 +493,31 @@ class TieredCache(Cache):
         return None
 
     def fork_as(self, policy: Policy | str) -> TieredCache:
-        """A copy of this prefilled, not yet compressed cache that continues as ``policy``.
+        """A new cache that continues this prefilled, not yet compressed one as ``policy``: a constructor.
 
         One dense prefill then serves several policies that would have computed the very same prefill
-        (a benchmark's grid): the copy's rows, counters and kept queries are this cache's, bit for bit; its
-        policy, retriever and budget are ``policy``'s. A ValueError says why when the prefill is not
-        ``policy``'s to share (:meth:`prefill_shared_with`).
+        (a benchmark's grid): the new cache's rows, counters and kept queries are this cache's, bit for bit
+        (its queries cut to ``policy``'s window); it runs with a runtime of its own -- ``policy``, its
+        retriever with an empty index, its budget still to be fixed -- on this cache's model, adapter and
+        geometry. A ValueError says why when the prefill is not ``policy``'s to share
+        (:meth:`prefill_shared_with`).
         """
         policy = resolve_policy(policy)
         problem = self.prefill_shared_with(policy)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
         retriever = _retriever_of(policy)
-        copy_ = self.fork()
-        old = copy_.runtime
+        old = self.runtime
         retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
         runtime = Runtime(policy, retrieval, old.geometry, old.num_layers, context_length=old.context_length)
-        copy_.runtime = runtime
-        for layer in copy_.tiered_layers:
-            layer.runtime = runtime
+        clone = self._clone(runtime, self._copied(self._layer_states()))
+        window = runtime.observation_window
+        for layer in clone.tiered_layers:
             layer.state.index = retrieval.new_state(runtime.geometry) if retrieval is not None else None
             queries = layer.state.window_queries
             if queries is not None:
-                window = runtime.observation_window
                 layer.state.window_queries = queries[:, :, -window:].clone() if window > 0 else None
-        return copy_
+        return clone
 
     def close(self) -> None:
         """Free every layer's rows now (the cache is empty and reusable afterwards)."""
