@@ -20,7 +20,6 @@ once, without waiting for the cycle collector.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import weakref
 from typing import Any
 
@@ -33,7 +32,7 @@ from kvzoo.framework.names import policy_retriever, resolve_policy
 from kvzoo.framework.policy import Policy
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
-from kvzoo.framework.runtime import LayerState, Runtime
+from kvzoo.framework.runtime import LayerState, Runtime, RuntimeConfig
 from kvzoo.framework.store import CacheStats, LayerStats
 
 
@@ -347,8 +346,8 @@ class TieredCache(Cache):
         tiered = list(shape.tiered)
         geometry = RowGeometry(shape.layout, shape.content_dim, shape.branch_dim, capacity=capacity)
         retrieval = Retrieval(retriever, audit=audit) if retriever is not None else None
-        self.runtime = Runtime(policy, retrieval, geometry, len(tiered), context_length=context_length,
-                               record_window=record_window)
+        self.runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, len(tiered), record_window),
+                               context_length=context_length)
         self.adapter = adapter
         # a policy that never evicts (full) holds the whole context: reserve it once instead of growing
         reserve = context_length if context_length and not policy.requires_budget else None
@@ -424,12 +423,12 @@ class TieredCache(Cache):
         """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
 
         What a benchmark needs to prefill and compress once and then continue several ways (answer,
-        continuation, question): the copy's tensors are new; its configuration -- adapter, policy, retrieval
-        tier, geometry -- is this cache's (:meth:`_clone`). A fork decodes eagerly (a CUDA graph belongs to
+        continuation, question): the copy's tensors are new; its adapter and :class:`RuntimeConfig` (policy,
+        retrieval tier, geometry) are this cache's, its per-cache state copied (:meth:`_clone`). A fork decodes eagerly (a CUDA graph belongs to
         its cache's buffers).
         """
         shared, states = self._copied((self.runtime.shared, self._layer_states()))  # one pass: shared storage stays so
-        return self._clone(dataclasses.replace(self.runtime, shared=shared), states)
+        return self._clone(Runtime(self.runtime.config, self.runtime.context_length, shared), states)
 
     def _layer_states(self) -> list[Any]:
         """What each layer holds of the sequence: a tiered layer's :class:`LayerState` (rows, archive, index,
@@ -509,7 +508,8 @@ class TieredCache(Cache):
         retriever = _retriever_of(policy)
         old = self.runtime
         retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
-        runtime = Runtime(policy, retrieval, old.geometry, old.num_layers, context_length=old.context_length)
+        runtime = Runtime(RuntimeConfig(policy, retrieval, old.geometry, old.num_layers),
+                          context_length=old.context_length)
         clone = self._clone(runtime, self._copied(self._layer_states()))
         window = runtime.observation_window
         for layer in clone.tiered_layers:
