@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvzoo.bench.executors import int_option as _positive_int
+
 MODEL_HELP = (
     "smollm2-135m (default; real weights, offline), tiny-llama / tiny-deepseek-v2 / tiny-kimi-linear "
     "(random, for mechanics), a local directory, or a hub id (needs a network)"
@@ -331,22 +333,51 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
 
 
 def _executor_from_args(args: argparse.Namespace) -> Any:
+    """The ``--executor`` chosen, built from its own options; another executor's options given are an error."""
     from kvzoo.bench import runner
 
-    options = {"address": args.address, "workers": args.workers, "gpus_per_worker": args.gpus_per_worker,
-               "cpus_per_worker": args.cpus_per_worker, "max_attempts": args.max_attempts,
-               "placement_timeout": args.placement_timeout}
-    if args.executor == "local":
-        given = [f"--{k.replace('_', '-')}" for k, v in options.items() if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply to --executor ray (the local executor runs every trial "
-                             "in this process)")
-    return runner.make_executor(args.executor, **options)
+    owned = args.executor_options  # executor name -> [(dest, flag)] of the options it added
+    mine = {dest for dest, _ in owned.get(args.executor, [])}
+    foreign = {flag: name for name, options in owned.items() if name != args.executor
+               for dest, flag in options if dest not in mine and getattr(args, dest, None) is not None}
+    if foreign:
+        owners = " or ".join(dict.fromkeys(f"--executor {name}" for name in foreign.values()))
+        raise ValueError(f"{', '.join(foreign)} only apply to {owners} (the {args.executor} executor takes "
+                         f"{', '.join(sorted(f for d, f in owned.get(args.executor, []))) or 'no options'})")
+    return runner.make_executor(args.executor, **{dest: getattr(args, dest) for dest in mine})
+
+
+class _OptionsOf:
+    """An argument group that records the options an executor adds to it (``(dest, flag)``), for
+    :func:`_executor_from_args`."""
+
+    def __init__(self, group: Any) -> None:
+        self.group, self.options = group, []
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> argparse.Action:
+        action = self.group.add_argument(*flags, **kwargs)
+        self.options.append((action.dest, action.option_strings[0] if action.option_strings else action.dest))
+        return action
+
+
+def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--executor`` (every registered executor) and each executor's own options, in a group of its own."""
+    from kvzoo import registry
+
+    summaries = registry.executors()
+    parser.add_argument("--executor", choices=list(summaries), default="local",
+                        help="; ".join(f"{name}: {summary}" for name, summary in summaries.items()))
+    owned = {}
+    for name in summaries:
+        group = _OptionsOf(parser.add_argument_group(f"--executor {name}"))
+        registry.executor_class(name).add_arguments(group)
+        owned[name] = group.options
+    parser.set_defaults(executor_options=owned)
 
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
     from kvzoo.bench import plots, report, runner
-    from kvzoo.bench.ray_executor import RayUnavailable
+    from kvzoo.bench.executors import ExecutorUnavailable
 
     started = time.perf_counter()
     problem = _kernels_problem()
@@ -354,7 +385,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
         return _fail("leaderboard", problem)
     try:
         executor = _executor_from_args(args)
-    except (RayUnavailable, ValueError) as err:
+    except (ExecutorUnavailable, ValueError) as err:
         return _fail("leaderboard", str(err))
     results = Path(args.out or runner.RESULTS_DIR / f"{args.preset}.jsonl")
     plot_dir = Path(args.plot_dir) if args.plot_dir else results.parent
@@ -373,7 +404,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     try:
         rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress,
                                executor=executor)
-    except (RayUnavailable, runner.ResultsFileError) as err:
+    except (ExecutorUnavailable, runner.ResultsFileError) as err:
         return _fail("leaderboard", str(err))
     print(report.render(rows, title=f"kvzoo leaderboard ({args.preset} grid)"))
     print("## Workers: who ran what (each row's `worker` and `trial_seconds` in the JSONL)\n")
@@ -467,40 +498,10 @@ def _depth(text: str) -> float:
     return value
 
 
-def _positive_int(subject: str, low: int = 1, note: str = "") -> Any:
-    """An argparse type: an int >= ``low``, or an error saying ``{subject} is an int >= {low}{note}``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{subject} is an int >= {low}{note}, got {text!r}")
-        return value
-
-    return parse
-
-
 _positive = _positive_int("a token count")
 
 
-def _non_negative(option: str, strict: bool = False) -> Any:
-    bound = "> 0" if strict else ">= 0"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}") from None
-        if not (value > 0 if strict else value >= 0) or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from kvzoo.bench.executors import EXECUTORS, RAY_INSTALL
     from kvzoo.bench.runner import DTYPES, PRESETS
     from kvzoo.bench.tasks import TASKS
     from kvzoo.haystacks import ALL_HAYSTACKS
@@ -571,23 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="append to --out even when it exists and is not a kvzoo results file")
     p_lb.add_argument("--no-plots", action="store_true", help="do not write the PNGs")
     p_lb.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p_lb.add_argument("--executor", choices=list(EXECUTORS), default="local",
-                      help="local: every trial in this process (default); ray: on a Ray cluster, one worker per "
-                      f"slot holding a loaded model (needs `{RAY_INSTALL}`)")
-    p_lb.add_argument("--address", help="ray: the cluster -- auto (this machine's `ray start --head`) or "
-                      "ray://HOST:10001; default: start a local Ray instance")
-    p_lb.add_argument("--workers", type=_positive_int("--workers"),
-                      help="ray: worker slots (default: as many as the cluster's CPUs or GPUs allow)")
-    p_lb.add_argument("--gpus-per-worker", type=_non_negative("gpus-per-worker"),
-                      help="ray: GPUs per worker, fractions allowed (a worker with a GPU runs its model on cuda)")
-    p_lb.add_argument("--cpus-per-worker", type=_non_negative("cpus-per-worker", strict=True),
-                      help="ray: CPUs per worker, also its torch threads (default 1)")
-    p_lb.add_argument("--max-attempts", type=_positive_int("--max-attempts"),
-                      help="ray: workers a trial may lose (killed, out of memory) before it is recorded as an error "
-                      "(default 3)")
-    p_lb.add_argument("--placement-timeout", type=_non_negative("placement-timeout", strict=True), metavar="S",
-                      help="ray: seconds a worker may wait to be placed on the cluster (its CPUs/GPUs free) before the "
-                      "run stops naming the resource (default 120)")
+    _add_executor_arguments(p_lb)
     p_lb.set_defaults(func=cmd_leaderboard)
 
     p_plot = sub.add_parser("plot", help="needle heatmap (depth x context length, per policy) and score-vs-ratio curves")

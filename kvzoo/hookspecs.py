@@ -1,5 +1,6 @@
 """The kvzoo plugin hooks: ``kvzoo_policies`` returns policy classes, ``kvzoo_retrievers`` retriever classes,
-``kvzoo_namespaces`` resolvers of prefixed names (``kvpress:KnormPress``).
+``kvzoo_namespaces`` resolvers of prefixed names (``kvpress:KnormPress``), ``kvzoo_adapters`` model families
+(adapter classes), ``kvzoo_executors`` where a leaderboard's trials run (executor classes).
 
 A plugin is an ordinary module (or object) with a marked function::
 
@@ -14,8 +15,8 @@ installed through the ``kvzoo`` entry-point group of its distribution::
     [project.entry-points.kvzoo]
     my_policies = "my_package.kvzoo_plugin"
 
-or registered at run time with :func:`kvzoo.registry.register_plugin`. kvzoo's own policies are
-loaded through the same hook (the built-in plugin in :mod:`kvzoo.registry` reads
+or registered at run time with :func:`kvzoo.registry.register_plugin`. kvzoo's own policies, adapters
+and executors are loaded through the same hooks (the built-in plugin in :mod:`kvzoo.registry` reads
 ``registry.toml``).
 """
 
@@ -58,4 +59,25 @@ def kvzoo_retrievers() -> Sequence[type]:
 
     Each must be a subclass of :class:`kvzoo.framework.retriever.Retriever` with a non-empty
     ``name`` no other plugin claims; policies then name it (``retriever="my_index"``).
+    """
+
+
+@hookspec
+def kvzoo_adapters() -> Sequence[type]:
+    """Return the model-family adapter classes this plugin provides.
+
+    Each follows :class:`kvzoo.framework.adapters.Adapter`: a non-empty ``name``, the transformers
+    ``model_types`` it serves (a model type no other adapter claims), its ``layout`` (``"gqa"`` or
+    ``"mla"``) and a constructor ``(model, policy)``; ``TieredCache`` builds the one whose model types
+    hold the model's ``config.model_type``.
+    """
+
+
+@hookspec
+def kvzoo_executors() -> Sequence[type]:
+    """Return the executor classes this plugin provides (where a leaderboard's trials run).
+
+    Each follows :class:`kvzoo.bench.executors.Executor`: a non-empty ``name`` no other plugin claims
+    (``kvzoo leaderboard --executor NAME``), a one-line ``summary``, ``add_arguments(group)`` adding its
+    own command-line options, and a constructor taking those options' values as keywords.
     """

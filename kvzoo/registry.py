@@ -51,6 +51,10 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "REGISTRY_TOML",
     "BuiltinPolicies",
+    "adapter_class",
+    "adapters",
+    "executor_class",
+    "executors",
     "RegistryError",
     "UnknownPolicyError",
     "available",
@@ -129,7 +133,8 @@ def _import_object(spec: str) -> Any:
 
 
 class BuiltinPolicies:
-    """The plugin that provides kvzoo's own policies and retrievers: the classes ``registry.toml`` lists."""
+    """The plugin that provides kvzoo's own policies, retrievers, adapters and executors: the classes
+    ``registry.toml`` lists."""
 
     def __init__(self, manifest_path: Path = REGISTRY_TOML) -> None:
         self.manifest_path = manifest_path
@@ -155,6 +160,14 @@ class BuiltinPolicies:
         return self._classes("retriever")
 
     @hookimpl
+    def kvzoo_adapters(self) -> list[type]:
+        return self._classes("adapter")
+
+    @hookimpl
+    def kvzoo_executors(self) -> list[type]:
+        return self._classes("executor")
+
+    @hookimpl
     def kvzoo_namespaces(self) -> dict[str, Any]:
         """Each ``[[namespace]]``'s resolver, imported when a name in it is first looked up."""
         return {entry["name"]: lambda name, spec=entry["module"]: _import_object(spec)(name)
@@ -175,6 +188,9 @@ _registered: list[tuple[object, str]] = []  # plugins given to register_plugin()
 _entries: dict[str, _Entry] | None = None  # the policy table; None until the first lookup
 _retrievers: dict[str, _Entry] | None = None  # the retriever table, built with it
 _namespaces: dict[str, tuple[Any, str]] | None = None  # prefix -> (resolver, source), built with it
+_adapters: dict[str, _Entry] | None = None  # model type -> adapter class, built on its first lookup
+_executors: dict[str, _Entry] | None = None  # executor name -> class, built on its first lookup
+_plugins: pluggy.PluginManager | None = None  # the plugins of the current tables
 
 
 def _class_path(cls: type) -> str:
@@ -253,11 +269,13 @@ def _discover() -> dict[str, _Entry]:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise RegistryError(f"{exc}; the kvzoo hooks are kvzoo_policies() and kvzoo_retrievers()") from exc
+        raise RegistryError(f"{exc}; the kvzoo hooks are kvzoo_policies(), kvzoo_retrievers(), kvzoo_namespaces(), "
+                            "kvzoo_adapters() and kvzoo_executors()") from exc
 
-    global _retrievers, _namespaces
+    global _retrievers, _namespaces, _adapters, _executors, _plugins
     _retrievers = _discover_retrievers(pm)
     _namespaces = _discover_namespaces(pm)
+    _plugins, _adapters, _executors = pm, None, None  # read on their first lookup (adapters import transformers)
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     impls = sorted(
         pm.hook.kvzoo_policies.get_hookimpls(),
@@ -333,6 +351,97 @@ def _discover_namespaces(pm: pluggy.PluginManager) -> dict[str, tuple[Any, str]]
                                     f"{impl.plugin_name!r}")
             table[prefix] = (resolver, impl.plugin_name)
     return table
+
+
+def _discover_classes(pm: pluggy.PluginManager, hook: str, keys: Any) -> dict[str, _Entry]:
+    """key -> class from every plugin's ``hook()``: built-ins first, then plugins' by name. ``keys(cls, where)``
+    checks a class and returns the keys it claims (a RegistryError for a bad class); a key claimed twice is an
+    error naming both plugins."""
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    impls = sorted(getattr(pm.hook, hook).get_hookimpls(),
+                   key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name))
+    table: dict[str, _Entry] = {}
+    for impl in impls:
+        where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
+        try:
+            result = impl.function()
+        except RegistryError:
+            raise
+        except Exception as exc:
+            raise RegistryError(f"{where}: {hook}() raised {type(exc).__name__}: {exc}") from exc
+        if result is None:
+            continue
+        if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
+            raise RegistryError(f"{where}: {hook}() must return a list of classes, got {result!r}")
+        for cls in result:
+            if not inspect.isclass(cls) or not isinstance(getattr(cls, "name", None), str) or not cls.name:
+                raise RegistryError(f"{where}: {hook}() returned {cls!r}; return classes with a non-empty class "
+                                    "attribute name: ClassVar[str]")
+            entry = _Entry(cls, impl.plugin_name, f"{where}, class {_class_path(cls)}")
+            for key in keys(cls, where):
+                if key in table:
+                    raise RegistryError(f"{hook}: {key!r} is claimed twice: by {table[key].source} and by "
+                                        f"{entry.source}; rename or remove one")
+                table[key] = entry
+    return table
+
+
+def _adapter_keys(cls: type, where: str) -> tuple[str, ...]:
+    """The model types an adapter class serves, checked against :class:`kvzoo.framework.adapters.Adapter`."""
+    from kvzoo.framework.adapters.base import adapter_problem
+
+    problem = adapter_problem(cls)
+    if problem is not None:
+        raise RegistryError(f"{where}: adapter {_class_path(cls)} {problem}")
+    return tuple(cls.model_types)
+
+
+def _executor_keys(cls: type, where: str) -> tuple[str, ...]:
+    """An executor class's name, checked: it needs ``summary``, ``add_arguments`` and ``run``."""
+    missing = [attr for attr in ("summary", "add_arguments", "run") if not hasattr(cls, attr)]
+    if missing:
+        raise RegistryError(f"{where}: executor {_class_path(cls)} has no {', '.join(missing)}; an executor class "
+                            "has name, summary, add_arguments(group) and run(work, emit) (kvzoo.bench.executors.Executor)")
+    return (cls.name,)
+
+
+def adapters() -> dict[str, type]:
+    """Every registered model type with the adapter class that serves it."""
+    global _adapters
+    _table()
+    if _adapters is None:
+        _adapters = _discover_classes(_plugins, "kvzoo_adapters", _adapter_keys)
+    return {model_type: entry.cls for model_type, entry in _adapters.items()}
+
+
+def adapter_class(model_type: str | None) -> type:
+    """The adapter class serving ``model_type``; a ValueError naming the supported model types if none does."""
+    table = adapters()
+    if model_type not in table:
+        raise ValueError(f"kvzoo does not support model_type={model_type!r}: no adapter serves it; supported: {', '.join(table)} "
+                         "(a plugin adds a model family through the kvzoo_adapters hook)")
+    return table[model_type]
+
+
+def executors() -> dict[str, str]:
+    """Every registered executor name with its one-line summary (``local`` first)."""
+    return {name: entry.cls.summary for name, entry in _executor_table().items()}
+
+
+def _executor_table() -> dict[str, _Entry]:
+    global _executors
+    _table()
+    if _executors is None:
+        _executors = _discover_classes(_plugins, "kvzoo_executors", _executor_keys)
+    return _executors
+
+
+def executor_class(name: str) -> type:
+    """The executor class registered as ``name``; a ValueError naming the valid ones if none is."""
+    table = _executor_table()
+    if name not in table:
+        raise ValueError(f"unknown executor {name!r}: valid executors are {', '.join(table)}")
+    return table[name].cls
 
 
 def namespaces() -> list[str]:

@@ -105,7 +105,8 @@ def test_forked_mla_cache_keeps_the_models_attention_modules():
     model, _ = tiny_deepseek_v2()
     cache = TieredCache(model, registry.get("full"), context_length=16)
     fork = cache.fork()
-    assert cache.adapter.modules and all(fork.adapter.modules[i] is m for i, m in cache.adapter.modules.items())
+    modules = cache.adapter.attention_modules()
+    assert modules and all(fork.adapter.attention_modules()[i] is m for i, m in modules.items())
 
 
 # --- the grid ------------------------------------------------------------------------------------

@@ -122,6 +122,27 @@ def test_cli_ray_options_need_the_ray_executor_and_valid_numbers(capsys, tmp_pat
     assert "--cpus-per-worker is a number > 0" in err and "invalid choice: 'dask'" in err
 
 
+def test_an_executor_registered_from_outside_brings_its_own_option(monkeypatch, capsys, tmp_path: Path):
+    """tests/plugin_executor.py: one file, registered through the kvzoo_executors hook, is a new --executor with
+    its own --tag; the option is refused with another executor; an unknown executor's error names the new one."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    import plugin_executor
+
+    registry.register_plugin(plugin_executor)
+    assert list(registry.executors()) == ["local", "ray", "reversed"]
+    with pytest.raises(ValueError, match="valid executors are local, ray, reversed"):
+        runner.make_executor("dask")
+    out = tmp_path / "r.jsonl"
+    assert main(["leaderboard", "--preset", "tiny", "--policies", "full,streaming_llm", "--ratios", "2", "4",
+                 "--positions", "after", "--executor", "reversed", "--tag", "mine", "--out", str(out),
+                 "--no-plots", "--no-progress"]) == 0
+    rows = runner.read_results(out)
+    assert [(r["policy"], r["ratio"]) for r in rows] == [("full", None), ("streaming_llm", 4.0), ("streaming_llm", 2.0)]
+    assert {r["worker"] for r in rows} == {"mine"} and rows[1]["delta_nll"] is not None
+    assert main(["leaderboard", "--preset", "tiny", "--tag", "x", "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "--tag only apply to --executor reversed" in capsys.readouterr().err
+
+
 # --- the summary and the results file ------------------------------------------------------------------------
 
 

@@ -133,8 +133,6 @@ def test_the_framework_never_imports_policies_bench_or_the_registry_beyond_the_s
 USER_LAYER = ("kvzoo.bench", "kvzoo.cli", "kvzoo.demo", "kvzoo.pipeline")
 # adapters/mla.py rotates the RoPE twin's branch with refmodel.modeling.rotate_branch; issue 26's adapter
 # plugin (part 2) moves that into the twin's own registration. Listed so that no *new* edge slips in.
-FRAMEWORK_TO_REFMODEL_UNTIL_ADAPTER_PLUGINS = {("kvzoo.framework.adapters.mla", "kvzoo.refmodel.modeling")}
-
 
 def _in(module: str, *prefixes: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
@@ -170,14 +168,6 @@ def test_refmodel_imports_nothing_of_bench_and_loads_without_it():
     assert out.stdout.strip() == "[]"
 
 
-def test_no_framework_module_imports_refmodel():
-    edges = {(src, dst) for src, dsts in _graph().items() if _in(src, "kvzoo.framework")
-             for dst in dsts if _in(dst, "kvzoo.refmodel")}
-    assert edges <= FRAMEWORK_TO_REFMODEL_UNTIL_ADAPTER_PLUGINS, edges - FRAMEWORK_TO_REFMODEL_UNTIL_ADAPTER_PLUGINS
-    if edges:
-        pytest.xfail(f"until the adapter plugin lands (issue 26 part 2): {sorted(edges)}")
-
-
 def test_the_policy_layer_and_kernels_import_nothing_above_them():
     graph = _graph()
     for src in POLICY_LAYER | {m for m in graph if m.startswith("kvzoo.kernels")}:
@@ -202,6 +192,65 @@ def test_the_policy_layer_imports_with_torch_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "snapkv"
+
+
+def test_no_framework_module_imports_refmodel():
+    """The reference twins register their own adapter (kvzoo.refmodel.adapter); the framework knows none of them."""
+    graph = _graph()
+    assert sorted((src, dst) for src, dsts in graph.items() if src.startswith("kvzoo.framework")
+                  for dst in dsts if dst.startswith("kvzoo.refmodel")) == []
+    imports = re.compile(r"from\s+kvzoo\.refmodel|import\s+kvzoo\.refmodel|import_module\(\s*[\"']kvzoo\.refmodel")
+    assert [p.name for p in (PACKAGE / "framework").rglob("*.py") if imports.search(p.read_text())] == []
+
+
+def test_the_cache_asks_its_adapter_and_never_probes_it():
+    """cache.py reads the adapter through its protocol (geometry, attention_modules, untiered_layer): no
+    getattr/hasattr on it, no model type or family named."""
+    source = (PACKAGE / "framework" / "cache.py").read_text()
+    probes = [ast.unparse(node) for node in ast.walk(ast.parse(source))
+              if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr")
+              and "adapter" in ast.unparse(node.args[0])]
+    assert probes == []
+    assert not re.search(r"kv_lora_rank|model_type|LinearAttentionLayer", source)
+
+
+def test_a_model_family_registered_from_outside_the_package_runs(monkeypatch):
+    """tests/plugin_family.py: an adapter for model type "toy_llama", registered through the kvzoo_adapters hook;
+    before it, kvzoo refuses the model naming the supported types; after it, the model decodes under a policy as
+    the same weights do as a Llama."""
+    from kvzoo import TieredCache, pipeline, registry
+    from kvzoo.models import tiny_llama
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    import plugin_family
+
+    ids = torch.arange(40).view(1, 40) % 50 + 3
+
+    def decode(model) -> list[int]:
+        cache = TieredCache(model, "streaming_llm(ratio=2)", context_length=ids.shape[1])
+        with torch.no_grad():
+            logits = pipeline.prefill(model, cache, ids, None)
+            pipeline.compress(cache)
+            return pipeline.greedy_decode(model, cache, logits, 6, set())
+
+    llama, _ = tiny_llama()
+    expected = decode(llama)
+    toy, _ = tiny_llama()
+    toy.config.model_type = "toy_llama"
+    try:
+        TieredCache(toy, "full")
+    except ValueError as err:
+        assert "model_type='toy_llama'" in str(err) and "supported: llama" in str(err)
+    else:
+        raise AssertionError("an unregistered model type was accepted")
+    registry.register_plugin(plugin_family)
+    try:
+        assert registry.adapters()["toy_llama"] is plugin_family.ToyLlamaAdapter
+        assert decode(toy) == expected
+        assert isinstance(TieredCache(toy, "full").adapter, plugin_family.ToyLlamaAdapter)
+    finally:
+        registry.unregister_plugin(plugin_family)
+        registry.reload()
 
 
 def _rss_mib() -> float:

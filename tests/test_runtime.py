@@ -77,7 +77,7 @@ def test_decompressed_path_with_eviction_and_padding_matches_absorbed(mla):
 
 def test_decompress_threshold_is_the_flop_break_even_and_validated(mla):
     cache = TieredCache(mla, "full")
-    assert cache.adapter.decompress_min_queries == decompress_break_even(512, 64, 128, 128) == 171
+    assert cache.adapter.geometry.decompress_min_queries == decompress_break_even(512, 64, 128, 128) == 171
     with pytest.raises(ValueError, match="decompress_min_queries must be None"):
         TieredCache(mla, "full", decompress_min_queries=1)
 

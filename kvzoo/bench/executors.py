@@ -8,6 +8,10 @@ of the results file; an *executor* runs what is left and hands each row back as 
 * ``RayExecutor`` (:mod:`kvzoo.bench.ray_executor`, ``pip install 'kvzoo[ray]'``): one actor per
   worker slot on a Ray cluster, each holding a loaded model; rows stream back to the driver.
 
+Executors are plugins: each reaches :mod:`kvzoo.registry` through the ``kvzoo_executors`` hook (the two
+above are listed in ``registry.toml``) and brings its own command-line options (``add_arguments``), so
+adding one is one file: the class below's shape, and a plugin module returning it.
+
 An executor receives :class:`Work`: the pending trials in :class:`TrialGroup`\\ s (one per model,
 task and question position, in plan order), a factory for the object that runs a trial in a worker
 (``Work.make_runner()`` -> something with ``run(trial, reference) -> row``), and the driver-side
@@ -19,16 +23,14 @@ This module imports nothing else of kvzoo: the runner builds the work, the execu
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-EXECUTORS = ("local", "ray")
-RAY_INSTALL = "pip install 'kvzoo[ray]'"  # what --executor ray needs (the extra pins a Ray that kvzoo is tested with)
+from typing import Any, ClassVar, Protocol
 
 Row = dict[str, Any]
 Emit = Callable[[Any, Row, dict[str, Any]], None]
@@ -66,11 +68,56 @@ class Work:
 
 
 class Executor(Protocol):
-    """Runs :class:`Work`, calling ``emit`` once per trial (from the caller's thread) as each finishes."""
+    """Runs :class:`Work`, calling ``emit`` once per trial (from the caller's thread) as each finishes.
 
-    name: str
+    The class is registered by ``name`` (``--executor NAME``) with a one-line ``summary`` (``--help``);
+    ``add_arguments(group)`` adds its own options to ``kvzoo leaderboard`` (unique flags, ``default=None``),
+    whose ``dest`` names are its constructor's keywords: ``kvzoo.bench.runner.make_executor(name, **options)``
+    builds it from the options given (None values left out).
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None: ...
 
     def run(self, work: Work, emit: Emit) -> None: ...
+
+
+class ExecutorUnavailable(RuntimeError):
+    """An executor cannot run here (a package it needs is missing, its cluster cannot be reached): the message
+    says what to do."""
+
+
+def int_option(subject: str, low: int = 1, note: str = "") -> Callable[[str], int]:
+    """An argparse type: an int >= ``low``, or an error saying ``{subject} is an int >= {low}{note}``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{subject} is an int >= {low}{note}, got {text!r}")
+        return value
+
+    return parse
+
+
+def number_option(option: str, strict: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= 0 (``strict``: > 0), or an error naming ``--{option}``."""
+    bound = "> 0" if strict else ">= 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}") from None
+        if not (value > 0 if strict else value >= 0) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
 def worker_name() -> str:
@@ -94,6 +141,11 @@ class LocalExecutor:
     """Every trial in this process, one after another in plan order (today's leaderboard loop)."""
 
     name = "local"
+    summary = "every trial in this process (default)"
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        """No options: the trials run here, one after another."""
 
     def run(self, work: Work, emit: Emit) -> None:
         runner = work.make_runner()

@@ -22,6 +22,7 @@ Ray is imported only when a ``RayExecutor`` is made: ``pip install 'kvzoo[ray]'`
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -29,13 +30,24 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvzoo.bench.executors import RAY_INSTALL, Emit, TrialGroup, TrialQueue, Work, timed_run
+from kvzoo.bench.executors import (
+    Emit,
+    ExecutorUnavailable,
+    TrialGroup,
+    TrialQueue,
+    Work,
+    int_option,
+    number_option,
+    timed_run,
+)
+
+RAY_INSTALL = "pip install 'kvzoo[ray]'"  # what --executor ray needs (the extra pins a Ray that kvzoo is tested with)
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # a local instance's object store: rows are small, models never travel
 PLACEMENT_TIMEOUT_S = 120.0  # how long a worker may wait for the cluster to reserve its CPUs and GPUs
 
 
-class RayUnavailable(RuntimeError):
+class RayUnavailable(ExecutorUnavailable):
     """Ray is not installed, or the cluster named cannot be reached."""
 
 
@@ -100,6 +112,25 @@ class RayExecutor:
     """
 
     name = "ray"
+    summary = f"on a Ray cluster, one worker per slot holding a loaded model (needs `{RAY_INSTALL}`)"
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        """``kvzoo leaderboard``'s Ray options (each ``dest`` a constructor keyword)."""
+        group.add_argument("--address", help="ray: the cluster -- auto (this machine's `ray start --head`) or "
+                           "ray://HOST:10001; default: start a local Ray instance")
+        group.add_argument("--workers", type=int_option("--workers"),
+                           help="ray: worker slots (default: as many as the cluster's CPUs or GPUs allow)")
+        group.add_argument("--gpus-per-worker", type=number_option("gpus-per-worker"),
+                           help="ray: GPUs per worker, fractions allowed (a worker with a GPU runs its model on cuda)")
+        group.add_argument("--cpus-per-worker", type=number_option("cpus-per-worker", strict=True),
+                           help="ray: CPUs per worker, also its torch threads (default 1)")
+        group.add_argument("--max-attempts", type=int_option("--max-attempts"),
+                           help="ray: workers a trial may lose (killed, out of memory) before it is recorded as an "
+                           "error (default 3)")
+        group.add_argument("--placement-timeout", type=number_option("placement-timeout", strict=True), metavar="S",
+                           help="ray: seconds a worker may wait to be placed on the cluster (its CPUs/GPUs free) "
+                           "before the run stops naming the resource (default 120)")
 
     def __init__(
         self,

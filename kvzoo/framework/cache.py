@@ -26,18 +26,13 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-try:  # Kimi Linear's KDA layers (transformers >= 5.18); the transformers kvpress pins (< 5.3) has no such layer
-    from transformers.cache_utils import LinearAttentionLayer
-except ImportError:
-    LinearAttentionLayer = None
-
 from kvzoo.framework.adapters import adapter_for
 from kvzoo.framework.attention import ACTIVE_LAYER, attach
 from kvzoo.framework.names import policy_retriever, resolve_policy
 from kvzoo.framework.policy import Policy
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
-from kvzoo.framework.runtime import LayerState, Runtime
+from kvzoo.framework.runtime import LayerState, Runtime, RuntimeConfig
 from kvzoo.framework.store import CacheStats, LayerStats
 
 
@@ -50,18 +45,6 @@ def _retriever_of(policy: Policy):
             "fetches from the archive; use archive=True or retriever=None"
         )
     return retriever
-
-
-def _attention_modules(model: torch.nn.Module, adapter: Any) -> dict[int, torch.nn.Module]:
-    """``layer index -> attention module`` of ``model``: what reaches the cache in a forward (MLA: the modules
-    whose forward the adapter runs; GQA: the modules with a ``q_proj`` and a ``layer_idx``)."""
-    found = dict(getattr(adapter, "modules", None) or {})
-    if not found:
-        for module in model.modules():
-            idx = getattr(module, "layer_idx", None)
-            if isinstance(idx, int) and hasattr(module, "q_proj"):
-                found.setdefault(idx, module)
-    return found
 
 
 def dense_prefill_problem(policy: Policy) -> str | None:
@@ -359,30 +342,23 @@ class TieredCache(Cache):
         adapter = adapter_for(model, policy)
         adapter.attach()
         attach(model)
-        tiered = [i for i in range(adapter.num_layers) if adapter.is_tiered(i)]
-        if len(tiered) < adapter.num_layers and LinearAttentionLayer is None:
-            import transformers
-
-            raise RuntimeError(
-                f"{type(model).__name__} has linear-attention layers, whose cache layer needs transformers >= 5.18 "
-                f"(this is {transformers.__version__}): pip install 'transformers>=5.18,<5.40'"
-            )
-        geometry = RowGeometry(adapter.layout, getattr(adapter, "kv_lora_rank", 0), getattr(adapter, "rope_dim", 0),
-                               capacity=capacity)
+        shape = adapter.geometry
+        tiered = list(shape.tiered)
+        geometry = RowGeometry(shape.layout, shape.content_dim, shape.branch_dim, capacity=capacity)
         retrieval = Retrieval(retriever, audit=audit) if retriever is not None else None
-        self.runtime = Runtime(policy, retrieval, geometry, len(tiered), context_length=context_length,
-                               record_window=record_window)
+        self.runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, len(tiered), record_window),
+                               context_length=context_length)
         self.adapter = adapter
         # a policy that never evicts (full) holds the whole context: reserve it once instead of growing
         reserve = context_length if context_length and not policy.requires_budget else None
-        threshold = decompress_min_queries or getattr(adapter, "decompress_min_queries", None)
+        threshold = decompress_min_queries or shape.decompress_min_queries
         layers = [
             TieredLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold,
                         auto_compress=auto_compress)
-            if i in tiered else LinearAttentionLayer()  # Kimi's KDA layers
-            for i in range(adapter.num_layers)
+            if i in tiered else adapter.untiered_layer(i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
+            for i in range(shape.num_layers)
         ]
-        modules = _attention_modules(model, adapter)
+        modules = adapter.attention_modules()
         for i in tiered:  # bound to this model's attention modules: another model's forward is refused
             if i in modules:
                 layers[i].owner = weakref.ref(modules[i])
@@ -447,16 +423,40 @@ class TieredCache(Cache):
         """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
 
         What a benchmark needs to prefill and compress once and then continue several ways (answer,
-        continuation, question): the copy's tensors are new, the policy, retriever configuration and
-        adapter are shared (they are configuration, not state).
+        continuation, question): the copy's tensors are new; its adapter and :class:`RuntimeConfig` (policy,
+        retrieval tier, geometry) are this cache's, its per-cache state copied (:meth:`_clone`). A fork decodes eagerly (a CUDA graph belongs to
+        its cache's buffers).
         """
-        memo: dict[int, Any] = {id(self.adapter): self.adapter, id(self.runtime.policy): self.runtime.policy}
-        if self.runtime.retrieval is not None:
-            memo[id(self.runtime.retrieval)] = self.runtime.retrieval
-        if self.graph is not None:  # a fork decodes eagerly (a graph belongs to its cache's buffers)
-            memo[id(self.graph)] = None
+        shared, states = self._copied((self.runtime.shared, self._layer_states()))  # one pass: shared storage stays so
+        return self._clone(Runtime(self.runtime.config, self.runtime.context_length, shared), states)
+
+    def _layer_states(self) -> list[Any]:
+        """What each layer holds of the sequence: a tiered layer's :class:`LayerState` (rows, archive, index,
+        counters, kept queries) and the view it last handed the model; a layer kvzoo does not tier (Kimi's KDA
+        layers) whole."""
+        return [(layer.state, layer.returned_keys) if isinstance(layer, TieredLayer) else layer for layer in self.layers]
+
+    def _clone(self, runtime: Runtime, states: list[Any]) -> TieredCache:
+        """A cache on the same model and adapter that runs with ``runtime`` and holds ``states`` (copies of
+        :meth:`_layer_states`); the rest of each layer (its index and rank, the module it belongs to, its settings)
+        is taken as it is."""
+        clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
+        clone.runtime, clone.graph = runtime, None
+        clone.layers = []
+        for layer, state in zip(self.layers, states):
+            if isinstance(layer, TieredLayer):
+                twin = copy.copy(layer)
+                twin.runtime, (twin.state, twin.returned_keys) = runtime, state
+                state = twin
+            clone.layers.append(state)
+        return clone
+
+    def _copied(self, state: Any) -> Any:
+        """A deep copy of ``state`` (tensors, counters), sharing the configuration objects it may point to (the
+        policy, the retrieval tier and its retriever: a retriever's index state may keep its retriever)."""
+        shared = (self.runtime.policy, self.runtime.retrieval, self.runtime.retriever)
         try:
-            return copy.deepcopy(self, memo)
+            return copy.deepcopy(state, {id(obj): obj for obj in shared if obj is not None})
         except RuntimeError as err:
             if "graph leaves" not in str(err):
                 raise
@@ -482,8 +482,9 @@ class TieredCache(Cache):
             problem = dense_prefill_problem(p)
             if problem is not None:
                 return f"{role} {problem}"
-        if self.adapter.layout not in policy.layouts:
-            return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {self.adapter.layout!r}"
+        layout = self.adapter.geometry.layout
+        if layout not in policy.layouts:
+            return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {layout!r}"
         needed = policy.observation_window if "window" in policy.observes else 0
         if needed > self.runtime.observation_window:
             return (f"policy {policy.name!r} reads the last {needed} queries, this cache kept "
@@ -491,31 +492,32 @@ class TieredCache(Cache):
         return None
 
     def fork_as(self, policy: Policy | str) -> TieredCache:
-        """A copy of this prefilled, not yet compressed cache that continues as ``policy``.
+        """A new cache that continues this prefilled, not yet compressed one as ``policy``: a constructor.
 
         One dense prefill then serves several policies that would have computed the very same prefill
-        (a benchmark's grid): the copy's rows, counters and kept queries are this cache's, bit for bit; its
-        policy, retriever and budget are ``policy``'s. A ValueError says why when the prefill is not
-        ``policy``'s to share (:meth:`prefill_shared_with`).
+        (a benchmark's grid): the new cache's rows, counters and kept queries are this cache's, bit for bit
+        (its queries cut to ``policy``'s window); it runs with a runtime of its own -- ``policy``, its
+        retriever with an empty index, its budget still to be fixed -- on this cache's model, adapter and
+        geometry. A ValueError says why when the prefill is not ``policy``'s to share
+        (:meth:`prefill_shared_with`).
         """
         policy = resolve_policy(policy)
         problem = self.prefill_shared_with(policy)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
         retriever = _retriever_of(policy)
-        copy_ = self.fork()
-        old = copy_.runtime
+        old = self.runtime
         retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
-        runtime = Runtime(policy, retrieval, old.geometry, old.num_layers, context_length=old.context_length)
-        copy_.runtime = runtime
-        for layer in copy_.tiered_layers:
-            layer.runtime = runtime
+        runtime = Runtime(RuntimeConfig(policy, retrieval, old.geometry, old.num_layers),
+                          context_length=old.context_length)
+        clone = self._clone(runtime, self._copied(self._layer_states()))
+        window = runtime.observation_window
+        for layer in clone.tiered_layers:
             layer.state.index = retrieval.new_state(runtime.geometry) if retrieval is not None else None
             queries = layer.state.window_queries
             if queries is not None:
-                window = runtime.observation_window
                 layer.state.window_queries = queries[:, :, -window:].clone() if window > 0 else None
-        return copy_
+        return clone
 
     def close(self) -> None:
         """Free every layer's rows now (the cache is empty and reusable afterwards)."""

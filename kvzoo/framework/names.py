@@ -36,3 +36,8 @@ def policy_retriever(policy: Policy) -> Retriever | None:
         retriever = registry.build_retriever(retriever, **policy.retriever_params())
     registry.check_retriever_params(policy, retriever)
     return retriever
+
+
+def adapter_class(model_type: str | None) -> type:
+    """The registered adapter class serving ``model_type`` (a ValueError naming the supported ones if none)."""
+    return registry.adapter_class(model_type)

@@ -64,24 +64,38 @@ def _number(value: Any) -> float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-@dataclass
-class Runtime:
-    """The policy, the retrieval tier and the model's geometry a cache runs with; per-cache state.
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What a cache runs with, fixed when it is made (a fork shares it; ``fork_as`` makes another).
 
     ``geometry`` describes the rows (layout, latent and branch widths, the fixed capacity if any);
-    ``num_layers`` counts the layers kvzoo compresses; ``context_length`` (when the pipeline knows it) makes a
-    ratio budget count the whole context.
+    ``num_layers`` counts the layers kvzoo compresses; ``record_window``: queries kept beyond the policy's own
+    window, for a prefill that policies with wider windows continue from (``TieredCache(..., record_window=w)``
+    and ``fork_as``; the policy itself sees only its own window's).
     """
 
     policy: Policy
     retrieval: Retrieval | None
     geometry: RowGeometry
     num_layers: int
-    context_length: int | None = None
-    shared: dict[str, Any] = field(default_factory=dict)  # the policy's cross-layer scratch (ChunkKV's reuse)
-    # queries kept beyond the policy's own window: a prefill that policies with wider windows continue from
-    # (TieredCache(..., record_window=w) and fork_as); the policy itself sees only its own window's
     record_window: int = 0
+
+
+@dataclass
+class Runtime:
+    """A cache's :class:`RuntimeConfig` and its per-cache state: the context's length (when the pipeline knows it, a
+    ratio budget counts the whole context) and the policy's cross-layer scratch (``shared``: ChunkKV's reuse).
+    The configuration's fields read as the runtime's own (``runtime.policy``)."""
+
+    config: RuntimeConfig
+    context_length: int | None = None
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    policy = property(lambda self: self.config.policy)
+    retrieval = property(lambda self: self.config.retrieval)
+    geometry = property(lambda self: self.config.geometry)
+    num_layers = property(lambda self: self.config.num_layers)
+    record_window = property(lambda self: self.config.record_window)
 
     @property
     def retriever(self):

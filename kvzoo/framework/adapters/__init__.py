@@ -1,37 +1,42 @@
 """Model adapters: what kvzoo needs to know about a model family to run its attention.
 
-``adapter_for(model, policy)`` returns the adapter or raises a ValueError naming the supported
-architectures. GQA/MHA (Llama family) in ``gqa.py``; MLA (DeepSeek-V2/V3, Kimi Linear) in ``mla.py``.
+A family is a plugin: an :class:`Adapter` class registered through the ``kvzoo_adapters`` hook
+(:mod:`kvzoo.hookspecs`), naming the transformers ``model_types`` it serves; ``registry.toml`` lists the
+built-in ones -- GQA/MHA (Llama family, ``gqa.py``), DeepSeek-V2/V3 and Kimi Linear's MLA (``mla.py``) --
+and kvzoo's reference twins register theirs from ``kvzoo.refmodel.adapter``. An adapter states the
+family's :class:`Geometry` (row layout, groups, widths, whether the branch is rotated); ``TieredCache``
+asks it, and nothing else, about the model. ``adapter_for(model, policy)`` builds the adapter of
+``model``'s model type or raises a ValueError naming the supported ones.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvzoo.framework.adapters.gqa import GQA_MODEL_TYPES, GQAAdapter
-from kvzoo.framework.adapters.mla import MLA_MODEL_TYPES, MLAAdapter
+from kvzoo.framework.adapters.base import Adapter, Geometry, adapter_problem
+from kvzoo.framework.names import adapter_class
 from kvzoo.framework.policy import Policy
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = GQA_MODEL_TYPES + MLA_MODEL_TYPES
 
-
-def adapter_for(model: torch.nn.Module, policy: Policy) -> GQAAdapter | MLAAdapter:
+def model_type_of(model: torch.nn.Module) -> str | None:
+    """The decoder's ``config.model_type`` (a multimodal model's text config)."""
     config = getattr(model, "config", None)
-    model_type = getattr(getattr(config, "get_text_config", lambda **_: config)(decoder=True), "model_type", None)
-    if model_type in GQA_MODEL_TYPES:
-        adapter = GQAAdapter(model, record_inputs="inputs" in policy.observes)
-    elif model_type in MLA_MODEL_TYPES:
-        adapter = MLAAdapter(model)
-    else:
-        raise ValueError(
-            f"kvzoo does not support model_type={model_type!r} ({type(model).__name__}); "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if adapter.layout not in policy.layouts:
-        raise ValueError(
-            f"policy {policy.name!r} supports layouts {policy.layouts}, but {type(model).__name__} is {adapter.layout!r}"
-        )
-    return adapter
+    return getattr(getattr(config, "get_text_config", lambda **_: config)(decoder=True), "model_type", None)
 
 
-__all__ = ["adapter_for", "GQAAdapter", "MLAAdapter", "SUPPORTED_MODEL_TYPES"]
+def adapter_for(model: torch.nn.Module, policy: Policy) -> Adapter:
+    """The registered adapter of ``model``'s family, built for ``policy``; a ValueError when there is none or the
+    policy does not support the family's layout."""
+    model_type = model_type_of(model)
+    try:
+        cls = adapter_class(model_type)
+    except ValueError as err:
+        raise ValueError(f"{type(model).__name__}: {err}") from None
+    if cls.layout not in policy.layouts:
+        raise ValueError(
+            f"policy {policy.name!r} supports layouts {policy.layouts}, but {type(model).__name__} is {cls.layout!r}"
+        )
+    return cls(model, policy)
+
+
+__all__ = ["Adapter", "Geometry", "adapter_for", "adapter_problem", "model_type_of"]

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from kvzoo.framework.adapters.base import Geometry
+from kvzoo.framework.policy import Policy
+
 GQA_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -30,12 +33,16 @@ def _record_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 
 
 class GQAAdapter:
+    """Every layer tiered; a row is one KV head's rotated key and value."""
+
+    name = "gqa"
+    model_types = GQA_MODEL_TYPES
     layout = "gqa"
 
-    def __init__(self, model: torch.nn.Module, record_inputs: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, policy: Policy) -> None:
         config = model.config.get_text_config(decoder=True)
-        self.num_layers = config.num_hidden_layers
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
+        num_layers = config.num_hidden_layers
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
         sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
         uses_sliding = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
         if sliding or uses_sliding:
@@ -43,14 +50,23 @@ class GQAAdapter:
                 f"{type(model).__name__} has sliding-window attention (layers {sliding or 'all'}); kvzoo's GQA "
                 "adapter supports full-attention layers only (set sliding_window=None or use_sliding_window=False)"
             )
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.geometry = Geometry("gqa", num_layers, tuple(range(num_layers)), config.num_attention_heads,
+                                 config.num_key_value_heads)
+        self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
+        for module in model.modules():
+            idx = getattr(module, "layer_idx", None)
+            if isinstance(idx, int) and hasattr(module, "q_proj") and idx not in self._modules:
+                self._modules[idx] = weakref.ref(module)
         # a policy observing "inputs" (a kvpress press) reads each attention module's input: the modules to hook
         self._recorded = [weakref.ref(m) for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")] \
-            if record_inputs else []
+            if "inputs" in policy.observes else []
 
-    def is_tiered(self, layer_idx: int) -> bool:
-        return True
+    def attention_modules(self) -> dict[int, torch.nn.Module]:
+        """The modules with a ``q_proj`` and a ``layer_idx`` (the first of each index)."""
+        return {i: m for i, ref in self._modules.items() if (m := ref()) is not None}
+
+    def untiered_layer(self, layer_idx: int) -> Any:
+        raise ValueError(f"every layer of a GQA model is tiered (layer {layer_idx} asked for)")
 
     def attach(self) -> None:
         """transformers' attention modules call kvzoo's registered attention; nothing to replace. For a policy

@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import transformers
 
-from kvzoo.framework.attention import MLAQuery, mla_attention
+try:  # Kimi Linear's KDA layers (transformers >= 5.18); the transformers kvpress pins (< 5.3) has no such layer
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:
+    LinearAttentionLayer = None
 
-MLA_MODEL_TYPES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "kimi_linear", "kvzoo_mla")
+from kvzoo.framework.adapters.base import Geometry
+from kvzoo.framework.attention import MLAQuery, mla_attention
+from kvzoo.framework.policy import Policy
+
 KIMI_MIN_TRANSFORMERS = (5, 18)
 
 
@@ -53,30 +59,6 @@ def check_transformers_for(model_type: str, version: str = transformers.__versio
         )
 
 
-def _rotate_deepseek_v2(module: torch.nn.Module, q_r, r, position_embeddings):
-    rotate = sys.modules[type(module).__module__].apply_rotary_emb  # interleaved pairs (complex form)
-    return rotate(q_r, r, position_embeddings)
-
-
-def _rotate_deepseek_v3(module: torch.nn.Module, q_r, r, position_embeddings):
-    modeling = sys.modules[type(module).__module__]
-    cos, sin = position_embeddings
-    if module.config.rope_interleave:
-        return modeling.apply_rotary_pos_emb_interleave(q_r, r, cos, sin)
-    return modeling.apply_rotary_pos_emb(q_r, r, cos, sin)
-
-
-def _no_rotation(module: torch.nn.Module, q_r, r, position_embeddings):
-    return q_r, r
-
-
-def _rotate_kvzoo_mla(module: torch.nn.Module, q_r, r, position_embeddings):
-    # kvzoo's reference twins: RoPE arm when config.rope_branch, NoPE (identity) otherwise
-    from kvzoo.refmodel.modeling import rotate_branch
-
-    return rotate_branch(module, q_r, r, position_embeddings)
-
-
 def decompress_break_even(dc: int, dr: int, nope: int, v: int) -> int:
     """Queries from which a forward attends faster decompressed than absorbed (FLOPs per head).
 
@@ -91,59 +73,107 @@ def decompress_break_even(dc: int, dr: int, nope: int, v: int) -> int:
     return max(2, math.ceil(dc * (nope + v) / saved))
 
 
-ROTATIONS = {
-    "deepseek_v2": _rotate_deepseek_v2,
-    "deepseek_v3": _rotate_deepseek_v3,
-    "kimi_linear": _no_rotation,
-    "kvzoo_mla": _rotate_kvzoo_mla,
-}
-
-
 class MLAAdapter:
-    layout = "mla"
+    """The MLA layers of a model: one latent row per token and layer, attended in absorbed form.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    A family says how its branch ``r`` is rotated (:meth:`rotate`, called in kvzoo's forward before the row is
+    cached) and, when some layers are not MLA, what cache layer they keep (:meth:`untiered_layer`).
+    """
+
+    name: ClassVar[str] = "mla"
+    model_types: ClassVar[tuple[str, ...]] = ()
+    layout = "mla"
+    rotated_branch: ClassVar[bool] = True
+
+    def __init__(self, model: torch.nn.Module, policy: Policy) -> None:
         config = model.config.get_text_config(decoder=True)
-        self.model_type = config.model_type
-        check_transformers_for(self.model_type)
-        self.num_layers = config.num_hidden_layers
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
-        self.mla_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-        self.kv_lora_rank = config.kv_lora_rank
-        self.rope_dim = config.qk_rope_head_dim
-        self.decompress_min_queries = decompress_break_even(
-            config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+        num_layers = config.num_hidden_layers
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+        mla_layers = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+        self.geometry = Geometry(
+            "mla", num_layers, mla_layers, config.num_attention_heads, 1, config.kv_lora_rank,
+            config.qk_rope_head_dim, self.branch_is_rotated(config),
+            decompress_break_even(config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim,
+                                  config.v_head_dim),
         )
-        self.row_dim = self.kv_lora_rank + self.rope_dim
-        self.num_heads = config.num_attention_heads
-        # DeepSeek rotates the branch; Kimi never does; kvzoo's reference models say so in their config
-        self.rotates_branch = self.model_type != "kimi_linear" and getattr(config, "rope_branch", True)
         self.modules = {}
         for module in model.modules():
             idx = getattr(module, "layer_idx", None)
-            if idx in self.mla_layers and hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_proj_with_mqa"):
+            if idx in mla_layers and hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_proj_with_mqa"):
                 self.modules[idx] = module
-        missing = sorted(set(self.mla_layers) - set(self.modules))
+        missing = sorted(set(mla_layers) - set(self.modules))
         if missing:
             raise ValueError(f"{type(model).__name__}: no MLA attention module found for layers {missing}")
 
-    def is_tiered(self, layer_idx: int) -> bool:
-        return layer_idx in self.modules
+    @classmethod
+    def branch_is_rotated(cls, config: Any) -> bool:
+        """Whether this family's branch ``r`` carries RoPE in the cache (the class's ``rotated_branch``)."""
+        return cls.rotated_branch
+
+    @staticmethod
+    def rotate(module: torch.nn.Module, q_r: torch.Tensor, r: torch.Tensor, position_embeddings: Any):
+        """``(q_r, r)`` rotated as the family's own forward rotates them (here: not at all)."""
+        return q_r, r
+
+    def attention_modules(self) -> dict[int, torch.nn.Module]:
+        return dict(self.modules)
+
+    def untiered_layer(self, layer_idx: int) -> Any:
+        raise ValueError(f"{type(self).__name__}: every layer is MLA (layer {layer_idx} asked for)")
 
     def attach(self) -> None:
         for module in self.modules.values():
             if getattr(module, "_kvzoo_original_forward", None) is None:
                 module._kvzoo_original_forward = module.forward
-                module._kvzoo_rotate = ROTATIONS[self.model_type]
+                module._kvzoo_rotate = self.rotate
                 module.forward = _mla_forward.__get__(module)
 
 
+class DeepSeekV2MLAAdapter(MLAAdapter):
+    """DeepSeek-V2: the branch rotated at its true position before caching, in interleaved pairs (complex form)."""
 
-def absorbed_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``W_UK [H, nope, kv_lora_rank]`` and ``W_UV [H, v, kv_lora_rank]`` from ``kv_b_proj``."""
-    H, nope, v = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
-    weight = module.kv_b_proj.weight.view(H, nope + v, module.kv_lora_rank)
-    return weight[:, :nope], weight[:, nope:]
+    name = "deepseek_v2"
+    model_types = ("deepseek_v2",)
+
+    @staticmethod
+    def rotate(module: torch.nn.Module, q_r: torch.Tensor, r: torch.Tensor, position_embeddings: Any):
+        return sys.modules[type(module).__module__].apply_rotary_emb(q_r, r, position_embeddings)
+
+
+class DeepSeekV3MLAAdapter(MLAAdapter):
+    """DeepSeek-V3: the branch rotated before caching (interleaved or half-split, as its config says)."""
+
+    name = "deepseek_v3"
+    model_types = ("deepseek_v3",)
+
+    @staticmethod
+    def rotate(module: torch.nn.Module, q_r: torch.Tensor, r: torch.Tensor, position_embeddings: Any):
+        modeling = sys.modules[type(module).__module__]
+        cos, sin = position_embeddings
+        if module.config.rope_interleave:
+            return modeling.apply_rotary_pos_emb_interleave(q_r, r, cos, sin)
+        return modeling.apply_rotary_pos_emb(q_r, r, cos, sin)
+
+
+class KimiMLAAdapter(MLAAdapter):
+    """Kimi Linear: MLA layers whose branch is never rotated (NoPE); its KDA layers keep transformers' own
+    linear-attention cache layers (a fixed-size state)."""
+
+    name = "kimi_linear"
+    model_types = ("kimi_linear",)
+    rotated_branch = False
+
+    def __init__(self, model: torch.nn.Module, policy: Policy) -> None:
+        check_transformers_for("kimi_linear")
+        super().__init__(model, policy)
+        if len(self.geometry.tiered) < self.geometry.num_layers and LinearAttentionLayer is None:
+            raise RuntimeError(
+                f"{type(model).__name__} has linear-attention layers, whose cache layer needs transformers >= 5.18 "
+                f"(this is {transformers.__version__}): pip install 'transformers>=5.18,<5.40'"
+            )
+
+    def untiered_layer(self, layer_idx: int) -> Any:
+        return LinearAttentionLayer()
 
 
 def _mla_forward(

@@ -1,0 +1,267 @@
+"""The leaderboard's plan: a :class:`Grid` (what to run) becomes trials (:class:`Trial`), reference first.
+
+A grid is models × policies × ratios × tasks × question positions; :func:`plan` expands it, each
+(model, task, position) led by its ``full`` reference trial, and :func:`group_trials` cuts the pending
+trials into the groups an executor hands out (the trials that share a model, a task and a reference
+row). :data:`PRESETS` are the named grids of ``kvzoo leaderboard --preset``. Policies come from
+:func:`kvzoo.registry.available` at plan time, so a newly registered policy joins with no code change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvzoo.bench.executors import TrialGroup
+from kvzoo.bench.report import REFERENCE_POLICY
+from kvzoo.bench.tasks import TaskSpec
+from kvzoo.framework.policy import Policy
+from kvzoo.pipeline import QUESTION_POSITIONS
+
+
+@dataclass
+class Grid:
+    """What to run. ``policies=None`` means every registered policy at run time.
+
+    ``max_new_tokens=None`` uses each task's own (:data:`kvzoo.bench.tasks.MAX_NEW_TOKENS`).
+    ``audit=True`` asks the retrieval tier to count bound violations (slow; see ``TieredCache``).
+    """
+
+    models: Sequence[str] = ("smollm2-135m",)
+    policies: Sequence[str] | None = None
+    ratios: Sequence[float] = (4.0, 8.0)
+    tasks: Sequence[TaskSpec] = (TaskSpec(),)
+    positions: Sequence[str] = ("after",)
+    max_new_tokens: int | None = None
+    chunk_size: int | None = None
+    continuation_tokens: int = 64
+    audit: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for position in self.positions:
+            if position not in QUESTION_POSITIONS:
+                raise ValueError(f"question position {position!r} is not one of {QUESTION_POSITIONS}")
+        for ratio in self.ratios:
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 <= ratio < float("inf"):
+                raise ValueError(f"ratios must be numbers >= 1 (keep 1/ratio of the rows), got {ratio!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not self.models or not self.tasks or not self.positions:
+            raise ValueError("a grid needs at least one model, one task and one question position")
+        if self.policies is not None and (isinstance(self.policies, str) or not self.policies):
+            raise ValueError(f"policies must be None (every registered policy) or a non-empty list of policy names, "
+                             f"got {self.policies!r}")
+        for name, value in (("max_new_tokens", self.max_new_tokens), ("chunk_size", self.chunk_size)):
+            if value is not None and not _is_int(value, 1):
+                raise ValueError(f"{name} must be None (the default) or an int >= 1, got {value!r}")
+        if not _is_int(self.continuation_tokens, 0):
+            raise ValueError("continuation_tokens must be an int >= 0 (0: no held-out continuation, no ΔCE), "
+                             f"got {self.continuation_tokens!r}")
+        self.ratios = tuple(float(r) for r in self.ratios)
+
+    def settings(self) -> dict[str, Any]:
+        """The run settings that change results (recorded in every row, part of each trial's key).
+
+        ``teacher_forcing`` says how ``answer_nll`` and ``continuation_ce`` were measured (:data:`TEACHER_FORCING`):
+        rows written before it existed measured them in one forward, so their keys differ and they are not taken
+        for finished trials of this measure."""
+        return {"max_new_tokens": self.max_new_tokens, "chunk_size": self.chunk_size,
+                "continuation_tokens": self.continuation_tokens, "audit": self.audit, "dtype": self.dtype,
+                "teacher_forcing": TEACHER_FORCING}
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The answer's NLL and the continuation's CE are teacher-forced one decode step per token (what greedy decoding
+# runs: a retriever's per-step rule is what they see); the one-forward figures are kept beside them (*_one_forward)
+TEACHER_FORCING = "decode"
+
+
+def _is_int(value: Any, low: int) -> bool:
+    """``value`` is an int (not a bool) >= ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def needle_grid(
+    *,
+    models: Sequence[str] = ("smollm2-135m",),
+    tasks: Sequence[str] = ("niah_single",),
+    haystacks: Sequence[str | None] = (None,),
+    context_tokens: Sequence[int] = (2000,),
+    depths: Sequence[float] = (0.5,),
+    seeds: Sequence[int] = (0,),
+    **grid: Any,
+) -> Grid:
+    """A :class:`Grid` over the product of task names, haystacks, lengths, depths and seeds (cwe: one depth)."""
+    specs: list[TaskSpec] = []
+    for task, haystack, n, depth, seed in itertools.product(tasks, haystacks, context_tokens, depths, seeds):
+        spec = TaskSpec(task=task, context_tokens=n, depth=depth, seed=seed, haystack=haystack)
+        if spec not in specs:
+            specs.append(spec)
+    return Grid(models=tuple(models), tasks=tuple(specs), **grid)
+
+
+PRESETS: dict[str, Callable[[], Grid]] = {
+    # `make demo`: every registered policy, one needle in 2k tokens of essay text at 3 depths, 4x and 8x; a 32-token
+    # held-out continuation (each token one decode step for ΔCE: the demo's budget)
+    "demo": lambda: needle_grid(depths=(0.25, 0.5, 0.75), ratios=(4, 8), positions=("after",),
+                                continuation_tokens=32),
+    # `make leaderboard`: every RULER task at 2k tokens, the single needle also at 1k and on every haystack,
+    # ratios 2-8, question after and before compression (~500 trials, about an hour on 2 CPU cores)
+    "leaderboard": lambda: Grid(
+        tasks=(
+            *(TaskSpec("niah_single", n, d, 0, "essay") for n in (1000, 2000) for d in (0.1, 0.5, 0.9)),
+            TaskSpec("niah_single", 2000, 0.5, 0, "noise"),
+            TaskSpec("niah_single", 2000, 0.5, 0, "book"),
+            TaskSpec("niah_multikey", 2000, 0.5, 0),
+            TaskSpec("niah_multivalue", 2000, 0.5, 0),
+            TaskSpec("niah_multiquery", 2000, 0.5, 0),
+            TaskSpec("vt", 2000, 0.5, 0),
+            TaskSpec("cwe", 2000, None, 0),
+        ),
+        ratios=(2, 4, 8),
+        positions=("after", "before"),
+        continuation_tokens=32,
+    ),
+    # the test suite's: a tiny random Llama, two short needle contexts
+    "tiny": lambda: needle_grid(
+        models=("tiny-llama",), context_tokens=(256,), depths=(0.5,), ratios=(2,), positions=("after", "before"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Trial:
+    model: str
+    task: TaskSpec
+    policy: str
+    ratio: float | None
+    position: str
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def key(self) -> str:
+        ratio = "-" if self.ratio is None else f"{self.ratio:g}"
+        settings = ",".join(f"{k}={v}" for k, v in self.settings)
+        return f"{self.model}|{self.task.key}|{self.policy}|{ratio}|{self.position}|{settings}"
+
+    @property
+    def label(self) -> str:
+        ratio = "" if self.ratio is None else f" {self.ratio:g}x"
+        return f"{self.policy}{ratio} {self.task.task} d={self.task.depth} q-{self.position}"
+
+    def reference(self) -> Trial:
+        """The full-cache trial this one is compared with."""
+        return dataclasses.replace(self, policy=REFERENCE_POLICY, ratio=None)
+
+
+
+
+# Configured variants that the leaderboard runs beside every registered policy (grid.policies=None): Quest's
+# other reference rule (its kernels' page count; the default `quest` is its evaluation code's), and kvzoo's
+# per-KV-group Quest, so that the equal-bytes comparison with the reference's per-head rule shows.
+DEFAULT_VARIANTS: tuple[str, ...] = ("quest(rule=kernel)", "quest(gqa=group)")
+
+
+def needs_ratio(name: str) -> bool:
+    """Whether policy ``name`` (a name or a spec such as ``quest(gqa=group)``) takes a budget."""
+    from kvzoo import registry
+
+    return bool(getattr(registry.policy_class(registry.parse_spec(name)[0]), "requires_budget", True))
+
+
+def plan(grid: Grid) -> list[Trial]:
+    """Every trial of ``grid``, reference first for each (model, task, position)."""
+    from kvzoo import registry
+
+    available = list(registry.available())
+    if grid.policies is not None:
+        names = list(grid.policies)
+    else:
+        names = available + [v for v in DEFAULT_VARIANTS if registry.parse_spec(v)[0] in available]
+    unknown, unavailable = [], []
+    for n in names:
+        name = registry.parse_spec(n)[0]
+        if name in available:
+            continue
+        if ":" not in name:
+            unknown.append(n)
+            continue
+        try:  # a namespaced name (kvpress:KnormPress) resolves on demand
+            registry.policy_class(name)
+        except KeyError as err:  # the message names the namespace's problem (kvpress missing: how to install it)
+            unavailable.append(str(err))
+    if unknown or unavailable:
+        message = f"unknown policies {', '.join(map(repr, unknown))}; registered policies: {', '.join(available)}"
+        raise ValueError("; ".join(([message] if unknown else []) + unavailable))
+    for model in grid.models:
+        check_model_name(model)
+    settings = tuple(grid.settings().items())
+    trials: list[Trial] = []
+    for model, spec, position in itertools.product(grid.models, grid.tasks, grid.positions):
+        trials.append(Trial(model, spec, REFERENCE_POLICY, None, position, settings))
+        for name in names:
+            if name == REFERENCE_POLICY:
+                continue
+            if not needs_ratio(name):
+                trials.append(Trial(model, spec, name, None, position, settings))
+                continue
+            trials.extend(Trial(model, spec, name, ratio, position, settings) for ratio in grid.ratios)
+    return trials
+
+
+def check_model_name(name: str) -> None:
+    """Raise a ValueError naming the valid models unless ``name`` is one, a local directory, or a hub id."""
+    from kvzoo.models import MODEL_NAMES, looks_like_hub_id, model_dir_problem
+
+    if isinstance(name, str) and Path(name).expanduser().is_dir() and name not in MODEL_NAMES:
+        problem = model_dir_problem(name)
+        if problem is not None:
+            raise ValueError(f"model {name!r}: {problem}; valid models are {', '.join(MODEL_NAMES)}, a local "
+                             "directory holding a transformers model, or a hub id")
+        return
+    if isinstance(name, str) and (name in MODEL_NAMES or looks_like_hub_id(name)):
+        return
+    raise ValueError(
+        f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
+        "transformers model, or a hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
+    )
+
+def group_trials(trials: Sequence[Trial]) -> list[TrialGroup]:
+    """``trials`` (in plan order) grouped by model, task and question position: the trials that share a
+    model, a task and a reference row. A group's reference trial, when pending, comes first."""
+    groups: dict[str, TrialGroup] = {}
+    for trial in trials:
+        key = trial.reference().key
+        if key not in groups:
+            groups[key] = TrialGroup(key, trial.model, [], first_is_reference=trial.key == key)
+        groups[key].trials.append(trial)
+    return list(groups.values())
+
+
+def build_policy(name: str, ratio: float | None) -> Policy:
+    """``registry.get_spec(name)`` or ``registry.get_spec(name, ratio=ratio)`` (``name`` may carry parameters)."""
+    from kvzoo import registry
+
+    return registry.get_spec(name) if ratio is None else registry.get_spec(name, ratio=ratio)
+
+
+def trial_row(trial: Trial, status: str = "ok", error: str | None = None) -> dict[str, Any]:
+    """The fields of ``trial``'s row that say which trial it is (and its status)."""
+    return {
+        "key": trial.key,
+        "status": status,
+        "error": error,
+        "model": trial.model,
+        **trial.task.as_dict(),
+        "policy": trial.policy,
+        "ratio": trial.ratio,
+        "question_position": trial.position,
+    }
+

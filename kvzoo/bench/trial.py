@@ -1,0 +1,327 @@
+"""One trial: a policy on one task's prompt, measured (:func:`run_trial`, :class:`TrialMeasurements`).
+
+A trial prefills the context into a :class:`~kvzoo.TieredCache` (or continues a dense prefill it shares,
+:class:`SharedPrefill`) and compresses it once, then forks the compressed cache for the teacher-forced
+figures -- the reference answer's NLL and the held-out continuation's CE, each one decode step per token
+and in one forward -- and finally asks the question and decodes greedily on the cache itself. What it
+measured is a :class:`TrialMeasurements`; ``to_row()`` is that trial's results row (the module docstring
+of :mod:`kvzoo.bench.runner` and ``benchmarks/README.md`` say what each field means).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvzoo import pipeline
+from kvzoo.bench import metrics
+from kvzoo.bench.planner import TEACHER_FORCING
+from kvzoo.bench.tasks import Task
+from kvzoo.framework.cache import TieredCache, dense_prefill_problem
+from kvzoo.framework.policy import Policy
+from kvzoo.framework.store import LayerStats
+from kvzoo.pipeline import QUESTION_POSITIONS, build_prompt
+
+
+@dataclass
+class PromptIds:
+    """Token ids ``[1, n]`` of one task's prompt, split where compression happens."""
+
+    prefix: torch.Tensor  # chat template + context (compressed)
+    question: torch.Tensor  # question + answer prefix (after compression, or before in the other column)
+    answer: torch.Tensor  # the reference answer, teacher-forced for the NLL
+    continuation: torch.Tensor  # held-out haystack text after the context, teacher-forced for the CE
+
+
+def encode_prompt(tokenizer: Any, task: Task) -> PromptIds:
+    """Split ``task`` into token ids with ``pipeline.build_prompt`` (chat template when the tokenizer has one)."""
+    prefix, rest = build_prompt(tokenizer, task.context, task.question)
+
+    def ids(text: str) -> torch.Tensor:
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.long()
+
+    return PromptIds(
+        prefix=prefix.long(),
+        question=torch.cat([rest.long(), ids(task.answer_prefix)], dim=1),
+        answer=ids(task.answer_text),
+        continuation=ids(task.continuation),
+    )
+
+
+@dataclass
+class Reference:
+    """The full cache's figures for one (task, position): what ΔNLL and ΔCE subtract (each measured the same way
+    as the figure it is subtracted from: decode steps, and one forward)."""
+
+    answer_nll: float
+    continuation_ce: float | None
+    answer_nll_one_forward: float | None = None
+    continuation_ce_one_forward: float | None = None
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> Reference:
+        """The reference figures of a ``full`` row."""
+        return cls(row["answer_nll"], row.get("continuation_ce"), row.get("answer_nll_one_forward"),
+                   row.get("continuation_ce_one_forward"))
+
+
+class SharedPrefill:
+    """The latest dense prefill of one (model, task, question position), kept to serve every policy that can
+    continue it (``TieredCache.fork_as``). ``record_window``: the most observation-window queries any of
+    those policies reads (the prefill keeps that many)."""
+
+    def __init__(self, record_window: int = 0) -> None:
+        self.record_window = record_window
+        self.key: tuple | None = None
+        self.base: TieredCache | None = None
+        self.first_logits: torch.Tensor | None = None
+        self.seconds = 0.0
+
+    def clear(self) -> None:
+        if self.base is not None:
+            self.base.close()
+        self.key = self.base = self.first_logits = None
+
+    @torch.no_grad()
+    def fork(self, key: tuple, model: torch.nn.Module, prefix: torch.Tensor, chunk_size: int | None, audit: bool,
+             policy: Policy) -> tuple[TieredCache, torch.Tensor, float, bool] | None:
+        """``(cache, first_logits, prefill seconds, reused)`` continuing the dense prefill of ``prefix`` as
+        ``policy`` (made now if ``key`` differs from the kept one), or None when ``policy`` cannot share it."""
+        if dense_prefill_problem(policy) is not None:
+            return None
+        reused = key == self.key
+        if not reused:
+            self.clear()
+            base = TieredCache(model, "full", context_length=prefix.shape[1], audit=audit,
+                               record_window=self.record_window)
+            started = time.perf_counter()
+            self.first_logits = pipeline.prefill(model, base, prefix, chunk_size)
+            self.seconds = time.perf_counter() - started
+            self.key, self.base = key, base
+        if self.base.prefill_shared_with(policy) is not None:
+            return None
+        return self.base.fork_as(policy), self.first_logits, self.seconds, reused
+
+
+
+@dataclass
+class TrialMeasurements:
+    """What one trial measured, as measured: per-token NLLs, the cache's totals at three points, each phase's time.
+
+    ``to_row()`` turns it into the row's figures (sums, means, bytes and rows per step). The three totals are
+    :meth:`TieredCache.stats` ``.totals``: after compression, before greedy decoding (after the question), after it.
+    """
+
+    task: Task
+    prompt_tokens: int = 0  # the prefix that was compressed (the context; with the question asked before, it too)
+    question_tokens: int = 0  # forwarded after compression (question and answer prefix; 0 when asked before)
+    answer_nll: list[float] = field(default_factory=list)  # per reference-answer token, one decode step each
+    answer_nll_one_forward: list[float] = field(default_factory=list)  # the same, in one forward
+    answer_kv_bytes: int = 0  # KV-path bytes the answer's decode-step fork read
+    continuation_nll: list[float] | None = None  # per held-out token (None: question before, or no continuation)
+    continuation_nll_one_forward: list[float] | None = None
+    compressed: dict[str, Any] = field(default_factory=dict)
+    start: dict[str, Any] = field(default_factory=dict)
+    final: dict[str, Any] = field(default_factory=dict)
+    new_tokens: int = 0  # tokens greedy decoding produced (the last one's forward is not run)
+    prediction: str = ""
+    prefill_shared: bool = False  # the prefill was a shared dense one, continued (SharedPrefill)
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase: prefill, compress, score, continuation,
+    # question, decode, and the whole trial (wall)
+    peak_rss_bytes: int = 0
+
+    def to_row(self) -> dict[str, Any]:
+        """The trial's figures as the results row has them (without the ΔNLL/ΔCE fields: :func:`add_reference`)."""
+        compressed, start, final, seconds = self.compressed, self.start, self.final, self.seconds
+        steps = self.new_tokens - 1
+        return {
+            "prediction": self.prediction,
+            "answers": list(self.task.answers),
+            "score": metrics.string_match(self.task.metric, self.prediction, self.task.answers),
+            "teacher_forcing": TEACHER_FORCING,
+            "answer_nll": sum(self.answer_nll),
+            "answer_nll_one_forward": sum(self.answer_nll_one_forward),
+            "answer_tokens": len(self.answer_nll),
+            "continuation_ce": _mean_or_none(self.continuation_nll),
+            "continuation_ce_one_forward": _mean_or_none(self.continuation_nll_one_forward),
+            "continuation_tokens": 0 if self.continuation_nll is None else len(self.continuation_nll),
+            "prompt_tokens": self.prompt_tokens,
+            "question_tokens": self.question_tokens,
+            "context_tokens_actual": self.task.context_token_count,
+            "needle_depth_actual": self.task.needle_depth,
+            "resident_rows": int(compressed["resident_rows"]),
+            "seen_rows": int(compressed["seen_rows"]),
+            "resident_bytes": metrics.resident_kv_bytes(compressed),
+            "bytes_freed": metrics.kv_bytes_freed(compressed),
+            "archived_bytes": int(compressed["archived_bytes"]),
+            "dropped_rows": int(compressed["dropped_rows"]),
+            "peak_resident_rows": int(final["peak_resident_rows"]),
+            "decode_steps": steps,
+            "kv_bytes_per_step": metrics.kv_bytes_read_per_step(start, final, steps),
+            # every forward after compression reads the KV path: the question's, the decode steps', and the
+            # teacher-forced answer's (on its fork)
+            "question_kv_bytes": int(start["kv_bytes_read"] - compressed["kv_bytes_read"]),
+            "answer_kv_bytes": int(self.answer_kv_bytes),
+            "kv_bytes_per_token": (final["kv_bytes_read"] - compressed["kv_bytes_read"]) / max(1, self.new_tokens),
+            "fetched_rows_per_step": metrics.rows_fetched_per_step(start, final, steps),
+            "bound_violations": metrics.bound_violations(final),
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "prefill_s": seconds["prefill"],
+            "prefill_shared": self.prefill_shared,
+            **{f"{phase}_s": seconds[phase] for phase in ("compress", "score", "continuation", "question", "decode")},
+            "decode_ms_per_step": 1e3 * seconds["decode"] / steps if steps else None,
+            "wall_s": seconds["wall"],
+            "policy_info": {k: v for k, v in final.items() if k not in _STAT_FIELDS},
+        }
+
+
+def _mean_or_none(nll: list[float] | None) -> float | None:
+    return None if nll is None else metrics.mean_token_nll(nll)
+
+
+@torch.no_grad()
+def run_trial(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    policy: Policy,
+    *,
+    position: str = "after",
+    reference: Reference | None = None,
+    max_new_tokens: int | None = None,
+    chunk_size: int | None = None,
+    audit: bool = False,
+    stop_when_answered: bool = True,
+    shared: SharedPrefill | None = None,
+    shared_key: tuple | None = None,
+) -> dict[str, Any]:
+    """Run one trial; its row's figures as a flat dict (:meth:`TrialMeasurements.to_row`, then ΔNLL/ΔCE).
+
+    With ``reference=None`` the ΔNLL/ΔCE fields are None (the runner fills them for the reference row).
+    ``shared`` (with ``shared_key``, naming the model, task and position): a :class:`SharedPrefill` the
+    trial continues from when its policy can.
+    """
+    if position not in QUESTION_POSITIONS:
+        raise ValueError(f"question position must be one of {QUESTION_POSITIONS}, got {position!r}")
+    m = TrialMeasurements(task)
+    with _phase(m, "wall"):
+        ids, new_tokens_max = _prompt_for(model, tokenizer, task, position, max_new_tokens)
+        m.prompt_tokens, m.question_tokens = int(ids.prefix.shape[1]), int(ids.question.shape[1])
+        cache, first_logits = _prefill(m, model, ids.prefix, policy, chunk_size, audit, shared, shared_key)
+        with _phase(m, "compress"):
+            pipeline.compress(cache)
+        m.compressed = cache.stats().totals
+        with _phase(m, "score"):  # the reference answer, teacher-forced, on forks
+            m.answer_nll, m.answer_nll_one_forward, m.answer_kv_bytes = _teacher_forced(
+                model, cache, ids.question, ids.answer, first_logits, m.compressed)
+        with _phase(m, "continuation"):  # the held-out continuation, on forks (question after compression only)
+            if position == "after" and ids.continuation.shape[1]:
+                m.continuation_nll, m.continuation_nll_one_forward, _ = _teacher_forced(
+                    model, cache, ids.question[:, :0], ids.continuation, first_logits, m.compressed)
+        with _phase(m, "question"):
+            logits = pipeline.prefill(model, cache, ids.question, chunk_size) if m.question_tokens else first_logits
+        eos = pipeline.eos_ids(model, tokenizer)
+
+        def answered(tokens: list[int]) -> bool:  # the score cannot change once every answer appeared
+            text = tokenizer.decode([t for t in tokens if t not in eos])
+            return stop_when_answered and metrics.string_match(task.metric, text, task.answers) == 1.0
+
+        m.start = cache.stats().totals
+        with _phase(m, "decode"):  # the loop reads no statistics: its time is the forwards'
+            new_tokens = pipeline.greedy_decode(model, cache, logits, new_tokens_max, eos, stop=answered)
+        m.final, m.new_tokens = cache.stats().totals, len(new_tokens)
+        m.prediction = tokenizer.decode([t for t in new_tokens if t not in eos], skip_special_tokens=True)
+        cache.close()
+    m.peak_rss_bytes = metrics.peak_rss_bytes()
+    row = m.to_row()
+    add_reference(row, reference)
+    return row
+
+
+@contextlib.contextmanager
+def _phase(m: TrialMeasurements, name: str) -> Iterator[None]:
+    """Time the block into ``m.seconds[name]``."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        m.seconds[name] = time.perf_counter() - started
+
+
+def _prompt_for(model: torch.nn.Module, tokenizer: Any, task: Task, position: str,
+                max_new_tokens: int | None) -> tuple[PromptIds, int]:
+    """``task``'s ids with the question where ``position`` puts it (``before``: at the end of the compressed
+    prefix, nothing asked after), and the tokens to generate; a ValueError when they overrun the model's positions."""
+    ids = encode_prompt(tokenizer, task)
+    if position == "before":
+        ids = dataclasses.replace(ids, prefix=torch.cat([ids.prefix, ids.question], dim=1),
+                                  question=ids.question[:, :0])
+    new_tokens_max = pipeline.check_max_new_tokens(max_new_tokens or task.max_new_tokens)
+    prompt = ids.prefix.shape[1] + ids.question.shape[1]
+    continuation = ids.continuation.shape[1] if position == "after" else 0
+    pipeline.check_positions(
+        model, max(prompt + max(new_tokens_max - 1, ids.answer.shape[1]), ids.prefix.shape[1] + continuation),
+        f"the trial's prompt ({prompt} tokens), its answer ({ids.answer.shape[1]}), held-out continuation "
+        f"({continuation}) and max_new_tokens={new_tokens_max}")
+    return ids, new_tokens_max
+
+
+def _prefill(m: TrialMeasurements, model: torch.nn.Module, prefix: torch.Tensor, policy: Policy,
+             chunk_size: int | None, audit: bool, shared: SharedPrefill | None,
+             shared_key: tuple | None) -> tuple[TieredCache, torch.Tensor]:
+    """The cache holding ``prefix`` for ``policy``, and the logits after it: a fork of the shared dense prefill
+    when the policy can continue one, else a prefill of its own (timed into ``m``)."""
+    forked = None if shared is None else shared.fork(shared_key, model, prefix, chunk_size, audit, policy)
+    if forked is not None:
+        cache, first_logits, m.seconds["prefill"], m.prefill_shared = forked
+        return cache, first_logits
+    cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
+    with _phase(m, "prefill"):
+        first_logits = pipeline.prefill(model, cache, prefix, chunk_size)
+    return cache, first_logits
+
+
+def _teacher_forced(model: torch.nn.Module, cache: TieredCache, rest: torch.Tensor, target: torch.Tensor,
+                    first_logits: torch.Tensor, compressed: dict[str, Any]) -> tuple[list[float], list[float], int]:
+    """``target``'s per-token NLLs after ``rest``, each on a fork of ``cache``: one decode step per token, and in
+    one forward; and the KV-path bytes the decode-step fork read since compression (``compressed``: its totals)."""
+    with cache.fork() as fork:
+        decode_steps = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, TEACHER_FORCING)
+        kv_bytes = fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
+    with cache.fork() as fork:
+        one_forward = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, "one_forward")
+    return decode_steps, one_forward, kv_bytes
+
+
+# the cache's own counters, carried by name above (LayerStats, so a renamed counter cannot leak into policy_info);
+# kv_bytes_read has always been carried in policy_info too, and stays there so that results files compare
+_STAT_FIELDS = set(LayerStats.counters()) - {"kv_bytes_read"}
+
+
+def add_reference(row: dict[str, Any], reference: Reference | None) -> None:
+    """Fill ΔNLL, intact and ΔCE of ``row`` against the full cache's figures (None without a reference): from the
+    decode-step figures (``delta_nll``, ``intact``, ``delta_ce``) and from the one-forward ones (``*_one_forward``)."""
+    for suffix in ("", "_one_forward"):
+        row[f"full_answer_nll{suffix}"] = row[f"delta_nll{suffix}"] = row[f"intact{suffix}"] = None
+        row[f"full_continuation_ce{suffix}"] = row[f"delta_ce{suffix}"] = None
+    if reference is None:
+        return
+    pairs = (("", reference.answer_nll, reference.continuation_ce),
+             ("_one_forward", reference.answer_nll_one_forward, reference.continuation_ce_one_forward))
+    for suffix, answer_nll, continuation_ce in pairs:
+        mine = row.get(f"answer_nll{suffix}")
+        if mine is not None and answer_nll is not None:
+            row[f"full_answer_nll{suffix}"] = answer_nll
+            row[f"delta_nll{suffix}"] = metrics.delta_nll(mine, answer_nll)
+            row[f"intact{suffix}"] = metrics.is_intact(mine, answer_nll)
+        mine = row.get(f"continuation_ce{suffix}")
+        if mine is not None and continuation_ce is not None:
+            row[f"full_continuation_ce{suffix}"] = continuation_ce
+            row[f"delta_ce{suffix}"] = mine - continuation_ce
+
