@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import kvzoo
@@ -131,8 +130,6 @@ def test_the_framework_never_imports_policies_bench_or_the_registry_beyond_the_s
 
 # The user layer: it uses the cache and never reaches into it; nothing below it imports it.
 USER_LAYER = ("kvzoo.bench", "kvzoo.cli", "kvzoo.demo", "kvzoo.pipeline")
-# adapters/mla.py rotates the RoPE twin's branch with refmodel.modeling.rotate_branch; issue 26's adapter
-# plugin (part 2) moves that into the twin's own registration. Listed so that no *new* edge slips in.
 
 def _in(module: str, *prefixes: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
@@ -145,7 +142,7 @@ def test_pipeline_is_a_user_layer_module_not_a_framework_one():
     assert not [m for m in graph if m.startswith("kvzoo.framework") and m.rpartition(".")[2] == "pipeline"]
     # it drives the cache (framework) and is driven by bench and cli, never the other way round
     assert not {d for d in graph["kvzoo.pipeline"] if _in(d, "kvzoo.bench", "kvzoo.cli")}
-    assert "kvzoo.pipeline" in graph["kvzoo.bench.runner"]
+    assert "kvzoo.pipeline" in graph["kvzoo.bench.trial"]  # one trial is built from its steps
 
 
 def test_nothing_below_the_user_layer_imports_bench_or_the_pipeline():
