@@ -47,8 +47,9 @@ def lines_of(path: Path) -> list[dict[str, Any]]:
 def same_row(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert set(a) == set(b)
     for name in set(a) - RUN_FIELDS:
-        if isinstance(a[name], float):
-            assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-9), name
+        if isinstance(a[name], float):  # two processes with other thread counts: fp32 sums round differently;
+            # the Δ figures (differences of NLLs of ~2-6 nats, per decode step since issue 23) carry that as ~1e-6 abs
+            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), name
         else:
             assert a[name] == b[name], name
 
