@@ -213,12 +213,14 @@ def sketch_entries(content: torch.Tensor, branch: torch.Tensor | None, basis: to
     return torch.cat(parts, dim=-1)
 
 
-def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: torch.Tensor) -> torch.Tensor:
+def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: torch.Tensor, *,
+                 slack: float = SKETCH_SLACK) -> torch.Tensor:
     """Query rows ``Q = [V^T q_c, ||(I - V V^T) q_c||, q_r, eps ||q_c||, eps ||q_r||]`` ``[B, G, hpg*q, W]``.
 
     ``Q . E = <q_r, r> + <V^T q_c, z> + ||q_perp|| eta + eps (||q_c|| ||c|| + ||q_r|| ||r||)``: the
     certified bound (Cauchy-Schwarz on the part of ``q_c`` and ``c`` outside span(V)) plus the slack
-    that keeps fp32 rounding from undercutting the exact score.
+    that keeps fp32 rounding from undercutting the exact score (``slack``: eps; entries stored in fp16 need
+    :data:`SKETCH_SLACK_FP16`, see :func:`round_entries_fp16`).
     """
     V = basis.float() if basis.dim() == 4 else basis.float()[None]
     G = V.shape[1]
@@ -228,10 +230,39 @@ def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: 
     parts = [qz, resid]
     if q_branch is not None:
         qr = _grouped(q_branch, G)
-        parts += [qr, SKETCH_SLACK * qc.norm(dim=-1, keepdim=True), SKETCH_SLACK * qr.norm(dim=-1, keepdim=True)]
+        parts += [qr, slack * qc.norm(dim=-1, keepdim=True), slack * qr.norm(dim=-1, keepdim=True)]
     else:
-        parts.append(SKETCH_SLACK * qc.norm(dim=-1, keepdim=True))
+        parts.append(slack * qc.norm(dim=-1, keepdim=True))
     return torch.cat(parts, dim=-1)
+
+
+# fp16 entries: each value stored to nearest carries a relative error <= 2^-11 (normal numbers; subnormals an absolute
+# error <= 2^-25), so <q_z, z - z16> <= ||q_c|| (2^-11 ||z|| + sqrt(rank) 2^-25); the norm columns are stored rounded up
+# after adding sqrt(width) 2^-14 (so 2^-11 times them covers the subnormal term) and the query's slack columns use
+# SKETCH_SLACK + 2^-11 (+ a hair): the bound stays >= the exact score.
+SKETCH_SLACK_FP16 = SKETCH_SLACK + 2.0 ** -11 * 1.001
+
+
+def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) in fp16, never below ``x``."""
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def round_entries_fp16(entries: torch.Tensor, rank: int, branch_dim: int) -> torch.Tensor:
+    """Sketch entries (:func:`sketch_entries`, fp32) stored in fp16 so that bounds with :data:`SKETCH_SLACK_FP16`
+    stay certified: ``z`` and ``r`` to nearest, ``eta`` rounded up, ``||c||`` and ``||r||`` rounded up after adding
+    ``sqrt(width) 2^-14``. Raises if a value overflows fp16 (then store the index in fp32)."""
+    out = entries.half()
+    out[..., rank] = _round_up_fp16(entries[..., rank])  # eta
+    norms = [(rank + 1 + branch_dim, rank)]  # ||c||: its column and the width whose rounding it covers
+    if branch_dim:
+        norms.append((rank + 2 + branch_dim, branch_dim))  # ||r||
+    for col, width in norms:
+        out[..., col] = _round_up_fp16(entries[..., col] + width ** 0.5 * 2.0 ** -14)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("sketch entries overflow fp16 (|value| > 65504): use entry_dtype='float32'")
+    return out
 
 
 def sketch_bounds(

@@ -23,9 +23,19 @@ import torch
 from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.policy import Policy, RowsView, forced_priority, recent_and_sinks, require_int, top_rows
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.kernels.index_scan import index_scan, index_scan_reduce, sketch_entries, sketch_query
+from kvzoo.kernels.index_scan import (
+    SKETCH_SLACK,
+    SKETCH_SLACK_FP16,
+    index_scan,
+    index_scan_reduce,
+    round_entries_fp16,
+    sketch_entries,
+    sketch_query,
+)
 
 BRANCHES = ("auto", "rope", "content", "row", "key")
+RANK_BY = ("estimate", "bound")
+ENTRY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def branch_sigma(branch: torch.Tensor, kappa: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,6 +178,8 @@ class VestigeRetriever(Retriever):
     certified: bool = False
     tau: float = 8.0
     refit: bool = False
+    rank_by: str = "estimate"  # top-j mode: rank rows by the bound's estimate (its in-span part) or by the bound
+    entry_dtype: str = "float32"  # "float16": half the index bytes, the slack widened so the bound stays certified
 
     name: ClassVar[str] = "vestige"
 
@@ -179,6 +191,10 @@ class VestigeRetriever(Retriever):
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) \
                 or self.tau < 0:
             raise ValueError(f"tau must be a finite number >= 0 (the certified margin, in logits), got {self.tau!r}")
+        if self.rank_by not in RANK_BY:
+            raise ValueError(f"rank_by must be one of {RANK_BY} (how top-j mode ranks rows), got {self.rank_by!r}")
+        if self.entry_dtype not in ENTRY_DTYPES:
+            raise ValueError(f"entry_dtype must be one of {tuple(ENTRY_DTYPES)}, got {self.entry_dtype!r}")
         if not isinstance(self.certified, bool) or not isinstance(self.refit, bool):
             raise ValueError(f"certified and refit must be True or False, got {self.certified!r}, {self.refit!r}")
 
@@ -199,7 +215,18 @@ class SketchIndex(RetrievalState):
 
     @property
     def entry_bytes(self) -> int:  # type: ignore[override]
-        return self.rows.buffers["entries"].shape[-1] * 4 if self.rows.buffers else 0
+        if not self.rows.buffers:
+            return 0
+        entries = self.rows.buffers["entries"]
+        return entries.shape[-1] * entries.element_size()
+
+    @property
+    def _rank(self) -> int:
+        return self.basis.shape[-1]
+
+    @property
+    def _slack(self) -> float:
+        return SKETCH_SLACK_FP16 if self.config.entry_dtype == "float16" else SKETCH_SLACK
 
     def _split(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.geometry.layout == "mla":
@@ -219,7 +246,10 @@ class SketchIndex(RetrievalState):
 
     def _entries(self, keys: torch.Tensor) -> torch.Tensor:
         content, branch = self._split(keys)
-        return sketch_entries(content, branch, self.basis)
+        entries = sketch_entries(content, branch, self.basis)
+        if self.config.entry_dtype == "float16":
+            entries = round_entries_fp16(entries, self._rank, 0 if branch is None else branch.shape[-1])
+        return entries
 
     def index(self, rows, block_keys, block_valid, archive) -> None:
         if self.basis is None or self.config.refit:
@@ -250,13 +280,28 @@ class SketchIndex(RetrievalState):
         """The sketch's query rows ``[B, G, hpg * q, W]`` (a group's heads, then queries)."""
         if self.geometry.layout == "mla":
             dc = self.geometry.content_dim
-            return sketch_query(query[..., :dc], query[..., dc:], self.basis)
-        return sketch_query(query, None, self.basis)
+            return sketch_query(query[..., :dc], query[..., dc:], self.basis, slack=self._slack)
+        return sketch_query(query, None, self.basis, slack=self._slack)
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         B, H, q_len, D = query.shape
         entries, length = self._scanned(B)
         return index_scan(self._query_rows(query), entries, scaling, length=length).view(B, H, q_len, -1)
+
+    def _bounds_and_estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bounds ``[B, H, q, m]`` and their estimates: each bound less its Cauchy-Schwarz term
+        ``scale ||(I - V V^T) q_c|| eta`` and its slack, i.e. ``scale (<q_r, r> + <V^T q_c, z>)`` -- the score of the
+        row's projection onto span(V) (one scan; the two columns read are part of the same entries)."""
+        B, H, q_len, D = query.shape
+        entries, length = self._scanned(B)
+        qrows = self._query_rows(query)  # [B, G, hq, W]
+        bound = index_scan(qrows, entries, scaling, length=length)  # [B, G, hq, m]
+        W, r = qrows.shape[-1], self._rank
+        slack_cols = 2 if self.geometry.layout == "mla" else 1  # eps ||q_c|| ||c|| (+ eps ||q_r|| ||r||)
+        cols = [r, *range(W - slack_cols, W)]  # eta's column and the slack's
+        loose = torch.matmul(qrows[..., cols], entries[..., cols].float().transpose(-1, -2))
+        estimate = bound - scaling * loose
+        return bound.view(B, H, q_len, -1), estimate.view(B, H, q_len, -1)
 
     def choose(self, query, best, scaling, archive) -> Choice:
         if self.config.certified:  # every row within tau of s*, for some head and query of the group
@@ -267,13 +312,20 @@ class SketchIndex(RetrievalState):
             entries, length = self._scanned(B)
             margin = index_scan_reduce(self._query_rows(query), entries, scaling, threshold, length=length)
             return Choice(mask=margin >= 0)
-        bounds = self.bounds(query, scaling)  # [B, H, q, m]
-        B, H, q_len, m = bounds.shape
         G = self.basis.shape[1]
         s_star = best[..., None]
-        # each head's top j rows, kept where they beat s*; the runtime takes the union over the group
-        top, rows = bounds.topk(min(self.config.j, m), dim=-1)  # [B, H, q, j]
-        ok = top > s_star
+        if self.config.rank_by == "estimate":  # each head's top j rows by estimate, kept where their bound beats s*
+            bounds, estimates = self._bounds_and_estimates(query, scaling)
+            m = bounds.shape[-1]
+            rows = estimates.topk(min(self.config.j, m), dim=-1).indices  # [B, H, q, j]
+            ok = bounds.gather(-1, rows) > s_star
+        else:  # each head's top j rows by bound, kept where they beat s*
+            bounds = self.bounds(query, scaling)  # [B, H, q, m]
+            m = bounds.shape[-1]
+            top, rows = bounds.topk(min(self.config.j, m), dim=-1)  # [B, H, q, j]
+            ok = top > s_star
+        B, H, q_len, _ = bounds.shape
+        # the runtime takes the union over the group
         return Choice(rows=rows.view(B, G, -1), ok=ok.view(B, G, -1))
 
     def select_batch(self, index: torch.Tensor) -> None:

@@ -1,0 +1,104 @@
+"""Issue 25: the sketch retriever's top-j rule ranks by the bound's estimate; fp16 index entries stay certified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvzoo.framework.retrieval import ArchiveView, RowGeometry
+from kvzoo.kernels.index_scan import exact_scores
+from kvzoo.policies.vestige import SketchIndex, VestigeRetriever
+
+
+def _archive(keys):
+    B, G, m = keys.shape[:3]
+    return ArchiveView(keys, torch.arange(m).expand(B, G, m), torch.ones(B, G, m, dtype=torch.bool), None)
+
+
+def _index(keys, layout, dc, **options):
+    dr = keys.shape[-1] - dc if layout == "mla" else 0
+    state = SketchIndex(VestigeRetriever(**options), RowGeometry(layout, dc if layout == "mla" else 0, dr))
+    valid = torch.ones(keys.shape[:3], dtype=torch.bool)
+    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
+    return state
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=st.sampled_from(["gqa", "mla"]), m=st.integers(1, 50), dc=st.integers(2, 40), dr=st.integers(1, 12),
+       rank=st.integers(1, 40), groups=st.sampled_from([1, 2]), hpg=st.sampled_from([1, 3]),
+       magnitude=st.floats(1e-6, 300.0), dtype=st.sampled_from(["float32", "float16"]), seed=st.integers(0, 2**16))
+def test_bound_upper_bounds_exact_score_fp32_and_fp16_entries(layout, m, dc, dr, rank, groups, hpg, magnitude, dtype,
+                                                              seed):
+    """The certificate: every row's bound >= its exact score, with the index in fp32 or fp16, keys tiny to large."""
+    g = torch.Generator().manual_seed(seed)
+    width = dc + (dr if layout == "mla" else 0)
+    keys = torch.randn(1, groups, m, width, generator=g) * magnitude
+    keys[..., 0] += magnitude  # a shared direction, as RoPE-free key dims carry
+    state = _index(keys, layout, dc, rank=min(rank, dc), entry_dtype=dtype)
+    query = torch.randn(1, groups * hpg, 2, width, generator=g) * 3
+    bound = state.bounds(query, 0.125)
+    assert state.rows.get("entries").dtype == (torch.float16 if dtype == "float16" else torch.float32)
+    assert (bound >= exact_scores(query, keys, 0.125)).all()
+    _, estimate = state._bounds_and_estimates(query, 0.125)
+    assert (estimate <= bound + 1e-3 * bound.abs().clamp(min=1)).all()
+
+
+def test_fp16_entries_halve_the_index_bytes():
+    keys = torch.randn(1, 1, 20, 64)
+    assert _index(keys, "gqa", 64, entry_dtype="float16").entry_bytes * 2 == _index(keys, "gqa", 64).entry_bytes
+
+
+def test_estimate_is_the_in_span_score():
+    """The estimate is scale * (<V^T q, z> (+ <q_r, r> on MLA)): at full rank it is the exact score."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 1, 30, 24, generator=g)
+    query = torch.randn(1, 2, 1, 24, generator=g)
+    for layout, dc in (("gqa", 24), ("mla", 16)):
+        state = _index(keys, layout, dc, rank=dc)
+        _, estimate = state._bounds_and_estimates(query, 0.5)
+        torch.testing.assert_close(estimate, exact_scores(query, keys, 0.5), atol=1e-4, rtol=1e-4)
+
+
+def test_estimate_rule_picks_what_the_bound_rule_misses():
+    """A toy where the Cauchy-Schwarz term dominates: rows with a large out-of-span part have the highest bounds,
+    the row the query really aligns with (in span) has the highest estimate and the highest exact score. The bound
+    rule fetches the wrong rows, the estimate rule the right one; both only rows whose bound beats s*."""
+    dc, m = 8, 15
+    keys = torch.zeros(1, 1, m, dc)
+    keys[0, 0, 0, 0] = 5.0  # row 0: the query's row, in span
+    keys[0, 0, 1:8, 0] = 3.0  # rows 1-7 in span too: the basis (rank 1) is e0
+    for u in range(8, m):  # rows 8-14: one large out-of-span coordinate each
+        keys[0, 0, u, u - 7] = 7.0
+    query = torch.zeros(1, 1, 1, dc)
+    query[0, 0, 0, 0] = 1.0
+    query[0, 0, 0, 1:] = 0.3
+    exact = exact_scores(query, keys, 1.0)[0, 0, 0]
+    assert int(exact.argmax()) == 0
+    s_star = torch.full((1, 1, 1), -100.0)
+    picks = {}
+    for rank_by in ("bound", "estimate"):
+        state = _index(keys, "gqa", dc, rank=1, j=1, rank_by=rank_by)
+        picks[rank_by] = state.choose(query, s_star, 1.0, _archive(keys)).as_mask(m)[0, 0].nonzero().flatten().tolist()
+    assert picks["estimate"] == [0] and picks["bound"] != [0]
+
+
+def test_estimate_rule_keeps_only_rows_whose_bound_beats_s_star():
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(1, 1, 40, 16, generator=g)
+    state = _index(keys, "gqa", 16, rank=4, j=8)
+    query = torch.randn(1, 1, 1, 16, generator=g)
+    bound = state.bounds(query, 1.0)[0, 0, 0]
+    s_star = bound.sort(descending=True).values[2:4].mean().view(1, 1, 1)  # 2 rows' bounds beat it
+    chosen = state.choose(query, s_star, 1.0, _archive(keys)).as_mask(40)[0, 0]
+    assert chosen.sum() <= 2 and (bound[chosen] > s_star.flatten()).all()
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="rank_by"):
+        VestigeRetriever(rank_by="exact")
+    with pytest.raises(ValueError, match="entry_dtype"):
+        VestigeRetriever(entry_dtype="int8")
+    with pytest.raises(ValueError, match="overflow fp16"):
+        _index(torch.full((1, 1, 4, 8), 1e6), "gqa", 8, entry_dtype="float16")
