@@ -49,12 +49,7 @@ class Probe:
         n = index.rows.n
         keys = index._probe_keys[:, :, :n]
         exact = exact_scores(query, keys, scaling)[0, :, 0]  # [H, n]
-        bound = index.bounds(query, scaling)[0, :, 0, :n]
-        qrows = index._query_rows(query)  # [1, G, hpg, W]
-        entries = index.rows.get("entries")[..., :n, :]
-        rank = index.basis.shape[-1]
-        est = (scaling * qrows[..., :rank] @ entries[..., :rank].transpose(-1, -2))[0]  # [G, hpg, n]
-        est = est.reshape(exact.shape)
+        bound, est = (x[0, :, 0, :n] for x in index._bounds_and_estimates(query, scaling))  # the index's own
         s_star = best[0, :, 0]  # [H]
         j = min(J, n)
         variants = {"bound": bound, "est": est}
@@ -65,7 +60,7 @@ class Probe:
         if layer not in self.bases:  # PCA of the layer's archived keys (what a higher-rank sketch would span)
             self.bases[layer] = torch.linalg.eigh(k32.transpose(-1, -2) @ k32)[1].flip(-1)
         V = self.bases[layer]
-        for r in (32, 48):
+        for r in (16, 32, 48):
             Vr = V[..., :r]
             variants[f"pca{r}"] = (scaling * (q32 @ Vr) @ (k32 @ Vr).transpose(-1, -2)).reshape(exact.shape)
         for bits in (4, 8):  # per-row absmax quantized keys
@@ -117,7 +112,8 @@ def main() -> None:
         return original(self, query, best, scaling, archive)
 
     vestige_module.SketchIndex.choose = choose
-    print("retriever:", policy_config := build_retriever("vestige", **json.loads(args.retriever)).config(), flush=True)
+    args.retriever_config = build_retriever("vestige", **json.loads(args.retriever)).config()
+    print("retriever:", args.retriever_config, flush=True)
     trials = []
     for depth in args.depths:
         for seed in args.seeds:
@@ -136,6 +132,7 @@ def main() -> None:
                 probe.on = True
                 logits = pipeline.prefill(model, fork, ids.question)
                 steps = [logits.float()]
+                before = fork.stats().totals.get("rows_fetched", 0)  # the question's forward reads the archive densely
                 for i in range(len(targets) - 1):
                     probe.step_kind = "digit" if digit[i + 1] else "other"
                     out = model(input_ids=ids.answer[:, i : i + 1], **pipeline.cache_kwargs(model, fork),
@@ -148,13 +145,26 @@ def main() -> None:
             logits = pipeline.prefill(model, cache, ids.question)
             new = pipeline.greedy_decode(model, cache, logits, task.max_new_tokens, pipeline.eos_ids(model, tok))
             answer = tok.decode(new, skip_special_tokens=True)
+            last = [layer.last_step for layer in cache.stats().layers if layer.last_step.get("queries") == 1]
+            index_share = (sum(x["index_bytes_scanned"] for x in last) / sum(x["kv_bytes_read"] for x in last)
+                           if last else None)
             ok = all(a in answer for a in task.answers)
             trials.append({"depth": depth, "seed": seed, "answers": task.answers, "prediction": answer, "ok": ok,
                            "nll": nll, "tokens": [tok.decode([t]) for t in targets],
-                           "rows_fetched": int(fetched.get("rows_fetched", 0))})
+                           "decode_rows_fetched_per_kv_head_layer_step": (fetched.get("rows_fetched", 0) - before) / (
+                               max(1, len(targets) - 1) * probe.layers * model.config.num_key_value_heads),
+                           "archived_rows_per_kv_head": cache.stats().layers[0].archived_rows,
+                           "last_step_index_share": index_share,
+                           "last_step_kv_bytes": sum(x["kv_bytes_read"] for x in last)})
             print(f"depth {depth} seed {seed}: {'ok ' if ok else 'MISS'} {answer!r} want {task.answers} "
-                  f"worst-token nll {max(nll):.2f}", flush=True)
+                  f"worst-token nll {max(nll):.2f}; last decode step: index {index_share or 0:.0%} of its KV bytes",
+                  flush=True)
             cache.close()
+            report(probe, trials, args)
+
+
+def report(probe: Probe, trials: list, args) -> None:
+    """Print the summary so far and write it (called after every trial: a partial run still reports)."""
     summary = {}
     for kind in ("digit", "other"):
         per_layer = {}
@@ -181,7 +191,7 @@ def main() -> None:
               f"{s['exact_gt_sstar_m4']:.1f}; violations {int(s['violations'])}")
         print("  recall@16 / exact-best in top-16 / mass in top-16 by estimator: " + ", ".join(
             f"{name} {s['recall_' + name]:.3f}/{s['rank1_' + name + '_le16']:.3f}/{s['mass_' + name]:.3f}"
-            for name in ("bound", "est", "pca32", "pca48", "int4", "int8")))
+            for name in ("bound", "est", "pca16", "pca32", "pca48", "int4", "int8")))
         print("layer: recall bound/est  best-in-top16 bound/est  mass bound/est")
         for layer, v in per_layer.items():
             print(f"  {layer:2d}: {v['recall_bound']:.2f}/{v['recall_est']:.2f}  {v['rank1_bound_le16']:.2f}/"
@@ -189,7 +199,7 @@ def main() -> None:
     print(f"\nscore {sum(t['ok'] for t in trials)}/{len(trials)}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "retriever": policy_config, "trials": trials, "summary": summary}, f, indent=1)
+            json.dump({"args": vars(args), "trials": trials, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

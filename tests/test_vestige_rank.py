@@ -1,4 +1,5 @@
-"""Issue 25: the sketch retriever's top-j rule ranks by the bound's estimate; fp16 index entries stay certified."""
+"""Issue 25: the sketch retriever's top-j rule ranks by the bound's estimate; fp16 sketch entries and int8 key
+entries stay certified (bound >= exact score)."""
 
 from __future__ import annotations
 
@@ -28,18 +29,23 @@ def _index(keys, layout, dc, **options):
 @settings(max_examples=60, deadline=None)
 @given(layout=st.sampled_from(["gqa", "mla"]), m=st.integers(1, 50), dc=st.integers(2, 40), dr=st.integers(1, 12),
        rank=st.integers(1, 40), groups=st.sampled_from([1, 2]), hpg=st.sampled_from([1, 3]),
-       magnitude=st.floats(1e-6, 300.0), dtype=st.sampled_from(["float32", "float16"]), seed=st.integers(0, 2**16))
-def test_bound_upper_bounds_exact_score_fp32_and_fp16_entries(layout, m, dc, dr, rank, groups, hpg, magnitude, dtype,
-                                                              seed):
-    """The certificate: every row's bound >= its exact score, with the index in fp32 or fp16, keys tiny to large."""
+       magnitude=st.floats(1e-6, 300.0), dtype=st.sampled_from(["float32", "float16", "int8"]),
+       seed=st.integers(0, 2**16))
+def test_bound_upper_bounds_exact_score(layout, m, dc, dr, rank, groups, hpg, magnitude, dtype, seed):
+    """The certificate: every row's bound >= its exact score -- sketch entries in fp32 or fp16, int8 key entries
+    (GQA) -- keys tiny to large; the estimate never above the bound."""
+    if dtype == "int8" and layout == "mla":
+        layout = "gqa"
     g = torch.Generator().manual_seed(seed)
     width = dc + (dr if layout == "mla" else 0)
     keys = torch.randn(1, groups, m, width, generator=g) * magnitude
     keys[..., 0] += magnitude  # a shared direction, as RoPE-free key dims carry
-    state = _index(keys, layout, dc, rank=min(rank, dc), entry_dtype=dtype)
+    options = {"index": "int8"} if dtype == "int8" else {"index": "sketch", "entry_dtype": dtype}
+    state = _index(keys, layout, dc, rank=min(rank, dc), **options)
     query = torch.randn(1, groups * hpg, 2, width, generator=g) * 3
     bound = state.bounds(query, 0.125)
-    assert state.rows.get("entries").dtype == (torch.float16 if dtype == "float16" else torch.float32)
+    if dtype != "int8":
+        assert state.rows.get("entries").dtype == (torch.float16 if dtype == "float16" else torch.float32)
     assert (bound >= exact_scores(query, keys, 0.125)).all()
     _, estimate = state._bounds_and_estimates(query, 0.125)
     assert (estimate <= bound + 1e-3 * bound.abs().clamp(min=1)).all()
@@ -47,7 +53,9 @@ def test_bound_upper_bounds_exact_score_fp32_and_fp16_entries(layout, m, dc, dr,
 
 def test_fp16_entries_halve_the_index_bytes():
     keys = torch.randn(1, 1, 20, 64)
-    assert _index(keys, "gqa", 64, entry_dtype="float16").entry_bytes * 2 == _index(keys, "gqa", 64).entry_bytes
+    half = _index(keys, "gqa", 64, index="sketch", entry_dtype="float16")
+    assert half.entry_bytes * 2 == _index(keys, "gqa", 64, index="sketch").entry_bytes == (16 + 2) * 4
+    assert _index(keys, "gqa", 64).entry_bytes == 64 + 3 * 2  # the GQA default: int8 codes + fp16 scale, err, norm
 
 
 def test_estimate_is_the_in_span_score():
@@ -56,7 +64,7 @@ def test_estimate_is_the_in_span_score():
     keys = torch.randn(1, 1, 30, 24, generator=g)
     query = torch.randn(1, 2, 1, 24, generator=g)
     for layout, dc in (("gqa", 24), ("mla", 16)):
-        state = _index(keys, layout, dc, rank=dc)
+        state = _index(keys, layout, dc, rank=dc, index="sketch")
         _, estimate = state._bounds_and_estimates(query, 0.5)
         torch.testing.assert_close(estimate, exact_scores(query, keys, 0.5), atol=1e-4, rtol=1e-4)
 
@@ -79,7 +87,7 @@ def test_estimate_rule_picks_what_the_bound_rule_misses():
     s_star = torch.full((1, 1, 1), -100.0)
     picks = {}
     for rank_by in ("bound", "estimate"):
-        state = _index(keys, "gqa", dc, rank=1, j=1, rank_by=rank_by)
+        state = _index(keys, "gqa", dc, rank=1, j=1, rank_by=rank_by, index="sketch")
         picks[rank_by] = state.choose(query, s_star, 1.0, _archive(keys)).as_mask(m)[0, 0].nonzero().flatten().tolist()
     assert picks["estimate"] == [0] and picks["bound"] != [0]
 
@@ -87,7 +95,7 @@ def test_estimate_rule_picks_what_the_bound_rule_misses():
 def test_estimate_rule_keeps_only_rows_whose_bound_beats_s_star():
     g = torch.Generator().manual_seed(7)
     keys = torch.randn(1, 1, 40, 16, generator=g)
-    state = _index(keys, "gqa", 16, rank=4, j=8)
+    state = _index(keys, "gqa", 16, rank=4, j=8, index="sketch")
     query = torch.randn(1, 1, 1, 16, generator=g)
     bound = state.bounds(query, 1.0)[0, 0, 0]
     s_star = bound.sort(descending=True).values[2:4].mean().view(1, 1, 1)  # 2 rows' bounds beat it
@@ -101,4 +109,25 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="entry_dtype"):
         VestigeRetriever(entry_dtype="int8")
     with pytest.raises(ValueError, match="overflow fp16"):
-        _index(torch.full((1, 1, 4, 8), 1e6), "gqa", 8, entry_dtype="float16")
+        _index(torch.full((1, 1, 4, 8), 1e6), "gqa", 8, index="sketch", entry_dtype="float16")
+    with pytest.raises(ValueError, match="index"):
+        VestigeRetriever(index="pq")
+    with pytest.raises(ValueError, match="GQA rows"):
+        _index(torch.randn(1, 1, 4, 24), "mla", 16, index="int8")
+
+
+def test_int8_estimate_ranks_like_exact_and_certified_mode_is_sound():
+    """int8 keys: the estimate's top rows are the exact top rows on well-separated scores; the certified rule
+    (bound >= s* - tau) fetches every row whose exact score is >= s* - tau."""
+    g = torch.Generator().manual_seed(11)
+    keys = torch.randn(1, 2, 64, 32, generator=g)
+    query = torch.randn(1, 4, 1, 32, generator=g)
+    state = _index(keys, "gqa", 32, j=4)
+    exact = exact_scores(query, keys, 0.3)
+    _, estimate = state._bounds_and_estimates(query, 0.3)
+    assert (estimate - exact).abs().max() < 0.05 * exact.abs().max()
+    s_star = exact.amax(-1) - 1.0  # [1, 4, 1]
+    cert = _index(keys, "gqa", 32, certified=True, tau=0.5)
+    mask = cert.choose(query, s_star, 0.3, _archive(keys)).as_mask(64)  # [1, 2, 64]
+    need = (exact >= (s_star - 0.5)[..., None]).view(1, 2, 2, 64).any(2)
+    assert (mask | ~need).all() and need.any()

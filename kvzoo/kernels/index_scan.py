@@ -265,6 +265,54 @@ def round_entries_fp16(entries: torch.Tensor, rank: int, branch_dim: int) -> tor
     return out
 
 
+INT8_NORM_MARGIN = 1e-3  # relative margin on the stored error and norm columns of int8 key entries
+
+
+def int8_key_entries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 keys for a certified bound: ``(codes [B, G, m, D] int8, side [B, G, m, 3] fp16)``.
+
+    ``side = [s, err, norm]``: the row's scale ``s`` (fp16, rounded up from ``max|k| / 127``, at least 2^-14), so
+    ``k_hat = s * codes`` is exact in fp32; ``err >= ||k - k_hat||`` and ``norm >= max(||k||, ||k_hat||)``, both
+    computed in fp32, widened by :data:`INT8_NORM_MARGIN` and rounded up to fp16. Then for any query
+    ``<q, k> <= s <q, codes> + ||q|| err`` (Cauchy-Schwarz on ``k - k_hat``); :func:`int8_key_bounds` adds the fp32
+    slack ``eps ||q|| norm``. ``D + 6`` bytes per row.
+    """
+    k = keys.float()
+    scale = _round_up_fp16((k.abs().amax(-1) / 127).clamp(min=2.0 ** -14))
+    codes = (k / scale.float()[..., None]).round().clamp(-127, 127)
+    k_hat = codes * scale.float()[..., None]
+    grow = 1 + INT8_NORM_MARGIN
+    err = _round_up_fp16((k - k_hat).norm(dim=-1) * grow + 2.0 ** -24)
+    norm = _round_up_fp16(torch.maximum(k.norm(dim=-1), k_hat.norm(dim=-1)) * grow)
+    side = torch.stack([scale, err, norm], dim=-1)
+    if not bool(torch.isfinite(side).all()):
+        raise ValueError("int8 key entries: a row's norm overflows fp16 (|value| > 65504)")
+    return codes.to(torch.int8), side
+
+
+def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
+                    length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bound, estimate)`` ``[B, G, hq, m]`` fp32 for grouped queries ``query [B, G, hq, D]`` (fp32) over int8 key
+    entries (:func:`int8_key_entries`): ``estimate = scale s <q, codes>`` (the score of ``k_hat``) and
+    ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``. The codes are upcast in blocks of
+    rows (never an fp32 copy of the index). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
+    B, G, hq, D = query.shape
+    m = codes.shape[2]
+    q = query.float()
+    dot = q.new_empty(B, G, hq, m)
+    for start, stop in _row_blocks(m, B * G * D):
+        dot[..., start:stop] = torch.matmul(q, codes[:, :, start:stop].float().transpose(-1, -2))
+    side = side.float()
+    estimate = dot.mul_(side[..., 0][:, :, None, :]).mul_(scaling)
+    qn = q.norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
+    bound = estimate + scaling * qn * (side[..., 1] + SKETCH_SLACK * side[..., 2])[:, :, None, :]
+    if length is not None:
+        beyond = _beyond(length, m)[:, :, None]
+        bound.masked_fill_(beyond, float("-inf"))
+        estimate = estimate.masked_fill(beyond, float("-inf"))
+    return bound, estimate
+
+
 def sketch_bounds(
     q_content: torch.Tensor,
     q_branch: torch.Tensor | None,

@@ -28,6 +28,8 @@ from kvzoo.kernels.index_scan import (
     SKETCH_SLACK_FP16,
     index_scan,
     index_scan_reduce,
+    int8_key_bounds,
+    int8_key_entries,
     round_entries_fp16,
     sketch_entries,
     sketch_query,
@@ -35,6 +37,7 @@ from kvzoo.kernels.index_scan import (
 
 BRANCHES = ("auto", "rope", "content", "row", "key")
 RANK_BY = ("estimate", "bound")
+INDEX_KINDS = ("auto", "sketch", "int8")
 ENTRY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -179,7 +182,8 @@ class VestigeRetriever(Retriever):
     tau: float = 8.0
     refit: bool = False
     rank_by: str = "estimate"  # top-j mode: rank rows by the bound's estimate (its in-span part) or by the bound
-    entry_dtype: str = "float32"  # "float16": half the index bytes, the slack widened so the bound stays certified
+    entry_dtype: str = "float32"  # sketch entries: "float16" halves their bytes (the slack widened: still certified)
+    index: str = "auto"  # "sketch" (the low-rank sketch), "int8" (per-row int8 keys, GQA only); auto: int8 on GQA
 
     name: ClassVar[str] = "vestige"
 
@@ -193,6 +197,8 @@ class VestigeRetriever(Retriever):
             raise ValueError(f"tau must be a finite number >= 0 (the certified margin, in logits), got {self.tau!r}")
         if self.rank_by not in RANK_BY:
             raise ValueError(f"rank_by must be one of {RANK_BY} (how top-j mode ranks rows), got {self.rank_by!r}")
+        if self.index not in INDEX_KINDS:
+            raise ValueError(f"index must be one of {INDEX_KINDS} (what an index entry holds), got {self.index!r}")
         if self.entry_dtype not in ENTRY_DTYPES:
             raise ValueError(f"entry_dtype must be one of {tuple(ENTRY_DTYPES)}, got {self.entry_dtype!r}")
         if not isinstance(self.certified, bool) or not isinstance(self.refit, bool):
@@ -210,19 +216,27 @@ class SketchIndex(RetrievalState):
         self.config = config
         self.geometry = geometry
         self.basis: torch.Tensor | None = None  # [B, G, dc, rank], orthonormal columns
-        self.rows = RowStore()  # "entries" [B, G, m, rank + 1 + dr + 2]
+        self.rows = RowStore()  # "entries" [B, G, m, rank + 1 + dr + 2]; int8: "codes" [B, G, m, D], "side" [.., 3]
         self.audit_top = config.j
+        kind = config.index
+        if kind == "auto":
+            kind = "sketch" if geometry.layout == "mla" else "int8"
+        if kind == "int8" and geometry.layout == "mla":
+            raise ValueError("vestige retriever: index='int8' is for GQA rows (an MLA latent row is 576 values: "
+                             "use the sketch)")
+        self.kind = kind
 
     @property
     def entry_bytes(self) -> int:  # type: ignore[override]
-        if not self.rows.buffers:
-            return 0
-        entries = self.rows.buffers["entries"]
-        return entries.shape[-1] * entries.element_size()
+        return sum(b.shape[-1] * b.element_size() for b in self.rows.buffers.values())
 
     @property
     def _rank(self) -> int:
         return self.basis.shape[-1]
+
+    @property
+    def groups(self) -> int:
+        return self.rows.buffers[next(iter(self.rows.buffers))].shape[1]
 
     @property
     def _slack(self) -> float:
@@ -252,6 +266,10 @@ class SketchIndex(RetrievalState):
         return entries
 
     def index(self, rows, block_keys, block_valid, archive) -> None:
+        if self.kind == "int8":  # no basis: each row's own int8 code, scale and error
+            codes, side = int8_key_entries(rows["keys"])
+            self._append({"codes": codes, "side": side})
+            return
         if self.basis is None or self.config.refit:
             self._fit(block_keys, block_valid)
             if self.config.refit and self.rows.n:  # rebuild the index of earlier rows under the new basis
@@ -259,19 +277,31 @@ class SketchIndex(RetrievalState):
                 self._append(self._entries(archive.keys))
         self._append(self._entries(rows["keys"]))
 
-    def _append(self, entries: torch.Tensor) -> None:
+    def _append(self, entries: torch.Tensor | dict[str, torch.Tensor]) -> None:
+        if not isinstance(entries, dict):
+            entries = {"entries": entries}
         if not self.rows.buffers:  # with a fixed capacity: preallocated for every row, scanned with its length
-            B, G, _, W = entries.shape
+            first = next(iter(entries.values()))
+            B, G = first.shape[:2]
             capacity = self.geometry.capacity
-            self.rows.define(B, G, {"entries": ((W,), entries.dtype)}, entries.device, capacity=capacity or 0,
-                             fixed=capacity is not None)
-        self.rows.append({"entries": entries})
+            self.rows.define(B, G, {k: ((v.shape[-1],), v.dtype) for k, v in entries.items()}, first.device,
+                             capacity=capacity or 0, fixed=capacity is not None)
+        self.rows.append(entries)
 
-    def _scanned(self, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _scanned(self, batch: int, name: str = "entries") -> tuple[torch.Tensor, torch.Tensor | None]:
         """The entries a scan reads and their count per sequence (a fixed index: the whole buffer, its length)."""
         if self.rows.fixed:
-            return self.rows.reading("entries"), self.rows.length.expand(batch)
-        return self.rows.get("entries"), None
+            return self.rows.reading(name), self.rows.length.expand(batch)
+        return self.rows.get(name), None
+
+    def _int8_scan(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, q_len, D = query.shape
+        codes, length = self._scanned(B, "codes")
+        side, _ = self._scanned(B, "side")
+        G = codes.shape[1]
+        q = query.float().reshape(B, G, (H // G) * q_len, D)
+        bound, estimate = int8_key_bounds(q, codes, side, scaling, length=length)
+        return bound.view(B, H, q_len, -1), estimate.view(B, H, q_len, -1)
 
     def entries(self) -> int:
         return self.rows.n
@@ -284,6 +314,8 @@ class SketchIndex(RetrievalState):
         return sketch_query(query, None, self.basis, slack=self._slack)
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        if self.kind == "int8":
+            return self._int8_scan(query, scaling)[0]
         B, H, q_len, D = query.shape
         entries, length = self._scanned(B)
         return index_scan(self._query_rows(query), entries, scaling, length=length).view(B, H, q_len, -1)
@@ -291,7 +323,10 @@ class SketchIndex(RetrievalState):
     def _bounds_and_estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The bounds ``[B, H, q, m]`` and their estimates: each bound less its Cauchy-Schwarz term
         ``scale ||(I - V V^T) q_c|| eta`` and its slack, i.e. ``scale (<q_r, r> + <V^T q_c, z>)`` -- the score of the
-        row's projection onto span(V) (one scan; the two columns read are part of the same entries)."""
+        row's projection onto span(V) (one scan; the two columns read are part of the same entries). int8 entries:
+        the estimate is the score of the row's int8 reconstruction."""
+        if self.kind == "int8":
+            return self._int8_scan(query, scaling)
         B, H, q_len, D = query.shape
         entries, length = self._scanned(B)
         qrows = self._query_rows(query)  # [B, G, hq, W]
@@ -304,6 +339,12 @@ class SketchIndex(RetrievalState):
         return bound.view(B, H, q_len, -1), estimate.view(B, H, q_len, -1)
 
     def choose(self, query, best, scaling, archive) -> Choice:
+        if self.config.certified and self.kind == "int8":  # every row within tau of s*: bounds reduced per group
+            bounds = self.bounds(query, scaling)  # [B, H, q, m]
+            B, H, q_len, m = bounds.shape
+            G = self.groups
+            keep = bounds >= (best - self.config.tau)[..., None]
+            return Choice(mask=keep.view(B, G, (H // G) * q_len, m).any(2))
         if self.config.certified:  # every row within tau of s*, for some head and query of the group
             # one fused scan reduced over the group's heads and queries: the [B, H, q, m] bounds never
             # exist; margin >= 0 exactly where some bound >= s* - tau (kernels/index_scan.py)
@@ -312,7 +353,7 @@ class SketchIndex(RetrievalState):
             entries, length = self._scanned(B)
             margin = index_scan_reduce(self._query_rows(query), entries, scaling, threshold, length=length)
             return Choice(mask=margin >= 0)
-        G = self.basis.shape[1]
+        G = self.groups
         s_star = best[..., None]
         if self.config.rank_by == "estimate":  # each head's top j rows by estimate, kept where their bound beats s*
             bounds, estimates = self._bounds_and_estimates(query, scaling)
