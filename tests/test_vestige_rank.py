@@ -87,7 +87,7 @@ def test_estimate_rule_picks_what_the_bound_rule_misses():
     s_star = torch.full((1, 1, 1), -100.0)
     picks = {}
     for rank_by in ("bound", "estimate"):
-        state = _index(keys, "gqa", dc, rank=1, j=1, rank_by=rank_by, index="sketch")
+        state = _index(keys, "gqa", dc, rank=1, j=1, rank_by=rank_by, index="sketch", j_margin=0.0)
         picks[rank_by] = state.choose(query, s_star, 1.0, _archive(keys)).as_mask(m)[0, 0].nonzero().flatten().tolist()
     assert picks["estimate"] == [0] and picks["bound"] != [0]
 
@@ -95,12 +95,28 @@ def test_estimate_rule_picks_what_the_bound_rule_misses():
 def test_estimate_rule_keeps_only_rows_whose_bound_beats_s_star():
     g = torch.Generator().manual_seed(7)
     keys = torch.randn(1, 1, 40, 16, generator=g)
-    state = _index(keys, "gqa", 16, rank=4, j=8, index="sketch")
     query = torch.randn(1, 1, 1, 16, generator=g)
-    bound = state.bounds(query, 1.0)[0, 0, 0]
-    s_star = bound.sort(descending=True).values[2:4].mean().view(1, 1, 1)  # 2 rows' bounds beat it
-    chosen = state.choose(query, s_star, 1.0, _archive(keys)).as_mask(40)[0, 0]
-    assert chosen.sum() <= 2 and (bound[chosen] > s_star.flatten()).all()
+    for margin in (0.0, 1.5):
+        state = _index(keys, "gqa", 16, rank=4, j=8, index="sketch", j_margin=margin)
+        bound = state.bounds(query, 1.0)[0, 0, 0]
+        s_star = bound.sort(descending=True).values[2:4].mean().view(1, 1, 1)  # 2 rows' bounds beat it
+        chosen = state.choose(query, s_star, 1.0, _archive(keys)).as_mask(40)[0, 0]
+        passing = int((bound > s_star.flatten() - margin).sum())
+        assert 0 < int(chosen.sum()) <= min(8, passing) and (bound[chosen] > s_star.flatten() - margin).all()
+
+
+def test_adaptive_count_a_peaked_head_fetches_fewer():
+    """int8 keys (tight bound), j = 8, margin 2: a head with one dominant archived row fetches only the rows within 2
+    logits of s*; a flat head fetches all 8."""
+    g = torch.Generator().manual_seed(9)
+    keys = torch.randn(1, 1, 50, 16, generator=g) * 0.1
+    query = torch.zeros(1, 2, 1, 16)
+    query[0, 0, 0, 0] = 30.0  # head 0 peaked on row 7
+    keys[0, 0, 7, 0] = 1.0
+    state = _index(keys, "gqa", 16, j=8, j_margin=2.0)
+    s_star = exact_scores(query, keys, 1.0).amax(-1)  # the tier's best = the archive's best
+    ok = state.choose(query, s_star, 1.0, _archive(keys)).ok.view(2, 8)
+    assert int(ok[0].sum()) == 1 and int(ok[1].sum()) == 8
 
 
 def test_options_are_checked():
@@ -108,6 +124,8 @@ def test_options_are_checked():
         VestigeRetriever(rank_by="exact")
     with pytest.raises(ValueError, match="entry_dtype"):
         VestigeRetriever(entry_dtype="int8")
+    with pytest.raises(ValueError, match="j_margin"):
+        VestigeRetriever(j_margin=-1.0)
     with pytest.raises(ValueError, match="overflow fp16"):
         _index(torch.full((1, 1, 4, 8), 1e6), "gqa", 8, index="sketch", entry_dtype="float16")
     with pytest.raises(ValueError, match="index"):

@@ -171,9 +171,12 @@ class VestigeRetriever(Retriever):
     the attended tier (Lemma 3). A forward fetches the union over a group's query heads and over
     its queries (``framework/runtime.py``), at most ``j x heads x queries`` rows in top-j mode.
 
-    Top-j mode ranks rows by the bound's *estimate* (``rank_by="estimate"``, default since issue 25: the bound less
-    its Cauchy-Schwarz term and slack, i.e. the score of the row's in-span part) and keeps those whose *bound* beats
-    s*; ``rank_by="bound"`` is the earlier rule (rank by the bound itself). On SmolLM2 (RoPE/GQA) the bound's
+    Top-j mode (since issue 25) ranks rows by the bound's *estimate* (``rank_by="estimate"``: the bound less its
+    Cauchy-Schwarz term and slack, i.e. the score of the row's in-span part or int8 reconstruction) and keeps those
+    whose *bound* is above ``s* - j_margin`` (8 logits: a row that cannot come within 8 logits of the tier's best
+    is left out, so a peaked head fetches fewer than ``j``); ``rank_by="bound", j_margin=0, index="sketch"`` is the
+    earlier rule (rank by the bound, keep what beats s*). With a tight bound (int8 keys) the earlier "beats s*"
+    test keeps almost nothing: an archived row rarely scores above the attended tier's best. On SmolLM2 (RoPE/GQA) the bound's
     ranking found 24 % of the exact top-16 archived rows per head, the rank-16 estimate 39 %
     (``benchmarks/vestige_recall.py``, README "Retrieval tier on SmolLM2").
 
@@ -195,6 +198,7 @@ class VestigeRetriever(Retriever):
     rank_by: str = "estimate"  # top-j mode: rank rows by the bound's estimate (its in-span part) or by the bound
     entry_dtype: str = "float32"  # sketch entries: "float16" halves their bytes (the slack widened: still certified)
     index: str = "auto"  # "sketch" (the low-rank sketch), "int8" (per-row int8 keys, GQA only); auto: int8 on GQA
+    j_margin: float = 8.0  # top-j mode keeps a candidate whose bound > s* - j_margin (0: beats s*, the earlier rule)
 
     name: ClassVar[str] = "vestige"
 
@@ -208,6 +212,9 @@ class VestigeRetriever(Retriever):
             raise ValueError(f"tau must be a finite number >= 0 (the certified margin, in logits), got {self.tau!r}")
         if self.rank_by not in RANK_BY:
             raise ValueError(f"rank_by must be one of {RANK_BY} (how top-j mode ranks rows), got {self.rank_by!r}")
+        if isinstance(self.j_margin, bool) or not isinstance(self.j_margin, (int, float)) \
+                or not math.isfinite(self.j_margin) or self.j_margin < 0:
+            raise ValueError(f"j_margin must be a finite number >= 0 (logits below s*), got {self.j_margin!r}")
         if self.index not in INDEX_KINDS:
             raise ValueError(f"index must be one of {INDEX_KINDS} (what an index entry holds), got {self.index!r}")
         if self.entry_dtype not in ENTRY_DTYPES:
@@ -341,13 +348,12 @@ class SketchIndex(RetrievalState):
         B, H, q_len, D = query.shape
         entries, length = self._scanned(B)
         qrows = self._query_rows(query)  # [B, G, hq, W]
-        bound = index_scan(qrows, entries, scaling, length=length)  # [B, G, hq, m]
-        W, r = qrows.shape[-1], self._rank
+        W, r, hq = qrows.shape[-1], self._rank, qrows.shape[2]
         slack_cols = 2 if self.geometry.layout == "mla" else 1  # eps ||q_c|| ||c|| (+ eps ||q_r|| ||r||)
-        cols = [r, *range(W - slack_cols, W)]  # eta's column and the slack's
-        loose = torch.matmul(qrows[..., cols], entries[..., cols].float().transpose(-1, -2))
-        estimate = bound - scaling * loose
-        return bound.view(B, H, q_len, -1), estimate.view(B, H, q_len, -1)
+        in_span = qrows.clone()
+        in_span[..., [r, *range(W - slack_cols, W)]] = 0  # eta's column and the slack's: the estimate's query rows
+        both = index_scan(torch.cat([qrows, in_span], dim=2), entries, scaling, length=length)  # one scan
+        return both[:, :, :hq].reshape(B, H, q_len, -1), both[:, :, hq:].reshape(B, H, q_len, -1)
 
     def choose(self, query, best, scaling, archive) -> Choice:
         if self.config.certified and self.kind == "int8":  # every row within tau of s*: bounds reduced per group
@@ -365,13 +371,13 @@ class SketchIndex(RetrievalState):
             margin = index_scan_reduce(self._query_rows(query), entries, scaling, threshold, length=length)
             return Choice(mask=margin >= 0)
         G = self.groups
-        s_star = best[..., None]
-        if self.config.rank_by == "estimate":  # each head's top j rows by estimate, kept where their bound beats s*
+        s_star = best[..., None] - self.config.j_margin
+        if self.config.rank_by == "estimate":  # each head's top j rows by estimate, kept where bound > s* - margin
             bounds, estimates = self._bounds_and_estimates(query, scaling)
             m = bounds.shape[-1]
             rows = estimates.topk(min(self.config.j, m), dim=-1).indices  # [B, H, q, j]
             ok = bounds.gather(-1, rows) > s_star
-        else:  # each head's top j rows by bound, kept where they beat s*
+        else:  # each head's top j rows by bound, kept where bound > s* - margin
             bounds = self.bounds(query, scaling)  # [B, H, q, m]
             m = bounds.shape[-1]
             top, rows = bounds.topk(min(self.config.j, m), dim=-1)  # [B, H, q, j]
