@@ -44,7 +44,7 @@ def make_cache(arm: str, model, plain_model, context: int, steps: int):
 
         options = {k: ast.literal_eval(v) if v[:1].isdigit() or v in ("True", "False") else v
                    for k, v in (o.split("=", 1) for o in retriever_options)}
-        params["retriever"] = build_retriever(registry.get(name).retriever, **options)
+        params["retriever"] = build_retriever(registry.get(name, **params).retriever, **options)
     policy = registry.get(name, **params)
     capacity = context + steps + 8 if option == "capacity" else None
     return model, TieredCache(model, policy, context_length=context, capacity=capacity)
