@@ -30,13 +30,14 @@ from kvzoo.refmodel import data as D  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--count", type=int, default=100)
+    p.add_argument("--arms", nargs="+", default=["nope", "rope"])
     args = p.parse_args()
     torch.set_num_threads(1)
     T, n_pairs = D.CURRICULUM[-1]
     examples = D.heldout_recall(T, n_pairs, args.count, seed=TABLE_SEED)
     print("| arm | ratio | top-16 by bound (before) | top-16 by estimate (now) | rows fetched/forward bound / estimate |")
     print("|---|---|---|---|---|")
-    for arm in ("nope", "rope"):
+    for arm in args.arms:
         model = load_model(f"ref-{arm}-s{shipped_seeds(arm)[0]}")[0]
         for ratio in RATIOS:
             cells, fetched = [], []
