@@ -5,7 +5,9 @@
 
 An arm is ``transformers`` (the model's own SDPA attention with a ``DynamicCache``, on a copy of the model that
 kvzoo never attached to) or a kvzoo policy, optionally ``@RATIO`` (default ratio 8; ``full``: none) and
-``+capacity`` (``TieredCache(..., capacity=N)``: preallocated, fixed shapes). Each arm prefills the same random
+``+capacity`` (``TieredCache(..., capacity=N)``: preallocated, fixed shapes); ``/key=value`` pieces after the
+ratio configure the policy's retriever (``vestige@32/rank_by=bound/entry_dtype=float32``: the rule before
+issue 25). Each arm prefills the same random
 context (chunks of 1,024, ``logits_to_keep=1``), is compressed (kvzoo arms), decodes 2 warm-up steps, then every
 arm decodes one step in turn, ``--steps`` times, so that load on a shared machine hits all of them alike. Prints
 the median ms/step per arm and its ratio to the first arm. Contexts past SmolLM2's 8,192 positions still run
@@ -15,6 +17,7 @@ the median ms/step per arm and its ratio to the first arm. Contexts past SmolLM2
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import statistics
 import time
@@ -33,8 +36,16 @@ def make_cache(arm: str, model, plain_model, context: int, steps: int):
 
         return plain_model, DynamicCache(config=plain_model.config)
     spec, _, option = arm.partition("+")
+    spec, *retriever_options = spec.split("/")
     name, _, ratio = spec.partition("@")
-    policy = registry.get(name) if name == "full" else registry.get(name, ratio=float(ratio or 8))
+    params = {} if name == "full" else {"ratio": float(ratio or 8)}
+    if retriever_options:  # vestige@32/rank_by=bound: the policy's retriever with these options
+        from kvzoo.framework.retrieval import build_retriever
+
+        options = {k: ast.literal_eval(v) if v[:1].isdigit() or v in ("True", "False") else v
+                   for k, v in (o.split("=", 1) for o in retriever_options)}
+        params["retriever"] = build_retriever(registry.get(name, **params).retriever, **options)
+    policy = registry.get(name, **params)
     capacity = context + steps + 8 if option == "capacity" else None
     return model, TieredCache(model, policy, context_length=context, capacity=capacity)
 

@@ -120,8 +120,8 @@ def _archive(keys, budget=None):
     return ArchiveView(keys, torch.arange(m).expand(B, G, m), torch.ones(B, G, m, dtype=torch.bool), budget)
 
 
-def _index_for(c, r, rank, certified=False, tau=8.0, j=16):
-    cfg = VestigeRetriever(rank=rank, certified=certified, tau=tau, j=j)
+def _index_for(c, r, rank, certified=False, tau=8.0, j=16, j_margin=8.0):
+    cfg = VestigeRetriever(rank=rank, certified=certified, tau=tau, j=j, j_margin=j_margin)
     state = SketchIndex(cfg, RowGeometry("mla", c.shape[-1], r.shape[-1]))
     keys = torch.cat([c, r], -1)
     valid = torch.ones(keys.shape[:3], dtype=torch.bool)
@@ -154,13 +154,18 @@ def test_certified_mode_excluded_mass_lemma3(tau):
 def test_default_mode_fetches_top_j_that_beat_s_star():
     g = torch.Generator().manual_seed(5)
     c, r = torch.randn(1, 1, 100, 64, generator=g), torch.randn(1, 1, 100, 16, generator=g)
-    state, _ = _index_for(c, r, rank=64, j=5)  # full rank: the bound is the exact score
+    state, _ = _index_for(c, r, rank=64, j=5, j_margin=0.0)  # full rank: the bound is the exact score
     query = torch.randn(1, 1, 1, 80, generator=g)
     exact = exact_scores(query, torch.cat([c, r], -1), 1.0)[0, 0, 0]
     ranked = exact.sort(descending=True).values
     s_star = (ranked[2] + ranked[3]) / 2  # exactly 3 rows beat it
     choice = state.choose(query, s_star.view(1, 1, 1), 1.0, _archive(torch.cat([c, r], -1))).as_mask(100)
     assert set(choice[0, 0].nonzero().flatten().tolist()) == set(exact.topk(3).indices.tolist())
+    # the default margin (8 logits below s*) keeps the top 5 whose bound is within 8 of s*
+    state, _ = _index_for(c, r, rank=64, j=5)
+    choice = state.choose(query, s_star.view(1, 1, 1), 1.0, _archive(torch.cat([c, r], -1))).as_mask(100)
+    want = [u for u in exact.topk(5).indices.tolist() if exact[u] > s_star - 8.0]
+    assert set(choice[0, 0].nonzero().flatten().tolist()) == set(want)
 
 
 @pytest.fixture(scope="module")

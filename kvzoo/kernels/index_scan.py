@@ -213,12 +213,14 @@ def sketch_entries(content: torch.Tensor, branch: torch.Tensor | None, basis: to
     return torch.cat(parts, dim=-1)
 
 
-def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: torch.Tensor) -> torch.Tensor:
+def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: torch.Tensor, *,
+                 slack: float = SKETCH_SLACK) -> torch.Tensor:
     """Query rows ``Q = [V^T q_c, ||(I - V V^T) q_c||, q_r, eps ||q_c||, eps ||q_r||]`` ``[B, G, hpg*q, W]``.
 
     ``Q . E = <q_r, r> + <V^T q_c, z> + ||q_perp|| eta + eps (||q_c|| ||c|| + ||q_r|| ||r||)``: the
     certified bound (Cauchy-Schwarz on the part of ``q_c`` and ``c`` outside span(V)) plus the slack
-    that keeps fp32 rounding from undercutting the exact score.
+    that keeps fp32 rounding from undercutting the exact score (``slack``: eps; entries stored in fp16 need
+    :data:`SKETCH_SLACK_FP16`, see :func:`round_entries_fp16`).
     """
     V = basis.float() if basis.dim() == 4 else basis.float()[None]
     G = V.shape[1]
@@ -228,10 +230,87 @@ def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: 
     parts = [qz, resid]
     if q_branch is not None:
         qr = _grouped(q_branch, G)
-        parts += [qr, SKETCH_SLACK * qc.norm(dim=-1, keepdim=True), SKETCH_SLACK * qr.norm(dim=-1, keepdim=True)]
+        parts += [qr, slack * qc.norm(dim=-1, keepdim=True), slack * qr.norm(dim=-1, keepdim=True)]
     else:
-        parts.append(SKETCH_SLACK * qc.norm(dim=-1, keepdim=True))
+        parts.append(slack * qc.norm(dim=-1, keepdim=True))
     return torch.cat(parts, dim=-1)
+
+
+# fp16 entries: each value stored to nearest carries a relative error <= 2^-11 (normal numbers; subnormals an absolute
+# error <= 2^-25), so <q_z, z - z16> <= ||q_c|| (2^-11 ||z|| + sqrt(rank) 2^-25); the norm columns are stored rounded up
+# after adding sqrt(width) 2^-14 (so 2^-11 times them covers the subnormal term) and the query's slack columns use
+# SKETCH_SLACK + 2^-11 (+ a hair): the bound stays >= the exact score.
+SKETCH_SLACK_FP16 = SKETCH_SLACK + 2.0 ** -11 * 1.001
+
+
+def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) in fp16, never below ``x``."""
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def round_entries_fp16(entries: torch.Tensor, rank: int, branch_dim: int) -> torch.Tensor:
+    """Sketch entries (:func:`sketch_entries`, fp32) stored in fp16 so that bounds with :data:`SKETCH_SLACK_FP16`
+    stay certified: ``z`` and ``r`` to nearest, ``eta`` rounded up, ``||c||`` and ``||r||`` rounded up after adding
+    ``sqrt(width) 2^-14``. Raises if a value overflows fp16 (then store the index in fp32); the check reads the
+    device once per call (an index of fp16 entries indexed inside decode steps synchronises there)."""
+    out = entries.half()
+    out[..., rank] = _round_up_fp16(entries[..., rank])  # eta
+    norms = [(rank + 1 + branch_dim, rank)]  # ||c||: its column and the width whose rounding it covers
+    if branch_dim:
+        norms.append((rank + 2 + branch_dim, branch_dim))  # ||r||
+    for col, width in norms:
+        out[..., col] = _round_up_fp16(entries[..., col] + width ** 0.5 * 2.0 ** -14)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("sketch entries overflow fp16 (|value| > 65504): use entry_dtype='float32'")
+    return out
+
+
+INT8_NORM_MARGIN = 1e-3  # relative margin on the stored error and norm columns of int8 key entries
+
+
+def int8_key_entries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 keys for a certified bound: ``(codes [B, G, m, D] int8, side [B, G, m, 3] fp16)``.
+
+    ``side = [s, err, norm]``: the row's scale ``s`` (fp16, rounded up from ``max|k| / 127``, at least 2^-14), so
+    ``k_hat = s * codes`` is exact in fp32 (``s`` at most fp16's largest value); ``err >= ||k - k_hat||`` and ``norm >= max(||k||, ||k_hat||)``, both
+    computed in fp32, widened by :data:`INT8_NORM_MARGIN` and rounded up to fp16. Then for any query
+    ``<q, k> <= s <q, codes> + ||q|| err`` (Cauchy-Schwarz on ``k - k_hat``); :func:`int8_key_bounds` adds the fp32
+    slack ``eps ||q|| norm``. ``D + 6`` bytes per row.
+    """
+    k = keys.float()
+    scale = _round_up_fp16((k.abs().amax(-1) / 127).clamp(min=2.0 ** -14, max=65504.0))  # finite: codes stay finite
+    codes = (k / scale.float()[..., None]).round().clamp(-127, 127)
+    k_hat = codes * scale.float()[..., None]
+    grow = 1 + INT8_NORM_MARGIN
+    err = _round_up_fp16((k - k_hat).norm(dim=-1) * grow + 2.0 ** -24)
+    norm = _round_up_fp16(torch.maximum(k.norm(dim=-1), k_hat.norm(dim=-1)) * grow)
+    # no host check (rows are indexed inside decode steps): a norm past fp16's range rounds up to +inf, which
+    # leaves that row's bound +inf -- still an upper bound
+    return codes.to(torch.int8), torch.stack([scale, err, norm], dim=-1)
+
+
+def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
+                    length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bound, estimate)`` ``[B, G, hq, m]`` fp32 for grouped queries ``query [B, G, hq, D]`` (fp32) over int8 key
+    entries (:func:`int8_key_entries`): ``estimate = scale s <q, codes>`` (the score of ``k_hat``) and
+    ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``. The codes are upcast in blocks of
+    rows (never an fp32 copy of the index). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
+    B, G, hq, D = query.shape
+    m = codes.shape[2]
+    q = query.float()
+    dot = q.new_empty(B, G, hq, m)
+    for start, stop in _row_blocks(m, B * G * D):
+        dot[..., start:stop] = torch.matmul(q, codes[:, :, start:stop].float().transpose(-1, -2))
+    side = side.float()
+    estimate = dot.mul_(side[..., 0][:, :, None, :]).mul_(scaling)
+    qn = q.norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
+    bound = estimate + scaling * qn * (side[..., 1] + SKETCH_SLACK * side[..., 2])[:, :, None, :]
+    if length is not None:
+        beyond = _beyond(length, m)[:, :, None]
+        bound.masked_fill_(beyond, float("-inf"))
+        estimate = estimate.masked_fill(beyond, float("-inf"))
+    return bound, estimate
 
 
 def sketch_bounds(
