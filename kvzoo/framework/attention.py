@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvzoo.framework.layer_state import LayerState
 from kvzoo.framework.retrieval import Fetched
-from kvzoo.framework.runtime import LayerState, Runtime
+from kvzoo.framework.runtime import Runtime
 from kvzoo.framework.step import decode_step
 from kvzoo.kernels.attention import attention_reference, attention_sdpa, sink_window_mask
 

@@ -28,11 +28,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvzoo.framework.adapters import adapter_for
 from kvzoo.framework.attention import ACTIVE_LAYER, attach
+from kvzoo.framework.layer_state import LayerState
 from kvzoo.framework.names import policy_retriever, resolve_policy
 from kvzoo.framework.policy import Policy
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
-from kvzoo.framework.runtime import LayerState, Runtime, RuntimeConfig
+from kvzoo.framework.runtime import Runtime, RuntimeConfig
 from kvzoo.framework.store import CacheStats, LayerStats
 
 

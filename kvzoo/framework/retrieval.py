@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvzoo.framework.layer_state import LayerState
 from kvzoo.framework.names import build_retriever, retriever_names
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
 from kvzoo.kernels.index_scan import exact_scores
 
-if TYPE_CHECKING:  # type names only: the runtime imports this module
-    from kvzoo.framework.runtime import LayerState
+if TYPE_CHECKING:  # a type name only
     from kvzoo.framework.store import LayerStore
 
 ROW_NAMES = ("keys", "values", "slots", "valid")

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from kvzoo.framework.layer_state import LayerState
 from kvzoo.framework.retrieval import Fetched
-from kvzoo.framework.runtime import LayerState, Runtime
+from kvzoo.framework.runtime import Runtime
 from kvzoo.framework.store import LayerStore
 from kvzoo.kernels.decode_attention import Rows, attend
 
