@@ -330,3 +330,29 @@ def test_render_json_turns_benchmark_json_into_the_same_table(tmp_path: Path):
     from_json = render_json.rows_from_benchmark_json(json.loads(json.dumps(data)))
     assert report.leaderboard_table(from_json) == report.leaderboard_table(rows)
     assert all(r["prefill_s"] == 0.5 and r["decode_ms_per_step"] == pytest.approx(10.0) for r in from_json)
+
+
+def test_a_row_that_ran_another_configuration_is_run_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    """Resuming takes an ok row as finished only while the name still builds the configuration it recorded: a row
+    whose ``policy_config`` or ``retriever_config`` differs (a default changed since) runs again, and says so."""
+    results = tmp_path / "stale.jsonl"
+    grid = tiny_grid(ratios=(2,))  # full and streaming_llm 2x
+    runner.run_grid(grid, results, progress=False)
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    stale = next(r for r in rows if r["policy"] == "streaming_llm")
+    stale["policy_config"] = {**stale["policy_config"], "sinks": stale["policy_config"]["sinks"] + 1}
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls: list[str] = []
+    real_run_trial = runner.run_trial
+
+    def counting(model, tokenizer, task, policy, **kw):
+        calls.append(policy.name)
+        return real_run_trial(model, tokenizer, task, policy, **kw)
+
+    monkeypatch.setattr(runner, "run_trial", counting)
+    capsys.readouterr()
+    runner.run_grid(grid, results, progress=False)
+    assert calls == ["streaming_llm"]  # full's row matches what "full" builds: not run again
+    assert "its row ran with policy_config sinks=" in capsys.readouterr().err
+    runner.run_grid(grid, results, progress=False)  # the new row records what ran: finished now
+    assert calls == ["streaming_llm"]

@@ -2,8 +2,9 @@
 
 :func:`run_grid` runs a :class:`Grid` and appends each finished trial to a results file as one JSON
 line (the policy's full config, the package versions, every metric). Rerun with the same file and
-it resumes: trials whose row says ``"status": "ok"`` are not run again; skipped or failed ones are
-retried. A progress bar (tqdm, on stderr) shows trials done and the ETA.
+it resumes: trials whose row says ``"status": "ok"`` are not run again (unless the row records another policy
+or retriever configuration than the name builds now: a changed default runs the trial again, said on stderr);
+skipped or failed ones are retried. A progress bar (tqdm, on stderr) shows trials done and the ETA.
 
 Where the trials run is the executor's business (:mod:`kvzoo.bench.executors`): in this process
 (the default) or on a Ray cluster (``executor=make_executor("ray", workers=4)``,
@@ -53,6 +54,7 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+import json
 import os
 import sys
 import time
@@ -208,6 +210,31 @@ def reference_of(latest: dict[str, dict[str, Any]], trial: Trial) -> Reference |
     return Reference.of(row)
 
 
+def _as_json(value: Any) -> Any:
+    """``value`` as a results row stores it (tuples become lists, other objects their ``str``)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def stale_configuration(trial: Trial, row: dict[str, Any]) -> str | None:
+    """What differs between the configuration ``row`` records (``policy_config``, ``retriever_config``) and the one
+    ``trial``'s policy name builds now -- a changed default, e.g. a retriever's rule -- or None when they agree (or
+    the row records none, or the name no longer builds: that trial is run and recorded as skipped anyway)."""
+    try:
+        policy = build_policy(trial.policy, trial.ratio)
+    except (KeyError, TypeError, ValueError):
+        return None
+    retriever = policy_retriever(policy)
+    now = {"policy_config": policy.config(), "retriever_config": None if retriever is None else retriever.config()}
+    changed = []
+    for field, config in now.items():
+        if field in row and _as_json(config) != row[field]:
+            old, new = row[field] or {}, _as_json(config) or {}
+            keys = sorted(set(old) | set(new), key=str) if isinstance(old, dict) and isinstance(new, dict) else []
+            diffs = [f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in keys if old.get(k) != new.get(k)]
+            changed.append(f"{field} {', '.join(diffs) if diffs else repr(row[field])}")
+    return "; ".join(changed) or None
+
+
 def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dict[str, Any]:
     row = trial_row(trial)
     try:
@@ -304,6 +331,11 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
     """:func:`run_grid`'s loop: the trials of ``trials`` not finished in ``latest`` (the file's rows), each new row
     appended to ``path``."""
     done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
+    for trial in [t for t in trials if t.key in done]:
+        changed = stale_configuration(trial, latest[trial.key])
+        if changed:  # the row ran another configuration than the name builds now (a default changed): run again
+            print(f"kvzoo: {trial.label}: its row ran with {changed}; running it again", file=sys.stderr)
+            done.discard(trial.key)
     run_info = {"settings": grid.settings(), "versions": versions()}
 
     from tqdm.auto import tqdm
