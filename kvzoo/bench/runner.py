@@ -90,6 +90,7 @@ from kvzoo.bench.results import (  # noqa: F401 - re-exported
     ResultsFile,
     ResultsFileError,
     ResultsFileLocked,
+    _json_default,
     append_row,
     check_output_dir,
     check_results_path,
@@ -211,8 +212,9 @@ def reference_of(latest: dict[str, dict[str, Any]], trial: Trial) -> Reference |
 
 
 def _as_json(value: Any) -> Any:
-    """``value`` as a results row stores it (tuples become lists, other objects their ``str``)."""
-    return json.loads(json.dumps(value, default=str))
+    """``value`` as a results row stores it (:func:`~kvzoo.bench.results.append_row`'s encoding: tuples become
+    lists, dtypes their name, other objects their ``repr``)."""
+    return json.loads(json.dumps(value, default=_json_default))
 
 
 def stale_configuration(trial: Trial, row: dict[str, Any]) -> str | None:
