@@ -197,6 +197,16 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+
+def _hook_result(impl: Any, where: str, hook: str) -> Any:
+    """What one plugin's ``hook`` implementation returns; its exception as a RegistryError naming the plugin."""
+    try:
+        return impl.function()
+    except RegistryError:
+        raise
+    except Exception as exc:
+        raise RegistryError(f"{where}: {hook}() raised {type(exc).__name__}: {exc}") from exc
+
 def _describe_plugin(plugin_name: str, dist: Any) -> str:
     if plugin_name == BUILTIN_PLUGIN_NAME:
         return f"built-in plugin {plugin_name!r} ({REGISTRY_TOML.name})"
@@ -286,12 +296,7 @@ def _discover() -> dict[str, _Entry]:
     claimed: dict[str, _Entry] = {}
     for impl in impls:
         where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
-        try:
-            result = impl.function()
-        except RegistryError:
-            raise
-        except Exception as exc:
-            raise RegistryError(f"{where}: kvzoo_policies() raised {type(exc).__name__}: {exc}") from exc
+        result = _hook_result(impl, where, "kvzoo_policies")
         for cls in _policy_classes(result, where):
             entry = _Entry(cls, impl.plugin_name, f"{where}, class {_class_path(cls)}")
             if cls.name in claimed:
@@ -363,12 +368,7 @@ def _discover_classes(pm: pluggy.PluginManager, hook: str, keys: Any) -> dict[st
     table: dict[str, _Entry] = {}
     for impl in impls:
         where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
-        try:
-            result = impl.function()
-        except RegistryError:
-            raise
-        except Exception as exc:
-            raise RegistryError(f"{where}: {hook}() raised {type(exc).__name__}: {exc}") from exc
+        result = _hook_result(impl, where, hook)
         if result is None:
             continue
         if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
