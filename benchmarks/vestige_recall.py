@@ -24,14 +24,15 @@ import torch
 from kvzoo import registry
 from kvzoo.bench.runner import encode_prompt
 from kvzoo.bench.tasks import TaskSpec, make_task
-from kvzoo.framework import pipeline
+from kvzoo import pipeline
 from kvzoo.framework.cache import TieredCache
 from kvzoo.framework.retrieval import build_retriever
-from kvzoo.kernels.index_scan import exact_scores
+from kvzoo.kernels.index_scan import exact_scores, int8_page_bounds, int8_page_entries
 from kvzoo.models import load_smollm2
 from kvzoo.policies import vestige as vestige_module
 
 J = 16
+PAGED = ((16, 2), (16, 4), (16, 8), (32, 2), (32, 4))  # (page_rows, fine_pages) of the paged variants
 
 
 class Probe:
@@ -68,6 +69,17 @@ class Probe:
             scale = k32.abs().amax(-1, keepdim=True) / levels
             kq = (k32 / scale).round() * scale
             variants[f"int{bits}"] = (scaling * q32 @ kq.transpose(-1, -2)).reshape(exact.shape)
+        for size, pages in PAGED:  # index="paged": the top pages by their int8 summary's bound, then int8 rows
+            p = -(-n // size)
+            pad = p * size - n
+            lo = torch.cat([k32, k32.new_full((G, pad, k32.shape[-1]), float("inf"))], 1).view(G, p, size, -1).amin(2)
+            hi = torch.cat([k32, k32.new_full((G, pad, k32.shape[-1]), float("-inf"))], 1).view(G, p, size, -1).amax(2)
+            codes, scale = int8_page_entries(lo[None], hi[None])
+            page_bound = int8_page_bounds(q32[None], codes, scale, scaling)[0].reshape(exact.shape[0], p)
+            top_pages = page_bound.topk(min(pages, p), -1).indices  # [H, pages]
+            rows = (top_pages[..., None] * size + torch.arange(size)).flatten(-2).clamp(max=n - 1)
+            candidate = torch.zeros_like(exact, dtype=torch.bool).scatter_(-1, rows, True)
+            variants[f"paged{size}x{pages}"] = variants["int8"].masked_fill(~candidate, float("-inf"))
         true_top = exact.topk(j, -1).indices
         a = self.acc[(self.step_kind, layer)]
         w = torch.softmax(exact, -1)  # the archive's own softmax
@@ -112,6 +124,15 @@ def main() -> None:
         return original(self, query, best, scaling, archive)
 
     vestige_module.SketchIndex.choose = choose
+    paged_original = vestige_module.PagedKeyIndex.choose
+
+    def paged_choose(self, query, best, scaling, archive):
+        if probe.on and query.shape[2] == 1:
+            self._probe_keys = archive.keys
+            probe.observe(self, query, best, scaling)
+        return paged_original(self, query, best, scaling, archive)
+
+    vestige_module.PagedKeyIndex.choose = paged_choose
     args.retriever_config = build_retriever("vestige", **json.loads(args.retriever)).config()
     print("retriever:", args.retriever_config, flush=True)
     trials = []
@@ -191,7 +212,8 @@ def report(probe: Probe, trials: list, args) -> None:
               f"{s['exact_gt_sstar_m4']:.1f}; violations {int(s['violations'])}")
         print("  recall@16 / exact-best in top-16 / mass in top-16 by estimator: " + ", ".join(
             f"{name} {s['recall_' + name]:.3f}/{s['rank1_' + name + '_le16']:.3f}/{s['mass_' + name]:.3f}"
-            for name in ("bound", "est", "pca16", "pca32", "pca48", "int4", "int8")))
+            for name in ("bound", "est", "pca16", "pca32", "pca48", "int4", "int8",
+                         *(f"paged{size}x{pages}" for size, pages in PAGED))))
         print("layer: recall bound/est  best-in-top16 bound/est  mass bound/est")
         for layer, v in per_layer.items():
             print(f"  {layer:2d}: {v['recall_bound']:.2f}/{v['recall_est']:.2f}  {v['rank1_bound_le16']:.2f}/"

@@ -34,12 +34,24 @@ POLICIES = {
     "vestige": {"budget": 16, "block_size": 64},
     "vestige-evict": {"budget": 16, "block_size": 64, "retriever": None},
     "streaming_llm-sketch": {"budget": 32, "retriever": "vestige"},  # one in, one out, and indexed every step
+    # the paged index (issue 25): pages scanned first; one row a step joins the open page on the device
+    "vestige-paged": {"budget": 16, "block_size": 64, "retriever": registry.build_retriever("vestige", index="paged",
+                                                                                              page_rows=8)},
+    "streaming_llm-paged": {"budget": 32, "retriever": registry.build_retriever("vestige", index="paged",
+                                                                                page_rows=8)},
 }
 
 
 def _policy(name: str):
     base = name.split("-")[0]
     return registry.get(base, **POLICIES[name])
+
+
+def _runs_on(name: str, policy, family: str) -> bool:
+    """The policy's layouts cover the family's rows (a paged index is for GQA rows only)."""
+    if family != "llama":
+        return "mla" in policy.layouts and not name.endswith("-paged")
+    return "gqa" in policy.layouts
 
 
 @functools.cache
@@ -70,7 +82,11 @@ def _owned(cache: TieredCache) -> dict[str, int]:
             index_rows = getattr(state.index, attr, None)
             if index_rows is not None and hasattr(index_rows, "buffers"):
                 for name, buf in index_rows.buffers.items():
-                    out[f"{layer.layer_idx}.index.{name}"] = buf.data_ptr()
+                    out[f"{layer.layer_idx}.index.{attr}.{name}"] = buf.data_ptr()
+        for attr in ("count", "open_min", "open_max"):
+            value = getattr(state.index, attr, None)
+            if isinstance(value, torch.Tensor):
+                out[f"{layer.layer_idx}.index.{attr}"] = value.data_ptr()
     return out
 
 
@@ -104,7 +120,7 @@ def _decode_traces(model, policy, *, steps: int = STEPS):
 def test_steady_decode_steps_repeat_op_for_op(name, family):
     model = _model(family)
     policy = _policy(name)
-    if "mla" not in policy.layouts and family != "llama" or "gqa" not in policy.layouts and family == "llama":
+    if not _runs_on(name, policy, family):
         pytest.skip(f"{name} does not run on {family}")
     runs: list[list] = [[]]  # steady steps, in runs between events (after an event a graph is captured again)
     for trace, before, after, owned in _decode_traces(model, policy):
@@ -140,7 +156,7 @@ def test_capacity_changes_no_token_and_no_kept_row(name, family):
     """A left-padded batch of two: the same greedy tokens (up to a near tie) and the same rows kept per layer."""
     model = _model(family)
     policy = _policy(name)
-    if "mla" not in policy.layouts and family != "llama" or "gqa" not in policy.layouts and family == "llama":
+    if not _runs_on(name, policy, family):
         pytest.skip(f"{name} does not run on {family}")
     ids = _ids(model, PROMPT, seed=1, batch=2)
     mask = torch.ones_like(ids)

@@ -209,7 +209,7 @@ class Retrieval:
         fetched = picked.sum()  # a device tensor: read only by stats()
         per_row = store.row_bytes()
         attended = B * G * store.n * per_row
-        index_bytes = B * G * entries * index.entry_bytes
+        index_bytes = B * G * index.scan_bytes(query.shape[1] // G * query.shape[2]) if scanned else 0
         step: dict[str, Any] = {
             "queries": query.shape[2],
             "rows_scanned": B * G * entries,

@@ -123,6 +123,11 @@ class RetrievalState(ABC):
     def entries(self) -> int:
         """Index entries per (batch, group): what one scan reads."""
 
+    def scan_bytes(self, query_rows: int) -> int:
+        """Index bytes one scan reads per (batch, group) for ``query_rows`` query rows (a group's heads x queries):
+        every entry once (:meth:`entries` x :attr:`entry_bytes`) unless the index reads more per query."""
+        return self.entries() * self.entry_bytes
+
     @abstractmethod
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Upper bounds ``[B, H, q, entries]`` on the scores of ``query [B, H, q, D]`` (fp32)."""

@@ -313,6 +313,83 @@ def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor
     return bound, estimate
 
 
+def int8_row_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor,
+                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`int8_key_bounds` for rows gathered per query row: ``query [B, G, hq, D]`` against its own rows
+    ``codes [B, G, hq, K, D]`` int8 and ``side [B, G, hq, K, 3]`` -> ``(bound, estimate) [B, G, hq, K]`` fp32, the
+    same bound (``estimate + scale (||q|| err + eps ||q|| norm)``). The second stage of a paged scan
+    (:func:`int8_page_bounds` picks the pages, this scores their rows)."""
+    q = query.float()
+    side = side.float()
+    dot = torch.matmul(codes.float(), q[..., None])[..., 0]  # [B, G, hq, K]
+    estimate = dot.mul_(side[..., 0]).mul_(scaling)
+    qn = q.norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
+    bound = estimate + scaling * qn * (side[..., 1] + SKETCH_SLACK * side[..., 2])
+    return bound, estimate
+
+
+# Relative slack of a page bound (its codes' products summed in fp32, and the exact fp32 score it is audited
+# against, each err at most ~128 * 2^-24 of sum |q_i| 128 s): twice the sketch's.
+PAGE_SLACK = 2 * SKETCH_SLACK
+
+
+def _round_up_16_bits(x: torch.Tensor) -> torch.Tensor:
+    """Positive fp32 ``x`` rounded up to 16 significant bits (the low 8 mantissa bits cleared, carrying up);
+    ``+inf`` stays ``+inf``."""
+    bits = x.contiguous().view(torch.int32)
+    rounded = ((bits + 0xFF) & ~0xFF).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
+def int8_page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A coarse page summary in int8: ``(codes [B, G, p, 2 D] int8, scale [B, G, p] fp32)`` from each page's
+    element-wise key minimum and maximum ``[B, G, p, D]`` (fp32; an empty page's are ``+inf`` / ``-inf``).
+
+    ``scale`` is ``max_i max(|min_i|, |max_i|) / 127`` widened by ``2^-20`` (so ``127 scale`` covers the page, at
+    least 2^-14) and rounded up to 16 significant bits, so that a code times the scale is exact in fp32;
+    ``codes = [ceil(max / scale), floor(min / scale)]``, each corrected by one step where fp32's division rounded it
+    inward, so ``scale * codes[:D] >= max`` and ``scale * codes[D:] <= min`` exactly, every code in ``[-128, 127]``. An empty page gets codes 0 (its bound is set to ``-inf`` by the caller's flag); a page with
+    an infinite key gets an infinite scale (:func:`int8_page_bounds` gives it ``+inf``). ``2 D + 4`` bytes a page.
+    """
+    empty = torch.isinf(page_min).all(-1, keepdim=True) & torch.isinf(page_max).all(-1, keepdim=True)
+    lo = page_min.float().masked_fill(empty, 0.0)
+    hi = page_max.float().masked_fill(empty, 0.0)
+    amax = torch.maximum(lo.abs(), hi.abs()).amax(-1)
+    scale = _round_up_16_bits((amax / 127 * (1 + 2.0 ** -20)).clamp(min=2.0 ** -14))
+    finite = torch.isfinite(scale)
+    s = torch.where(finite, scale, 1.0)[..., None]  # an infinite page's codes are not used
+    up = torch.ceil(hi / s)
+    up = torch.where(up * s < hi, up + 1, up)
+    down = torch.floor(lo / s)
+    down = torch.where(down * s > lo, down - 1, down)
+    codes = torch.cat([up, down], dim=-1).nan_to_num_(0.0).clamp_(-128, 127).to(torch.int8)
+    return codes, scale
+
+
+def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, scaling: float, *,
+                     length: torch.Tensor | None = None) -> torch.Tensor:
+    """Quest's page bound on an int8 page summary (:func:`int8_page_entries`): ``[B, G, hq, p]`` fp32 for grouped
+    queries ``query [B, G, hq, D]``, ``scale (sum_i max(q_i, 0) hi_i + min(q_i, 0) lo_i + slack)`` with
+    ``hi = codes[:D]``, ``lo = codes[D:]`` -- ``>= <q, k>`` for every key of the page, since
+    ``scale lo_i <= k_i <= scale hi_i``. One product over the ``2 D`` codes; the slack
+    (:data:`PAGE_SLACK` ``* 128 ||q||_1``) covers fp32's rounding. ``length [B]``: pages ``>= length[b]`` give
+    ``-inf``; a page whose scale is infinite gives ``+inf``."""
+    B, G, hq, D = query.shape
+    p = codes.shape[2]
+    q = query.float()
+    rows = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # [B, G, hq, 2 D]
+    dot = q.new_empty(B, G, hq, p)
+    for start, stop in _row_blocks(p, B * G * 2 * D):
+        dot[..., start:stop] = torch.matmul(rows, codes[:, :, start:stop].float().transpose(-1, -2))
+    dot.add_(PAGE_SLACK * 128 * q.abs().sum(-1, keepdim=True))
+    finite = torch.isfinite(scale)
+    bound = dot.mul_(torch.where(finite, scale, 1.0)[:, :, None]).mul_(scaling)
+    bound.masked_fill_(~finite[:, :, None], float("inf"))
+    if length is not None:
+        bound.masked_fill_(_beyond(length, p)[:, :, None], float("-inf"))
+    return bound
+
+
 def sketch_bounds(
     q_content: torch.Tensor,
     q_branch: torch.Tensor | None,

@@ -30,6 +30,9 @@ from kvzoo.kernels.index_scan import (
     index_scan_reduce,
     int8_key_bounds,
     int8_key_entries,
+    int8_page_bounds,
+    int8_page_entries,
+    int8_row_bounds,
     round_entries_fp16,
     sketch_entries,
     sketch_query,
@@ -37,7 +40,7 @@ from kvzoo.kernels.index_scan import (
 
 BRANCHES = ("auto", "rope", "content", "row", "key")
 RANK_BY = ("estimate", "bound")
-INDEX_KINDS = ("auto", "sketch", "int8")
+INDEX_KINDS = ("auto", "sketch", "int8", "paged")
 ENTRY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -203,6 +206,8 @@ class VestigeRetriever(Retriever):
     entry_dtype: str = "float32"  # sketch entries: "float16" halves their bytes (the slack widened: still certified)
     index: str = "auto"  # "sketch" (the low-rank sketch), "int8" (per-row int8 keys, GQA only); auto: int8 on GQA
     j_margin: float = 8.0  # top-j mode keeps a candidate whose bound > s* - j_margin (0: beats s*, the earlier rule)
+    page_rows: int = 16  # index="paged": archived rows one page summary covers
+    fine_pages: int = 4  # index="paged": pages per query head whose rows' int8 entries a step scans
 
     name: ClassVar[str] = "vestige"
 
@@ -223,10 +228,14 @@ class VestigeRetriever(Retriever):
             raise ValueError(f"index must be one of {INDEX_KINDS} (what an index entry holds), got {self.index!r}")
         if self.entry_dtype not in ENTRY_DTYPES:
             raise ValueError(f"entry_dtype must be one of {tuple(ENTRY_DTYPES)}, got {self.entry_dtype!r}")
+        require_int(self.page_rows, "page_rows", 1, "archived rows per page summary (index='paged')")
+        require_int(self.fine_pages, "fine_pages", 1, "pages per query head scanned row by row (index='paged')")
         if not isinstance(self.certified, bool) or not isinstance(self.refit, bool):
             raise ValueError(f"certified and refit must be True or False, got {self.certified!r}, {self.refit!r}")
 
     def new_state(self, geometry: RowGeometry) -> SketchIndex:
+        if self.index == "paged" and geometry.layout == "gqa":
+            return PagedKeyIndex(self, geometry)
         return SketchIndex(self, geometry)
 
 
@@ -243,9 +252,11 @@ class SketchIndex(RetrievalState):
         kind = config.index
         if kind == "auto":
             kind = "sketch" if geometry.layout == "mla" else "int8"
-        if kind == "int8" and geometry.layout == "mla":
-            raise ValueError("vestige retriever: index='int8' is for GQA rows (an MLA latent row is 576 values: "
+        if kind in ("int8", "paged") and geometry.layout == "mla":
+            raise ValueError(f"vestige retriever: index={kind!r} is for GQA rows (an MLA latent row is 576 values: "
                              "use the sketch)")
+        if kind == "paged":
+            kind = "int8"  # the per-row level of a paged index (PagedKeyIndex adds the pages)
         self.kind = kind
 
     @property
@@ -399,3 +410,162 @@ class SketchIndex(RetrievalState):
         self.rows.repeat_batch(repeats)
         if self.basis is not None:
             self.basis = self.basis.repeat_interleave(repeats, dim=0)
+
+
+class PagedKeyIndex(SketchIndex):
+    """``index="paged"`` on GQA rows: the int8 key entries of :class:`SketchIndex` under a coarse page summary
+    scanned first.
+
+    Per ``page_rows`` archived rows (in archive order) one summary: the element-wise min and max of their keys as
+    int8 codes with one scale (``2 D + 4`` bytes, :func:`~kvzoo.kernels.index_scan.int8_page_entries`) and an
+    empty flag. A decode step scans every summary (Quest's bound, certified:
+    :func:`~kvzoo.kernels.index_scan.int8_page_bounds`), takes each query head's top ``fine_pages`` pages, and
+    scores only their rows' int8 entries; of those, each head keeps its top ``j`` by estimate whose bounds -- the
+    row's and its page's -- are both above ``s* - j_margin``. A step reads ``pages x (2 D + 5)`` plus
+    ``heads x fine_pages x page_rows x (D + 6)`` bytes of index instead of ``rows x (D + 6)``. ``certified=True``
+    scans every row's entry (as ``index="int8"``: the page level would only add bytes to the mask rule).
+    """
+
+    def __init__(self, config: VestigeRetriever, geometry: RowGeometry) -> None:
+        super().__init__(config, geometry)
+        self.page_size = config.page_rows  # the audit checks each page's bound against its rows' best score
+        self.pages = RowStore()  # "codes" [B, G, p, 2 D] int8, "scale" [B, G, p] fp32, "empty" [B, G, p] bool
+        self.paged = 0  # rows summarised (host)
+        self.count: torch.Tensor | None = None  # the same on the device, int64 [1] (a fixed index's steps)
+        self.open_min: torch.Tensor | None = None  # [B, G, D] fp32: the last page's element-wise key min
+        self.open_max: torch.Tensor | None = None  # ... and max (+inf / -inf while empty)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(b.shape[-1] * b.element_size() if b.dim() > 3 else b.element_size()
+                   for b in self.pages.buffers.values())
+
+    def index(self, rows, block_keys, block_valid, archive) -> None:
+        super().index(rows, block_keys, block_valid, archive)  # the rows' own int8 entries
+        keys, valid = rows["keys"].float(), rows["valid"]
+        lo = keys.masked_fill(~valid[..., None], float("inf"))  # padding rows never widen a page
+        hi = keys.masked_fill(~valid[..., None], float("-inf"))
+        B, G, k, D = keys.shape
+        size = self.page_size
+        if not self.pages.buffers:
+            capacity = self.geometry.capacity
+            self.pages.define(B, G, {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32),
+                                     "empty": ((), torch.bool)}, keys.device,
+                              capacity=-(-capacity // size) if capacity else 0, fixed=capacity is not None,
+                              empty={"empty": True})
+            self.count = torch.zeros(1, dtype=torch.long, device=keys.device)
+            self.open_min = keys.new_full((B, G, D), float("inf"))
+            self.open_max = keys.new_full((B, G, D), float("-inf"))
+        if k == 1 and self.pages.fixed and self.paged < self.pages.capacity * size:
+            self._index_one(lo[:, :, 0], hi[:, :, 0])
+            return
+        live = -(-self.paged // size)
+        if self.pages.n != live:  # after single rows (_index_one leaves the host's page count)
+            self.pages.n = live
+            self.pages.length.fill_(live)
+        filled = self.paged % size  # rows already in the open page
+        pages = -(-(filled + k) // size)
+        pad = pages * size - filled - k
+        lo = torch.cat([lo.new_full((B, G, filled, D), float("inf")), lo, lo.new_full((B, G, pad, D), float("inf"))], 2)
+        hi = torch.cat([hi.new_full((B, G, filled, D), float("-inf")), hi,
+                        hi.new_full((B, G, pad, D), float("-inf"))], 2)
+        lo = lo.view(B, G, pages, size, D).amin(3)
+        hi = hi.view(B, G, pages, size, D).amax(3)
+        if filled:  # the open page's earlier rows
+            lo[:, :, 0] = torch.minimum(lo[:, :, 0], self.open_min)
+            hi[:, :, 0] = torch.maximum(hi[:, :, 0], self.open_max)
+        codes, scale = int8_page_entries(lo, hi)
+        empty = torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)
+        if filled:  # rewrite the open page in place, append the rest
+            for name, value in (("codes", codes), ("scale", scale), ("empty", empty)):
+                self.pages.get(name)[:, :, -1] = value[:, :, 0]
+            codes, scale, empty = codes[:, :, 1:], scale[:, :, 1:], empty[:, :, 1:]
+        if codes.shape[2]:
+            self.pages.append({"codes": codes, "scale": scale, "empty": empty})
+        self.open_min.copy_(lo[:, :, -1])
+        self.open_max.copy_(hi[:, :, -1])
+        self.paged += k
+        self.count.fill_(self.paged)
+
+    def _index_one(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """One row (``[B, G, D]``) joins a fixed index with the same ops whether it opens a page or joins the open
+        one (its page found from the device count); the host's page count is left as it is (a replayed CUDA graph
+        carries only host numbers that move linearly) and brought up to date by the next multi-row index."""
+        size = self.page_size
+        page = torch.div(self.count, size, rounding_mode="floor")  # [1], on the device
+        opens = (self.count % size == 0).view(1, 1, 1)
+        self.open_min.copy_(torch.where(opens, lo, torch.minimum(self.open_min, lo)))
+        self.open_max.copy_(torch.where(opens, hi, torch.maximum(self.open_max, hi)))
+        codes, scale = int8_page_entries(self.open_min[:, :, None], self.open_max[:, :, None])
+        empty = (torch.isinf(self.open_min).all(-1) & torch.isinf(self.open_max).all(-1))[:, :, None]
+        for name, value in (("codes", codes), ("scale", scale), ("empty", empty)):
+            self.pages.buffers[name].index_copy_(2, page, value)
+        self.count.add_(1)
+        self.paged += 1
+        self.pages.length.copy_(torch.div(self.count + (size - 1), size, rounding_mode="floor"))
+
+    def entries(self) -> int:
+        """Page summaries one scan reads (a fixed index: every page slot, the unused ones empty)."""
+        return self.pages.capacity if self.pages.fixed else self.pages.n
+
+    def scan_bytes(self, query_rows: int) -> int:
+        """Index bytes one scan reads per (batch, group) for ``query_rows`` query rows: every page summary, then
+        ``fine_pages x page_rows`` rows' int8 entries per query row (the certified mode: every row's entry)."""
+        if self.config.certified:
+            return self.rows.n * self.entry_bytes
+        fine = query_rows * min(self.config.fine_pages, self.entries()) * self.page_size * self.entry_bytes
+        return self.entries() * self.page_bytes + fine
+
+    def _page_bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Page bounds ``[B, G, hq, p]`` for the grouped queries (``-inf`` for empty and unused pages)."""
+        B, H, q_len, D = query.shape
+        G = self.groups
+        q = query.float().reshape(B, G, (H // G) * q_len, D)
+        length = self.pages.length.expand(B) if self.pages.fixed else None
+        bounds = int8_page_bounds(q, self.pages.reading("codes"), self.pages.reading("scale"), scaling, length=length)
+        return bounds.masked_fill_(self.pages.reading("empty")[:, :, None], float("-inf"))
+
+    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The page bounds ``[B, H, q, p]`` (what :meth:`choose` scans first; each covers its page's rows)."""
+        B, H, q_len, _ = query.shape
+        return self._page_bounds(query, scaling).view(B, H, q_len, -1)
+
+    def choose(self, query, best, scaling, archive) -> Choice:
+        if self.config.certified:
+            return super().choose(query, best, scaling, archive)
+        B, H, q_len, D = query.shape
+        G = self.groups
+        hq = (H // G) * q_len
+        size = self.page_size
+        page_bounds = self._page_bounds(query, scaling)  # [B, G, hq, p]
+        top_bounds, pages = page_bounds.topk(min(self.config.fine_pages, page_bounds.shape[-1]), dim=-1)
+        rows = (pages[..., None] * size + torch.arange(size, device=query.device)).flatten(-2)  # [B, G, hq, K]
+        K = rows.shape[-1]
+        live = self.rows.length if self.rows.fixed else self.rows.n  # rows indexed
+        capacity = self.rows.capacity
+        staged = rows.clamp(max=capacity - 1)
+        entries = self.rows.gather(staged.view(B, G, hq * K), ("codes", "side"))
+        bound, estimate = int8_row_bounds(query.float().reshape(B, G, hq, D), entries["codes"].view(B, G, hq, K, D),
+                                          entries["side"].view(B, G, hq, K, -1), scaling)
+        page_of_row = top_bounds[..., None].expand(B, G, hq, top_bounds.shape[-1], size).flatten(-2)
+        usable = (rows < live) & (page_of_row > float("-inf"))
+        estimate = estimate.masked_fill(~usable, float("-inf"))
+        picked = estimate.topk(min(self.config.j, K), dim=-1).indices  # [B, G, hq, j]
+        s_star = (best - self.config.j_margin).reshape(B, G, hq, 1)
+        ok = (bound.gather(-1, picked) > s_star) & (page_of_row.gather(-1, picked) > s_star) \
+            & usable.gather(-1, picked)
+        return Choice(rows=staged.gather(-1, picked).view(B, G, -1), ok=ok.view(B, G, -1))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)
+        self.pages.select_batch(index)
+        if self.open_min is not None:
+            self.open_min = self.open_min.index_select(0, index)
+            self.open_max = self.open_max.index_select(0, index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        super().repeat_batch(repeats)
+        self.pages.repeat_batch(repeats)
+        if self.open_min is not None:
+            self.open_min = self.open_min.repeat_interleave(repeats, dim=0)
+            self.open_max = self.open_max.repeat_interleave(repeats, dim=0)
