@@ -4,8 +4,9 @@ and per generated token, and the share of the context fetched per KV head per la
     PYTHONPATH=. .venv/bin/python benchmarks/retrieval_table.py results.jsonl [more.jsonl ...] [--layers 30 --kv-heads 3]
 
 ``fetched / context`` = ``fetched_rows_per_step`` (summed over layers and KV heads) / (layers x KV heads) / the
-prompt's tokens (SmolLM2-135M: 30 layers, 3 KV heads). "index share" (vestige rows): the index bytes a decode step
-scans (archived rows x ``--entry-bytes``) over the step's KV bytes.
+prompt's tokens (SmolLM2-135M: 30 layers, 3 KV heads). "index share": the index bytes a decode step scans over the
+step's KV bytes -- the measured ``index_bytes_per_step`` where the row has it, else (vestige rows written before it)
+archived rows x ``--entry-bytes``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def main() -> None:
         fetched = m("fetched_rows_per_step")
         share = None if fetched is None else fetched / (args.layers * args.kv_heads) / m("prompt_tokens")
         ce = m("delta_ce")
-        index = None  # every decode step scans one entry per archived row (vestige's index)
-        if policy == "vestige" and m("archived_bytes"):
+        index = None
+        if m("index_bytes_per_step"):  # measured (rows since issue 25's paged index)
+            index = m("index_bytes_per_step") / m("kv_bytes_per_step")
+        elif policy == "vestige" and m("archived_bytes"):  # older rows: one entry per archived row (int8/sketch)
             index = m("archived_bytes") / args.row_bytes * args.entry_bytes / m("kv_bytes_per_step")
         print(f"| {n} | {policy} | {'-' if ratio is None else f'{ratio:g}x'} | {len(rows)} | {m('score'):.2f} | "
               f"{'-' if ce is None else f'{ce:+.3f}'} | {m('kv_bytes_per_step') / 2**20:.2f} MiB | "

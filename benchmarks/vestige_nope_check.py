@@ -20,8 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "refmodels"))
 
 from tables import RATIOS, TABLE_SEED, shipped_seeds  # noqa: E402
 
-from kvzoo import registry  # noqa: E402
-from kvzoo import pipeline  # noqa: E402
+from kvzoo import pipeline, registry  # noqa: E402
 from kvzoo.framework.retrieval import build_retriever  # noqa: E402
 from kvzoo.models import load_model  # noqa: E402
 from kvzoo.refmodel import data as D  # noqa: E402

@@ -21,10 +21,9 @@ from collections import defaultdict
 
 import torch
 
-from kvzoo import registry
+from kvzoo import pipeline, registry
 from kvzoo.bench.runner import encode_prompt
 from kvzoo.bench.tasks import TaskSpec, make_task
-from kvzoo import pipeline
 from kvzoo.framework.cache import TieredCache
 from kvzoo.framework.retrieval import build_retriever
 from kvzoo.kernels.index_scan import exact_scores, int8_page_bounds, int8_page_entries
@@ -80,6 +79,45 @@ class Probe:
             rows = (top_pages[..., None] * size + torch.arange(size)).flatten(-2).clamp(max=n - 1)
             candidate = torch.zeros_like(exact, dtype=torch.bool).scatter_(-1, rows, True)
             variants[f"paged{size}x{pages}"] = variants["int8"].masked_fill(~candidate, float("-inf"))
+        H = exact.shape[0]
+
+        def rerank(stage1: torch.Tensor, k: int) -> torch.Tensor:  # int8 estimate over stage 1's top k rows
+            top = stage1.topk(min(k, n), -1).indices
+            keep = torch.zeros_like(exact, dtype=torch.bool).scatter_(-1, top, True)
+            return variants["int8"].masked_fill(~keep, float("-inf"))
+
+        mu = k32.mean(1, keepdim=True)  # [G, 1, D]
+        centred = k32 - mu
+        sign_est = (q32 @ mu.transpose(-1, -2)) + (q32 @ torch.sign(centred).transpose(-1, -2)) \
+            * centred.abs().mean(-1)[:, None, :]
+        sign_est = (scaling * sign_est).reshape(H, n)
+        V8 = V[..., :8]
+        pca8 = (scaling * (q32 @ V8) @ (k32 @ V8).transpose(-1, -2)).reshape(H, n)
+        if ("km", layer) not in self.bases:  # k-means of the archived keys, n / 16 clusters (cosine, 8 rounds)
+            C = max(1, n // 16)
+            unit = torch.nn.functional.normalize(k32, dim=-1)
+            cent = unit[:, torch.randperm(n, generator=torch.Generator().manual_seed(0))[:C]]
+            for _ in range(8):
+                assign = (unit @ cent.transpose(-1, -2)).argmax(-1)  # [G, n]
+                cent = torch.zeros_like(cent).scatter_add_(1, assign[..., None].expand(-1, -1, unit.shape[-1]), unit)
+                cent = torch.nn.functional.normalize(cent, dim=-1)
+            mean = torch.zeros(G, C, k32.shape[-1]).scatter_add_(1, assign[..., None].expand(-1, -1, k32.shape[-1]),
+                                                                    k32)
+            size = torch.zeros(G, C).scatter_add_(1, assign, torch.ones(G, n)).clamp(min=1)
+            mean = mean / size[..., None]
+            radius = torch.zeros(G, C).scatter_reduce_(1, assign, (k32 - mean.gather(
+                1, assign[..., None].expand(-1, -1, k32.shape[-1]))).norm(dim=-1), "amax")
+            self.bases[("km", layer)] = (assign, mean, radius)
+        assign, mean, radius = self.bases[("km", layer)]
+        cl_est = scaling * (q32 @ mean.transpose(-1, -2))  # [G, hpg, C]
+        cl_bound = cl_est + scaling * q32.norm(dim=-1, keepdim=True) * radius[:, None]
+        for name, cl in (("kmE", cl_est), ("kmB", cl_bound)):
+            per_row = cl.gather(-1, assign[:, None].expand(-1, hpg, -1)).reshape(H, n)  # each row: its cluster's
+            for k in (64, 128):
+                variants[f"{name}{k}"] = rerank(per_row + 1e-6 * variants["int8"], k)  # whole clusters first
+        for k in (64, 128):
+            variants[f"s1_{k}"] = rerank(sign_est, k)
+            variants[f"p8_{k}"] = rerank(pca8, k)
         true_top = exact.topk(j, -1).indices
         a = self.acc[(self.step_kind, layer)]
         w = torch.softmax(exact, -1)  # the archive's own softmax
@@ -213,7 +251,8 @@ def report(probe: Probe, trials: list, args) -> None:
         print("  recall@16 / exact-best in top-16 / mass in top-16 by estimator: " + ", ".join(
             f"{name} {s['recall_' + name]:.3f}/{s['rank1_' + name + '_le16']:.3f}/{s['mass_' + name]:.3f}"
             for name in ("bound", "est", "pca16", "pca32", "pca48", "int4", "int8",
-                         *(f"paged{size}x{pages}" for size, pages in PAGED))))
+                         *(f"paged{size}x{pages}" for size, pages in PAGED),
+                         "s1_64", "s1_128", "p8_64", "p8_128", "kmE64", "kmE128", "kmB64", "kmB128")))
         print("layer: recall bound/est  best-in-top16 bound/est  mass bound/est")
         for layer, v in per_layer.items():
             print(f"  {layer:2d}: {v['recall_bound']:.2f}/{v['recall_est']:.2f}  {v['rank1_bound_le16']:.2f}/"

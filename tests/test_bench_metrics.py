@@ -147,6 +147,21 @@ def test_full_cache_bytes_per_step_counts_every_row(tiny):
     assert row["kv_bytes_per_step"] == expected
     assert row["resident_bytes"] == row["prompt_tokens"] * 768
     assert row["fetched_rows_per_step"] == 0.0 and row["bound_violations"] is None
+    assert row["index_bytes_per_step"] is None  # no retrieval tier, no index
+
+
+def test_index_bytes_per_step_is_what_the_scans_read(tiny):
+    """A retriever's rows carry the index bytes each decode step scanned: whole int8 entries (D + 6 = 22 bytes for
+    16-dim heads) per archived row; the paged index reads a fraction of that (pages, then a few pages' rows)."""
+    task = make_task("niah_single", BYTES, context_tokens=900, depth=0.5)
+    rows = {}
+    for index in ("int8", "paged"):
+        retriever = registry.build_retriever("vestige", index=index, page_rows=8, fine_pages=1)
+        rows[index] = run_trial(tiny, BYTES, task, registry.get("vestige", ratio=8, retriever=retriever),
+                                max_new_tokens=3, stop_when_answered=False)
+        assert 0 < rows[index]["index_bytes_per_step"] < rows[index]["kv_bytes_per_step"]
+    assert rows["int8"]["index_bytes_per_step"] % 22 == 0
+    assert rows["paged"]["index_bytes_per_step"] < rows["int8"]["index_bytes_per_step"] / 2
 
 
 def test_eviction_frees_the_rows_it_moves(tiny):

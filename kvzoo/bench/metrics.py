@@ -141,6 +141,14 @@ def kv_bytes_read_per_step(start: Mapping[str, float], end: Mapping[str, float],
     return (end.get(KV_BYTES_KEY, 0) - start.get(KV_BYTES_KEY, 0)) / steps
 
 
+def index_bytes_per_step(start: Mapping[str, float], end: Mapping[str, float], steps: int) -> float | None:
+    """Mean bytes of retrieval-index entries scanned per decode step (``index_bytes_scanned`` increase / steps):
+    the index's part of :func:`kv_bytes_read_per_step`. None with no steps or no retrieval tier."""
+    if steps <= 0 or "index_bytes_scanned" not in end:
+        return None
+    return (end["index_bytes_scanned"] - start.get("index_bytes_scanned", 0)) / steps
+
+
 def rows_fetched_per_step(start: Mapping[str, float], end: Mapping[str, float], steps: int) -> float | None:
     """Mean archived rows fetched back per decode step (``fetched_rows`` increase / steps); None with no steps."""
     if steps <= 0:

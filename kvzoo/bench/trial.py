@@ -164,6 +164,7 @@ class TrialMeasurements:
             "peak_resident_rows": int(final["peak_resident_rows"]),
             "decode_steps": steps,
             "kv_bytes_per_step": metrics.kv_bytes_read_per_step(start, final, steps),
+            "index_bytes_per_step": metrics.index_bytes_per_step(start, final, steps),
             # every forward after compression reads the KV path: the question's, the decode steps', and the
             # teacher-forced answer's (on its fork)
             "question_kv_bytes": int(start["kv_bytes_read"] - compressed["kv_bytes_read"]),
