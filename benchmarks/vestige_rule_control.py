@@ -55,7 +55,8 @@ def main() -> None:
                   f"the context), index share {0 if index is None else index / row['kv_bytes_per_step']:.0%}",
                   flush=True)
             if args.out:
-                row["policy"] = f"vestige[{args.retriever}]"  # the table's cell: the rule, not the default's
+                # the table's cell (run_trial's row has no grid keys): the rule, not the default's
+                row.update(policy=f"vestige[{args.retriever}]", ratio=ratio, context_tokens=args.context_tokens)
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
 

@@ -141,3 +141,17 @@ def test_beam_reordering_follows_the_pages():
     assert torch.equal(state.pages.get("codes"), alone.pages.get("codes"))
     state.repeat_batch(2)
     assert state.pages.get("codes").shape[0] == 4 and state.open_min.shape[0] == 4
+
+
+def test_certified_mode_reads_every_row_as_the_int8_index_does():
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 90, 16, generator=g)
+    valid = torch.ones(1, 2, 90, dtype=torch.bool)
+    paged, flat = _paged(certified=True), VestigeRetriever(index="int8", certified=True).new_state(RowGeometry("gqa", 0))
+    _feed(paged, keys, valid, [50, 40])
+    _feed(flat, keys, valid, [90])
+    query = torch.randn(1, 4, 1, 16, generator=g)
+    best = exact_scores(query, keys, 0.25).amax(-1) - 2.0
+    mask = paged.choose(query, best, 0.25, None).mask
+    assert mask.shape == (1, 2, 90) and torch.equal(mask, flat.choose(query, best, 0.25, None).mask)
+    assert paged.scan_bytes(2) == flat.scan_bytes(2) == 90 * 22

@@ -379,7 +379,7 @@ class SketchIndex(RetrievalState):
 
     def choose(self, query, best, scaling, archive) -> Choice:
         if self.config.certified and self.kind == "int8":  # every row within tau of s*: bounds reduced per group
-            bounds = self.bounds(query, scaling)  # [B, H, q, m]
+            bounds = self._int8_scan(query, scaling)[0]  # [B, H, q, m], every row's own bound
             B, H, q_len, m = bounds.shape
             G = self.groups
             keep = bounds >= (best - self.config.tau)[..., None]
@@ -450,6 +450,8 @@ class PagedKeyIndex(SketchIndex):
     def index(self, rows, block_keys, block_valid, archive) -> None:
         super().index(rows, block_keys, block_valid, archive)  # the rows' own int8 entries
         keys, valid = rows["keys"].float(), rows["valid"]
+        if keys.shape[2] == 0:
+            return
         lo = keys.masked_fill(~valid[..., None], float("inf"))  # padding rows never widen a page
         hi = keys.masked_fill(~valid[..., None], float("-inf"))
         B, G, k, D = keys.shape
