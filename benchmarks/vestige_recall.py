@@ -153,24 +153,21 @@ def main() -> None:
     model, tok = load_smollm2(torch.float32)
     probe = Probe()
     probe.layers = model.config.num_hidden_layers
-    original = vestige_module.SketchIndex.choose
 
-    def choose(self, query, best, scaling, archive):
-        if probe.on and query.shape[2] == 1:
-            self._probe_keys = archive.keys
-            probe.observe(self, query, best, scaling)
-        return original(self, query, best, scaling, archive)
+    def observed(original):  # a decode step's choose, observed once (PagedKeyIndex's certified mode calls its base)
+        def choose(self, query, best, scaling, archive):
+            if probe.on and query.shape[2] == 1 and not getattr(self, "_in_choose", False):
+                self._probe_keys = archive.keys
+                probe.observe(self, query, best, scaling)
+            self._in_choose = True
+            try:
+                return original(self, query, best, scaling, archive)
+            finally:
+                self._in_choose = False
+        return choose
 
-    vestige_module.SketchIndex.choose = choose
-    paged_original = vestige_module.PagedKeyIndex.choose
-
-    def paged_choose(self, query, best, scaling, archive):
-        if probe.on and query.shape[2] == 1:
-            self._probe_keys = archive.keys
-            probe.observe(self, query, best, scaling)
-        return paged_original(self, query, best, scaling, archive)
-
-    vestige_module.PagedKeyIndex.choose = paged_choose
+    for cls in (vestige_module.SketchIndex, vestige_module.PagedKeyIndex):
+        cls.choose = observed(cls.choose)
     args.retriever_config = build_retriever("vestige", **json.loads(args.retriever)).config()
     print("retriever:", args.retriever_config, flush=True)
     trials = []
