@@ -32,6 +32,7 @@ from kvzoo.policies import vestige as vestige_module
 
 J = 16
 PAGED = ((16, 2), (16, 4), (16, 8), (32, 2), (32, 4))  # (page_rows, fine_pages) of the paged variants
+REUSE = ((4, 64), (8, 64), (8, 128))  # (full scan every N steps, candidates kept per head) of the reuse variants
 
 
 class Probe:
@@ -41,6 +42,8 @@ class Probe:
         self.layers = 0
         self.step_kind = "other"
         self.bases: dict[int, torch.Tensor] = {}
+        self.steps: dict[int, int] = {}  # decode steps observed per layer (this trial)
+        self.kept: dict[tuple, torch.Tensor] = {}  # the reuse variants' candidates per (layer, every, C)
         self.acc: dict[tuple[str, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def observe(self, index, query, best, scaling) -> None:
@@ -115,6 +118,14 @@ class Probe:
             per_row = cl.gather(-1, assign[:, None].expand(-1, hpg, -1)).reshape(H, n)  # each row: its cluster's
             for k in (64, 128):
                 variants[f"{name}{k}"] = rerank(per_row + 1e-6 * variants["int8"], k)  # whole clusters first
+        # candidate reuse: the int8 top-C of the layer's last full scan (every `every`-th step), re-scored each step
+        step = self.steps[layer] = self.steps.get(layer, -1) + 1
+        for every, C in REUSE:
+            slot = (layer, every, C)
+            if step % every == 0 or slot not in self.kept or self.kept[slot].shape[-1] > n:
+                self.kept[slot] = variants["int8"].topk(min(C, n), -1).indices
+            keep = torch.zeros_like(exact, dtype=torch.bool).scatter_(-1, self.kept[slot].clamp(max=n - 1), True)
+            variants[f"reuse{every}_{C}"] = variants["int8"].masked_fill(~keep, float("-inf"))
         for k in (64, 128):
             variants[f"s1_{k}"] = rerank(sign_est, k)
             variants[f"p8_{k}"] = rerank(pca8, k)
@@ -183,7 +194,7 @@ def main() -> None:
             pipeline.compress(cache)
             targets = ids.answer[0].tolist()
             digit = [tok.decode([t]).strip().isdigit() for t in targets]
-            probe.bases = {}
+            probe.bases, probe.steps, probe.kept = {}, {}, {}
             with cache.fork() as fork:  # the reference answer, one decode step per token, observed
                 probe.on = True
                 logits = pipeline.prefill(model, fork, ids.question)
@@ -249,7 +260,8 @@ def report(probe: Probe, trials: list, args) -> None:
             f"{name} {s['recall_' + name]:.3f}/{s['rank1_' + name + '_le16']:.3f}/{s['mass_' + name]:.3f}"
             for name in ("bound", "est", "pca16", "pca32", "pca48", "int4", "int8",
                          *(f"paged{size}x{pages}" for size, pages in PAGED),
-                         "s1_64", "s1_128", "p8_64", "p8_128", "kmE64", "kmE128", "kmB64", "kmB128")))
+                         "s1_64", "s1_128", "p8_64", "p8_128", "kmE64", "kmE128", "kmB64", "kmB128",
+                         *(f"reuse{every}_{C}" for every, C in REUSE))))
         print("layer: recall bound/est  best-in-top16 bound/est  mass bound/est")
         for layer, v in per_layer.items():
             print(f"  {layer:2d}: {v['recall_bound']:.2f}/{v['recall_est']:.2f}  {v['rank1_bound_le16']:.2f}/"

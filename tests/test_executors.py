@@ -170,7 +170,13 @@ def test_a_ctrl_c_during_a_row_write_waits_until_the_line_is_whole(tmp_path: Pat
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", interrupted_fsync)
-    with pytest.raises(KeyboardInterrupt):
-        runner.append_row(path, {"key": "a", "status": "ok", "text": "x" * 10_000})
-    assert json.loads(path.read_text())["text"] == "x" * 10_000  # whole, then interrupted
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python keeps SIGINT ignored when it starts with it ignored (a job started with `&` by a script, as some CI
+    # runners do): the test needs Ctrl-C's usual handler, whatever the process inherited
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.append_row(path, {"key": "a", "status": "ok", "text": "x" * 10_000})
+        assert json.loads(path.read_text())["text"] == "x" * 10_000  # whole, then interrupted
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)

@@ -159,8 +159,11 @@ def test_ctrl_c_on_a_ray_driver_leaves_whole_lines_no_ray_processes_and_a_rerun_
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "RAY_TMPDIR": ray_tmp}  # marks every process this driver starts, to find any left behind
     command = [sys.executable, "-m", "kvzoo.cli", *CLI, "--executor", "ray", "--workers", "2", "--out", str(out)]
+    # SIGINT back to its default in the driver: a process started with it ignored (a job started with `&` by a
+    # script) passes that on, and Python then never turns Ctrl-C into KeyboardInterrupt
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                              cwd=tmp_path, start_new_session=True)
+                              cwd=tmp_path, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while driver.poll() is None and time.monotonic() < deadline and (
