@@ -113,7 +113,8 @@ PRESETS: dict[str, Callable[[], Grid]] = {
     "demo": lambda: needle_grid(depths=(0.25, 0.5, 0.75), ratios=(4, 8), positions=("after",),
                                 continuation_tokens=32),
     # `make leaderboard`: every RULER task at 2k tokens, the single needle also at 1k and on every haystack,
-    # ratios 2-8, question after and before compression (~500 trials, about an hour on 2 CPU cores)
+    # ratios 2-8, question after and before compression (650 trials; with the decode-mode ΔCE several hours on 2
+    # CPU cores: see the README's leaderboard section, or run it on Ray)
     "leaderboard": lambda: Grid(
         tasks=(
             *(TaskSpec("niah_single", n, d, 0, "essay") for n in (1000, 2000) for d in (0.1, 0.5, 0.9)),
