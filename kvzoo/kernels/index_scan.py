@@ -70,6 +70,17 @@ def _row_blocks(total: int, per_row: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, total)) for start in range(0, total, step)]
 
 
+def _upcast_matmul(query_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``query_rows [B, G, hq, W]`` (fp32) times ``rows [B, G, m, W]`` (any dtype) transposed: ``[B, G, hq, m]`` fp32,
+    the rows upcast in blocks of :data:`ROW_BLOCK_ELEMENTS` (never an fp32 copy of them all)."""
+    B, G, hq, W = query_rows.shape
+    m = rows.shape[2]
+    out = query_rows.new_empty(B, G, hq, m)
+    for start, stop in _row_blocks(m, B * G * W):
+        out[..., start:stop] = torch.matmul(query_rows, rows[:, :, start:stop].float().transpose(-1, -2))
+    return out
+
+
 def _check(op: str, query_rows: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
            threshold: torch.Tensor | None = None) -> None:
     """A clear error for arguments the scans cannot take (the shapes and dtypes that are valid)."""
@@ -112,15 +123,9 @@ def _beyond(length: torch.Tensor, m: int) -> torch.Tensor:
 def index_scan_reference(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, *,
                          length: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`index_scan` in PyTorch (the specification of the Triton kernel)."""
-    B, G, hq, W = query_rows.shape
     m = entries.shape[2]
     q = query_rows.float()
-    if entries.dtype == torch.float32:
-        out = torch.matmul(q, entries.transpose(-1, -2))
-    else:
-        out = q.new_empty(B, G, hq, m)
-        for start, stop in _row_blocks(m, B * G * W):
-            out[..., start:stop] = torch.matmul(q, entries[:, :, start:stop].float().transpose(-1, -2))
+    out = torch.matmul(q, entries.transpose(-1, -2)) if entries.dtype == torch.float32 else _upcast_matmul(q, entries)
     out.mul_(scaling)
     if length is not None:
         out.masked_fill_(_beyond(length, m)[:, :, None], float("-inf"))
@@ -296,16 +301,9 @@ def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor
     entries (:func:`int8_key_entries`): ``estimate = scale s <q, codes>`` (the score of ``k_hat``) and
     ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``. The codes are upcast in blocks of
     rows (never an fp32 copy of the index). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
-    B, G, hq, D = query.shape
     m = codes.shape[2]
     q = query.float()
-    dot = q.new_empty(B, G, hq, m)
-    for start, stop in _row_blocks(m, B * G * D):
-        dot[..., start:stop] = torch.matmul(q, codes[:, :, start:stop].float().transpose(-1, -2))
-    side = side.float()
-    estimate = dot.mul_(side[..., 0][:, :, None, :]).mul_(scaling)
-    qn = q.norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
-    bound = estimate + scaling * qn * (side[..., 1] + SKETCH_SLACK * side[..., 2])[:, :, None, :]
+    bound, estimate = _int8_bound(_upcast_matmul(q, codes), q, side[:, :, None], scaling)
     if length is not None:
         beyond = _beyond(length, m)[:, :, None]
         bound.masked_fill_(beyond, float("-inf"))
@@ -320,10 +318,17 @@ def int8_row_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor
     same bound (``estimate + scale (||q|| err + eps ||q|| norm)``). The second stage of a paged scan
     (:func:`int8_page_bounds` picks the pages, this scores their rows)."""
     q = query.float()
+    return _int8_bound(torch.matmul(codes.float(), q[..., None])[..., 0], q, side, scaling)  # [B, G, hq, K]
+
+
+def _int8_bound(dot: torch.Tensor, query: torch.Tensor, side: torch.Tensor,
+                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bound, estimate)`` from ``dot = <q, codes>`` ``[B, G, hq, n]`` (overwritten) and the entries' ``side``
+    columns ``[scale, err, norm]`` broadcast against it: ``estimate = scaling * scale * dot``, ``bound = estimate +
+    scaling ||q|| (err + eps norm)`` (:func:`int8_key_entries`)."""
     side = side.float()
-    dot = torch.matmul(codes.float(), q[..., None])[..., 0]  # [B, G, hq, K]
     estimate = dot.mul_(side[..., 0]).mul_(scaling)
-    qn = q.norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
+    qn = query.norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
     bound = estimate + scaling * qn * (side[..., 1] + SKETCH_SLACK * side[..., 2])
     return bound, estimate
 
@@ -374,13 +379,9 @@ def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     ``scale lo_i <= k_i <= scale hi_i``. One product over the ``2 D`` codes; the slack
     (:data:`PAGE_SLACK` ``* 128 ||q||_1``) covers fp32's rounding. ``length [B]``: pages ``>= length[b]`` give
     ``-inf``; a page whose scale is infinite gives ``+inf``."""
-    B, G, hq, D = query.shape
     p = codes.shape[2]
     q = query.float()
-    rows = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # [B, G, hq, 2 D]
-    dot = q.new_empty(B, G, hq, p)
-    for start, stop in _row_blocks(p, B * G * 2 * D):
-        dot[..., start:stop] = torch.matmul(rows, codes[:, :, start:stop].float().transpose(-1, -2))
+    dot = _upcast_matmul(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1), codes)  # [q+, q-] . [hi, lo]
     dot.add_(PAGE_SLACK * 128 * q.abs().sum(-1, keepdim=True))
     finite = torch.isfinite(scale)
     bound = dot.mul_(torch.where(finite, scale, 1.0)[:, :, None]).mul_(scaling)
@@ -463,10 +464,7 @@ def exact_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> tor
     """
     B, H, q_len, D = query.shape
     G, m = keys.shape[1], keys.shape[2]
-    q = _grouped(query, G)
-    out = q.new_empty(B, G, q.shape[2], m)
-    for start, stop in _row_blocks(m, B * G * D):
-        out[..., start:stop] = torch.matmul(q, keys[:, :, start:stop].float().transpose(-1, -2))
+    out = _upcast_matmul(_grouped(query, G), keys)
     return (scaling * out).view(B, H, q_len, m)
 
 
