@@ -12,14 +12,18 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
-from typing import Any
+from kvzoo.openmp import prefer_passive
 
-from kvzoo.bench.executors import int_option as _positive_int
+OPENMP_NOTE = prefer_passive()  # before anything imports torch (OpenMP reads it when loaded)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from kvzoo.bench.executors import int_option as _positive_int  # noqa: E402
 
 MODEL_HELP = (
     "smollm2-135m (default; real weights, offline), tiny-llama / tiny-deepseek-v2 / tiny-kimi-linear "
@@ -586,6 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) in ("run", "leaderboard"):  # the commands that run models say what they run with
+        print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
     return args.func(args)
 
 

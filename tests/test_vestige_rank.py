@@ -105,18 +105,24 @@ def test_estimate_rule_keeps_only_rows_whose_bound_beats_s_star():
         assert 0 < int(chosen.sum()) <= min(8, passing) and (bound[chosen] > s_star.flatten() - margin).all()
 
 
-def test_adaptive_count_a_peaked_head_fetches_fewer():
+def test_adaptive_count_a_peaked_head_fetches_fewer(monkeypatch):
     """int8 keys (tight bound), j = 8, margin 2: a head with one dominant archived row fetches only the rows within 2
-    logits of s*; a flat head fetches all 8."""
+    logits of s*; a flat head fetches all 8. (Per head on the PyTorch path; a CPU decode step's fused kernel stages
+    the group's union of the same rows.)"""
     g = torch.Generator().manual_seed(9)
     keys = torch.randn(1, 1, 50, 16, generator=g) * 0.1
     query = torch.zeros(1, 2, 1, 16)
     query[0, 0, 0, 0] = 30.0  # head 0 peaked on row 7
+    query[0, 1, 0] = torch.randn(16, generator=g) * 0.01  # head 1 flat (no exact ties: their order is the op's own)
     keys[0, 0, 7, 0] = 1.0
     state = _index(keys, "gqa", 16, j=8, j_margin=2.0)
     s_star = exact_scores(query, keys, 1.0).amax(-1)  # the tier's best = the archive's best
-    ok = state.choose(query, s_star, 1.0, _archive(keys)).ok.view(2, 8)
+    fused = state.choose(query, s_star, 1.0, _archive(keys))
+    monkeypatch.setenv("KVZOO_KERNELS", "torch")
+    choice = state.choose(query, s_star, 1.0, _archive(keys))
+    ok = choice.ok.view(2, 8)
     assert int(ok[0].sum()) == 1 and int(ok[1].sum()) == 8
+    assert torch.equal(fused.as_mask(50), choice.as_mask(50))
 
 
 def test_options_are_checked():

@@ -158,7 +158,9 @@ class Retrieval:
         view = archive_view(store, state.budget, whole=True)
         m = archive.capacity if archive.fixed else archive.n  # the archive rows the step reads
         choice = index.choose(query, best if index.needs_best else None, scaling, view)
-        if choice.rows is not None:
+        if choice.staged is not None:  # the retriever staged its choice itself (one fused scan)
+            idx, picked = choice.staged
+        elif choice.rows is not None:
             idx, picked = _unique(choice.rows, choice.ok, m)
         else:
             idx, picked = _compact(choice.as_mask(m) & view.valid, m)

@@ -90,10 +90,19 @@ class Choice:
     # which query heads may read each staged row, ``visible(idx [B, G, K]) -> [B, H, K]`` (None: every
     # head of the group reads every row the group fetched)
     visible: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # the choice already staged as the runtime stages ``rows``/``ok``: ``(idx, picked) [B, G, K]``, sorted indices with
+    # each chosen row flagged once (a retriever that does the union in its own scan, e.g. a fused kernel)
+    staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def as_mask(self, archived: int) -> torch.Tensor:
         if self.mask is not None:
             return self.mask
+        if self.staged is not None:
+            idx, picked = self.staged
+            B, G = idx.shape[:2]
+            mask = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=idx.device)
+            mask.scatter_(2, torch.where(picked, idx, archived), True)
+            return mask[..., :archived]
         B, G = self.rows.shape[:2]
         mask = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=self.rows.device)
         mask.scatter_(2, torch.where(self.ok, self.rows, archived), True)  # not chosen: a spare column

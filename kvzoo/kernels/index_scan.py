@@ -56,7 +56,7 @@ import functools
 
 import torch
 
-from kvzoo.kernels.dispatch import run, use_triton
+from kvzoo.kernels.dispatch import mode, run, use_triton
 
 # Relative slack added to every bound so that fp32 rounding can never make it undercut the exact
 # fp32 score (the bound is exact arithmetic's; the slack is ~100x fp32's epsilon).
@@ -295,20 +295,98 @@ def int8_key_entries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8), torch.stack([scale, err, norm], dim=-1)
 
 
+def int8_key_estimate_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
+                                length: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int8_key_estimate` in PyTorch (the specification of the CPU kernel): the codes upcast in blocks of
+    rows (:func:`_upcast_matmul`, never an fp32 copy of the whole index), then ``(dot * s) * scaling``."""
+    m = codes.shape[2]
+    estimate = _upcast_matmul(query.float(), codes).mul_(side[..., 0].float()[:, :, None]).mul_(scaling)
+    if length is not None:
+        estimate.masked_fill_(_beyond(length, m)[:, :, None], float("-inf"))
+    return estimate
+
+
+def int8_key_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
+                      length: torch.Tensor | None = None) -> torch.Tensor:
+    """``estimate [B, G, hq, m]`` fp32 ``= scaling * s <q, codes>`` (the score of each row's int8 reconstruction
+    ``k_hat``) for grouped queries ``query [B, G, hq, D]`` over int8 key entries (:func:`int8_key_entries`:
+    ``codes [B, G, m, D]``, ``side [B, G, m, 3]``); ``length [B]``: positions ``>= length[b]`` give ``-inf``.
+
+    One op, one read of the codes: on CPU tensors the C loop of :mod:`kvzoo.kernels.cpu_native` (the codes
+    converted in registers, every query row of a group at once), elsewhere -- or with ``KVZOO_KERNELS=torch``, or
+    where no C compiler is found -- :func:`int8_key_estimate_reference`. The two agree to fp32 rounding (their sums
+    run in another order), which the bound's slack covers (:func:`int8_bound_from`)."""
+    from kvzoo.kernels import cpu_native
+
+    if (mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side)
+            and cpu_native.library() is not None):
+        return cpu_native.int8_estimate(query, codes, side, scaling, length)
+    return int8_key_estimate_reference(query, codes, side, scaling, length=length)
+
+
+def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor,
+                          j: int, archived: int, scaling: float, *,
+                          length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`int8_choose` in PyTorch: :func:`int8_key_estimate_reference`, each query row's top ``j``, their
+    bounds (:func:`int8_bound_from`) against ``threshold``, then the group's union staged as the runtime stages a
+    choice (sorted candidates, the unchosen ones ``archived``, each chosen row flagged once)."""
+    B, G, hq, _ = query.shape
+    estimate = int8_key_estimate_reference(query, codes, side, scaling, length=length)
+    top, rows = estimate.topk(j, dim=-1)  # [B, G, hq, j]
+    w = side.shape[-1]
+    picked_side = side[:, :, None].expand(B, G, hq, side.shape[2], w).gather(3, rows[..., None].expand(B, G, hq, j, w))
+    ok = int8_bound_from(top, query, picked_side, scaling) > threshold[..., None]
+    candidates = torch.where(ok, rows, archived).view(B, G, hq * j).sort(dim=-1).values
+    picked = candidates < archived
+    picked[..., 1:] &= candidates[..., 1:] != candidates[..., :-1]
+    return candidates.clamp(max=archived - 1), picked
+
+
+def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int) -> bool:
+    """Whether :func:`int8_choose` runs as one kernel call for these tensors (CPU, a C compiler found,
+    ``KVZOO_KERNELS`` not ``torch``, the geometry the loop takes); elsewhere callers keep the PyTorch ops."""
+    from kvzoo.kernels import cpu_native
+
+    return (mode() != "torch" and 1 <= j <= min(cpu_native.MAX_J, codes.shape[2])
+            and cpu_native.int8_estimate_supported(query, codes, side) and cpu_native.library() is not None)
+
+
+def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
+                archived: int, scaling: float, *,
+                length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """VestigeKV's top-j rule over int8 key entries, staged: ``(idx, picked) [B, G, hq * j]``.
+
+    Per query row of ``query [B, G, hq, D]``: its top ``j`` rows by :func:`int8_key_estimate`, each kept where its
+    certified bound (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's
+    ``hq * j`` candidates sorted (unchosen ones as ``archived``, the archive's row count), ``idx`` clamped below
+    ``archived`` and ``picked`` True on the first copy of each chosen row. On CPU one call of the C loop
+    (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32 rounding of the
+    estimates (a bound within rounding of its threshold may go either way)."""
+    from kvzoo.kernels import cpu_native
+
+    if fused_choose_applies(query, codes, side, j):
+        return cpu_native.int8_choose(query, codes, side, threshold, j, archived, scaling, SKETCH_SLACK, length)
+    return int8_choose_reference(query, codes, side, threshold, j, archived, scaling, length=length)
+
+
+def int8_bound_from(estimate: torch.Tensor, query: torch.Tensor, side: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The certified bound ``estimate + scaling ||q|| (err + eps norm) >= scaling <q, k>`` from an estimate
+    ``[B, G, hq, n]`` and the ``side`` columns ``[scale, err, norm]`` of the same rows, broadcast against it
+    (``[B, G, 1, n, 3]`` for every row, or ``[B, G, hq, n, 3]`` gathered per query row): for a few chosen rows
+    it costs a few numbers, not a pass over the index."""
+    side = side.float()
+    qn = query.float().norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
+    return estimate + scaling * qn * (side[..., 1] + SKETCH_SLACK * side[..., 2])
+
+
 def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
                     length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bound, estimate)`` ``[B, G, hq, m]`` fp32 for grouped queries ``query [B, G, hq, D]`` (fp32) over int8 key
-    entries (:func:`int8_key_entries`): ``estimate = scale s <q, codes>`` (the score of ``k_hat``) and
-    ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``. The codes are upcast in blocks of
-    rows (never an fp32 copy of the index). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
-    m = codes.shape[2]
-    q = query.float()
-    bound, estimate = _int8_bound(_upcast_matmul(q, codes), q, side[:, :, None], scaling)
-    if length is not None:
-        beyond = _beyond(length, m)[:, :, None]
-        bound.masked_fill_(beyond, float("-inf"))
-        estimate = estimate.masked_fill(beyond, float("-inf"))
-    return bound, estimate
+    entries (:func:`int8_key_entries`): ``estimate = scale s <q, codes>`` (the score of ``k_hat``,
+    :func:`int8_key_estimate`) and ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``
+    (:func:`int8_bound_from`). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
+    estimate = int8_key_estimate(query, codes, side, scaling, length=length)
+    return int8_bound_from(estimate, query, side[:, :, None], scaling), estimate
 
 
 def int8_row_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor,
@@ -318,19 +396,8 @@ def int8_row_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor
     same bound (``estimate + scale (||q|| err + eps ||q|| norm)``). The second stage of a paged scan
     (:func:`int8_page_bounds` picks the pages, this scores their rows)."""
     q = query.float()
-    return _int8_bound(torch.matmul(codes.float(), q[..., None])[..., 0], q, side, scaling)  # [B, G, hq, K]
-
-
-def _int8_bound(dot: torch.Tensor, query: torch.Tensor, side: torch.Tensor,
-                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bound, estimate)`` from ``dot = <q, codes>`` ``[B, G, hq, n]`` (overwritten) and the entries' ``side``
-    columns ``[scale, err, norm]`` broadcast against it: ``estimate = scaling * scale * dot``, ``bound = estimate +
-    scaling ||q|| (err + eps norm)`` (:func:`int8_key_entries`)."""
-    side = side.float()
-    estimate = dot.mul_(side[..., 0]).mul_(scaling)
-    qn = query.norm(dim=-1, keepdim=True)  # [B, G, hq, 1]
-    bound = estimate + scaling * qn * (side[..., 1] + SKETCH_SLACK * side[..., 2])
-    return bound, estimate
+    estimate = torch.matmul(codes.float(), q[..., None])[..., 0].mul_(side[..., 0].float()).mul_(scaling)
+    return int8_bound_from(estimate, q, side, scaling), estimate  # [B, G, hq, K]
 
 
 # Relative slack of a page bound (its codes' products summed in fp32, and the exact fp32 score it is audited

@@ -26,10 +26,14 @@ from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeom
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
     SKETCH_SLACK_FP16,
+    fused_choose_applies,
     index_scan,
     index_scan_reduce,
+    int8_bound_from,
+    int8_choose,
     int8_key_bounds,
     int8_key_entries,
+    int8_key_estimate,
     int8_page_bounds,
     int8_page_entries,
     int8_row_bounds,
@@ -343,6 +347,30 @@ class SketchIndex(RetrievalState):
         bound, estimate = int8_key_bounds(q, codes, side, scaling, length=length)
         return bound.view(B, H, q_len, -1), estimate.view(B, H, q_len, -1)
 
+    def _int8_top(self, query: torch.Tensor, s_star: torch.Tensor, scaling: float, archive) -> Choice:
+        """Top-j by estimate over int8 entries: one pass over the codes (:func:`int8_key_estimate`), then the
+        certified bound of the ``j`` chosen rows per query row only (:func:`int8_bound_from`; the same numbers the
+        whole ``[B, H, q, m]`` bounds would hold there), kept where it is above ``s* - j_margin``. A decode step on CPU
+        does all of it, and the group's union, in one call (:func:`~kvzoo.kernels.index_scan.int8_choose`)."""
+        B, H, q_len, D = query.shape
+        codes, length = self._scanned(B, "codes")
+        side, _ = self._scanned(B, "side")
+        G = codes.shape[1]
+        hq = (H // G) * q_len
+        q = query.float().reshape(B, G, hq, D)
+        j = min(self.config.j, codes.shape[2])
+        if q_len == 1 and fused_choose_applies(q, codes, side, j):  # a decode step: scan, top-j, bounds, union
+            archived = archive.keys.shape[2] if archive is not None else codes.shape[2]
+            staged = int8_choose(q, codes, side, s_star.reshape(B, G, hq), j, archived, scaling, length=length)
+            return Choice(staged=staged)
+        estimate = int8_key_estimate(q, codes, side, scaling, length=length)  # [B, G, hq, m]
+        top, rows = estimate.topk(min(self.config.j, estimate.shape[-1]), dim=-1)  # [B, G, hq, j]
+        j, w = rows.shape[-1], side.shape[-1]
+        picked_side = side[:, :, None].expand(B, G, hq, side.shape[2], w).gather(
+            3, rows[..., None].expand(B, G, hq, j, w))  # [B, G, hq, j, 3]
+        ok = int8_bound_from(top, q, picked_side, scaling) > s_star.reshape(B, G, hq, 1)
+        return Choice(rows=rows.view(B, G, -1), ok=ok.view(B, G, -1))
+
     def entries(self) -> int:
         return self.rows.n
 
@@ -394,6 +422,8 @@ class SketchIndex(RetrievalState):
             return Choice(mask=margin >= 0)
         G = self.groups
         s_star = best[..., None] - self.config.j_margin
+        if self.config.rank_by == "estimate" and self.kind == "int8":  # one scan of the codes; bounds of the top rows
+            return self._int8_top(query, s_star, scaling, archive)
         if self.config.rank_by == "estimate":  # each head's top j rows by estimate, kept where bound > s* - margin
             bounds, estimates = self._bounds_and_estimates(query, scaling)
             m = bounds.shape[-1]

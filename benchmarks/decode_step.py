@@ -1,0 +1,329 @@
+"""What a compressed decode step costs, arms side by side from the same rows (CPU, SmolLM2-135M, real weights).
+
+    .venv/bin/python benchmarks/decode_step.py --context 8192 --arms full,streaming_llm@8,snapkv@8,vestige@8,vestige@32,quest@8
+    .venv/bin/python benchmarks/decode_step.py --context 8192 --arms full,vestige@32 --profile --json results/decode_step.json
+
+The same rows for every arm: one dense prefill of the context's first ``context - tail`` tokens (``full``, chunks of
+1,024, ``logits_to_keep=1``) is copied into each arm's cache, whose last ``tail`` tokens (default 64) then run
+through the model for real under the arm's policy (its observation window, its own queries), and the policy
+compresses (``cache.compress()``). The arm's prefill is therefore not the policy's own (a policy that acts during the
+prefill -- quest, streaming_llm -- acts only from the tail on): what is measured is the decode step that follows.
+``transformers`` gets the same rows in a ``DynamicCache`` on a copy of the model kvzoo never attached to.
+
+Then every arm decodes one step in turn, the same token ids for every arm, ``--steps`` rounds: the 1-thread CPU time
+of the step (``time.thread_time``: load on a shared machine does not enter) and, in a second interleaved pass, the
+2-thread wall time. The ratios to the first arm are the figures; absolute times vary 2x between machines and loads.
+``--profile`` times the parts of each arm's step (tier attention, index scan, selection, fetched-row gather and
+attention, bookkeeping) with their bytes, beside the machine's measured read bandwidth.
+
+OpenMP's idle threads spin by default, which makes many-small-op steps 4-12x slower at 2 threads beside another
+process; this script sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (and prints which).
+An arm is ``transformers`` or a registered policy, ``@RATIO`` (default 8; ``full``: none), ``+capacity``
+(``TieredCache(..., capacity=N)``), and ``/key=value`` pieces that configure the policy's retriever.
+"""
+
+from __future__ import annotations
+
+import os
+
+OMP_NOTE = ("OMP_WAIT_POLICY=" + os.environ["OMP_WAIT_POLICY"] + " (from the environment)"
+            if "OMP_WAIT_POLICY" in os.environ else "OMP_WAIT_POLICY=PASSIVE (set by this script; export it to override)")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import ast  # noqa: E402
+import copy  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+import torch  # noqa: E402
+
+from kvzoo import TieredCache, registry  # noqa: E402
+from kvzoo.framework.attention import detach  # noqa: E402
+from kvzoo.framework.retrieval import Retrieval, build_retriever  # noqa: E402
+from kvzoo.framework.runtime import Runtime, RuntimeConfig  # noqa: E402
+
+
+def parse_arm(arm: str):
+    """``(policy or None for transformers, capacity flag)``."""
+    if arm == "transformers":
+        return None, False
+    spec, _, option = arm.partition("+")
+    if option not in ("", "capacity"):
+        raise ValueError(f"arm {arm!r}: the only option after '+' is 'capacity'")
+    spec, *retriever_options = spec.split("/")
+    name, _, ratio = spec.partition("@")
+    params = {} if name == "full" else {"ratio": float(ratio or 8)}
+    if retriever_options:
+        options = {k: ast.literal_eval(v) if v[:1].isdigit() or v in ("True", "False") else v
+                   for k, v in (o.split("=", 1) for o in retriever_options)}
+        params["retriever"] = build_retriever(registry.get(name, **params).retriever, **options)
+    return registry.get(name, **params), option == "capacity"
+
+
+def transplant(prefilled: TieredCache, policy, *, context: int, capacity: int | None) -> TieredCache:
+    """A new cache of ``policy`` holding ``prefilled``'s rows (a dense prefill no event touched), its budget still to
+    be fixed, its retriever's index empty: what :meth:`TieredCache.fork_as` makes, for any policy (the benchmark's
+    method: the rows are the same for every arm, what follows them is the policy's)."""
+    retriever = getattr(policy, "retriever", None)
+    if isinstance(retriever, str):
+        retriever = build_retriever(retriever)
+    retrieval = Retrieval(retriever) if retriever is not None else None
+    geometry = dataclasses.replace(prefilled.runtime.geometry, capacity=capacity)
+    runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, prefilled.runtime.num_layers), context_length=context)
+    clone = prefilled._clone(runtime, prefilled._copied(prefilled._layer_states()))
+    for layer in clone.tiered_layers:
+        state = layer.state
+        state.index = retrieval.new_state(geometry) if retrieval is not None else None
+        store = state.store
+        if capacity is not None:  # the rows move into preallocated storage for `capacity` rows
+            store.capacity = capacity
+            store.tier.fixed = True
+            store.tier.resize(capacity)
+        if state.window_queries is not None:
+            window = runtime.observation_window
+            state.window_queries = state.window_queries[:, :, -window:].clone() if window > 0 else None
+    return clone
+
+
+def dynamic_cache(prefilled: TieredCache, plain_model):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=plain_model.config)
+    for i, layer in enumerate(prefilled.tiered_layers):
+        cache.update(layer.keys, layer.values, i)
+    return cache
+
+
+def read_bandwidth() -> float:
+    """GB/s of a large-tensor sum on this machine now (1 thread)."""
+    x = torch.ones(64 << 20)  # 256 MiB
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+class PartTimer:
+    """Thread CPU time of named parts of a step, by wrapping the functions that do them (exclusive of nested parts)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.stack: list[list] = []
+        self.patches: list = []
+
+    def wrap(self, owner, attr: str, part: str | None = None, pick=None) -> None:
+        original = getattr(owner, attr)
+        timer = self
+
+        def timed(*args, **kwargs):
+            name = pick(*args, **kwargs) if pick is not None else part
+            frame = [name, 0.0]
+            timer.stack.append(frame)
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - start
+                timer.stack.pop()
+                timer.totals[name] += spent - frame[1]
+                if timer.stack:
+                    timer.stack[-1][1] += spent
+
+        setattr(owner, attr, timed)
+        self.patches.append((owner, attr, original))
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self.patches):
+            setattr(owner, attr, original)
+        self.patches.clear()
+
+
+@contextmanager
+def profiled():
+    """Wrap the parts of kvzoo's decode step (their names are the profile table's rows)."""
+    import kvzoo.framework.retrieval as retrieval_mod
+    import kvzoo.framework.step as step_mod
+    from kvzoo.framework.cache import TieredLayer
+
+    timer = PartTimer()
+    calls = {"attend": 0}
+
+    def attend_part(query, sources, scaling, **kwargs):
+        return "fetched rows: attention" if kwargs.get("prior") is not None else "tier: attention"
+
+    timer.wrap(step_mod, "attend", pick=attend_part)
+    timer.wrap(retrieval_mod.Retrieval, "fetch_step", "retrieval: staging and accounting")
+    timer.wrap(retrieval_mod, "_unique", "retrieval: selection (de-duplication)")
+    timer.wrap(retrieval_mod, "_compact", "retrieval: selection (de-duplication)")
+    timer.wrap(Runtime, "after_forward", "bookkeeping: schedule")
+    timer.wrap(TieredLayer, "update", "bookkeeping: append")
+    originals = {}
+    from kvzoo.framework.buffers import RowStore
+
+    timer.wrap(RowStore, "gather", "fetched rows: gather")
+    for cls in _index_classes():
+        if "choose" in cls.__dict__:
+            timer.wrap(cls, "choose", "retrieval: index scan and choice")
+    try:
+        yield timer, calls
+    finally:
+        timer.restore()
+        del originals
+
+
+def _index_classes():
+    from kvzoo.framework.retriever import RetrievalState
+
+    seen, todo = [], [RetrievalState]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return seen
+
+
+def kv_mib_per_step(cache) -> float | None:
+    if not isinstance(cache, TieredCache):
+        return None
+    total = 0
+    for layer in cache.stats().layers:
+        total += layer.last_step.get("kv_bytes_read", 0)
+    return total / 2**20
+
+
+def index_mib_per_step(cache) -> float:
+    if not isinstance(cache, TieredCache):
+        return 0.0
+    return sum(layer.last_step.get("index_bytes_scanned", 0) for layer in cache.stats().layers) / 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvzoo.models import load_smollm2
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--arms", default="full,vestige@8,vestige@32,quest@8", help="comma-separated arms (docstring)")
+    p.add_argument("--steps", type=int, default=10, help="interleaved rounds per pass")
+    p.add_argument("--tail", type=int, default=64, help="context tokens each arm runs for real after the shared rows")
+    p.add_argument("--threads", default="1,2", help="passes: 1 = thread CPU time, >1 = wall time")
+    p.add_argument("--profile", action="store_true", help="time each part of each arm's step (1 thread)")
+    p.add_argument("--json", help="write the rows here (JSON lines appended)")
+    args = p.parse_args(argv)
+    arms = args.arms.split(",")
+    torch.manual_seed(0)
+    print(f"# {OMP_NOTE}; torch {torch.__version__}; {platform.processor() or platform.machine()}")
+    torch.set_num_threads(2)
+    model, _ = load_smollm2()
+    ids = torch.randint(100, 40000, (1, args.context), generator=torch.Generator().manual_seed(0))
+    decode_ids = torch.randint(100, 40000, (1, 2 + 2 * args.steps + 4), generator=torch.Generator().manual_seed(1))
+    head = args.context - args.tail
+    plain_model = None
+    with torch.no_grad():
+        t = time.perf_counter()
+        shared = TieredCache(model, "full", context_length=args.context, record_window=args.tail)
+        for start in range(0, head, 1024):
+            model(input_ids=ids[:, start : min(head, start + 1024)], cache=shared, use_cache=True, logits_to_keep=1)
+        print(f"# shared prefill of {head} tokens: {time.perf_counter() - t:.0f} s")
+        runs = {}
+        for arm in arms:
+            policy, capacity = parse_arm(arm)
+            if policy is None:
+                if plain_model is None:
+                    plain_model = copy.deepcopy(model)
+                    detach(plain_model)
+                m, cache = plain_model, dynamic_cache(shared, plain_model)
+            else:
+                cap = args.context + 2 * args.steps + 16 if capacity else None
+                m, cache = model, transplant(shared, policy, context=args.context, capacity=cap)
+            m(input_ids=ids[:, head:], cache=cache, use_cache=True, logits_to_keep=1)
+            if hasattr(cache, "compress"):
+                cache.compress()
+            for i in range(2):
+                m(input_ids=decode_ids[:, i : i + 1], cache=cache, use_cache=True)
+            runs[arm] = (m, cache)
+        shared.close()
+        rows, position = [], 2
+        results: dict[str, dict] = {arm: {"arm": arm} for arm in arms}
+        for threads in [int(x) for x in args.threads.split(",")]:
+            torch.set_num_threads(threads)
+            clock = time.thread_time if threads == 1 else time.perf_counter
+            times = {arm: [] for arm in arms}
+            for _ in range(args.steps):
+                token = decode_ids[:, position : position + 1]
+                position += 1
+                for arm in arms:
+                    m, cache = runs[arm]
+                    t = clock()
+                    m(input_ids=token, cache=cache, use_cache=True)
+                    times[arm].append(clock() - t)
+            key = "cpu_ms_1t" if threads == 1 else f"wall_ms_{threads}t"
+            for arm in arms:
+                results[arm][key] = 1e3 * statistics.median(times[arm])
+        for arm in arms:
+            results[arm]["kv_mib_per_step"] = kv_mib_per_step(runs[arm][1])
+            results[arm]["index_mib_per_step"] = index_mib_per_step(runs[arm][1])
+        profiles = {}
+        if args.profile:
+            torch.set_num_threads(1)
+            for arm in arms:
+                m, cache = runs[arm]
+                if not isinstance(cache, TieredCache):
+                    continue
+                with profiled() as (timer, _):
+                    total = 0.0
+                    for i in range(args.steps):
+                        token = decode_ids[:, 2 + i : 3 + i]
+                        t = time.thread_time()
+                        m(input_ids=token, cache=cache, use_cache=True)
+                        total += time.thread_time() - t
+                parts = {k: 1e3 * v / args.steps for k, v in timer.totals.items()}
+                parts["everything else (weights, MLP, projections)"] = 1e3 * total / args.steps - sum(parts.values())
+                profiles[arm] = parts
+    base = results[arms[0]]
+    print(f"\n{args.context} tokens, {args.steps} interleaved rounds per pass, median per arm; ratios to {arms[0]}\n")
+    head_cols = ["arm", "1 thread: CPU ms/step", "ratio"]
+    extra = [k for k in base if k.startswith("wall_ms_")]
+    for k in extra:
+        head_cols += [f"{k[8:-1]} threads: wall ms/step", "ratio"]
+    head_cols += ["KV-path MiB/step", "of which index"]
+    print("| " + " | ".join(head_cols) + " |")
+    print("|" + "---|" * len(head_cols))
+    for arm in arms:
+        r = results[arm]
+        cells = [arm, f"{r['cpu_ms_1t']:.0f}", f"{r['cpu_ms_1t'] / base['cpu_ms_1t']:.2f}"]
+        for k in extra:
+            cells += [f"{r[k]:.0f}", f"{r[k] / base[k]:.2f}"]
+        kv = r["kv_mib_per_step"]
+        cells += ["—" if kv is None else f"{kv:.0f}", f"{r['index_mib_per_step']:.1f}"]
+        print("| " + " | ".join(cells) + " |")
+        rows.append({**r, "context": args.context, "steps": args.steps, "torch": torch.__version__,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "profile": profiles.get(arm)})
+    if profiles:
+        bw = read_bandwidth()
+        print(f"\nParts of a step (1 thread, thread CPU ms per step over all layers); read bandwidth now {bw:.1f} GB/s\n")
+        for arm, parts in profiles.items():
+            index_mib = results[arm]["index_mib_per_step"]
+            note = f" (index {index_mib:.1f} MiB = {index_mib * 2**20 / bw / 1e6:.1f} ms at that bandwidth)" if index_mib else ""
+            print(f"- {arm}{note}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+        for row in rows:
+            row["read_gb_s"] = bw
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""The CPU kernel of the int8 index scan (kvzoo/kernels/cpu_native.py) against its PyTorch reference."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from kvzoo.kernels import cpu_native
+from kvzoo.kernels.index_scan import (
+    SKETCH_SLACK,
+    int8_bound_from,
+    int8_key_bounds,
+    int8_key_entries,
+    int8_key_estimate,
+    int8_key_estimate_reference,
+)
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler 'cc': the CPU kernel is not built "
+                                    "here (kvzoo falls back to the PyTorch reference, tested below)")
+
+
+def _index(B: int, G: int, rows: int, D: int, spare: int = 0, seed: int = 0):
+    """int8 entries of random keys (a few large outliers), as views of buffers with ``spare`` rows more."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, G, rows + spare, D, generator=g) * 2
+    keys[..., 0, :] *= 40  # an outlier row: its scale is large
+    codes, side = int8_key_entries(keys)
+    return keys[:, :, :rows], codes[:, :, :rows], side[:, :, :rows]
+
+
+@needs_compiler
+def test_library_builds_here():
+    assert cpu_native.library() is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize(("B", "G", "hq", "D", "rows", "spare"), [
+    (1, 3, 3, 64, 500, 0), (2, 3, 9, 64, 257, 13), (2, 1, 5, 128, 31, 0), (1, 2, 1, 8, 1, 4), (3, 2, 6, 16, 0, 5),
+])
+def test_kernel_matches_reference(B, G, hq, D, rows, spare):
+    _, codes, side = _index(B, G, rows, D, spare)
+    q = torch.randn(B, G, hq, D, generator=torch.Generator().manual_seed(1))
+    assert cpu_native.int8_estimate_supported(q, codes, side)
+    kernel = cpu_native.int8_estimate(q, codes, side, 0.125, None)
+    reference = int8_key_estimate_reference(q, codes, side, 0.125)
+    assert kernel.shape == reference.shape == (B, G, hq, rows)
+    # the sums run in another order: equal to fp32 rounding of the terms' magnitude
+    scale = (q.abs()[..., None, :] * codes.abs().float()[:, :, None]).sum(-1) * side[..., 0].float()[:, :, None] * 0.125
+    assert ((kernel - reference).abs() <= 1e-6 * scale + 1e-30).all()
+
+
+@needs_compiler
+def test_kernel_length_masks_past_each_sequence():
+    _, codes, side = _index(3, 2, 40, 16, spare=8)
+    q = torch.randn(3, 2, 3, 16)
+    length = torch.tensor([40, 7, 0])
+    out = int8_key_estimate(q, codes, side, 0.5, length=length)
+    ref = int8_key_estimate_reference(q, codes, side, 0.5, length=length)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert torch.isinf(out[1, :, :, 7:]).all() and torch.isfinite(out[1, :, :, :7]).all()
+    assert torch.isinf(out[2]).all()
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(out[finite], ref[finite], rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
+def test_bound_from_kernel_estimate_is_certified():
+    """The bound built on the kernel's estimate is never below the exact score (computed in float64)."""
+    keys, codes, side = _index(2, 3, 700, 64, seed=3)
+    q = torch.randn(2, 3, 9, 64, generator=torch.Generator().manual_seed(4)) * 3
+    bound, estimate = int8_key_bounds(q, codes, side, 0.125)
+    exact = (q.double() @ keys.double().transpose(-1, -2)) * 0.125
+    assert (bound.double() >= exact).all()
+    # and the estimate is the score of the int8 reconstruction, within the bound's slack
+    k_hat = codes.double() * side[..., :1].double()
+    slack = 0.125 * q.double().norm(dim=-1, keepdim=True) * SKETCH_SLACK * side[..., 2].double()[:, :, None]
+    assert ((estimate.double() - (q.double() @ k_hat.transpose(-1, -2)) * 0.125).abs() <= slack).all()
+    picked = torch.tensor([[5, 0, 699]]).expand(2, 3, 9, 3)  # a few rows per query row, as the top-j rule gathers
+    gathered = side[:, :, None].expand(2, 3, 9, 700, 3).gather(3, picked[..., None].expand(2, 3, 9, 3, 3))
+    assert torch.equal(int8_bound_from(estimate.gather(-1, picked), q, gathered, 0.125), bound.gather(-1, picked))
+
+
+def test_torch_mode_takes_the_reference(monkeypatch):
+    _, codes, side = _index(1, 3, 100, 64)
+    q = torch.randn(1, 3, 3, 64)
+    monkeypatch.setenv("KVZOO_KERNELS", "torch")
+    assert torch.equal(int8_key_estimate(q, codes, side, 0.3), int8_key_estimate_reference(q, codes, side, 0.3))
+
+
+def test_unsupported_inputs_take_the_reference():
+    _, codes, side = _index(1, 2, 50, 12)  # D = 12: not a multiple of the kernel's 8 lanes
+    q = torch.randn(1, 2, 3, 12)
+    assert not cpu_native.int8_estimate_supported(q, codes, side)
+    assert torch.equal(int8_key_estimate(q, codes, side, 0.3), int8_key_estimate_reference(q, codes, side, 0.3))
+    _, codes8, side8 = _index(1, 2, 50, 16)
+    column_major = codes8.transpose(-1, -2).contiguous().transpose(-1, -2)  # rows not contiguous
+    assert not cpu_native.int8_estimate_supported(torch.randn(1, 2, 3, 16), column_major, side8)
+
+
+def test_no_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("KVZOO_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_native.library.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, codes, side = _index(1, 3, 60, 64)
+            q = torch.randn(1, 3, 3, 64)
+            out = int8_key_estimate(q, codes, side, 0.2)
+            int8_key_estimate(q, codes, side, 0.2)
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(messages) == 1 and "no C compiler" in messages[0] and "PyTorch reference" in messages[0]
+        assert torch.equal(out, int8_key_estimate_reference(q, codes, side, 0.2))
+    finally:
+        cpu_native.library.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize(("B", "G", "hq", "D", "rows", "spare", "j"), [
+    (1, 3, 3, 64, 900, 0, 16), (2, 3, 9, 64, 300, 20, 16), (2, 1, 5, 128, 40, 0, 8), (1, 2, 3, 16, 10, 6, 16),
+    (2, 2, 2, 8, 1, 3, 1),
+])
+def test_fused_choose_matches_reference(B, G, hq, D, rows, spare, j):
+    from kvzoo.kernels.index_scan import fused_choose_applies, int8_choose, int8_choose_reference
+
+    _, codes, side = _index(B, G, rows + spare, D, seed=5)
+    q = torch.randn(B, G, hq, D, generator=torch.Generator().manual_seed(6))
+    length = torch.tensor([rows] + [max(1, rows // 2)] * (B - 1))
+    j = min(j, codes.shape[2])
+    exact = int8_key_estimate_reference(q, codes, side, 0.125, length=length)
+    # thresholds in the estimates' range: some heads keep most of their top rows, some few
+    threshold = exact.masked_fill(torch.isinf(exact), float("nan")).nanquantile(0.97, dim=-1) - torch.rand(B, G, hq)
+    archived = codes.shape[2] + 3  # the archive may hold more rows than the index scans (a fixed capacity)
+    assert fused_choose_applies(q, codes, side, j)
+    idx, picked = int8_choose(q, codes, side, threshold, j, archived, 0.125, length=length)
+    ref_idx, ref_picked = int8_choose_reference(q, codes, side, threshold, j, archived, 0.125, length=length)
+    assert idx.shape == picked.shape == (B, G, hq * j)
+    assert torch.equal(picked, ref_picked) and torch.equal(idx[picked], ref_idx[ref_picked])
+    assert torch.equal(idx, ref_idx)
+    assert picked.any()  # the test chooses something
+    live = length.view(B, 1, 1).expand_as(idx)
+    assert (idx[picked] < live[picked]).all()  # never a row past a sequence's live rows
+
+
+def test_fused_choose_falls_back_in_torch_mode(monkeypatch):
+    from kvzoo.kernels.index_scan import fused_choose_applies, int8_choose, int8_choose_reference
+
+    _, codes, side = _index(1, 3, 64, 64)
+    q = torch.randn(1, 3, 3, 64)
+    threshold = torch.zeros(1, 3, 3)
+    monkeypatch.setenv("KVZOO_KERNELS", "torch")
+    assert not fused_choose_applies(q, codes, side, 16)
+    got = int8_choose(q, codes, side, threshold, 16, 64, 0.125)
+    want = int8_choose_reference(q, codes, side, threshold, 16, 64, 0.125)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
