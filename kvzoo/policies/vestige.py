@@ -23,6 +23,7 @@ import torch
 from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.policy import Counters, Policy, RowsView, forced_priority, recent_and_sinks, require_int
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
+from kvzoo.kernels import cpu_native
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
     SKETCH_SLACK_FP16,
@@ -30,7 +31,6 @@ from kvzoo.kernels.index_scan import (
     index_scan,
     index_scan_reduce,
     int8_bound_from,
-    int8_choose,
     int8_key_bounds,
     int8_key_entries,
     int8_key_estimate,
@@ -361,7 +361,8 @@ class SketchIndex(RetrievalState):
         j = min(self.config.j, codes.shape[2])
         if q_len == 1 and fused_choose_applies(q, codes, side, j):  # a decode step: scan, top-j, bounds, union
             archived = archive.keys.shape[2] if archive is not None else codes.shape[2]
-            staged = int8_choose(q, codes, side, s_star.reshape(B, G, hq), j, archived, scaling, length=length)
+            staged = cpu_native.int8_choose(q, codes, side, s_star.reshape(B, G, hq), j, archived, scaling,
+                                            SKETCH_SLACK, length)  # checked once, above
             return Choice(staged=staged)
         estimate = int8_key_estimate(q, codes, side, scaling, length=length)  # [B, G, hq, m]
         top, rows = estimate.topk(min(self.config.j, estimate.shape[-1]), dim=-1)  # [B, G, hq, j]
