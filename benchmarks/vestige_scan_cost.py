@@ -15,7 +15,8 @@ import time
 import torch
 
 from kvzoo.framework.retrieval import ArchiveView, RowGeometry
-from kvzoo.policies.vestige import SketchIndex, VestigeRetriever
+from kvzoo.retrievers.sketch import SketchIndex
+from kvzoo.retrievers.vestige import VestigeRetriever
 
 
 def main() -> None:
@@ -35,8 +36,8 @@ def main() -> None:
             ("now: int8 keys, top-16 by estimate, margin 8", {}))
     with torch.no_grad():
         for label, options in arms:
-            state = SketchIndex(VestigeRetriever(**options), RowGeometry("gqa", 0, 0))
-            state.index({"keys": keys, "valid": valid}, keys, valid, empty)
+            state = VestigeRetriever(**options).new_state(RowGeometry("gqa", 0, 0))
+            state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), empty)
             for _ in range(3):
                 state.choose(q, best, 0.125, view)
             start = time.perf_counter()

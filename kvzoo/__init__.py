@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "TieredCache": "kvzoo.framework.cache",
-    "CacheStats": "kvzoo.framework.store",
+    "CacheStats": "kvzoo.framework.stats",
     "Policy": "kvzoo.framework.policy",
     "RowsView": "kvzoo.framework.policy",
 }

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvzoo import TieredCache, registry
-from kvzoo.framework.cache import TieredLayer
+from kvzoo.framework.layer import KVLayer
 from kvzoo.framework.policy import Policy, RowsView
 from kvzoo.policies.full import Full
 from kvzoo.policies.streaming_llm import StreamingLLM
@@ -64,13 +64,13 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         self.log: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        original = TieredLayer.update
+        original = KVLayer.update
 
         def update(layer, k, v, *a, **kw):
             self.log.setdefault(layer.layer_idx, []).append((k.clone(), v.clone()))
             return original(layer, k, v, *a, **kw)
 
-        monkeypatch.setattr(TieredLayer, "update", update)
+        monkeypatch.setattr(KVLayer, "update", update)
 
     def full(self, layer_idx):
         ks, vs = zip(*self.log[layer_idx])

@@ -134,7 +134,7 @@ def test_run_prints_the_layer_table_when_layers_differ(capsys: pytest.CaptureFix
 
 def test_run_summary_counts_rows_per_kv_group_and_shares_of_the_rows_seen():
     from kvzoo.cli import run_summary
-    from kvzoo.framework.store import CacheStats, LayerStats
+    from kvzoo.framework.stats import CacheStats, LayerStats
     from kvzoo.pipeline import GenerationResult
 
     def layer(i: int) -> LayerStats:

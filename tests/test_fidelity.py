@@ -18,7 +18,7 @@ from kvzoo.kernels.attention import window_attention
 from kvzoo.kernels.index_scan import page_bounds
 from kvzoo.models import tiny_llama
 from kvzoo.policies.h2o import H2O
-from kvzoo.policies.quest import PageIndex, QuestRetriever
+from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 from kvzoo.policies.snapkv import SnapKV
 from kvzoo.refmodel import CHECKPOINT_DIR
 
@@ -80,7 +80,7 @@ def test_quest_scores_a_question_and_answer_densely_like_full(tiny, ratio):
 def _page_index(keys, gqa="head", pages=None):
     state = PageIndex(QuestRetriever(gqa=gqa, pages=pages))
     valid = torch.ones(keys.shape[:3], dtype=torch.bool)
-    state.index({"keys": keys, "valid": valid}, keys, valid, None)
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), None)
     B, G, m = keys.shape[:3]
     return state, ArchiveView(keys, torch.arange(m).expand(B, G, m), valid, budget=None)
 
@@ -159,7 +159,7 @@ def quest_kvzoo_reads(query, keys, budget, page_size, rule):
     arch = keys[None, :, :archived]
     valid = torch.ones(arch.shape[:3], dtype=torch.bool)
     if archived:
-        state.index({"keys": arch, "valid": valid}, arch, valid, None)
+        state.index({"keys": arch, "valid": valid}, ArchiveView(arch, valid=valid), None)
     view = ArchiveView(arch, torch.arange(archived).expand(1, G, archived), valid, budget=budget)
     H = query.shape[0]
     if archived:

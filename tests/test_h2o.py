@@ -99,21 +99,20 @@ class AttentionLog:
                                  valid=key_valid.clone(), q_slots=query_slots.clone(), scaling=scaling)
             return real_attention(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs)
 
-        def decode_spy(rt, state, query, scaling):
-            store = state.store
-            order = store.get("slots").argsort(dim=-1)  # the tier may be out of slot order after one in, one out
-            keys = store.get("keys").gather(2, order[..., None].expand(*order.shape, store.get("keys").shape[-1]))
-            self._pending = dict(query=query.detach().clone(), keys=keys, slots=store.get("slots").gather(2, order),
-                                 valid=store.get("valid").gather(2, order),
-                                 q_slots=torch.tensor([store.seen - 1]), scaling=scaling)
-            return real_decode(rt, state, query, scaling)
+        def decode_spy(layer, query, scaling):
+            order = layer.get("slots").argsort(dim=-1)  # the tier may be out of slot order after one in, one out
+            keys = layer.get("keys").gather(2, order[..., None].expand(*order.shape, layer.get("keys").shape[-1]))
+            self._pending = dict(query=query.detach().clone(), keys=keys, slots=layer.get("slots").gather(2, order),
+                                 valid=layer.get("valid").gather(2, order),
+                                 q_slots=torch.tensor([layer.seen - 1]), scaling=scaling)
+            return real_decode(layer, query, scaling)
 
-        def after_forward(rt, state):
-            real_after_forward(rt, state)
+        def after_forward(rt, layer):
+            real_after_forward(rt, layer)
             entry, self._pending = self._pending, None
-            state.store.ensure_order()
-            entry.update(layer=state.layer_idx, kept_slots=state.store.get("slots").clone(),
-                         kept_scores=state.store.stats()["attention"].clone())
+            layer.ensure_order()
+            entry.update(layer=layer.layer_idx, kept_slots=layer.get("slots").clone(),
+                         kept_scores=layer.row_statistics()["attention"].clone())
             self.entries.append(entry)
 
         monkeypatch.setattr(attention, "attention_reference", attention_spy)

@@ -14,8 +14,9 @@ from kvzoo.kernels.index_scan import (
     index_scan_reduce_reference,
     index_scan_reference,
 )
-from kvzoo.policies.quest import PageIndex, QuestRetriever
-from kvzoo.policies.vestige import SketchIndex, VestigeRetriever
+from kvzoo.retrievers.quest import PageIndex, QuestRetriever
+from kvzoo.retrievers.sketch import SketchIndex
+from kvzoo.retrievers.vestige import VestigeRetriever
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +121,7 @@ def test_vestige_certified_rule_through_the_reduction_is_the_policys(tau):
     state = SketchIndex(cfg, RowGeometry("mla", dc, dr))
     keys = torch.randn(B, G, m, dc + dr, generator=g)
     valid = torch.ones(B, G, m, dtype=torch.bool)
-    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), _archive(keys[:, :, :0]))
     query = torch.randn(B, H, q_len, dc + dr, generator=g)
     best = ix.exact_scores(query, keys, 0.2).amax(-1) - 0.3  # s* per head and query [B, H, q]
     mask = state.choose(query, best, 0.2, _archive(keys)).mask
@@ -139,7 +140,7 @@ def test_quest_group_rule_through_the_reduction_is_the_policys():
     keys = torch.randn(B, G, m, D, generator=g)
     valid = torch.ones(B, G, m, dtype=torch.bool)
     valid[0, 1, 32:48] = False  # a page of padding only: empty in (0, 1)
-    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), _archive(keys[:, :, :0]))
     assert state.pages.get("empty")[0, 1, 2]
     query = torch.randn(B, H, 1, D, generator=g)
     scores = state.bounds(query, 0.9).view(B, G, H // G, 1, -1).amax(dim=2)[:, :, 0]  # [B, G, p]

@@ -6,7 +6,7 @@ import torch
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.adapters.mla import check_transformers_for
 from kvzoo.framework.attention import detach
-from kvzoo.framework.cache import TieredLayer
+from kvzoo.framework.layer import KVLayer
 from kvzoo.models import load_model, tiny_deepseek_v2, tiny_kimi_linear
 from kvzoo.policies.streaming_llm import StreamingLLM
 from tests.greedy import assert_same_greedy, generated_logits
@@ -83,18 +83,18 @@ def test_streaming_prefill_peak_and_equivalence(deepseek):
     policy = registry.get("streaming_llm", ratio=8)
     budget = 4096 // 8
     seen_peaks = []
-    original = TieredLayer.update
+    original = KVLayer.update
 
     def update(layer, *a, **kw):
         out = original(layer, *a, **kw)
         seen_peaks.append(layer.num_rows)
         return out
 
-    TieredLayer.update = update
+    KVLayer.update = update
     try:
         r = pipeline.generate(deepseek, None, ids[0], ids[0, :4], policy, max_new_tokens=2, chunk_size=512)
     finally:
-        TieredLayer.update = original
+        KVLayer.update = original
     assert max(seen_peaks) <= budget + 512
     for s in r.stats.layers:
         assert s.peak_resident_rows <= budget + 512 and s.resident_rows == budget
@@ -109,18 +109,18 @@ def test_streaming_prefill_peak_and_equivalence(deepseek):
 
 def test_partition_invariant_mla(mla):
     log = {}
-    original = TieredLayer.update
+    original = KVLayer.update
 
     def update(layer, k, v, *a, **kw):
         log.setdefault(layer.layer_idx, []).append(k.clone())
         return original(layer, k, v, *a, **kw)
 
-    TieredLayer.update = update
+    KVLayer.update = update
     try:
         cache = TieredCache(mla, StreamingLLM(budget=50))
         _generate(mla, _ids(200, seed=4), cache, n=10)
     finally:
-        TieredLayer.update = original
+        KVLayer.update = original
     for layer in cache.tiered_layers:
         rows = torch.cat(log[layer.layer_idx], dim=2)  # [1, 1, T, 576]
         arc = layer.archive.tensors()

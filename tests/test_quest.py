@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.retrieval import ArchiveView, build_retriever
 from kvzoo.kernels.index_scan import exact_scores, page_bounds
-from kvzoo.policies.quest import PageIndex, QuestRetriever
+from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 
 
 def _archive(keys, budget=None):
@@ -20,7 +20,7 @@ def _archive(keys, budget=None):
 def _index(state, keys):
     """Archive ``keys`` (all valid) into the page index ``state``."""
     valid = torch.ones(keys.shape[:3], dtype=torch.bool)
-    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), _archive(keys[:, :, :0]))
 
 
 @settings(max_examples=60, deadline=None)

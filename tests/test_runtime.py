@@ -19,9 +19,11 @@ from kvzoo.framework.retriever import ArchiveView, RowGeometry
 from kvzoo.kernels.index_scan import exact_scores
 from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
 from kvzoo.policies.h2o import H2O
-from kvzoo.policies.quest import PageIndex, Quest, QuestRetriever
+from kvzoo.policies.quest import Quest
+from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 from kvzoo.policies.streaming_llm import StreamingLLM
-from kvzoo.policies.vestige import SketchIndex, VestigeRetriever
+from kvzoo.retrievers.sketch import SketchIndex
+from kvzoo.retrievers.vestige import VestigeRetriever
 
 BUILDERS = {"deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}
 
@@ -161,17 +163,23 @@ def test_step_victim_is_the_row_select_leaves_out(n, pad, sinks, seed, policy):
 
 
 def test_per_step_eviction_moves_rows_in_place_and_keeps_the_partition(tiny_llama_model):
-    """streaming_llm step by step: the tier never reallocates between steps, and every row is in one place."""
+    """streaming_llm step by step: the tier's position list never reallocates between steps (one index moves per
+    step), the rows stay where they were written (the storage grows geometrically: a few reallocations over 40
+    steps), and every row is in one place."""
     model = tiny_llama_model
     cache = TieredCache(model, StreamingLLM(budget=48))
     ids = _ids(200, seed=3, vocab=256)
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
         layer = cache.layers[0]
-        buffer = layer.tier.buffers["keys"].data_ptr()
+        positions = layer.tier.buffers["pos"].data_ptr()
+        moves, rows = 0, layer.rows.buffers["keys"].data_ptr()
         for step in range(40):
             model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
-            assert layer.tier.buffers["keys"].data_ptr() == buffer and layer.num_rows == 48
+            assert layer.tier.buffers["pos"].data_ptr() == positions and layer.num_rows == 48
+            moves += layer.rows.buffers["keys"].data_ptr() != rows
+            rows = layer.rows.buffers["keys"].data_ptr()
+        assert moves <= 2
     slots = torch.cat([layer.slots, layer.archive.tensors()["slots"]], dim=2)
     assert torch.equal(slots.sort(dim=2).values[0, 0], torch.arange(240))
     assert layer.slots[0, 0, :4].tolist() == [0, 1, 2, 3] and layer.slots[0, 0, -1].item() == 239
@@ -260,13 +268,13 @@ def _peak_extra_mib(fn):
 
 def _sketch_state(keys, valid):
     state = SketchIndex(VestigeRetriever(j=16), RowGeometry("mla", 512, 64))
-    state.index({"keys": keys, "valid": valid}, keys[:, :, :2048], valid[:, :, :2048], None)
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys[:, :, :2048], valid=valid[:, :, :2048]), None)
     return state
 
 
 def _page_state(keys, valid):
     state = PageIndex(QuestRetriever())
-    state.index({"keys": keys, "valid": valid}, keys, valid, None)
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), None)
     return state
 
 

@@ -68,23 +68,25 @@ def _ids(model, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
 
 
 def _owned(cache: TieredCache) -> dict[str, int]:
-    """Storage pointer of every tensor the cache's tiered layers own: tier, archive, index, lengths, counters."""
+    """Storage pointer of every tensor the cache's tiered layers own: rows, views, index, lengths, counters."""
     out = {}
     for layer in cache.tiered_layers:
-        state, store = layer.state, layer.state.store
-        for where, rows in (("tier", store.tier), ("archive", store.archive)):
+        for where, rows in (("rows", layer.rows), ("tier", layer.tier), ("archived", layer.archived)):
             for name, buf in rows.buffers.items():
                 out[f"{layer.layer_idx}.{where}.{name}"] = buf.data_ptr()
-            out[f"{layer.layer_idx}.{where}.length"] = rows.length.data_ptr()
-        out[f"{layer.layer_idx}.seen"] = store.seen_dev.data_ptr()
-        out[f"{layer.layer_idx}.fetched"] = state.fetched_rows.data_ptr()
-        for attr in ("rows", "pages"):
-            index_rows = getattr(state.index, attr, None)
+            if rows.length is not None:
+                out[f"{layer.layer_idx}.{where}.length"] = rows.length.data_ptr()
+        out[f"{layer.layer_idx}.seen"] = layer.seen_dev.data_ptr()
+        out[f"{layer.layer_idx}.fetched"] = layer.fetched_rows.data_ptr()
+        index = layer.index
+        for owner, attr in ((index, "rows"), (getattr(index, "summary", None), "pages")):
+            index_rows = getattr(owner, attr, None)
             if index_rows is not None and hasattr(index_rows, "buffers"):
                 for name, buf in index_rows.buffers.items():
                     out[f"{layer.layer_idx}.index.{attr}.{name}"] = buf.data_ptr()
+        summary = getattr(index, "summary", None)
         for attr in ("count", "open_min", "open_max"):
-            value = getattr(state.index, attr, None)
+            value = getattr(summary, attr, None)
             if isinstance(value, torch.Tensor):
                 out[f"{layer.layer_idx}.index.{attr}"] = value.data_ptr()
     return out
@@ -93,7 +95,7 @@ def _owned(cache: TieredCache) -> dict[str, int]:
 def _steady(cache: TieredCache) -> tuple[int, ...]:
     """What changes at an event: selections over the tier and storage growths, per layer."""
     return tuple(x for layer in cache.tiered_layers
-                 for x in (layer.state.store.selections, layer.state.store.tier.growths, layer.state.store.archive.growths))
+                 for x in (layer.selections, layer.rows.growths, layer.tier.growths, layer.archived.growths))
 
 
 def _decode_traces(model, policy, *, steps: int = STEPS):

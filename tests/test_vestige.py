@@ -12,7 +12,9 @@ from kvzoo.framework.policy import RowsView
 from kvzoo.framework.retrieval import ArchiveView, RowGeometry, build_retriever
 from kvzoo.kernels.index_scan import exact_scores, sketch_bounds
 from kvzoo.models import tiny_kimi_linear
-from kvzoo.policies.vestige import SketchIndex, VestigeRetriever, branch_sigma
+from kvzoo.policies.vestige import branch_sigma
+from kvzoo.retrievers.sketch import SketchIndex
+from kvzoo.retrievers.vestige import VestigeRetriever
 
 
 def dft_sigma(x: torch.Tensor, kappa: int) -> torch.Tensor:
@@ -125,7 +127,7 @@ def _index_for(c, r, rank, certified=False, tau=8.0, j=16, j_margin=8.0):
     state = SketchIndex(cfg, RowGeometry("mla", c.shape[-1], r.shape[-1]))
     keys = torch.cat([c, r], -1)
     valid = torch.ones(keys.shape[:3], dtype=torch.bool)
-    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), _archive(keys[:, :, :0]))
     return state, keys
 
 

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from kvzoo.framework.retrieval import RowGeometry
 from kvzoo.kernels.index_scan import exact_scores, int8_page_bounds, int8_page_entries
-from kvzoo.policies.vestige import PagedKeyIndex, SketchIndex, VestigeRetriever
+from kvzoo.retrievers.paged import PagedKeyIndex
+from kvzoo.retrievers.int8 import Int8KeyIndex
+from kvzoo.retrievers.vestige import VestigeRetriever
 
 
 def _paged(capacity=None, **options) -> PagedKeyIndex:
@@ -23,7 +25,7 @@ def _paged(capacity=None, **options) -> PagedKeyIndex:
 def _feed(state, keys, valid, chunks):
     start = 0
     for k in chunks:
-        state.index({"keys": keys[:, :, start : start + k], "valid": valid[:, :, start : start + k]}, None, None, None)
+        state.index({"keys": keys[:, :, start : start + k], "valid": valid[:, :, start : start + k]}, None, None)
         start += k
 
 
@@ -87,7 +89,7 @@ def test_summaries_do_not_depend_on_how_rows_arrive(chunks, size, fixed, pad, se
     pages = -(-m // size)
     for name in ("codes", "scale", "empty"):
         assert torch.equal(whole.pages.reading(name)[:, :, :pages], parts.pages.reading(name)[:, :, :pages]), name
-    assert int(parts.pages.length) == pages and parts.paged == m
+    assert int(parts.pages.length) == pages and parts.summary.rows == m
     query = torch.randn(2, 4, 2, 8, generator=g)
     bound = parts.bounds(query, 0.5)[..., :pages]
     best = _page_best(exact_scores(query, keys, 0.5), valid, size)
@@ -126,7 +128,7 @@ def test_options_and_layouts():
         VestigeRetriever(index="paged", fine_pages=0)
     with pytest.raises(ValueError, match="GQA rows"):
         VestigeRetriever(index="paged").new_state(RowGeometry("mla", 512, 64))
-    assert type(VestigeRetriever(index="int8").new_state(RowGeometry("gqa", 0))) is SketchIndex
+    assert type(VestigeRetriever(index="int8").new_state(RowGeometry("gqa", 0))) is Int8KeyIndex
 
 
 def test_beam_reordering_follows_the_pages():
@@ -140,7 +142,7 @@ def test_beam_reordering_follows_the_pages():
     _feed(alone, keys[[1, 1]], valid, [20])
     assert torch.equal(state.pages.get("codes"), alone.pages.get("codes"))
     state.repeat_batch(2)
-    assert state.pages.get("codes").shape[0] == 4 and state.open_min.shape[0] == 4
+    assert state.pages.get("codes").shape[0] == 4 and state.summary.open_min.shape[0] == 4
 
 
 def test_certified_mode_reads_every_row_as_the_int8_index_does():

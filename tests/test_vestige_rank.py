@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from kvzoo.framework.retrieval import ArchiveView, RowGeometry
 from kvzoo.kernels.index_scan import exact_scores
-from kvzoo.policies.vestige import SketchIndex, VestigeRetriever
+from kvzoo.retrievers.sketch import SketchIndex
+from kvzoo.retrievers.vestige import VestigeRetriever
 
 
 def _archive(keys):
@@ -20,9 +21,9 @@ def _archive(keys):
 
 def _index(keys, layout, dc, **options):
     dr = keys.shape[-1] - dc if layout == "mla" else 0
-    state = SketchIndex(VestigeRetriever(**options), RowGeometry(layout, dc if layout == "mla" else 0, dr))
+    state = VestigeRetriever(**options).new_state(RowGeometry(layout, dc if layout == "mla" else 0, dr))
     valid = torch.ones(keys.shape[:3], dtype=torch.bool)
-    state.index({"keys": keys, "valid": valid}, keys, valid, _archive(keys[:, :, :0]))
+    state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), _archive(keys[:, :, :0]))
     return state
 
 
@@ -47,7 +48,7 @@ def test_bound_upper_bounds_exact_score(layout, m, dc, dr, rank, groups, hpg, ma
     if dtype != "int8":
         assert state.rows.get("entries").dtype == (torch.float16 if dtype == "float16" else torch.float32)
     assert (bound >= exact_scores(query, keys, 0.125)).all()
-    _, estimate = state._bounds_and_estimates(query, 0.125)
+    _, estimate = state.bounds_and_estimates(query, 0.125)
     assert (estimate <= bound + 1e-3 * bound.abs().clamp(min=1)).all()
 
 
@@ -65,7 +66,7 @@ def test_estimate_is_the_in_span_score():
     query = torch.randn(1, 2, 1, 24, generator=g)
     for layout, dc in (("gqa", 24), ("mla", 16)):
         state = _index(keys, layout, dc, rank=dc, index="sketch")
-        _, estimate = state._bounds_and_estimates(query, 0.5)
+        _, estimate = state.bounds_and_estimates(query, 0.5)
         torch.testing.assert_close(estimate, exact_scores(query, keys, 0.5), atol=1e-4, rtol=1e-4)
 
 
@@ -148,7 +149,7 @@ def test_int8_estimate_ranks_like_exact_and_certified_mode_is_sound():
     query = torch.randn(1, 4, 1, 32, generator=g)
     state = _index(keys, "gqa", 32, j=4)
     exact = exact_scores(query, keys, 0.3)
-    _, estimate = state._bounds_and_estimates(query, 0.3)
+    _, estimate = state.bounds_and_estimates(query, 0.3)
     assert (estimate - exact).abs().max() < 0.05 * exact.abs().max()
     s_star = exact.amax(-1) - 1.0  # [1, 4, 1]
     cert = _index(keys, "gqa", 32, certified=True, tau=0.5)

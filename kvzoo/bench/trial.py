@@ -25,7 +25,7 @@ from kvzoo.bench.planner import TEACHER_FORCING
 from kvzoo.bench.tasks import Task
 from kvzoo.framework.cache import TieredCache, dense_prefill_problem
 from kvzoo.framework.policy import Policy
-from kvzoo.framework.store import LayerStats
+from kvzoo.framework.stats import LayerStats
 from kvzoo.pipeline import QUESTION_POSITIONS, build_prompt
 
 

@@ -24,7 +24,6 @@ kvzoo to a model changes nothing for code that does not use a ``TieredCache``.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,18 +33,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvzoo.framework.layer_state import LayerState
+from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
 from kvzoo.framework.retrieval import Fetched
-from kvzoo.framework.runtime import Runtime
 from kvzoo.framework.step import decode_step
 from kvzoo.kernels.attention import attention_reference, attention_sdpa, sink_window_mask
 
 ATTN_NAME = "kvzoo"
 
-# The cache layer whose ``update`` ran last in this context (it has ``runtime``, ``state``,
-# ``returned_keys`` and ``layer_idx``); the attention function picks it up and checks that the key
-# tensor it was handed is that layer's attended tier (identity, not equality).
-ACTIVE_LAYER: contextvars.ContextVar[Any] = contextvars.ContextVar("kvzoo_active_layer", default=None)
 
 
 def padding_mask(
@@ -66,8 +60,6 @@ def padding_mask(
     multi-token forward returns None when nothing is padding (one host check per forward); a
     decode step returns the mask unchecked, so the step never waits for the device.
     """
-    # a new forward of the model begins: a layer a failed forward left pending belongs to no forward now
-    ACTIVE_LAYER.set(None)
     if q_length is None:
         q_length = kwargs["cache_position"].shape[0]
     if attention_mask is None:
@@ -94,8 +86,12 @@ def kvzoo_attention(
     """Attention over ``key``/``value`` (``[B, G, n, D]``) for ``query [B, H, q, D]``; returns ``[B, q, H, Dv]``."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    layer = ACTIVE_LAYER.get()
-    ACTIVE_LAYER.set(None)
+    # the layer whose update() just ran: transformers >= 5.3 hands update() this call's keyword arguments and the
+    # layer names itself there; older versions leave it in ACTIVE_LAYER (framework/layer.py)
+    layer = kwargs.pop("kvzoo_layer", None)
+    if layer is None and ACTIVE_LAYER.get() is not None:  # transformers < 5.3
+        layer = ACTIVE_LAYER.get()
+        ACTIVE_LAYER.set(None)
     if layer is None or key is not layer.returned_keys:
         if (layer is not None and layer.layer_idx == getattr(module, "layer_idx", None)
                 and layer.returned_keys is not None and key.shape == layer.returned_keys.shape):
@@ -105,7 +101,7 @@ def kvzoo_attention(
             )
         return _plain_attention(query, key, value, attention_mask, scaling), None
     layer.check_owner(module, appended=True)  # another model's attention (one that had a TieredCache too)
-    out = tiered_attention(layer.runtime, layer.state, query, attention_mask, scaling)
+    out = tiered_attention(layer, query, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -132,14 +128,14 @@ def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor
 # --- the tiered path ---------------------------------------------------------------------------------
 
 
-def _begin(state: LayerState, attention_mask: torch.Tensor | None, scaling: float) -> None:
-    ACTIVE_LAYER.set(None)
-    state.scaling = scaling
-    state.store.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
+def _begin(layer: KVLayer, attention_mask: torch.Tensor | None, scaling: float) -> None:
+    layer.runtime.pending = None  # this layer's attention runs through kvzoo
+    layer.scaling = scaling
+    layer.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
 
 
-def _query_slots(state: LayerState, q_len: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(state.store.seen - q_len, state.store.seen, device=device)
+def _query_slots(layer: KVLayer, q_len: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(layer.seen - q_len, layer.seen, device=device)
 
 
 def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
@@ -163,29 +159,27 @@ class MultiTokenRows:
     plain_causal: bool  # no padding, the forward's rows last, all others visible: bottom-right causal is exact
 
 
-def _multi_rows(
-    rt: Runtime, state: LayerState, index_query: Callable[[], torch.Tensor], scaling: float
-) -> MultiTokenRows:
+def _multi_rows(layer: KVLayer, index_query: Callable[[], torch.Tensor], scaling: float) -> MultiTokenRows:
     """The ordered tier plus what the retriever fetches for ``index_query()`` (built only if it scans)."""
-    store = state.store
-    store.ensure_order()  # the forward's own rows last, every older row before them
-    keys, values = store.get("keys"), store.values()
-    slots, valid = store.get("slots"), store.get("valid")
+    rt = layer.runtime
+    layer.ensure_order()  # the forward's own rows last, every older row before them
+    keys, values = layer.get("keys"), layer.get("values")
+    slots, valid = layer.get("slots"), layer.get("valid")
     fetched = None
-    if state.index is not None and store.archive.n > 0:
-        fetched = rt.retrieval.fetch_forward(state, index_query(), scaling)
+    if layer.index is not None and layer.archived.n > 0:
+        fetched = rt.retrieval.fetch_forward(layer, index_query(), scaling)
     else:
-        rt.account_attended(state)
-    n = store.n
+        rt.account_attended(layer)
+    n = layer.n
     if fetched is None:
-        return MultiTokenRows(keys, values, slots, valid, slice(0, n), store.all_valid)
+        return MultiTokenRows(keys, values, slots, valid, slice(0, n), layer.all_valid)
     f_values = _fetched_values(fetched, values.shape[-1])
     if fetched.dense:
         m = fetched.keys.shape[2]
         return MultiTokenRows(
             torch.cat([fetched.keys, keys], dim=2), torch.cat([f_values, values], dim=2),
             torch.cat([fetched.slots, slots], dim=2), torch.cat([fetched.valid, valid], dim=2), slice(m, m + n),
-            store.all_valid,
+            layer.all_valid,
         )
     return MultiTokenRows(
         torch.cat([keys, fetched.keys], dim=2), torch.cat([values, f_values], dim=2),
@@ -193,31 +187,30 @@ def _multi_rows(
     )
 
 
-def _window_mask(rt: Runtime, state: LayerState, rows: MultiTokenRows, q_len: int, groups: int) -> torch.Tensor | None:
+def _window_mask(layer: KVLayer, rows: MultiTokenRows, q_len: int, groups: int) -> torch.Tensor | None:
     """The policy's per-token window over the tier's rows for a multi-token forward (None: none)."""
-    if rt.policy.is_dense(state.layer_rank):
+    rt = layer.runtime
+    if rt.policy.is_dense(layer.rank):
         return None
-    budget = rt.budget(state)
+    budget = rt.resolve_budget(layer)
     window = rt.policy.multi_token_window(budget) if budget is not None else None
     if window is None:
         return None
-    tier_valid = state.store.get("valid")
+    tier_valid = layer.get("valid")
     mask = torch.ones(*rows.valid.shape[:2], q_len, rows.valid.shape[2], dtype=torch.bool, device=tier_valid.device)
     mask[..., rows.tier] = sink_window_mask(tier_valid, q_len, *window).expand(rows.valid.shape[0], groups, -1, -1)
     return mask
 
 
-def _multi(
-    rt: Runtime, state: LayerState, query: torch.Tensor, rows: MultiTokenRows, scaling: float, *, sdpa: bool
-) -> torch.Tensor:
+def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: float, *, sdpa: bool) -> torch.Tensor:
     """A multi-token forward over ``rows``: ``[B, H, q, Dv]``."""
-    q_slots = _query_slots(state, query.shape[2], query.device)
-    extra = _window_mask(rt, state, rows, query.shape[2], rows.valid.shape[1]) if query.shape[2] > 1 else None
-    if rt.accumulates:
+    q_slots = _query_slots(layer, query.shape[2], query.device)
+    extra = _window_mask(layer, rows, query.shape[2], rows.valid.shape[1]) if query.shape[2] > 1 else None
+    if layer.runtime.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                         column_sums=True, extra_mask=extra)
-        stat = state.store.get("stat:attention")  # [B, G, n]; MLA's per-head rows sum into their one group
-        stat += sums[..., rows.tier].reshape(*stat.shape[:2], -1, stat.shape[2]).sum(dim=2)
+        B, G = layer.batch_groups
+        layer.accumulate_rows(sums[..., rows.tier].reshape(B, G, -1, layer.n).sum(dim=2))  # MLA: heads into one group
         return out
     if sdpa:
         return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
@@ -227,21 +220,21 @@ def _multi(
     return out
 
 
-def tiered_attention(
-    rt: Runtime, state: LayerState, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
-) -> torch.Tensor:
+def tiered_attention(layer: KVLayer, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
     """GQA/MHA attention of ``query [B, H, q, D]`` over one layer's tiers; returns ``[B, H, q, Dv]``.
 
     The rows of this forward must already be appended. Fires the policy's scheduled event for the
     layer afterwards.
     """
-    _begin(state, attention_mask, scaling)
-    rt.record_queries(state, query)
+    rt = layer.runtime
+    _begin(layer, attention_mask, scaling)
+    rt.record_queries(layer, query)
     if query.shape[2] == 1:
-        out = decode_step(rt, state, query, scaling)
+        out = decode_step(layer, query, scaling)
     else:
-        out = _multi(rt, state, query, _multi_rows(rt, state, lambda: query, scaling), scaling, sdpa=True)
-    rt.after_forward(state)
+        out = _multi(layer, query, _multi_rows(layer, lambda: query, scaling), scaling, sdpa=True)
+    rt.after_forward(layer)
     return out
 
 
@@ -293,36 +286,35 @@ class MLAQuery:
         return torch.einsum("bhqc,hvc->bhqv", latent, self.w_uv)
 
 
-def mla_attention(
-    rt: Runtime, state: LayerState, mq: MLAQuery, attention_mask: torch.Tensor | None, threshold: int
-) -> torch.Tensor:
+def mla_attention(layer: KVLayer, mq: MLAQuery, attention_mask: torch.Tensor | None, threshold: int) -> torch.Tensor:
     """MLA attention over one layer's latent rows; returns ``[B, H, q, v]`` (before ``o_proj``).
 
     A forward with fewer than ``threshold`` queries attends in absorbed form (scores over the
     576-dim rows, output latent then ``W_UV``); one with more decompresses the rows to per-head
     K/V and runs SDPA -- the same numbers either way, at the cheaper cost for its size.
     """
-    _begin(state, attention_mask, mq.scaling)
+    rt = layer.runtime
+    _begin(layer, attention_mask, mq.scaling)
     q_len = mq.q_nope.shape[2]
     window = rt.observation_window
-    rt.record_queries(state, mq.absorbed(last=min(window, q_len)) if window > 0 else None)
+    rt.record_queries(layer, mq.absorbed(last=min(window, q_len)) if window > 0 else None)
     if q_len == 1:
-        latent = decode_step(rt, state, mq.absorbed(), mq.scaling)
+        latent = decode_step(layer, mq.absorbed(), mq.scaling)
         out = mq.output(latent)
     elif q_len < threshold:
         query = mq.absorbed()
-        latent = _multi(rt, state, query, _multi_rows(rt, state, lambda: query, mq.scaling), mq.scaling, sdpa=False)
+        latent = _multi(layer, query, _multi_rows(layer, lambda: query, mq.scaling), mq.scaling, sdpa=False)
         out = mq.output(latent)
     else:
-        rows = _multi_rows(rt, state, mq.absorbed, mq.scaling)  # the index is over latent rows: absorbed queries
+        rows = _multi_rows(layer, mq.absorbed, mq.scaling)  # the index is over latent rows: absorbed queries
         keys, values = mq.decompress(rows.keys)
         query = torch.cat([mq.q_nope, mq.q_rope.to(mq.q_nope.dtype)], dim=-1)
         B, H = query.shape[:2]
         slots = rows.slots.expand(B, H, -1)  # one latent group serves every head
         valid = rows.valid.expand(B, H, -1)
         per_head = MultiTokenRows(keys, values, slots, valid, rows.tier, rows.plain_causal)
-        out = _multi(rt, state, query, per_head, mq.scaling, sdpa=True)
-    rt.after_forward(state)
+        out = _multi(layer, query, per_head, mq.scaling, sdpa=True)
+    rt.after_forward(layer)
     return out
 
 

@@ -1,6 +1,7 @@
 """Row buffers: named tensors that share a row axis, preallocated, with the live row count on the device too.
 
-The storage under a layer's tiers (``framework/store.py``) and under the retrievers' indexes (``policies/``);
+The storage under a layer's rows and views (``framework/layer.py``) and under the retrievers' indexes
+(``retrievers/``);
 torch only. A :class:`RowStore` holds named tensors ``[B, G, capacity, ...]`` (keys, values, slots, valid
 flags, per-row statistics) of which the first ``n`` rows along dim 2 are live. ``n`` is kept twice: as a
 Python int (``n``: the host's bookkeeping, what events and selectors slice by) and as a device tensor
@@ -182,6 +183,24 @@ class RowStore:
                 new[:, :, self.n :].fill_(self.empty[name])
             self.buffers[name] = new
         self._refresh()
+
+    def fix(self, capacity: int, empty: dict[str, Fill]) -> None:
+        """Make the store fixed-capacity (decode-step readers see whole buffers) with ``capacity`` rows (>= ``n``),
+        the rows past the live ones holding ``empty`` (e.g. a prefilled cache handed to a ``capacity`` cache)."""
+        self.settle()
+        self.fixed = True
+        self.empty = dict(empty)
+        old = self.capacity
+        self.resize(max(capacity, self.n))
+        if self.capacity == old:  # not reallocated: the spare rows still hold what a growing store left there
+            for buf in self.buffers.values():
+                buf[:, :, self.n :].zero_()
+            self._clear(self.n, self.capacity)
+
+    def add_field(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: Fill = 0) -> None:
+        """A new buffer ``name`` ``[B, G, capacity, *shape]`` beside the others, every row holding ``fill``."""
+        like = next(iter(self.buffers.values()))
+        self.buffers[name] = torch.full((*like.shape[:3], *shape), fill, dtype=dtype, device=like.device)
 
     def _shrunk_capacity(self, n: int) -> int:
         """After an eviction, a growing store gives memory back when it would be mostly empty."""

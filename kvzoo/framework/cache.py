@@ -1,40 +1,41 @@
-"""``TieredCache``: a transformers ``Cache`` that wires a layer store, a model adapter and the runtime.
+"""``TieredCache``: a transformers ``Cache`` that wires the layers, a model adapter and the runtime.
 
 Per layer and sequence, every row ever appended is in exactly one place (docs/architecture.md): the
-**attended tier** -- what every step attends to, whose storage really shrinks at a compression
-event -- or the **archive** (evicted rows, bit-exact; or dropped and counted with
-``archive=False``). The rows live in a :class:`~kvzoo.framework.store.LayerStore` per layer, a
-row's fate is decided by the :class:`~kvzoo.framework.runtime.Runtime`, and the model adapter
-attaches kvzoo's attention (``framework/adapters``).
+**attended tier** -- what every step attends to -- or the **archive** (evicted rows, bit-exact,
+left where they were written; or dropped and counted with ``archive=False``, which frees their
+memory at the event). Each layer is one :class:`~kvzoo.framework.layer.KVLayer` (its rows, its
+views, its index, its counters), a row's fate is decided by the
+:class:`~kvzoo.framework.runtime.Runtime`, and the model adapter attaches kvzoo's attention
+(``framework/adapters``).
 
 The cache honours transformers' narrow cache contract (``update``, ``get_seq_length``,
 ``get_mask_sizes``), so ``model.generate(..., cache=cache)`` works unchanged.
 ``get_seq_length`` reports the *true* sequence length (rows ever seen), so positions and masks
 keep counting real tokens after eviction, and decoding continues at the true position.
 
-Nothing points back up: a layer holds its store, its state and the runtime; the runtime holds the
-policy and the retriever configuration; no object refers to the cache. A dropped cache is freed at
-once, without waiting for the cycle collector.
+Nothing points back up: a layer holds its rows and the runtime; the runtime holds the policy and the
+retriever configuration; no object refers to the cache.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kvzoo.framework.adapters import adapter_for
-from kvzoo.framework.attention import ACTIVE_LAYER, attach
-from kvzoo.framework.layer_state import LayerState
+from kvzoo.framework.attention import attach
+from kvzoo.framework.layer import KVLayer
 from kvzoo.framework.names import policy_retriever, resolve_policy
 from kvzoo.framework.policy import Policy
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
 from kvzoo.framework.runtime import Runtime, RuntimeConfig
-from kvzoo.framework.store import CacheStats, LayerStats
+from kvzoo.framework.stats import CacheStats, LayerStats
 
 
 def _retriever_of(policy: Policy):
@@ -58,215 +59,6 @@ def dense_prefill_problem(policy: Policy) -> str | None:
     if policy.multi_token_window(1 << 30) is not None:
         return f"{policy.name!r} prefills with a window (token by token), not densely"
     return None
-
-
-class TieredLayer(CacheLayerMixin):
-    """One layer's rows (``state.store``) and runtime state, behind transformers' layer contract.
-
-    ``keys``, ``values``, ``slots``, ``valid`` and ``row_stats`` are snapshots of the attended tier
-    in sequence order (copies, safe to keep); ``archive`` is the archive's row store.
-    """
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    # the model's attention module of this layer (a weakref, set by TieredCache): the one forward allowed in
-    owner: Any = None
-    refused: str | None = None  # why the cache stopped taking forwards (another model's reached it)
-
-    def __init__(self, runtime: Runtime, layer_idx: int, layer_rank: int, *, reserve_rows: int | None = None,
-                 decompress_min_queries: int | None = None, auto_compress: bool = True) -> None:
-        self.is_initialized = False
-        self.runtime = runtime
-        self.layer_idx = layer_idx
-        self.layer_rank = layer_rank
-        self.reserve_rows = reserve_rows
-        self.decompress_min_queries = decompress_min_queries  # MLA: the threshold in effect
-        self.auto_compress = auto_compress
-        self.state: LayerState = runtime.new_layer(layer_idx, layer_rank)
-        self.returned_keys: torch.Tensor | None = None  # the view update() handed the model
-
-    # --- snapshots of the live rows, in sequence order ------------------------------------------------
-    @property
-    def store(self):
-        return self.state.store
-
-    def _ordered(self, name: str) -> torch.Tensor | None:
-        store = self.state.store
-        if not self.is_initialized or name not in store.tier:
-            return None
-        store.ensure_order()
-        return store.get(name).clone()
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._ordered("keys")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._ordered("values")
-
-    @property
-    def slots(self) -> torch.Tensor | None:
-        return self._ordered("slots")
-
-    @property
-    def valid(self) -> torch.Tensor | None:
-        return self._ordered("valid")
-
-    @property
-    def row_stats(self) -> dict[str, torch.Tensor]:
-        if not self.is_initialized:
-            return {}
-        self.state.store.ensure_order()
-        return {name: stat.clone() for name, stat in self.state.store.stats().items()}
-
-    @property
-    def archive(self):
-        return self.state.store.archive
-
-    @property
-    def tier(self):
-        return self.state.store.tier
-
-    @property
-    def retrieval(self):
-        return self.state.index
-
-    @property
-    def seen(self) -> int:
-        return self.state.store.seen
-
-    @property
-    def num_rows(self) -> int:
-        return self.state.store.n
-
-    # --- which model may use this layer ------------------------------------------------------
-    def check_owner(self, module: torch.nn.Module, *, appended: bool) -> None:
-        """Refuse (RuntimeError) a forward of ``module`` unless it is the attention module of this layer in the
-        model the cache was built for: another model, even one with a TieredCache of its own (so running kvzoo's
-        attention), and even one of the same architecture, would attend over rows it never wrote.
-        ``appended``: the forward's rows already went into this layer (GQA's ``update`` runs before the
-        attention); the cache then refuses every later forward until :meth:`reset` (``close()``)."""
-        owner = self.owner() if self.owner is not None else None
-        if owner is None or owner is module:
-            return
-        message = (
-            f"layer {self.layer_idx} of this TieredCache was reached by a forward of another model's attention "
-            f"({type(module).__name__} at {id(module):#x}, not the {type(owner).__name__} of the model of "
-            f"{self.runtime.num_layers} attention layers the cache was built for): a TieredCache belongs to the model "
-            "it was created for; create TieredCache(model, policy) for this model"
-        )
-        if appended:
-            message += (". This cache took that forward's rows before the check and can no longer be used: create a "
-                        "new one (close() empties it for reuse)")
-            self.refused = message
-        raise RuntimeError(message)
-
-    # --- transformers' layer contract --------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
-        geometry = self.runtime.geometry
-        latent = geometry.content_dim if geometry.layout == "mla" else None
-        self.state.store.define(key_states, value_states, self.runtime.policy.new_row_stats(),
-                                reserve=self.reserve_rows or 0, latent_width=latent, capacity=self.runtime.capacity)
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, *args: Any, **kwargs: Any):
-        """Append this forward's rows (``[B, G, q, D]``) to the attended tier; return the tier.
-
-        ``value_states`` is None for MLA layers, whose latent row serves as key and value.
-        """
-        if self.refused is not None:
-            raise RuntimeError(self.refused)
-        layout = self.runtime.geometry.layout
-        if (value_states is None) != (layout == "mla") or (
-                self.returned_keys is not None and (key_states.shape[1], key_states.shape[-1])
-                != (self.returned_keys.shape[1], self.returned_keys.shape[-1])):
-            got = "latent rows (MLA)" if value_states is None else f"keys and values of {key_states.shape[1]} KV heads"
-            raise RuntimeError(
-                f"layer {self.layer_idx} of this TieredCache was built for {'an MLA' if layout == 'mla' else 'a GQA'} "
-                f"model and received "
-                f"{got} of width {key_states.shape[-1]}: a TieredCache belongs to the model it was created for; "
-                "create TieredCache(model, policy) for this model"
-            )
-        pending = ACTIVE_LAYER.get()
-        if pending is not None and pending.runtime is self.runtime:
-            raise RuntimeError(
-                f"layer {pending.layer_idx} of this TieredCache received rows but its attention never ran through "
-                "kvzoo: the model using the cache does not run kvzoo's attention. A TieredCache belongs to the model "
-                "it was created for (it attaches kvzoo's attention to that model): create TieredCache(model, policy) "
-                "for this model. (If the previous forward failed midway, create a new cache.)"
-            )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        store = self.state.store
-        if key_states.shape[2] == 1 and self.auto_compress and not self.state.context_ended and store.seen:
-            # the prompt ended (generate's first decode step): compress it, as the pipeline's compress() does
-            self.runtime.fire(self.state, "context_end")
-        store.append(key_states, value_states)
-        ACTIVE_LAYER.set(self)
-        # what the attention reads: a decode step the tier as the step reads it (framework/step.py), a forward of
-        # several queries the live rows
-        read = store.reading if key_states.shape[2] == 1 else store.get
-        self.returned_keys = read("keys")
-        return self.returned_keys, (read("values") if value_states is not None else None)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Masks are sized by true sequence length; the attention function maps rows to columns by slot.
-        return self.state.store.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.state.store.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_max_cache_shape(self) -> int:  # the layer contract of transformers < 5.3 (kvpress's): unbounded
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.refused = None
-        self.state = self.runtime.new_layer(self.layer_idx, self.layer_rank)
-        self.returned_keys = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep batch elements ``indices`` (beam reordering): rows, archive and the retrieval index move together."""
-        if not self.is_initialized:
-            return
-        idx = indices.to(self.device)
-        state = self.state
-        state.store.select_batch(idx)
-        if state.window_queries is not None:
-            state.window_queries = state.window_queries.index_select(0, idx)
-        if state.index is not None:
-            state.index.select_batch(idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if not self.is_initialized:
-            return
-        state = self.state
-        state.store.repeat_batch(repeats)
-        if state.window_queries is not None:
-            state.window_queries = state.window_queries.repeat_interleave(repeats, dim=0)
-        if state.index is not None:
-            state.index.repeat_batch(repeats)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise RuntimeError(
-            "TieredCache cannot be cropped (assisted/speculative decoding rolls back rows that may already "
-            "be archived); use greedy or sampling generation"
-        )
-
-    def fire(self, event: str) -> None:
-        self.runtime.fire(self.state, event)
-
-    def stats(self) -> LayerStats:
-        return self.runtime.layer_stats(self.state)
 
 
 class TieredCache(Cache):
@@ -354,8 +146,8 @@ class TieredCache(Cache):
         reserve = context_length if context_length and not policy.requires_budget else None
         threshold = decompress_min_queries or shape.decompress_min_queries
         layers = [
-            TieredLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold,
-                        auto_compress=auto_compress)
+            KVLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold,
+                    auto_compress=auto_compress)
             if i in tiered else adapter.untiered_layer(i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
             for i in range(shape.num_layers)
         ]
@@ -392,9 +184,9 @@ class TieredCache(Cache):
         self.runtime.context_length = value
 
     @property
-    def tiered_layers(self) -> list[TieredLayer]:
+    def tiered_layers(self) -> list[KVLayer]:
         """The layers kvzoo compresses, in order (all layers on GQA; the MLA layers on Kimi Linear)."""
-        return [layer for layer in self.layers if isinstance(layer, TieredLayer)]
+        return [layer for layer in self.layers if isinstance(layer, KVLayer)]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, layer_idx: int, *args: Any,
                **kwargs: Any):
@@ -406,10 +198,10 @@ class TieredCache(Cache):
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def kvzoo_layer(self, layer_idx: int) -> TieredLayer | None:
-        """The tiered layer ``layer_idx`` (how an MLA adapter's forward finds the store for its rows)."""
+    def kvzoo_layer(self, layer_idx: int) -> KVLayer | None:
+        """The tiered layer ``layer_idx`` (how an MLA adapter's forward finds the layer for its rows)."""
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        return layer if isinstance(layer, TieredLayer) else None
+        return layer if isinstance(layer, KVLayer) else None
 
     def compress(self) -> None:
         """The context ended: fire the ``context_end`` event on every layer."""
@@ -418,46 +210,30 @@ class TieredCache(Cache):
 
     def stats(self) -> CacheStats:
         return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers],
-                          notes=self.runtime.notes([layer.state for layer in self.tiered_layers]))
+                          notes=self.runtime.notes(self.tiered_layers))
 
     def fork(self) -> TieredCache:
         """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
 
         What a benchmark needs to prefill and compress once and then continue several ways (answer,
         continuation, question): the copy's tensors are new; its adapter and :class:`RuntimeConfig` (policy,
-        retrieval tier, geometry) are this cache's, its per-cache state copied (:meth:`_clone`). A fork decodes eagerly (a CUDA graph belongs to
-        its cache's buffers).
+        retrieval tier, geometry) are this cache's, its per-cache state copied. A fork decodes eagerly (a CUDA graph
+        belongs to its cache's buffers).
         """
-        shared, states = self._copied((self.runtime.shared, self._layer_states()))  # one pass: shared storage stays so
-        return self._clone(Runtime(self.runtime.config, self.runtime.context_length, shared), states)
+        runtime = Runtime(self.runtime.config, self.runtime.context_length)
+        return self._clone(runtime, shared=True)
 
-    def _layer_states(self) -> list[Any]:
-        """What each layer holds of the sequence: a tiered layer's :class:`LayerState` (rows, archive, index,
-        counters, kept queries) and the view it last handed the model; a layer kvzoo does not tier (Kimi's KDA
-        layers) whole."""
-        return [(layer.state, layer.returned_keys) if isinstance(layer, TieredLayer) else layer for layer in self.layers]
-
-    def _clone(self, runtime: Runtime, states: list[Any]) -> TieredCache:
-        """A cache on the same model and adapter that runs with ``runtime`` and holds ``states`` (copies of
-        :meth:`_layer_states`); the rest of each layer (its index and rank, the module it belongs to, its settings)
-        is taken as it is."""
-        clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
-        clone.runtime, clone.graph = runtime, None
-        clone.layers = []
-        for layer, state in zip(self.layers, states):
-            if isinstance(layer, TieredLayer):
-                twin = copy.copy(layer)
-                twin.runtime, (twin.state, twin.returned_keys) = runtime, state
-                state = twin
-            clone.layers.append(state)
-        return clone
-
-    def _copied(self, state: Any) -> Any:
-        """A deep copy of ``state`` (tensors, counters), sharing the configuration objects it may point to (the
-        policy, the retrieval tier and its retriever: a retriever's index state may keep its retriever)."""
-        shared = (self.runtime.policy, self.runtime.retrieval, self.runtime.retriever)
+    def _clone(self, runtime: Runtime, *, shared: bool) -> TieredCache:
+        """A cache on the same model and adapter whose layers are deep copies of this one's (tensors, counters),
+        running with ``runtime`` (``shared``: with a copy of the policy's cross-layer scratch). The configuration
+        objects the layers point to -- the policy, the retrieval tier, its retriever -- are shared, not copied."""
+        old = self.runtime
+        memo = {id(obj): obj for obj in (old.policy, old.retrieval, old.retriever) if obj is not None}
+        memo[id(old)] = runtime
         try:
-            return copy.deepcopy(state, {id(obj): obj for obj in shared if obj is not None})
+            if shared:
+                runtime.shared = copy.deepcopy(old.shared, memo)
+            layers = copy.deepcopy(self.layers, memo)
         except RuntimeError as err:
             if "graph leaves" not in str(err):
                 raise
@@ -466,6 +242,9 @@ class TieredCache(Cache):
                 "enabled (model(ids, cache=cache) outside torch.no_grad()) -- and such tensors cannot be copied. A "
                 "cache needs no graph: fill it under torch.no_grad() (or torch.inference_mode()), then fork it"
             ) from None
+        clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
+        clone.runtime, clone.graph, clone.layers = runtime, None, layers
+        return clone
 
     def prefill_shared_with(self, policy: Policy | str) -> str | None:
         """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can.
@@ -476,8 +255,7 @@ class TieredCache(Cache):
         ``policy``'s observation window.
         """
         policy = resolve_policy(policy)
-        states = [layer.state for layer in self.tiered_layers]
-        if any(s.context_ended or s.budget is not None or s.store.archive.n for s in states):
+        if any(la.context_ended or la.budget is not None or la.archived.n or la.events for la in self.tiered_layers):
             return "this cache has compressed already (an event fired)"
         for role, p in (("this cache's policy", self.policy), ("the new policy", policy)):
             problem = dense_prefill_problem(p)
@@ -506,18 +284,41 @@ class TieredCache(Cache):
         problem = self.prefill_shared_with(policy)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
+        return self._continue_as(policy)
+
+    def transplant(self, policy: Policy | str, *, capacity: int | None = None,
+                   context_length: int | None = None) -> TieredCache:
+        """A new cache of ``policy`` that holds this cache's rows as they are -- whatever policy prefilled them --
+        with its retriever's index empty and its budget still to be fixed: a benchmark's way to hand every arm the
+        same rows (what follows them is the policy's own; a policy that would have acted during the prefill did
+        not). ``capacity``: the new cache's storage is preallocated for that many rows (``TieredCache(...,
+        capacity=N)``). Refused once this cache has compressed (its rows are no longer the prefill's)."""
+        policy = resolve_policy(policy)
+        if any(la.context_ended or la.budget is not None or la.archived.n or la.events for la in self.tiered_layers):
+            raise ValueError("transplant(): this cache has compressed already (an event fired)")
+        layout = self.adapter.geometry.layout
+        if layout not in policy.layouts:
+            raise ValueError(f"transplant(): policy {policy.name!r} supports layouts {policy.layouts}, this model is "
+                             f"{layout!r}")
+        return self._continue_as(policy, capacity=capacity, context_length=context_length)
+
+    def _continue_as(self, policy: Policy, *, capacity: int | None = None,
+                     context_length: int | None = None) -> TieredCache:
+        """This cache's rows, counters and kept queries (cut to ``policy``'s window), continued by ``policy`` with a
+        runtime of its own (its retriever with an empty index)."""
         retriever = _retriever_of(policy)
         old = self.runtime
         retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
-        runtime = Runtime(RuntimeConfig(policy, retrieval, old.geometry, old.num_layers),
-                          context_length=old.context_length)
-        clone = self._clone(runtime, self._copied(self._layer_states()))
+        geometry = old.geometry if capacity is None else dataclasses.replace(old.geometry, capacity=capacity)
+        runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, old.num_layers, old.record_window),
+                          context_length=context_length or old.context_length)
+        clone = self._clone(runtime, shared=False)
         window = runtime.observation_window
         for layer in clone.tiered_layers:
-            layer.state.index = retrieval.new_state(runtime.geometry) if retrieval is not None else None
-            queries = layer.state.window_queries
+            layer.continue_as(capacity=capacity)
+            queries = layer.window_queries
             if queries is not None:
-                layer.state.window_queries = queries[:, :, -window:].clone() if window > 0 else None
+                layer.window_queries = queries[:, :, -window:].clone() if window > 0 else None
         return clone
 
     def close(self) -> None:
@@ -535,4 +336,4 @@ class TieredCache(Cache):
         return f"TieredCache(policy={self.policy!r}, layers={len(self.layers)})"
 
 
-__all__ = ["TieredCache", "TieredLayer", "CacheStats", "LayerStats", "dense_prefill_problem"]
+__all__ = ["TieredCache", "KVLayer", "CacheStats", "LayerStats", "dense_prefill_problem"]

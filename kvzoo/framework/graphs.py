@@ -167,37 +167,20 @@ class DecodeGraph:
         self.captures = self.replays = self.eager_steps = 0
 
     def host_state(self) -> list:
-        """What holds the host's numbers of a step: each tiered layer's state, and the other cache layers (KDA)."""
-        return [getattr(layer, "state", layer) for layer in self.cache.layers]
+        """What holds the host's numbers of a step: the cache's layers (kvzoo's and the others, e.g. KDA)."""
+        return list(self.cache.layers)
 
     # --- when a step may replay -----------------------------------------------------------------------
     def step_kind(self) -> tuple | None:
-        """What the next decode step does per layer, from host counters alone (None: an event, run it eagerly)."""
+        """What the next decode step does per layer, as the runtime states it (:meth:`Runtime.next_step`), and
+        whether it retrieves (None: an event somewhere, run it eagerly)."""
         runtime = self.cache.runtime
-        policy = runtime.policy
         kinds = []
         for layer in self.cache.tiered_layers:
-            state, store = layer.state, layer.state.store
-            if not store.initialized or not state.context_ended:
-                return None  # the prompt's end (generate's first decode step) compresses: an event
-            n, seen = store.n + 1, store.seen + 1
-            if n > store.tier.capacity:
-                return None  # the tier grows
-            fate = "none"
-            if not policy.is_dense(state.layer_rank):
-                if policy.schedule == "step":
-                    target = policy.target_rows("step", budget=state.budget, resident=n,
-                                                block_rows=min(store.since_event + 1, n), seen=seen)
-                    if target is not None and target < n:
-                        if target != n - 1:
-                            return None  # a selection over the tier (not one in, one out)
-                        fate = "one"
-                        if store.archive.n + 1 > store.archive.capacity:
-                            return None  # the archive grows
-                elif policy.schedule == "block" and store.since_event + 1 >= (policy.block_size or 0):
-                    return None  # a block closes
-            retrieving = state.index is not None and store.archive.n > 0
-            kinds.append((fate, retrieving))
+            kind = runtime.next_step(layer)
+            if kind == "event":
+                return None
+            kinds.append((kind, layer.index is not None and layer.archived.n > 0))
         return tuple(kinds)
 
     # --- the forward -------------------------------------------------------------------------------------

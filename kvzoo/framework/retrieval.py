@@ -1,21 +1,21 @@
-"""The retrieval tier's mechanics: index the rows a layer archives, scan, stage, account, audit.
+"""The retrieval tier's mechanics: what a forward fetches from a layer's archive, and what it read.
 
 A :class:`Retrieval` (one per cache, beside the :class:`~kvzoo.framework.runtime.Runtime` that decides a row's
 fate) holds the retriever's configuration (``framework/retriever.py``: a dataclass that makes one
-:class:`~kvzoo.framework.retriever.RetrievalState` per layer) and the audit flag. Per forward it scans the
-layer's index with the forward's queries, stages the archived rows they name and records what the forward
-read:
+:class:`~kvzoo.framework.retriever.RetrievalState` per layer, which indexes the rows as they are archived) and the
+audit flag. Per forward it asks the layer's index which archived rows the forward's queries need and hands them
+to the attention where they lie in the layer's storage (no row is copied on the decode path), and records what
+the forward read:
 
-* a **decode step** (:meth:`Retrieval.fetch_step`) stages the retriever's candidates at a fixed count per
-  (batch, group) -- each row once, no host synchronisation, and with ``TieredCache(..., capacity=N)`` the same
-  shapes and storage every step (the archive and the index are read whole, their live counts on the device);
-* a **multi-token forward** (:meth:`Retrieval.fetch_forward`: a prefill chunk, a question, a teacher-forced
-  answer) follows one rule for every retriever (``Retriever.multi_token``): ``"dense"`` (default, Quest's
-  reference) reads the whole archive; ``"union"`` fetches the union of each query's own choice, scanned in
-  query tiles (:func:`kvzoo.kernels.attention.query_block`) so that no more than one tile of
-  ``heads x queries x rows`` bounds exists at a time.
-
-Also the retrieval tier's public names (the interfaces and building a retriever by name).
+* a **decode step** (:meth:`Retrieval.fetch_step`): the retriever's choice as one source of the decode op -- the
+  storage at the chosen rows' positions, each row once (a top-j choice staged at a fixed count, or a mask over
+  the archive list), no host synchronisation, and with ``TieredCache(..., capacity=N)`` the same shapes every
+  step;
+* a **multi-token forward** (:meth:`Retrieval.fetch_forward`: a prefill chunk, a question, a teacher-forced answer)
+  follows one rule for every retriever (``Retriever.multi_token``): ``"dense"`` (default, Quest's reference) reads
+  the whole archive; ``"union"`` fetches the union of each query's own choice, scanned in query tiles
+  (:func:`kvzoo.kernels.attention.query_block`) so that no more than one tile of ``heads x queries x rows`` bounds
+  exists at a time.
 """
 
 from __future__ import annotations
@@ -26,35 +26,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvzoo.framework.layer_state import LayerState
+from kvzoo.framework.buffers import gather_rows
 from kvzoo.framework.names import build_retriever, retriever_names
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
+from kvzoo.kernels.decode_attention import Rows
 from kvzoo.kernels.index_scan import exact_scores
 
-if TYPE_CHECKING:  # a type name only
-    from kvzoo.framework.store import LayerStore
-
-ROW_NAMES = ("keys", "values", "slots", "valid")
+if TYPE_CHECKING:  # a type name only: a layer is handed in
+    from kvzoo.framework.layer import KVLayer
 
 
 @dataclass
 class Fetched:
-    """Archived rows staged for one forward: ``[B, G, f, ...]``; ``valid`` False on unused staging rows."""
+    """Archived rows a multi-token forward reads, gathered: ``[B, G, f, ...]``; ``valid`` False on unused rows."""
 
     keys: torch.Tensor
     values: torch.Tensor | None  # GQA values; None on MLA (the latent row is both)
-    slots: torch.Tensor | None
+    slots: torch.Tensor
     valid: torch.Tensor
-    head_valid: torch.Tensor | None = None  # [B, H, f]: rows each query head may read (None: all of valid)
     dense: bool = False  # the whole archive, in archive order (a multi-token forward under the "dense" rule)
-
-
-def archive_view(store: LayerStore, budget: int | None, *, whole: bool = False) -> ArchiveView:
-    """The layer's archive as an :class:`ArchiveView` (tensors taken when read; ``whole``: the whole buffers of a
-    fixed-capacity archive, as a decode step reads them)."""
-    archive = store.archive
-    return ArchiveView(budget=budget, read=archive.reading if whole else archive.get)
 
 
 def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,12 +62,9 @@ def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Ten
     return idx[..., :capacity], picked
 
 
-def _unique(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag.
-
-    Unchosen candidates become ``archived`` (past every row), the ``K`` indices are sorted, and
-    the first copy of each chosen row is picked. ``O(K log K)``, independent of the archive.
-    """
+def unique_candidates(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag (the form a
+    fused choice returns itself). ``O(K log K)`` in the candidates, independent of the archive."""
     idx = torch.where(ok, rows, archived).sort(dim=-1).values
     picked = idx < archived
     picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
@@ -100,7 +88,7 @@ def scan(
     returns s* ``[B, H, stop - start]`` for those queries (None when the state does not read it).
     """
     B, H, q_len, _ = query.shape
-    m = archive.keys.shape[2]
+    m = archive.rows
     tile = tile or query_block(B * H, m)
     mask = None
     for start in range(0, q_len, tile):
@@ -111,24 +99,25 @@ def scan(
     return mask & archive.valid
 
 
-def figures(step: dict[str, Any]) -> dict[str, Any]:
-    """A forward's accounting with the derived figures: rows and bytes fetched, KV-path bytes read.
-
-    ``step`` holds what the forward recorded (host numbers and the device count ``rows_fetched``);
-    called by ``stats()``, outside the decode step, where reading the device count is fine.
-    """
-    out = {k: v for k, v in step.items() if k != "row_bytes"}
-    if "rows_fetched" in step:
-        fetched = step["rows_fetched"]
-        out["fetched_bytes"] = fetched * step["row_bytes"]
-        out["rows_fetched_per_query"] = fetched / max(1, step["queries"])
-        out["kv_bytes_read"] = step["attended_bytes_read"] + step["index_bytes_scanned"] + out["fetched_bytes"]
+def read_figures(read: dict[str, Any], batch_groups: int, row_bytes: int) -> dict[str, Any]:
+    """A forward's reads (what :meth:`Retrieval.fetch_step` and friends recorded, in rows) as the figures
+    ``stats()`` reports: KV-path bytes of the tier, the index and the fetched rows, and their sum."""
+    if not read:
+        return {}
+    attended = batch_groups * read["tier_rows"] * row_bytes
+    if "rows_fetched" not in read:
+        return {"attended_bytes_read": attended, "kv_bytes_read": attended}
+    fetched = read["rows_fetched"]
+    out = {k: v for k, v in read.items() if k != "tier_rows"}
+    out.update(attended_bytes_read=attended, fetched_bytes=fetched * row_bytes,
+               rows_fetched_per_query=fetched / max(1, read["queries"]))
+    out["kv_bytes_read"] = attended + read["index_bytes_scanned"] + out["fetched_bytes"]
     return out
 
 
 @dataclass(frozen=True)
 class Retrieval:
-    """The retriever a cache runs with and whether it audits: indexing, scanning, staging, accounting."""
+    """The retriever a cache runs with and whether it audits: fetching and accounting."""
 
     retriever: Retriever
     audit: bool = False  # every retrieval also scores all archived rows exactly (bound violations, recall)
@@ -136,115 +125,114 @@ class Retrieval:
     def new_state(self, geometry: RowGeometry) -> RetrievalState:
         return self.retriever.new_state(geometry)
 
-    # --- indexing ----------------------------------------------------------------------------------
-    def index(self, state: LayerState, rows: dict[str, torch.Tensor]) -> None:
-        """Index ``rows`` (``[B, G, k, ...]``) as they leave the attended tier for the archive (the tier still
-        holds them: the closing block is whole)."""
-        store = state.store
-        state.index.index(rows, store.get("keys"), store.get("valid"), archive_view(store, state.budget))
-
     # --- a decode step --------------------------------------------------------------------------------
-    def fetch_step(self, state: LayerState, query: torch.Tensor, best: torch.Tensor | None,
-                   scaling: float) -> Fetched:
-        """Stage what the retriever names for one decode query per sequence (``query [B, H, 1, D]``).
+    def fetch_step(self, layer: KVLayer, query: torch.Tensor, best: torch.Tensor | None, scaling: float) -> Rows:
+        """The archived rows the retriever names for one decode query per sequence (``query [B, H, 1, D]``), as a
+        source of the decode op: the layer's storage at their positions, each row once.
 
-        ``best [B, H, 1]`` is s* (the attended tier's best score), None when the state does not read it. The
-        candidates are staged as they are, each row once, at the count the retriever gives (a mask choice --
-        the certified mode -- at the archive's row count): no host synchronisation, and with a fixed capacity
-        the same shapes from step to step.
+        ``best [B, H, 1]`` is s* (the attended tier's best score), None when the index does not read it. No host
+        synchronisation; with a fixed capacity the same shapes from step to step (the archive list is read whole,
+        its live count on the device).
         """
-        index, store = state.index, state.store
-        archive = store.archive
-        view = archive_view(store, state.budget, whole=True)
-        m = archive.capacity if archive.fixed else archive.n  # the archive rows the step reads
+        index = layer.index
+        view = layer.archive_view(whole=True)
         choice = index.choose(query, best if index.needs_best else None, scaling, view)
-        if choice.staged is not None:  # the retriever staged its choice itself (one fused scan)
-            idx, picked = choice.staged
-        elif choice.rows is not None:
-            idx, picked = _unique(choice.rows, choice.ok, m)
-        else:
-            idx, picked = _compact(choice.as_mask(m) & view.valid, m)
-        names = ("keys", "values") + (() if store.all_valid else ("valid",))  # a decode step needs no slots
-        rows = archive.gather(idx, names)
-        if "valid" in rows:
-            picked = picked & rows["valid"]  # padding rows are never fetched
+        positions = layer.archived.reading("pos")  # [B, G, m]: the archive list (whole when fixed)
         head_valid = None
-        if choice.visible is not None:
-            H = query.shape[1]
-            head_valid = choice.visible(idx) & picked.repeat_interleave(H // picked.shape[1], dim=1)
-        self._account(state, query, scaling, idx, picked, view, scanned=True)
-        return Fetched(rows["keys"], rows.get("values"), None, picked, head_valid)
+        if choice.mask is not None:  # every archived row within reach: flags over the archive list
+            valid, fetched, staged = choice.mask, choice.mask.sum(), None
+        else:
+            if choice.staged is not None:  # the retriever staged its choice itself (one fused scan)
+                idx, valid = choice.staged
+            else:
+                idx, valid = unique_candidates(choice.rows, choice.ok, view.rows)
+            staged = idx
+            positions = positions.gather(2, idx)
+            fetched = valid.sum()
+            if choice.visible is not None:
+                H = query.shape[1]
+                head_valid = choice.visible(idx) & valid.repeat_interleave(H // valid.shape[1], dim=1)
+        rows = layer.rows
+        width = None if "values" in rows.buffers else layer.latent_width
+        pool_valid = None if layer.all_valid else rows.buffers["valid"]  # padding rows are never fetched
+        self._account(layer, query, scaling, fetched, scanned=True, view=view, chosen=(staged, valid))
+        return Rows(rows.buffers["keys"], rows.buffers.get("values"), value_width=width, indices=positions,
+                    valid=valid, head_valid=head_valid, pool_valid=pool_valid)
 
     # --- a multi-token forward ---------------------------------------------------------------------------
-    def fetch_forward(self, state: LayerState, query: torch.Tensor, scaling: float) -> Fetched:
-        """Stage the archived rows a forward of several queries (``query [B, H, q, D]``) reads, by the
-        retriever's ``multi_token`` rule (module docstring), with their slots (for the causal mask)."""
-        index, store = state.index, state.store
-        archive = store.archive
-        q_len, m = query.shape[2], archive.n
-        view = archive_view(store, state.budget)
+    def fetch_forward(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> Fetched:
+        """The archived rows a forward of several queries (``query [B, H, q, D]``) reads, by the retriever's
+        ``multi_token`` rule (module docstring), gathered with their slots (for the causal mask)."""
+        index = layer.index
+        q_len = query.shape[2]
+        view = layer.archive_view()
+        m = view.rows
         dense = self.retriever.multi_token == "dense"
         if dense:  # the reference's rule for a forward of several queries: read the whole archive
-            picked = view.valid.clone()
-            idx = torch.arange(m, device=query.device).expand(*picked.shape)
+            picked = view.valid
+            keys, slots = view.keys, view.slots
+            values = layer.archive.get("values") if "values" in layer.rows.buffers else None
+            fetched = picked.sum()
         else:
-            q_slots = torch.arange(store.seen - q_len, store.seen, device=query.device)
+            q_slots = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
 
             def best_of(start: int, stop: int) -> torch.Tensor:
-                return tier_best(store, query[:, :, start:stop], q_slots[start:stop], scaling)
+                return tier_best(layer, query[:, :, start:stop], q_slots[start:stop], scaling)
 
             mask = scan(index, query, best_of, scaling, view)
             idx, picked = _compact(mask, min(m, int(mask.sum(-1).max())))  # a prefill may synchronise
-        names = ROW_NAMES if "values" in archive else ("keys", "slots", "valid")
-        rows = archive.gather(idx, names)
-        picked = picked & rows["valid"]  # padding rows are never fetched
-        self._account(state, query, scaling, idx, picked, view, scanned=not dense)
-        return Fetched(rows["keys"], rows.get("values"), torch.where(picked, rows["slots"], -1), picked,
-                       dense=dense)
+            positions = layer.archived.get("pos").gather(2, idx)
+            keys = gather_rows(layer.rows.buffers["keys"], positions)
+            slots = gather_rows(layer.rows.buffers["slots"], positions)
+            picked = picked & gather_rows(layer.rows.buffers["valid"], positions)  # padding rows are never fetched
+            values = gather_rows(layer.rows.buffers["values"], positions) if "values" in layer.rows.buffers else None
+            fetched = picked.sum()
+        self._account(layer, query, scaling, fetched, scanned=not dense, view=view, chosen=None if dense else
+                      (None, mask))
+        return Fetched(keys, values, torch.where(picked, slots, -1), picked, dense=dense)
 
     # --- accounting --------------------------------------------------------------------------------------
-    def _account(self, state, query, scaling, idx, picked, view, *, scanned: bool) -> None:
-        """This forward's KV-path reads: host numbers, plus one device count (the rows fetched)."""
-        index, store = state.index, state.store
-        B, G = picked.shape[:2]
+    def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor, *, scanned: bool,
+                 view: ArchiveView, chosen: tuple[torch.Tensor | None, torch.Tensor] | None) -> None:
+        """This forward's reads, in rows and entries: host numbers, plus one device count (the rows fetched)."""
+        index = layer.index
+        B, G = layer.batch_groups
         entries = index.entries() if scanned else 0  # the dense rule reads the archive, not the index
-        fetched = picked.sum()  # a device tensor: read only by stats()
-        per_row = store.row_bytes()
-        attended = B * G * store.n * per_row
         index_bytes = B * G * index.scan_bytes(query.shape[1] // G * query.shape[2]) if scanned else 0
-        step: dict[str, Any] = {
-            "queries": query.shape[2],
-            "rows_scanned": B * G * entries,
-            "rows_fetched": fetched,
-            "attended_bytes_read": attended,
-            "index_bytes_scanned": index_bytes,
-            "row_bytes": per_row,
-        }
-        if self.audit:
-            m = view.keys.shape[2]
-            mask = torch.zeros(B, G, m + 1, dtype=torch.bool, device=picked.device)
-            mask.scatter_(2, torch.where(picked, idx, m), True)
-            step.update(_audit(query, scaling, index, mask[..., :-1], view))
-        state.last_step = step
-        state.attended_bytes_read += attended
-        state.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
-        info = state.policy_info
+        n = layer.n
+        read: dict[str, Any] = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": B * G * entries,
+                                "rows_fetched": fetched, "index_bytes_scanned": index_bytes}
+        if self.audit and chosen is not None:
+            read.update(_audit(query, scaling, index, _chosen_mask(chosen, view.rows), view))
+        layer.last_read = read
+        layer.tier_rows_read += n
+        layer.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
+        info = layer.policy_info
         info["retrieval_steps"] = info.get("retrieval_steps", 0) + 1
         for key in ("rows_scanned", "bound_violations", "recall_hits", "recall_total", "audited_scores"):
-            if key in step:
-                info[key] = info.get(key, 0) + step[key]
-        if state.fetched_rows.device != fetched.device:  # the layer's first retrieval: the counter moves once
-            state.fetched_rows = state.fetched_rows.to(fetched.device)
-        state.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
+            if key in read:
+                info[key] = info.get(key, 0) + read[key]
+        layer.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
 
 
-def tier_best(store: LayerStore, query: torch.Tensor, q_slots: torch.Tensor, scaling: float) -> torch.Tensor:
+def _chosen_mask(chosen: tuple[torch.Tensor | None, torch.Tensor], archived: int) -> torch.Tensor:
+    """What a forward fetched as a mask over the archive list ``[B, G, m]``."""
+    idx, picked = chosen
+    if idx is None:
+        return picked
+    B, G = idx.shape[:2]
+    mask = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=idx.device)
+    mask.scatter_(2, torch.where(picked, idx, archived), True)
+    return mask[..., :archived]
+
+
+def tier_best(layer: KVLayer, query: torch.Tensor, q_slots: torch.Tensor, scaling: float) -> torch.Tensor:
     """s* ``[B, H, q]``: each query's best exact score over the rows of the attended tier it may read."""
-    keys = store.get("keys")
+    keys = layer.get("keys")
     scores = exact_scores(query, keys, scaling)  # [B, H, q, n]
     B, H, q_len, n = scores.shape
     G = keys.shape[1]
-    allowed = row_mask(store.get("slots"), store.get("valid"), q_slots)[:, :, None]
+    allowed = row_mask(layer.get("slots"), layer.get("valid"), q_slots)[:, :, None]
     allowed = allowed.expand(B, G, H // G, q_len, n).reshape(scores.shape)
     return scores.masked_fill(~allowed, float("-inf")).amax(dim=-1)
 
@@ -283,4 +271,4 @@ def _audit(query, scaling, index, mask, view) -> dict[str, float]:
 
 
 __all__ = ["ArchiveView", "Choice", "Fetched", "RetrievalState", "Retrieval", "Retriever", "RowGeometry",
-           "archive_view", "build_retriever", "retriever_names", "scan", "tier_best"]
+           "build_retriever", "read_figures", "retriever_names", "scan", "tier_best", "unique_candidates"]

@@ -43,18 +43,23 @@ class RowGeometry:
 class ArchiveView:
     """One layer's archive as tensors (what a retriever may read at scan time).
 
-    ``keys [B, G, m, D]`` (MLA: latent rows), ``slots [B, G, m]``, ``valid [B, G, m]`` and ``budget`` (the layer's
-    budget in rows, fixed at its first event). Built from tensors, or from ``read(name)`` (the runtime's archive:
-    the tensors are taken only when read, so a step that never reads them launches nothing for them).
-    With a fixed capacity ``m`` is the capacity and the rows past the live ones are not valid.
+    ``keys [B, G, m, D]`` (MLA: latent rows), ``slots [B, G, m]``, ``valid [B, G, m]``, in archive order, and ``budget``
+    (the layer's budget in rows, fixed at its first event). Built from tensors, or from ``read(name)`` (a layer's
+    archive: the rows are gathered from its storage only when read, so a step that never reads them launches
+    nothing for them). ``rows`` (``m``) and ``groups`` (``G``) are known without reading. With a fixed capacity a
+    decode step's view covers the whole archive list: ``m`` is its capacity and the entries past the live ones are
+    not valid.
     """
 
     def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                  valid: torch.Tensor | None = None, budget: int | None = None, *,
-                 read: Callable[[str], torch.Tensor] | None = None) -> None:
+                 read: Callable[[str], torch.Tensor] | None = None, rows: int | None = None,
+                 groups: int | None = None) -> None:
         self._given = {"keys": keys, "slots": slots, "valid": valid}
         self._read = read
         self.budget = budget
+        self.rows = rows if rows is not None else (keys.shape[2] if keys is not None else None)
+        self.groups = groups if groups is not None else (keys.shape[1] if keys is not None else None)
 
     def _get(self, name: str) -> torch.Tensor:
         given = self._given[name]

@@ -175,7 +175,7 @@ int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uint16_t *sid
        estimate + (scaling * ||q_h||) * (err + slack * norm)
    is above threshold[b, g, h] (s* - j_margin). The K = hq * j candidates -- a kept row's index, `archived` for the
    others -- are sorted ascending; idx[b, g, k] is min(candidate, archived - 1) and picked[b, g, k] is 1 on the first
-   copy of each kept row: what kvzoo.framework.retrieval's _unique makes of the same choice. */
+   copy of each kept row: what kvzoo.framework.retrieval's unique_candidates makes of the same choice. */
 int kvzoo_int8_choose(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
                       const float *threshold, int64_t *idx, uint8_t *picked, int64_t B, int64_t G, int64_t hq,
                       int64_t D, int64_t m, int64_t j, int64_t archived, int64_t codes_sb, int64_t codes_sg,

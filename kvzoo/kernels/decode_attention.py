@@ -102,6 +102,9 @@ class Rows:
     length: torch.Tensor | None = None  # [B] int32/int64 on the query's device; None: all N' positions
     indices: torch.Tensor | None = None  # [B, G, K] int32/int64: gathered form
     head_valid: torch.Tensor | None = None  # [B, H, N'] bool per query head; None: all
+    # [B, G, N] bool, a flag per row of the pool (read through ``indices`` in the gathered form): a layer's padding
+    # flags passed once instead of gathered per step; it joins ``valid`` (a position is readable only if both allow)
+    pool_valid: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -140,7 +143,7 @@ def _check_flag(what: str, t, shape: tuple[int, ...], device: torch.device) -> N
     _on(what, t, device)
 
 
-def _validate(query: torch.Tensor, sources, scaling, splits) -> list[_Source]:
+def _validate(query: torch.Tensor, sources, scaling, splits, fold: bool = True) -> list[_Source]:
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         got = _shape(query) if isinstance(query, torch.Tensor) else type(query).__name__
         raise ValueError(f"query must be a [B, H, D] tensor, got {got}")
@@ -219,8 +222,22 @@ def _validate(query: torch.Tensor, sources, scaling, splits) -> list[_Source]:
             _on(f"{name}.length (a tensor on the query's device)", ln, device)
         _check_flag(f"{name}.valid", src.valid, (B, G, positions), device)
         _check_flag(f"{name}.head_valid", src.head_valid, (B, H, positions), device)
+        _check_flag(f"{name}.pool_valid", src.pool_valid, (B, G, N), device)
+        if src.pool_valid is not None and fold:
+            src = _fold_pool_valid(src, N)
         out.append(_Source(src, G, N, positions, width))
     return out
+
+
+def _fold_pool_valid(src: Rows, pool: int) -> Rows:
+    """``src`` with its pool flags folded into ``valid`` (one flag per position: the form every implementation but
+    the native one reads)."""
+    flags = src.pool_valid
+    if src.indices is not None:
+        flags = flags.gather(2, src.indices.to(torch.int64).clamp(0, max(pool - 1, 0))) if pool else \
+            torch.zeros(src.indices.shape, dtype=torch.bool, device=flags.device)
+    valid = flags if src.valid is None else src.valid & flags
+    return dataclasses.replace(src, valid=valid, pool_valid=None)
 
 
 # ----------------------------------------------------------------------------------------------------

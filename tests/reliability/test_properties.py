@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvzoo import TieredCache, registry
 from kvzoo.framework.attention import detach
-from kvzoo.framework.cache import TieredLayer
+from kvzoo.framework.layer import KVLayer
 from tests.greedy import assert_same_greedy
 
 from .conftest import MODELS, model
@@ -49,7 +49,7 @@ class Recorder:
 
     def __init__(self):
         self.rows: dict[int, list[torch.Tensor]] = {}
-        self.original = TieredLayer.update
+        self.original = KVLayer.update
 
     def __enter__(self):
         recorder = self
@@ -58,11 +58,11 @@ class Recorder:
             recorder.rows.setdefault(layer.layer_idx, []).append(k.clone())
             return recorder.original(layer, k, v, *args, **kwargs)
 
-        TieredLayer.update = update
+        KVLayer.update = update
         return self
 
     def __exit__(self, *exc):
-        TieredLayer.update = self.original
+        KVLayer.update = self.original
 
 
 def _run(name, family, lengths, budget, block, chunk, steps, seed, beams=False):

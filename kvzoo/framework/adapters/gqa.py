@@ -29,7 +29,7 @@ def _record_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     if layer is None:
         return
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    layer.runtime.record_inputs(layer.state, module, hidden_states, kwargs.get("position_embeddings"))
+    layer.runtime.record_inputs(layer, module, hidden_states, kwargs.get("position_embeddings"))
 
 
 class GQAAdapter:

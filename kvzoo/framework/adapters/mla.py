@@ -218,5 +218,5 @@ def _mla_forward(
     row = torch.cat([c, r.to(c.dtype)], dim=-1)  # [B, 1, q, 576]
     cache.update(row, None, self.layer_idx)
     query = MLAQuery(q_nope, q_r, self.kv_b_proj.weight, self.v_head_dim, self.scaling)
-    out = mla_attention(layer.runtime, layer.state, query, attention_mask, layer.decompress_min_queries)  # [B, H, q, v]
+    out = mla_attention(layer, query, attention_mask, layer.decompress_min_queries)  # [B, H, q, v]
     return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1)), None

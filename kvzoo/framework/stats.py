@@ -1,0 +1,90 @@
+"""The figures ``cache.stats()`` reports: :class:`LayerStats` per layer and :class:`CacheStats` for a cache.
+
+Rows are counted per sequence and KV group (one token's entry); bytes over the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LayerStats:
+    """Rows are counted per sequence and KV group (one token's entry); bytes over the whole batch."""
+
+    layer: int
+    seen_rows: int
+    resident_rows: int
+    peak_resident_rows: int
+    resident_bytes: int
+    archived_rows: int
+    archived_bytes: int
+    dropped_rows: int
+    events: int
+    fetched_rows: int
+    # KV-path bytes this layer's attention has read, every forward counted (prefill, question, answer,
+    # decode): attended rows + index entries scanned + rows fetched
+    kv_bytes_read: int = 0
+    policy_info: dict[str, float] = field(default_factory=dict)  # the policy's and retriever's counters
+    last_step: dict[str, float] = field(default_factory=dict)  # the latest forward's KV-path figures
+
+    @classmethod
+    def counters(cls) -> tuple[str, ...]:
+        """The cache's own counters: every field but the layer index and the two dicts of figures."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("layer", "policy_info", "last_step"))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CacheStats:
+    policy: dict[str, Any]
+    layers: list[LayerStats] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the figures alone would not tell (nothing compressed yet)
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Sums over layers of every counter, the policy's own counters included."""
+        out: dict[str, float] = {k: sum(getattr(s, k) for s in self.layers) for k in LayerStats.counters()}
+        out["peak_resident_rows"] = max((s.peak_resident_rows for s in self.layers), default=0)  # per layer, max
+        for k, v in self.policy_totals.items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    @property
+    def policy_totals(self) -> dict[str, float]:
+        """The policy's and the retriever's own counters (``LayerStats.policy_info``), summed over layers."""
+        out: dict[str, float] = {}
+        for s in self.layers:
+            for k, v in s.policy_info.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "totals": self.totals, "layers": [s.as_dict() for s in self.layers],
+                "notes": list(self.notes)}
+
+    def __str__(self) -> str:
+        t = self.totals
+        n = max(1, len(self.layers))
+        head = (
+            f"policy {self.policy.get('name')}: {len(self.layers)} layers, "
+            f"resident {t['resident_rows'] / n:.0f} rows/layer ({t['resident_bytes'] / 2**20:.2f} MiB), "
+            f"archived {t['archived_rows'] / n:.0f} rows/layer ({t['archived_bytes'] / 2**20:.2f} MiB), "
+            f"dropped {t['dropped_rows'] / n:.0f} rows/layer, seen {t['seen_rows'] / n:.0f} rows/layer, "
+            f"events {t['events']}, fetched {t['fetched_rows']}"
+        )
+        extra = {k: v for k, v in t.items() if k not in LayerStats.__dataclass_fields__}
+        if extra:
+            head += ", " + ", ".join(f"{k} {v:g}" for k, v in extra.items())
+        rows = ["layer  seen  resident  archived  dropped  events  resident_KiB"]
+        for s in self.layers:
+            rows.append(
+                f"{s.layer:5d} {s.seen_rows:5d} {s.resident_rows:9d} {s.archived_rows:9d} {s.dropped_rows:8d} "
+                f"{s.events:7d} {s.resident_bytes / 1024:13.1f}"
+            )
+        notes = [f"note: {note}" for note in self.notes]
+        return "\n".join([head, *notes, *rows])

@@ -1,0 +1,112 @@
+"""VestigeKV's paged int8 index (``index="paged"``, GQA): the int8 key entries under a coarse page summary.
+
+Per ``page_rows`` archived rows (in archive order) one summary -- the element-wise key min and max as int8 codes
+with one scale (``2 D + 4`` bytes, :func:`~kvzoo.kernels.index_scan.int8_page_entries`) and an empty flag -- kept in
+the :class:`~kvzoo.retrievers.pages.PageSummary` Quest's index uses too. A decode step scans every summary (Quest's
+bound, certified: :func:`~kvzoo.kernels.index_scan.int8_page_bounds`), takes each query head's top ``fine_pages``
+pages, and scores only their rows' int8 entries; of those, each head keeps its top ``j`` by estimate whose bounds --
+the row's and its page's -- are both above ``s* - j_margin``. A step reads ``pages x (2 D + 5)`` plus ``heads x
+fine_pages x page_rows x (D + 6)`` bytes of index instead of ``rows x (D + 6)``. ``certified=True`` scans every
+row's entry (as ``index="int8"``: the page level would only add bytes to the mask rule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzoo.framework.retriever import Choice
+from kvzoo.kernels.index_scan import int8_page_bounds, int8_page_entries, int8_row_bounds
+from kvzoo.retrievers.int8 import Int8KeyIndex
+from kvzoo.retrievers.pages import PageSummary
+
+
+def _int8_pages(lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
+    codes, scale = int8_page_entries(lo, hi)
+    return {"codes": codes, "scale": scale}
+
+
+class PagedKeyIndex(Int8KeyIndex):
+    """The int8 key entries of :class:`~kvzoo.retrievers.int8.Int8KeyIndex` under a page summary scanned first."""
+
+    def __init__(self, config, geometry) -> None:
+        super().__init__(config, geometry)
+        self.page_size = config.page_rows  # the audit checks each page's bound against its rows' best score
+        self.summary = PageSummary(config.page_rows, _int8_pages, geometry.capacity)
+
+    @property
+    def pages(self):
+        return self.summary.pages
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(b.shape[-1] * b.element_size() if b.dim() > 3 else b.element_size()
+                   for b in self.pages.buffers.values())
+
+    def index(self, rows, tier, archive) -> None:
+        super().index(rows, tier, archive)  # the rows' own int8 entries
+        D = rows["keys"].shape[-1]
+        self.summary.add(rows["keys"], rows["valid"], {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)})
+
+    def entries(self) -> int:
+        """Page summaries one scan reads (a fixed index: every page slot, the unused ones empty)."""
+        return self.summary.entries()
+
+    def scan_bytes(self, query_rows: int) -> int:
+        """Index bytes one scan reads per (batch, group) for ``query_rows`` query rows: every page summary, then
+        ``fine_pages x page_rows`` rows' int8 entries per query row (the certified mode: every row's entry)."""
+        if self.config.certified:
+            return self.rows.n * self.entry_bytes
+        fine = query_rows * min(self.config.fine_pages, self.entries()) * self.page_size * self.entry_bytes
+        return self.entries() * self.page_bytes + fine
+
+    def _page_bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Page bounds ``[B, G, hq, p]`` for the grouped queries (``-inf`` for empty and unused pages)."""
+        B = query.shape[0]
+        length = self.pages.length.expand(B) if self.pages.fixed else None
+        bounds = int8_page_bounds(self._grouped(query), self.summary.reading("codes"), self.summary.reading("scale"),
+                                  scaling, length=length)
+        return bounds.masked_fill_(self.summary.reading("empty")[:, :, None], float("-inf"))
+
+    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The page bounds ``[B, H, q, p]`` (what :meth:`choose` scans first; each covers its page's rows)."""
+        B, H, q_len, _ = query.shape
+        return self._page_bounds(query, scaling).view(B, H, q_len, -1)
+
+    def within(self, query: torch.Tensor, threshold: torch.Tensor, scaling: float) -> torch.Tensor:
+        bounds = super().bounds_and_estimates(query, scaling)[0]  # every row's own bound
+        B, H, q_len, m = bounds.shape
+        G = self.groups
+        return (bounds >= threshold[..., None]).view(B, G, (H // G) * q_len, m).any(2)
+
+    def choose(self, query, best, scaling, archive) -> Choice:
+        if self.config.certified:
+            return super().choose(query, best, scaling, archive)
+        B, H, q_len, D = query.shape
+        G = self.groups
+        hq = (H // G) * q_len
+        size = self.page_size
+        page_bounds = self._page_bounds(query, scaling)  # [B, G, hq, p]
+        top_bounds, pages = page_bounds.topk(min(self.config.fine_pages, page_bounds.shape[-1]), dim=-1)
+        rows = (pages[..., None] * size + torch.arange(size, device=query.device)).flatten(-2)  # [B, G, hq, K]
+        K = rows.shape[-1]
+        live = self.rows.length if self.rows.fixed else self.rows.n  # rows indexed
+        staged = rows.clamp(max=self.rows.capacity - 1)
+        entries = self.rows.gather(staged.view(B, G, hq * K), ("codes", "side"))
+        bound, estimate = int8_row_bounds(self._grouped(query), entries["codes"].view(B, G, hq, K, D),
+                                          entries["side"].view(B, G, hq, K, -1), scaling)
+        page_of_row = top_bounds[..., None].expand(B, G, hq, top_bounds.shape[-1], size).flatten(-2)
+        usable = (rows < live) & (page_of_row > float("-inf"))
+        estimate = estimate.masked_fill(~usable, float("-inf"))
+        picked = estimate.topk(min(self.config.j, K), dim=-1).indices  # [B, G, hq, j]
+        s_star = (best - self.config.j_margin).reshape(B, G, hq, 1)
+        ok = (bound.gather(-1, picked) > s_star) & (page_of_row.gather(-1, picked) > s_star) \
+            & usable.gather(-1, picked)
+        return Choice(rows=staged.gather(-1, picked).view(B, G, -1), ok=ok.view(B, G, -1))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)
+        self.summary.select_batch(index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        super().repeat_batch(repeats)
+        self.summary.repeat_batch(repeats)

@@ -1,0 +1,120 @@
+"""VestigeKV's retriever (the registry's ``"vestige"``): its settings, and the index kind each layout takes.
+
+The index kinds live beside this module, one each: the certified low-rank sketch (``sketch.py``, the default on MLA
+rows), the int8 keys (``int8.py``, the default on GQA rows) and the paged int8 index (``paged.py``); what they share
+-- one entry per archived row and the selection rule -- is ``entries.py``. The policy is
+``kvzoo/policies/vestige.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvzoo.framework.policy import require_int
+from kvzoo.framework.retriever import Retriever, RowGeometry
+from kvzoo.retrievers.entries import EntryIndex
+from kvzoo.retrievers.int8 import Int8KeyIndex
+from kvzoo.retrievers.paged import PagedKeyIndex
+from kvzoo.retrievers.sketch import SketchIndex
+
+RANK_BY = ("estimate", "bound")
+INDEX_KINDS = ("auto", "sketch", "int8", "paged")
+INDEX_KINDS_BY_NAME: dict[str, type[EntryIndex]] = {"sketch": SketchIndex, "int8": Int8KeyIndex,
+                                                    "paged": PagedKeyIndex}
+ENTRY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class VestigeRetriever(Retriever):
+    """The certified sketch index over archived rows (paper §4.2; docs/fidelity.md).
+
+    Per archived row u: ``(r_u, z_u = V_r^T c_u, eta_u = ||(I - V_r V_r^T) c_u||)`` with V_r an
+    orthonormal rank-``rank`` basis of the content latents, fitted per sequence and layer (per KV
+    head on GQA) from the valid rows of the layer's first closed block (top eigenvectors of their
+    Gram matrix), so a sequence's index never depends on what else shares its batch; with
+    ``refit=True`` it is refitted at every closed block and the index is rebuilt. Per query and
+    head, ``bound = scale (<q_r, r_u> + <V^T q_c', z_u> + ||(I - V V^T) q_c'|| eta_u) >= s(u)``.
+    Default mode: each head fetches its top ``j`` rows among those whose bound beats s* (that query's
+    best exact score over the attended tier); ``certified=True`` fetches every row with
+    bound >= s* - ``tau``, so the softmax mass left out is at most ``(T - |F|) e^-tau`` relative to
+    the attended tier (Lemma 3). A forward fetches the union over a group's query heads and over
+    its queries (``framework/runtime.py``), at most ``j x heads x queries`` rows in top-j mode.
+
+    Top-j mode (since issue 25) ranks rows by the bound's *estimate* (``rank_by="estimate"``: the bound less its
+    Cauchy-Schwarz term and slack, i.e. the score of the row's in-span part or int8 reconstruction) and keeps those
+    whose *bound* is above ``s* - j_margin`` (8 logits: a row that cannot come within 8 logits of the tier's best
+    is left out, so a peaked head fetches fewer than ``j``); ``rank_by="bound", j_margin=0, index="sketch"`` is the
+    earlier rule (rank by the bound, keep what beats s*). With a tight bound (int8 keys) the earlier "beats s*"
+    test keeps almost nothing: an archived row rarely scores above the attended tier's best. On SmolLM2 (RoPE/GQA) the bound's
+    ranking found 24 % of the exact top-16 archived rows per head, the rank-16 estimate 39 %
+    (``benchmarks/vestige_recall.py``, README "Retrieval tier on SmolLM2").
+
+    On GQA rows there is no branch: the whole key is the "content". ``index="auto"`` (default) gives GQA rows
+    **int8 key entries** (``index="int8"``, since issue 25): per row the key's int8 codes, an fp16 scale, an error
+    norm and a norm (``D + 6`` bytes), bound ``s <q, codes> + ||q|| err + slack >= <q, k>`` and estimate
+    ``s <q, codes>`` (97 % recall@16 of the exact top rows on SmolLM2); ``index="sketch"`` keeps the low-rank
+    sketch there, ``rank`` defaulting to a quarter of the head dim. MLA rows always take the sketch. Sketch entries
+    are fp32 (``(64 + rank + 1 + 2) * 4`` bytes on MLA) or, with ``entry_dtype="float16"``, fp16 with a widened
+    slack (still certified; the design's 258 B figure is for 16-bit entries). The int8 scan runs in PyTorch on
+    every device (the fused Triton scan takes the float sketch entries).
+
+    ``index="paged"`` (GQA; :class:`~kvzoo.retrievers.paged.PagedKeyIndex`) puts a coarse summary over the int8 entries: per ``page_rows``
+    archived rows the element-wise key min/max in int8 with one scale (``2 D + 5`` bytes with its empty flag),
+    scanned first with Quest's certified bound; each head then scores the int8 entries of its top ``fine_pages``
+    pages only. At 16 rows a page and 4 pages a step it reads about a fifth of the int8 index's bytes, but on
+    SmolLM2 its page ranking finds half of the exact top-16 rows the int8 entries find (README, "Retrieval tier on
+    SmolLM2"): an option for the bytes, not the default.
+    """
+
+    rank: int | None = None  # None: 64 on MLA rows, head_dim // 4 on GQA rows
+    j: int = 16
+    certified: bool = False
+    tau: float = 8.0
+    refit: bool = False
+    rank_by: str = "estimate"  # top-j mode: rank rows by the bound's estimate (its in-span part) or by the bound
+    entry_dtype: str = "float32"  # sketch entries: "float16" halves their bytes (the slack widened: still certified)
+    index: str = "auto"  # "sketch" (the low-rank sketch), "int8" (per-row int8 keys, GQA only); auto: int8 on GQA
+    j_margin: float = 8.0  # top-j mode keeps a candidate whose bound > s* - j_margin (0: beats s*, the earlier rule)
+    page_rows: int = 16  # index="paged": archived rows one page summary covers
+    fine_pages: int = 4  # index="paged": pages per query head whose rows' int8 entries a step scans
+
+    name: ClassVar[str] = "vestige"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rank is not None:
+            require_int(self.rank, "rank", 1, "sketch rank; None picks 64 on MLA rows, head_dim // 4 on GQA")
+        require_int(self.j, "j", 1, "rows fetched per step and head")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) \
+                or self.tau < 0:
+            raise ValueError(f"tau must be a finite number >= 0 (the certified margin, in logits), got {self.tau!r}")
+        if self.rank_by not in RANK_BY:
+            raise ValueError(f"rank_by must be one of {RANK_BY} (how top-j mode ranks rows), got {self.rank_by!r}")
+        if isinstance(self.j_margin, bool) or not isinstance(self.j_margin, (int, float)) \
+                or not math.isfinite(self.j_margin) or self.j_margin < 0:
+            raise ValueError(f"j_margin must be a finite number >= 0 (logits below s*), got {self.j_margin!r}")
+        if self.index not in INDEX_KINDS:
+            raise ValueError(f"index must be one of {INDEX_KINDS} (what an index entry holds), got {self.index!r}")
+        if self.entry_dtype not in ENTRY_DTYPES:
+            raise ValueError(f"entry_dtype must be one of {tuple(ENTRY_DTYPES)}, got {self.entry_dtype!r}")
+        require_int(self.page_rows, "page_rows", 1, "archived rows per page summary (index='paged')")
+        require_int(self.fine_pages, "fine_pages", 1, "pages per query head scanned row by row (index='paged')")
+        if not isinstance(self.certified, bool) or not isinstance(self.refit, bool):
+            raise ValueError(f"certified and refit must be True or False, got {self.certified!r}, {self.refit!r}")
+
+    def kind(self, layout: str) -> str:
+        """The index kind on rows of ``layout``: ``index``, with ``"auto"`` resolved (MLA: sketch, GQA: int8)."""
+        if self.index == "auto":
+            return "sketch" if layout == "mla" else "int8"
+        return self.index
+
+    def new_state(self, geometry: RowGeometry) -> EntryIndex:
+        kind = self.kind(geometry.layout)
+        if kind in ("int8", "paged") and geometry.layout == "mla":
+            raise ValueError(f"vestige retriever: index={kind!r} is for GQA rows (an MLA latent row is 576 values: "
+                             "use the sketch)")
+        return INDEX_KINDS_BY_NAME[kind](self, geometry)
