@@ -45,8 +45,7 @@ import torch  # noqa: E402
 
 from kvzoo import TieredCache, registry  # noqa: E402
 from kvzoo.framework.attention import detach  # noqa: E402
-from kvzoo.framework.retrieval import Retrieval, build_retriever  # noqa: E402
-from kvzoo.framework.runtime import Runtime, RuntimeConfig  # noqa: E402
+from kvzoo.framework.retrieval import build_retriever  # noqa: E402
 
 
 def parse_arm(arm: str):
@@ -68,27 +67,9 @@ def parse_arm(arm: str):
 
 def transplant(prefilled: TieredCache, policy, *, context: int, capacity: int | None) -> TieredCache:
     """A new cache of ``policy`` holding ``prefilled``'s rows (a dense prefill no event touched), its budget still to
-    be fixed, its retriever's index empty: what :meth:`TieredCache.fork_as` makes, for any policy (the benchmark's
-    method: the rows are the same for every arm, what follows them is the policy's)."""
-    retriever = getattr(policy, "retriever", None)
-    if isinstance(retriever, str):
-        retriever = build_retriever(retriever)
-    retrieval = Retrieval(retriever) if retriever is not None else None
-    geometry = dataclasses.replace(prefilled.runtime.geometry, capacity=capacity)
-    runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, prefilled.runtime.num_layers), context_length=context)
-    clone = prefilled._clone(runtime, prefilled._copied(prefilled._layer_states()))
-    for layer in clone.tiered_layers:
-        state = layer.state
-        state.index = retrieval.new_state(geometry) if retrieval is not None else None
-        store = state.store
-        if capacity is not None:  # the rows move into preallocated storage for `capacity` rows
-            store.capacity = capacity
-            store.tier.fixed = True
-            store.tier.resize(capacity)
-        if state.window_queries is not None:
-            window = runtime.observation_window
-            state.window_queries = state.window_queries[:, :, -window:].clone() if window > 0 else None
-    return clone
+    be fixed, its retriever's index empty (:meth:`TieredCache.transplant`: the benchmark's method, the rows are the
+    same for every arm, what follows them is the policy's)."""
+    return prefilled.transplant(policy, capacity=capacity, context_length=context)
 
 
 def dynamic_cache(prefilled: TieredCache, plain_model):
@@ -146,12 +127,18 @@ class PartTimer:
         self.patches.clear()
 
 
+PARTS = ("tier: attention", "retrieval: index scan and choice", "retrieval: selection (de-duplication)",
+         "fetched rows: attention", "retrieval: staging and accounting", "bookkeeping: append",
+         "bookkeeping: schedule", "bookkeeping: accumulate")
+
+
 @contextmanager
 def profiled():
     """Wrap the parts of kvzoo's decode step (their names are the profile table's rows)."""
     import kvzoo.framework.retrieval as retrieval_mod
     import kvzoo.framework.step as step_mod
-    from kvzoo.framework.cache import TieredLayer
+    from kvzoo.framework.layer import KVLayer
+    from kvzoo.framework.runtime import Runtime
 
     timer = PartTimer()
     calls = {"attend": 0}
@@ -161,22 +148,18 @@ def profiled():
 
     timer.wrap(step_mod, "attend", pick=attend_part)
     timer.wrap(retrieval_mod.Retrieval, "fetch_step", "retrieval: staging and accounting")
-    timer.wrap(retrieval_mod, "_unique", "retrieval: selection (de-duplication)")
-    timer.wrap(retrieval_mod, "_compact", "retrieval: selection (de-duplication)")
+    timer.wrap(retrieval_mod, "unique_candidates", "retrieval: selection (de-duplication)")
     timer.wrap(Runtime, "after_forward", "bookkeeping: schedule")
-    timer.wrap(TieredLayer, "update", "bookkeeping: append")
-    originals = {}
-    from kvzoo.framework.buffers import RowStore
-
-    timer.wrap(RowStore, "gather", "fetched rows: gather")
+    timer.wrap(KVLayer, "update", "bookkeeping: append")
+    timer.wrap(KVLayer, "accumulate", "bookkeeping: accumulate")
     for cls in _index_classes():
-        if "choose" in cls.__dict__:
-            timer.wrap(cls, "choose", "retrieval: index scan and choice")
+        for method in ("choose", "top_j", "within"):
+            if method in cls.__dict__:
+                timer.wrap(cls, method, "retrieval: index scan and choice")
     try:
         yield timer, calls
     finally:
         timer.restore()
-        del originals
 
 
 def _index_classes():
@@ -190,6 +173,20 @@ def _index_classes():
                 seen.append(sub)
                 todo.append(sub)
     return seen
+
+
+def step_bytes(cache) -> dict[str, float]:
+    """MiB a decode step read, by part (the latest step's figures over all layers): the tier, the index, the
+    fetched rows."""
+    out = {"tier": 0.0, "index": 0.0, "fetched": 0.0}
+    if not isinstance(cache, TieredCache):
+        return out
+    for layer in cache.stats().layers:
+        step = layer.last_step
+        out["tier"] += step.get("attended_bytes_read", 0) / 2**20
+        out["index"] += step.get("index_bytes_scanned", 0) / 2**20
+        out["fetched"] += step.get("fetched_bytes", 0) / 2**20
+    return out
 
 
 def kv_mib_per_step(cache) -> float | None:
@@ -272,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             results[arm]["kv_mib_per_step"] = kv_mib_per_step(runs[arm][1])
             results[arm]["index_mib_per_step"] = index_mib_per_step(runs[arm][1])
+            results[arm]["step_mib"] = step_bytes(runs[arm][1])
         profiles = {}
         if args.profile:
             torch.set_num_threads(1)
@@ -310,11 +308,21 @@ def main(argv: list[str] | None = None) -> int:
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "profile": profiles.get(arm)})
     if profiles:
         bw = read_bandwidth()
-        print(f"\nParts of a step (1 thread, thread CPU ms per step over all layers); read bandwidth now {bw:.1f} GB/s\n")
+        print(f"\nParts of a step (1 thread, thread CPU ms per step over all layers); read bandwidth now {bw:.1f} GB/s; "
+              "'at bandwidth' is the part's bytes read at that speed\n")
+        part_bytes = {"tier: attention": "tier", "retrieval: index scan and choice": "index",
+                      "fetched rows: attention": "fetched"}
+        print("| arm | part | ms/step | MiB/step | ms at bandwidth | x bandwidth time |")
+        print("|---|---|---|---|---|---|")
         for arm, parts in profiles.items():
-            index_mib = results[arm]["index_mib_per_step"]
-            note = f" (index {index_mib:.1f} MiB = {index_mib * 2**20 / bw / 1e6:.1f} ms at that bandwidth)" if index_mib else ""
-            print(f"- {arm}{note}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+            mib = results[arm]["step_mib"]
+            for part, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+                key = part_bytes.get(part)
+                if key is None or not mib[key]:
+                    print(f"| {arm} | {part} | {ms:.1f} | | | |")
+                    continue
+                ideal = mib[key] * 2**20 / bw / 1e6
+                print(f"| {arm} | {part} | {ms:.1f} | {mib[key]:.1f} | {ideal:.1f} | {ms / ideal:.1f} |")
         for row in rows:
             row["read_gb_s"] = bw
     if args.json:

@@ -173,6 +173,7 @@ class RowStore:
 
     def resize(self, capacity: int) -> None:
         """Reallocate every buffer for ``capacity`` rows (>= ``n``), the live rows copied, the rest ``empty``."""
+        self.settle()  # a hole left by vacate() is filled first: the live rows are then [:n]
         capacity = max(capacity, self.n)
         if capacity == self.capacity:
             return

@@ -117,6 +117,10 @@ class TieredCache(Cache):
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"capacity must be None (buffers grow as rows arrive) or an int >= 1 (the most tokens "
                              f"the sequence will hold, prompt and generated), got {capacity!r}")
+        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        if capacity is not None and isinstance(limit, int) and capacity > limit:
+            raise ValueError(f"capacity={capacity} is more tokens than {type(model).__name__} has positions for "
+                             f"(max_position_embeddings={limit}): use capacity <= {limit}")
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         if cuda_graph:

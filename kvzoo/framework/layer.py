@@ -187,9 +187,9 @@ class KVLayer(CacheLayerMixin):
         self._check_rows(key_states, value_states)
         runtime = self.runtime
         pending = runtime.pending
-        if pending is not None and pending.layer_idx < self.layer_idx:  # an earlier layer of this forward
+        if pending is not None and pending < self.layer_idx:  # an earlier layer of this forward
             raise RuntimeError(
-                f"layer {pending.layer_idx} of this TieredCache received rows but its attention never ran through "
+                f"layer {pending} of this TieredCache received rows but its attention never ran through "
                 "kvzoo: the model using the cache does not run kvzoo's attention. A TieredCache belongs to the model "
                 "it was created for (it attaches kvzoo's attention to that model): create TieredCache(model, policy) "
                 "for this model. (If the previous forward failed midway, create a new cache.)"
@@ -199,7 +199,7 @@ class KVLayer(CacheLayerMixin):
         if key_states.shape[2] == 1 and self.auto_compress and not self.context_ended and self.seen:
             runtime.fire(self, "context_end")  # the prompt ended (generate's first decode step): compress it
         self.append(key_states, value_states)
-        runtime.pending = self
+        runtime.pending = self.layer_idx
         if isinstance(kwargs.get("kwargs"), dict):  # transformers hands the attention call's kwargs: name the layer
             kwargs["kwargs"]["kvzoo_layer"] = self
         else:  # transformers < 5.3 (kvpress's): the attention finds the layer in this context

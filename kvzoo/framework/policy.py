@@ -123,6 +123,9 @@ class RowsView:
 
     Shapes: ``B`` batch, ``G`` KV groups (KV heads on GQA, 1 on MLA), ``N`` rows in the attended
     tier, ``D`` key (or latent row) width, ``H`` query heads, ``w`` observation-window queries.
+
+    ``keys``, ``values``, ``slots`` and ``valid`` may be given as tensors or, by the runtime, read on first use
+    through ``read(name)`` (a selector that reads only the slots -- a per-step victim -- never gathers a key).
     """
 
     keys: torch.Tensor  # [B, G, N, D] rotated keys (GQA) or latent rows [c ; r] (MLA)
@@ -155,10 +158,12 @@ class RowsView:
     # that runs the model's own code on it (a kvpress press: kvzoo.integrations.kvpress). None unless the policy
     # observes "inputs" (recorded on GQA models, until the context ends) or a kvpress press hands them over.
     inputs: AttentionInputs | None = None
+    # the runtime's reader of the tensor fields left None (``read("keys")``): they are taken when first used
+    read: Callable[[str], torch.Tensor | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
-        return self.keys.shape[2]
+        return self.slots.shape[2]
 
     def count(self, counters: Counters) -> None:
         """Add ``counters`` to the layer's (``info``)."""
@@ -190,20 +195,42 @@ class RowsView:
         return window.shape[1] // self.keys.shape[1]
 
 
-def observed_rows(policy: Policy, keys: torch.Tensor, values: torch.Tensor | None, slots: torch.Tensor,
-                  valid: torch.Tensor, *, window: WindowQueries | None = None, **where: Any) -> RowsView:
+def _read_on_first_use(name: str) -> property:
+    """A :class:`RowsView` tensor field that, left None, is read through the view's ``read`` when first used."""
+    private = "_" + name
+
+    def get(self: RowsView) -> torch.Tensor | None:
+        value = self.__dict__.get(private)
+        if value is None and self.__dict__.get("read") is not None:
+            value = self.__dict__[private] = self.read(name)
+        return value
+
+    def set(self: RowsView, value: torch.Tensor | None) -> None:
+        self.__dict__[private] = value
+
+    return property(get, set)
+
+
+for _name in ("keys", "values", "slots", "valid"):
+    setattr(RowsView, _name, _read_on_first_use(_name))
+
+
+def observed_rows(policy: Policy, keys: torch.Tensor | None, values: torch.Tensor | None, slots: torch.Tensor | None,
+                  valid: torch.Tensor | None, *, window: WindowQueries | None = None, **where: Any) -> RowsView:
     """The one builder of a :class:`RowsView` (kvzoo's runtime and the kvpress bridge): the rows, what ``policy``
     observes of them, and ``where`` (the other :class:`RowsView` fields). The window attention -- the ``window``
     queries' fp32 softmax over the rows, causal by slot -- is wired only for a policy observing the window, and
     computed on first read."""
     window_fn = None
+    view: RowsView | None = None
     if window is not None and window.size > 0 and Observation.WINDOW in policy.observes:
         def window_fn() -> torch.Tensor:  # [B, H, w, N]
-            q_slots = torch.arange(window.end - window.size, window.end, device=keys.device)
-            return window_attention(window.queries(), q_slots, keys, slots, valid, window.scaling)
+            q_slots = torch.arange(window.end - window.size, window.end, device=view.slots.device)
+            return window_attention(window.queries(), q_slots, view.keys, view.slots, view.valid, window.scaling)
 
-    return RowsView(keys=keys, values=values, slots=slots, valid=valid, window_fn=window_fn,
+    view = RowsView(keys=keys, values=values, slots=slots, valid=valid, window_fn=window_fn,
                     window_queries=window.size if window_fn is not None else 0, **where)
+    return view
 
 
 @dataclass

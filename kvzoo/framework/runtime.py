@@ -70,13 +70,14 @@ class RuntimeConfig:
 class Runtime:
     """A cache's :class:`RuntimeConfig` and its per-cache state: the context's length (when the pipeline knows it, a
     ratio budget counts the whole context), the policy's cross-layer scratch (``shared``: ChunkKV's reuse) and the
-    layer whose rows went in and whose attention has not run yet (``pending``: a forward of a model that does not run
-    kvzoo's attention is refused at its next layer). The configuration's fields read as the runtime's own."""
+    layer whose rows went in and whose attention has not run yet (``pending``, its index: a forward of a model that
+    does not run kvzoo's attention is refused at its next layer). The configuration's fields read as the runtime's
+    own."""
 
     config: RuntimeConfig
     context_length: int | None = None
     shared: dict[str, Any] = field(default_factory=dict)
-    pending: KVLayer | None = field(default=None, repr=False)
+    pending: int | None = field(default=None, repr=False)
 
     policy = property(lambda self: self.config.policy)
     retrieval = property(lambda self: self.config.retrieval)
@@ -120,10 +121,8 @@ class Runtime:
             window = WindowQueries(queries.shape[2], layer.seen, layer.scaling, lambda: queries)
         return observed_rows(
             self.policy,
-            layer.get("keys"),
-            layer.get("values") if "values" in layer.rows.buffers else None,
-            layer.get("slots"),
-            layer.get("valid"),
+            None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
+            read=lambda name: None if name == "values" and "values" not in layer.rows.buffers else layer.get(name),
             window=window,
             layer_idx=layer.layer_idx,
             num_layers=self.num_layers,

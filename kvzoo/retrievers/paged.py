@@ -20,7 +20,7 @@ from kvzoo.retrievers.int8 import Int8KeyIndex
 from kvzoo.retrievers.pages import PageSummary
 
 
-def _int8_pages(lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
+def _int8_pages(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     codes, scale = int8_page_entries(lo, hi)
     return {"codes": codes, "scale": scale}
 

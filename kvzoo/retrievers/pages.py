@@ -2,7 +2,7 @@
 
 Pages are ``page_size`` consecutive archived rows (in archive order); per page the summary keeps each key
 dimension's minimum and maximum over the page's valid rows, encoded by its user (:class:`PageSummary` is given an
-``encode(lo, hi) -> fields`` function: Quest stores ``[max, min, max |k|]`` in the keys' dtype, exact; the paged
+``encode(lo, hi, dtype) -> fields`` function: Quest stores ``[max, min, max |k|]`` in the keys' dtype, exact; the paged
 int8 index stores int8 codes with one scale), and an ``empty`` flag (a page of padding rows only: never fetched).
 
 The last page may be open (partial): its running minimum and maximum are kept in fp32 beside the encoded pages,
@@ -20,7 +20,7 @@ import torch
 
 from kvzoo.framework.buffers import RowStore
 
-Encode = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+Encode = Callable[[torch.Tensor, torch.Tensor, torch.dtype], dict[str, torch.Tensor]]  # (lo, hi, keys' dtype)
 
 
 class PageSummary:
@@ -36,6 +36,7 @@ class PageSummary:
         self.count: torch.Tensor | None = None  # the same on the device, int64 [1]
         self.open_min: torch.Tensor | None = None  # [B, G, D] fp32, +inf while the open page is empty
         self.open_max: torch.Tensor | None = None  # [B, G, D] fp32, -inf while empty
+        self.dtype: torch.dtype | None = None  # the summarised keys' dtype
 
     @property
     def defined(self) -> bool:
@@ -65,6 +66,7 @@ class PageSummary:
         self.pages.define(B, G, {**fields, "empty": ((), torch.bool)}, keys.device, capacity=pages,
                           fixed=self.capacity is not None, empty={"empty": True})
         self.count = torch.zeros(1, dtype=torch.long, device=keys.device)
+        self.dtype = keys.dtype
         self.open_min = torch.full((B, G, D), float("inf"), device=keys.device)
         self.open_max = torch.full((B, G, D), float("-inf"), device=keys.device)
 
@@ -100,7 +102,7 @@ class PageSummary:
         if filled:  # the open page's earlier rows
             lo[:, :, 0] = torch.minimum(lo[:, :, 0], self.open_min)
             hi[:, :, 0] = torch.maximum(hi[:, :, 0], self.open_max)
-        encoded = self.encode(lo, hi)
+        encoded = self.encode(lo, hi, self.dtype)
         encoded["empty"] = torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)
         if filled:  # rewrite the open page in place, append the rest
             for name, value in encoded.items():
@@ -122,7 +124,7 @@ class PageSummary:
         opens = (self.count % size == 0).view(1, 1, 1)
         self.open_min.copy_(torch.where(opens, lo, torch.minimum(self.open_min, lo)))
         self.open_max.copy_(torch.where(opens, hi, torch.maximum(self.open_max, hi)))
-        encoded = self.encode(self.open_min[:, :, None], self.open_max[:, :, None])
+        encoded = self.encode(self.open_min[:, :, None], self.open_max[:, :, None], self.dtype)
         encoded["empty"] = (torch.isinf(self.open_min).all(-1) & torch.isinf(self.open_max).all(-1))[:, :, None]
         for name, value in encoded.items():
             self.pages.buffers[name].index_copy_(2, page, value)

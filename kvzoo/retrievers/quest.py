@@ -98,8 +98,7 @@ class PageIndex(RetrievalState):
     def __init__(self, config: QuestRetriever, capacity: int | None = None) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.dtype: torch.dtype | None = None  # the keys' dtype (entries are stored in it)
-        self.summary = PageSummary(config.page_size, lambda lo, hi: _quest_entries(lo, hi, self.dtype), capacity)
+        self.summary = PageSummary(config.page_size, _quest_entries, capacity)
 
     @property
     def pages(self):
@@ -140,7 +139,6 @@ class PageIndex(RetrievalState):
 
     def index(self, rows, tier, archive) -> None:
         keys = rows["keys"]
-        self.dtype = keys.dtype
         D = keys.shape[-1]
         self.summary.add(keys, rows["valid"], {"entries": ((2 * D + 1,), keys.dtype)})
 
@@ -194,7 +192,9 @@ class PageIndex(RetrievalState):
             """Head h reads a staged row when the row's page is among head h's pages: ``[B, H, K]``."""
             own = torch.zeros(B, H, p, dtype=torch.bool, device=pages.device)
             own.scatter_(2, pages.view(B, H, q_len * n), True)
-            return own.gather(2, (staged // size).repeat_interleave(H // G, dim=1))
+            # a staged row past the pages (an unchosen candidate clamped to the archive list's end, which may have
+            # grown past a fixed index) is never picked: any page will do
+            return own.gather(2, (staged // size).clamp_(max=p - 1).repeat_interleave(H // G, dim=1))
 
         return Choice(rows=self._clamped(rows), ok=rows < self._live(), visible=visible)
 
