@@ -33,7 +33,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import ast  # noqa: E402
 import copy  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402

@@ -15,7 +15,6 @@ import time
 import torch
 
 from kvzoo.framework.retrieval import ArchiveView, RowGeometry
-from kvzoo.retrievers.sketch import SketchIndex
 from kvzoo.retrievers.vestige import VestigeRetriever
 
 

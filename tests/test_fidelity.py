@@ -18,9 +18,9 @@ from kvzoo.kernels.attention import window_attention
 from kvzoo.kernels.index_scan import page_bounds
 from kvzoo.models import tiny_llama
 from kvzoo.policies.h2o import H2O
-from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 from kvzoo.policies.snapkv import SnapKV
 from kvzoo.refmodel import CHECKPOINT_DIR
+from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 
 SHIPPED = sorted(p.name for p in CHECKPOINT_DIR.iterdir() if (p / "model.safetensors").is_file())
 

@@ -20,8 +20,8 @@ from kvzoo.kernels.index_scan import exact_scores
 from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
 from kvzoo.policies.h2o import H2O
 from kvzoo.policies.quest import Quest
-from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 from kvzoo.policies.streaming_llm import StreamingLLM
+from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 from kvzoo.retrievers.sketch import SketchIndex
 from kvzoo.retrievers.vestige import VestigeRetriever
 
@@ -160,6 +160,9 @@ def test_step_victim_is_the_row_select_leaves_out(n, pad, sinks, seed, policy):
     victim = chosen.step_victim(shuffled)  # [B, G] positions in the shuffled view
     left_out = torch.ones(2, 2, n, dtype=torch.bool).scatter_(2, kept, False).float().argmax(-1)
     assert torch.equal(perm.gather(2, victim[..., None])[..., 0], left_out)
+    if pad == 0:  # no padding: the runtime says so (all_valid) and the rule takes its shorter form, to the same row
+        shuffled.all_valid = True
+        assert torch.equal(chosen.step_victim(shuffled), victim)
 
 
 def test_per_step_eviction_moves_rows_in_place_and_keeps_the_partition(tiny_llama_model):

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from kvzoo.framework.retrieval import RowGeometry
 from kvzoo.kernels.index_scan import exact_scores, int8_page_bounds, int8_page_entries
-from kvzoo.retrievers.paged import PagedKeyIndex
 from kvzoo.retrievers.int8 import Int8KeyIndex
+from kvzoo.retrievers.paged import PagedKeyIndex
 from kvzoo.retrievers.vestige import VestigeRetriever
 
 

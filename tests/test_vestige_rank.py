@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from kvzoo.framework.retrieval import ArchiveView, RowGeometry
 from kvzoo.kernels.index_scan import exact_scores
-from kvzoo.retrievers.sketch import SketchIndex
 from kvzoo.retrievers.vestige import VestigeRetriever
 
 

@@ -98,6 +98,8 @@ class KVLayer(CacheLayerMixin):
         # what the forwards read (host numbers, one add each per forward; bytes are derived by stats())
         self.tier_rows_read = 0  # tier rows attended, summed over forwards
         self.index_bytes_scanned = 0  # index bytes scanned, summed over forwards
+        self.retrieval_steps = 0  # forwards that read the retrieval tier
+        self.rows_scanned = 0  # index entries they scanned (over the batch and groups)
         self.fetched_rows = torch.zeros((), dtype=torch.long)  # rows fetched from the archive, on the rows' device
         self.last_read: dict[str, Any] = {}  # the latest forward's reads (stats() derives its bytes)
 

@@ -138,6 +138,9 @@ class RowsView:
     layer_rank: int = 0  # this layer's index among those num_layers (== layer_idx when all layers attend)
     branch_dim: int = 0  # MLA: width of the decoupled branch r at the end of each row (64); GQA: 0
     first_new: int = 0  # rows [first_new:] arrived since this layer's previous event
+    # no row of this layer is padding (known on the host): a rule may skip its padding masks (a decode step's
+    # victim costs fewer ops); False when some may be
+    all_valid: bool = False
     # observation window: the last w queries of the layer attending to the rows, softmax in fp32,
     # causal (a query never sees a row from its future). None unless the policy asked for it.
     # Read it with observed_window(): the runtime computes it only when a selector asks.
@@ -444,11 +447,15 @@ def sinks_then_recent_priority(valid: torch.Tensor, sinks: int) -> torch.Tensor:
     return torch.where(is_sink, 3 * n - order, torch.where(valid, n + order, order))
 
 
-def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int) -> torch.Tensor:
+def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int,
+                            all_valid: bool = False) -> torch.Tensor:
     """The row the top ``N - 1`` of :func:`sinks_then_recent_priority` leave out, ``[B, G]``, on rows in any order
-    (reads slots): the earliest padding row if there is one, else the oldest valid row that is not a sink."""
+    (reads slots): the earliest padding row if there is one, else the oldest valid row that is not a sink.
+    ``all_valid``: no row is padding (one top-k)."""
     n = slots.shape[-1]
     sinks = min(sinks, n - 1)
+    if all_valid:
+        return slots.topk(sinks + 1, dim=-1, largest=False).indices[..., -1]
     # padding rows sort before every valid row (by slot among themselves): one top-k finds the earliest padding row
     # and the oldest valid row past the sinks
     key = torch.where(valid, slots, slots - (1 << 62))
@@ -475,7 +482,7 @@ class SinksAndRecentPolicy(Policy):
         return sinks_then_recent_priority(rows.valid, self.sinks)
 
     def step_victim(self, rows: RowsView) -> torch.Tensor:
-        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks)
+        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks, rows.all_valid)
 
 
 def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -485,18 +492,24 @@ def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor) -> torch
     return torch.where(lowest, slots, -1).argmax(dim=-1)
 
 
-def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
+def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int, all_valid: bool = False) -> torch.Tensor:
     """Bool ``[B, G, n]``: the ``count`` valid rows with the largest slots (:func:`recent_and_sinks`'s recent rows,
-    on rows in any order)."""
+    on rows in any order). ``all_valid``: no row is padding (fewer ops)."""
     if count <= 0:
         return torch.zeros_like(valid)
     k = min(count, slots.shape[-1])
+    if all_valid:
+        return slots >= slots.topk(k, dim=-1).values[..., -1:]
     threshold = torch.where(valid, slots, -1).topk(k, dim=-1).values[..., -1:]
     return valid & (slots >= threshold)
 
 
-def forced_priority(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``scores`` as fp32 with the ``forced`` rows at ``+inf`` and padding at ``-inf``, ``[B, G, N]``."""
+def forced_priority(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor,
+                    all_valid: bool = False) -> torch.Tensor:
+    """``scores`` as fp32 with the ``forced`` rows at ``+inf`` and padding at ``-inf``, ``[B, G, N]``
+    (``all_valid``: no row is padding)."""
+    if all_valid:
+        return scores.float().masked_fill(forced, math.inf)
     return scores.float().masked_fill(~valid, -math.inf).masked_fill(forced, math.inf)
 
 

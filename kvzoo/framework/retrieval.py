@@ -194,25 +194,26 @@ class Retrieval:
     # --- accounting --------------------------------------------------------------------------------------
     def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor, *, scanned: bool,
                  view: ArchiveView, chosen: tuple[torch.Tensor | None, torch.Tensor] | None) -> None:
-        """This forward's reads, in rows and entries: host numbers, plus one device count (the rows fetched)."""
+        """This forward's reads, in rows and entries: a few host numbers and one device count (the rows fetched);
+        ``stats()`` derives bytes and figures from them."""
         index = layer.index
         B, G = layer.batch_groups
-        entries = index.entries() if scanned else 0  # the dense rule reads the archive, not the index
+        entries = B * G * index.entries() if scanned else 0  # the dense rule reads the archive, not the index
         index_bytes = B * G * index.scan_bytes(query.shape[1] // G * query.shape[2]) if scanned else 0
         n = layer.n
-        read: dict[str, Any] = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": B * G * entries,
-                                "rows_fetched": fetched, "index_bytes_scanned": index_bytes}
-        if self.audit and chosen is not None:
-            read.update(_audit(query, scaling, index, _chosen_mask(chosen, view.rows), view))
-        layer.last_read = read
+        layer.last_read = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": entries,
+                           "rows_fetched": fetched, "index_bytes_scanned": index_bytes}
         layer.tier_rows_read += n
         layer.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
-        info = layer.policy_info
-        info["retrieval_steps"] = info.get("retrieval_steps", 0) + 1
-        for key in ("rows_scanned", "bound_violations", "recall_hits", "recall_total", "audited_scores"):
-            if key in read:
-                info[key] = info.get(key, 0) + read[key]
+        layer.retrieval_steps += 1
+        layer.rows_scanned += entries
         layer.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
+        if self.audit and chosen is not None:
+            audit = _audit(query, scaling, index, _chosen_mask(chosen, view.rows), view)
+            layer.last_read.update(audit)
+            info = layer.policy_info
+            for key, value in audit.items():
+                info[key] = info.get(key, 0) + value
 
 
 def _chosen_mask(chosen: tuple[torch.Tensor | None, torch.Tensor], archived: int) -> torch.Tensor:

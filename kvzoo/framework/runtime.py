@@ -130,6 +130,7 @@ class Runtime:
             layer_rank=layer.rank,
             branch_dim=self.geometry.branch_dim,
             first_new=max(0, layer.n - layer.since_event),
+            all_valid=layer.all_valid,
             row_stats=layer.row_statistics(),
             shared=self.shared,
             info=layer.policy_info,
@@ -331,8 +332,9 @@ class Runtime:
         info = {k: _number(v) for k, v in layer.policy_info.items()}
         fetched_bytes = fetched * per_row
         attended_bytes = B * G * per_row * layer.tier_rows_read
-        if "retrieval_steps" in info:  # cumulative reads of the retrieval tier, derived here from the counts
-            info.update(rows_fetched=fetched, fetched_bytes=fetched_bytes, attended_bytes_read=attended_bytes,
+        if layer.retrieval_steps:  # cumulative reads of the retrieval tier, derived here from the counts
+            info.update(retrieval_steps=layer.retrieval_steps, rows_scanned=layer.rows_scanned, rows_fetched=fetched,
+                        fetched_bytes=fetched_bytes, attended_bytes_read=attended_bytes,
                         index_bytes_scanned=layer.index_bytes_scanned)
         return LayerStats(
             layer=layer.layer_idx,

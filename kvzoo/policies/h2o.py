@@ -82,4 +82,5 @@ class H2O(Policy):
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         """The accumulated attention, the ``recent`` latest valid rows forced (read by slot: any row order)."""
         _, recent = self.split(keep)
-        return forced_priority(rows.row_stats["attention"], latest_valid(rows.slots, rows.valid, recent), rows.valid)
+        recent_rows = latest_valid(rows.slots, rows.valid, recent, rows.all_valid)
+        return forced_priority(rows.row_stats["attention"], recent_rows, rows.valid, rows.all_valid)
