@@ -337,6 +337,45 @@ def test_the_portable_c_equals_the_reference(name, monkeypatch):
     _assert_close(mass, want.mass[0], _rel(case), "mass")
 
 
+def test_pool_valid_may_come_with_the_source():
+    """A ``Rows`` with a ``pool_valid`` field (the runtime's) gives the op its pool flags; not twice."""
+
+    @dataclasses.dataclass
+    class PoolRows(Rows):
+        pool_valid: torch.Tensor | None = None
+
+    case = CASES["gathered-pool-valid-nan"]
+    src = PoolRows(**{f.name: getattr(case.source, f.name) for f in dataclasses.fields(Rows)},
+                   pool_valid=case.pool_valid)
+    want = cpu_native.decode_attend(case.query, case.source, SCALE, pool_valid=case.pool_valid)
+    got = cpu_native.decode_attend(case.query, src, SCALE)
+    assert cpu_native.decode_attend_supported(case.query, src)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="pool_valid given twice"):
+        cpu_native.decode_attend(case.query, src, SCALE, pool_valid=case.pool_valid)
+
+
+def test_the_op_is_seen_by_a_dispatch_mode_and_gives_the_same_result():
+    """Unobserved, the wrapper calls the op's CPU function directly (the dispatcher's boxing of 14 arguments costs
+    more than a small call's work); under a dispatch mode -- a trace recorder, FakeTensor -- it goes through
+    ``torch.ops.kvzoo.decode_attend``, which the mode sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    case = CASES["gathered-length-valid"]
+    direct = cpu_native.decode_attend(case.query, case.source, SCALE, best=True)
+    with Record():
+        recorded = cpu_native.decode_attend(case.query, case.source, SCALE, best=True)
+    assert "kvzoo.decode_attend.default" in seen
+    assert all(torch.equal(a, b) for a, b in zip(direct[:3], recorded[:3]))
+
+
 def test_supported_says_which_inputs_the_op_takes():
     case = CASES["gathered"]
     assert cpu_native.decode_attend_supported(case.query, case.source)
@@ -361,7 +400,7 @@ def test_bad_shapes_are_value_errors_not_crashes():
         (dataclasses.replace(src, length=torch.tensor([1])), {}, r"length must have shape \[2\]"),
         (src, {"pool_valid": torch.ones(2, 3, 60, dtype=torch.bool)}, r"pool_valid must have shape \[2, 3, 80\]"),
         (src, {"prior": (torch.zeros(2, 9, 64), torch.zeros(2, 8))}, r"prior_lse must have shape \[2, 9\]"),
-        (dataclasses.replace(src, valid=torch.ones(2, 3, 60)), {}, "must be bool"),
+        (dataclasses.replace(src, valid=torch.ones(2, 3, 60)), {}, "valid must be a bool tensor"),
         (Rows(src.keys, None, value_width=65), {}, r"value_width must be in \[1, D=64\]"),
     ]
     for source, kwargs, message in bad:

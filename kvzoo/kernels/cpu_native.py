@@ -1088,6 +1088,13 @@ ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # decode a
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _unobserved() -> bool:
+    """Nothing watches the dispatcher: no dispatch mode (FakeTensor, a trace recorder), no torch-function mode, no
+    torch.compile, no JIT tracer. Then the registered CPU function may be called as a function."""
+    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+                or torch.compiler.is_compiling() or torch._C._get_tracing_state())
+
+
 def cache_dir() -> Path:
     root = os.environ.get("KVZOO_CACHE_DIR")
     if root:
@@ -1210,8 +1217,10 @@ def int8_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, 
                   length: torch.Tensor | None) -> torch.Tensor:
     """The C loop's ``estimate [B, G, hq, m]`` (see ``SOURCE``) for ``codes [B, G, m, D]`` and ``side [B, G, m, w]``;
     the caller checked :func:`int8_estimate_supported` and that :func:`library` is not None. Registered as the
-    torch op ``kvzoo::int8_estimate``."""
+    torch op ``kvzoo::int8_estimate`` (called as a function when nothing observes the dispatcher: :func:`_unobserved`)."""
     lengths = None if length is None else length.to(torch.int64)
+    if _unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and (lengths is None or lengths.is_cpu):
+        return _int8_estimate_cpu(query, codes, side, lengths, float(scaling))  # the op's CPU function, undispatched
     return torch.ops.kvzoo.int8_estimate(query, codes, side, lengths, float(scaling))
 
 
@@ -1253,8 +1262,11 @@ def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, th
     PyTorch path does in ~30 ops (scan, top-j, the chosen rows' bounds, the group's union). The caller checked
     :func:`int8_estimate_supported`, ``1 <= j <= min(MAX_J, m)`` and that :func:`library` is not None."""
     lengths = None if length is None else length.to(torch.int64)
-    return torch.ops.kvzoo.int8_choose(query, codes, side, lengths, threshold.float(), j, archived, float(scaling),
-                                       float(slack))
+    args = (query, codes, side, lengths, threshold.float(), j, archived, float(scaling), float(slack))
+    if _unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and args[4].is_cpu and (
+            lengths is None or lengths.is_cpu):
+        return _int8_choose_cpu(*args)  # the op's CPU function, undispatched
+    return torch.ops.kvzoo.int8_choose(*args)
 
 
 def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling, slack):
@@ -1292,6 +1304,16 @@ _LIBRARY.impl("int8_choose", _int8_choose_meta, "Meta")
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _pool_flags(source: Rows, pool_valid: torch.Tensor | None) -> torch.Tensor | None:
+    """The pool's row flags: the keyword, or the source's own ``pool_valid`` where its ``Rows`` has that field."""
+    own = getattr(source, "pool_valid", None)
+    if own is None:
+        return pool_valid
+    if pool_valid is not None:
+        raise ValueError("pool_valid given twice (as source.pool_valid and as the keyword): pass it once")
+    return own
+
+
 def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: torch.Tensor | None = None,
                             prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Whether :func:`decode_attend` takes these inputs: CPU tensors, rows (and query) in fp32, bf16 or fp16 with a
@@ -1299,6 +1321,7 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
     :data:`MAX_HPG` query heads per group, ``D`` and ``Dv`` at most :data:`MAX_D`, no autograd, and the library
     built here. (Shapes are checked by the op itself: a wrong one is a ValueError, not a fallback.)"""
     keys, values = source.keys, source.values
+    pool_valid = _pool_flags(source, pool_valid)
     tensors = [query, keys, values, source.indices, source.length, source.valid, pool_valid, source.head_valid]
     if prior is not None:
         tensors += list(prior)
@@ -1330,7 +1353,8 @@ def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_val
       unreadable; None: positions are pool rows ``0..N-1``), ``length [B]`` (readable positions ``[0, length)``),
       ``valid [B, G, P]`` per position, ``head_valid [B, H, P]`` per query head (``P``: ``K``, or ``N``).
     * ``pool_valid [B, G, N]`` bool: a flag per *pool row*, read through ``indices`` (as
-      ``valid = pool_valid.gather(2, indices)`` would, with no gather): a pool's padding flags, as they are.
+      ``valid = pool_valid.gather(2, indices)`` would, with no gather): a pool's padding flags, as they are. Taken
+      from ``source.pool_valid`` where the ``Rows`` has that field (then not also as the keyword).
     * ``prior = (out [B, H, Dv], lse [B, H])``: an earlier part over other rows (the runtime's tier); ``out`` and
       ``lse`` are then the one softmax over both (a part with ``lse = -inf`` weighs nothing).
     * ``best``: the best scaled score over this source's readable positions (VestigeKV's s*; ``-inf`` if none).
@@ -1339,15 +1363,22 @@ def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_val
     Numerics as the specification: the query rounded to the rows' dtype, products accumulated in fp32 (bf16 rows:
     ``vdpbf16ps`` where the CPU has it), fp32 online softmax. A ``(b, h)`` with nothing readable gets ``out = 0`` and
     ``lse = -inf``. A row no head may read is never loaded (it may hold NaN). The caller checked
-    :func:`decode_attend_supported`. Registered as the torch op ``kvzoo::decode_attend``."""
+    :func:`decode_attend_supported`. The torch op ``kvzoo::decode_attend``; called directly (the same function, not
+    the dispatcher's ~8 us for 14 arguments) when nothing observes the dispatcher (:func:`_unobserved`)."""
     values = source.values
     width = values.shape[-1] if values is not None else source.value_width
     if width is None:
         raise ValueError("source.values is None (MLA absorbed form): set source.value_width to the value width Dv")
+    pool_valid = _pool_flags(source, pool_valid)
     prior_out, prior_lse = (None, None) if prior is None else prior
-    out, lse, top, masses = torch.ops.kvzoo.decode_attend(
-        query, source.keys, values, width, source.indices, source.length, source.valid, pool_valid,
-        source.head_valid, float(scaling), prior_out, prior_lse, best, mass)
+    keys, indices, length, valid, head_valid = source.keys, source.indices, source.length, source.valid, source.head_valid
+    args = (query, keys, values, width, indices, length, valid, pool_valid, head_valid, float(scaling), prior_out,
+            prior_lse, best, mass)
+    if _unobserved() and all(t is None or t.is_cpu for t in (query, keys, values, indices, length, valid, pool_valid,
+                                                             head_valid, prior_out, prior_lse)):
+        out, lse, top, masses = _decode_attend_cpu(*args)
+    else:
+        out, lse, top, masses = torch.ops.kvzoo.decode_attend(*args)
     return out, lse, top if best else None, masses if mass else None
 
 
@@ -1356,82 +1387,108 @@ def _bad(message: str) -> ValueError:
 
 
 def _positions(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, prior_out,
-               prior_lse) -> tuple[int, int]:
-    """``(P, Dv)`` once the shapes agree (a ValueError naming the shape expected otherwise): the kernel trusts them."""
-    if query.dim() != 3 or keys.dim() != 4:
-        raise _bad(f"query must be [B, H, D] and keys [B, G, N, D], got {list(query.shape)} and {list(keys.shape)}")
-    B, H, D = query.shape
-    _, G, N, _ = keys.shape
-    if keys.shape[0] != B or keys.shape[3] != D:
-        raise _bad(f"keys {list(keys.shape)} must be [B={B}, G, N, D={D}] for query {list(query.shape)}")
+               prior_lse) -> tuple[int, int, int, int, int, int, int]:
+    """``(B, H, D, G, N, P, Dv)`` once the shapes agree (else a ValueError naming the shape expected): the kernel
+    trusts them."""
+    qs, ks = query.shape, keys.shape
+    if len(qs) != 3 or len(ks) != 4:
+        raise _bad(f"query must be [B, H, D] and keys [B, G, N, D], got {list(qs)} and {list(ks)}")
+    B, H, D = qs
+    _, G, N, _ = ks
+    if ks[0] != B or ks[3] != D:
+        raise _bad(f"keys {list(ks)} must be [B={B}, G, N, D={D}] for query {list(qs)}")
     if G < 1 or H % G:
         raise _bad(f"H={H} query heads must be a multiple of G={G} KV groups")
     if values is not None:
-        if values.dim() != 4 or tuple(values.shape[:3]) != (B, G, N):
-            raise _bad(f"values must be [B={B}, G={G}, N={N}, Dv], got {list(values.shape)}")
-        Dv = values.shape[3]
+        vs = values.shape
+        if len(vs) != 4 or vs[0] != B or vs[1] != G or vs[2] != N:
+            raise _bad(f"values must be [B={B}, G={G}, N={N}, Dv], got {list(vs)}")
+        Dv = vs[3]
     else:
         Dv = value_width
         if not 1 <= Dv <= D:
             raise _bad(f"value_width must be in [1, D={D}] when values is None, got {Dv}")
     P = N
     if indices is not None:
-        if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, G):
-            raise _bad(f"indices must be [B={B}, G={G}, K], got {list(indices.shape)}")
-        P = indices.shape[2]
+        ids = indices.shape
+        if len(ids) != 3 or ids[0] != B or ids[1] != G:
+            raise _bad(f"indices must be [B={B}, G={G}, K], got {list(ids)}")
+        P = ids[2]
     for name, t, shape in (("length", length, (B,)), ("valid", valid, (B, G, P)), ("pool_valid", pool_valid, (B, G, N)),
                            ("head_valid", head_valid, (B, H, P)), ("prior_out", prior_out, (B, H, Dv)),
                            ("prior_lse", prior_lse, (B, H))):
-        if t is not None and tuple(t.shape) != shape:
+        if t is not None and t.shape != shape:
             raise _bad(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if (prior_out is None) != (prior_lse is None):
         raise _bad("prior_out and prior_lse come together (the prior part's output and log-sum-exp)")
-    return P, Dv
+    return B, H, D, G, N, P, Dv
+
+
+_ABSENT = (0, 0, 0, 0)
+
+
+def _flag(t: torch.Tensor | None, what: str) -> tuple[int, ...]:
+    """A bool flag tensor's pointer and 3 strides (zeros: absent)."""
+    if t is None:
+        return _ABSENT
+    if t.dtype != torch.bool:
+        raise _bad(f"{what} must be a bool tensor, got {t.dtype}")
+    return (t.data_ptr(), *t.stride())
 
 
 def _decode_attend_cpu(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, scaling,
                        prior_out, prior_lse, best, mass):
-    P, Dv = _positions(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, prior_out,
-                       prior_lse)
-    B, H, D = query.shape
-    _, G, N, _ = keys.shape
+    B, H, D, G, N, P, Dv = _positions(query, keys, values, value_width, indices, length, valid, pool_valid,
+                                      head_valid, prior_out, prior_lse)
     dtype = ROW_DTYPES.get(keys.dtype)
-    if dtype is None or query.dtype not in ROW_DTYPES or (values is not None and values.dtype != keys.dtype):
+    q_dtype = ROW_DTYPES.get(query.dtype)
+    if dtype is None or q_dtype is None or (values is not None and values.dtype != keys.dtype):
         raise _bad(f"query, keys and values must be float32, bfloat16 or float16 (values in the keys' dtype), got "
                    f"{query.dtype}, {keys.dtype}, {None if values is None else values.dtype}")
-    if (keys.stride(3) != 1 and D > 1) or (values is not None and values.stride(3) != 1 and Dv > 1):
-        raise _bad("keys and values need a contiguous last dimension (stride 1): pass the pool itself, not a "
-                   "transposed view")
-    if (indices is not None and indices.dtype not in INDEX_DTYPES) or (length is not None
-                                                                       and length.dtype not in INDEX_DTYPES):
-        raise _bad("indices and length must be int32 or int64")
-    if any(t is not None and t.dtype != torch.bool for t in (valid, pool_valid, head_valid)):
-        raise _bad("valid, pool_valid and head_valid must be bool tensors")
-    if query.stride(2) != 1:
+    qst = query.stride()
+    if qst[2] != 1:
         query = query.contiguous()
+        qst = query.stride()
+    kst = keys.stride()
+    params = [query.data_ptr(), qst[0], qst[1], q_dtype, keys.data_ptr(), kst[0], kst[1], kst[2]]
+    if kst[3] != 1 and D > 1:
+        raise _bad("keys need a contiguous last dimension (stride 1): pass the pool itself, not a transposed view")
+    if values is not None:
+        vst = values.stride()
+        if vst[3] != 1 and Dv > 1:
+            raise _bad("values need a contiguous last dimension (stride 1)")
+        params += (values.data_ptr(), vst[0], vst[1], vst[2], dtype)
+    else:
+        params += (0, 0, 0, 0, dtype)
+    if indices is not None:
+        if indices.dtype not in INDEX_DTYPES:
+            raise _bad(f"indices must be int32 or int64, got {indices.dtype}")
+        params += (indices.data_ptr(), *indices.stride(), indices.dtype == torch.int32)
+    else:
+        params += (0, 0, 0, 0, 0)
+    if length is not None:
+        if length.dtype not in INDEX_DTYPES:
+            raise _bad(f"length must be int32 or int64, got {length.dtype}")
+        params += (length.data_ptr(), length.stride(0), length.dtype == torch.int32)
+    else:
+        params += (0, 0, 0)
+    params += _flag(valid, "valid")
+    params += _flag(pool_valid, "pool_valid")
+    params += _flag(head_valid, "head_valid")
     if prior_out is not None:
         prior_out = prior_out.float().contiguous()
         prior_lse = prior_lse.float().contiguous()
-    out = torch.empty(B, H, Dv, dtype=torch.float32)
-    lse = torch.empty(B, H, dtype=torch.float32)
-    top = torch.empty(B, H, dtype=torch.float32) if best else torch.empty(0)
-    masses = torch.empty(B, H, P, dtype=torch.float32) if mass else torch.empty(0)
-    none = (0, 0, 0, 0)
-    params = array.array("q", (  # the order of the A_* parameters in SOURCE
-        query.data_ptr(), query.stride(0), query.stride(1), ROW_DTYPES[query.dtype],
-        keys.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
-        *((values.data_ptr(), *values.stride()[:3]) if values is not None else none),
-        dtype,
-        *((indices.data_ptr(), *indices.stride(), indices.dtype == torch.int32) if indices is not None else (0,) * 5),
-        *((length.data_ptr(), length.stride(0), length.dtype == torch.int32) if length is not None else (0,) * 3),
-        *((valid.data_ptr(), *valid.stride()) if valid is not None else none),
-        *((pool_valid.data_ptr(), *pool_valid.stride()) if pool_valid is not None else none),
-        *((head_valid.data_ptr(), *head_valid.stride()) if head_valid is not None else none),
-        prior_out.data_ptr() if prior_out is not None else 0, prior_lse.data_ptr() if prior_lse is not None else 0,
-        out.data_ptr(), lse.data_ptr(), top.data_ptr() if best else 0, masses.data_ptr() if mass else 0,
-        B, H, G, N, P, D, Dv, torch.get_num_threads(),
-    ))
-    status = library().kvzoo_decode_attend(params.buffer_info()[0], len(params), scaling)
+        params += (prior_out.data_ptr(), prior_lse.data_ptr())
+    else:
+        params += (0, 0)
+    out = torch.empty(B, H, Dv)
+    lse = torch.empty(B, H)
+    top = torch.empty(B, H) if best else torch.empty(0)
+    masses = torch.empty(B, H, P) if mass else torch.empty(0)
+    params += (out.data_ptr(), lse.data_ptr(), top.data_ptr() if best else 0, masses.data_ptr() if mass else 0,
+               B, H, G, N, P, D, Dv, torch.get_num_threads())
+    packed = array.array("q", params)  # the A_* parameters of SOURCE, in their order
+    status = library().kvzoo_decode_attend(packed.buffer_info()[0], len(packed), scaling)
     if status != 0:
         raise RuntimeError(f"kvzoo_decode_attend refused H={H}, G={G}, D={D}, Dv={Dv} (status {status}; at most "
                            f"{MAX_HPG} heads per group, D and Dv at most {MAX_D})")
@@ -1440,9 +1497,8 @@ def _decode_attend_cpu(query, keys, values, value_width, indices, length, valid,
 
 def _decode_attend_meta(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, scaling,
                         prior_out, prior_lse, best, mass):
-    P, Dv = _positions(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, prior_out,
-                       prior_lse)
-    B, H, _ = query.shape
+    B, H, _, _, _, P, Dv = _positions(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid,
+                                      prior_out, prior_lse)
     f32 = torch.float32
     return (query.new_empty(B, H, Dv, dtype=f32), query.new_empty(B, H, dtype=f32),
             query.new_empty((B, H) if best else (0,), dtype=f32), query.new_empty((B, H, P) if mass else (0,), dtype=f32))
