@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from kvzoo.kernels.decode_attention import Rows
 
 SOURCE = r"""
+
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -675,43 +676,119 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-/* the dots of one row with nh (1-4) query rows (fp32, zero-padded to Dp): out[h * TILE] */
-static inline __attribute__((always_inline)) void row_dots(const float *q, int64_t Dp, const char *row, int64_t D,
-                                                           const int dtype, const int nh, float *out) {
-    __m512 a[4];
-    for (int h = 0; h < nh; h++) a[h] = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-        __m512 x = vload(row, d, dtype);
-        for (int h = 0; h < nh; h++) a[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * Dp + d), x, a[h]);
+/* The scores of up to 16 rows (rows[r], r < n; the others read rows[0] again, their lanes unused) with nh (1-4)
+   query rows (fp32, zero-padded to Dp): out[h * TILE + r] = scaling * dot. As the int8 scan: four rows at a time
+   (rows s, s + 4, s + 8, s + 12), each dot in 16 lanes, all sixteen reduced together (sum4, sum4x4). */
+static inline __attribute__((always_inline)) void dots16(const float *q, int64_t Dp, const char *const *rows,
+                                                         int64_t n, int64_t D, const int dtype, const int nh,
+                                                         float scaling, float *out) {
+    __m512 part[4][4];
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {
+        const char *r0 = rows[s < n ? s : 0], *r1 = rows[s + 4 < n ? s + 4 : 0];
+        const char *r2 = rows[s + 8 < n ? s + 8 : 0], *r3 = rows[s + 12 < n ? s + 12 : 0];
+        __m512 a[4][4];
+        for (int h = 0; h < nh; h++)
+            for (int k = 0; k < 4; k++) a[h][k] = _mm512_setzero_ps();
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+            __m512 c0 = vload(r0, d, dtype), c1 = vload(r1, d, dtype), c2 = vload(r2, d, dtype), c3 = vload(r3, d, dtype);
+            for (int h = 0; h < nh; h++) {
+                __m512 x = _mm512_loadu_ps(q + h * Dp + d);
+                __asm__("" : "+v"(x));  /* one load in a register for the 4 rows */
+                a[h][0] = _mm512_fmadd_ps(x, c0, a[h][0]);
+                a[h][1] = _mm512_fmadd_ps(x, c1, a[h][1]);
+                a[h][2] = _mm512_fmadd_ps(x, c2, a[h][2]);
+                a[h][3] = _mm512_fmadd_ps(x, c3, a[h][3]);
+            }
+        }
+        if (d < D) {
+            __mmask16 mk = tail16(D - d);
+            __m512 c0 = vload_mask(r0, d, dtype, mk), c1 = vload_mask(r1, d, dtype, mk);
+            __m512 c2 = vload_mask(r2, d, dtype, mk), c3 = vload_mask(r3, d, dtype, mk);
+            for (int h = 0; h < nh; h++) {
+                __m512 x = _mm512_loadu_ps(q + h * Dp + d);
+                a[h][0] = _mm512_fmadd_ps(x, c0, a[h][0]);
+                a[h][1] = _mm512_fmadd_ps(x, c1, a[h][1]);
+                a[h][2] = _mm512_fmadd_ps(x, c2, a[h][2]);
+                a[h][3] = _mm512_fmadd_ps(x, c3, a[h][3]);
+            }
+        }
+        for (int h = 0; h < nh; h++) part[h][s] = sum4(a[h][0], a[h][1], a[h][2], a[h][3]);
     }
-    if (d < D) {
-        __m512 x = vload_mask(row, d, dtype, tail16(D - d));
-        for (int h = 0; h < nh; h++) a[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * Dp + d), x, a[h]);
-    }
-    for (int h = 0; h < nh; h++) out[h * TILE] = _mm512_reduce_add_ps(a[h]);
+    for (int h = 0; h < nh; h++)
+        _mm512_storeu_ps(out + h * TILE, _mm512_mul_ps(sum4x4(part[h][0], part[h][1], part[h][2], part[h][3]),
+                                                       _mm512_set1_ps(scaling)));
 }
 
 #ifdef KV_BF16DOT
-/* bf16 rows: the products of bf16 pairs (exact in fp32) added into fp32 lanes by vdpbf16ps */
-static inline __attribute__((always_inline)) void row_dots_bf16(const uint16_t *q, int64_t Dp, const uint16_t *row,
-                                                                int64_t D, const int nh, float *out) {
-    __m512 a[4];
-    for (int h = 0; h < nh; h++) a[h] = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-        __m512i x = _mm512_loadu_si512((const void *)(row + d));
+/* dots16 for bf16 rows: the products of bf16 pairs (exact in fp32) added into fp32 lanes by vdpbf16ps */
+static inline __attribute__((always_inline)) void dots16_bf16(const uint16_t *q, int64_t Dp, const char *const *rows,
+                                                              int64_t n, int64_t D, const int nh, float scaling,
+                                                              float *out) {
+    __m512 part[4][4];
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {
+        const uint16_t *r0 = (const uint16_t *)rows[s < n ? s : 0], *r1 = (const uint16_t *)rows[s + 4 < n ? s + 4 : 0];
+        const uint16_t *r2 = (const uint16_t *)rows[s + 8 < n ? s + 8 : 0];
+        const uint16_t *r3 = (const uint16_t *)rows[s + 12 < n ? s + 12 : 0];
+        __m512 a[4][4];
         for (int h = 0; h < nh; h++)
-            a[h] = _mm512_dpbf16_ps(a[h], (__m512bh)_mm512_loadu_si512((const void *)(q + h * Dp + d)), (__m512bh)x);
+            for (int k = 0; k < 4; k++) a[h][k] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 32) {
+            __mmask32 mk = D - d >= 32 ? ~0u : (1u << (D - d)) - 1u;
+            __m512bh c0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, r0 + d), c1 = (__m512bh)_mm512_maskz_loadu_epi16(mk, r1 + d);
+            __m512bh c2 = (__m512bh)_mm512_maskz_loadu_epi16(mk, r2 + d), c3 = (__m512bh)_mm512_maskz_loadu_epi16(mk, r3 + d);
+            for (int h = 0; h < nh; h++) {
+                __m512i xi = _mm512_loadu_si512((const void *)(q + h * Dp + d));
+                __asm__("" : "+v"(xi));
+                __m512bh x = (__m512bh)xi;
+                a[h][0] = _mm512_dpbf16_ps(a[h][0], x, c0);
+                a[h][1] = _mm512_dpbf16_ps(a[h][1], x, c1);
+                a[h][2] = _mm512_dpbf16_ps(a[h][2], x, c2);
+                a[h][3] = _mm512_dpbf16_ps(a[h][3], x, c3);
+            }
+        }
+        for (int h = 0; h < nh; h++) part[h][s] = sum4(a[h][0], a[h][1], a[h][2], a[h][3]);
     }
-    if (d < D) {
-        __m512i x = _mm512_maskz_loadu_epi16((__mmask32)((1u << (D - d)) - 1u), row + d);
-        for (int h = 0; h < nh; h++)
-            a[h] = _mm512_dpbf16_ps(a[h], (__m512bh)_mm512_loadu_si512((const void *)(q + h * Dp + d)), (__m512bh)x);
-    }
-    for (int h = 0; h < nh; h++) out[h * TILE] = _mm512_reduce_add_ps(a[h]);
+    for (int h = 0; h < nh; h++)
+        _mm512_storeu_ps(out + h * TILE, _mm512_mul_ps(sum4x4(part[h][0], part[h][1], part[h][2], part[h][3]),
+                                                       _mm512_set1_ps(scaling)));
 }
 #endif
+
+/* scores [hpg][TILE] of a tile's n rows for every head of the group: each row read once per block of 4 heads */
+static inline __attribute__((always_inline)) void tile_scores(const float *qf, const uint16_t *qb, int64_t Dp,
+                                                              const char *const *rows, int64_t n, int64_t D,
+                                                              int64_t hpg, const int dtype, float scaling, float *sc) {
+    for (int64_t h0 = 0; h0 < hpg; h0 += 4) {
+        int64_t nh = hpg - h0 < 4 ? hpg - h0 : 4;
+        for (int64_t k0 = 0; k0 < n; k0 += 16) {
+            int64_t m = n - k0;
+            float *out = sc + h0 * TILE + k0;
+#ifdef KV_BF16DOT
+            if (dtype == BF16) {
+                const uint16_t *qh = qb + h0 * Dp;
+                switch (nh) {
+                    case 1: dots16_bf16(qh, Dp, rows + k0, m, D, 1, scaling, out); break;
+                    case 2: dots16_bf16(qh, Dp, rows + k0, m, D, 2, scaling, out); break;
+                    case 3: dots16_bf16(qh, Dp, rows + k0, m, D, 3, scaling, out); break;
+                    default: dots16_bf16(qh, Dp, rows + k0, m, D, 4, scaling, out); break;
+                }
+                continue;
+            }
+#endif
+            const float *qh = qf + h0 * Dp;
+            switch (nh) {
+                case 1: dots16(qh, Dp, rows + k0, m, D, dtype, 1, scaling, out); break;
+                case 2: dots16(qh, Dp, rows + k0, m, D, dtype, 2, scaling, out); break;
+                case 3: dots16(qh, Dp, rows + k0, m, D, dtype, 3, scaling, out); break;
+                default: dots16(qh, Dp, rows + k0, m, D, dtype, 4, scaling, out); break;
+            }
+        }
+    }
+    (void)qb;
+}
 
 /* acc[h][:] += sum_k p[h][k] * value_k for nh (1-4) heads: 4 x 16 columns of nh heads in registers per pass */
 static inline __attribute__((always_inline)) void tile_values(float *acc, int64_t Dv, const float *p,
@@ -798,6 +875,19 @@ static inline __attribute__((always_inline)) void row_dots(const float *q, int64
             for (int l = 0; l < LANES; l++) a[l] += qh[d0 + l] * x[d0 + l];
         out[h * TILE] = lane_sum(a);
     }
+}
+
+static inline __attribute__((always_inline)) void tile_scores(const float *qf, const uint16_t *qb, int64_t Dp,
+                                                              const char *const *rows, int64_t n, int64_t D,
+                                                              int64_t hpg, const int dtype, float scaling, float *sc) {
+    for (int64_t h0 = 0; h0 < hpg; h0 += 4) {
+        int64_t nh = hpg - h0 < 4 ? hpg - h0 : 4;
+        for (int64_t k = 0; k < n; k++) {
+            row_dots(qf + h0 * Dp, Dp, rows[k], D, dtype, (int)nh, sc + h0 * TILE + k);
+            for (int64_t h = 0; h < nh; h++) sc[(h0 + h) * TILE + k] *= scaling;
+        }
+    }
+    (void)qb;
 }
 
 static inline __attribute__((always_inline)) void tile_values(float *acc, int64_t Dv, const float *p,
@@ -912,37 +1002,11 @@ static inline __attribute__((always_inline)) void decode_range(const Decode *c, 
             }
         }
         if (n == 0) continue;
-        for (int64_t h0 = 0; h0 < hpg; h0 += 4) {  /* scores [hpg][n], each row read once for the group */
-            int64_t nh = hpg - h0 < 4 ? hpg - h0 : 4;
-            float *out = sc + h0 * TILE;
-#ifdef KV_BF16DOT
-            if (dtype == BF16) {
-                const uint16_t *qh = qb + h0 * Dp;
-                for (int64_t k = 0; k < n; k++) {
-                    const uint16_t *r = (const uint16_t *)krow[k];
-                    switch (nh) {
-                        case 1: row_dots_bf16(qh, Dp, r, D, 1, out + k); break;
-                        case 2: row_dots_bf16(qh, Dp, r, D, 2, out + k); break;
-                        case 3: row_dots_bf16(qh, Dp, r, D, 3, out + k); break;
-                        default: row_dots_bf16(qh, Dp, r, D, 4, out + k); break;
-                    }
-                }
-                continue;
-            }
-#endif
-            const float *qh = qf + h0 * Dp;
-            for (int64_t k = 0; k < n; k++) {
-                switch (nh) {
-                    case 1: row_dots(qh, Dp, krow[k], D, dtype, 1, out + k); break;
-                    case 2: row_dots(qh, Dp, krow[k], D, dtype, 2, out + k); break;
-                    case 3: row_dots(qh, Dp, krow[k], D, dtype, 3, out + k); break;
-                    default: row_dots(qh, Dp, krow[k], D, dtype, 4, out + k); break;
-                }
-            }
-        }
+        tile_scores(qf, qb, Dp, krow, n, D, hpg, dtype, c->scaling, sc);  /* [hpg][n], each row read once */
         for (int64_t h = 0; h < hpg; h++) {
             float *s = sc + h * TILE;
-            for (int64_t k = 0; k < n; k++) s[k] = partial && !((heads[k] >> h) & 1u) ? -INFINITY : s[k] * c->scaling;
+            if (partial)
+                for (int64_t k = 0; k < n; k++) s[k] = (heads[k] >> h) & 1u ? s[k] : -INFINITY;
             if (mass)
                 for (int64_t k = 0; k < n; k++) mass[h * P + pos[k]] = s[k];
             float top = max_of(s, n);
@@ -1077,6 +1141,7 @@ int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling) {
     }
     return 0;
 }
+
 """
 
 MAX_HQ = 64  # query rows per group the int8 scan takes (a group's heads x queries)
