@@ -363,7 +363,7 @@ static void int8_block(const float *q, int64_t hq, int64_t D, const int8_t *code
 #endif
 }
 
-/* the lines of a block of rows two blocks ahead (the hardware prefetcher alone leaves the scan waiting on memory) */
+/* the lines of a block of rows four blocks ahead (the hardware prefetcher alone leaves the scan waiting on memory) */
 static inline void prefetch_rows(const int8_t *codes, int64_t code_bytes, const uint16_t *side, int64_t side_halves) {
 #if defined(__GNUC__)
     for (int64_t o = 0; o < code_bytes; o += 64) __builtin_prefetch(codes + o, 0, 3);
@@ -413,7 +413,7 @@ static void estimate_item(void *ctx, int64_t item) {
     float est[MAX_HQ * 16];
     for (int64_t i = r0; i < r1; i += 16) {
         int64_t count = r1 - i < 16 ? r1 - i : 16;
-        if (i + 48 <= r1) prefetch_rows(cg + (i + 32) * D, 16 * D, sg + (i + 32) * c->side_w, 16 * c->side_w);
+        if (i + 80 <= r1) prefetch_rows(cg + (i + 64) * D, 16 * D, sg + (i + 64) * c->side_w, 16 * c->side_w);
         int8_block(qg, hq, D, cg + i * D, sg + i * c->side_w, c->side_w, c->scaling, count, est);
         for (int64_t h = 0; h < hq; h++) memcpy(og + h * m + i, est + h * 16, count * sizeof(float));
     }
@@ -487,7 +487,7 @@ static void choose_item(void *ctx, int64_t item) {
     for (int64_t h = 0; h < hq; h++) filled[h] = 0;
     for (int64_t i = r0; i < r1; i += 16) {
         int64_t count = r1 - i < 16 ? r1 - i : 16;
-        if (i + 48 <= r1) prefetch_rows(cg + (i + 32) * D, 16 * D, sg + (i + 32) * c->side_w, 16 * c->side_w);
+        if (i + 80 <= r1) prefetch_rows(cg + (i + 64) * D, 16 * D, sg + (i + 64) * c->side_w, 16 * c->side_w);
         int8_block(qg, hq, D, cg + i * D, sg + i * c->side_w, c->side_w, c->scaling, count, est);
         for (int64_t h = 0; h < hq; h++) {
             float *vh = top + h * j, *eh = est + h * 16;
