@@ -418,3 +418,20 @@ def test_meta_tensors_give_the_shapes():
                                                          True, True)
     assert out.shape == (2, 9, 64) and lse.shape == best.shape == (2, 9) and mass.shape == (2, 9, 60)
     assert out.dtype == torch.float32 and out.device.type == "meta"
+
+
+def test_the_benchmark_runs_at_a_toy_size(monkeypatch):
+    """benchmarks/native_kernels.py (importable): every arm runs, and the table has a row per arm."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.modules.pop("native_kernels", None)
+    import native_kernels
+
+    result = native_kernels.measure([1024], [1], rounds=1, base_rev=None, cache_bytes=1 << 20, bandwidth_mib=8)
+    impls = {(r["op"], r["form"], r["impl"]) for r in result["rows"]}
+    assert ("attention", "pool", "native") in impls and ("attention", "gathered 1/32", "sdpa (gather)") in impls
+    assert ("attention", "Quest-like (3 x 64 x 16)", "native") in impls and ("int8 top-j rule", "j=16", "native now") in impls
+    assert all(r["ms_1"] > 0 and r["gbps_1"] > 0 for r in result["rows"])
+    assert native_kernels.markdown(result).count("\n| 1024 |") == len(result["rows"])
