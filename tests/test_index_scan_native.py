@@ -161,12 +161,14 @@ def test_fused_choose_falls_back_in_torch_mode(monkeypatch):
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_over_threads_matches_reference(threads):
-    """An index past the kernel's 1/4 MiB is scanned in runs of rows, over threads: the estimates are those of the
-    reference (to rounding) and the top-j choice (each run's top lists merged in row order) is the reference's."""
+def test_kernel_over_threads_matches_reference(threads, monkeypatch):
+    """An index scanned in runs of rows over threads (forced at this size: ``PARALLEL_BYTES = 0``): the estimates are
+    those of the reference (to rounding) and the top-j choice (each run's top lists merged in row order) is the
+    reference's."""
     from kvzoo.kernels.index_scan import int8_choose, int8_choose_reference
 
-    B, G, hq, D, rows = 1, 3, 3, 64, 5000  # 3 x 5000 x 70 B = 1 MiB: several runs of rows per group
+    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
+    B, G, hq, D, rows = 1, 3, 3, 64, 3000  # 3 runs of 1008 rows per group at 2 threads
     _, codes, side = _index(B, G, rows, D, seed=7)
     q = torch.randn(B, G, hq, D, generator=torch.Generator().manual_seed(8))
     length = torch.tensor([4321])

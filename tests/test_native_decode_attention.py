@@ -260,16 +260,15 @@ def test_nothing_readable_is_zero_and_minus_infinity():
 
 @pytest.mark.parametrize("name", ["pool", "gathered-pool-valid-nan", "quest-head-valid", "bfloat16-pool",
                                   "mla-h16-bfloat16"])
-def test_two_threads_split_the_positions_to_the_same_result(name):
-    """Large enough to be split over threads (positions repeated until the rows pass the kernel's 1/4 MiB): the
-    splits merge exactly (to fp32 rounding); 1 and 2 threads agree with each other and with the reference."""
+def test_two_threads_split_the_positions_to_the_same_result(name, monkeypatch):
+    """Split over threads (forced at this size: ``PARALLEL_BYTES = 0``; positions repeated for several splits of two
+    tiles or more per group): the splits merge exactly (to fp32 rounding); 1 and 2 threads agree with each other and
+    with the reference."""
+    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
     case = CASES[name]
     src = case.source
-    B, G, N, D = src.keys.shape
-    positions = N if src.indices is None else src.indices.shape[2]
-    row_bytes = (D + (0 if src.values is None else src.values.shape[-1])) * src.keys.element_size()
-    # 2 MiB of rows: past the kernel's 1/4 MiB, and >= 256 positions per split for several splits per group
-    reps = -(-(2 << 20) // (B * G * positions * row_bytes))
+    positions = src.keys.shape[2] if src.indices is None else src.indices.shape[2]
+    reps = -(-512 // positions)  # >= 512 positions: 8 tiles per group
     if src.indices is not None:
         big = dataclasses.replace(src, indices=src.indices.repeat(1, 1, reps),
                                   valid=None if src.valid is None else src.valid.repeat(1, 1, reps),
@@ -302,8 +301,9 @@ def test_two_threads_split_the_positions_to_the_same_result(name):
         _assert_close(got[3], want.mass[0], 2e-5, "mass")
 
 
-def test_one_openmp_runtime_in_the_process():
+def test_one_openmp_runtime_in_the_process(monkeypatch):
     """The kernels use torch's own OpenMP runtime (or none): never a second libgomp beside torch's."""
+    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
     lib = cpu_native.library()
     assert lib is not None
     case = CASES["pool"]

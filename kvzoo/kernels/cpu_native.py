@@ -18,8 +18,8 @@ The source is below; it is compiled once per machine and source version into the
 ``-O3 -march=native``. Threads: where torch runs on GNU OpenMP (its wheel ships ``libgomp``) the kernels are built
 with ``-fopenmp`` and linked against that very library, found in the process's memory map, so one OpenMP runtime
 (and one thread pool) serves torch and these kernels; a call takes ``torch.get_num_threads()`` threads when its
-rows are large enough to pay for waking them (~1/4 MiB). Elsewhere, or if that build fails, they run on one thread.
-Where no compiler works, :func:`library` returns None once and says why in a RuntimeWarning, and callers take the
+rows are large enough to pay for waking them (:data:`PARALLEL_BYTES`). Elsewhere, or if that build fails, they run
+on one thread. Where no compiler works, :func:`library` returns None once and says why in a RuntimeWarning, and callers take the
 PyTorch references (``tests/test_index_scan_native.py`` and ``tests/test_native_decode_attention.py`` hold the
 kernels to them). ``KVZOO_KERNELS=torch`` takes the references everywhere.
 
@@ -434,11 +434,11 @@ int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uint16_t *sid
                         int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w,
                         float scaling, int64_t threads);
 
-static int64_t scan_chunks(int64_t B, int64_t G, int64_t m, int64_t row_bytes, int64_t threads) {
-    /* one item per group below ~256 KiB of index (a thread's wake-up costs what ~10 us of scanning does), else a
-       few items per thread of at least 1024 rows each */
-    if (threads <= 1 || B * G * m * row_bytes < (256 << 10)) return 1;
-    int64_t chunks = (4 * threads + B * G - 1) / (B * G), most = m / 1024;
+/* runs of rows per group: one on one thread, else a few items per thread of at least 256 rows each (the caller
+   asks for threads only where the index is large enough to pay for waking them) */
+static int64_t scan_chunks(int64_t B, int64_t G, int64_t m, int64_t threads) {
+    if (threads <= 1) return 1;
+    int64_t chunks = (4 * threads + B * G - 1) / (B * G), most = (m + 255) / 256;
     if (chunks > most) chunks = most;
     return chunks < 1 ? 1 : chunks;
 }
@@ -455,7 +455,7 @@ int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uint16_t *sid
     if (hq > MAX_HQ || D > MAX_D || D % LANES != 0) return 1;
     Int8Scan c = {q, codes, side, length, out, NULL, NULL, NULL, NULL, NULL, NULL,
                   B, G, hq, D, m, 0, 0, codes_sb, codes_sg, side_sb, side_sg, side_w, 1, m, scaling, 0.0f};
-    c.chunks = scan_chunks(B, G, m, D + 2 * side_w, threads);
+    c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     run_items(estimate_item, &c, B * G * c.chunks, threads);
     return 0;
@@ -578,7 +578,7 @@ int kvzoo_int8_choose(const float *q, const int8_t *codes, const uint16_t *side,
     if (hq > MAX_HQ || D > MAX_D || D % LANES != 0 || j < 1 || j > MAX_J || j > m || archived < 1) return 1;
     Int8Scan c = {q, codes, side, length, NULL, threshold, idx, picked, NULL, NULL, NULL,
                   B, G, hq, D, m, j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, 1, m, scaling, slack};
-    c.chunks = scan_chunks(B, G, m, D + 2 * side_w, threads);
+    c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     int64_t items = B * G * c.chunks;
     char *scratch = malloc(items * hq * (j * (sizeof(float) + sizeof(int64_t)) + sizeof(int64_t)));
@@ -1103,9 +1103,6 @@ static void decode_finish(void *ctx, int64_t bg) {
     }
 }
 
-/* below this many bytes of rows a call runs on one thread (waking another costs what reading ~1/4 MiB does) */
-#define DECODE_PARALLEL_BYTES (256 << 10)
-
 /* Decode attention of one query per sequence over one source of rows, in one softmax with a prior part (see
    kvzoo.kernels.cpu_native.decode_attend). a: the A_* parameters; returns 0, or 1 for a shape it does not take. */
 int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling) {
@@ -1135,15 +1132,13 @@ int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling) {
         return 1;
     c.hpg = c.H / c.G;
     c.Dp = (c.D + 31) / 32 * 32;
-    int64_t es = c.dtype == F32 ? 4 : 2;
-    int64_t bytes = c.B * c.G * c.P * (c.D + (c.separate ? c.Dv : 0)) * es;
     c.splits = 1;
-    if (threads > 1 && bytes >= DECODE_PARALLEL_BYTES) {  /* a few items per thread, each of 256 positions or more */
-        int64_t most = c.P / 256 > 1 ? c.P / 256 : 1;
+    if (threads > 1) {  /* a few items per thread, each of two tiles or more (the caller asks for threads only where
+                           the rows are many enough to pay for waking them) */
+        int64_t most = (c.P + 2 * TILE - 1) / (2 * TILE);
         c.splits = (4 * threads + c.B * c.G - 1) / (c.B * c.G);
         if (c.splits > most) c.splits = most;
-    } else {
-        threads = 1;
+        if (c.splits < 1) c.splits = 1;
     }
     int64_t hpg = c.hpg, items = c.B * c.G * c.splits;
     c.item_floats = (hpg * c.Dv + 2 * hpg + hpg * c.Dp + hpg * TILE + (hpg * c.Dp + 1) / 2 + 15) / 16 * 16;
@@ -1167,6 +1162,12 @@ LANES = 8  # the int8 scan's head dim must be a multiple of this
 MAX_HPG = 64  # query heads per KV group decode attention takes
 ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # decode attention's rows (and query)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Bytes of rows below which a call runs on one thread. Waking torch's OpenMP threads costs ~1 us while they spin
+# (libgomp's default) but ~60 us once they sleep (OMP_WAIT_POLICY=PASSIVE, which kvzoo's CLI and benchmarks set:
+# an idle core of this 2-core VM is halted, and waking it is an interrupt to the host); at ~20 GB/s a second thread
+# pays only past ~3 MiB then (measured: 2k-token SmolLM2 pool 1.08x, 8k 1.38x, 32k 1.35x; the int8 scan at 8k rows
+# 0.96x, at 32k 1.36x). Read once: libgomp reads the variable when torch loads it.
+PARALLEL_BYTES = (3 << 20) if os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive" else (256 << 10)
 
 
 def _unobserved() -> bool:
@@ -1280,6 +1281,11 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def _threads(nbytes: int) -> int:
+    """Threads for a call reading ``nbytes``: ``torch.get_num_threads()`` past :data:`PARALLEL_BYTES`, else 1."""
+    return torch.get_num_threads() if nbytes >= PARALLEL_BYTES else 1
+
+
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """``t [B, G, m, w]`` has contiguous rows, one after another (a view of a buffer's first ``m`` rows is fine)."""
     return t.stride(-1) == 1 and (t.shape[2] <= 1 or t.stride(2) == t.shape[3])
@@ -1316,7 +1322,7 @@ def _int8_estimate_cpu(query: torch.Tensor, codes: torch.Tensor, side: torch.Ten
     status = lib.kvzoo_int8_estimate(
         q.data_ptr(), codes.data_ptr(), side.data_ptr(), None if lengths is None else lengths.data_ptr(),
         out.data_ptr(), B, G, hq, D, m, codes.stride(0), codes.stride(1), side.stride(0), side.stride(1),
-        side.shape[-1], scaling, torch.get_num_threads())
+        side.shape[-1], scaling, _threads(B * G * m * (D + 2 * side.shape[-1])))
     if status != 0:
         raise RuntimeError(f"kvzoo_int8_estimate refused hq={hq}, D={D} (hq <= {MAX_HQ}, D <= {MAX_D}, "
                            f"D % {LANES} == 0)")
@@ -1362,7 +1368,7 @@ def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling
         q.data_ptr(), codes.data_ptr(), side.data_ptr(), None if lengths is None else lengths.data_ptr(),
         thr.data_ptr(), idx.data_ptr(), picked.data_ptr(), B, G, hq, D, codes.shape[2], j, archived,
         codes.stride(0), codes.stride(1), side.stride(0), side.stride(1), side.shape[-1], scaling, slack,
-        torch.get_num_threads())
+        _threads(B * G * codes.shape[2] * (D + 2 * side.shape[-1])))
     if status != 0:
         raise RuntimeError(f"kvzoo_int8_choose refused hq={hq}, D={D}, j={j}, m={codes.shape[2]}, "
                            f"archived={archived} (hq <= {MAX_HQ}, D % {LANES} == 0, 1 <= j <= min({MAX_J}, m))")
@@ -1567,7 +1573,8 @@ def _decode_attend_cpu(query, keys, values, value_width, indices, length, valid,
     top = torch.empty(B, H) if best else torch.empty(0)
     masses = torch.empty(B, H, P) if mass else torch.empty(0)
     params += (out.data_ptr(), lse.data_ptr(), top.data_ptr() if best else 0, masses.data_ptr() if mass else 0,
-               B, H, G, N, P, D, Dv, torch.get_num_threads())
+               B, H, G, N, P, D, Dv, _threads(B * G * P * (D + (Dv if values is not None else 0))
+                                              * keys.element_size()))
     packed = array.array("q", params)  # the A_* parameters of SOURCE, in their order
     status = library().kvzoo_decode_attend(packed.buffer_info()[0], len(packed), scaling)
     if status != 0:
