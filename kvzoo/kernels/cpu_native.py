@@ -1463,9 +1463,8 @@ def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_val
             prior_lse, best, mass)
     if _unobserved() and all(t is None or t.is_cpu for t in (query, keys, values, indices, length, valid, pool_valid,
                                                              head_valid, prior_out, prior_lse)):
-        out, lse, top, masses = _decode_attend_cpu(*args)
-    else:
-        out, lse, top, masses = torch.ops.kvzoo.decode_attend(*args)
+        return _decode_attend_run(*args)
+    out, lse, top, masses = torch.ops.kvzoo.decode_attend(*args)
     return out, lse, top if best else None, masses if mass else None
 
 
@@ -1525,6 +1524,14 @@ def _flag(t: torch.Tensor | None, what: str) -> tuple[int, ...]:
 
 def _decode_attend_cpu(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, scaling,
                        prior_out, prior_lse, best, mass):
+    """The op's CPU function: :func:`_decode_attend_run`, with empty tensors for the outputs not asked for."""
+    out, lse, top, masses = _decode_attend_run(query, keys, values, value_width, indices, length, valid, pool_valid,
+                                               head_valid, scaling, prior_out, prior_lse, best, mass)
+    return out, lse, torch.empty(0) if top is None else top, torch.empty(0) if masses is None else masses
+
+
+def _decode_attend_run(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, scaling,
+                       prior_out, prior_lse, best, mass):
     B, H, D, G, N, P, Dv = _positions(query, keys, values, value_width, indices, length, valid, pool_valid,
                                       head_valid, prior_out, prior_lse)
     dtype = ROW_DTYPES.get(keys.dtype)
@@ -1570,8 +1577,8 @@ def _decode_attend_cpu(query, keys, values, value_width, indices, length, valid,
         params += (0, 0)
     out = torch.empty(B, H, Dv)
     lse = torch.empty(B, H)
-    top = torch.empty(B, H) if best else torch.empty(0)
-    masses = torch.empty(B, H, P) if mass else torch.empty(0)
+    top = torch.empty(B, H) if best else None
+    masses = torch.empty(B, H, P) if mass else None
     params += (out.data_ptr(), lse.data_ptr(), top.data_ptr() if best else 0, masses.data_ptr() if mass else 0,
                B, H, G, N, P, D, Dv, _threads(B * G * P * (D + (Dv if values is not None else 0))
                                               * keys.element_size()))
