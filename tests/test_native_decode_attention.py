@@ -390,6 +390,12 @@ def test_supported_says_which_inputs_the_op_takes():
         src, keys=torch.randn(2, 3, 70, 128)[..., ::2]))  # last dim not contiguous
 
 
+def test_torch_mode_is_not_supported(monkeypatch):
+    monkeypatch.setenv("KVZOO_KERNELS", "torch")
+    case = CASES["gathered"]
+    assert not cpu_native.decode_attend_supported(case.query, case.source)
+
+
 def test_bad_shapes_are_value_errors_not_crashes():
     case = CASES["gathered"]
     q, src = case.query, case.source

@@ -59,9 +59,6 @@ SOURCE = r"""
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* AVX-512 (F, BW, VL: masked 16-bit loads) where the compiler targets it; AVX2 for the int8 scan; else portable C */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -1405,8 +1402,13 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
                             prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Whether :func:`decode_attend` takes these inputs: CPU tensors, rows (and query) in fp32, bf16 or fp16 with a
     contiguous last dimension, values in the keys' dtype, int32/int64 indices and length, bool flags, at most
-    :data:`MAX_HPG` query heads per group, ``D`` and ``Dv`` at most :data:`MAX_D`, no autograd, and the library
-    built here. (Shapes are checked by the op itself: a wrong one is a ValueError, not a fallback.)"""
+    :data:`MAX_HPG` query heads per group, ``D`` and ``Dv`` at most :data:`MAX_D`, no autograd, ``KVZOO_KERNELS`` not
+    ``torch``, and the library built here. (Shapes are checked by the op itself: a wrong one is a ValueError, not a
+    fallback.)"""
+    from kvzoo.kernels import dispatch
+
+    if dispatch.mode() == "torch":
+        return False
     keys, values = source.keys, source.values
     pool_valid = _pool_flags(source, pool_valid)
     tensors = [query, keys, values, source.indices, source.length, source.valid, pool_valid, source.head_valid]
