@@ -320,6 +320,24 @@ def test_one_openmp_runtime_in_the_process(monkeypatch):
         assert runtimes == {lib.openmp}
 
 
+def test_an_openmp_build_that_fails_falls_back_to_one_thread(monkeypatch, recwarn):
+    """Where the build against torch's OpenMP runtime fails, the kernels are built without OpenMP: no warning, the
+    same results on one thread."""
+    monkeypatch.setattr(cpu_native, "openmp_runtime", lambda: "/nonexistent/libgomp.so.1")
+    cpu_native.library.cache_clear()
+    try:
+        lib = cpu_native.library()
+        assert lib is not None and lib.openmp is None and lib.kvzoo_openmp() == 0
+        assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+        case = CASES["gathered-length-valid"]
+        want = _reference_part(case.query, [_as_reference(case)])
+        out, lse, _, _ = cpu_native.decode_attend(case.query, case.source, SCALE)
+        _assert_close(out, want.out, 1e-5, "out")
+        _assert_close(lse, want.lse, 1e-5, "lse")
+    finally:
+        cpu_native.library.cache_clear()
+
+
 @pytest.mark.parametrize("name", ["pool-length-valid-nan", "gathered-pool-valid-nan", "quest-head-valid",
                                   "hpg1-d5-dv7", "hpg5-d40-dv24", "bfloat16-gathered", "float16-pool",
                                   "mla-gathered", "sequence-0-nothing-nan"])

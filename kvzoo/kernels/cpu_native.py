@@ -1211,6 +1211,8 @@ COMPILE_FLAGS = ("-O3", "-fPIC", "-std=gnu11")
 
 
 def _build(target: Path, compiler: str, march: str, runtime: str | None) -> None:
+    if runtime is not None and not os.path.isfile(runtime):
+        raise FileNotFoundError(f"no OpenMP runtime at {runtime}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "kvzoo_cpu.c"
