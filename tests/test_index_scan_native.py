@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 
@@ -156,3 +157,62 @@ def test_fused_choose_falls_back_in_torch_mode(monkeypatch):
     got = int8_choose(q, codes, side, threshold, 16, 64, 0.125)
     want = int8_choose_reference(q, codes, side, threshold, 16, 64, 0.125)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_over_threads_matches_reference(threads, monkeypatch):
+    """An index scanned in runs of rows over threads (forced at this size: ``PARALLEL_BYTES = 0``): the estimates are
+    those of the reference (to rounding) and the top-j choice (each run's top lists merged in row order) is the
+    reference's."""
+    from kvzoo.kernels.index_scan import int8_choose, int8_choose_reference
+
+    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
+    B, G, hq, D, rows = 1, 3, 3, 64, 3000  # 3 runs of 1008 rows per group at 2 threads
+    _, codes, side = _index(B, G, rows, D, seed=7)
+    q = torch.randn(B, G, hq, D, generator=torch.Generator().manual_seed(8))
+    length = torch.tensor([4321])
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        kernel = cpu_native.int8_estimate(q, codes, side, 0.125, length)
+        exact = int8_key_estimate_reference(q, codes, side, 0.125, length=length)
+        threshold = exact.masked_fill(torch.isinf(exact), float("nan")).nanquantile(0.999, dim=-1)
+        idx, picked = int8_choose(q, codes, side, threshold, 16, rows, 0.125, length=length)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(torch.isinf(kernel), torch.isinf(exact))
+    finite = torch.isfinite(exact)
+    scale = (q.abs()[..., None, :] * codes.abs().float()[:, :, None]).sum(-1) * side[..., 0].float()[:, :, None] * 0.125
+    assert ((kernel - exact).abs()[finite] <= 1e-6 * scale[finite] + 1e-30).all()
+    ref_idx, ref_picked = int8_choose_reference(q, codes, side, threshold, 16, rows, 0.125, length=length)
+    assert torch.equal(idx, ref_idx) and torch.equal(picked, ref_picked) and picked.any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("march", ["x86-64", "haswell"])
+def test_portable_and_avx2_builds_match_reference(march, monkeypatch):
+    """The same source built without AVX-512 (AVX2 with FMA, and plain x86-64's portable C) on CPUs that run them."""
+    import subprocess
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if march == "haswell" and not all(f" {f}" in flags for f in ("avx2", "fma", "f16c", "bmi2")):
+        pytest.skip("this CPU cannot run AVX2 code")
+    try:
+        lib = cpu_native.compile_library(march, None)
+    except subprocess.CalledProcessError as err:
+        pytest.skip(f"the compiler does not build -march={march}: {err.stderr[:200]}")
+    monkeypatch.setattr(cpu_native, "library", lambda: lib)
+    from kvzoo.kernels.index_scan import int8_choose, int8_choose_reference
+
+    for B, G, hq, D, rows in ((2, 3, 9, 64, 257), (1, 2, 5, 24, 40)):
+        _, codes, side = _index(B, G, rows, D, seed=9)
+        q = torch.randn(B, G, hq, D, generator=torch.Generator().manual_seed(10))
+        kernel = cpu_native.int8_estimate(q, codes, side, 0.125, None)
+        reference = int8_key_estimate_reference(q, codes, side, 0.125)
+        scale = (q.abs()[..., None, :] * codes.abs().float()[:, :, None]).sum(-1) * side[..., 0].float()[:, :, None]
+        assert ((kernel - reference).abs() <= 1e-6 * scale * 0.125 + 1e-30).all()
+        threshold = reference.quantile(0.9, dim=-1)
+        got = int8_choose(q, codes, side, threshold, 8, rows, 0.125)
+        want = int8_choose_reference(q, codes, side, threshold, 8, rows, 0.125)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
