@@ -164,10 +164,19 @@ def quest_kvzoo_reads(query, keys, budget, page_size, rule):
     H = query.shape[0]
     if archived:
         choice = state.choose(query[None, :, None], None, 1.0, view)
-        staged = torch.arange(archived).expand(1, G, archived)
-        ok = choice.as_mask(archived)  # [1, G, m]: the group fetched it
-        seen = choice.visible(staged) if choice.visible is not None else ok.repeat_interleave(H // G, dim=1)
-        seen = seen & ok.repeat_interleave(H // G, dim=1)
+        if choice.segments:  # each head's own rows, one segment per head of the group
+            hpg = H // G
+            per_head = choice.rows.view(1, G, hpg, -1)
+            ok_head = choice.ok.view(1, G, hpg, -1)
+            seen = torch.zeros(1, H, archived, dtype=torch.bool)
+            for h in range(H):
+                rows = per_head[0, h // hpg, h % hpg][ok_head[0, h // hpg, h % hpg]]
+                seen[0, h, rows] = True
+        else:
+            staged = torch.arange(archived).expand(1, G, archived)
+            ok = choice.as_mask(archived)  # [1, G, m]: the group fetched it
+            seen = choice.visible(staged) if choice.visible is not None else ok.repeat_interleave(H // G, dim=1)
+            seen = seen & ok.repeat_interleave(H // G, dim=1)
     else:
         seen = torch.zeros(1, H, 0, dtype=torch.bool)
     return [set(torch.nonzero(seen[0, h]).flatten().tolist()) | set(range(archived, L)) for h in range(H)]

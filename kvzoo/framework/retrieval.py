@@ -20,6 +20,7 @@ the forward read:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,12 @@ class Retrieval:
         head_valid = None
         if choice.mask is not None:  # every archived row within reach: flags over the archive list
             valid, fetched, staged = choice.mask, choice.mask.sum(), None
+        elif choice.segments:  # each query head's own rows, one segment each: read as they are, no union
+            staged, valid = choice.rows, choice.ok
+            positions = positions.gather(2, staged)
+            fetched = choice.count if choice.count is not None else valid.sum()
+            head_valid = segment_heads(query.shape[1], valid.shape[1], valid.shape[2], query.device).expand(
+                valid.shape[0], -1, -1)
         else:
             if choice.staged is not None:  # the retriever staged its choice itself (one fused scan)
                 idx, valid = choice.staged
@@ -214,6 +221,15 @@ class Retrieval:
             info = layer.policy_info
             for key, value in audit.items():
                 info[key] = info.get(key, 0) + value
+
+
+@functools.cache
+def segment_heads(heads: int, groups: int, positions: int, device: torch.device) -> torch.Tensor:
+    """``[1, H, K]`` bool: query head ``h`` reads segment ``h mod (H / G)`` of its group's ``K`` positions (the
+    layout of a :class:`Choice` with ``segments``), the same tensor for every step of that shape."""
+    per_group = heads // groups
+    segment = torch.arange(positions, device=device) // (positions // per_group)
+    return (segment[None] == (torch.arange(heads, device=device) % per_group)[:, None])[None]
 
 
 def _chosen_mask(chosen: tuple[torch.Tensor | None, torch.Tensor], archived: int) -> torch.Tensor:

@@ -98,6 +98,11 @@ class Choice:
     # the choice already staged as the runtime stages ``rows``/``ok``: ``(idx, picked) [B, G, K]``, sorted indices with
     # each chosen row flagged once (a retriever that does the union in its own scan, e.g. a fused kernel)
     staged: tuple[torch.Tensor, torch.Tensor] | None = None
+    # ``rows``/``ok`` hold one segment per query head of the group, in head order (head h of a group reads its
+    # segment only, e.g. Quest's own pages per head): nothing to de-duplicate, a decode step reads them as they are;
+    # ``count`` is the rows the group reads at least once (a device count, for the bytes read), None: ``ok.sum()``
+    segments: bool = False
+    count: torch.Tensor | None = None
 
     def as_mask(self, archived: int) -> torch.Tensor:
         if self.mask is not None:

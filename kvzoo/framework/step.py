@@ -41,7 +41,7 @@ def decode_step(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Te
         part = attend(q, [tier], scaling, mass=accumulate)
         rt.account_attended(layer)
     else:  # the tier's scores first (s*: its best), then the rows the retriever names, in one softmax with them
-        part = attend(q, [tier], scaling, best=index.needs_best, defer=True)
+        part = attend(q, [tier], scaling, best=index.needs_best, defer=True, mass=accumulate)
         best = part.best[..., None] if part.best is not None else None  # [B, H, 1]
         fetched = rt.retrieval.fetch_step(layer, query, best, scaling)
         part = attend(q, [fetched], scaling, prior=part, mass=accumulate)

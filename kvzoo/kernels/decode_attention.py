@@ -963,7 +963,7 @@ def decode_attention_triton(
 # the op: one softmax over a step's sources, in parts that merge exactly
 # ----------------------------------------------------------------------------------------------------
 
-IMPLEMENTATIONS = ("reference", "sdpa", "triton")
+IMPLEMENTATIONS = ("reference", "sdpa", "triton", "native")
 
 
 def _triton_part(query: torch.Tensor, checked: list[_Source], scaling: float, splits: int | None, *, best: bool,
@@ -993,10 +993,14 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
     ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere) or ``triton`` (the split-K kernels; they
     compute no per-position probabilities, so ``mass`` takes ``sdpa``). Inputs are checked first.
     """
-    checked = _validate(query, sources, scaling, splits)
-    scaling = float(scaling)
     if impl is None:
         impl = dispatch.decode_impl(query, mass=mass)
+        if impl == "sdpa" and _native_applies(query, sources, prior):
+            impl = "native"
+    checked = _validate(query, sources, scaling, splits, fold=impl != "native")
+    scaling = float(scaling)
+    if impl == "native":
+        return _native_part(query, checked[0].rows, scaling, best=best, mass=mass, defer=defer, prior=prior)
     if impl == "triton" and (mass or (prior is not None and prior.scores is not None)):
         impl = "sdpa"
     if impl == "triton":
@@ -1018,6 +1022,49 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
                                        prior=prior)
         return _reference(query, checked, scaling, best=best, mass=mass)
     raise ValueError(f"impl must be one of {IMPLEMENTATIONS} or None (the dispatch's choice), got {impl!r}")
+
+
+# A plain source (a contiguous pool read whole: `full`, a tier compacted at its events) goes to torch's fused SDPA
+# -- transformers' own attention -- rather than the native op, so that kvzoo's `full` is the model's own decode.
+NATIVE_PLAIN = False
+
+
+def _native_applies(query: torch.Tensor, sources: list[Rows], prior: Attended | None) -> bool:
+    """Whether the native CPU op (``kvzoo.kernels.cpu_native.decode_attend``) takes this part: one source on CPU
+    tensors (read where it lies: gathered, or a pool with flags or a length), a prior part it can merge (one the
+    op or a kernel computed: no kept scores), and the library built here."""
+    if query.device.type != "cpu" or len(sources) != 1 or (prior is not None and prior.scores is not None):
+        return False
+    src = sources[0]
+    if not isinstance(src, Rows):
+        return False
+    plain = src.indices is None and src.length is None and src.valid is None and src.head_valid is None \
+        and src.pool_valid is None
+    if plain and prior is None and not NATIVE_PLAIN:
+        return False
+    from kvzoo.kernels import cpu_native
+
+    return cpu_native.decode_attend_supported(query, src, prior=None if prior is None else (prior.out, prior.lse))
+
+
+def _native_part(query: torch.Tensor, src: Rows, scaling: float, *, best: bool, mass: bool, defer: bool,
+                 prior: Attended | None) -> Attended:
+    """:func:`attend` on the native CPU op: one source, merged with ``prior`` (a part the op or a kernel computed)
+    into one softmax. The prior's per-position probabilities (``prior.mass``, within its own part) are rescaled to
+    the whole step, so ``mass`` lists every source of the step, the prior's first."""
+    from kvzoo.kernels import cpu_native
+
+    merge_with = None if prior is None else (prior.out.float(), prior.lse)
+    out, lse, top, masses = cpu_native.decode_attend(query, src, scaling, prior=merge_with, best=best, mass=mass)
+    mass_list = None
+    if mass:
+        mass_list = [masses]
+        if prior is not None and prior.mass is not None:  # the prior's share of the whole softmax
+            weight = torch.exp(prior.lse - lse).nan_to_num_(0.0)[..., None]
+            mass_list = [m * weight for m in prior.mass] + mass_list
+    if prior is not None:
+        top = prior.best
+    return Attended(out if defer else out.to(query.dtype), lse, top, mass_list)
 
 
 def _fallback(query, checked, scaling, **kwargs):

@@ -186,7 +186,13 @@ class PageIndex(RetrievalState):
         bounds = self.bounds(query, scaling)  # [B, H, q, p]
         H, q_len, p = bounds.shape[1:]
         pages = bounds.topk(n, dim=-1).indices  # [B, H, q, n]: each head's own pages
-        rows = page_rows(pages)  # the union over the group's heads
+        rows = page_rows(pages)  # [B, G, heads x queries x n x size]: each head's rows, head after head
+        if q_len == 1:  # a decode step: each head reads its own segment (no union to stage); the group's bytes
+            ok = rows < self._live()  # count its union once
+            archived = archive.rows
+            union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
+            union.scatter_(2, torch.where(ok, rows, archived), True)
+            return Choice(rows=self._clamped(rows), ok=ok, segments=True, count=union[..., :archived].sum())
 
         def visible(staged: torch.Tensor) -> torch.Tensor:
             """Head h reads a staged row when the row's page is among head h's pages: ``[B, H, K]``."""
