@@ -104,7 +104,9 @@ def test_get_builds_configured_dataclass_with_paper_defaults():
     policy = registry.get("streaming_llm", ratio=4)
     assert type(policy) is StreamingLLM
     assert (policy.ratio, policy.budget, policy.sinks, policy.schedule, policy.block_size) == (4, None, 4, "step", 256)
-    assert policy.archive is True and policy.retriever is None
+    assert policy.archive is False and policy.retriever is None  # eviction only: evicted rows are freed
+    assert registry.get("streaming_llm", ratio=4, retriever="vestige").archive is True  # a retriever reads them
+    assert registry.get("streaming_llm", ratio=4, archive=True).archive is True  # asked for
 
 
 def test_get_applies_overrides_including_retriever():

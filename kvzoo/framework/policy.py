@@ -246,8 +246,11 @@ class Policy(ABC):
 
     * ``ratio`` / ``budget`` -- how many rows stay attended (exactly one may be set; ``full``
       sets neither);
-    * ``archive`` -- True: evicted rows go to the bit-exact archive; False: they are dropped and
-      counted;
+    * ``archive`` -- True: evicted rows stay, bit-exact, in the archive; False: they are dropped and
+      counted (their memory freed at the event); None (default): an archive exactly when there is a retriever to
+      read it (an eviction-only policy frees what it evicts). Resolved to True or False at construction; ask
+      ``archive=True`` to keep evicted rows anyway (an audit of what was evicted, a retriever added later);
+
     * ``retriever`` -- the retriever over the archive (docs/row-life.md): a registered name, a
       ``Retriever`` object, or None. Names are resolved by the registry (an unknown one is refused
       there, with the valid names).
@@ -255,7 +258,7 @@ class Policy(ABC):
 
     ratio: float | None = None
     budget: int | None = None
-    archive: bool = True
+    archive: bool | None = None  # None: keep an archive exactly when a retriever reads it
     retriever: Any = None  # a retriever name, a Retriever object, or None
 
     # --- class attributes a subclass sets -------------------------------------------------
@@ -303,8 +306,11 @@ class Policy(ABC):
                 f"{self.name or type(self).__name__} needs a budget: pass ratio= (e.g. ratio=4 keeps 1/4 of the "
                 f"rows) or budget= (rows kept per layer and KV group)"
             )
+        if self.archive is None:  # an archive is kept where a retriever reads it; an eviction-only policy frees
+            self.archive = self.retriever is not None
         if not isinstance(self.archive, bool):
-            raise TypeError(f"archive must be True (keep evicted rows) or False (drop them), got {self.archive!r}")
+            raise TypeError(f"archive must be True (keep evicted rows), False (drop them) or None (keep them exactly "
+                            f"when a retriever reads them), got {self.archive!r}")
         if self.retriever is not None and not isinstance(self.retriever, (str, Retriever)):
             raise TypeError(
                 "retriever must be a registered retriever name (kvzoo.registry.retrievers()), a Retriever object "

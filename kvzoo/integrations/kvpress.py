@@ -251,8 +251,11 @@ class KvpressPolicy(Policy):
                              f"ratio={self.ratio}")
         if compression_ratio is not None:
             check_compression_ratio(compression_ratio)
+            if self.archive is None:
+                self.archive = self.retriever is not None
             if not isinstance(self.archive, bool):
-                raise TypeError(f"archive must be True (keep evicted rows) or False (drop them), got {self.archive!r}")
+                raise TypeError(f"archive must be True (keep evicted rows), False (drop them) or None (keep them "
+                                f"exactly when a retriever reads them), got {self.archive!r}")
             if self.retriever is not None and not isinstance(self.retriever, (str, Retriever)):
                 raise TypeError(f"retriever must be a registered retriever name, a Retriever object or None, got "
                                 f"{self.retriever!r}")

@@ -101,7 +101,7 @@ def quest_priority(policy: Policy, rows: RowsView, keep: int) -> torch.Tensor:
         kwargs = {"position_embeddings": inputs.position_embeddings}
         query = recomputed_queries(module, inputs.hidden_states, kwargs, last=1)  # [B, H, 1, dh]
         index = registry.build_retriever("quest", page_size=size, gqa="group").new_state(RowGeometry("gqa", 0))
-        index.index({"keys": rows.keys[:, :, archived], "valid": rows.valid[:, :, archived]}, None, None, None)
+        index.index({"keys": rows.keys[:, :, archived], "valid": rows.valid[:, :, archived]}, None, None)
         bounds = index.bounds(query, getattr(module, "scaling", module.head_dim ** -0.5))  # [B, H, 1, pages]
         H = bounds.shape[1]
         page_bounds = bounds.view(B, G, H // G, -1).amax(dim=2).float()  # [B, G, pages]

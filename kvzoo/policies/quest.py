@@ -62,6 +62,7 @@ class Quest(SinksAndRecentPolicy):
     """
 
     sinks: int = 0
+    archive: bool | None = True  # Quest deletes nothing (its retriever reads every archived page)
     page_size: int = 16
     dense_layers: int = 2
     gqa: str = "head"
