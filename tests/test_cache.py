@@ -97,10 +97,10 @@ def _assert_partition(cache, recorder):
 @pytest.mark.parametrize(
     "policy",
     [
-        StreamingLLM(budget=40),
-        StreamingLLM(budget=40, schedule="block", block_size=16),
-        RandomKeep(budget=33),
-        StreamingLLM(ratio=4),
+        StreamingLLM(budget=40, archive=True),
+        StreamingLLM(budget=40, schedule="block", block_size=16, archive=True),
+        RandomKeep(budget=33, archive=True),
+        StreamingLLM(ratio=4, archive=True),
     ],
     ids=["streaming-step", "streaming-block", "random-per-head", "streaming-ratio"],
 )
@@ -153,7 +153,8 @@ def test_streaming_ratio4_keeps_sinks_and_recent_and_frees_bytes(tiny, schedule)
         assert torch.equal(layer.slots[0, 0], expected) and torch.equal(layer.slots[0, 1], expected)
         assert b.resident_bytes == (1000 if schedule == "block" else budget) * row_bytes
         assert a.resident_bytes == budget * row_bytes
-        assert a.archived_rows == 1000 - budget and a.events == 1
+        # eviction only (no retriever): the evicted rows are dropped, counted, and their memory given back
+        assert a.archived_rows == 0 and a.dropped_rows == 1000 - budget and a.events == 1
     # decoding continues at the true length, one in / one out
     assert cache.get_seq_length() == 1000
     tiny(input_ids=torch.tensor([[5]]), cache=cache, use_cache=True)
@@ -161,6 +162,23 @@ def test_streaming_ratio4_keeps_sinks_and_recent_and_frees_bytes(tiny, schedule)
     assert cache.get_seq_length() == 1001
     assert layer.keys.shape[2] == (budget if schedule == "step" else budget + 1)
     assert layer.slots[0, 0, :4].tolist() == [0, 1, 2, 3] and layer.slots[0, 0, -1].item() == 1000
+
+
+def test_an_eviction_only_policy_frees_its_storage_and_one_with_a_retriever_keeps_it(tiny):
+    """archive=None (the default): no retriever, no archive -- the storage shrinks to the tier at the event; with a
+    retriever the storage keeps every row (the archive it fetches from)."""
+    ids = torch.randint(1, 256, (1, 600), generator=torch.Generator().manual_seed(6))
+    sizes = {}
+    for retriever in (None, "vestige"):
+        cache = TieredCache(tiny, registry.get("snapkv", ratio=8, window=8, retriever=retriever))
+        tiny(input_ids=ids, cache=cache, use_cache=True)
+        cache.compress()
+        layer = cache.tiered_layers[0]
+        sizes[retriever] = layer.rows.capacity
+        s = layer.stats()
+        assert s.resident_rows == 75 and s.archived_rows + s.dropped_rows == 525
+        assert (s.archived_rows == 525) == (retriever is not None)
+    assert sizes[None] < 200 <= 600 <= sizes["vestige"]
 
 
 def test_archive_false_drops_and_counts(tiny):

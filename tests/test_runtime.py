@@ -170,7 +170,7 @@ def test_per_step_eviction_moves_rows_in_place_and_keeps_the_partition(tiny_llam
     step), the rows stay where they were written (the storage grows geometrically: a few reallocations over 40
     steps), and every row is in one place."""
     model = tiny_llama_model
-    cache = TieredCache(model, StreamingLLM(budget=48))
+    cache = TieredCache(model, StreamingLLM(budget=48, archive=True))
     ids = _ids(200, seed=3, vocab=256)
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)

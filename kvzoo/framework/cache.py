@@ -207,12 +207,35 @@ class TieredCache(Cache):
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         return layer if isinstance(layer, KVLayer) else None
 
+    def _settle(self) -> None:
+        """Bring the layers' host counters up to date after CUDA-graph replays (``framework/graphs.py``)."""
+        if self.graph is not None:
+            self.graph.settle()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        seen = super().get_seq_length(layer_idx)
+        return seen + (self.graph.pending if self.graph is not None else 0)  # replays not yet settled: one each
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._settle()
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._settle()
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._settle()
+        super().batch_repeat_interleave(repeats)
+
     def compress(self) -> None:
         """The context ended: fire the ``context_end`` event on every layer."""
+        self._settle()
         for layer in self.tiered_layers:
             layer.fire("context_end")
 
     def stats(self) -> CacheStats:
+        self._settle()
         return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers],
                           notes=self.runtime.notes(self.tiered_layers))
 
@@ -224,6 +247,7 @@ class TieredCache(Cache):
         retrieval tier, geometry) are this cache's, its per-cache state copied. A fork decodes eagerly (a CUDA graph
         belongs to its cache's buffers).
         """
+        self._settle()
         runtime = Runtime(self.runtime.config, self.runtime.context_length)
         return self._clone(runtime, shared=True)
 
@@ -310,6 +334,7 @@ class TieredCache(Cache):
                      context_length: int | None = None) -> TieredCache:
         """This cache's rows, counters and kept queries (cut to ``policy``'s window), continued by ``policy`` with a
         runtime of its own (its retriever with an empty index)."""
+        self._settle()
         retriever = _retriever_of(policy)
         old = self.runtime
         retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
@@ -327,6 +352,8 @@ class TieredCache(Cache):
 
     def close(self) -> None:
         """Free every layer's rows now (the cache is empty and reusable afterwards)."""
+        if self.graph is not None:
+            self.graph.pending, self.graph.captured, self.graph.warm = 0, None, None
         for layer in self.tiered_layers:
             layer.reset()
 

@@ -8,15 +8,19 @@ of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
 * the model's forward is wrapped (``model.forward``; :func:`kvzoo.framework.attention.detach` restores it): a
   single-token forward with this cache goes through :meth:`DecodeGraph.forward`, anything else runs as before;
 * a step is *steady* when no layer will run an event (a selection over its tier, a block closing, Quest's page
-  move, the prompt's end) and no buffer has to grow: :meth:`DecodeGraph.step_kind` works that out on the host
-  from the layers' counters, before the step (no device work);
-* an unsteady step runs eagerly, and so does the first steady step after it (it warms the new shapes up); the
-  second is captured (``torch.cuda.CUDAGraph``) into static inputs (token ids and positions) and outputs (logits)
-  and replayed; later steady steps copy the new token's id and position in and replay;
-* what a steady step does to the host's counters (rows seen, live rows, bytes read, ...) is recorded at capture
-  as a delta and added at every replay (:class:`HostNumbers`), so ``cache.stats()`` counts replayed steps too
-  (the step before the capture was steady as well, so a per-step figure changes by 0 and a running count by
-  the same amount every step).
+  move, the prompt's end) and no buffer has to grow: the runtime states it per layer from the host's counters,
+  before the step (:meth:`~kvzoo.framework.runtime.Runtime.next_step`, no device work), and also how many steps
+  in a row will be of that kind (:meth:`~kvzoo.framework.runtime.Runtime.run_of`);
+* an unsteady step runs eagerly, and so does the first steady step after it (it warms the new shapes up, on the
+  stream the capture will use); the second is captured (``torch.cuda.CUDAGraph``) into static inputs (token ids
+  and positions) and outputs (logits) and replayed; later steady steps copy the new token's id and position in and
+  replay, for as many steps as the runtime said were of the captured kind, without asking again: a replay costs
+  the host O(1) whatever the number of layers;
+* what a steady step does to the host's counters (rows seen, live rows, bytes read, ...) is recorded at capture as
+  a delta (:class:`HostNumbers`) and applied for all the replays at once when something next reads them
+  (:meth:`DecodeGraph.settle`: an eager step, ``cache.stats()``, ``fork``, ``close``, ...; the sequence length
+  transformers asks for every step is the one number kept current, by the cache). The step before the capture was
+  steady as well, so a per-step figure changes by 0 and a running count by the same amount every step.
 
 Attention masks are not replayed: a graphed step's token is a real token (``generate`` marks it so); the
 padding of earlier rows is in the tier's valid flags already. This path has not run on a GPU yet (no GPU was
@@ -91,6 +95,13 @@ class HostNumbers:
                 cls._walk(value, (*path, ("attr", name)), out, seen)
 
     @staticmethod
+    def _get(root: Any, path: tuple) -> Number:
+        target = root
+        for kind, key in path:
+            target = target[key] if kind in ("key", "item") else getattr(target, key)
+        return target
+
+    @staticmethod
     def _set(root: Any, path: tuple, value: Number) -> None:
         target = root
         for kind, key in path[:-1]:
@@ -111,19 +122,31 @@ class _Steps:
     third: dict[tuple, Number]
     replays: int = 0
 
-    def advance(self, root: Any) -> None:
-        """One more replayed step's host effects (:class:`HostNumbers`)."""
-        self.replays += 1
-        now = HostNumbers.snapshot(root)
+    def __post_init__(self) -> None:
+        # the numbers a steady step changes, with their first and second differences (the others stay put)
+        self.changes = []
         for path, value in self.third.items():
-            if isinstance(value, bool) or path not in now:
-                HostNumbers._set(root, path, value)
+            if isinstance(value, bool):
+                if self.second.get(path) != value:
+                    self.changes.append((path, value, 0, 0))
                 continue
             d1 = self.second.get(path, 0) - self.first.get(path, 0)
             d2 = value - self.second.get(path, 0)
-            step = d2 + self.replays * (d2 - d1)
-            if step:
-                HostNumbers._set(root, path, now[path] + step)
+            if d1 or d2:
+                self.changes.append((path, None, d2, d2 - d1))
+
+    def advance(self, root: Any, count: int = 1) -> None:
+        """``count`` more replayed steps' host effects (:class:`HostNumbers`): the i-th replay since the capture adds
+        ``d2 + i (d2 - d1)`` to a number, so ``count`` of them add their sum, in one pass over the numbers a steady
+        step changes."""
+        done = self.replays
+        self.replays += count
+        total_i = count * done + count * (count + 1) // 2  # the sum of i over the replays applied now
+        for path, value, d2, dd in self.changes:
+            if value is not None:  # a flag: its value after a steady step
+                HostNumbers._set(root, path, value)
+            else:
+                HostNumbers._set(root, path, HostNumbers._get(root, path) + count * d2 + dd * total_i)
 
 
 class CUDAGraphRunner:
@@ -133,12 +156,21 @@ class CUDAGraphRunner:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = None
 
-    def capture(self, fn: Callable[[], Any]) -> Any:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(self.graph, pool=self.pool):
+        self.stream = torch.cuda.Stream()  # the warm-up step and the capture run here (PyTorch's documented recipe)
+
+    def warm(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` eagerly on the stream the capture will use (its lazy initialisations happen there)."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             out = fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
         self.pool = self.graph.pool()
         return out
 
@@ -154,6 +186,11 @@ class _Captured:
     output: Any
 
 
+# How many steps ahead the runtime is asked whether they will all be of the captured kind (the replays allowed before
+# it is asked again).
+RUN_LIMIT = 256
+
+
 class DecodeGraph:
     """Captures a cache's steady decode steps in a CUDA graph and replays them (module docstring)."""
 
@@ -161,14 +198,22 @@ class DecodeGraph:
         self.model, self.cache = model, cache
         self.make_runner = make_runner
         self.captured: _Captured | None = None
-        self.warm: tuple | None = None  # (kind, numbers before, after) of the eager steady step just run
+        self.warm: tuple | None = None  # (kind, shape, numbers before, after, runner) of the eager steady step just run
         self.ids: torch.Tensor | None = None  # static inputs [B, 1]
         self.positions: torch.Tensor | None = None
-        self.captures = self.replays = self.eager_steps = 0
+        self.captures = self.replays = 0
+        self.pending = 0  # replays whose host effects are not applied yet (settle())
+        self.left = 0  # replays the runtime allowed before it must be asked again
 
     def host_state(self) -> list:
         """What holds the host's numbers of a step: the cache's layers (kvzoo's and the others, e.g. KDA)."""
         return list(self.cache.layers)
+
+    def settle(self) -> None:
+        """Apply the host effects of the replays not applied yet (before anything reads the layers' counters)."""
+        if self.pending and self.captured is not None:
+            self.captured.steps.advance(self.host_state(), self.pending)
+        self.pending = 0
 
     # --- when a step may replay -----------------------------------------------------------------------
     def step_kind(self) -> tuple | None:
@@ -183,33 +228,51 @@ class DecodeGraph:
             kinds.append((kind, layer.index is not None and layer.archived.n > 0))
         return tuple(kinds)
 
+    def _run(self) -> int:
+        """How many steps from the next one on are of its kind in every layer (:meth:`Runtime.run_of`)."""
+        runtime = self.cache.runtime
+        return min((runtime.run_of(layer, RUN_LIMIT) for layer in self.cache.tiered_layers), default=0)
+
     # --- the forward -------------------------------------------------------------------------------------
     def forward(self, call: Callable[..., Any], input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                 **kwargs: Any) -> Any:
         """One decode step: replayed, captured, or eager (``call`` is the model's own forward)."""
         if position_ids is None:
             position_ids = torch.full_like(input_ids, self.cache.get_seq_length())
+        if self.captured is not None and self.left > 0 and self.ids.shape == input_ids.shape:
+            self.left -= 1  # the runtime said so at the last ask: no layer is asked again (O(1) in the layers)
+            return self._replay(input_ids, position_ids)
+        self.settle()
         kind = self.step_kind()
-        layers = self.host_state()
         if kind is not None and self.captured is not None and self.captured.kind == kind \
                 and self.ids.shape == input_ids.shape:
-            self.ids.copy_(input_ids)
-            self.positions.copy_(position_ids)
-            self.captured.runner.replay()
-            self.captured.steps.advance(layers)
-            self.replays += 1
-            return self._output()
+            self.left = self._run() - 1
+            return self._replay(input_ids, position_ids)
         self.captured = None
         shape = tuple(input_ids.shape)
         if kind is not None and self.warm is not None and self.warm[:2] == (kind, shape):
             return self._capture(call, kind, input_ids, position_ids, kwargs)
-        # an event, or the first steady step after one: eager (it warms the new shapes up, and gives the host
-        # numbers' first steady delta)
-        before = HostNumbers.snapshot(layers) if kind is not None else None
-        out = call(input_ids=input_ids, position_ids=position_ids, **kwargs)
-        self.warm = (kind, shape, before, HostNumbers.snapshot(layers)) if kind is not None else None
-        self.eager_steps += 1
+        # an event, or the first steady step after one: eager (it warms the new shapes up on the capture's stream,
+        # and gives the host numbers' first steady delta)
+        layers = self.host_state()
+        if kind is None:
+            self.warm = None
+            return call(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        runner = self.make_runner()
+        before = HostNumbers.snapshot(layers)
+        warm = getattr(runner, "warm", None)
+        step = lambda: call(input_ids=input_ids, position_ids=position_ids, **kwargs)  # noqa: E731
+        out = warm(step) if warm is not None else step()
+        self.warm = (kind, shape, before, HostNumbers.snapshot(layers), runner)
         return out
+
+    def _replay(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        self.ids.copy_(input_ids)
+        self.positions.copy_(position_ids)
+        self.captured.runner.replay()
+        self.pending += 1
+        self.replays += 1
+        return self._output()
 
     def _output(self) -> Any:
         """The captured output with its logits copied out (the graph overwrites them at the next replay)."""
@@ -219,12 +282,13 @@ class DecodeGraph:
     def _capture(self, call, kind, input_ids, position_ids, kwargs) -> Any:
         self.ids, self.positions = input_ids.clone(), position_ids.clone()
         kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # a graphed token is a real token
-        runner = self.make_runner()
-        _, _, first, second = self.warm
+        _, _, first, second, runner = self.warm
+        left = self._run() - 1  # asked before the capture: the captured step is the first of the run
         output = runner.capture(lambda: call(input_ids=self.ids, position_ids=self.positions, **kwargs))
         third = HostNumbers.snapshot(self.host_state())
         runner.replay()  # capturing records the kernels; this runs them for the step being captured
         self.captured = _Captured(runner, kind, _Steps(first, second, third), output)
+        self.left = left
         self.warm = None
         self.captures += 1
         return self._output()
@@ -246,6 +310,8 @@ def install(model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] =
             ids = kwargs.get("input_ids", args[0] if args else None)
             graphed = graphs.get(cache_arg) if cache_arg is not None and not isinstance(cache_arg, bool) else None
             if graphed is None or ids is None or ids.dim() != 2 or ids.shape[1] != 1 or args:
+                if graphed is not None:
+                    graphed.settle()  # an eager forward reads the counters the replays moved
                 return original(*args, **kwargs)
             kwargs.pop("input_ids")
             return graphed.forward(original, ids, kwargs.pop("position_ids", None), **kwargs)

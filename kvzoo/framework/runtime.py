@@ -196,32 +196,53 @@ class Runtime:
             layer.budget = budget
         return layer.budget
 
-    def next_step(self, layer: KVLayer) -> StepKind:
-        """What the layer's next decode step does, from host counters alone (no device work): ``"steady"`` (rows in,
-        nothing leaves), ``"one_in_one_out"`` (one row leaves, an index moves) or ``"event"`` (a selection over the
-        tier, a block closing, the prompt's end, storage growing)."""
+    def next_step(self, layer: KVLayer, ahead: int = 1) -> StepKind:
+        """What the layer's decode step ``ahead`` steps from now does (1: the next one), the steps before it taken
+        to be of the next step's kind, from host counters alone (no device work): ``"steady"`` (rows in, nothing
+        leaves), ``"one_in_one_out"`` (one row leaves, an index moves) or ``"event"`` (a selection over the tier, a
+        block closing, the prompt's end, storage growing)."""
         policy = self.policy
         if not layer.is_initialized or not layer.context_ended:
             return "event"  # the prompt's end (generate's first decode step) compresses
-        n, seen = layer.n + 1, layer.seen + 1
+        kind = self._kind(layer, 0, "steady") if ahead == 1 else self.next_step(layer)
+        return kind if ahead == 1 or kind == "event" else self._kind(layer, ahead - 1, kind)
+
+    def _kind(self, layer: KVLayer, before: int, kind: StepKind) -> StepKind:
+        """The kind of the step that follows ``before`` steps of ``kind`` (:meth:`next_step`)."""
+        policy = self.policy
+        one = kind == "one_in_one_out"
+        n = layer.n + (1 if one or before == 0 else before + 1)  # the tier as the step sees it, its own row in
+        seen = layer.seen + before + 1
+        since = (1 if before else layer.since_event + 1) if one else layer.since_event + before + 1
         tier_storage = layer.tier if layer.gathered else layer.rows
-        if n > tier_storage.capacity or (layer.retains and layer.rows.n + 1 > layer.rows.capacity):
+        if n > tier_storage.capacity or (layer.retains and layer.rows.n + before + 1 > layer.rows.capacity):
             return "event"  # the storage grows
         if policy.is_dense(layer.rank):
             return "steady"
         if policy.schedule == "step":
-            target = policy.target_rows("step", budget=layer.budget, resident=n,
-                                        block_rows=min(layer.since_event + 1, n), seen=seen)
+            target = policy.target_rows("step", budget=layer.budget, resident=n, block_rows=min(since, n), seen=seen)
             if target is None or target >= n:
                 return "steady"
             if target != n - 1:
                 return "event"
-            if layer.retains and layer.archived.n + 1 > layer.archived.capacity:
+            if layer.retains and layer.archived.n + (before if one else 0) + 1 > layer.archived.capacity:
                 return "event"  # the archive grows
             return "one_in_one_out"
-        if policy.schedule == "block" and layer.since_event + 1 >= (policy.block_size or 0):
+        if policy.schedule == "block" and since >= (policy.block_size or 0):
             return "event"
         return "steady"
+
+    def run_of(self, layer: KVLayer, limit: int) -> int:
+        """How many of the layer's next decode steps (at most ``limit``) are of the next step's kind, without an
+        event in between: what a captured step may be replayed for without asking again (0: the next is an
+        event)."""
+        kind = self.next_step(layer)
+        if kind == "event":
+            return 0
+        steps = 1
+        while steps < limit and self._kind(layer, steps, kind) == kind:
+            steps += 1
+        return steps
 
     def after_forward(self, layer: KVLayer) -> None:
         """Fire this forward's scheduled event for the layer, if the policy has one."""
