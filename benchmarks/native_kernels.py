@@ -17,9 +17,11 @@ SmolLM2-135M's attention: B = 1, 3 KV groups x 3 query heads, D = Dv = 64, fp32 
 
 Each row gives the bytes the op reads (rows, index lists, flags), the time per call and those bytes per second: at
 1 thread the thread's CPU time (``time.thread_time``: load from other processes does not enter), at 2 threads wall
-time. Calls cycle over enough copies of the data to exceed the last-level cache (a model's 30 layers do the same),
-so the figures are memory-bound where the op is. The machine's read bandwidth (a sum over a 256 MiB tensor) is
-measured beside. Importable: :func:`measure` returns the rows, :func:`markdown` the table.
+time. Calls cycle over copies of the data (enough to exceed the last-level cache for the arms that read whole pools,
+as a model's 30 layers do), and each timed pass starts after a read that evicts the caches, so every call reads its
+rows from memory, as a decode step's would. The machine's read bandwidth (a sum over a 256 MiB tensor, the better
+of a measure before and one after the arms) is given beside. Within a round every arm runs at every thread count, one
+after another, so that load from other processes falls on all of them alike. Importable: :func:`measure` returns the rows, :func:`markdown` the table.
 """
 
 from __future__ import annotations
@@ -191,21 +193,27 @@ def scan_cases(n: int, base: ctypes.CDLL | None, cache_bytes: int = CACHE_BYTES,
     return arms
 
 
-def _time_arms(arms: list[dict], threads: int, rounds: int) -> dict[int, float]:
-    """Seconds per call of each arm (median over rounds; the arms interleaved within a round)."""
-    torch.set_num_threads(threads)
-    clock = time.thread_time if threads == 1 else time.perf_counter
+def _time_arms(arms: list[dict], threads: list[int], rounds: int, cache_bytes: int) -> dict[tuple[int, int], float]:
+    """Seconds per call of each arm at each thread count (median over rounds; within a round every arm at every
+    thread count, one after another, so that load from other processes falls on all of them alike). Before each
+    timed pass a read of ``cache_bytes`` evicts what the last one left in the caches: a gathered arm reads a small
+    part of each copy, which would otherwise stay in the last-level cache from one pass to the next."""
+    evict = torch.ones(cache_bytes // 4)
     for arm in arms:  # warm-up: the library, the allocator, the first touch of every copy
         for call in arm["calls"]:
             call()
-    spent: dict[int, list[float]] = {i: [] for i in range(len(arms))}
+    spent: dict[tuple[int, int], list[float]] = {(i, t): [] for i in range(len(arms)) for t in threads}
     for _ in range(rounds):
         for i, arm in enumerate(arms):
-            start = clock()
-            for call in arm["calls"]:
-                call()
-            spent[i].append((clock() - start) / len(arm["calls"]))
-    return {i: statistics.median(s) for i, s in spent.items()}
+            for t in threads:
+                torch.set_num_threads(t)
+                evict.sum()
+                clock = time.thread_time if t == 1 else time.perf_counter
+                start = clock()
+                for call in arm["calls"]:
+                    call()
+                spent[i, t].append((clock() - start) / len(arm["calls"]))
+    return {key: statistics.median(s) for key, s in spent.items()}
 
 
 def measure(contexts: list[int], threads: list[int], rounds: int = 7, base_rev: str | None = BASE,
@@ -220,15 +228,16 @@ def measure(contexts: list[int], threads: list[int], rounds: int = 7, base_rev: 
         with torch.no_grad():
             for n in contexts:
                 arms = attention_cases(n, cache_bytes) + scan_cases(n, base, cache_bytes)
-                per_thread = {t: _time_arms(arms, t, rounds) for t in threads}
+                seconds = _time_arms(arms, threads, rounds, cache_bytes)
                 for i, arm in enumerate(arms):
                     row = {"context": n, "op": arm["op"], "form": arm["form"], "impl": arm["impl"],
                            "bytes": arm["bytes"]}
                     for t in threads:
-                        row[f"ms_{t}"] = 1e3 * per_thread[t][i]
-                        row[f"gbps_{t}"] = arm["bytes"] / per_thread[t][i] / 1e9
+                        row[f"ms_{t}"] = 1e3 * seconds[i, t]
+                        row[f"gbps_{t}"] = arm["bytes"] / seconds[i, t] / 1e9
                     rows.append(row)
                     arm["calls"] = None
+        bandwidth = {t: max(bw, read_bandwidth(t, bandwidth_mib)) for t, bw in bandwidth.items()}  # before, after
     finally:
         torch.set_num_threads(saved)
     return {"rows": rows, "threads": threads, "bandwidth_gbps": {t: bw / 1e9 for t, bw in bandwidth.items()},

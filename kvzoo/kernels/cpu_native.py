@@ -1162,8 +1162,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # Bytes of rows below which a call runs on one thread. Waking torch's OpenMP threads costs ~1 us while they spin
 # (libgomp's default) but ~60 us once they sleep (OMP_WAIT_POLICY=PASSIVE, which kvzoo's CLI and benchmarks set:
 # an idle core of this 2-core VM is halted, and waking it is an interrupt to the host); at ~20 GB/s a second thread
-# pays only past ~3 MiB then (measured: 2k-token SmolLM2 pool 1.08x, 8k 1.38x, 32k 1.35x; the int8 scan at 8k rows
-# 0.96x, at 32k 1.36x). Read once: libgomp reads the variable when torch loads it.
+# pays only past ~3 MiB then (measured on an idle machine, SmolLM2 pool read from memory: 2k tokens (3 MiB) 1.08x,
+# 8k 1.38x, 32k 1.35x; with another process on the second core, never). Read once: libgomp reads the variable when
+# torch loads it.
 PARALLEL_BYTES = (3 << 20) if os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive" else (256 << 10)
 
 
