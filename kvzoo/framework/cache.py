@@ -228,8 +228,18 @@ class TieredCache(Cache):
         self._settle()
         super().batch_repeat_interleave(repeats)
 
+    def context_end(self) -> None:
+        """The next forward ends the context: each layer compresses right after its own attention in that forward
+        (the ``context_end`` event, layer by layer, as kvpress's forward hook compresses), before the next layer runs,
+        so that one layer at a time holds its whole prefill. The rows kept are those :meth:`compress` after the
+        forward would keep. Call it before the context's last forward (``kvzoo.pipeline`` does); with
+        ``model.generate``, before the call (its first forward is the prompt's)."""
+        self._settle()
+        self.runtime.ending = True
+
     def compress(self) -> None:
-        """The context ended: fire the ``context_end`` event on every layer."""
+        """The context ended: fire the ``context_end`` event on every layer (after :meth:`context_end`'s forward
+        the layers have compressed already, and this changes nothing)."""
         self._settle()
         for layer in self.tiered_layers:
             layer.fire("context_end")

@@ -78,6 +78,8 @@ class Runtime:
     context_length: int | None = None
     shared: dict[str, Any] = field(default_factory=dict)
     pending: int | None = field(default=None, repr=False)
+    # the forward in flight ends the context (TieredCache.context_end()): each layer compresses after its attention
+    ending: bool = False
 
     policy = property(lambda self: self.config.policy)
     retrieval = property(lambda self: self.config.retrieval)
@@ -201,7 +203,6 @@ class Runtime:
         to be of the next step's kind, from host counters alone (no device work): ``"steady"`` (rows in, nothing
         leaves), ``"one_in_one_out"`` (one row leaves, an index moves) or ``"event"`` (a selection over the tier, a
         block closing, the prompt's end, storage growing)."""
-        policy = self.policy
         if not layer.is_initialized or not layer.context_ended:
             return "event"  # the prompt's end (generate's first decode step) compresses
         kind = self._kind(layer, 0, "steady") if ahead == 1 else self.next_step(layer)
@@ -245,13 +246,19 @@ class Runtime:
         return steps
 
     def after_forward(self, layer: KVLayer) -> None:
-        """Fire this forward's scheduled event for the layer, if the policy has one."""
+        """Fire this forward's scheduled event for the layer, if the policy has one; and, when the forward ends the
+        context (:meth:`TieredCache.context_end`), the ``context_end`` event right after, before the next layer runs
+        (so only one layer holds its whole prefill at a time)."""
         policy = self.policy
         layer.new_rows = 0
         if policy.schedule == "step":
             self.fire(layer, "step")
         elif policy.schedule == "block" and policy.block_size and layer.since_event >= policy.block_size:
             self.fire(layer, "block")
+        if self.ending:
+            self.fire(layer, "context_end")
+            if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
+                self.ending = False
 
     def fire(self, layer: KVLayer, event: Event) -> None:
         """Run the policy's selector for ``event`` and move the rows it does not keep."""

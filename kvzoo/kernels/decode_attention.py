@@ -426,7 +426,8 @@ def _sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, lse: b
     if prior is not None:
         scores, checked = prior.scores + scores, prior.sources + checked
     joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
-    probs = torch._safe_softmax(joined, dim=-1)  # 0 (not NaN) where a head may read no row: out = 0 there
+    # 0 (not NaN) where a head may read no row: out = 0 there (the aten op: torch.compile traces it)
+    probs = torch.ops.aten._safe_softmax.default(joined, -1)
     parts = probs.split([s.positions for s in checked], dim=-1) if len(checked) > 1 else [probs]
     out = None
     for s, p in zip(checked, parts):

@@ -1,0 +1,95 @@
+"""The context's end inside its last forward (``TieredCache.context_end()``): each layer compresses right after its
+own attention, before the next layer runs -- the same rows kept and the same tokens as compressing after the forward,
+for every registered policy on the three tiny families, with a left-padded batch; and the rows resident at once
+during that forward stay within (layers - 1) x budget + one layer's prompt."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kvzoo import TieredCache, registry
+from kvzoo.framework.attention import detach
+from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from tests.greedy import assert_same_greedy
+
+PROMPT, STEPS = 96, 5
+
+
+@functools.cache
+def _model(family: str):
+    model = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}[family]()[0]
+    detach(model)
+    return model
+
+
+def _policies() -> list[tuple[str, dict]]:
+    out = []
+    for name in registry.available():
+        cls = registry.policy_class(name)
+        params = {} if not getattr(cls, "requires_budget", True) else {"budget": 24}
+        if "window" in cls.__dataclass_fields__:
+            params["window"] = 8
+        if name == "quest":
+            params["dense_layers"] = 0
+        out.append((name, params))
+    return out
+
+
+def _ids(model, seed=0):
+    ids = torch.randint(3, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :11], mask[1, :11] = 0, 0  # the second sequence is left-padded
+    return ids, mask
+
+
+def _run(model, policy, ids, mask, in_forward: bool):
+    cache = TieredCache(model, policy, context_length=PROMPT)
+    peak = {"rows": 0}
+
+    def watch(module, args, kwargs, output):  # rows resident in every layer after each layer's attention
+        peak["rows"] = max(peak["rows"], sum(layer.n for layer in cache.tiered_layers))
+
+    hooks = [m.register_forward_hook(watch, with_kwargs=True) for m in cache.adapter.attention_modules().values()]
+    with torch.no_grad():
+        if in_forward:
+            cache.context_end()
+        logits = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+        cache.compress()  # after context_end()'s forward: changes nothing
+    for hook in hooks:
+        hook.remove()
+    kept = [layer.slots.sort(dim=-1).values for layer in cache.tiered_layers]
+    tokens, chose_from = [], []
+    with torch.no_grad():
+        for _ in range(STEPS):
+            token = logits.argmax(-1, keepdim=True)
+            tokens.append(token)
+            chose_from.append(logits)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            logits = model(input_ids=token, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+    detach(model)
+    return kept, torch.cat(tokens, dim=1), torch.stack(chose_from, dim=1), peak["rows"], cache
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize(("name", "params"), _policies(), ids=[n for n, _ in _policies()])
+def test_compressing_inside_the_forward_keeps_what_compressing_after_it_keeps(family, name, params):
+    model = _model(family)
+    policy = registry.get(name, **params)
+    if ("gqa" if family == "llama" else "mla") not in policy.layouts:
+        pytest.skip(f"{name} does not run on {family}")
+    ids, mask = _ids(model)
+    after = _run(model, policy, ids, mask, in_forward=False)
+    inside = _run(model, registry.get(name, **params), ids, mask, in_forward=True)
+    for layer, (a, b) in enumerate(zip(after[0], inside[0])):
+        assert torch.equal(a, b), f"layer {layer}: other rows kept"
+    for row in range(2):
+        assert_same_greedy(after[1][row], inside[1][row], after[2][row], inside[2][row])
+    cache = inside[4]
+    layers = len(cache.tiered_layers)
+    budget = max(layer.n for layer in cache.tiered_layers) if name != "full" else PROMPT
+    if name != "full":  # one layer at a time holds its whole prompt
+        assert inside[3] <= (layers - 1) * budget + PROMPT, (inside[3], layers, budget)
+    assert all(layer.context_ended for layer in cache.tiered_layers) and not cache.runtime.ending
