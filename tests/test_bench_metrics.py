@@ -156,7 +156,8 @@ def test_index_bytes_per_step_is_what_the_scans_read(tiny):
     task = make_task("niah_single", BYTES, context_tokens=900, depth=0.5)
     rows = {}
     for index in ("int8", "paged"):
-        retriever = registry.build_retriever("vestige", index=index, page_rows=8, fine_pages=1)
+        paging = {"page_rows": 8, "fine_pages": 1} if index == "paged" else {}  # the paged index's own options
+        retriever = registry.build_retriever("vestige", index=index, **paging)
         rows[index] = run_trial(tiny, BYTES, task, registry.get("vestige", ratio=8, retriever=retriever),
                                 max_new_tokens=3, stop_when_answered=False)
         assert 0 < rows[index]["index_bytes_per_step"] < rows[index]["kv_bytes_per_step"]

@@ -112,10 +112,11 @@ def test_any_selector_with_any_retriever(tiny, name, params):
     ctx = torch.randint(1, 256, (500,), generator=torch.Generator().manual_seed(4))
     r = pipeline.generate(tiny, None, ctx, ctx[:6], policy, max_new_tokens=5, audit=True)
     t = r.stats.totals
-    assert len(r.token_ids) == 5 and t["archived_rows"] > 0
-    if policy.retriever is None:
-        assert t["fetched_rows"] == 0 and "rows_scanned" not in t
+    assert len(r.token_ids) == 5
+    if policy.retriever is None:  # eviction only: the evicted rows are dropped (no archive to fetch from)
+        assert t["fetched_rows"] == 0 and "rows_scanned" not in t and t["dropped_rows"] > 0 and t["archived_rows"] == 0
     else:
+        assert t["archived_rows"] > 0 and t["dropped_rows"] == 0
         assert t["retrieval_steps"] > 0 and t["rows_scanned"] > 0 and t["bound_violations"] == 0
         assert t["kv_bytes_read"] == t["attended_bytes_read"] + t["index_bytes_scanned"] + t["fetched_bytes"]
 

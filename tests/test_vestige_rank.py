@@ -40,8 +40,8 @@ def test_bound_upper_bounds_exact_score(layout, m, dc, dr, rank, groups, hpg, ma
     width = dc + (dr if layout == "mla" else 0)
     keys = torch.randn(1, groups, m, width, generator=g) * magnitude
     keys[..., 0] += magnitude  # a shared direction, as RoPE-free key dims carry
-    options = {"index": "int8"} if dtype == "int8" else {"index": "sketch", "entry_dtype": dtype}
-    state = _index(keys, layout, dc, rank=min(rank, dc), **options)
+    options = {"index": "int8"} if dtype == "int8" else {"index": "sketch", "entry_dtype": dtype, "rank": min(rank, dc)}
+    state = _index(keys, layout, dc, **options)
     query = torch.randn(1, groups * hpg, 2, width, generator=g) * 3
     bound = state.bounds(query, 0.125)
     if dtype != "int8":

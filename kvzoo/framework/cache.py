@@ -156,9 +156,18 @@ class TieredCache(Cache):
             for i in range(shape.num_layers)
         ]
         modules = adapter.attention_modules()
+        missing = [i for i in tiered if not isinstance(modules.get(i) if isinstance(modules, dict) else None,
+                                                        torch.nn.Module)]
+        if missing:
+            cls = type(adapter)
+            raise ValueError(
+                f"model-family adapter {cls.__module__}.{cls.__qualname__} ({getattr(adapter, 'name', '?')!r}): "
+                f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
+                f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
+                f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
+            )
         for i in tiered:  # bound to this model's attention modules: another model's forward is refused
-            if i in modules:
-                layers[i].owner = weakref.ref(modules[i])
+            layers[i].owner = weakref.ref(modules[i])
         super().__init__(layers=layers)
         self.graph = None
         if cuda_graph:
@@ -198,6 +207,14 @@ class TieredCache(Cache):
             raise IndexError(
                 f"layer {layer_idx} does not exist in this TieredCache, which was built for a model of "
                 f"{len(self.layers)} layers; a cache belongs to the model it was created for: create "
+                "TieredCache(model, policy) for this model"
+            )
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, KVLayer) and not callable(getattr(layer, "update", None)):
+            raise RuntimeError(
+                f"layer {layer_idx} of this TieredCache is a {type(layer).__name__} (a layer the model it was built "
+                f"for keeps to itself, e.g. Kimi Linear's linear attention) and received keys and values: another "
+                "model's forward reached the cache. A TieredCache belongs to the model it was created for: create "
                 "TieredCache(model, policy) for this model"
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -373,7 +373,28 @@ class Policy(ABC):
         ``keep < rows.num_rows`` always holds when the runtime calls this. Rows not named move to
         the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
         """
-        return top_rows(self.priority(rows, keep), keep)
+        return top_rows(self.checked_priority(rows, keep, event=True), keep, None if rows.all_valid else rows.valid)
+
+    def checked_priority(self, rows: RowsView, keep: int, *, event: bool = False) -> torch.Tensor:
+        """:meth:`priority` held to its contract where the framework receives it: a float tensor ``[B, G, N]`` (a
+        TypeError or ValueError naming the policy and the contract otherwise); ``event``: at a compression event, also
+        no NaN (checked on the device, no host synchronisation; a per-step victim's scores are not checked for NaN:
+        that would cost every decode step a device check). Whatever the scores, padding is never kept while a valid
+        row is left out: :func:`top_rows` and :func:`lowest_priority_victim` rank valid rows first."""
+        scores = self.priority(rows, keep)
+        expected = tuple(rows.slots.shape)
+        contract = ("priority() must return a float tensor [B, G, N] = " + str(list(expected)) + ": one score per row "
+                    "of the attended tier, +inf for rows always kept, -inf for padding")
+        where = f"policy {self.name or type(self).__name__!r} ({type(self).__module__}.{type(self).__qualname__})"
+        if not isinstance(scores, torch.Tensor):
+            raise TypeError(f"{where}: {contract}; got {type(scores).__name__}")
+        if not scores.is_floating_point():
+            raise TypeError(f"{where}: {contract}; got a {scores.dtype} tensor")
+        if tuple(scores.shape) != expected:
+            raise ValueError(f"{where}: {contract}; got shape {list(scores.shape)}")
+        if event:
+            torch._assert_async(~torch.isnan(scores).any(), f"{where}: priority() returned NaN scores; {contract}")
+        return scores
 
     def multi_token_window(self, budget: int) -> tuple[int, int] | None:
         """``(sinks, window)`` when each token of a multi-token forward may read only the first
@@ -396,7 +417,8 @@ class Policy(ABC):
         order (``tests/test_runtime.py`` holds every built-in to ``select`` on shuffled rows). An override
         returning None makes the runtime sort the tier and call :meth:`select`.
         """
-        return lowest_priority_victim(self.priority(rows, rows.num_rows - 1), rows.slots)
+        return lowest_priority_victim(self.checked_priority(rows, rows.num_rows - 1), rows.slots,
+                                      None if rows.all_valid else rows.valid)
 
     def rows_between_events(self) -> int | None:
         """The most rows a layer's attended tier gains between two of this policy's events after the context
@@ -491,9 +513,14 @@ class SinksAndRecentPolicy(Policy):
         return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks, rows.all_valid)
 
 
-def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor,
+                           valid: torch.Tensor | None = None) -> torch.Tensor:
     """The row :func:`top_rows` leaves out when keeping all but one, on rows in any order: the lowest ``priority``
-    ``[B, G, n]`` (fp32, ``-inf`` for padding, ``+inf`` for forced rows), ties to the latest slot."""
+    ``[B, G, n]`` (fp32, ``-inf`` for padding, ``+inf`` for forced rows), ties to the latest slot; with ``valid``, a
+    padding row before any valid one (the lowest padding row, whatever the valid rows scored)."""
+    if valid is not None:  # where a sequence has padding, only its padding rows compete
+        has_padding = (~valid).any(dim=-1, keepdim=True)
+        priority = priority.masked_fill(has_padding & valid, math.inf)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
     return torch.where(lowest, slots, -1).argmax(dim=-1)
 
@@ -519,9 +546,13 @@ def forced_priority(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Ten
     return scores.float().masked_fill(~valid, -math.inf).masked_fill(forced, math.inf)
 
 
-def top_rows(priority: torch.Tensor, keep: int) -> torch.Tensor:
-    """Sorted indices ``[B, G, keep]`` of the ``keep`` highest ``priority`` rows, ties toward the earlier row."""
+def top_rows(priority: torch.Tensor, keep: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted indices ``[B, G, keep]`` of the ``keep`` highest ``priority`` rows, ties toward the earlier row; with
+    ``valid``, every valid row ranks before every padding row (each in priority order), whatever the scores."""
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices  # stable: earlier rows first
+    if valid is not None:
+        first = torch.sort(valid.gather(-1, order).to(torch.uint8), dim=-1, descending=True, stable=True).indices
+        order = order.gather(-1, first)
     return sorted_keep(order[..., :keep])
 
 

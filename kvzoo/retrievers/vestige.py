@@ -105,6 +105,26 @@ class VestigeRetriever(Retriever):
         require_int(self.fine_pages, "fine_pages", 1, "pages per query head scanned row by row (index='paged')")
         if not isinstance(self.certified, bool) or not isinstance(self.refit, bool):
             raise ValueError(f"certified and refit must be True or False, got {self.certified!r}, {self.refit!r}")
+        if self.index != "auto":
+            self._refuse_idle_options(self.index)
+        if not self.certified and self.tau != VestigeRetriever.tau:
+            raise ValueError(f"tau={self.tau!r} has no effect: it is the certified mode's margin (certified=True); "
+                             "the default top-j mode keeps rows by j and j_margin")
+
+    # the options each index kind reads (the others would be accepted and recorded while doing nothing)
+    OPTIONS_OF: ClassVar[dict[str, tuple[str, ...]]] = {
+        "sketch": ("rank", "entry_dtype", "refit"), "int8": (), "paged": ("page_rows", "fine_pages")}
+
+    def _refuse_idle_options(self, kind: str, where: str = "") -> None:
+        """ValueError naming an option set away from its default that the index kind ``kind`` does not read."""
+        for option, default in (("rank", None), ("entry_dtype", "float32"), ("refit", False), ("page_rows", 16),
+                                ("fine_pages", 4)):
+            if getattr(self, option) != default and option not in self.OPTIONS_OF[kind]:
+                users = [k for k, options in self.OPTIONS_OF.items() if option in options]
+                raise ValueError(
+                    f"vestige retriever: {option}={getattr(self, option)!r} has no effect with index={kind!r}{where}: "
+                    f"it applies to index={' or '.join(map(repr, users))} only; leave it at its default "
+                    f"({default!r}) or choose that index")
 
     def kind(self, layout: str) -> str:
         """The index kind on rows of ``layout``: ``index``, with ``"auto"`` resolved (MLA: sketch, GQA: int8)."""
@@ -117,4 +137,6 @@ class VestigeRetriever(Retriever):
         if kind in ("int8", "paged") and geometry.layout == "mla":
             raise ValueError(f"vestige retriever: index={kind!r} is for GQA rows (an MLA latent row is 576 values: "
                              "use the sketch)")
+        if self.index == "auto":  # the kind follows the rows: their options are known only now
+            self._refuse_idle_options(kind, f" (index='auto' on {geometry.layout.upper()} rows)")
         return INDEX_KINDS_BY_NAME[kind](self, geometry)
