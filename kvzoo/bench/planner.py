@@ -14,15 +14,17 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvzoo.bench.executors import TrialGroup
 from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.tasks import TaskSpec
-from kvzoo.framework.policy import Policy
-from kvzoo.pipeline import QUESTION_POSITIONS
+
+if TYPE_CHECKING:
+    from kvzoo.framework.policy import Policy
+
+# This module imports neither torch nor transformers (the `kvzoo` command builds its --help from it): the dtypes are
+# names (torch's attribute names), the question positions are kvzoo.pipeline's, checked when a grid is made.
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Grid:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        from kvzoo.pipeline import QUESTION_POSITIONS
+
         for position in self.positions:
             if position not in QUESTION_POSITIONS:
                 raise ValueError(f"question position {position!r} is not one of {QUESTION_POSITIONS}")
@@ -77,7 +81,7 @@ class Grid:
                 "teacher_forcing": TEACHER_FORCING}
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # model dtypes a grid may ask for: torch.<name>
 # The answer's NLL and the continuation's CE are teacher-forced one decode step per token (what greedy decoding
 # runs: a retriever's per-step rule is what they see); the one-forward figures are kept beside them (*_one_forward)
 TEACHER_FORCING = "decode"
