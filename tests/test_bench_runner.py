@@ -154,7 +154,7 @@ def test_tiny_leaderboard_end_to_end_writes_table_and_png(tmp_path: Path):
     assert "intact rate" in text and "tiny-llama" in text
 
     written = plots.write_plots(rows, tmp_path, prefix="tiny-")
-    assert [p.name for p in written] == ["tiny-needle-heatmap.png", "tiny-score-vs-ratio.png"]
+    assert [p.name for p in written] == ["tiny-needle-heatmap.png", "tiny-score-vs-ratio.png", "tiny-frontier.png"]
     for path in written:
         assert path.stat().st_size > 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
