@@ -207,13 +207,21 @@ def test_leaderboard_prints_the_table_and_writes_plots_then_plot_redraws(tmp_pat
     assert len(results.read_text().splitlines()) == 4
 
 
-def test_demo_runs_the_demo_preset_afresh_unless_resuming(monkeypatch: pytest.MonkeyPatch):
+def test_demo_runs_the_demo_preset_afresh_unless_resuming(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    import json
+
     import kvzoo.cli
     import kvzoo.demo
 
+    monkeypatch.chdir(tmp_path)
     seen: list[list[str]] = []
     monkeypatch.setattr(kvzoo.cli, "main", lambda argv: seen.append(argv) or 0)
     assert kvzoo.demo.main([]) == 0
+    assert not (tmp_path / "results").exists()  # no leaderboard ran, so no results folder and no run record
+    (tmp_path / "results").mkdir()
     assert kvzoo.demo.main(["--resume", "--policies", "full"]) == 0
     assert seen == [["leaderboard", "--preset", "demo", "--fresh"],
                     ["leaderboard", "--preset", "demo", "--policies", "full"]]
+    record = json.loads((tmp_path / "results" / "demo.run.json").read_text())  # what the results page reads
+    assert record["command"] == "python -m kvzoo.demo --resume --policies full"
+    assert record["wall_s"] >= 0 and record["exit_code"] == 0 and record["cpu_count"] >= 1
