@@ -686,7 +686,7 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
         "a JSONL file (one row per trial); rerunning the same command resumes where it stopped.",
     )
     p_lb.add_argument("--preset", choices=presets, default="demo",
-                      help="demo: 2k-token single needle, 3 depths, 4x/8x, question after (the `make demo` grid); "
+                      help="demo: 2k-token single needle, depths 0.25 and 0.75, 4x/8x, question after (the `make demo` grid); "
                       "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); tiny: a tiny random model")
     p_lb.add_argument("--model", dest="models", action="append", metavar="MODEL", help=MODEL_HELP + " (repeatable)")
     p_lb.add_argument("--policies", nargs="+", metavar="NAME",

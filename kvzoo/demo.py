@@ -1,7 +1,7 @@
 """``python -m kvzoo.demo`` (``make demo``): the main job -- every policy on a needle, on SmolLM2-135M-Instruct.
 
 Every registered policy (found in the registry at run time, plugins included) at ratios 4 and 8 on RULER's single
-needle hidden in 2,000 tokens of essay-like text at depths 25 %, 50 % and 75 %; the question is asked only after
+needle hidden in 2,000 tokens of essay-like text at depths 25 % and 75 %; the question is asked only after
 the cache has been compressed. It shows which policy keeps the needle at which ratio (the score of the greedy
 answer, and whether the answer's teacher-forced NLL stays within 1 nat of ``full``'s) and what each one reads for it
 (KV-path bytes per generated token). The trials of one depth share what they can: one ``full`` reference, and one
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(
         "kvzoo demo: every registered policy at 4x and 8x on SmolLM2-135M-Instruct (fp32, CPU) -- a needle in 2k "
-        "tokens of essay text at depths 25/50/75 %, the question asked after compression",
+        "tokens of essay text at depths 25 and 75 %, the question asked after compression",
         flush=True,
     )
     args = list(argv if argv is not None else sys.argv[1:])

@@ -210,8 +210,16 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.6), sharex=True, layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     handles = []
+    spread_any = False
     for ax, key, label in ((axes[0], "score", "string-match score"),
                            (axes[1], "intact", "needle intact rate (ΔNLL < 1 nat)")):
+        # policies that land on the same point (same bytes, same value: streaming_llm and h2o read alike) are
+        # offset vertically by up to TIE_SPREAD / 2, so that no marker hides another
+        ties: dict[tuple[float, float], list[str]] = {}
+        for policy, pts in points.items():
+            for p in pts:
+                if p[key] is not None:
+                    ties.setdefault((round(p["mib_per_token"], 2), round(p[key], 9)), []).append(policy)
         for i, (policy, pts) in enumerate(points.items()):
             pts = [p for p in pts if p[key] is not None]
             if not pts:
@@ -221,13 +229,21 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
             style = {"marker": "*" if reference else markers[i % len(markers)], "color": "black" if reference
                      else colors[i % len(colors)], "markersize": 11 if reference else 7, "markerfacecolor": "none",
                      "linestyle": "none" if reference else "-", "linewidth": 1, "alpha": 0.9}
-            xs, ys = [p["mib_per_token"] for p in pts], [p[key] for p in pts]
+            xs, ys = [p["mib_per_token"] for p in pts], []
+            for p in pts:
+                members = ties[(round(p["mib_per_token"], 2), round(p[key], 9))]
+                offset = 0.0
+                if len(members) > 1:
+                    step = min(0.02, TIE_SPREAD / (len(members) - 1))
+                    offset = (members.index(policy) - (len(members) - 1) / 2) * step
+                    spread_any = True
+                ys.append(p[key] + offset)
             (line,) = ax.plot(xs, ys, label=policy if reference else f"{policy}", **style)
             if key == "score":
                 handles.append(line)
-            for p in pts:
+            for p, y in zip(pts, ys):
                 if p["ratio"] is not None:
-                    ax.annotate(f"{p['ratio']:g}x", (p["mib_per_token"], p[key]), xytext=(4, 4),
+                    ax.annotate(f"{p['ratio']:g}x", (p["mib_per_token"], y), xytext=(4, 4),
                                 textcoords="offset points", fontsize=7, color=style["color"])
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
@@ -237,8 +253,8 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
         ax.set_xlabel("KV bytes read per generated token (MiB, log scale)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, which="both")
-    fig.legend(handles=handles, loc="outside right upper", fontsize=8, title="policy (ratio at each marker)",
-               title_fontsize=8)
+    title = "policy (ratio at each marker)" + (f"\nequal points offset ±{TIE_SPREAD / 2:g}" if spread_any else "")
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8, title=title, title_fontsize=8)
     fig.suptitle(f"quality against what each step reads (question {position} compression; up and left is better)",
                  fontsize=9)
     return fig
