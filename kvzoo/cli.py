@@ -97,7 +97,7 @@ def _as_flags(message: str, parameters: Iterable[str] = (), *, ratio_flag: str =
     keys = sorted(set(flags) | set(parameters), key=len, reverse=True)
     if not keys:
         return message
-    pattern = r"(?<![\w.-])(" + "|".join(map(re.escape, keys)) + r")=([^\s,;)]*)"
+    pattern = r"(?<![\w.-])(?<!--param )(" + "|".join(map(re.escape, keys)) + r")=([^\s,;)]*)"
     return re.sub(pattern, swap, message)
 
 
@@ -246,8 +246,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if problem is not None:
         return _fail("run", problem)
     try:
-        policy = registry.get(args.policy, **_policy_params(args))
-    except (KeyError, TypeError, ValueError) as err:
+        params = _policy_params(args)  # its errors speak in flags already
+    except ValueError as err:
+        return _fail("run", str(err))
+    try:
+        policy = registry.get(args.policy, **params)
+    except (KeyError, TypeError, ValueError) as err:  # the library's words: ratio=4 -> --ratio 4
         return _fail("run", _as_flags(str(err.args[0] if err.args else err), _parameters_of(args.policy)))
     if args.context_file and not args.question:
         return _fail("run", "--question is required with --context-file")
