@@ -97,14 +97,17 @@ class Progress:
 
         self.label = label
         self.bar = tqdm(total=None, desc=label, position=position, leave=leave, disable=disable,
-                        file=file if file is not None else sys.stderr, dynamic_ncols=True,
-                        bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}]")
+                        file=file if file is not None else sys.stderr, dynamic_ncols=True, bar_format=self.PLAIN)
+
+    PLAIN = "{desc} [{elapsed}]"  # a phase without steps to count (compress)
+    COUNTED = "{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}]"
 
     def phase(self, name: str, total: int | None = None, unit: str = "steps") -> None:
         """A new phase: ``name`` (e.g. ``"prefill chunk 2/4"``), counting ``total`` ``unit`` from 0."""
         self.bar.reset()
         self.bar.total = total  # reset(total=None) would keep the last phase's
         self.bar.unit = unit
+        self.bar.bar_format = self.PLAIN if total is None else self.COUNTED
         self.bar.set_description_str(f"{self.label} | {name}" if self.label else name, refresh=True)
 
     def advance(self, n: int = 1) -> None:
