@@ -7,6 +7,7 @@
 #               same rows as local, a killed worker, an interrupted driver); .ci/run calls it after `make test`
 #   make test-triton36  the sm_90 compile gate again with Triton 3.6 (the GPU machine's version), installed
 #                       into .triton36/ beside the test venv's 3.7.1
+#   make results-page  docs/results.md and README's table rendered again from docs/results/ (benchmarks/render_results.py)
 #   make gpu-check   on a GPU machine: benchmarks/gpu_check.py (kernels, runtime eager vs CUDA graph) -> results/gpu_check
 #   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
 #                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached);
@@ -36,8 +37,17 @@ KVP_FETCH_SUITE = rm -rf $(KVP_SUITE) && mkdir -p $(KVP_SUITE) && \
 # threads fight it for the cores (tests/kvpress: 393 s beside a 2-thread process, 139 s with PASSIVE; 83 s idle
 # either way). Benchmarks keep OpenMP's default. Override with OMP_WAIT_POLICY=... make test.
 TEST_ENV     := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
+# The main suite and the interpreter suite run in PYTEST_WORKERS processes (pytest-xdist), each on one OpenMP thread:
+# on 2 cores two one-thread workers beat one two-thread process (many small ops; measured 210 s against 280-313 s
+# for the main suite, 83 s against 114 s for the interpreter). PYTEST_WORKERS=0 runs one process (OMP_NUM_THREADS
+# as set). tests/kvpress stays in one process: two workers each load SmolLM2 and kvpress, and gain nothing there.
+PYTEST_WORKERS ?= 2
+XDIST        := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
+XDIST_ENV    := $(if $(XDIST),OMP_NUM_THREADS=1,)
+# where the time goes, in every test target's log
+DURATIONS    ?= --durations=20
 
-.PHONY: venv test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check
+.PHONY: venv venv-kvpress venv-ray venv-triton36 test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check results-page
 
 venv: $(STAMP)
 
@@ -51,18 +61,26 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(TEST_ENV) $(PY) -m pytest -q
-	$(TEST_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/interpreter
+	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q $(XDIST) $(DURATIONS)
+	$(TEST_ENV) $(XDIST_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(DURATIONS) tests/interpreter
 
 # The Ray tests are collected only when named (tests/conftest.py); a plain `pytest` says it left them out.
-test-ray: $(STAMP)
+RAY_STAMP := $(VENV)/.kvzoo-ray-installed
+$(RAY_STAMP): $(STAMP)
 	$(PIP) install -q -e ".[test,ray]"
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/ray
+	touch $(RAY_STAMP)
+
+venv-ray: $(RAY_STAMP)
+
+test-ray: $(RAY_STAMP)
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(DURATIONS) tests/ray
 
 # the kernels must compile with the Triton the GPU machine has (3.6) as well as the one torch 2.13 pins (3.7.1)
-test-triton36: $(STAMP)
+venv-triton36: $(STAMP)
 	test -d .triton36/triton || $(PIP) install -q --no-deps --target .triton36 "triton==3.6.0"
-	$(TEST_ENV) KVZOO_EXPECT_TRITON=3.6 PYTHONPATH=$(CURDIR)/.triton36:$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider tests/test_compile_gate.py
+
+test-triton36: venv-triton36
+	$(TEST_ENV) KVZOO_EXPECT_TRITON=3.6 PYTHONPATH=$(CURDIR)/.triton36:$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider $(DURATIONS) tests/test_compile_gate.py
 
 # one resolve: torch first in the list pins the CPU wheel; kvpress brings transformers 5.2; kvzoo's own runtime
 # dependencies are named, kvzoo itself goes in with --no-deps (its transformers>=5.18 requirement would refuse 5.2)
@@ -74,15 +92,20 @@ $(KVP_STAMP): pyproject.toml
 	$(KVP_FETCH_SUITE)
 	touch $(KVP_STAMP)
 
+venv-kvpress: $(KVP_STAMP)
+
 # tests/kvpress, then kvpress's own tests (inside the unpacked folder, offline: a fake local hub) against kvzoo's presses
 test-kvpress: $(KVP_STAMP)
 	test -f $(KVP_SUITE)/tests/default_presses.py || { $(KVP_FETCH_SUITE); }
-	$(TEST_ENV) KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider tests/kvpress
+	$(TEST_ENV) KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider $(DURATIONS) tests/kvpress
 	cd $(KVP_SUITE) && $(TEST_ENV) PYTHONPATH=$(CURDIR)/tests/kvpress/upstream$${PYTHONPATH:+:$$PYTHONPATH} $(abspath $(KVP_PY)) -m pytest -q \
 		-c $(CURDIR)/tests/kvpress/upstream/pytest.ini --rootdir=. -p kvzoo_upstream $(KVP_SUITE_TESTS)
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo
+
+results-page: $(STAMP)
+	$(PY) benchmarks/render_results.py
 
 leaderboard: $(STAMP)
 	$(PY) -m kvzoo.cli leaderboard --preset leaderboard

@@ -1,31 +1,59 @@
 """kvzoo: a zoo of KV-cache policies on one tiered-cache runtime.
 
-    from kvzoo import registry, pipeline, TieredCache
-    policy = registry.get("streaming_llm", ratio=4)
-    result = pipeline.generate(model, tokenizer, context, question, policy)
+    import kvzoo
+    policy = kvzoo.registry.get("streaming_llm", ratio=4)
+    result = kvzoo.pipeline.generate(model, tokenizer, context, question, policy)
 
-Importing ``kvzoo`` (or its policy layer, ``kvzoo.framework.policy`` and ``kvzoo.policies.*``) needs
-torch alone; the names below that need transformers are imported on first use.
+Importing ``kvzoo`` imports nothing heavy: every name below is imported on first use (PEP 562), so
+``import kvzoo`` and ``kvzoo --version`` need neither torch nor transformers. The policy layer
+(``kvzoo.framework.policy``, ``kvzoo.policies.*``) needs torch alone; ``pipeline``, ``TieredCache`` and
+``models`` need transformers.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "TieredCache": "kvzoo.framework.cache",
-    "CacheStats": "kvzoo.framework.stats",
-    "Policy": "kvzoo.framework.policy",
-    "RowsView": "kvzoo.framework.policy",
+# name -> (module, attribute); attribute None: the module itself
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "registry": ("kvzoo.registry", None),
+    "pipeline": ("kvzoo.pipeline", None),
+    "models": ("kvzoo.models", None),
+    "bench": ("kvzoo.bench", None),
+    "TieredCache": ("kvzoo.framework.cache", "TieredCache"),
+    "CacheStats": ("kvzoo.framework.stats", "CacheStats"),
+    "Policy": ("kvzoo.framework.policy", "Policy"),
+    "RowsView": ("kvzoo.framework.policy", "RowsView"),
+    "Retriever": ("kvzoo.framework.retriever", "Retriever"),
+    "load_smollm2": ("kvzoo.models", "load_smollm2"),
 }
 
-__all__ = ["TieredCache", "CacheStats", "Policy", "RowsView", "__version__"]
+__all__ = [  # the names of _LAZY, written out (static analysers read a literal list)
+    "__version__", "registry", "pipeline", "models", "bench", "TieredCache", "CacheStats", "Policy", "RowsView",
+    "Retriever", "load_smollm2",
+]
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from kvzoo import bench, models, pipeline, registry
+    from kvzoo.framework.cache import TieredCache
+    from kvzoo.framework.policy import Policy, RowsView
+    from kvzoo.framework.retriever import Retriever
+    from kvzoo.framework.stats import CacheStats
+    from kvzoo.models import load_smollm2
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvzoo' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kvzoo' has no attribute {name!r} (it has: {', '.join(__all__)})")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

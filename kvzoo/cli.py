@@ -5,9 +5,13 @@
                                                  of the cache (--per-layer: the table by layer)
     kvzoo leaderboard [--preset demo]            runs a grid; prints the markdown leaderboard, writes plots
     kvzoo leaderboard --executor ray --workers 2 the same grid on Ray (a local instance, or --address auto)
-    kvzoo plot results/demo.jsonl                the needle heatmap and score-vs-ratio curves (PNG)
+    kvzoo plot results/demo.jsonl                the needle heatmap, score-vs-ratio curves and the quality-cost
+                                                 frontier (PNG)
+    kvzoo --version
 
-``kvzoo <command> --help`` lists every option.
+``kvzoo <command> --help`` lists every option. ``kvzoo --help``, ``--version`` and ``list`` import neither
+transformers nor (but for ``list``, whose policies are torch classes) torch: the parser is built from light modules,
+and only the subcommand given gets its full set of options (``leaderboard``'s come from the executor registry).
 """
 
 from __future__ import annotations
@@ -18,12 +22,25 @@ OPENMP_NOTE = prefer_passive()  # before anything imports torch (OpenMP reads it
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from kvzoo import __version__  # noqa: E402
 from kvzoo.bench.executors import int_option as _positive_int  # noqa: E402
+
+# kvzoo.pipeline.QUESTION_POSITIONS, written out: the parser is built without importing the pipeline (transformers);
+# tests/test_cli_speed.py holds the two equal
+QUESTION_POSITIONS = ("after", "before")
+COMMANDS = {
+    "list": "the registered policies (and their retrievers)",
+    "run": "one policy on one prompt or task (default: a needle in a generated context)",
+    "leaderboard": "run a grid (model x policy x ratio x task x question position); print the table, write plots",
+    "plot": "needle heatmap, score-vs-ratio curves and the quality-cost frontier (PNG) from a results file",
+}
 
 MODEL_HELP = (
     "smollm2-135m (default; real weights, offline), tiny-llama / tiny-deepseek-v2 / tiny-kimi-linear "
@@ -59,6 +76,29 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
                              "them")
         params[key] = value
     return params
+
+
+# Python keywords in library messages -> the flags that set them on the command line
+_FLAG_OF = {"ratio": "--ratio", "budget": "--budget", "max_new_tokens": "--max-new-tokens",
+            "chunk_size": "--chunk-size", "question_position": "--question-position"}
+
+
+def _as_flags(message: str, parameters: Iterable[str] = (), *, ratio_flag: str = "--ratio") -> str:
+    """A library error rephrased for the command line: ``ratio=4`` -> ``--ratio 4``, ``ratio=`` -> ``--ratio``, and a
+    policy parameter ``window=`` (one of ``parameters``) -> ``--param window=``."""
+    flags = {**_FLAG_OF, "ratio": ratio_flag}
+
+    def swap(match: re.Match) -> str:
+        key, value = match.group(1), match.group(2)
+        if key in flags:
+            return flags[key] + (f" {value}" if value else "")
+        return f"--param {key}={value}"
+
+    keys = sorted(set(flags) | set(parameters), key=len, reverse=True)
+    if not keys:
+        return message
+    pattern = r"(?<![\w.-])(?<!--param )(" + "|".join(map(re.escape, keys)) + r")=([^\s,;)]*)"
+    return re.sub(pattern, swap, message)
 
 
 def _kernels_problem() -> str | None:
@@ -119,6 +159,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         info = registry.info(name)
         paper = f"  [{info['paper']}]" if info.get("paper") else ""
         print(f"{name:<{width}}  {summary}{paper}")
+        retriever = _default_retriever(name)
+        if retriever is not None:
+            print(f"{'':<{width}}  retriever: {describe_retriever(retriever)}")
         if args.verbose:
             defaults = ", ".join(f"{k}={v!r}" for k, v in info["defaults"].items())
             print(f"{'':<{width}}  parameters: {defaults}")
@@ -126,22 +169,90 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_retriever(name: str) -> Any:
+    """The retriever object ``name``'s policy builds with its defaults (None: it has none, or it needs parameters
+    to build at all)."""
+    from kvzoo import registry
+
+    try:
+        policy = registry.get(name)
+    except (TypeError, ValueError):  # a policy that needs a budget: any will do, the retriever is the same
+        try:
+            policy = registry.get(name, ratio=4)
+        except (KeyError, TypeError, ValueError):
+            return None
+    except KeyError:
+        return None
+    retriever = getattr(policy, "retriever", None)
+    return registry.build_retriever(retriever) if isinstance(retriever, str) else retriever
+
+
+# What a retriever's configuration means, in words, for the fields the built-in ones have (a field this table does
+# not know is printed as it is): what an index entry holds on each row layout, how a step ranks and keeps rows.
+_INDEX_WORDS = {
+    "auto": "int8 keys on GQA rows, the low-rank sketch on MLA rows",
+    "int8": "int8 keys (GQA rows)",
+    "sketch": "the low-rank sketch of each row",
+    "paged": "int8 page summaries (min/max of 16 rows) over int8 keys, GQA rows",
+}
+_RANK_WORDS = {"estimate": "ranked by the bound's estimate", "bound": "ranked by the certified bound"}
+
+
+def describe_retriever(retriever: Any) -> str:
+    """One line saying what ``retriever`` (as configured) indexes and how a decode step picks rows -- read from its
+    configuration, so it says what runs (``kvzoo list``)."""
+    config = dict(retriever.config()) if hasattr(retriever, "config") else {}
+    name = config.pop("name", getattr(retriever, "name", type(retriever).__name__))
+    parts = []
+    if "index" in config:
+        parts.append(f"index {config['index']!r}: {_INDEX_WORDS.get(config['index'], 'see its docstring')}")
+    if config.get("certified"):
+        parts.append(f"certified: every archived row whose bound is within tau={config.get('tau')} of the attended "
+                     "tier's best score")
+    elif "j" in config and "rank_by" in config:
+        margin = config.get("j_margin")
+        keep = f", kept where the bound is above s* - {margin:g}" if isinstance(margin, (int, float)) else ""
+        parts.append(f"top-{config['j']} rows per query head, {_RANK_WORDS.get(config['rank_by'], config['rank_by'])}"
+                     f"{keep}")
+    if "page_size" in config:
+        parts.append(f"pages of {config['page_size']} rows, key min/max per page")
+    if "rule" in config:
+        parts.append(f"rule {config['rule']!r}")
+    if not parts:
+        parts.append(", ".join(f"{k}={v!r}" for k, v in config.items()))
+    return f"{name} ({'; '.join(parts)})"
+
+
 # --- run -----------------------------------------------------------------------------------------
+
+
+def _parameters_of(policy: str) -> list[str]:
+    """The parameter names of registered policy ``policy`` ([] when the name is not one)."""
+    from kvzoo import registry
+
+    try:
+        return list(registry.info(registry.parse_spec(policy)[0])["parameters"])
+    except (KeyError, ValueError):
+        return []
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from kvzoo import pipeline, registry
     from kvzoo.bench import metrics
     from kvzoo.bench.runner import check_model_name, encode_prompt, load
-    from kvzoo.bench.tasks import QUESTION, TaskSpec, build_needle_context, make_task
+    from kvzoo.bench.tasks import NEEDLE_VALUE, QUESTION, TaskSpec, build_needle_context, make_task
 
     problem = _kernels_problem()
     if problem is not None:
         return _fail("run", problem)
     try:
-        policy = registry.get(args.policy, **_policy_params(args))
-    except (KeyError, TypeError, ValueError) as err:
-        return _fail("run", str(err.args[0] if err.args else err))
+        params = _policy_params(args)  # its errors speak in flags already
+    except ValueError as err:
+        return _fail("run", str(err))
+    try:
+        policy = registry.get(args.policy, **params)
+    except (KeyError, TypeError, ValueError) as err:  # the library's words: ratio=4 -> --ratio 4
+        return _fail("run", _as_flags(str(err.args[0] if err.args else err), _parameters_of(args.policy)))
     if args.context_file and not args.question:
         return _fail("run", "--question is required with --context-file")
     if args.context_file and args.task:
@@ -164,6 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail("run", str(err))
     task = None
+    expected: tuple[str, ...] = ()  # the answers the default needle's question has (none for a question of yours)
     try:
         if context_text is not None:
             context, question = context_text, args.question
@@ -174,6 +286,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             context = build_needle_context(tokenizer, context_tokens=args.context_tokens, depth=args.depth).text
             question = args.question or QUESTION
+            expected = (NEEDLE_VALUE,) if question == QUESTION else ()
         result = pipeline.generate(
             model,
             tokenizer,
@@ -183,9 +296,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens or (task.max_new_tokens if task else 24),
             question_position=args.question_position,
             chunk_size=args.chunk_size,
+            progress=not args.no_progress,
         )
     except ValueError as err:  # the input does not fit the model (too long a context, a budget too small, ...)
-        return _fail("run", str(err))
+        return _fail("run", _as_flags(str(err), _parameters_of(args.policy)))
     print(f"policy   : {policy}")
     print(f"context  : {result.context_tokens} tokens; question {args.question_position} compression")
     if task is not None:
@@ -193,11 +307,16 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"{'n/a' if task.needle_depth is None else f'{task.needle_depth:.2f}'})")
         print(f"question : {task.question} / {task.answer_prefix}")
         print(f"answer   : {result.answer!r}")
+        print(f"expected : {', '.join(task.answers)}")
         score = metrics.string_match(task.metric, result.answer, task.answers)
-        print(f"score    : {score:.2f} ({task.metric}; references {', '.join(task.answers)})")
+        print(f"score    : {score:.2f} ({task.metric}: the share of the expected answers found in the answer)")
     else:
         print(f"question : {question}")
         print(f"answer   : {result.answer!r}")
+        if expected:
+            print(f"expected : {', '.join(expected)}")
+            score = metrics.string_match("string_match_all", result.answer, expected)
+            print(f"score    : {score:.2f} (string_match_all: the share of the expected answers found in the answer)")
     print(run_summary(result, per_layer=args.per_layer))
     return 0
 
@@ -505,27 +624,47 @@ def _depth(text: str) -> float:
 _positive = _positive_int("a token count")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvzoo.bench.runner import DTYPES, PRESETS
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvzoo`` parser. ``commands``: the subcommands to give their options (default: all); the others get their
+    name and help line only -- ``main`` builds the one it runs, so ``kvzoo --help`` loads nothing heavy."""
+    from kvzoo.bench.planner import DTYPES, PRESETS
     from kvzoo.bench.tasks import TASKS
     from kvzoo.haystacks import ALL_HAYSTACKS
-    from kvzoo.pipeline import QUESTION_POSITIONS
 
+    full = set(COMMANDS) if commands is None else set(commands)
     parser = argparse.ArgumentParser(prog="kvzoo", description="KV-cache policies on one tiered-cache runtime")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{list,run,leaderboard,plot}")
+    parser.add_argument("--version", action="version", version=f"kvzoo {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    builders = {
+        "list": lambda: _add_list(sub),
+        "run": lambda: _add_run(sub, TASKS, ALL_HAYSTACKS),
+        "leaderboard": lambda: _add_leaderboard(sub, PRESETS, TASKS, ALL_HAYSTACKS, DTYPES),
+        "plot": lambda: _add_plot(sub),
+    }
+    for name, text in COMMANDS.items():
+        if name in full:
+            builders[name]()
+        else:  # named only: its options are not built (main builds the parser of the command it runs)
+            sub.add_parser(name, help=text)
+    return parser
 
-    p_list = sub.add_parser("list", help="the registered policies")
+
+def _add_list(sub: Any) -> None:
+    p_list = sub.add_parser("list", help=COMMANDS["list"])
     p_list.add_argument("--verbose", "-v", action="store_true", help="also parameters and where each comes from")
     p_list.set_defaults(func=cmd_list)
 
-    p_run = sub.add_parser("run", help="one policy on one prompt or task (default: a needle in a generated context)")
+
+def _add_run(sub: Any, tasks: Iterable[str], haystacks: Iterable[str]) -> None:
+    tasks, haystacks = list(tasks), list(haystacks)
+    p_run = sub.add_parser("run", help=COMMANDS["run"])
     p_run.add_argument("--policy", default="full", help="registered name (see `kvzoo list`)")
     p_run.add_argument("--ratio", type=float, help="keep 1/ratio of the rows")
     p_run.add_argument("--budget", type=int, help="keep this many rows per layer and KV group")
     p_run.add_argument("--param", action="append", metavar="KEY=VALUE", help="any other policy parameter")
     p_run.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
-    p_run.add_argument("--task", choices=TASKS, help="a RULER-style task instead of the default needle")
-    p_run.add_argument("--haystack", choices=ALL_HAYSTACKS, help="haystack text of --task (default: the task's)")
+    p_run.add_argument("--task", choices=tasks, help="a RULER-style task instead of the default needle")
+    p_run.add_argument("--haystack", choices=haystacks, help="haystack text of --task (default: the task's)")
     p_run.add_argument("--seed", type=int, default=0, help="seed of --task")
     p_run.add_argument("--context-file", help="a text file to use as the context (needs --question)")
     p_run.add_argument("--question", help="the question asked about the context")
@@ -536,16 +675,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--chunk-size", type=_positive, default=None, help="prefill in chunks of this many tokens")
     p_run.add_argument("--per-layer", action="store_true",
                        help="print the per-layer table even when every layer holds the same rows")
+    p_run.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (by default stderr shows the phase: prefill chunk k/n, compress, decode t/T)")
     p_run.set_defaults(func=cmd_run)
 
+
+def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], haystacks: Iterable[str],
+                     dtypes: Iterable[str]) -> None:
+    presets, tasks, haystacks, dtypes = list(presets), list(tasks), list(haystacks), list(dtypes)
     p_lb = sub.add_parser(
         "leaderboard",
-        help="run a grid (model x policy x ratio x task x question position); print the table, write plots",
+        help=COMMANDS["leaderboard"],
         description="Runs a preset grid, with any option below replacing the preset's value. Results go to "
         "a JSONL file (one row per trial); rerunning the same command resumes where it stopped.",
     )
-    p_lb.add_argument("--preset", choices=list(PRESETS), default="demo",
-                      help="demo: 2k-token single needle, 3 depths, 4x/8x, question after (the `make demo` grid); "
+    p_lb.add_argument("--preset", choices=presets, default="demo",
+                      help="demo: 2k-token single needle, depths 0.25 and 0.75, 4x/8x, question after (the `make demo` grid); "
                       "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); tiny: a tiny random model")
     p_lb.add_argument("--model", dest="models", action="append", metavar="MODEL", help=MODEL_HELP + " (repeatable)")
     p_lb.add_argument("--policies", nargs="+", metavar="NAME",
@@ -553,9 +698,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "kvpress:KeyDiffPress (any kvpress ScorerPress, where kvpress is installed) "
                            "(default: every registered policy)")
     p_lb.add_argument("--ratios", nargs="+", type=_ratio, metavar="R", help="compression ratios (keep 1/R of the rows)")
-    p_lb.add_argument("--tasks", nargs="+", choices=TASKS, metavar="TASK", help=f"tasks: {', '.join(TASKS)}")
-    p_lb.add_argument("--haystacks", nargs="+", choices=ALL_HAYSTACKS, metavar="KIND",
-                      help=f"haystacks: {', '.join(ALL_HAYSTACKS)} (default: each task's own)")
+    p_lb.add_argument("--tasks", nargs="+", choices=tasks, metavar="TASK", help=f"tasks: {', '.join(tasks)}")
+    p_lb.add_argument("--haystacks", nargs="+", choices=haystacks, metavar="KIND",
+                      help=f"haystacks: {', '.join(haystacks)} (default: each task's own)")
     p_lb.add_argument("--context-tokens", nargs="+", type=_positive, metavar="N", help="context lengths in tokens")
     p_lb.add_argument("--depths", nargs="+", type=_depth, metavar="D", help="needle depths in [0, 1]")
     p_lb.add_argument("--seeds", nargs="+", type=int, metavar="S", help="task seeds")
@@ -565,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_lb.add_argument("--chunk-size", type=_positive, help="prefill in chunks of this many tokens")
     p_lb.add_argument("--continuation-tokens", type=_positive_int("--continuation-tokens", 0, " (0: no ΔCE)"),
                       help="held-out continuation length for ΔCE (default 64; 0: none, no ΔCE)")
-    p_lb.add_argument("--dtype", choices=list(DTYPES), help="model dtype (default float32)")
+    p_lb.add_argument("--dtype", choices=dtypes, help="model dtype (default float32)")
     p_lb.add_argument("--audit", action="store_true", help="count the retrieval tier's bound violations (slow)")
     p_lb.add_argument("--out", help="results JSONL (default results/<preset>.jsonl)")
     p_lb.add_argument("--plot-dir", help="where the PNGs go (default: beside the results file)")
@@ -575,21 +720,32 @@ def build_parser() -> argparse.ArgumentParser:
     p_lb.add_argument("--force", action="store_true",
                       help="append to --out even when it exists and is not a kvzoo results file")
     p_lb.add_argument("--no-plots", action="store_true", help="do not write the PNGs")
-    p_lb.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_lb.add_argument("--no-progress", action="store_true",
+                      help="no progress bars (by default stderr shows trials done and, below, the running trial's "
+                      "phase: prefill chunk k/n, compress, decode t/T)")
     _add_executor_arguments(p_lb)
     p_lb.set_defaults(func=cmd_leaderboard)
 
-    p_plot = sub.add_parser("plot", help="needle heatmap (depth x context length, per policy) and score-vs-ratio curves")
+
+def _add_plot(sub: Any) -> None:
+    p_plot = sub.add_parser("plot", help=COMMANDS["plot"])
     p_plot.add_argument("results", help="a results JSONL written by `kvzoo leaderboard`")
     p_plot.add_argument("--out-dir", help="where the PNGs go (default: beside the results file)")
     p_plot.add_argument("--position", choices=list(QUESTION_POSITIONS), default="after")
     p_plot.add_argument("--model", help="only this model's rows")
     p_plot.set_defaults(func=cmd_plot)
-    return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), if it is one."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_of(argv)
+    args = build_parser([command] if command else []).parse_args(argv)
     if getattr(args, "command", None) in ("run", "leaderboard"):  # the commands that run models say what they run with
         print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
     return args.func(args)

@@ -1,43 +1,70 @@
-"""``python -m kvzoo.demo`` (``make demo``): the small leaderboard on SmolLM2-135M-Instruct.
+"""``python -m kvzoo.demo`` (``make demo``): the main job -- every policy on a needle, on SmolLM2-135M-Instruct.
 
-Every registered policy (found in the registry at run time, plugins included) at ratios 4 and 8 on
-RULER's single needle hidden in 2,000 tokens of essay-like text at depths 25 %, 50 % and 75 %; the
-question is shown only after the cache has been compressed. Prints the leaderboard (string-match
-score, KV bytes read per decode step), the detail table (needle intact rate, ΔNLL, ΔCE, memory,
-time) and writes the needle heatmap and score-vs-ratio curves under ``results/``.
+Every registered policy (found in the registry at run time, plugins included) at ratios 4 and 8 on RULER's single
+needle hidden in 2,000 tokens of essay-like text at depths 25 % and 75 %; the question is asked only after
+the cache has been compressed. It shows which policy keeps the needle at which ratio (the score of the greedy
+answer, and whether the answer's teacher-forced NLL stays within 1 nat of ``full``'s) and what each one reads for it
+(KV-path bytes per generated token). The trials of one depth share what they can: one ``full`` reference, and one
+dense prefill for every policy that would compute the same prefill (``full``, ``snapkv``, ``chunkkv``).
 
-Results go to ``results/demo.jsonl``, written afresh on every run (a policy's code may have changed
-since the last one); ``python -m kvzoo.demo --resume`` continues an interrupted demo instead. Other
-options go to ``kvzoo leaderboard`` (e.g. ``--policies full vestige``). ``make leaderboard`` runs the
-larger grid. About 5 minutes on 2 idle CPU cores (8 when the machine is shared); h2o's prefill is
-the slowest.
+Prints the leaderboard and the detail table, writes the needle heatmap, the score-vs-ratio curves and the
+quality-cost frontier under ``results/``, the rows to ``results/demo.jsonl`` (afresh on every run: a policy's code
+may have changed since the last one; ``--resume`` continues an interrupted demo instead) and a run record,
+``results/demo.run.json`` (wall time, load average, machine), that ``benchmarks/render_results.py`` reads. How long
+it takes is measured there, and published on docs/results.md. Other options go to ``kvzoo leaderboard`` (e.g.
+``--policies full vestige``); ``make leaderboard`` runs the larger grid.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 import sys
 import time
+from pathlib import Path
 
 __all__ = ["main"]
+
+RESULTS = Path("results") / "demo.jsonl"
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
     from kvzoo.cli import main as kvzoo_main
 
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), _load_average()
+    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(
-        "kvzoo demo: the leaderboard's small grid on SmolLM2-135M-Instruct (fp32, CPU) -- every registered "
-        "policy at 4x and 8x, RULER single needle in 2k tokens of essay text at depths 25/50/75 %, "
-        "question after compression",
+        "kvzoo demo: every registered policy at 4x and 8x on SmolLM2-135M-Instruct (fp32, CPU) -- a needle in 2k "
+        "tokens of essay text at depths 25 and 75 %, the question asked after compression",
         flush=True,
     )
     args = list(argv if argv is not None else sys.argv[1:])
+    given = list(args)
     if "--resume" in args:
         args.remove("--resume")
     elif "--fresh" not in args:
         args.append("--fresh")
     code = kvzoo_main(["leaderboard", "--preset", "demo", *args])
-    print(f"demo wall time: {time.perf_counter() - started:.0f} s")
+    wall = time.perf_counter() - started
+    print(f"demo wall time: {wall:.0f} s")
+    out = Path(args[args.index("--out") + 1]) if "--out" in args else RESULTS
+    if out.parent.is_dir():
+        record = {
+            "command": " ".join(["python -m kvzoo.demo", *given]),
+            "wall_s": wall, "started_at": started_at, "exit_code": code,
+            "load_average_start": load_start, "load_average_end": _load_average(),
+            "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+        }
+        out.with_name(out.stem + ".run.json").write_text(json.dumps(record, indent=1) + "\n")
     return code
 
 

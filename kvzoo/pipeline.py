@@ -19,15 +19,22 @@ Prompts: with a tokenizer that has a chat template, context and question go into
 (``context + "\\n\\n" + question``); the rendered prompt is split where the question starts, and
 the two halves are tokenized separately (both the full and the compressed runs use the same ids).
 Without a chat template, or given token ids, the context and question are used as they are.
+
+Progress: inside ``with reporting(Progress("my run")):`` the steps report where they are (prefill chunk k/n and
+the layer within it, compress, decode t/T, teacher-forced t/T) to a tqdm bar on stderr; ``generate``, ``score`` and
+``delta_ce`` take ``progress=True`` to do that themselves. Off by default: a library call prints nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import numbers
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +77,111 @@ class ScoreResult:
     @property
     def mean_nll(self) -> float:
         return self.nll / max(1, self.answer_tokens)
+
+
+# --- progress ------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Where a run is, phase by phase, on a tqdm bar (stderr): ``phase("decode", total=24)`` then ``advance()``.
+
+    The steps below report to the one set by :func:`reporting` (a context variable: other threads and contexts are
+    not affected); without one they report nothing. ``label`` leads the bar's text (e.g. the trial); ``position``
+    and ``leave`` are tqdm's (a bar under another one: ``position=1, leave=False``); ``disable=None`` (default) shows
+    it only when ``file`` (stderr) is a terminal, so logs and pipes do not fill with redrawn lines.
+    """
+
+    def __init__(self, label: str = "", *, position: int | None = None, leave: bool = False,
+                 disable: bool | None = None, file: Any = None) -> None:
+        from tqdm.auto import tqdm
+
+        self.label = label
+        self.bar = tqdm(total=None, desc=label, position=position, leave=leave, disable=disable,
+                        file=file if file is not None else sys.stderr, dynamic_ncols=True, bar_format=self.PLAIN)
+
+    PLAIN = "{desc} [{elapsed}]"  # a phase without steps to count (compress)
+    COUNTED = "{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}]"
+
+    def phase(self, name: str, total: int | None = None, unit: str = "steps") -> None:
+        """A new phase: ``name`` (e.g. ``"prefill chunk 2/4"``), counting ``total`` ``unit`` from 0."""
+        self.bar.reset()
+        self.bar.total = total  # reset(total=None) would keep the last phase's
+        self.bar.unit = unit
+        self.bar.bar_format = self.PLAIN if total is None else self.COUNTED
+        self.bar.set_description_str(f"{self.label} | {name}" if self.label else name, refresh=True)
+
+    def advance(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def relabel(self, label: str) -> None:
+        self.label = label
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+_PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("kvzoo_progress", default=None)
+
+
+@contextlib.contextmanager
+def reporting(progress: Progress | None) -> Iterator[Progress | None]:
+    """The pipeline's steps inside this block report to ``progress`` (None: to nothing)."""
+    token = _PROGRESS.set(progress)
+    try:
+        yield progress
+    finally:
+        _PROGRESS.reset(token)
+
+
+@contextlib.contextmanager
+def _own_progress(enabled: bool, label: str) -> Iterator[None]:
+    """A bar of a function's own (``progress=True``) unless a caller's :func:`reporting` is already in effect."""
+    if not enabled or _PROGRESS.get() is not None:
+        yield
+        return
+    progress = Progress(label)
+    try:
+        with reporting(progress):
+            yield
+    finally:
+        progress.close()
+
+
+def _phase(name: str, total: int | None = None, unit: str = "steps") -> None:
+    progress = _PROGRESS.get()
+    if progress is not None:
+        progress.phase(name, total, unit)
+
+
+def _advance() -> None:
+    progress = _PROGRESS.get()
+    if progress is not None:
+        progress.advance()
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (the first ``layers`` ModuleList in it; none found: [])."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return list(layers)
+    return []
+
+
+@contextlib.contextmanager
+def _layer_ticks(model: torch.nn.Module) -> Iterator[int]:
+    """While a reporter is set, advance it after each decoder layer of a forward (a long prefill chunk shows it
+    moves); yields the layer count (0: nothing to tick, or no reporter)."""
+    if _PROGRESS.get() is None:
+        yield 0
+        return
+    layers = _decoder_layers(model)
+    handles = [layer.register_forward_hook(lambda *_: _advance()) for layer in layers]
+    try:
+        yield len(layers)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def build_prompt(tokenizer: Any, context: TokenInput, question: TokenInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,21 +252,27 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
 
 
 @torch.no_grad()
-def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None, *,
+            phase: str = "prefill") -> torch.Tensor:
     """Run ``ids [B, n]`` through the model into ``cache`` (in chunks if asked); the last position's logits ``[B, V]``.
 
-    Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd graph."""
+    Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd graph. ``phase`` names it to
+    the progress reporter (``"prefill chunk k/n"``, or e.g. ``"question chunk 1/1"``)."""
     step = chunk_size or ids.shape[1]
+    chunks = -(-ids.shape[1] // step) if ids.shape[1] else 0
     logits = None
-    for start in range(0, ids.shape[1], step):
-        out = model(input_ids=ids[:, start : start + step].to(model.device), **cache_kwargs(model, cache), use_cache=True,
-                    logits_to_keep=1)
-        logits = out.logits[:, -1]
+    with _layer_ticks(model) as layers:
+        for k, start in enumerate(range(0, ids.shape[1], step)):
+            _phase(f"{phase} chunk {k + 1}/{chunks}", layers or None, "layers")
+            out = model(input_ids=ids[:, start : start + step].to(model.device), **cache_kwargs(model, cache),
+                        use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1]
     return logits
 
 
 def compress(cache: TieredCache) -> None:
     """The context ended: the cache's ``context_end`` event (every policy compresses here)."""
+    _phase("compress")
     cache.compress()
 
 
@@ -210,9 +328,11 @@ def greedy_decode(
     ``stop(tokens)`` says so. The forward of the last token is not run (its logits would not be used)."""
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     tokens: list[int] = []
+    _phase("decode", max_new_tokens, "tokens")
     for _ in range(max_new_tokens):
         token = int(logits.argmax(-1))
         tokens.append(token)
+        _advance()
         if token in eos or len(tokens) == max_new_tokens or (stop is not None and stop(tokens)):
             break
         out = model(input_ids=torch.tensor([[token]], device=model.device), **cache_kwargs(model, cache), use_cache=True,
@@ -231,7 +351,7 @@ def check_teacher_forcing(mode: Any) -> str:
 @torch.no_grad()
 def teacher_forced_nll(
     model: torch.nn.Module, cache: Cache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor,
-    mode: str = "one_forward",
+    mode: str = "one_forward", *, phase: str = "teacher-forced",
 ) -> list[float]:
     """Per-token NLL (nats) of ``target [1, n]`` fed after ``lead [1, l]``, teacher-forced into ``cache``.
 
@@ -240,19 +360,23 @@ def teacher_forced_nll(
     target token but the last as its own decode step, ``n - 1`` forwards of one token -- the forwards greedy
     decoding would run had it produced ``target``, so a retriever reads the archive by its per-step rule, not by
     the multi-token rule. Either way, when ``lead`` is empty, ``last_logits`` (the logits the cache's last forward
-    produced) predict target token 0. The cache is advanced (run it on a fork to keep the original).
+    produced) predict target token 0. The cache is advanced (run it on a fork to keep the original). ``phase``
+    names the step to the progress reporter (e.g. ``"answer NLL"``).
     """
     mode = check_teacher_forcing(mode)
     n = target.shape[1]
     if mode == "decode":
-        logits = prefill(model, cache, lead) if lead.shape[1] else last_logits
+        logits = prefill(model, cache, lead, phase=f"{phase}: lead") if lead.shape[1] else last_logits
         steps = [logits.float()]
         ids = target.to(model.device)
+        _phase(f"{phase}, one decode step per token", n - 1, "tokens")
         for i in range(n - 1):
             out = model(input_ids=ids[:, i : i + 1], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             steps.append(out.logits[:, -1].float())
+            _advance()
         logits = torch.cat(steps, dim=0)  # [n, V]: row i predicts target token i
     else:
+        _phase(f"{phase}, one forward")
         tail = torch.cat([lead, target], dim=1).to(model.device)
         if lead.shape[1]:
             logits = model(input_ids=tail, **cache_kwargs(model, cache), use_cache=True,
@@ -308,11 +432,13 @@ def continuation_nll(
     mode: str = "decode",
     scored: Sequence[int] | None = None,
     chunk_size: int | None = None,
+    progress: bool = False,
 ) -> ContinuationResult:
     """Prefill ``context`` under ``policy``, compress, then teacher-force ``continuation`` right after it
     (:func:`teacher_forced_nll`; ``mode="decode"``: one decode step per token). ``scored``: the positions of
     ``continuation`` whose NLL the cross-entropy averages (e.g. a recall task's answer tokens; default all).
-    Text needs ``tokenizer`` (the context as given, the continuation without special tokens)."""
+    Text needs ``tokenizer`` (the context as given, the continuation without special tokens). ``progress=True``
+    shows the phase on stderr."""
     mode = check_teacher_forcing(mode)
     if isinstance(context, str) or isinstance(continuation, str):
         if tokenizer is None:
@@ -331,9 +457,10 @@ def continuation_nll(
                          f"got {scored!r}")
     cache = TieredCache(model, policy, context_length=prefix.shape[1])
     try:
-        last_logits = prefill(model, cache, prefix.long(), chunk_size)
-        compress(cache)
-        token_nll = teacher_forced_nll(model, cache, prefix[:, :0], target.long(), last_logits, mode)
+        with _own_progress(progress, "kvzoo continuation"):
+            last_logits = prefill(model, cache, prefix.long(), chunk_size)
+            compress(cache)
+            token_nll = teacher_forced_nll(model, cache, prefix[:, :0], target.long(), last_logits, mode)
         stats = cache.stats()
     finally:
         cache.close()
@@ -353,7 +480,7 @@ def delta_ce(
     :func:`continuation_nll` minus ``full``'s, both in ``mode`` (default ``"decode"``, the VestigeKV paper's
     measure: each continuation token a decode step, so a retriever's per-step rule is what the CE sees).
     ``reference``: full's result from an earlier call (same context, continuation and options), reused.
-    ``options``: :func:`continuation_nll`'s (``tokenizer``, ``mode``, ``scored``, ``chunk_size``)."""
+    ``options``: :func:`continuation_nll`'s (``tokenizer``, ``mode``, ``scored``, ``chunk_size``, ``progress``)."""
     result = continuation_nll(model, context, continuation, policy, **options)
     if reference is None:
         reference = continuation_nll(model, context, continuation, "full", **options)
@@ -398,6 +525,7 @@ def generate(
     question_position: str = "after",
     chunk_size: int | None = None,
     audit: bool = False,
+    progress: bool = False,
 ) -> GenerationResult:
     """Prefill ``context``, compress it, then prefill ``question`` and decode greedily.
 
@@ -405,7 +533,8 @@ def generate(
     new token ids, ``cache.stats()`` and timings (``prefill_s`` context prefill, ``compress_s``
     the context-end event, ``question_s`` question prefill, ``decode_s`` the decode loop).
     ``chunk_size`` prefills in chunks (streaming prefill); ``audit=True`` makes the retrieval tier
-    score every archived row exactly too, to count bound violations and recall (slow).
+    score every archived row exactly too, to count bound violations and recall (slow). ``progress=True`` shows the
+    phase on stderr (prefill chunk k/n, compress, question, decode t/T).
     """
     _check(question_position, chunk_size)
     prefix, rest = build_prompt(tokenizer, context, question)
@@ -418,17 +547,18 @@ def generate(
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    logits = prefill(model, cache, prefix, chunk_size)
-    t1 = time.perf_counter()
-    compress(cache)
-    t2 = time.perf_counter()
-    if rest.shape[1]:
-        logits = prefill(model, cache, rest, chunk_size)
-    t3 = time.perf_counter()
-    eos = eos_ids(model, tokenizer)
-    new_tokens = greedy_decode(model, cache, logits, max_new_tokens, eos)
-    t4 = time.perf_counter()
+    with _own_progress(progress, "kvzoo generate"):
+        t0 = time.perf_counter()
+        logits = prefill(model, cache, prefix, chunk_size)
+        t1 = time.perf_counter()
+        compress(cache)
+        t2 = time.perf_counter()
+        if rest.shape[1]:
+            logits = prefill(model, cache, rest, chunk_size, phase="question")
+        t3 = time.perf_counter()
+        eos = eos_ids(model, tokenizer)
+        new_tokens = greedy_decode(model, cache, logits, max_new_tokens, eos)
+        t4 = time.perf_counter()
     timings.update(prefill_s=t1 - t0, compress_s=t2 - t1, question_s=t3 - t2, decode_s=t4 - t3)
     answer_ids = [t for t in new_tokens if t not in eos]
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True) if tokenizer is not None else ""
@@ -456,6 +586,7 @@ def score(
     chunk_size: int | None = None,
     audit: bool = False,
     mode: str = "one_forward",
+    progress: bool = False,
 ) -> ScoreResult:
     """Teacher-forced NLL (nats) of ``answer`` given the compressed context and the question.
 
@@ -463,7 +594,7 @@ def score(
     answer in one forward after the question; ``mode="decode"`` feeds the question in one forward and then each
     answer token as its own decode step, the forwards greedy decoding runs (:func:`teacher_forced_nll`) -- with a
     retriever the two differ: a multi-token forward reads the archive by the retriever's ``multi_token`` rule
-    (default ``"dense"``: all of it), a decode step by its per-step rule.
+    (default ``"dense"``: all of it), a decode step by its per-step rule. ``progress=True`` shows the phase on stderr.
     """
     check_teacher_forcing(mode)
     _check(question_position, chunk_size)
@@ -484,9 +615,10 @@ def score(
     if question_position == "before":
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
-    first_logits = prefill(model, cache, prefix, chunk_size)
-    compress(cache)
-    token_nll = teacher_forced_nll(model, cache, rest, answer_ids, first_logits, mode)
+    with _own_progress(progress, "kvzoo score"):
+        first_logits = prefill(model, cache, prefix, chunk_size)
+        compress(cache)
+        token_nll = teacher_forced_nll(model, cache, rest, answer_ids, first_logits, mode)
     n_ans = answer_ids.shape[1]
     return ScoreResult(
         nll=float(sum(token_nll)),

@@ -16,7 +16,6 @@ if os.environ.get("KVZOO_KVPRESS_TESTS") != "1":
 # tests/ray/ starts Ray clusters (a minute or two): `make test-ray` runs it after installing the ray extra.
 # It is collected only when named on the command line (pytest tests/ray); a plain `pytest` says it left it out.
 RAY_TESTS = pathlib.Path(__file__).parent / "ray"
-RAY_LEFT_OUT = pytest.StashKey[bool]()
 
 
 def _arg_paths(config: pytest.Config) -> list[pathlib.Path]:
@@ -34,14 +33,14 @@ def _asks_for_everything_under(config: pytest.Config, folder: pathlib.Path) -> b
 
 def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
     if collection_path == RAY_TESTS and not _names_ray_tests(config):
-        if _asks_for_everything_under(config, RAY_TESTS):
-            config.stash[RAY_LEFT_OUT] = True
         return True
     return None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    if config.stash.get(RAY_LEFT_OUT, False):
+    # decided from the arguments, not in pytest_ignore_collect: under pytest-xdist the workers collect, and this
+    # summary is the controller's
+    if not _names_ray_tests(config) and _asks_for_everything_under(config, RAY_TESTS):
         terminalreporter.write_line("NOT RUN: tests/ray (the Ray executor: a 2-worker cluster, a killed worker, an "
                                     "interrupted driver) -- `make test-ray` runs them", yellow=True, bold=True)
 

@@ -27,11 +27,29 @@ def clean_registry():
 
 def test_list_shows_every_registry_entry(capsys: pytest.CaptureFixture):
     assert main(["list"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
     names = list(registry.available())
     assert [line.split()[0] for line in lines] == names
     for line, (name, summary) in zip(lines, registry.available().items()):
         assert summary in line, name
+
+
+def test_list_describes_each_default_retriever_from_its_configuration(capsys: pytest.CaptureFixture):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    retrievers = {out[i - 1].split()[0]: line.strip() for i, line in enumerate(out) if line.strip().startswith("retriever:")}
+    assert set(retrievers) == {"quest", "vestige"}  # the two policies whose defaults retrieve
+    vestige = registry.build_retriever(registry.get("vestige", ratio=4).retriever)
+    # what runs by default: int8 keys on GQA rows, the sketch on MLA rows, top-j by the estimate
+    assert (vestige.index, vestige.rank_by) == ("auto", "estimate")
+    assert "int8 keys on GQA rows, the low-rank sketch on MLA rows" in retrievers["vestige"]
+    assert f"top-{vestige.j} rows per query head, ranked by the bound's estimate" in retrievers["vestige"]
+    assert "certified" not in retrievers["vestige"]
+    # a configuration says what it is: the certified mode, by the bound
+    from kvzoo.cli import describe_retriever
+
+    certified = registry.build_retriever("vestige", certified=True, tau=4.0, index="sketch")
+    assert "index 'sketch'" in describe_retriever(certified) and "within tau=4.0" in describe_retriever(certified)
 
 
 def test_list_verbose_shows_parameters(capsys: pytest.CaptureFixture):
@@ -60,6 +78,9 @@ def test_installed_command_runs_from_any_directory(tmp_path: Path):
         (["leaderboard", "--positions", "during"], "choose from after, before"),
         (["leaderboard", "--preset", "huge"], "choose from demo, leaderboard, tiny"),
         (["run", "--policy", "snapkvv"], "Available policies: full, streaming_llm"),
+        # a library error in the command line's words: the flag, not the Python keyword
+        (["run", "--policy", "snapkv", "--model", "tiny-llama"], "needs a budget: pass --ratio (e.g. --ratio 4 keeps"),
+        (["run", "--policy", "snapkv", "--ratio", "4", "--budget", "8"], "give either --ratio or --budget, not both"),
         (["run", "--policy", "snapkv", "--ratio", "4", "--model", "gpt-5"], "valid names are smollm2-135m"),
         (["run", "--task", "niah_single", "--haystack", "poetry"], "choose from noise, book, essay"),
         (["plot", "no/such/results.jsonl"], "no results file 'no/such/results.jsonl'"),
@@ -92,6 +113,8 @@ def test_run_keeps_its_default_needle_and_options(capsys: pytest.CaptureFixture)
     assert code == 0
     out = capsys.readouterr().out
     assert "question : What is the special magic number for Lisbon?" in out
+    assert "expected : 7381924" in out  # the default needle's answer, and the answer scored against it
+    assert any(line.startswith("score    : ") and "string_match_all" in line for line in out.splitlines())
     assert "question before compression" in out
     # one summary: every layer holds its rows alike, so no per-layer table
     assert "layers   : all 3 hold their rows alike (--per-layer prints the table)" in out
@@ -107,7 +130,7 @@ def test_run_prints_one_summary_and_the_layer_table_on_request(capsys: pytest.Ca
             "--max-new-tokens", "3"]
     assert main(args) == 0
     summary = _summary_lines(capsys.readouterr().out)
-    assert list(summary) == ["policy", "context", "question", "answer", "time", "rows", "fetched", "KV bytes",
+    assert list(summary) == ["policy", "context", "question", "answer", "expected", "score", "time", "rows", "fetched", "KV bytes",
                              "counters", "layers"]
     assert "e+" not in "".join(summary.values())  # counts and MiB, never raw floats
     assert summary["time"].startswith("prefill ") and "decode steps" in summary["time"]
@@ -184,13 +207,21 @@ def test_leaderboard_prints_the_table_and_writes_plots_then_plot_redraws(tmp_pat
     assert len(results.read_text().splitlines()) == 4
 
 
-def test_demo_runs_the_demo_preset_afresh_unless_resuming(monkeypatch: pytest.MonkeyPatch):
+def test_demo_runs_the_demo_preset_afresh_unless_resuming(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    import json
+
     import kvzoo.cli
     import kvzoo.demo
 
+    monkeypatch.chdir(tmp_path)
     seen: list[list[str]] = []
     monkeypatch.setattr(kvzoo.cli, "main", lambda argv: seen.append(argv) or 0)
     assert kvzoo.demo.main([]) == 0
+    assert not (tmp_path / "results").exists()  # no leaderboard ran, so no results folder and no run record
+    (tmp_path / "results").mkdir()
     assert kvzoo.demo.main(["--resume", "--policies", "full"]) == 0
     assert seen == [["leaderboard", "--preset", "demo", "--fresh"],
                     ["leaderboard", "--preset", "demo", "--policies", "full"]]
+    record = json.loads((tmp_path / "results" / "demo.run.json").read_text())  # what the results page reads
+    assert record["command"] == "python -m kvzoo.demo --resume --policies full"
+    assert record["wall_s"] >= 0 and record["exit_code"] == 0 and record["cpu_count"] >= 1

@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 PAGES = ("README.md", "architecture.md", "row-life.md", "runtime-and-kernels.md", "fidelity.md", "evaluation.md",
-         "environment.md")
+         "environment.md", "cli.md", "results.md", "extending.md", "kvpress.md", "scaling.md")
 
 
 def _anchor(heading: str) -> str:

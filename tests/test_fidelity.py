@@ -30,30 +30,39 @@ _LOAD_AND_PRINT = """
 import json, sys, torch
 from kvzoo import pipeline
 from kvzoo.models import load_model
-name = sys.argv[1]
-model, _ = load_model(name.removesuffix("-s0"))
-record = json.load(open(sys.argv[2]))
-ex = record["examples"][0]
-ids = torch.tensor([ex["context"] + ex["question"]])
-with torch.no_grad():
-    logits = model(input_ids=ids).logits[0, -1]
-answers = [pipeline.generate(model, None, e["context"], e["question"], "full", max_new_tokens=1).token_ids[0]
-           for e in record["examples"]]
-print(json.dumps({"logits": logits.tolist(), "answers": answers}))
+out = {}
+for name, record_path in zip(sys.argv[1::2], sys.argv[2::2]):
+    model, _ = load_model(name.removesuffix("-s0"))
+    record = json.load(open(record_path))
+    ex = record["examples"][0]
+    ids = torch.tensor([ex["context"] + ex["question"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1]
+    answers = [pipeline.generate(model, None, e["context"], e["question"], "full", max_new_tokens=1).token_ids[0]
+               for e in record["examples"]]
+    out[name] = {"logits": logits.tolist(), "answers": answers}
+print(json.dumps(out))
 """
 
 
-def _fresh_process_run(name: str) -> dict:
-    record = CHECKPOINT_DIR / name / "training_record.json"
-    out = subprocess.run([sys.executable, "-c", _LOAD_AND_PRINT, name, str(record)], capture_output=True, text=True,
-                         check=True)
+def _fresh_process_run(names: list[str]) -> dict:
+    """Every checkpoint of ``names`` loaded (each from its files) in one new Python process: name -> logits, answers."""
+    args = [str(a) for name in names for a in (name, CHECKPOINT_DIR / name / "training_record.json")]
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_PRINT, *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def two_fresh_processes() -> tuple[dict, dict]:
+    """Two new processes, each loading every shipped checkpoint (two processes, not two per checkpoint: a process
+    start imports torch and transformers, most of what this costs)."""
+    return _fresh_process_run(SHIPPED), _fresh_process_run(SHIPPED)
+
+
 @pytest.mark.parametrize("name", SHIPPED)
-def test_checkpoint_reloads_identically_in_two_fresh_processes(name):
+def test_checkpoint_reloads_identically_in_two_fresh_processes(name, two_fresh_processes):
     record = json.loads((CHECKPOINT_DIR / name / "training_record.json").read_text())
-    first, second = _fresh_process_run(name), _fresh_process_run(name)
+    first, second = (run[name] for run in two_fresh_processes)
     # two processes agree to rounding (bit for bit is not promised: BLAS may round another way under other threads)
     torch.testing.assert_close(torch.tensor(first["logits"]), torch.tensor(second["logits"]), rtol=1e-5, atol=1e-5)
     assert first["answers"] == second["answers"] == [ex["model_answer"] for ex in record["examples"]]

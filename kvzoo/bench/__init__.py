@@ -5,18 +5,59 @@
     print(render(rows))
 
 Modules: ``tasks`` (the six RULER tasks, sized in tokens),
-``metrics`` (one function per metric), ``runner`` (trials, the grid, the resumable JSONL file),
-``executors`` (where trials run: in this process, or ``ray_executor`` on a Ray cluster),
-``report`` (markdown tables), ``plots`` (PNG heatmap and curves). ``benchmarks/README.md``
-documents the results format and the tables. The haystack text the tasks hide needles in is
-:mod:`kvzoo.haystacks` (shared with the reference twins, below both).
+``metrics`` (one function per metric), ``planner`` (the grid, its presets, the plan of trials), ``trial`` (one
+trial's measurements), ``runner`` (loading models, the resumable JSONL file), ``executors`` (where trials run: in
+this process, or ``ray_executor`` on a Ray cluster), ``report`` (markdown tables), ``plots`` (PNG heatmap, curves
+and the quality-cost frontier). ``benchmarks/README.md`` documents the results format and the tables. The haystack
+text the tasks hide needles in is :mod:`kvzoo.haystacks` (shared with the reference twins, below both).
+
+The names below are imported on first use (PEP 562): importing ``kvzoo.bench.executors`` or ``kvzoo.bench.tasks``
+(the ``kvzoo`` command's ``--help`` and ``list`` do) must not import torch and transformers through this package.
 """
 
-from kvzoo.bench.report import detail_table, leaderboard_table, render
-from kvzoo.bench.runner import PRESETS, Grid, needle_grid, read_results, run_grid, run_trial
-from kvzoo.bench.tasks import TASKS, ByteTokenizer, Task, TaskSpec, make_task
+from __future__ import annotations
 
-__all__ = [
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "detail_table": "kvzoo.bench.report",
+    "leaderboard_table": "kvzoo.bench.report",
+    "render": "kvzoo.bench.report",
+    "PRESETS": "kvzoo.bench.planner",
+    "Grid": "kvzoo.bench.planner",
+    "needle_grid": "kvzoo.bench.planner",
+    "read_results": "kvzoo.bench.results",
+    "run_grid": "kvzoo.bench.runner",
+    "run_trial": "kvzoo.bench.trial",
+    "TASKS": "kvzoo.bench.tasks",
+    "ByteTokenizer": "kvzoo.bench.tasks",
+    "Task": "kvzoo.bench.tasks",
+    "TaskSpec": "kvzoo.bench.tasks",
+    "make_task": "kvzoo.bench.tasks",
+}
+
+__all__ = [  # the names of _LAZY, written out (static analysers read a literal list)
     "PRESETS", "TASKS", "ByteTokenizer", "Grid", "Task", "TaskSpec", "detail_table", "leaderboard_table",
     "make_task", "needle_grid", "read_results", "render", "run_grid", "run_trial",
 ]
+
+if TYPE_CHECKING:
+    from kvzoo.bench.planner import PRESETS, Grid, needle_grid
+    from kvzoo.bench.report import detail_table, leaderboard_table, render
+    from kvzoo.bench.results import read_results
+    from kvzoo.bench.runner import run_grid
+    from kvzoo.bench.tasks import TASKS, ByteTokenizer, Task, TaskSpec, make_task
+    from kvzoo.bench.trial import run_trial
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kvzoo.bench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -14,15 +14,23 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvzoo.bench.executors import TrialGroup
 from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.tasks import TaskSpec
-from kvzoo.framework.policy import Policy
-from kvzoo.pipeline import QUESTION_POSITIONS
+
+if TYPE_CHECKING:
+    from kvzoo.framework.policy import Policy
+
+# This module imports neither torch nor transformers (the `kvzoo` command builds its --help from it): the dtypes are
+# names (torch's attribute names), the question positions are kvzoo.pipeline's, checked when a grid is made.
+
+
+# Configured variants that the leaderboard runs beside every registered policy (grid.policies=None): Quest's
+# other reference rule (its kernels' page count; the default `quest` is its evaluation code's), and kvzoo's
+# per-KV-group Quest, so that the equal-bytes comparison with the reference's per-head rule shows.
+DEFAULT_VARIANTS: tuple[str, ...] = ("quest(rule=kernel)", "quest(gqa=group)")
 
 
 @dataclass
@@ -31,6 +39,8 @@ class Grid:
 
     ``max_new_tokens=None`` uses each task's own (:data:`kvzoo.bench.tasks.MAX_NEW_TOKENS`).
     ``audit=True`` asks the retrieval tier to count bound violations (slow; see ``TieredCache``).
+    ``variants``: configured policies (specs such as ``quest(gqa=group)``) that join every registered policy when
+    ``policies`` is None (default :data:`DEFAULT_VARIANTS`; the ``demo`` preset runs none).
     """
 
     models: Sequence[str] = ("smollm2-135m",)
@@ -43,8 +53,12 @@ class Grid:
     continuation_tokens: int = 64
     audit: bool = False
     dtype: str = "float32"
+    # configured variants run beside every registered policy when ``policies`` is None
+    variants: Sequence[str] = DEFAULT_VARIANTS
 
     def __post_init__(self) -> None:
+        from kvzoo.pipeline import QUESTION_POSITIONS
+
         for position in self.positions:
             if position not in QUESTION_POSITIONS:
                 raise ValueError(f"question position {position!r} is not one of {QUESTION_POSITIONS}")
@@ -64,6 +78,8 @@ class Grid:
         if not _is_int(self.continuation_tokens, 0):
             raise ValueError("continuation_tokens must be an int >= 0 (0: no held-out continuation, no ΔCE), "
                              f"got {self.continuation_tokens!r}")
+        if isinstance(self.variants, str) or not all(isinstance(v, str) for v in self.variants):
+            raise ValueError(f"variants must be a list of policy specs such as 'quest(gqa=group)', got {self.variants!r}")
         self.ratios = tuple(float(r) for r in self.ratios)
 
     def settings(self) -> dict[str, Any]:
@@ -77,7 +93,7 @@ class Grid:
                 "teacher_forcing": TEACHER_FORCING}
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # model dtypes a grid may ask for: torch.<name>
 # The answer's NLL and the continuation's CE are teacher-forced one decode step per token (what greedy decoding
 # runs: a retriever's per-step rule is what they see); the one-forward figures are kept beside them (*_one_forward)
 TEACHER_FORCING = "decode"
@@ -108,10 +124,12 @@ def needle_grid(
 
 
 PRESETS: dict[str, Callable[[], Grid]] = {
-    # `make demo`: every registered policy, one needle in 2k tokens of essay text at 3 depths, 4x and 8x; a 32-token
-    # held-out continuation (each token one decode step for ΔCE: the demo's budget)
-    "demo": lambda: needle_grid(depths=(0.25, 0.5, 0.75), ratios=(4, 8), positions=("after",),
-                                continuation_tokens=32),
+    # `make demo`, the main job, in minutes on 2 CPU cores: every registered policy at 4x and 8x on one needle in 2k
+    # tokens of essay text at 2 depths, question after compression -- which policy keeps the needle at which ratio
+    # (score, intact rate) and what it reads (KV bytes per token). No held-out continuation (ΔCE: `make leaderboard`):
+    # its decode steps were half a trial's time.
+    "demo": lambda: needle_grid(depths=(0.25, 0.75), ratios=(4, 8), positions=("after",),
+                                continuation_tokens=0, variants=()),
     # `make leaderboard`: every RULER task at 2k tokens, the single needle also at 1k and on every haystack,
     # ratios 2-8, question after and before compression (650 trials; with the decode-mode ΔCE several hours on 2
     # CPU cores: see the README's leaderboard section, or run it on Ray)
@@ -164,11 +182,6 @@ class Trial:
 
 
 
-# Configured variants that the leaderboard runs beside every registered policy (grid.policies=None): Quest's
-# other reference rule (its kernels' page count; the default `quest` is its evaluation code's), and kvzoo's
-# per-KV-group Quest, so that the equal-bytes comparison with the reference's per-head rule shows.
-DEFAULT_VARIANTS: tuple[str, ...] = ("quest(rule=kernel)", "quest(gqa=group)")
-
 
 def needs_ratio(name: str) -> bool:
     """Whether policy ``name`` (a name or a spec such as ``quest(gqa=group)``) takes a budget."""
@@ -185,7 +198,7 @@ def plan(grid: Grid) -> list[Trial]:
     if grid.policies is not None:
         names = list(grid.policies)
     else:
-        names = available + [v for v in DEFAULT_VARIANTS if registry.parse_spec(v)[0] in available]
+        names = available + [v for v in grid.variants if registry.parse_spec(v)[0] in available]
     unknown, unavailable = [], []
     for n in names:
         name = registry.parse_spec(n)[0]

@@ -1,8 +1,10 @@
-"""PNG figures from results rows: the needle heatmap (depth × context length) and score-vs-ratio curves.
+"""PNG figures from results rows: the needle heatmap (depth × context length), score-vs-ratio curves, and the
+quality-cost frontier (score and intact rate against the KV bytes read per generated token).
 
-Both read the runner's rows (successful trials with the question at ``position``), average the
-string-match score over everything else (seeds, tasks), and write with matplotlib's Agg backend
-(no display needed).
+All read the runner's rows (successful trials with the question at ``position``), average over everything else
+(seeds, tasks, depths), and write with matplotlib's Agg backend (no display needed). The ratio is a policy's
+nominal setting; the frontier puts each (policy, ratio) where its reads put it, so a retriever that reads twice an
+evictor's bytes at the same "4x" shows it.
 """
 
 from __future__ import annotations
@@ -172,11 +174,111 @@ def score_vs_ratio(rows: Sequence[dict[str, Any]], path: str | Path, *, position
     return path
 
 
+def frontier_points(rows: Sequence[dict[str, Any]], *, position: str = "after") -> dict[str, list[dict[str, Any]]]:
+    """Per policy, one point per ratio (the reference: one point): ``ratio``, ``mib_per_token`` (mean KV-path MiB read
+    per generated token), ``score`` and ``intact`` (means; None where no trial has it), ``trials``. Trials without
+    ``kv_bytes_per_token`` are left out."""
+    ok = [r for r in rows if r["status"] == "ok" and r["question_position"] == position
+          and r.get("kv_bytes_per_token") is not None]
+    points: dict[str, list[dict[str, Any]]] = {}
+    for policy in policy_order(ok):
+        mine = [r for r in ok if r["policy"] == policy]
+        for ratio in sorted({r.get("ratio") for r in mine}, key=lambda x: -1.0 if x is None else float(x)):
+            cell = [r for r in mine if r.get("ratio") == ratio]
+            points.setdefault(policy, []).append({
+                "ratio": ratio, "mib_per_token": _mean_of(cell, "kv_bytes_per_token") / 2**20,
+                "score": _mean_of(cell, "score"), "intact": _mean_of(cell, "intact"), "trials": len(cell)})
+    return points
+
+
+def _mean_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over the rows that have it (None: none has)."""
+    values = [float(r[key]) for r in rows if r.get(key) is not None]
+    return _mean(values) if values else None
+
+
+def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") -> Any:
+    """The quality-cost frontier: mean score (left) and needle intact rate (right) against the mean KV-path bytes
+    read per generated token (log scale), one marker per (policy, ratio), a policy's ratios joined and labelled;
+    the legend sits outside both panels, clear of the data."""
+    plt = _pyplot()
+    from matplotlib import ticker
+
+    points = frontier_points(rows, position=position)
+    if not points:
+        raise ValueError(f"no successful trials with the question {position} compression and KV bytes read to plot")
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.6), sharex=True, layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    handles = []
+    spread_any = False
+    for ax, key, label in ((axes[0], "score", "string-match score"),
+                           (axes[1], "intact", "needle intact rate (ΔNLL < 1 nat)")):
+        # policies that land on the same point (same bytes, same value: streaming_llm and h2o read alike) are
+        # offset vertically by up to TIE_SPREAD / 2, so that no marker hides another
+        ties: dict[tuple[float, float], list[str]] = {}
+        for policy, pts in points.items():
+            for p in pts:
+                if p[key] is not None:
+                    ties.setdefault((round(p["mib_per_token"], 2), round(p[key], 9)), []).append(policy)
+        for i, (policy, pts) in enumerate(points.items()):
+            pts = [p for p in pts if p[key] is not None]
+            if not pts:
+                continue
+            reference = all(p["ratio"] is None for p in pts)
+            markers = [m for m in MARKERS if m != "*"]  # the star is the reference's
+            style = {"marker": "*" if reference else markers[i % len(markers)], "color": "black" if reference
+                     else colors[i % len(colors)], "markersize": 11 if reference else 7, "markerfacecolor": "none",
+                     "linestyle": "none" if reference else "-", "linewidth": 1, "alpha": 0.9}
+            xs, ys = [p["mib_per_token"] for p in pts], []
+            for p in pts:
+                members = ties[(round(p["mib_per_token"], 2), round(p[key], 9))]
+                offset = 0.0
+                if len(members) > 1:
+                    step = min(0.02, TIE_SPREAD / (len(members) - 1))
+                    offset = (members.index(policy) - (len(members) - 1) / 2) * step
+                    spread_any = True
+                ys.append(p[key] + offset)
+            (line,) = ax.plot(xs, ys, label=policy if reference else f"{policy}", **style)
+            if key == "score":
+                handles.append(line)
+            for p, y in zip(pts, ys):
+                if p["ratio"] is not None:
+                    ax.annotate(f"{p['ratio']:g}x", (p["mib_per_token"], y), xytext=(4, 4),
+                                textcoords="offset points", fontsize=7, color=style["color"])
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_ylim(-0.08, 1.12)
+        ax.set_xlabel("KV bytes read per generated token (MiB, log scale)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, which="both")
+    title = "policy (ratio at each marker)" + (f"\nequal points offset ±{TIE_SPREAD / 2:g}" if spread_any else "")
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8, title=title, title_fontsize=8)
+    fig.suptitle(f"quality against what each step reads (question {position} compression; up and left is better)",
+                 fontsize=9)
+    return fig
+
+
+def frontier(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
+    """:func:`frontier_figure` as a PNG at ``path``."""
+    plt = _pyplot()
+    fig = frontier_figure(rows, position=position)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def write_plots(rows: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str = "", *,
                 position: str = "after") -> list[Path]:
-    """Both figures into ``out_dir`` (``{prefix}needle-heatmap.png``, ``{prefix}score-vs-ratio.png``); the paths written."""
+    """The figures into ``out_dir`` (``{prefix}needle-heatmap.png`` when there are needle trials,
+    ``{prefix}score-vs-ratio.png``, ``{prefix}frontier.png`` when rows count the KV bytes read); the paths written."""
     out_dir = Path(out_dir)
     written = [score_vs_ratio(rows, out_dir / f"{prefix}score-vs-ratio.png", position=position)]
     if any(r.get("depth") is not None and r["status"] == "ok" for r in rows):
         written.insert(0, needle_heatmap(rows, out_dir / f"{prefix}needle-heatmap.png", position=position))
+    if frontier_points(rows, position=position):
+        written.append(frontier(rows, out_dir / f"{prefix}frontier.png", position=position))
     return written

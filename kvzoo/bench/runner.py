@@ -126,9 +126,9 @@ def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
     check_model_name(name)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    model, tokenizer = load_model(name, DTYPES[dtype])
+    model, tokenizer = load_model(name, getattr(torch, dtype))
     loaded = next(model.parameters()).dtype
-    if loaded != DTYPES[dtype]:  # the row records the grid's dtype: it must be the one that ran
+    if loaded != getattr(torch, dtype):  # the row records the grid's dtype: it must be the one that ran
         raise ValueError(f"model {name!r} loaded as {str(loaded).removeprefix('torch.')}, not the {dtype} asked for")
     if tokenizer is None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
@@ -150,9 +150,10 @@ class TrialRunner:
     ``device``: where the model runs (None: where it loads, the CPU; a Ray worker holding a GPU: ``cuda``).
     """
 
-    def __init__(self, grid: Grid, device: str | None = None) -> None:
+    def __init__(self, grid: Grid, device: str | None = None, progress: Any = None) -> None:
         self.grid = grid
         self.device = device
+        self.progress = progress  # a kvzoo.pipeline.Progress showing each trial's phase (in the driver only)
         self.models: dict[str, tuple[torch.nn.Module, Any]] = {}
         self.tasks: dict[tuple[str, str], Task] = {}
         self.load_seconds = 0.0  # spent loading models so far (the executors keep it out of trial_seconds)
@@ -166,6 +167,8 @@ class TrialRunner:
         if name not in self.models:
             self.shared.clear()  # a prefill of the previous model
             self.models.clear()  # one model in memory at a time
+            if self.progress is not None:
+                self.progress.phase(f"loading {name}")
             started = time.perf_counter()
             model, tokenizer = load(name, self.grid.dtype)
             self.models[name] = (model.to(self.device) if self.device else model), tokenizer
@@ -180,7 +183,13 @@ class TrialRunner:
 
     def run(self, trial: Trial, reference: Reference | None) -> dict[str, Any]:
         """``trial``'s row (status ok, skipped or error), measured against ``reference`` (the full cache's figures)."""
-        return _execute(trial, self, reference)
+        if self.progress is None:
+            return _execute(trial, self, reference)
+        from kvzoo import pipeline
+
+        self.progress.relabel(trial.label)
+        with pipeline.reporting(self.progress):
+            return _execute(trial, self, reference)
 
 
 def _widest_window(grid: Grid) -> int:
@@ -347,6 +356,13 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
         disable=not progress, file=sys.stderr, dynamic_ncols=True,
     )
     running: dict[str, str] = {}  # trial key -> label, while a worker has it
+    # each trial's phase (prefill chunk k/n, compress, decode t/T, ...) on a second bar, when the trials run in this
+    # process (a Ray worker's phases stay in the worker): a long prefill no longer looks like a hang
+    phases = None
+    if progress and isinstance(executor, LocalExecutor):
+        from kvzoo import pipeline
+
+        phases = pipeline.Progress(position=1, leave=False)
 
     def started(trial: Trial, worker: str) -> None:
         running[trial.key] = trial.label
@@ -370,7 +386,7 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
 
     work = Work(
         groups=group_trials([t for t in trials if t.key not in done]),
-        make_runner=functools.partial(TrialRunner, grid),
+        make_runner=functools.partial(TrialRunner, grid, progress=phases),
         reference=functools.partial(reference_of, latest),
         failed_row=failed_row,
         label=lambda trial: trial.label,
@@ -379,5 +395,7 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
     try:
         executor.run(work, emit)
     finally:
+        if phases is not None:
+            phases.close()
         bar.close()
     return [latest[t.key] for t in trials if t.key in latest]

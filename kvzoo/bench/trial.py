@@ -101,7 +101,7 @@ class SharedPrefill:
             base = TieredCache(model, "full", context_length=prefix.shape[1], audit=audit,
                                record_window=self.record_window)
             started = time.perf_counter()
-            self.first_logits = pipeline.prefill(model, base, prefix, chunk_size)
+            self.first_logits = pipeline.prefill(model, base, prefix, chunk_size, phase="shared dense prefill")
             self.seconds = time.perf_counter() - started
             self.key, self.base = key, base
         if self.base.prefill_shared_with(policy) is not None:
@@ -220,13 +220,14 @@ def run_trial(
         m.compressed = cache.stats().totals
         with _phase(m, "score"):  # the reference answer, teacher-forced, on forks
             m.answer_nll, m.answer_nll_one_forward, m.answer_kv_bytes = _teacher_forced(
-                model, cache, ids.question, ids.answer, first_logits, m.compressed)
+                model, cache, ids.question, ids.answer, first_logits, m.compressed, "answer NLL")
         with _phase(m, "continuation"):  # the held-out continuation, on forks (question after compression only)
             if position == "after" and ids.continuation.shape[1]:
                 m.continuation_nll, m.continuation_nll_one_forward, _ = _teacher_forced(
-                    model, cache, ids.question[:, :0], ids.continuation, first_logits, m.compressed)
+                    model, cache, ids.question[:, :0], ids.continuation, first_logits, m.compressed, "continuation CE")
         with _phase(m, "question"):
-            logits = pipeline.prefill(model, cache, ids.question, chunk_size) if m.question_tokens else first_logits
+            logits = (pipeline.prefill(model, cache, ids.question, chunk_size, phase="question") if m.question_tokens
+                      else first_logits)
         eos = pipeline.eos_ids(model, tokenizer)
 
         def answered(tokens: list[int]) -> bool:  # the score cannot change once every answer appeared
@@ -289,14 +290,17 @@ def _prefill(m: TrialMeasurements, model: torch.nn.Module, prefix: torch.Tensor,
 
 
 def _teacher_forced(model: torch.nn.Module, cache: TieredCache, rest: torch.Tensor, target: torch.Tensor,
-                    first_logits: torch.Tensor, compressed: dict[str, Any]) -> tuple[list[float], list[float], int]:
+                    first_logits: torch.Tensor, compressed: dict[str, Any],
+                    what: str) -> tuple[list[float], list[float], int]:
     """``target``'s per-token NLLs after ``rest``, each on a fork of ``cache``: one decode step per token, and in
-    one forward; and the KV-path bytes the decode-step fork read since compression (``compressed``: its totals)."""
+    one forward; and the KV-path bytes the decode-step fork read since compression (``compressed``: its totals).
+    ``what`` names the phase to the progress reporter."""
     with cache.fork() as fork:
-        decode_steps = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, TEACHER_FORCING)
+        decode_steps = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, TEACHER_FORCING,
+                                                   phase=what)
         kv_bytes = fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
     with cache.fork() as fork:
-        one_forward = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, "one_forward")
+        one_forward = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, "one_forward", phase=what)
     return decode_steps, one_forward, kv_bytes
 
 

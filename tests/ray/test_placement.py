@@ -24,9 +24,21 @@ class Echo:  # the runner a worker holds: shipped by value
         return {"key": trial.key, "status": "ok"}
 
 
-def _work(*keys: str) -> Work:
+class SlowEcho(Echo):
+    """A runner whose trials take a second each: the grid outlasts a 2 s placement timeout on one worker (an Echo
+    grid can finish before it, and then no worker is ever given up -- once a worker's start-up became quick, when
+    importing kvzoo.bench stopped importing transformers, that race was lost on an idle machine)."""
+
+    def run(self, trial, reference):
+        import time
+
+        time.sleep(1.0)
+        return super().run(trial, reference)
+
+
+def _work(*keys: str, runner: type = Echo) -> Work:
     group = TrialGroup("g", "m", [_Trial(k) for k in keys], first_is_reference=True)
-    return Work(groups=[group], make_runner=Echo, reference=lambda trial: None,
+    return Work(groups=[group], make_runner=runner, reference=lambda trial: None,
                 failed_row=lambda trial, cause: {"key": trial.key, "status": "error", "error": cause})
 
 
@@ -70,7 +82,7 @@ def test_a_worker_the_cluster_cannot_place_times_out_naming_the_resource(ray_clu
 def test_workers_that_cannot_be_placed_are_given_up_and_the_others_finish_the_grid(ray_cluster, cpus_held, capsys):
     cpus_held(1)  # one CPU left: one of the two workers fits
     emitted: list[str] = []
-    RayExecutor(workers=2, placement_timeout=2).run(_work("ref", "a", "b"),
+    RayExecutor(workers=2, placement_timeout=2).run(_work("ref", "a", "b", runner=SlowEcho),
                                                     lambda trial, row, info: emitted.append(row["key"]))
     assert sorted(emitted) == ["a", "b", "ref"] and emitted[0] == "ref"  # every trial once, the reference first
     err = capsys.readouterr().err

@@ -1,0 +1,348 @@
+"""Render the results page (docs/results.md) and README.md's headline table from the committed results files.
+
+    python benchmarks/render_results.py           # rewrite docs/results.md, docs/frontier.png, README's headline block
+    python benchmarks/render_results.py --check   # write nothing; exit 1 naming what differs (tests/test_results_page.py)
+
+The tables are listed in ``docs/results/tables.toml``, in page order. Each names its results file under
+``docs/results/`` (JSONL rows, or a JSON list of rows), how to render it (``kind``), the command that produced it,
+and -- where the rows do not record them -- the date and the machine. A figure on the page is never typed: it is
+computed here from the file, so editing a figure means committing the rows that measured it. To publish a new run of
+``make demo``: ``cp results/demo.jsonl results/demo.run.json docs/results/`` and run this script.
+
+Kinds:
+
+* ``leaderboard``: rows of ``kvzoo leaderboard`` (``make demo``): the leaderboard and detail tables of
+  ``kvzoo.bench.report``; date and machine from the rows (``finished_at``, ``versions``), the wall time and load from
+  the run record ``<file stem>.run.json`` that ``python -m kvzoo.demo`` writes beside its rows. ``headline = true``
+  also renders README.md's one table (between its ``kvzoo:headline`` markers) and the quality-cost frontier PNG.
+* ``decode_step``: rows of ``benchmarks/decode_step.py --json``: time and bytes of one decode step per arm, and the
+  parts of a step when it ran with ``--profile``.
+* ``step_ops``: the JSON of ``benchmarks/step_ops.py --json``: ops one decode step launches, per cache.
+
+This script needs the standard library and kvzoo's report module only (no torch): CI renders the page in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvzoo.bench import report  # noqa: E402
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli is kvzoo's dependency there
+    import tomli as tomllib
+
+RESULTS = ROOT / "docs" / "results"
+MANIFEST = RESULTS / "tables.toml"
+PAGE = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
+FRONTIER = ROOT / "docs" / "frontier.png"
+HEADLINE_BEGIN = "<!-- kvzoo:headline begin: written by `python benchmarks/render_results.py` from docs/results/ -->"
+HEADLINE_END = "<!-- kvzoo:headline end -->"
+REQUIRED = ("id", "title", "file", "kind", "command")
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def read_manifest(path: Path = MANIFEST) -> list[dict[str, Any]]:
+    """The ``[[table]]`` entries of the manifest, checked: each names a results file that exists and a known kind."""
+    with path.open("rb") as fh:
+        tables = tomllib.load(fh).get("table", [])
+    if not tables:
+        raise ValueError(f"{path} lists no [[table]]")
+    for entry in tables:
+        missing = [key for key in REQUIRED if not entry.get(key)]
+        if missing:
+            raise ValueError(f"{path}: table {entry.get('id', '?')!r} needs {', '.join(missing)}")
+        if entry["kind"] not in KINDS:
+            raise ValueError(f"{path}: table {entry['id']!r} has kind {entry['kind']!r}; valid: {', '.join(KINDS)}")
+        if not (path.parent / entry["file"]).is_file():
+            raise ValueError(f"{path}: table {entry['id']!r} names {entry['file']}, which is not in {path.parent}")
+    if sum(bool(t.get("headline")) for t in tables) > 1:
+        raise ValueError(f"{path}: one table at most is the README's headline")
+    return tables
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (one object a line) or of a JSON file holding a list of objects."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        rows = json.loads(text)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a JSON results file holds a list of rows")
+        return rows
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def run_record(path: Path) -> dict[str, Any] | None:
+    """The run record written beside a results file (``demo.jsonl`` -> ``demo.run.json``), if any."""
+    record = path.with_name(path.stem + ".run.json")
+    return json.loads(record.read_text(encoding="utf-8")) if record.is_file() else None
+
+
+# --- the parts every table carries ---------------------------------------------------------------
+
+
+def _provenance(entry: dict[str, Any], date: str | None, machine: str | None, extra: str = "") -> str:
+    date = date or entry.get("date")
+    machine = machine or entry.get("machine")
+    if not date or not machine:
+        raise ValueError(f"table {entry['id']!r}: its rows do not record the {'date' if not date else 'machine'}; "
+                         "give it in docs/results/tables.toml")
+    lines = [f"Command: `{entry['command']}`  ", f"Date: {date}  ", f"Machine: {machine}" + ("  " if extra else "")]
+    if extra:
+        lines.append(extra)
+    return "\n".join(lines)
+
+
+def _leaderboard_provenance(rows: list[dict[str, Any]]) -> tuple[str | None, str | None]:
+    dates = sorted(r["finished_at"] for r in rows if r.get("finished_at"))
+    date = None
+    if dates:
+        first, last = dates[0][:10], dates[-1][:10]
+        date = first if first == last else f"{first} to {last}"
+    versions = next((r["versions"] for r in rows if r.get("versions")), None)
+    machine = None
+    if versions:
+        machine = (f"{versions.get('platform', '?')}, {versions.get('cpu_count', '?')} CPUs; "
+                   f"torch {versions.get('torch', '?')} ({versions.get('torch_threads', '?')} threads), transformers "
+                   f"{versions.get('transformers', '?')}, kvzoo {versions.get('kvzoo', '?')}")
+    return date, machine
+
+
+def _run_line(record: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
+    """The measured wall time, from the run record, or the trials' own times when there is none."""
+    trials = [r for r in rows if r.get("trial_seconds") is not None]
+    busy = sum(r["trial_seconds"] for r in trials)
+    load = sum(r.get("model_load_s") or 0 for r in rows)
+    if record is None:
+        return f"Trials: {len(rows)}, {busy:.0f} s of trials and {load:.0f} s of model loading (no run record)."
+    start, end = record.get("load_average_start"), record.get("load_average_end")
+    load_text = f"; load average {start:.1f} at the start, {end:.1f} at the end" if start is not None else ""
+    return (f"Wall time: **{record['wall_s']:.0f} s** for {len(rows)} trials (the whole command: start-up, model "
+            f"loading {load:.0f} s, trials {busy:.0f} s, plots){load_text}.")
+
+
+# --- kinds -------------------------------------------------------------------------------------
+
+
+def render_leaderboard(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    date, machine = _leaderboard_provenance(rows)
+    latest = list({r["key"]: r for r in rows}.values())  # the latest row of each trial, as the leaderboard reads
+    parts = [_provenance(entry, date, machine, _run_line(run_record(path), latest)), "", report.caption(latest), "",
+             report.leaderboard_table(latest), "", report.detail_table(latest)]
+    issues = report.problems(latest)
+    if issues:
+        parts += ["", "Skipped or failed:", *[f"- {line}" for line in issues]]
+    return "\n".join(parts)
+
+
+def headline_table(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    """README's table: per policy and ratio, the score, the needle intact rate and the KV bytes read per token."""
+    latest = [r for r in {r["key"]: r for r in rows}.values() if r["status"] == "ok"
+              and r["question_position"] == "after"]
+    ratios = report.ratio_order(latest)
+    columns = ["policy"] + [f"{r:g}x {what}" for r in ratios for what in ("score", "intact", "KV read/token")]
+    lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
+    for policy in report.policy_order(latest):
+        mine = [r for r in latest if r["policy"] == policy]
+        cells = [policy + (" (reference)" if policy == report.REFERENCE_POLICY else "")]
+        for ratio in ratios:
+            cell = [r for r in mine if r.get("ratio") is None or float(r["ratio"]) == ratio]
+            if not cell:
+                cells += ["n/a"] * 3
+                continue
+            intact = [r["intact"] for r in cell if r.get("intact") is not None]
+            cells += [f"{_mean([r['score'] for r in cell]):.2f}",
+                      f"{sum(intact) / len(intact):.2f}" if intact else "n/a",
+                      report.format_bytes(_mean([r.get("kv_bytes_per_token") for r in cell]))]
+        lines.append("| " + " | ".join(cells) + " |")
+    date, _ = _leaderboard_provenance(rows)
+    return "\n".join([
+        f"`{entry['command']}` ({date}; {report.caption(latest)}). Score: RULER string match of the greedy "
+        "answer; intact: the needle's teacher-forced ΔNLL < 1 nat against `full`; KV read/token: the KV-path bytes "
+        "(attended rows, index entries, fetched rows) read per generated token. The machine, the time and the detail: "
+        "[docs/results.md](docs/results.md).",
+        "",
+        *lines,
+    ])
+
+
+def _mean(values: list[Any]) -> float | None:
+    values = [float(v) for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def render_decode_step(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    torch = sorted({r.get("torch") for r in rows if r.get("torch")})
+    omp = sorted({r.get("omp_wait_policy") for r in rows if r.get("omp_wait_policy")})
+    context = sorted({r.get("context") for r in rows if r.get("context")})
+    steps = sorted({r.get("steps") for r in rows if r.get("steps")})
+    machine = entry.get("machine", "")
+    if torch:
+        machine += f"; torch {', '.join(torch)}"
+    read = next((r.get("read_gb_s") for r in rows if r.get("read_gb_s")), None)
+    extra = (f"Context {', '.join(map(str, context))} tokens, {', '.join(map(str, steps))} interleaved rounds, "
+             f"OMP_WAIT_POLICY={', '.join(omp) or '?'}" + (f"; the machine read {read:.1f} GB/s" if read else "") + ".")
+    base = rows[0]
+    lines = ["| arm | CPU ms/step (1 thread) | vs " + base["arm"] + " | wall ms/step (2 threads) | KV MiB read/step | "
+             "index MiB/step |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        kv = "n/a" if r.get("kv_mib_per_step") is None else f"{r['kv_mib_per_step']:.1f}"
+        lines.append(f"| {r['arm']} | {r['cpu_ms_1t']:.1f} | {r['cpu_ms_1t'] / base['cpu_ms_1t']:.2f}x | "
+                     f"{r['wall_ms_2t']:.1f} | {kv} | {r.get('index_mib_per_step') or 0:.2f} |")
+    parts = [_provenance(entry, None, machine, extra), "", *lines]
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        names = list(dict.fromkeys(name for r in profiled for name in r["profile"]))
+        parts += ["", "Where a step's CPU time goes (ms, 1 thread, `--profile`):", "",
+                  "| arm | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for r in profiled:
+            parts.append(f"| {r['arm']} | " + " | ".join(
+                f"{r['profile'][n]:.1f}" if n in r["profile"] else "" for n in names) + " |")
+    return "\n".join(parts)
+
+
+def render_step_ops(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    caches = list(dict.fromkeys((r["cache"], r.get("capacity")) for r in rows))
+    head = ["cache"] + models
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(models)]
+    for cache, capacity in caches:
+        label = cache + (", capacity" if capacity else "")
+        cells = []
+        for model in models:
+            row = next((r for r in rows if r["model"] == model and r["cache"] == cache and r.get("capacity") == capacity),
+                       None)
+            if row is None:
+                cells.append("")
+            elif "error" in row:
+                cells.append("n/a")
+            else:
+                beyond = row.get("beyond StaticCache")
+                cells.append(f"{row['launches']}" + (f" ({beyond:+.1f})" if beyond is not None else "")
+                             + (f", {row['syncs']} syncs" if row.get("syncs") else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    note = ("A cell: ops that launch work in one steady decode step (metadata ops apart), and in brackets the "
+            "launches per attention layer beyond transformers' `StaticCache`; host syncs where there are any.")
+    return "\n".join([_provenance(entry, None, None), "", note, "", *lines])
+
+
+KINDS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], Path], str]] = {
+    "leaderboard": render_leaderboard,
+    "decode_step": render_decode_step,
+    "step_ops": render_step_ops,
+}
+
+
+# --- the page --------------------------------------------------------------------------------------
+
+
+def render_page(tables: list[dict[str, Any]], results: Path = RESULTS) -> str:
+    out = ["# Results", "",
+           "<!-- Generated by `python benchmarks/render_results.py` from the files in docs/results/ (listed in "
+           "docs/results/tables.toml). Do not edit: change the data, run the script; tests/test_results_page.py fails "
+           "when this page and its data disagree. -->", "",
+           "Every table below is computed from a committed results file, and says the command that produced it, "
+           "when, and on what machine. Absolute times vary several-fold between machines and loads; compare arms "
+           "within one table. What each column means: [evaluation.md](evaluation.md) and "
+           "[benchmarks/README.md](../benchmarks/README.md). Figures measured before these files existed are listed, "
+           "dated, in [CHANGELOG.md](../CHANGELOG.md).", ""]
+    out.append("Contents: " + ", ".join(f"[{t['title']}](#{_anchor(t['title'])})" for t in tables))
+    out.append("")
+    for entry in tables:
+        path = results / entry["file"]
+        rows = read_rows(path)
+        out += [f"## {entry['title']}", ""]
+        if entry.get("about"):
+            out += [entry["about"].strip(), ""]
+        out += [KINDS[entry["kind"]](entry, rows, path), ""]
+        if entry.get("headline"):
+            out += [f"![quality against KV bytes read per token]({FRONTIER.relative_to(PAGE.parent).as_posix()})", ""]
+        if entry.get("notes"):
+            out += [entry["notes"].strip(), ""]
+        out += [f"Data: [`docs/results/{entry['file']}`](results/{entry['file']})", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def headline_block(tables: list[dict[str, Any]], results: Path = RESULTS) -> str | None:
+    entry = next((t for t in tables if t.get("headline")), None)
+    if entry is None:
+        return None
+    path = results / entry["file"]
+    return "\n".join([HEADLINE_BEGIN, headline_table(entry, read_rows(path), path), HEADLINE_END])
+
+
+def with_headline(readme: str, block: str) -> str:
+    """``readme`` with its headline block replaced by ``block`` (a ValueError when the markers are missing)."""
+    start, end = readme.find(HEADLINE_BEGIN), readme.find(HEADLINE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md has no headline block: put the two marker lines\n{HEADLINE_BEGIN}\n{HEADLINE_END}\n"
+                         "where the table goes")
+    return readme[:start] + block + readme[end + len(HEADLINE_END):]
+
+
+def expected_files(manifest: Path = MANIFEST) -> dict[Path, str]:
+    """What the page and README.md should hold, rendered from the committed data."""
+    tables = read_manifest(manifest)
+    files = {PAGE: render_page(tables, manifest.parent)}
+    block = headline_block(tables, manifest.parent)
+    if block is not None:
+        files[README] = with_headline(README.read_text(encoding="utf-8"), block)
+    return files
+
+
+def write_frontier(manifest: Path = MANIFEST) -> Path | None:
+    """The headline table's quality-cost frontier as docs/frontier.png (matplotlib: not compared by --check)."""
+    from kvzoo.bench import plots
+
+    entry = next((t for t in read_manifest(manifest) if t.get("headline")), None)
+    if entry is None:
+        return None
+    rows = list({r["key"]: r for r in read_rows(manifest.parent / entry["file"])}.values())
+    return plots.frontier(rows, FRONTIER)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file differs")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in expected_files().items():
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(text, encoding="utf-8")
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} differs from what docs/results/ renders: run "
+                  "`python benchmarks/render_results.py` and commit it", file=sys.stderr)
+        return 1 if stale else 0
+    written = write_frontier()
+    for path in stale:
+        print(f"wrote {path.relative_to(ROOT)}")
+    if written is not None:
+        print(f"wrote {written.relative_to(ROOT)}")
+    print(f"rendered at {datetime.datetime.now().isoformat(timespec='seconds')}: {len(stale)} file(s) changed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
