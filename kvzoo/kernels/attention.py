@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 # Most fp32 elements one score block may hold (B x H x queries x rows): 2**24 floats = 64 MiB. Every
 # reference below that materialises scores works through the queries in blocks of at most this many.
@@ -115,6 +114,8 @@ def attention_sdpa(
     if all_valid and extra_mask is None:
         if q_len == 1:  # one query sees every row: no mask
             return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=hpg > 1)
+        from torch.nn.attention.bias import causal_lower_right  # here: importing it costs ~2 s (torch._dynamo)
+
         bias = causal_lower_right(q_len, n)
         if hpg > 1 and query.device.type == "cuda":  # the lower-right kernels take equal head counts
             keys, values = keys.repeat_interleave(hpg, dim=1), values.repeat_interleave(hpg, dim=1)

@@ -84,7 +84,8 @@ class Vestige(Policy):
     retriever: Any = "vestige"
 
     name: ClassVar[str] = "vestige"
-    summary: ClassVar[str] = "branch-σ salience per closed block (question-free) + certified sketch recall tier"
+    summary: ClassVar[str] = ("branch-σ salience per closed block (question-free) + a recall tier over the evicted rows "
+                              "(int8 keys on GQA rows, the certified sketch on MLA rows)")
     paper: ClassVar[str] = "VestigeKV (paper §4.1-4.2; kvzoo's docs/fidelity.md)"
     schedule: ClassVar[str] = "block"
 
