@@ -252,18 +252,36 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
 
 
 @torch.no_grad()
-def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None, *,
-            phase: str = "prefill") -> torch.Tensor:
-    """Run ``ids [B, n]`` through the model into ``cache`` (in chunks if asked); the last position's logits ``[B, V]``.
+def prefill_chunk(cache: Cache, tokens: int) -> int:
+    """The chunk a prefill of ``tokens`` takes by default: the one that bounds the cache's peak for its policy.
 
-    Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd graph. ``phase`` names it to
-    the progress reporter (``"prefill chunk k/n"``, or e.g. ``"question chunk 1/1"``)."""
-    step = chunk_size or ids.shape[1]
+    A policy that closes blocks shorter than the context (VestigeKV past its ``block_size``) is prefilled a block at a
+    time: each block is compressed as it closes, inside the forward, layer by layer. Every other policy -- one that
+    scores at the context's end (SnapKV, ChunkKV), or every forward (StreamingLLM, H2O, Quest) -- cannot compress
+    earlier chunks before it sees the end, so it takes the whole context in one forward that compresses each layer
+    right after its attention (:meth:`TieredCache.context_end`): one layer at a time holds its whole prefill."""
+    policy = getattr(cache, "policy", None)
+    block = getattr(policy, "block_size", None) if getattr(policy, "schedule", None) == "block" else None
+    return block if block and tokens > block else max(1, tokens)
+
+
+def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None, *,
+            phase: str = "prefill", ends_context: bool = False) -> torch.Tensor:
+    """Run ``ids [B, n]`` through the model into ``cache`` (in chunks of ``chunk_size``, by default
+    :func:`prefill_chunk`'s); the last position's logits ``[B, V]``.
+
+    ``ends_context``: these tokens end the context, and a :class:`TieredCache` compresses inside the last forward, each
+    layer right after its attention (:meth:`TieredCache.context_end`), keeping the rows :func:`compress` afterwards
+    would keep, at a lower peak. Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd
+    graph. ``phase`` names it to the progress reporter (``"prefill chunk k/n"``, or e.g. ``"question chunk 1/1"``)."""
+    step = chunk_size or prefill_chunk(cache, ids.shape[1])
     chunks = -(-ids.shape[1] // step) if ids.shape[1] else 0
     logits = None
     with _layer_ticks(model) as layers:
         for k, start in enumerate(range(0, ids.shape[1], step)):
             _phase(f"{phase} chunk {k + 1}/{chunks}", layers or None, "layers")
+            if ends_context and k == chunks - 1 and isinstance(cache, TieredCache):
+                cache.context_end()  # each layer compresses right after its attention in this forward
             out = model(input_ids=ids[:, start : start + step].to(model.device), **cache_kwargs(model, cache),
                         use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1]
@@ -458,7 +476,7 @@ def continuation_nll(
     cache = TieredCache(model, policy, context_length=prefix.shape[1])
     try:
         with _own_progress(progress, "kvzoo continuation"):
-            last_logits = prefill(model, cache, prefix.long(), chunk_size)
+            last_logits = prefill(model, cache, prefix.long(), chunk_size, ends_context=True)
             compress(cache)
             token_nll = teacher_forced_nll(model, cache, prefix[:, :0], target.long(), last_logits, mode)
         stats = cache.stats()
@@ -549,7 +567,7 @@ def generate(
     timings: dict[str, float] = {}
     with _own_progress(progress, "kvzoo generate"):
         t0 = time.perf_counter()
-        logits = prefill(model, cache, prefix, chunk_size)
+        logits = prefill(model, cache, prefix, chunk_size, ends_context=True)
         t1 = time.perf_counter()
         compress(cache)
         t2 = time.perf_counter()
@@ -616,7 +634,7 @@ def score(
         prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     with _own_progress(progress, "kvzoo score"):
-        first_logits = prefill(model, cache, prefix, chunk_size)
+        first_logits = prefill(model, cache, prefix, chunk_size, ends_context=True)
         compress(cache)
         token_nll = teacher_forced_nll(model, cache, rest, answer_ids, first_logits, mode)
     n_ans = answer_ids.shape[1]

@@ -93,3 +93,21 @@ def test_compressing_inside_the_forward_keeps_what_compressing_after_it_keeps(fa
     if name != "full":  # one layer at a time holds its whole prompt
         assert inside[3] <= (layers - 1) * budget + PROMPT, (inside[3], layers, budget)
     assert all(layer.context_ended for layer in cache.tiered_layers) and not cache.runtime.ending
+
+
+@pytest.mark.parametrize(("name", "params"), [p for p in _policies() if p[0] != "full"], ids=[n for n, _ in _policies()
+                                                                                             if n != "full"])
+def test_the_pipelines_default_prefill_holds_one_layers_prompt_at_a_time(name, params):
+    """kvzoo.pipeline's default mode per policy (:func:`kvzoo.pipeline.prefill_chunk`): the most rows every layer held
+    at once during the context's prefill, counted by the cache, stays within (layers - 1) x budget + one layer's
+    prompt (compressing after the forward held every layer's whole prompt at once)."""
+    from kvzoo import pipeline
+
+    model = _model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    result = pipeline.generate(model, None, ids, ids[:4], registry.get(name, **params), max_new_tokens=2)
+    layers = len(result.stats.layers)
+    budget = params["budget"]
+    # the question's 4 rows and the 2 generated ones join afterwards; the peak is the context's
+    assert result.stats.peak_cache_rows <= (layers - 1) * budget + PROMPT + 6, result.stats.peak_cache_rows
+    detach(model)

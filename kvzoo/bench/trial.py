@@ -285,7 +285,7 @@ def _prefill(m: TrialMeasurements, model: torch.nn.Module, prefix: torch.Tensor,
         return cache, first_logits
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     with _phase(m, "prefill"):
-        first_logits = pipeline.prefill(model, cache, prefix, chunk_size)
+        first_logits = pipeline.prefill(model, cache, prefix, chunk_size, ends_context=True)
     return cache, first_logits
 
 

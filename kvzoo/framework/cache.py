@@ -264,7 +264,7 @@ class TieredCache(Cache):
     def stats(self) -> CacheStats:
         self._settle()
         return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers],
-                          notes=self.runtime.notes(self.tiered_layers))
+                          notes=self.runtime.notes(self.tiered_layers), peak_cache_rows=self.runtime.peak_resident)
 
     def fork(self) -> TieredCache:
         """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
@@ -299,6 +299,7 @@ class TieredCache(Cache):
             ) from None
         clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
         clone.runtime, clone.graph, clone.layers = runtime, None, layers
+        runtime.resident = runtime.peak_resident = sum(layer.n for layer in clone.tiered_layers if layer.is_initialized)
         return clone
 
     def prefill_shared_with(self, policy: Policy | str) -> str | None:

@@ -67,6 +67,8 @@ class KVLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Empty the layer (its rows, views, index and counters): ``TieredCache.close()``."""
         runtime = self.runtime
+        if getattr(self, "is_initialized", False):
+            runtime.held(-self.n)
         self.is_initialized = False
         self.refused: str | None = None  # why the cache stopped taking forwards (another model's reached it)
         self.returned_keys: torch.Tensor | None = None  # the tensor update() handed the model (identity-checked)
@@ -329,6 +331,7 @@ class KVLayer(CacheLayerMixin):
         self.since_event += q
         self.new_rows = q
         self.peak_rows = max(self.peak_rows, self.n)
+        self.runtime.held(q)
 
     def mark_padding(self, padding_mask: torch.Tensor | None) -> None:
         """Set the validity of the rows the forward in flight appended, from the 2-D padding mask ``[B, seen]``
@@ -417,6 +420,7 @@ class KVLayer(CacheLayerMixin):
         """A compression event: the tier keeps rows ``keep [B, G, k]`` (sorted tier indices); the others leave --
         to the archive (indexed first) or dropped."""
         n, k = self.n, keep.shape[2]
+        self.runtime.held(k - n)
         if not self.retains:
             self.rows.keep(keep)
             self.dropped_rows += n - k
@@ -430,6 +434,7 @@ class KVLayer(CacheLayerMixin):
     def evict_one(self, victim: torch.Tensor) -> None:
         """One in, one out: tier row ``victim[b, g]`` (int64 ``[B, G]``) leaves; the next appended row takes its place
         in the tier (no row moves)."""
+        self.runtime.held(-1)
         if not self.retains:
             self.rows.vacate(victim)
             self.dropped_rows += 1

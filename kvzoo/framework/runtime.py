@@ -80,6 +80,14 @@ class Runtime:
     pending: int | None = field(default=None, repr=False)
     # the forward in flight ends the context (TieredCache.context_end()): each layer compresses after its attention
     ending: bool = False
+    resident: int = 0  # rows the attended tiers of every layer hold now, per sequence and KV group
+    peak_resident: int = 0  # the most they held at once
+
+    def held(self, change: int) -> None:
+        """A layer's tier gained (or lost) ``change`` rows: the cache-wide count and its peak."""
+        self.resident += change
+        if self.resident > self.peak_resident:
+            self.peak_resident = self.resident
 
     policy = property(lambda self: self.config.policy)
     retrieval = property(lambda self: self.config.retrieval)

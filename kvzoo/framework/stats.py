@@ -44,6 +44,9 @@ class CacheStats:
     policy: dict[str, Any]
     layers: list[LayerStats] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the figures alone would not tell (nothing compressed yet)
+    # the most rows every layer held at once (summed over layers, per sequence and KV group): what a prefill's peak
+    # memory follows (one layer at a time holds its whole prompt when the context ends inside the forward)
+    peak_cache_rows: int = 0
 
     @property
     def totals(self) -> dict[str, float]:
@@ -65,7 +68,7 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "totals": self.totals, "layers": [s.as_dict() for s in self.layers],
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "peak_cache_rows": self.peak_cache_rows}
 
     def __str__(self) -> str:
         t = self.totals

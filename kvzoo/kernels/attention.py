@@ -114,7 +114,8 @@ def attention_sdpa(
     if all_valid and extra_mask is None:
         if q_len == 1:  # one query sees every row: no mask
             return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=hpg > 1)
-        from torch.nn.attention.bias import causal_lower_right  # here: importing it costs ~2 s (torch._dynamo)
+        # imported here: the module costs ~2 s of torch._dynamo to import
+        from torch.nn.attention.bias import causal_lower_right
 
         bias = causal_lower_right(q_len, n)
         if hpg > 1 and query.device.type == "cuda":  # the lower-right kernels take equal head counts
