@@ -7,7 +7,10 @@
 #               same rows as local, a killed worker, an interrupted driver); .ci/run calls it after `make test`
 #   make test-triton36  the sm_90 compile gate again with Triton 3.6 (the GPU machine's version), installed
 #                       into .triton36/ beside the test venv's 3.7.1
-#   make gpu-check   on a GPU machine: benchmarks/gpu_check.py (kernels, runtime eager vs CUDA graph) -> results/gpu_check
+#   make gpu-check   on a GPU machine: benchmarks/gpu_check.py, one budgeted run (<= 9 min) of the kernels and the
+#                    runtime (eager vs CUDA graph, PyTorch vs Triton), every row checked and kept -> $(GPU_OUT)
+#   make gpu-bundle  here (network to PyPI): the cp312 wheels the GPU machine lacks (transformers 5.24 and what its
+#                    import checks) into .gpu-wheels/ (git-ignored; the device tool's `carry`), < 40 MiB
 #   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
 #                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached);
 #                      then kvpress's own press tests (from its source distribution) against every kvzoo press
@@ -37,7 +40,7 @@ KVP_FETCH_SUITE = rm -rf $(KVP_SUITE) && mkdir -p $(KVP_SUITE) && \
 # either way). Benchmarks keep OpenMP's default. Override with OMP_WAIT_POLICY=... make test.
 TEST_ENV     := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
-.PHONY: venv test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check
+.PHONY: venv test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check gpu-bundle
 
 venv: $(STAMP)
 
@@ -91,11 +94,18 @@ soak: $(STAMP)
 	$(PY) benchmarks/soak.py --check --json results/soak.json
 	KVZOO_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider tests/reliability
 
-# On a lent GPU machine (no network there: no venv is built; the checkout and carried wheels on PYTHONPATH, see
-# benchmarks/README.md): the kernels and the runtime, eager vs CUDA graphs, in <= 8 minutes. CI runs its toy size.
-GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+# On a lent GPU machine (no network there: no venv is built; the checkout on PYTHONPATH, see benchmarks/README.md):
+# the kernels and the runtime in one budgeted run; carried wheels in $(GPU_WHEELS) are unpacked first (CPython 3.12
+# only: elsewhere the script says it left them) and a preflight refuses an unsupported transformers. CI runs its toy
+# size (tests/test_gpu_check.py).
+GPU_PY     ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_WHEELS ?= .gpu-wheels
+GPU_OUT    ?= results/gpu_check
 gpu-check:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) benchmarks/gpu_check.py --out results/gpu_check $(GPU_CHECK_ARGS)
+	$(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT) $(if $(wildcard $(GPU_WHEELS)/*.whl),--wheels $(GPU_WHEELS)) $(GPU_CHECK_ARGS)
+
+gpu-bundle:
+	$(GPU_PY) benchmarks/gpu_bundle.py download --dest $(GPU_WHEELS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
