@@ -32,9 +32,10 @@ WHEELS = ROOT / ".gpu-wheels"  # git-ignored (.gitignore); name it in the device
 WHEELS_LIMIT_MIB = 40
 
 # Exact pins: what kvzoo's tests run (transformers 5.24.0 here) and what its import checks (its Requires-Dist).
-# The image has huggingface-hub, tokenizers, safetensors and regex too, at versions seen to differ between machines
-# (FACTS.md, KINDS.md); these wheels are small (19 MB together), so they travel whatever the image holds and the
-# preflight checks the result. huggingface-hub stays on 1.x: 2.x needs httpx2, which the image lacks.
+# The image has huggingface-hub, tokenizers, safetensors and regex too, at versions nobody here pins (one session saw
+# huggingface-hub 1.33 there, another needed a newer one than it had); these wheels are small (18 MiB together), so
+# they travel whatever the image holds and the preflight checks the result. huggingface-hub stays on 1.x: 2.x needs
+# httpx2, which the image lacks.
 BUNDLE = {
     "transformers": "5.24.0",  # >= 5.18: DeepseekV2 takes cache= (5.17 drops it silently)
     "huggingface-hub": "1.33.0",  # transformers 5.24 requires >= 1.31,< 3, checked at its import
@@ -50,10 +51,11 @@ TRITON_REQUIREMENT = "triton>=3.6"  # pyproject.toml's `triton` extra: the kerne
 
 def fix_text() -> str:
     """What to do about a refused version (the same words in the preflight's refusal and the README)."""
-    return (f"on a machine with network run `make gpu-bundle` (wheels of {', '.join(f'{k}=={v}' for k, v in BUNDLE.items())}"
-            f" into {WHEELS.name}/), carry {WHEELS.name} to the GPU machine and run there `python3 "
-            f"benchmarks/gpu_check.py --wheels {WHEELS.name} ...` (it unpacks them with pip install --no-index --no-deps "
-            f"--target {SITE} and puts that folder on PYTHONPATH)")
+    pins = ", ".join(f"{k}=={v}" for k, v in BUNDLE.items())
+    return (f"on a machine with network run `make gpu-bundle` (wheels of {pins} into {WHEELS.name}/), carry "
+            f"{WHEELS.name} to the GPU machine and run there `python3 benchmarks/gpu_check.py --wheels {WHEELS.name} "
+            f"...` (it unpacks them with pip install --no-index --no-deps --target {SITE} and puts that folder on "
+            "PYTHONPATH)")
 
 
 # --- here: download -------------------------------------------------------------------------------------------

@@ -60,9 +60,9 @@ DECODE_ARMS = (("torch", "eager"), ("triton", "eager"), ("triton", "graph"), ("t
 OTHER_ARMS = (("torch", "eager"), ("triton", "eager"), ("triton", "graph"))
 TOY_DECODE_ARMS = (("torch", "eager"), ("torch", "capacity"))
 
-# Expected seconds per cell on one H200: first-run guesses from what FACTS.md measured there (decode ~18 ms/step
-# eager, 8 layers; Triton compiles of a few seconds each), to be replaced by the first run's actual seconds, which
-# the summary prints beside them. The worker scales them by the ratio it observes as cells finish.
+# Expected seconds per cell on one H200: first-run guesses from what docs/environment.md records there (decode
+# ~18 ms/step eager, 8 layers; Triton compiles of a few seconds each), to be replaced by the first run's actual
+# seconds, which the summary prints beside them. The worker scales them by the ratio it observes as cells finish.
 WORKER_START_S = 20.0  # imports, the CUDA context, the copy bandwidth
 TOY_WORKER_START_S = 8.0
 
@@ -616,7 +616,8 @@ def render(state: dict[str, Any], out: Path) -> str:
     lines = [f"# make gpu-check: {title}", "",
              f"**Status: {state['status']}.** Budget {state['budget_s']:.0f} s, wall so far {wall:.0f} s; "
              f"{len(cells)} cells planned (expected {sum(c['expected_s'] for c in cells):.0f} s): "
-             + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + f"; workers started: {len(state['workers'])}.",
+             + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+             + f"; workers started: {len(state['workers'])}.",
              f"Versions: {versions or 'unknown'}."
              + (f" Worker: {env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}"
                 f"{', ' + str(env.get('free_gib')) + ' GiB free' if env.get('free_gib') else ''}." if env else "")
@@ -672,10 +673,12 @@ def _kernel_table(cells, rows) -> list[str]:
            "rel. error | check | s / plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, r in done:
         split = r.get("split_graph_ms") or r.get("split_eager_ms")
-        out.append(f"| {r['op']} | {r['model']} | {r['batch']} | {r['rows']:,} | {r['case']} | {_f(r.get('eager_ms'), '.4f')} "
-                   f"| {_f(r.get('graph_ms'), '.4f')} | {_f(split, '.4f')} | {_f(r.get('gb_per_s'), ',.0f')} | "
-                   f"{_f(None if r.get('of_copy') is None else 100 * r['of_copy'], '.1f')}% | {r.get('copies', '—')} | "
-                   f"{_f(r.get('rel_error'), '.1e')} | {r.get('check', '—')} | {r['seconds']:.1f} / {c['expected_s']:.0f} |")
+        of_copy = None if r.get("of_copy") is None else 100 * r["of_copy"]
+        out.append(f"| {r['op']} | {r['model']} | {r['batch']} | {r['rows']:,} | {r['case']} | "
+                   f"{_f(r.get('eager_ms'), '.4f')} | {_f(r.get('graph_ms'), '.4f')} | {_f(split, '.4f')} | "
+                   f"{_f(r.get('gb_per_s'), ',.0f')} | {_f(of_copy, '.1f')}% | {r.get('copies', '—')} | "
+                   f"{_f(r.get('rel_error'), '.1e')} | {r.get('check', '—')} | "
+                   f"{r['seconds']:.1f} / {c['expected_s']:.0f} |")
     return out
 
 
@@ -703,7 +706,8 @@ def _runtime_table(cells, rows) -> list[str]:
         out.append(f"| {r['policy']} | {r['kernels']} | {mode} | {r['context']} | {r['batch']} | "
                    f"{_f(r.get('decode_ms'), '.2f')} | {_f(r.get('bandwidth_bound_ms'), '.3f')} | "
                    f"{_f(None if r.get('kv_bytes_per_step') is None else r['kv_bytes_per_step'] / 2**20, ',.1f')} | "
-                   f"{_f(r.get('decode_peak_mib'), ',.0f')} | {text} | {calls} | {_f(r.get('bookkeeping_ms'), '.2f')} | "
+                   f"{_f(r.get('decode_peak_mib'), ',.0f')} | {text} | {calls} | "
+                   f"{_f(r.get('bookkeeping_ms'), '.2f')} | "
                    f"{r['seconds']:.1f} / {c['expected_s']:.0f} |")
     return out
 
@@ -723,7 +727,8 @@ def _sweep_table(cells, rows) -> list[str]:
     done = [(c, rows[c["id"]]) for c in cells if c["part"] == "sweep" and "points" in rows.get(c["id"], {})]
     if not done:
         return []
-    out = ["", "## Sweep", "", "| case | shipped (BLOCK_N, warps, stages, splits) | best | best ms | points (left out) |",
+    out = ["", "## Sweep", "",
+           "| case | shipped (BLOCK_N, warps, stages, splits) | best | best ms | points (left out) |",
            "|---|---|---|---|---|"]
     for _c, r in done:
         s, b = r["shipped"], r["best"]

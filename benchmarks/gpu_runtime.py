@@ -1,4 +1,4 @@
-"""The runtime on DeepSeek-V2-Lite's attention geometry, one cell at a time: transformers' own model vs kvzoo's policies.
+"""The runtime on DeepSeek-V2-Lite's attention geometry, one cell at a time: transformers' own model vs kvzoo's.
 
 ``make gpu-check`` (``benchmarks/gpu_check.py``) plans and runs these cells with the kernels'; this module says what
 one runtime cell does.
@@ -22,11 +22,11 @@ warm-up steps' logits are kept (or computed, untimed, when that cell was not run
 reference's greedy tokens through its own warm-up steps -- so in graph mode the steps compared include the eager
 step, the captured one and replayed ones -- and compares each step's logits: relative error ``|got - ref| / |ref|``
 within :data:`LOGIT_TOL` (bf16: 3e-2) and the same greedy token (a different token passes only where the reference's
-two logits are closer than four times the RMS difference of the logits: a tie within the rounding noise). A row that fails the check is a failed
-row. With random weights attention over thousands of random tokens is close to uniform, so this check catches
-gross errors (a stale graph input, a wrong layer, NaN, an unwritten output) rather than a subtly wrong row set:
-``gpu_kernels.py`` checks each op against fp32 on random rows for that. The ``transformers`` row is compared
-with kvzoo's ``full`` reference (do they agree?).
+two logits are closer than four times the RMS difference of the logits: a tie within the rounding noise). A row
+that fails the check is a failed row. With random weights attention over thousands of random tokens is close to
+uniform, so this check catches gross errors (a stale graph input, a wrong layer, NaN, an unwritten output) rather
+than a subtly wrong row set: ``gpu_kernels.py`` checks each op against fp32 on random rows for that. The
+``transformers`` row is compared with kvzoo's ``full`` reference (do they agree?).
 
 **No silent fallback.** :class:`KernelGuard` replaces ``kvzoo.kernels.dispatch.run`` in the benchmark's process
 only: a kernel that raises fails its row with the exception (``KVZOO_KERNELS=auto`` would otherwise switch that op
@@ -178,7 +178,8 @@ class KernelGuard:
 
         calls, failures, failed = before
         problems = list(self.failures[failures:])
-        problems += [f"kvzoo.kernels.dispatch switched {op!r} to PyTorch" for op in sorted(set(dispatch._failed) - failed)]
+        problems += [f"kvzoo.kernels.dispatch switched {op!r} to PyTorch"
+                     for op in sorted(set(dispatch._failed) - failed)]
         return dict(self.calls - calls), problems
 
 
