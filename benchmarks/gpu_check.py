@@ -776,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretend", action="append", default=[], metavar="NAME=VERSION",
                         help="the preflight reads VERSION for NAME (tests of a refusal)")
     parser.add_argument("--no-probe", action="store_true", help="the preflight checks versions only")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (nothing is written or run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--progress", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -785,11 +786,14 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(out, args.progress)
 
     started = time.time()
+    budget = args.budget if args.budget is not None else (TOY_BUDGET_S if args.toy else BUDGET_S)
+    cells = fake_cells(args.fake_cells) + select(plan(args.toy), args.only)
+    if args.dry_run:
+        print_plan({"toy": args.toy, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10), "cells": cells})
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     for name in FILES:  # a fresh run: the worker reads rows.jsonl to know what is done
         (out / name).unlink(missing_ok=True)
-    budget = args.budget if args.budget is not None else (TOY_BUDGET_S if args.toy else BUDGET_S)
-    cells = fake_cells(args.fake_cells) + select(plan(args.toy), args.only)
     state: dict[str, Any] = {"toy": args.toy, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10),
                              "started": started, "deadline": started + budget, "cells": cells, "workers": [],
                              "status": "starting", "preflight": None, "current": None}

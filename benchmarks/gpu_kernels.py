@@ -281,15 +281,15 @@ def copies_for(case: Case, device: str, free: int) -> int:
 
 
 def timer(device: str):
-    """``time(fn, graph)`` -> ms per call: ``do_bench`` (host overhead included) or ``do_bench_cudagraph`` on CUDA
-    (None on CPU), one wall time elsewhere (the interpreter: a smoke run, not a measurement)."""
+    """``time(fn, graph)`` -> median ms per call: ``do_bench`` (host overhead included) or ``do_bench_cudagraph`` on
+    CUDA (None on CPU), one wall time elsewhere (the interpreter: a smoke run, not a measurement)."""
     def time_it(fn: Callable[[], Any], graph: bool) -> float | None:
         if device == "cuda":
             from triton.testing import do_bench, do_bench_cudagraph
 
             if graph:
-                return float(do_bench_cudagraph(fn, rep=20))
-            return float(do_bench(fn, warmup=5, rep=25))
+                return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
+            return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
         if graph:
             return None
         t = time.perf_counter()

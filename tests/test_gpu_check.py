@@ -68,7 +68,7 @@ def test_only_keeps_a_decode_cells_prefill():
 # --- the deadline ---------------------------------------------------------------------------------------------
 def test_a_cell_running_past_the_deadline_is_killed_and_the_rows_before_it_are_kept(tmp_path):
     out = tmp_path / "check"
-    code = gpu_check.main(["--toy", "--only", "fake", "--fake-cells", "0,600:0.5,0", "--budget", "6",
+    code = gpu_check.main(["--toy", "--only", "fake", "--fake-cells", "0,600:0.5,0", "--budget", "10",
                            "--no-probe", "--out", str(out)])
     assert code == 1
     rows = _rows(out)
