@@ -252,24 +252,33 @@ def build_case(model: str, case: str, batch: int, rows: int, *, device: str, dty
 
 
 def free_bytes(device: str) -> int:
-    """Memory free for a case's inputs: the GPU's free memory (``cudaMemGetInfo``), the host's available RAM on CPU."""
+    """Memory free for a cell: the GPU's free memory (``cudaMemGetInfo``), the host's available RAM on CPU
+    (``MemAvailable``: free pages and the page cache the kernel would give back)."""
     if device == "cuda":
         torch.cuda.empty_cache()  # blocks the caching allocator holds count as used
         return int(torch.cuda.mem_get_info()[0])
-    import os
-
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # pragma: no cover - not Linux
-        return 8 * 2**30
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 8 * 2**30
+
+
+def margin_bytes(device: str) -> int:
+    """Memory a cell leaves free beyond its estimate: the CUDA context, the allocator's fragmentation (GPU); the
+    process itself (CPU, toy sizes)."""
+    return 2**30 if device == "cuda" else 2**28
 
 
 def copies_for(case: Case, device: str, free: int) -> int:
     """Copies of the inputs to cycle so that one round reads more than twice the L2, within :data:`COPIES_MAX_BYTES`
     and half of ``free`` (1 on CPU). :class:`Skip` when not even one copy, the shared pool and the reference's
-    working memory fit in ``free`` (less 1 GiB of margin)."""
+    working memory fit in ``free`` (less :func:`margin_bytes`)."""
     need = case.shared_bytes + case.copy_bytes + case.reference_bytes
-    if need > free - 2**30:
+    if need > free - margin_bytes(device):
         raise Skip(f"needs {need / 2**30:.1f} GiB (shared {case.shared_bytes / 2**30:.1f}, one copy "
                    f"{case.copy_bytes / 2**30:.2f}, reference {case.reference_bytes / 2**30:.2f}), "
                    f"{free / 2**30:.1f} GiB free")

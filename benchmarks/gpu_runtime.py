@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from gpu_kernels import free_bytes as _free_bytes
+from gpu_kernels import margin_bytes
 
 POLICIES: dict[str, tuple[str, dict] | None] = {
     "transformers": None,  # transformers' own DeepseekV2 attention with a DynamicCache
@@ -347,6 +349,13 @@ class RuntimeBench:
         from kvzoo import TieredCache
 
         s = self.s
+        # the cache, and a chunk's transients: a layer's rows decompressed to per-head K/V for the whole context
+        need = 2 * s.layers * context * ROW_BYTES + 2 * context * s.heads * (128 + 64 + 128) * 2 \
+            + margin_bytes(s.device)
+        free = _free_bytes(s.device)
+        if need > free:
+            raise Skip(f"the prefill of {context} tokens needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB "
+                       "free")
         model, hf_model = self.models()
         os.environ["KVZOO_KERNELS"] = "torch"
         g = torch.Generator(device="cpu").manual_seed(context)
@@ -383,8 +392,8 @@ class RuntimeBench:
         s = self.s
         rows = s.layers * (context + s.warmup + s.steps + 8) * batch * ROW_BYTES
         if policy == "transformers":  # it decompresses a layer's latent into per-head K/V every step
-            return 2 * rows + 2 * context * batch * s.heads * (128 + 64 + 128) * 2 + 2**30
-        return 4 * rows + 2**30
+            return 2 * rows + 2 * context * batch * s.heads * (128 + 64 + 128) * 2 + margin_bytes(s.device)
+        return 4 * rows + margin_bytes(s.device)
 
     def _cache(self, policy: str, mode: str, context: int) -> tuple[Any, torch.nn.Module]:
         from kvzoo import registry
@@ -558,13 +567,3 @@ def _memory_peak(device: str, base: int) -> float | None:
     if device == "cuda":
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     return None  # CPU: no allocator peak to read without a subprocess per row
-
-
-def _free_bytes(device: str) -> int:
-    if device == "cuda":
-        torch.cuda.empty_cache()  # blocks the caching allocator holds count as used
-        return int(torch.cuda.mem_get_info()[0])
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # pragma: no cover - not Linux
-        return 8 * 2**30

@@ -26,8 +26,13 @@ import gpu_runtime  # noqa: E402
 @pytest.fixture(autouse=True)
 def _collect():
     """The caches these tests build hold cycles (a graphed cache and its DecodeGraph): collect them, so that a
-    later test counting live caches (benchmarks/soak.py's) counts its own."""
+    later test counting live caches (benchmarks/soak.py's) counts its own. An MLA forward also leaves its last
+    layer in ``ACTIVE_LAYER`` (kvzoo/framework/layer.py sets it where transformers hands no kwargs, and only the
+    GQA attention clears it): cleared here too."""
     yield
+    from kvzoo.framework.layer import ACTIVE_LAYER
+
+    ACTIVE_LAYER.set(None)
     gc.collect()
 
 
@@ -58,6 +63,27 @@ def test_the_plan_puts_the_headline_cells_first_and_prefills_before_decoding():
     # the headline groups fit the budget with a worker's start-up; the whole plan is ordered so the rest may not
     start = gpu_check.WORKER_START_S
     assert start + sum(c["expected_s"] for c in cells if c["group"][0] in "123") < 0.6 * gpu_check.BUDGET_S
+
+
+def test_dry_run_prints_the_plan_against_the_budget_and_runs_nothing(tmp_path, capsys):
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "none")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"plan: {len(gpu_check.plan(toy=False))} cells, budget 540 s")
+    assert "kernel mla16 pool B1 32768" in printed and "(past the budget: expected to be skipped)" in printed
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_prefill_too_big_for_the_free_memory_is_skipped_and_so_are_its_cells(monkeypatch):
+    bench = gpu_runtime.RuntimeBench("cpu", toy=True)
+    monkeypatch.setattr(gpu_runtime, "_free_bytes", lambda device: 2**20)
+    try:
+        with pytest.raises(gpu_runtime.Skip, match="the prefill of 512 tokens needs about"):
+            bench.prefill_cell({"kind": "kvzoo", "context": 512})
+        with pytest.raises(gpu_runtime.Skip, match="failed earlier"):
+            bench.base("kvzoo", 512)
+        assert bench.model is None  # nothing built
+    finally:
+        bench.close()
 
 
 def test_only_keeps_a_decode_cells_prefill():
@@ -136,9 +162,12 @@ def test_a_gathered_case_shares_its_pool_so_its_copies_fit_in_memory():
 def test_a_runtime_cell_too_big_for_the_free_memory_is_skipped_before_allocating(monkeypatch):
     bench = gpu_runtime.RuntimeBench("cpu", toy=True)
     monkeypatch.setattr(gpu_runtime, "_free_bytes", lambda device: 2**20)
-    with pytest.raises(gpu_runtime.Skip, match="needs about"):
-        bench.decode_cell({"policy": "full", "kernels": "torch", "mode": "eager", "context": 512, "batch": 1})
-    assert bench.model is None  # nothing built
+    try:
+        with pytest.raises(gpu_runtime.Skip, match="needs about"):
+            bench.decode_cell({"policy": "full", "kernels": "torch", "mode": "eager", "context": 512, "batch": 1})
+        assert bench.model is None  # nothing built
+    finally:
+        bench.close()
 
 
 # --- what a row checks -------------------------------------------------------------------------------------------
