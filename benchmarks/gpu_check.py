@@ -35,12 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -468,81 +470,85 @@ def run_preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, An
                                           f"{(done.stdout + done.stderr)[-1500:]}"], "versions": {}}
 
 
-def watch(args: argparse.Namespace, state: dict[str, Any], env: dict[str, str], out: Path) -> None:
-    """Start workers until every cell has a row, the deadline passes or too many workers were needed."""
+def watch(args: argparse.Namespace, state: dict[str, Any], env: dict[str, str], out: Path, progress: Path) -> None:
+    """Start workers until every cell has a row, the deadline passes or too many workers were needed. ``progress``:
+    where a worker writes the cell it is running."""
     rows_path = out / "rows.jsonl"
     by_id = {c["id"]: c for c in state["cells"]}
     seen = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        progress = Path(tmp) / "progress.json"
-        while True:
-            rows = cell_rows(read_rows(rows_path))
-            left = [c for c in state["cells"] if c["id"] not in rows]
-            if not left:
-                state["status"] = "complete"
-                return
-            start_cost = TOY_WORKER_START_S if args.toy else WORKER_START_S
-            if state["workers"] and state["deadline"] - time.time() < start_cost:
-                state["status"] = "stopped at the deadline"  # no time to start another worker
-                return
-            if len(state["workers"]) >= MAX_WORKERS:
-                state["status"] = f"stopped: {MAX_WORKERS} workers started"
-                return
-            if state["workers"] and state["workers"][-1].get("cells") == 0:
-                state["status"] = f"stopped: the worker wrote no row ({state['workers'][-1]['ended']}); see worker.log"
-                return
-            progress.write_text("{}")
-            with open(out / "worker.log", "a") as log:
-                log.write(f"\n=== worker {len(state['workers']) + 1} at {time.time() - state['started']:.1f} s ===\n")
-                log.flush()
-                proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
-                                         "--progress", str(progress)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-            record = {"pid": proc.pid, "started_s": round(time.time() - state["started"], 1)}
-            state["workers"].append(record)
-            state["current"] = proc
-            ended = None
-            while ended is None:
-                time.sleep(0.2)
-                seen = report_progress(rows_path, seen, state, out)
-                rc = proc.poll()
-                current = _read_json(progress)
-                now = time.time()
-                if rc is not None:
-                    ended = ("exit", rc)
-                elif now >= state["deadline"]:
-                    ended = ("deadline", None)
-                elif current.get("cell") and now - current["started"] > cell_limit(by_id[current["cell"]], args.toy):
-                    ended = ("hang", None)
-            if ended[0] != "exit":
-                _kill(proc)
-            state["current"] = None
-            record["ended"] = ended[0] if ended[0] != "exit" else f"exit {ended[1]}"
-            current = _read_json(progress)
-            before = len(rows)
-            rows = cell_rows(read_rows(rows_path))
-            cell = by_id.get(current.get("cell", ""))
-            if cell is not None and cell["id"] not in rows:  # the cell it was running: a row for it
-                seconds = round(time.time() - current["started"], 1)
-                base = {"cell": cell["id"], "part": cell["part"], "group": cell["group"],
-                        "expected_s": cell["expected_s"], "seconds": seconds}
-                if ended[0] == "deadline":
-                    row = {**base, "status": "timeout", "error": f"still running at the deadline after {seconds} s: "
-                                                                 "killed"}
-                elif ended[0] == "hang":
-                    row = {**base, "status": "timeout", "error": f"ran {seconds} s, past its limit of "
-                                                                 f"{cell_limit(cell, args.toy):.0f} s: killed"}
-                else:
-                    row = {**base, "status": "crashed", "error": f"the worker died running it (rc {ended[1]}): "
-                                                                 f"{_log_tail(out)}"}
-                append_row(rows_path, row)
-            record["cells"] = len(cell_rows(read_rows(rows_path))) - before  # rows this worker's run added
+    while True:
+        rows = cell_rows(read_rows(rows_path))
+        left = [c for c in state["cells"] if c["id"] not in rows]
+        if not left:
+            state["status"] = "complete"
+            return
+        start_cost = TOY_WORKER_START_S if args.toy else WORKER_START_S
+        if state["workers"] and state["deadline"] - time.time() < start_cost:
+            state["status"] = "stopped at the deadline"  # no time to start another worker
+            return
+        if len(state["workers"]) >= MAX_WORKERS:
+            state["status"] = f"stopped: {MAX_WORKERS} workers started"
+            return
+        if state["workers"] and state["workers"][-1].get("cells") == 0:
+            state["status"] = f"stopped: the worker wrote no row ({state['workers'][-1]['ended']}); see worker.log"
+            return
+        progress.write_text("{}")
+        with open(out / "worker.log", "a") as log:
+            log.write(f"\n=== worker {len(state['workers']) + 1} at {time.time() - state['started']:.1f} s ===\n")
+            log.flush()
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
+                                     "--progress", str(progress)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        record = {"pid": proc.pid, "started_s": round(time.time() - state["started"], 1)}
+        state["workers"].append(record)
+        state["current"] = proc
+        ended = None
+        while ended is None:
+            time.sleep(0.2)
             seen = report_progress(rows_path, seen, state, out)
-            if ended[0] == "deadline":
-                state["status"] = "stopped at the deadline"
-                return
-            if ended == ("exit", 0):
-                continue  # every cell has a row now: the loop ends at its top
+            rc = proc.poll()
+            current = _read_json(progress)
+            now = time.time()
+            if rc is not None:
+                ended = ("exit", rc)
+            elif now >= state["deadline"]:
+                ended = ("deadline", None)
+            elif current.get("cell") and now - current["started"] > cell_limit(by_id[current["cell"]], args.toy):
+                ended = ("hang", None)
+        if ended[0] != "exit":
+            _kill(proc)
+        state["current"] = None
+        record["ended"] = ended[0] if ended[0] != "exit" else f"exit {ended[1]}"
+        before = len(rows)
+        if ended[0] == "deadline":
+            in_flight_row(state, out, progress, "timeout",
+                          lambda seconds, limit: f"still running at the deadline after {seconds} s: killed")
+        elif ended[0] == "hang":
+            in_flight_row(state, out, progress, "timeout",
+                          lambda seconds, limit: f"ran {seconds} s, past its limit of {limit:.0f} s: killed")
+        else:
+            in_flight_row(state, out, progress, "crashed",
+                          lambda seconds, limit, rc=ended[1]: f"the worker died running it (rc {rc}): {_log_tail(out)}")
+        record["cells"] = len(cell_rows(read_rows(rows_path))) - before  # rows this worker's run added
+        seen = report_progress(rows_path, seen, state, out)
+        if ended[0] == "deadline":
+            state["status"] = "stopped at the deadline"
+            return
+
+
+def in_flight_row(state: dict[str, Any], out: Path, progress: Path, status: str,
+                  error: Callable[[float, float], str]) -> None:
+    """A row for the cell the (now dead) worker was running, if it wrote none; ``error(seconds it ran, its hang
+    limit)`` says what happened."""
+    current = _read_json(progress)
+    cell = {c["id"]: c for c in state["cells"]}.get(current.get("cell", ""))
+    if cell is None or cell["id"] in cell_rows(read_rows(out / "rows.jsonl")):
+        return
+    seconds = round(time.time() - current["started"], 1)
+    append_row(out / "rows.jsonl", {
+        "cell": cell["id"], "part": cell["part"], "group": cell["group"], "expected_s": cell["expected_s"],
+        "seconds": seconds, "status": status,
+        "error": error(seconds, cell_limit(cell, state["toy"]))})
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -585,7 +591,7 @@ def finish_rows(state: dict[str, Any], out: Path) -> None:
     rows_path = out / "rows.jsonl"
     rows = cell_rows(read_rows(rows_path))
     reason = {"complete": "not reached", "stopped at the deadline": "the deadline passed before it started"}.get(
-        state["status"], f"the run {state['status']} before it started")
+        state["status"], f"not started: gpu-check {state['status']}")
     for cell in state["cells"]:
         if cell["id"] not in rows:
             append_row(rows_path, {"cell": cell["id"], "part": cell["part"], "group": cell["group"],
@@ -803,6 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "plan.json").write_text(json.dumps(keep, indent=1, default=str) + "\n")
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    progress = Path(tempfile.mkdtemp(prefix="gpu_check_")) / "progress.json"  # the cell a worker is running
     code = 1
     try:
         site = None
@@ -826,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print_plan(state)
         state["status"] = "running"
-        watch(args, state, env, out)
+        watch(args, state, env, out, progress)
         code = 0
     except Interrupted as why:
         state["status"] = f"interrupted ({why})"
@@ -841,6 +848,10 @@ def main(argv: list[str] | None = None) -> int:
             _kill(proc)
         if state["status"] in ("starting", "running"):
             state["status"] = "stopped"
+        in_flight_row(state, out, progress, "timeout",
+                      lambda seconds, limit: f"still running after {seconds} s when gpu-check was {state['status']}: "
+                                             "killed")
+        shutil.rmtree(progress.parent, ignore_errors=True)
         if state["preflight"] is None or state["preflight"].get("ok"):
             finish_rows(state, out)
         save()

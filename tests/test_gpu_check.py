@@ -36,6 +36,13 @@ def _collect():
     gc.collect()
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def _rows(out: Path) -> dict[str, dict]:
     return gpu_check.cell_rows(gpu_check.read_rows(out / "rows.jsonl"))
 
@@ -120,6 +127,36 @@ def test_a_cell_that_would_not_end_in_time_is_skipped_and_a_smaller_one_after_it
     assert rows["fake 1 sleeps 0 s"]["reason"].startswith("the deadline: expected 1000 s")
     assert rows["fake 0 sleeps 0 s"]["status"] == rows["fake 2 sleeps 0 s"]["status"] == "ok"
     assert "Status: complete" in (out / "gpu_check.md").read_text()
+
+
+def test_sigterm_kills_the_worker_and_the_summary_says_what_ran(tmp_path):
+    """The device tool ends a command past its limit with a signal: the rows so far stay, the cell in flight and the
+    rest get rows saying so, and the summary is written."""
+    import os
+    import signal
+    import threading
+    import time
+
+    out = tmp_path / "check"
+
+    def terminate_once_the_first_row_is_in():
+        give_up = time.time() + 60
+        while time.time() < give_up and "fake 0" not in _text(out / "rows.jsonl"):
+            time.sleep(0.1)
+        time.sleep(0.5)  # the slow cell is running by now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_once_the_first_row_is_in, daemon=True).start()
+    code = gpu_check.main(["--toy", "--only", "fake", "--fake-cells", "0,600:0.5,0", "--budget", "120",
+                           "--no-probe", "--out", str(out)])
+    assert code == 130
+    rows = _rows(out)
+    assert rows["fake 0 sleeps 0 s"]["status"] == "ok"
+    assert rows["fake 1 sleeps 600 s"]["status"] == "timeout"
+    assert "when gpu-check was interrupted (signal 15)" in rows["fake 1 sleeps 600 s"]["error"]
+    assert rows["fake 2 sleeps 0 s"]["reason"] == "not started: gpu-check interrupted (signal 15)"
+    assert "Status: interrupted (signal 15)" in (out / "gpu_check.md").read_text()
+    assert signal.getsignal(signal.SIGTERM) is not gpu_check._on_signal  # the handler put back
 
 
 def test_a_worker_that_dies_mid_cell_gets_a_crashed_row_and_a_fresh_worker_goes_on(tmp_path, monkeypatch):
