@@ -8,7 +8,10 @@
 #   make test-triton36  the sm_90 compile gate again with Triton 3.6 (the GPU machine's version), installed
 #                       into .triton36/ beside the test venv's 3.7.1
 #   make results-page  docs/results.md and README's table rendered again from docs/results/ (benchmarks/render_results.py)
-#   make gpu-check   on a GPU machine: benchmarks/gpu_check.py (kernels, runtime eager vs CUDA graph) -> results/gpu_check
+#   make gpu-check   on a GPU machine: benchmarks/gpu_check.py, one budgeted run (<= 9 min) of the kernels and the
+#                    runtime (eager vs CUDA graph, PyTorch vs Triton), every row checked and kept -> $(GPU_OUT)
+#   make gpu-bundle  here (network to PyPI): the cp312 wheels the GPU machine lacks (transformers 5.24 and what its
+#                    import checks) into .gpu-wheels/ (git-ignored; the device tool's `carry`), < 40 MiB
 #   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
 #                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached);
 #                      then kvpress's own press tests (from its source distribution) against every kvzoo press
@@ -47,7 +50,7 @@ XDIST_ENV    := $(if $(XDIST),OMP_NUM_THREADS=1,)
 # where the time goes, in every test target's log
 DURATIONS    ?= --durations=20
 
-.PHONY: venv venv-kvpress venv-ray venv-triton36 test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check results-page
+.PHONY: venv venv-kvpress venv-ray venv-triton36 test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check gpu-bundle results-page
 
 venv: $(STAMP)
 
@@ -114,11 +117,18 @@ soak: $(STAMP)
 	$(PY) benchmarks/soak.py --check --json results/soak.json
 	KVZOO_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider tests/reliability
 
-# On a lent GPU machine (no network there: no venv is built; the checkout and carried wheels on PYTHONPATH, see
-# benchmarks/README.md): the kernels and the runtime, eager vs CUDA graphs, in <= 8 minutes. CI runs its toy size.
-GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+# On a lent GPU machine (no network there: no venv is built; the checkout on PYTHONPATH, see benchmarks/README.md):
+# the kernels and the runtime in one budgeted run; carried wheels in $(GPU_WHEELS) are unpacked first (CPython 3.12
+# only: elsewhere the script says it left them) and a preflight refuses an unsupported transformers. CI runs its toy
+# size (tests/test_gpu_check.py).
+GPU_PY     ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_WHEELS ?= .gpu-wheels
+GPU_OUT    ?= results/gpu_check
 gpu-check:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) benchmarks/gpu_check.py --out results/gpu_check $(GPU_CHECK_ARGS)
+	$(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT) $(if $(wildcard $(GPU_WHEELS)/*.whl),--wheels $(GPU_WHEELS)) $(GPU_CHECK_ARGS)
+
+gpu-bundle:
+	$(GPU_PY) benchmarks/gpu_bundle.py download --dest $(GPU_WHEELS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,20 +1,33 @@
-"""``make gpu-check``: the GPU measurements of one lent machine in one script (<= 8 minutes on an H200).
+"""``make gpu-check``: the GPU figures of one lent machine in one budgeted run that cannot lose its rows.
 
-    python benchmarks/gpu_check.py --out results/gpu_check          # on the GPU machine
-    python benchmarks/gpu_check.py --toy --out /tmp/gpu_check       # anywhere: the same script at toy size (CI)
+    python3 benchmarks/gpu_check.py --wheels .gpu-wheels --out $OUT     # on the GPU machine (benchmarks/README.md)
+    python benchmarks/gpu_check.py --toy --out /tmp/gpu_check          # anywhere: the same run at toy size (CI)
 
-It runs, each in its own process with a time limit (a crash or a hang in one leaves the other's rows):
+1. **Software first.** With ``--wheels DIR`` the carried wheels (``make gpu-bundle``) are unpacked into a scratch
+   folder put first on ``PYTHONPATH``; then the preflight (``gpu_bundle.py preflight``) refuses a transformers or
+   huggingface-hub kvzoo does not support, naming the versions and the fix, and runs a tiny DeepseekV2 with
+   ``cache=`` (transformers 5.17 drops it silently). Nothing is timed on a refused interpreter.
+2. **A plan, printed before anything runs**: every cell (a kernel case, a prefill, a decode configuration, a sweep),
+   most important first -- the headline kernels (MLA 16 heads at 32k / 128k rows, batch 1 and 8), then the runtime
+   at 32k for ``full`` / ``vestige`` 32x / ``quest``, eager and CUDA graph, PyTorch and Triton -- each with its
+   expected seconds, and the total against the budget (``--budget``, 540 s: 9 minutes of one H200's wall, start-up
+   and compiles included).
+3. **Cells run in one worker process**, in plan order; each cell's row is appended to ``rows.jsonl`` and flushed
+   the moment it is measured. Before a cell the worker compares its expected seconds (scaled by how the finished
+   cells of its part compared with their plan) with the time left before the deadline: a cell that would not end
+   in time is skipped with a row saying so, and the worker goes on to smaller ones. A cell's inputs are sized
+   against the free GPU memory before anything is allocated (a row saying so if they cannot fit).
+4. **This process watches the worker**: a cell running past four times its plan (a hang) or past the deadline is
+   killed, gets a row saying so, and a fresh worker continues with the cells left; so does a crash (a lost CUDA
+   context after an illegal address, a segfault). Every planned cell ends with exactly one row (``ok``, ``failed``,
+   ``skipped``, ``timeout``, ``crashed``); the Markdown summary is re-rendered from the rows after each one, at the
+   end, on SIGTERM and on an exception -- it lists the cells not run and why.
 
-1. ``benchmarks/gpu_kernels.py``: the Triton kernels against the copy bandwidth (decode attention dense, pool and
-   gathered, the index scans);
-2. ``benchmarks/gpu_runtime.py --contexts 32768,131072 --policies full,streaming_llm,vestige,vestige+sketch,quest
-   --steps 16 --kernels torch,triton --modes eager,graph``: decode ms/step per policy, eager against
-   ``cuda_graph=True``, the PyTorch path against the kernels, beside transformers' own DeepseekV2.
-
-Each script records a failing configuration -- out of memory, a Triton ``CompilationError`` or ``OutOfResources``
--- as a row and goes on, and writes its rows after every configuration. This script then joins both Markdown
-reports into ``OUT.md`` and writes ``OUT.json`` (exit codes, wall times, whether a part hit its time limit). The
-toy size runs the interpreter for the kernels and ``--modes eager,capacity`` on CPU (no CUDA graphs there).
+Files in ``--out`` (four, for the device tool's 8-file limit): ``gpu_check.md`` (the summary), ``rows.jsonl`` (one
+row per cell, and the worker's start/stop events), ``plan.json`` (the plan, the preflight, the run's status),
+``worker.log`` (the worker's output). The toy size (CPU) runs the kernels in Triton's interpreter and the runtime
+on a toy model, ``capacity`` mode in place of CUDA graphs; the tests add fake cells (``--fake-cells``) to exercise
+the deadline and ``--pretend`` to exercise a refused preflight.
 """
 
 from __future__ import annotations
@@ -22,62 +35,841 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BUDGET_S = 540.0  # 9 minutes of wall on one H200: the device tool's 15 minutes less start-up, transfers and slack
+TOY_BUDGET_S = 600.0
+RESERVE_S = 10.0  # before the deadline: the summary, the worker's exit
+MAX_WORKERS = 4  # a worker started again after a crash or a hang, at most this many in all
+FILES = ("gpu_check.md", "rows.jsonl", "plan.json", "worker.log")
+
+# --- the plan ------------------------------------------------------------------------------------------------
+CONTEXTS = (32768, 131072)
+HEADLINE_POLICIES = ("full", "vestige+sketch", "quest")
+OTHER_POLICIES = ("streaming_llm", "vestige")
+DECODE_ARMS = (("torch", "eager"), ("triton", "eager"), ("triton", "graph"), ("torch", "graph"))
+OTHER_ARMS = (("torch", "eager"), ("triton", "eager"), ("triton", "graph"))
+TOY_DECODE_ARMS = (("torch", "eager"), ("torch", "capacity"))
+
+# Expected seconds per cell on one H200: first-run guesses from what docs/environment.md records there (decode
+# ~18 ms/step eager, 8 layers; Triton compiles of a few seconds each), to be replaced by the first run's actual
+# seconds, which the summary prints beside them. The worker scales them by the ratio it observes as cells finish.
+WORKER_START_S = 20.0  # imports, the CUDA context, the copy bandwidth
+TOY_WORKER_START_S = 8.0
 
 
-def parts(out: Path, toy: bool) -> list[tuple[str, list[str], dict[str, str], int]]:
-    """(name, argv, extra environment, time limit in seconds) per part."""
+def _kernel_expect(model: str, case: str, batch: int, compiled: set, toy: bool) -> float:
+    kind = (model, case.split()[0], batch == 1)
+    first = kind not in compiled
+    compiled.add(kind)
     if toy:
-        return [
-            ("gpu_kernels", [str(HERE / "gpu_kernels.py"), "--toy", "--device", "cpu", "--out", str(out / "gpu_kernels")],
-             {"TRITON_INTERPRET": "1"}, 600),
-            ("gpu_runtime", [str(HERE / "gpu_runtime.py"), "--toy", "--device", "cpu", "--contexts", "512",
-                             "--batches", "1,2", "--steps", "2", "--policies", "transformers,full,streaming_llm,vestige,"
-                             "vestige+sketch,quest", "--modes", "eager,capacity", "--out", str(out / "gpu_runtime")],
-             {}, 600),
-        ]
-    return [
-        ("gpu_kernels", [str(HERE / "gpu_kernels.py"), "--out", str(out / "gpu_kernels")], {}, 200),
-        ("gpu_runtime", [str(HERE / "gpu_runtime.py"), "--contexts", "32768,131072", "--batches", "1,4",
-                         "--policies", "transformers,full,streaming_llm,vestige,vestige+sketch,quest", "--steps", "16",
-                         "--kernels", "torch,triton", "--modes", "eager,graph", "--out", str(out / "gpu_runtime")],
-         {}, 270),
-    ]
+        return 1.5
+    return 1.5 + (5.0 if first else 0.0)
+
+
+def _prefill_expect(kind: str, context: int, toy: bool) -> float:
+    if toy:
+        return 1.0
+    x = context / 32768
+    return (3 + 5 * x + 1.5 * x * x) * (1.2 if kind == "transformers" else 1.0)
+
+
+def _decode_expect(policy: str, kernels: str, mode: str, context: int, batch: int, compiled: set,
+                   toy: bool) -> float:
+    first_triton = kernels == "triton" and policy not in compiled
+    if kernels == "triton":
+        compiled.add(policy)
+    if toy:
+        return 1.0 + (8.0 if kernels == "triton" else 0.0)
+    x = context / 32768
+    step = {"eager": 0.04, "capacity": 0.04, "graph": 0.015}[mode] * (1 + 0.1 * (batch - 1))
+    if policy == "transformers":
+        step = 0.07 * (1 + x / 4) * (1 + 0.2 * (batch - 1))
+    compress = 0.3 * x if policy in ("full", "transformers") else 1.5 * x
+    return 1.5 + compress + 20 * step + (2.0 if mode == "graph" else 0.0) + (8.0 if first_triton else 0.0)
+
+
+def plan(toy: bool) -> list[dict[str, Any]]:
+    """Every cell of the run, most important first: ``{"id", "part", "group", "params", "expected_s"}``."""
+    cells: list[dict[str, Any]] = []
+    kernels_compiled: set = set()
+    triton_compiled: set = set()
+    prefilled: set = set()
+
+    def kernel(group: str, model: str, case: str, batch: int, rows: int) -> None:
+        cells.append({"id": f"kernel {model} {case} B{batch} {rows}", "part": "kernel", "group": group,
+                      "params": {"model": model, "case": case, "batch": batch, "rows": rows},
+                      "expected_s": _kernel_expect(model, case, batch, kernels_compiled, toy)})
+
+    def decode(group: str, policy: str, kernels: str, mode: str, context: int, batch: int) -> None:
+        kind = "transformers" if policy == "transformers" else "kvzoo"
+        if (kind, context) not in prefilled:  # the prefill every decode cell of this context starts from
+            prefilled.add((kind, context))
+            cells.append({"id": f"prefill {kind} {context}", "part": "prefill", "group": group,
+                          "params": {"kind": kind, "context": context},
+                          "expected_s": _prefill_expect(kind, context, toy)})
+        label = "—" if policy == "transformers" else kernels
+        cells.append({"id": f"runtime {policy} {label} {mode} B{batch} {context}", "part": "decode", "group": group,
+                      "params": {"policy": policy, "kernels": kernels, "mode": mode, "context": context,
+                                 "batch": batch},
+                      "expected_s": _decode_expect(policy, kernels, mode, context, batch, triton_compiled, toy)})
+
+    def sweep(group: str, model: str, case: str, batch: int, rows: int, seconds: float) -> None:
+        cells.append({"id": f"sweep {model} {case} B{batch} {rows}", "part": "sweep", "group": group,
+                      "params": {"model": model, "case": case, "batch": batch, "rows": rows},
+                      "expected_s": seconds})
+
+    if toy:
+        rows, batches, ctx, fetched = 64, (1, 2), 512, 16
+        group = "1 headline kernels (toy)"
+        for case in ("pool", "dense"):
+            for batch in batches:
+                kernel(group, "mla16", case, batch, rows)
+        group = "2 headline runtime (toy)"
+        for batch in batches:
+            for policy in HEADLINE_POLICIES:
+                for kernels, mode in TOY_DECODE_ARMS:
+                    decode(group, policy, kernels, mode, ctx, batch)
+        for policy in ("full", "vestige+sketch"):  # the kernels in the interpreter, checked against torch
+            decode(group, policy, "triton", "eager", ctx, 1)
+        group = "3 other kernels (toy)"
+        for case in (f"step 1/32 + {fetched}", f"gathered {fetched}"):
+            kernel(group, "mla16", case, 1, rows)
+        for case in ("dense", "pool"):
+            kernel(group, "gqa32/8", case, 1, rows)
+        for case in ("sketch", "pages"):
+            kernel(group, "mla16", case, 1, rows)
+        group = "4 other policies (toy)"
+        decode(group, "transformers", "torch", "eager", ctx, 1)
+        for policy in OTHER_POLICIES:
+            decode(group, policy, "torch", "eager", ctx, 1)
+        sweep("5 sweep (toy)", "mla16", "pool", 1, rows, 10.0)
+        return cells
+
+    small, large = CONTEXTS
+    group = "1 headline kernels: MLA 16 heads, 32k / 128k rows, batch 1 / 8"
+    for case in ("pool", "dense"):
+        for rows in CONTEXTS:
+            for batch in (1, 8):
+                kernel(group, "mla16", case, batch, rows)
+    for batch in (1, 8):
+        group = f"{2 if batch == 1 else 3} headline runtime: 32k, batch {batch}, full / vestige 32x / quest"
+        for policy in HEADLINE_POLICIES:
+            for kernels, mode in DECODE_ARMS:
+                decode(group, policy, kernels, mode, small, batch)
+    group = "4 retrieving-step kernels: MLA, 32k / 128k, batch 1 / 8"
+    for case in ("step 1/32 + 1024", "gathered 1024", "step 1/32 + 16", "gathered 16"):
+        for rows in CONTEXTS:
+            for batch in (1, 8):
+                kernel(group, "mla16", case, batch, rows)
+    group = "5 runtime: 128k, batch 1 / 8, full / vestige 32x / quest"
+    for batch in (1, 8):
+        for policy in HEADLINE_POLICIES:
+            for kernels, mode in DECODE_ARMS:
+                decode(group, policy, kernels, mode, large, batch)
+    group = "6 kernels: batch 4, GQA, index scans"
+    for case in ("pool", "dense", "step 1/32 + 1024", "gathered 1024"):
+        for rows in CONTEXTS:
+            kernel(group, "mla16", case, 4, rows)
+    for case in ("pool", "dense"):
+        for rows in CONTEXTS:
+            for batch in (1, 8):
+                kernel(group, "gqa32/8", case, batch, rows)
+    for case in ("sketch", "pages"):
+        for rows in CONTEXTS:
+            for batch in (1, 8):
+                kernel(group, "mla16", case, batch, rows)
+    group = "7 runtime at 32k: transformers' own DeepseekV2, streaming_llm, vestige without retriever"
+    for batch in (1, 8):
+        decode(group, "transformers", "torch", "eager", small, batch)
+        for policy in OTHER_POLICIES:
+            for kernels, mode in OTHER_ARMS:
+                decode(group, policy, kernels, mode, small, batch)
+    group = "8 sweep of (BLOCK_N, warps, stages, splits)"
+    for model, case, batch in (("mla16", "pool", 1), ("mla16", "pool", 8), ("mla16", "step 1/32 + 1024", 1),
+                               ("gqa32/8", "pool", 8)):
+        sweep(group, model, case, batch, small, 25.0)
+    group = "9 runtime at 128k: transformers, streaming_llm, vestige without retriever"
+    for batch in (1, 8):
+        decode(group, "transformers", "torch", "eager", large, batch)
+        for policy in OTHER_POLICIES:
+            for kernels, mode in OTHER_ARMS:
+                decode(group, policy, kernels, mode, large, batch)
+    return cells
+
+
+def fake_cells(spec: str) -> list[dict[str, Any]]:
+    """``SLEEP[:EXPECTED],...`` -> cells that sleep (the deadline's tests): each expects EXPECTED s (default SLEEP)."""
+    out = []
+    for i, item in enumerate(filter(None, spec.split(","))):
+        sleep, _, expected = item.partition(":")
+        out.append({"id": f"fake {i} sleeps {float(sleep):g} s", "part": "fake", "group": "0 fake cells (a test)",
+                    "params": {"sleep": float(sleep)}, "expected_s": float(expected or sleep)})
+    return out
+
+
+def select(cells: list[dict[str, Any]], only: list[str]) -> list[dict[str, Any]]:
+    """The cells whose id contains one of ``only`` (all when empty); a decode cell keeps its prefill."""
+    if not only:
+        return cells
+    kept = [c for c in cells if any(o in c["id"] for o in only)]
+    needed = {f"prefill {'transformers' if c['params']['policy'] == 'transformers' else 'kvzoo'} "
+              f"{c['params']['context']}" for c in kept if c["part"] == "decode"}
+    return [c for c in cells if c in kept or c["id"] in needed]
+
+
+# --- rows ----------------------------------------------------------------------------------------------------
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """One JSON line, flushed and closed at once: a worker killed after this keeps the row."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+        f.flush()
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill mid-write
+            continue
+    return rows
+
+
+def cell_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["cell"]: r for r in rows if r.get("cell")}
+
+
+# --- the worker ----------------------------------------------------------------------------------------------
+class Worker:
+    """Runs cells in one process; the kernel and runtime benches are built at their first cell."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+        self.toy = state["toy"]
+        self._device: str | None = None
+        self._kernels = None
+        self._runtime = None
+        self._bandwidth: float | None = None
+
+    @property
+    def device(self) -> str:
+        if self._device is None:
+            import torch
+
+            if not self.toy and not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device is visible to torch: the full-size run needs a GPU (use --toy off "
+                                   "one)")
+            self._device = "cuda" if not self.toy else "cpu"
+        return self._device
+
+    def bandwidth(self) -> float:
+        if self._bandwidth is None:
+            from kvzoo.bench.metrics import copy_bandwidth
+
+            self._bandwidth = copy_bandwidth(self.device, gib=1.0 if self.device == "cuda" else 0.05)
+        return self._bandwidth
+
+    def kernels(self):
+        if self._kernels is None:
+            import gpu_kernels
+
+            self._kernels = gpu_kernels.KernelBench(self.device, self.toy)
+            self._kernels._bandwidth = self.bandwidth()
+        return self._kernels
+
+    def runtime(self):
+        if self._runtime is None:
+            import gpu_runtime
+
+            self._runtime = gpu_runtime.RuntimeBench(self.device, self.toy, bandwidth=self.bandwidth)
+        return self._runtime
+
+    def extra_expected(self, cell: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> float:
+        """Seconds a decode cell costs beyond its plan in this process: a prefill or a reference it must rebuild
+        (a restarted worker lost them)."""
+        if cell["part"] != "decode":
+            return 0.0
+        extra = 0.0
+        for what in self.runtime().missing(cell["params"]):
+            if what.startswith("prefill "):
+                extra += by_id.get(what, {}).get("expected_s", 0.0)
+            else:
+                extra += 0.5 * cell["expected_s"]
+        return extra
+
+    def run(self, cell: dict[str, Any], deadline: float) -> dict[str, Any]:
+        part, p = cell["part"], cell["params"]
+        if part == "fake":
+            if os.environ.get("KVZOO_GPU_CHECK_TEST_CRASH", "\0") in cell["id"]:  # the crash test's fake crash
+                os._exit(86)
+            time.sleep(p["sleep"])
+            return {"status": "ok", "slept_s": p["sleep"]}
+        if part == "kernel":
+            return self.kernels().measure(p)
+        if part == "sweep":
+            return self.kernels().sweep(p, min(deadline, time.time() + cell["expected_s"]))
+        if part == "prefill":
+            return self.runtime().prefill_cell(p)
+        if part == "decode":
+            return self.runtime().decode_cell(p)
+        raise ValueError(f"unknown part {part!r}")
+
+    def cuda_lost(self) -> str | None:
+        """Why the CUDA context can no longer be used (an illegal address poisons it for the process), or None."""
+        if self._device != "cuda":
+            return None
+        import torch
+
+        try:
+            torch.cuda.synchronize()
+            torch.ones(1, device="cuda").add_(1).item()
+        except Exception as err:
+            return f"{type(err).__name__}: {str(err)[:200]}"
+        return None
+
+    def environment(self) -> dict[str, Any]:
+        import torch
+
+        info: dict[str, Any] = {"device": self.device, "torch": torch.__version__, "pid": os.getpid()}
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except Exception as err:  # a row then says so; the kernel cells fail on their own
+            info["triton"] = f"not importable: {type(err).__name__}"
+        if self.device == "cuda":
+            info["gpu"] = torch.cuda.get_device_name()
+            info["free_gib"] = round(torch.cuda.mem_get_info()[0] / 2**30, 1)
+        return info
+
+
+def calibration(rows: dict[str, dict[str, Any]], part: str) -> float:
+    """How the finished cells of ``part`` compared with their plan (actual / expected, within 0.25 .. 4; 1 until two
+    have finished)."""
+    done = [r for r in rows.values() if r.get("part") == part and r.get("status") in ("ok", "failed")
+            and r.get("seconds") and r.get("expected_s")]
+    if len(done) < 2:
+        return 1.0
+    return min(4.0, max(0.25, sum(r["seconds"] for r in done) / sum(r["expected_s"] for r in done)))
+
+
+def run_cell(worker: Worker, cell: dict[str, Any], deadline: float) -> dict[str, Any]:
+    """One cell as its row: what it measured, ``skipped`` with the reason it gave, or ``failed`` with its exception
+    (a kernel's exception included: the benchmark's guard never lets it fall back to PyTorch)."""
+    base = {"cell": cell["id"], "part": cell["part"], "group": cell["group"], "expected_s": cell["expected_s"]}
+    started = time.perf_counter()
+    try:
+        row = worker.run(cell, deadline)
+    except Exception as err:
+        if getattr(err, "skip", False):
+            row = {"status": "skipped", "reason": str(err)}
+        else:
+            row = {"status": "failed", "error": f"{type(err).__name__}: {str(err)[:500]}",
+                   "traceback": traceback.format_exc()[-2000:]}
+            traceback.print_exc()
+    return {**base, **row, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def worker_main(out: Path, progress: Path) -> int:
+    state = json.loads((out / "plan.json").read_text())
+    rows_path = out / "rows.jsonl"
+    deadline = state["deadline"]
+    reserve = state["reserve_s"]
+    done = cell_rows(read_rows(rows_path))
+    by_id = {c["id"]: c for c in state["cells"]}
+    worker = Worker(state)
+    needs_torch = any(c["part"] != "fake" for c in state["cells"] if c["id"] not in done)
+    if needs_torch:
+        append_row(rows_path, {"event": "worker started", "time": time.time(), **worker.environment()})
+    else:
+        append_row(rows_path, {"event": "worker started", "time": time.time(), "pid": os.getpid()})
+    for cell in state["cells"]:
+        if cell["id"] in done:
+            continue
+        base = {"cell": cell["id"], "part": cell["part"], "group": cell["group"], "expected_s": cell["expected_s"]}
+        left = deadline - reserve - time.time()
+        if cell["part"] == "decode":  # a prefill it needs was skipped or failed: so is the cell
+            kind = "transformers" if cell["params"]["policy"] == "transformers" else "kvzoo"
+            prefill = done.get(f"prefill {kind} {cell['params']['context']}")
+            if prefill is not None and prefill["status"] != "ok":
+                row = {**base, "status": "skipped", "reason": f"its prefill was {prefill['status']}"}
+                append_row(rows_path, row)
+                done[cell["id"]] = row
+                continue
+        expected = (cell["expected_s"] + worker.extra_expected(cell, by_id)) * calibration(done, cell["part"])
+        if expected > left:
+            reason = ("the deadline had passed" if left <= 0 else
+                      f"the deadline: expected {expected:.0f} s, {max(0.0, left):.0f} s left")
+            row = {**base, "status": "skipped", "reason": reason}
+            append_row(rows_path, row)
+            done[cell["id"]] = row
+            continue
+        progress.write_text(json.dumps({"cell": cell["id"], "started": time.time()}))
+        row = run_cell(worker, cell, deadline - reserve)
+        append_row(rows_path, row)
+        done[cell["id"]] = row
+        progress.write_text("{}")
+        print(f"[{row['seconds']:7.1f} s / plan {cell['expected_s']:5.1f} s] {row['status']:>7} {cell['id']}",
+              flush=True)
+        if row["status"] == "failed":
+            lost = worker.cuda_lost()
+            if lost:
+                append_row(rows_path, {"event": "CUDA context lost", "after": cell["id"], "error": lost})
+                return 3  # the watcher starts a fresh worker for the cells left
+    append_row(rows_path, {"event": "worker finished", "time": time.time()})
+    return 0
+
+
+# --- the watcher -----------------------------------------------------------------------------------------------
+class Interrupted(Exception):
+    pass
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    raise Interrupted(f"signal {signum}")
+
+
+def cell_limit(cell: dict[str, Any], toy: bool) -> float:
+    """Seconds a cell may run before the watcher calls it a hang."""
+    return max(300.0 if toy else 60.0, 4 * cell["expected_s"])
+
+
+def worker_env(args: argparse.Namespace, site: str | None) -> dict[str, str]:
+    paths = [p for p in (site, str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
+    if args.toy:
+        env["TRITON_INTERPRET"] = "1"  # the kernels run in Triton's interpreter (set before triton is imported)
+    return env
+
+
+def run_preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "preflight.json"
+        cmd = [sys.executable, str(HERE / "gpu_bundle.py"), "preflight", "--json", str(result)]
+        cmd += ["--no-probe"] if args.no_probe else []
+        for item in args.pretend:
+            cmd += ["--pretend", item]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if result.exists():
+            return json.loads(result.read_text())
+        return {"ok": False, "problems": [f"the preflight did not run: rc {done.returncode}: "
+                                          f"{(done.stdout + done.stderr)[-1500:]}"], "versions": {}}
+
+
+def watch(args: argparse.Namespace, state: dict[str, Any], env: dict[str, str], out: Path, progress: Path) -> None:
+    """Start workers until every cell has a row, the deadline passes or too many workers were needed. ``progress``:
+    where a worker writes the cell it is running."""
+    rows_path = out / "rows.jsonl"
+    by_id = {c["id"]: c for c in state["cells"]}
+    seen = 0
+    while True:
+        rows = cell_rows(read_rows(rows_path))
+        left = [c for c in state["cells"] if c["id"] not in rows]
+        if not left:
+            state["status"] = "complete"
+            return
+        start_cost = TOY_WORKER_START_S if args.toy else WORKER_START_S
+        if state["workers"] and state["deadline"] - time.time() < start_cost:
+            state["status"] = "stopped at the deadline"  # no time to start another worker
+            return
+        if len(state["workers"]) >= MAX_WORKERS:
+            state["status"] = f"stopped: {MAX_WORKERS} workers started"
+            return
+        if state["workers"] and state["workers"][-1].get("cells") == 0:
+            state["status"] = f"stopped: the worker wrote no row ({state['workers'][-1]['ended']}); see worker.log"
+            return
+        progress.write_text("{}")
+        with open(out / "worker.log", "a") as log:
+            log.write(f"\n=== worker {len(state['workers']) + 1} at {time.time() - state['started']:.1f} s ===\n")
+            log.flush()
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
+                                     "--progress", str(progress)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        record = {"pid": proc.pid, "started_s": round(time.time() - state["started"], 1)}
+        state["workers"].append(record)
+        state["current"] = proc
+        ended = None
+        while ended is None:
+            time.sleep(0.2)
+            seen = report_progress(rows_path, seen, state, out)
+            rc = proc.poll()
+            current = _read_json(progress)
+            now = time.time()
+            if rc is not None:
+                ended = ("exit", rc)
+            elif now >= state["deadline"]:
+                ended = ("deadline", None)
+            elif current.get("cell") and now - current["started"] > cell_limit(by_id[current["cell"]], args.toy):
+                ended = ("hang", None)
+        if ended[0] != "exit":
+            _kill(proc)
+        state["current"] = None
+        record["ended"] = ended[0] if ended[0] != "exit" else f"exit {ended[1]}"
+        before = len(rows)
+        if ended[0] == "deadline":
+            in_flight_row(state, out, progress, "timeout",
+                          lambda seconds, limit: f"still running at the deadline after {seconds} s: killed")
+        elif ended[0] == "hang":
+            in_flight_row(state, out, progress, "timeout",
+                          lambda seconds, limit: f"ran {seconds} s, past its limit of {limit:.0f} s: killed")
+        else:
+            in_flight_row(state, out, progress, "crashed",
+                          lambda seconds, limit, rc=ended[1]: f"the worker died running it (rc {rc}): {_log_tail(out)}")
+        record["cells"] = len(cell_rows(read_rows(rows_path))) - before  # rows this worker's run added
+        seen = report_progress(rows_path, seen, state, out)
+        if ended[0] == "deadline":
+            state["status"] = "stopped at the deadline"
+            return
+
+
+def in_flight_row(state: dict[str, Any], out: Path, progress: Path, status: str,
+                  error: Callable[[float, float], str]) -> None:
+    """A row for the cell the (now dead) worker was running, if it wrote none; ``error(seconds it ran, its hang
+    limit)`` says what happened."""
+    current = _read_json(progress)
+    cell = {c["id"]: c for c in state["cells"]}.get(current.get("cell", ""))
+    if cell is None or cell["id"] in cell_rows(read_rows(out / "rows.jsonl")):
+        return
+    seconds = round(time.time() - current["started"], 1)
+    append_row(out / "rows.jsonl", {
+        "cell": cell["id"], "part": cell["part"], "group": cell["group"], "expected_s": cell["expected_s"],
+        "seconds": seconds, "status": status,
+        "error": error(seconds, cell_limit(cell, state["toy"]))})
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker's own process group (start_new_session)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _log_tail(out: Path, chars: int = 600) -> str:
+    try:
+        return (out / "worker.log").read_text()[-chars:].strip()
+    except OSError:
+        return ""
+
+
+def report_progress(rows_path: Path, seen: int, state: dict[str, Any], out: Path) -> int:
+    """Print the rows that arrived since ``seen``, and re-render the summary when any did."""
+    rows = read_rows(rows_path)
+    for r in rows[seen:]:
+        if r.get("cell"):
+            what = r.get("error") or r.get("reason") or ""
+            print(f"  {r['status']:>8} {r.get('seconds', 0) or 0:7.1f} s (plan {r['expected_s']:5.1f}) {r['cell']}"
+                  f"{': ' + what[:160] if what else ''}", flush=True)
+    if len(rows) != seen:
+        render(state, out)
+    return len(rows)
+
+
+def finish_rows(state: dict[str, Any], out: Path) -> None:
+    """A row for every planned cell that has none (the run stopped before it), saying why."""
+    rows_path = out / "rows.jsonl"
+    rows = cell_rows(read_rows(rows_path))
+    reason = {"complete": "not reached", "stopped at the deadline": "the deadline passed before it started"}.get(
+        state["status"], f"not started: gpu-check {state['status']}")
+    for cell in state["cells"]:
+        if cell["id"] not in rows:
+            append_row(rows_path, {"cell": cell["id"], "part": cell["part"], "group": cell["group"],
+                                   "expected_s": cell["expected_s"], "status": "skipped", "reason": reason})
+
+
+# --- the summary -----------------------------------------------------------------------------------------------
+def _f(v: Any, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def render(state: dict[str, Any], out: Path) -> str:
+    """``gpu_check.md`` from ``plan.json``'s state and ``rows.jsonl``: what ran, what failed, what did not run."""
+    all_rows = read_rows(out / "rows.jsonl")
+    rows = cell_rows(all_rows)
+    cells = state["cells"]
+    counts: dict[str, int] = {}
+    for c in cells:
+        status = rows.get(c["id"], {}).get("status", "not run yet")
+        counts[status] = counts.get(status, 0) + 1
+    events = [r for r in all_rows if r.get("event")]
+    env = next((r for r in events if r.get("event") == "worker started" and r.get("device")), {})
+    wall = time.time() - state["started"]
+    pre = state.get("preflight") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (pre.get("versions") or {}).items())
+    bandwidth = next((r.get("bandwidth_bytes_per_s") for r in rows.values() if r.get("bandwidth_bytes_per_s")), None)
+    title = "toy size, CPU" if state["toy"] else env.get("gpu", env.get("device", "GPU"))
+    lines = [f"# make gpu-check: {title}", "",
+             f"**Status: {state['status']}.** Budget {state['budget_s']:.0f} s, wall so far {wall:.0f} s; "
+             f"{len(cells)} cells planned (expected {sum(c['expected_s'] for c in cells):.0f} s): "
+             + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+             + f"; workers started: {len(state['workers'])}.",
+             f"Versions: {versions or 'unknown'}."
+             + (f" Worker: {env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}"
+                f"{', ' + str(env.get('free_gib')) + ' GiB free' if env.get('free_gib') else ''}." if env else "")
+             + (f" Copy bandwidth {bandwidth / 1e9:,.0f} GB/s." if bandwidth else "")]
+    if state["toy"]:
+        lines.append("Toy size on CPU: the kernels in Triton's interpreter, a toy model -- a smoke run of the script, "
+                     "no figure of a GPU.")
+    if pre and not pre.get("ok", True):
+        lines += ["", "## Refused by the preflight: nothing was timed", ""]
+        lines += [f"- {p}" for p in pre.get("problems", [])]
+        lines += ["", f"Fix: {pre.get('fix')}"]
+    elif pre and not pre.get("probed"):
+        lines.append("The preflight checked versions only: the DeepseekV2 `cache=` probe was skipped (--no-probe).")
+    not_run = [(c, rows.get(c["id"])) for c in cells if rows.get(c["id"], {}).get("status") in (None, "skipped")]
+    bad = [(c, rows[c["id"]]) for c in cells if rows.get(c["id"], {}).get("status") in ("failed", "timeout", "crashed")]
+    if bad:
+        lines += ["", f"## Failed ({len(bad)})", "", "| cell | status | error |", "|---|---|---|"]
+        lines += [f"| {c['id']} | {r['status']} | {_cell_text(r.get('error', ''))} |" for c, r in bad]
+    if not_run and (pre.get("ok", True)):
+        lines += ["", f"## Not run ({len(not_run)})", "", "| cell | plan s | why |", "|---|---|---|"]
+        lines += [f"| {c['id']} | {c['expected_s']:.0f} | {_cell_text((r or {}).get('reason', 'not reached yet'))} |"
+                  for c, r in not_run]
+    lines += _kernel_table(cells, rows) + _runtime_table(cells, rows) + _prefill_table(cells, rows)
+    lines += _sweep_table(cells, rows) + _fake_table(cells, rows)
+    if state["status"] not in ("complete", "running", "starting") or bad:
+        tail = _log_tail(out, 3000)
+        if tail:
+            lines += ["", "## The end of worker.log", "", "```", tail, "```"]
+    text = "\n".join(lines) + "\n"
+    (out / "gpu_check.md").write_text(text)
+    return text
+
+
+def _cell_text(text: str) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")[:300]
+
+
+def _done(cells, rows, part):
+    """The cells of ``part`` whose row holds measurements (a failed check included: it is in the table and in the
+    failed list)."""
+    field = {"kernel": "eager_ms", "decode": "decode_ms"}[part]
+    return [(c, rows[c["id"]]) for c in cells if c["part"] == part and field in rows.get(c["id"], {})]
+
+
+def _kernel_table(cells, rows) -> list[str]:
+    done = _done(cells, rows, "kernel")
+    if not done:
+        return []
+    out = ["", "## Kernels", "",
+           "'graph': the calls replayed from a CUDA graph (no host overhead); GB/s and 'of copy' from it where taken. "
+           "Each op is checked against the fp32 reference on the same inputs first.", "",
+           "| op | model | batch | rows | case | eager ms | graph ms | split alone ms | GB/s | of copy | copies | "
+           "rel. error | check | s / plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c, r in done:
+        split = r.get("split_graph_ms") or r.get("split_eager_ms")
+        of_copy = None if r.get("of_copy") is None else 100 * r["of_copy"]
+        out.append(f"| {r['op']} | {r['model']} | {r['batch']} | {r['rows']:,} | {r['case']} | "
+                   f"{_f(r.get('eager_ms'), '.4f')} | {_f(r.get('graph_ms'), '.4f')} | {_f(split, '.4f')} | "
+                   f"{_f(r.get('gb_per_s'), ',.0f')} | {_f(of_copy, '.1f')}% | {r.get('copies', '—')} | "
+                   f"{_f(r.get('rel_error'), '.1e')} | {r.get('check', '—')} | "
+                   f"{r['seconds']:.1f} / {c['expected_s']:.0f} |")
+    return out
+
+
+def _runtime_table(cells, rows) -> list[str]:
+    done = _done(cells, rows, "decode")
+    if not done:
+        return []
+    out = ["", "## Runtime decode", "",
+           "ms/step: median over the timed steps, synchronised around each (host overhead included). check: the "
+           "warm-up steps' logits against the torch/eager row of the same policy, context and batch (relative error, "
+           "worst step; greedy tokens). bookkeeping: host ms per replay spent advancing the cache's counters.", "",
+           "| policy | kernels | mode | context | batch | ms/step | bound ms | KV MiB/step | peak MiB | check | "
+           "kernel calls | bookkeeping ms | s / plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c, r in done:
+        check = r.get("check") or {}
+        if "rel" in check:
+            text = (f"{'ok' if check.get('ok') else 'FAILED'} {max(check['rel'], default=0):.1e}"
+                    + (f", {check['ties']} ties" if check.get("ties") else ""))
+        else:
+            text = check.get("reference", "—")
+        mode = r["mode"]
+        if r.get("replays") is not None:
+            mode += f" ({r['replays']}/{r['steps']} replayed)"
+        calls = sum((r.get("kernel_calls") or {}).values())
+        out.append(f"| {r['policy']} | {r['kernels']} | {mode} | {r['context']} | {r['batch']} | "
+                   f"{_f(r.get('decode_ms'), '.2f')} | {_f(r.get('bandwidth_bound_ms'), '.3f')} | "
+                   f"{_f(None if r.get('kv_bytes_per_step') is None else r['kv_bytes_per_step'] / 2**20, ',.1f')} | "
+                   f"{_f(r.get('decode_peak_mib'), ',.0f')} | {text} | {calls} | "
+                   f"{_f(r.get('bookkeeping_ms'), '.2f')} | "
+                   f"{r['seconds']:.1f} / {c['expected_s']:.0f} |")
+    return out
+
+
+def _prefill_table(cells, rows) -> list[str]:
+    done = [(c, rows[c["id"]]) for c in cells if c["part"] == "prefill" and rows.get(c["id"], {}).get("status") == "ok"]
+    if not done:
+        return []
+    out = ["", "## Prefill (batch 1, once per context)", "", "| cache | context | s | peak MiB | s / plan |",
+           "|---|---|---|---|---|"]
+    out += [f"| {r['kind']} | {r['context']} | {r['prefill_s']:.2f} | {_f(r.get('prefill_peak_mib'), ',.0f')} | "
+            f"{r['seconds']:.1f} / {c['expected_s']:.0f} |" for c, r in done]
+    return out
+
+
+def _sweep_table(cells, rows) -> list[str]:
+    done = [(c, rows[c["id"]]) for c in cells if c["part"] == "sweep" and "points" in rows.get(c["id"], {})]
+    if not done:
+        return []
+    out = ["", "## Sweep", "",
+           "| case | shipped (BLOCK_N, warps, stages, splits) | best | best ms | points (left out) |",
+           "|---|---|---|---|---|"]
+    for _c, r in done:
+        s, b = r["shipped"], r["best"]
+        best = "—" if b is None else f"{b['BLOCK_N']}, {b['num_warps']}, {b['num_stages']}, {b['splits']}"
+        out.append(f"| {r['model']} B{r['batch']} {r['rows']:,} {r['case']} | {s['BLOCK_N']}, {s['num_warps']}, "
+                   f"{s['num_stages']}, {s['splits']} | {best} | {_f(None if b is None else b['ms'], '.4f')} | "
+                   f"{len(r['points'])} ({r.get('points_left_out', 0)}) |")
+    return out
+
+
+def _fake_table(cells, rows) -> list[str]:
+    done = [(c, rows[c["id"]]) for c in cells if c["part"] == "fake" and rows.get(c["id"], {}).get("status") == "ok"]
+    if not done:
+        return []
+    return ["", "## Fake cells (a test of the deadline)", ""] + [f"- {c['id']}: {r['seconds']:.1f} s" for c, r in done]
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+def print_plan(state: dict[str, Any]) -> None:
+    total, group = WORKER_START_S if not state["toy"] else TOY_WORKER_START_S, None
+    print(f"plan: {len(state['cells'])} cells, budget {state['budget_s']:.0f} s (a worker's start-up ~{total:.0f} s)")
+    for c in state["cells"]:
+        if c["group"] != group:
+            group = c["group"]
+            print(f"  -- {group}")
+        total += c["expected_s"]
+        over = "  (past the budget: expected to be skipped)" if total > state["budget_s"] - state["reserve_s"] else ""
+        print(f"  {c['expected_s']:6.1f} s  (total {total:6.1f} s)  {c['id']}{over}")
+    print(f"plan total {total:.0f} s against a budget of {state['budget_s']:.0f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/gpu_check"), help="folder for the reports")
+    parser.add_argument("--out", type=Path, default=Path("results/gpu_check"), help="folder for the four files")
     parser.add_argument("--toy", action="store_true", help="toy sizes on CPU (what CI runs)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"seconds of wall for the whole run (default {BUDGET_S:.0f}; toy {TOY_BUDGET_S:.0f})")
+    parser.add_argument("--wheels", type=Path, default=None,
+                        help="a folder of carried wheels (make gpu-bundle) to unpack first, no network")
+    parser.add_argument("--site", default="/tmp/kvzoo-site", help="where --wheels are unpacked")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="run only the cells whose id contains TEXT (repeatable)")
+    parser.add_argument("--fake-cells", default="", metavar="SLEEP[:EXPECTED],...",
+                        help="cells that sleep, run first (tests of the deadline)")
+    parser.add_argument("--pretend", action="append", default=[], metavar="NAME=VERSION",
+                        help="the preflight reads VERSION for NAME (tests of a refusal)")
+    parser.add_argument("--no-probe", action="store_true", help="the preflight checks versions only")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (nothing is written or run)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--progress", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary, sections = [], [f"# make gpu-check ({'toy size, CPU' if args.toy else 'GPU'})", ""]
-    env_base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    for name, cmd, extra, limit in parts(args.out, args.toy):
-        started = time.perf_counter()
-        try:
-            done = subprocess.run([sys.executable, *cmd], env={**env_base, **extra}, timeout=limit,
-                                  capture_output=True, text=True)
-            rc, timed_out, tail = done.returncode, False, (done.stdout + done.stderr)[-2000:]
-        except subprocess.TimeoutExpired as exc:  # what it wrote so far stays in its report
-            rc, timed_out, tail = None, True, str(exc)[-2000:]
-        seconds = time.perf_counter() - started
-        summary.append({"part": name, "returncode": rc, "timed_out": timed_out, "seconds": round(seconds, 1),
-                        "limit_seconds": limit})
-        report = args.out / f"{name}.md"
-        sections.append(f"## {name} ({seconds:.0f} s{', hit its time limit' if timed_out else ''}, rc {rc})")
-        sections.append(report.read_text() if report.exists() else f"no report written; last output:\n```\n{tail}\n```")
-        print(f"{name}: rc {rc}, {seconds:.0f} s{' (time limit)' if timed_out else ''}", file=sys.stderr)
-    (args.out / "gpu_check.md").write_text("\n".join(sections) + "\n")
-    (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print("\n".join(sections))
-    return 0 if all(p["returncode"] == 0 for p in summary) else 1
+    out = args.out.resolve()
+    if args.worker:
+        sys.path.insert(0, str(HERE))
+        return worker_main(out, args.progress)
+
+    started = time.time()
+    budget = args.budget if args.budget is not None else (TOY_BUDGET_S if args.toy else BUDGET_S)
+    cells = fake_cells(args.fake_cells) + select(plan(args.toy), args.only)
+    if args.dry_run:
+        print_plan({"toy": args.toy, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10), "cells": cells})
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for name in FILES:  # a fresh run: the worker reads rows.jsonl to know what is done
+        (out / name).unlink(missing_ok=True)
+    state: dict[str, Any] = {"toy": args.toy, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10),
+                             "started": started, "deadline": started + budget, "cells": cells, "workers": [],
+                             "status": "starting", "preflight": None, "current": None}
+
+    def save() -> None:
+        keep = {k: v for k, v in state.items() if k != "current"}
+        (out / "plan.json").write_text(json.dumps(keep, indent=1, default=str) + "\n")
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    progress = Path(tempfile.mkdtemp(prefix="gpu_check_")) / "progress.json"  # the cell a worker is running
+    code = 1
+    try:
+        site = None
+        if args.wheels is not None and sys.version_info[:2] != (3, 12):
+            print(f"--wheels {args.wheels}: the carried wheels are CPython 3.12's (the GPU machine's) and this is "
+                  f"{sys.version.split()[0]}: not unpacked; the preflight checks what this interpreter has", flush=True)
+        elif args.wheels is not None:
+            from gpu_bundle import install
+
+            install(args.wheels, args.site)
+            site = args.site
+        env = worker_env(args, site)
+        state["preflight"] = run_preflight(args, env)
+        if not state["preflight"]["ok"]:
+            versions = state["preflight"].get("versions", {})
+            state["status"] = (f"refused by the preflight (transformers {versions.get('transformers')}, "
+                               f"huggingface-hub {versions.get('huggingface-hub')})")
+            save()
+            print(render(state, out))
+            return 2
+        save()
+        print_plan(state)
+        state["status"] = "running"
+        watch(args, state, env, out, progress)
+        code = 0
+    except Interrupted as why:
+        state["status"] = f"interrupted ({why})"
+        code = 130
+    except Exception as err:
+        state["status"] = f"stopped by an error in gpu_check ({type(err).__name__}: {err})"
+        traceback.print_exc()
+        code = 1
+    finally:
+        proc = state.get("current")
+        if proc is not None and proc.poll() is None:
+            _kill(proc)
+        if state["status"] in ("starting", "running"):
+            state["status"] = "stopped"
+        in_flight_row(state, out, progress, "timeout",
+                      lambda seconds, limit: f"still running after {seconds} s when gpu-check was {state['status']}: "
+                                             "killed")
+        shutil.rmtree(progress.parent, ignore_errors=True)
+        if state["preflight"] is None or state["preflight"].get("ok"):
+            finish_rows(state, out)
+        save()
+        text = render(state, out)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print(text)
+    rows = cell_rows(read_rows(out / "rows.jsonl"))
+    bad = [r["cell"] for r in rows.values() if r["status"] in ("failed", "timeout", "crashed")]
+    skipped = [r["cell"] for r in rows.values() if r["status"] == "skipped"]
+    print(f"gpu-check: {state['status']}; {len(rows) - len(bad) - len(skipped)} ok, {len(bad)} failed"
+          f"{' (' + '; '.join(bad[:6]) + ('; ...' if len(bad) > 6 else '') + ')' if bad else ''}, {len(skipped)} "
+          f"skipped; {time.time() - started:.0f} s of a {budget:.0f} s budget; files in {out}")
+    if code == 0 and bad:
+        code = 1
+    return code
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
     raise SystemExit(main())

@@ -1,61 +1,79 @@
-"""The runtime on DeepSeek-V2-Lite's attention geometry: transformers' own model vs kvzoo's policies.
+"""The runtime on DeepSeek-V2-Lite's attention geometry, one cell at a time: transformers' own model vs kvzoo's.
 
-    python benchmarks/gpu_runtime.py                      # CUDA if present: 32k and 128k, batch 1 and 4
-    python benchmarks/gpu_runtime.py --toy                # any machine: a toy size in seconds (CI smoke test)
-    python benchmarks/gpu_runtime.py --profile streaming_llm   # also profile one decode step of a policy
+``make gpu-check`` (``benchmarks/gpu_check.py``) plans and runs these cells with the kernels'; this module says what
+one runtime cell does.
 
-The model: DeepSeek-V2-Lite's attention (hidden 2048, 16 heads, latent 512 + 64, nope 128, v 128, no
-q-LoRA, Lite's YaRN), ``--layers`` layers (8) with a small dense MLP (intermediate 1024) so that
-attention dominates, vocabulary 32,768, random weights, bf16 on CUDA (fp32 on CPU). Per context
-length: the prompt is prefilled at batch 1 in chunks of ``--chunk`` (4,096) tokens, the cache is
-compressed (the pipeline's compression point), then copied to each batch size
-(``Cache.batch_repeat_interleave``) and decoded for ``--steps`` (48) steps after 4 warm-up steps.
+The model: DeepSeek-V2-Lite's attention (hidden 2048, 16 heads, latent 512 + 64, nope 128, v 128, no q-LoRA, Lite's
+YaRN), 8 layers with a small dense MLP (intermediate 1024) so that attention dominates, vocabulary 32,768, random
+weights, bf16 on CUDA (fp32 on CPU; the toy size is hidden 256, 4 heads, 2 layers, the real 512 + 64 row).
 
-Reported per (policy, context, batch): decode ms/step (median, ``torch.cuda.synchronize`` around
-each step), prefill seconds and peak memory above the weights (batch 1), peak memory during the
-decode, the KV-path bytes one decode step reads (``cache.stats()``: attended rows + index entries
-+ fetched rows; for transformers the latent cache it decompresses), and the time those bytes take
-at the measured copy bandwidth (``2 x bytes / time`` of a 1 GiB device copy). ``--weights`` adds
-the weight bytes a step reads to that bound. Markdown and JSON go to ``--out`` (default
-``results/gpu_runtime.{md,json}``). A configuration that fails (out of memory) is recorded with
-its error and the run goes on.
+* A **prefill cell** prefills one context once at batch 1, in chunks of 4,096 tokens, into a ``full`` cache
+  (``KVZOO_KERNELS=torch``) -- or, for the ``transformers`` baseline, into transformers' ``DynamicCache`` with its own
+  attention (a second copy of the model kvzoo never attaches to).
+* A **decode cell** (policy, kernels, mode, context, batch) hands those rows to its policy
+  (``TieredCache.transplant``: every arm starts from the very same rows), compresses (the pipeline's compression
+  point), repeats them to the batch, runs ``warmup`` steps, then times ``steps`` steps (median ms, synchronised
+  around each step: host overhead included). ``kernels``: ``KVZOO_KERNELS`` for the cell (``torch``: the PyTorch
+  path; ``triton``: the kernels). ``mode``: ``eager`` (storage that grows), ``capacity`` (preallocated for the
+  sequence: ``transplant(capacity=N)``) or ``graph`` (preallocated and captured: ``cuda_graph``; CUDA only).
 
-``--kernels torch,triton`` (the default on CUDA) runs every kvzoo policy on both decode paths
-(``KVZOO_KERNELS``: the PyTorch path, and the Triton kernels of ``kvzoo/kernels/``: gathered split-K
-decode attention over the tier and the fetched rows, fused index scans); the ``kernels`` column says
-which. ``--modes eager,graph`` (the default on CUDA) runs every kvzoo policy eagerly and with
-``TieredCache(..., capacity=N, cuda_graph=True)`` (decode steps captured in a CUDA graph and replayed); the
-``mode`` column says which, and for a graph row how many steps replayed. Rows are written after every
-configuration, so a run cut short keeps what it measured. A configuration that fails -- out of memory, a
-Triton ``CompilationError`` or ``OutOfResources`` -- becomes a row with its error and the run goes on.
+**A row checks what it times.** The ``torch``/``eager`` cell of a (policy, context, batch) is the reference: its
+warm-up steps' logits are kept (or computed, untimed, when that cell was not run). Every other cell feeds the
+reference's greedy tokens through its own warm-up steps -- so in graph mode the steps compared include the eager
+step, the captured one and replayed ones -- and compares each step's logits: relative error ``|got - ref| / |ref|``
+within :data:`LOGIT_TOL` (bf16: 3e-2) and the same greedy token (a different token passes only where the reference's
+two logits are closer than four times the RMS difference of the logits: a tie within the rounding noise). A row
+that fails the check is a failed row. With random weights attention over thousands of random tokens is close to
+uniform, so this check catches gross errors (a stale graph input, a wrong layer, NaN, an unwritten output) rather
+than a subtly wrong row set: ``gpu_kernels.py`` checks each op against fp32 on random rows for that. The
+``transformers`` row is compared with kvzoo's ``full`` reference (do they agree?).
+
+**No silent fallback.** :class:`KernelGuard` replaces ``kvzoo.kernels.dispatch.run`` in the benchmark's process
+only: a kernel that raises fails its row with the exception (``KVZOO_KERNELS=auto`` would otherwise switch that op
+to PyTorch for the rest of the process and the row would time PyTorch under a Triton label); each kernel call is
+counted, and a ``triton`` row in which no kernel ran is a failed row.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import collections
+import copy
 import os
 import statistics
 import sys
 import time
-import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_kernels import free_bytes as _free_bytes
+from gpu_kernels import margin_bytes
 
-from kvzoo.bench.metrics import copy_bandwidth
-
-POLICIES = {
+POLICIES: dict[str, tuple[str, dict] | None] = {
     "transformers": None,  # transformers' own DeepseekV2 attention with a DynamicCache
     "full": ("full", {}),
     "streaming_llm": ("streaming_llm", {}),
-    "vestige": ("vestige", {"retriever": None}),
-    "vestige+sketch": ("vestige", {}),
+    "vestige": ("vestige", {"retriever": None}),  # VestigeKV's eviction alone
+    "vestige+sketch": ("vestige", {}),  # VestigeKV as registered: eviction + the certified sketch retriever
     "quest": ("quest", {}),
     "snapkv": ("snapkv", {}),
 }
+REFERENCE = ("torch", "eager")
+# the logits of a checked step against the reference step's: relative L2 error allowed per model dtype
+LOGIT_TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+ROW_BYTES = 576 * 2  # one absorbed MLA row in bf16
+
+
+class Skip(Exception):
+    """A cell that is not run, and why (memory, a prefill it needs failed): a row saying so, not a failure
+    (``gpu_check.run_cell`` reads ``skip``)."""
+
+    skip = True
+
+
+class KernelFailed(RuntimeError):
+    """A Triton kernel raised inside a benchmark cell (where ``auto`` would have switched to PyTorch silently)."""
 
 
 @dataclass
@@ -67,17 +85,23 @@ class Settings:
     heads: int
     intermediate: int
     vocab: int
-    contexts: list[int]
-    batches: list[int]
     steps: int
     warmup: int
     chunk: int
     ratio: float
-    policies: list[str]
-    weights_in_bound: bool = False
-    kernels: list[str] = field(default_factory=lambda: ["torch"])
-    modes: list[str] = field(default_factory=lambda: ["eager"])
     notes: list[str] = field(default_factory=list)
+
+
+def settings(toy: bool, device: str) -> Settings:
+    s = Settings(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                 layers=2 if toy else 8, hidden=256 if toy else 2048, heads=4 if toy else 16,
+                 intermediate=256 if toy else 1024, vocab=512 if toy else 32768, steps=2 if toy else 16,
+                 warmup=2 if toy else 4,  # on CUDA: an eager step, the captured one, two replays
+                 chunk=256 if toy else 4096, ratio=32.0)
+    if toy:
+        s.notes.append("toy size (hidden 256, 4 heads, 2 layers, the real 512 + 64 row): a smoke run, not a "
+                       "measurement of a GPU")
+    return s
 
 
 def build_model(s: Settings) -> torch.nn.Module:
@@ -103,263 +127,443 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def memory_mark(device: str) -> int:
+class KernelGuard:
+    """``kvzoo.kernels.dispatch.run`` replaced in this process (every module that imported it by name too): the
+    kernel's exception propagates as :class:`KernelFailed` -- never a switch to the PyTorch reference -- and each
+    kernel call is counted by op."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.failures: list[str] = []
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        import kvzoo.kernels.decode_attention  # noqa: F401  (the modules that call it, loaded before patching)
+        import kvzoo.kernels.index_scan  # noqa: F401
+        from kvzoo.kernels import dispatch
+
+        original = dispatch.run
+
+        def run(name: str, triton_fn: Callable, reference_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+            try:
+                out = triton_fn(*args, **kwargs)
+            except Exception as err:
+                self.failures.append(f"{name}: {type(err).__name__}: {str(err)[:300]}")
+                raise KernelFailed(f"the Triton kernel {name!r} raised {type(err).__name__}: {str(err)[:300]} "
+                                   "(gpu-check fails the row rather than time the PyTorch fallback)") from err
+            self.calls[name] += 1
+            return out
+
+        self.patched = [(module, original) for name, module in list(sys.modules.items())
+                        if name.startswith("kvzoo.") and getattr(module, "run", None) is original]
+        for module, _ in self.patched:
+            module.run = run
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """``dispatch.run`` put back (the tests; a benchmark process keeps the guard to its end)."""
+        for module, original in getattr(self, "patched", []):
+            module.run = original
+        self.patched, self.installed = [], False
+
+    def snapshot(self) -> tuple[collections.Counter, int, frozenset]:
+        from kvzoo.kernels import dispatch
+
+        return collections.Counter(self.calls), len(self.failures), frozenset(dispatch._failed)
+
+    def since(self, before: tuple[collections.Counter, int, frozenset]) -> tuple[dict[str, int], list[str]]:
+        """Kernel calls by op, and the problems (a kernel that raised, an op the dispatch switched to PyTorch),
+        since ``before``."""
+        from kvzoo.kernels import dispatch
+
+        calls, failures, failed = before
+        problems = list(self.failures[failures:])
+        problems += [f"kvzoo.kernels.dispatch switched {op!r} to PyTorch"
+                     for op in sorted(set(dispatch._failed) - failed)]
+        return dict(self.calls - calls), problems
+
+
+class GraphBookkeeping:
+    """Host time spent advancing the cache's counters after each replay (``graphs._Steps.advance``), timed in this
+    process only: the part of a graph step's host cost the issue asks to make O(1) in the number of layers."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        from kvzoo.framework import graphs
+
+        steps = getattr(graphs, "_Steps", None)
+        original = getattr(steps, "advance", None)
+        if original is None:  # the runtime changed: the column says "—"
+            self.installed = True
+            return
+
+        def advance(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+
+        steps.advance = advance
+        self.restore = (steps, original)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        restore = getattr(self, "restore", None)
+        if restore is not None:
+            restore[0].advance = restore[1]
+        self.restore, self.installed = None, False
+
+
+@dataclass
+class Base:
+    """One context prefilled once at batch 1: the rows every decode cell of that context starts from."""
+
+    cache: Any
+    token: torch.Tensor  # [1, 1] the greedy token after the prompt
+    prefill_s: float
+    peak_mib: float | None
+
+
+@dataclass
+class Reference:
+    """The torch/eager warm-up steps of one (policy, context, batch): logits [B, V] per step (fp32, CPU), and the
+    greedy tokens fed after each step [B, 1]."""
+
+    logits: list[torch.Tensor]
+    tokens: list[torch.Tensor]
+
+
+def compare(reference: list[torch.Tensor], got: list[torch.Tensor], tol: float) -> dict[str, Any]:
+    """``got``'s logits per step against ``reference``'s: relative L2 error per step (within ``tol``) and the greedy
+    token per sequence -- equal, or a tie: the reference's margin between the two tokens within four times the RMS
+    difference of that sequence's logits (rounding noise spread over the vocabulary, not one logit gone wrong).
+    ``ok`` and, when not, ``why``."""
+    rel, ties, mismatched = [], 0, []
+    for step, (r, g) in enumerate(zip(reference, got)):
+        if not torch.isfinite(g).all():
+            return {"ok": False, "why": f"step {step}: non-finite logits", "rel": rel, "ties": ties}
+        rel.append(float((g - r).norm() / r.norm().clamp_min(1e-30)))
+        want, have = r.argmax(-1), g.argmax(-1)
+        noise = (g - r).pow(2).mean(-1).sqrt()
+        margin = r.gather(-1, want[:, None])[:, 0] - r.gather(-1, have[:, None])[:, 0]
+        for b in torch.nonzero(want != have).flatten().tolist():
+            if margin[b] <= 4 * noise[b]:
+                ties += 1
+            else:
+                mismatched.append(f"step {step} seq {b}: token {int(have[b])}, reference {int(want[b])}")
+    out: dict[str, Any] = {"rel": rel, "ties": ties, "tolerance": tol, "steps": len(rel)}
+    worst = max(rel, default=0.0)
+    problems = []
+    if worst > tol:
+        problems.append(f"logits off the reference: relative error {worst:.2e} > {tol:g} (step {rel.index(worst)})")
+    if mismatched:
+        problems.append("greedy token differs: " + "; ".join(mismatched[:3]))
+    out["ok"] = not problems
+    if problems:
+        out["why"] = "; ".join(problems)
+    return out
+
+
+class RuntimeBench:
+    """What the runtime cells of one worker process share: the model (and transformers' copy), the prefilled
+    contexts, the references, the kernel guard."""
+
+    def __init__(self, device: str, toy: bool, bandwidth: Callable[[], float] | None = None,
+                 graph_runner: Callable[[Any], Any] | None = None) -> None:
+        """``graph_runner(cache)``: a stand-in for ``torch.cuda.CUDAGraph`` (the CPU tests of graph rows); None
+        on a GPU."""
+        self.s = settings(toy, device)
+        self.graph_runner = graph_runner
+        self.device, self.toy = device, toy
+        self._bandwidth = bandwidth
+        self.model: torch.nn.Module | None = None
+        self.hf_model: torch.nn.Module | None = None
+        self.bases: dict[tuple[str, int], Base | Exception] = {}
+        self.refs: dict[tuple[str, int, int], Reference] = {}
+        self.guard = KernelGuard()
+        self.bookkeeping = GraphBookkeeping()
+
+    def close(self) -> None:
+        """Drop the prefilled rows and the references, put ``dispatch.run`` and the graph counters back (the tests;
+        a benchmark's worker keeps them to its end)."""
+        self.bases.clear()
+        self.refs.clear()
+        self.guard.uninstall()
+        self.bookkeeping.uninstall()
+
+    def bandwidth(self) -> float:
+        if self._bandwidth is None:
+            from kvzoo.bench.metrics import copy_bandwidth
+
+            value = copy_bandwidth(self.device, gib=1.0 if self.device == "cuda" else 0.05)
+            self._bandwidth = lambda: value
+        return self._bandwidth()
+
+    def models(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        if self.model is None:
+            self.model = build_model(self.s)
+            self.hf_model = copy.deepcopy(self.model)  # never attached to: transformers' own attention
+            self.guard.install()
+            self.bookkeeping.install()
+        return self.model, self.hf_model
+
+    # --- what a cell costs beyond its plan (state a restarted worker lost) -------------------------------------
+    def missing(self, p: dict[str, Any]) -> list[str]:
+        """What this decode cell must rebuild first: ``prefill kvzoo C``, ``reference P C B`` (the plan's
+        estimate covers neither)."""
+        kind = "transformers" if p["policy"] == "transformers" else "kvzoo"
+        out = [] if (kind, p["context"]) in self.bases else [f"prefill {kind} {p['context']}"]
+        ref_policy = "full" if p["policy"] == "transformers" else p["policy"]
+        if (p["kernels"], p["mode"]) != REFERENCE and (ref_policy, p["context"], p["batch"]) not in self.refs:
+            out.append(f"reference {ref_policy} {p['context']} {p['batch']}")
+        return out
+
+    # --- prefill ---------------------------------------------------------------------------------------------
+    def base(self, kind: str, context: int) -> Base:
+        key = (kind, context)
+        got = self.bases.get(key)
+        if isinstance(got, Exception):
+            raise Skip(f"the prefill of {context} tokens ({kind}) failed earlier: {type(got).__name__}: {got}")
+        if got is None:
+            try:
+                got = self._prefill(kind, context)
+            except Exception as err:
+                self.bases[key] = err
+                raise
+            self.bases[key] = got
+        return got
+
+    def _prefill(self, kind: str, context: int) -> Base:
+        from transformers import DynamicCache
+
+        from kvzoo import TieredCache
+
+        s = self.s
+        # the cache, and a chunk's transients: a layer's rows decompressed to per-head K/V for the whole context
+        need = 2 * s.layers * context * ROW_BYTES + 2 * context * s.heads * (128 + 64 + 128) * 2 \
+            + margin_bytes(s.device)
+        free = _free_bytes(s.device)
+        if need > free:
+            raise Skip(f"the prefill of {context} tokens needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB "
+                       "free")
+        model, hf_model = self.models()
+        os.environ["KVZOO_KERNELS"] = "torch"
+        g = torch.Generator(device="cpu").manual_seed(context)
+        ids = torch.randint(3, s.vocab, (1, context), generator=g).to(s.device)
+        mark = _memory_mark(s.device)
+        if kind == "transformers":
+            net, cache = hf_model, DynamicCache(config=hf_model.config)
+        else:
+            net, cache = model, TieredCache(model, "full", context_length=context)
+        with torch.no_grad():
+            sync(s.device)
+            t = time.perf_counter()
+            for start in range(0, context, s.chunk):
+                logits = net(input_ids=ids[:, start:start + s.chunk], cache=cache, use_cache=True,
+                             logits_to_keep=1).logits
+            sync(s.device)
+            seconds = time.perf_counter() - t
+        held = cache.get_seq_length()
+        if held != context:  # transformers 5.17 drops cache= silently: refuse rather than time an empty cache
+            raise RuntimeError(f"after a prefill of {context} tokens the cache holds {held}: this transformers "
+                               "ignores cache= (run the preflight: benchmarks/gpu_bundle.py preflight)")
+        return Base(cache, logits[:, -1].argmax(-1, keepdim=True), seconds, _memory_peak(s.device, mark))
+
+    def prefill_cell(self, p: dict[str, Any]) -> dict[str, Any]:
+        existed = (p["kind"], p["context"]) in self.bases
+        base = self.base(p["kind"], p["context"])
+        return {"kind": p["kind"], "context": p["context"], "prefill_s": base.prefill_s,
+                "prefill_peak_mib": base.peak_mib, "status": "ok",
+                **({"note": "already prefilled in this process"} if existed else {})}
+
+    # --- decode ----------------------------------------------------------------------------------------------
+    def need_bytes(self, policy: str, context: int, batch: int) -> int:
+        """A generous estimate of the device memory a decode cell allocates (its cache, the step's transients)."""
+        s = self.s
+        rows = s.layers * (context + s.warmup + s.steps + 8) * batch * ROW_BYTES
+        if policy == "transformers":  # it decompresses a layer's latent into per-head K/V every step
+            return 2 * rows + 2 * context * batch * s.heads * (128 + 64 + 128) * 2 + margin_bytes(s.device)
+        return 4 * rows + margin_bytes(s.device)
+
+    def _cache(self, policy: str, mode: str, context: int) -> tuple[Any, torch.nn.Module]:
+        from kvzoo import registry
+
+        s = self.s
+        model, hf_model = self.models()
+        if POLICIES[policy] is None:
+            return copy.deepcopy(self.base("transformers", context).cache), hf_model
+        name, extra = POLICIES[policy]
+        params = dict(extra) if name == "full" else {"ratio": s.ratio, **extra}
+        capacity = context + s.warmup + s.steps + 8 if mode in ("capacity", "graph") else None
+        cache = self.base("kvzoo", context).cache.transplant(registry.get(name, **params), capacity=capacity,
+                                                              context_length=context)
+        if mode == "graph":
+            # TieredCache(..., cuda_graph=True) for a transplanted cache: transplant() has no cuda_graph= yet
+            from kvzoo.framework import graphs
+
+            if self.graph_runner is None:
+                graphs.check_cuda_graph(model, capacity)
+                cache.graph = graphs.install(model, cache)
+            else:
+                cache.graph = graphs.install(model, cache, lambda c=cache: self.graph_runner(c))
+        return cache, model
+
+    def _run(self, policy: str, kernels: str, mode: str, context: int, batch: int,
+             teacher: list[torch.Tensor] | None, timed: bool) -> dict[str, Any]:
+        """Warm-up steps (teacher-forced when ``teacher`` is given), then ``steps`` timed steps when ``timed``."""
+        s = self.s
+        os.environ["KVZOO_KERNELS"] = kernels
+        base = self.base("transformers" if policy == "transformers" else "kvzoo", context)
+        t = time.perf_counter()
+        cache, net = self._cache(policy, mode, context)
+        try:
+            with torch.no_grad():
+                return self._drive(policy, cache, net, base, context, batch, teacher, timed, t)
+        finally:
+            _release_graph(net, cache)
+            del cache
+            if s.device == "cuda":
+                torch.cuda.empty_cache()
+
+    def _drive(self, policy: str, cache: Any, net: torch.nn.Module, base: Base, context: int, batch: int,
+               teacher: list[torch.Tensor] | None, timed: bool, started: float) -> dict[str, Any]:
+        s = self.s
+        if hasattr(cache, "compress"):
+            cache.compress()
+        if batch > 1:
+            cache.batch_repeat_interleave(batch)
+        sync(s.device)
+        setup_s = time.perf_counter() - started
+        token = base.token.repeat(batch, 1)
+        warm_logits, warm_tokens = [], []
+        for step in range(s.warmup):
+            logits = self._step(net, cache, token, context + step)
+            warm_logits.append(logits.float().cpu())
+            token = teacher[step].to(s.device) if teacher is not None else logits.argmax(-1, keepdim=True)
+            warm_tokens.append(token.cpu())
+        out: dict[str, Any] = {"setup_s": setup_s, "warm_logits": warm_logits, "warm_tokens": warm_tokens}
+        if not timed:
+            return out
+        graph = getattr(cache, "graph", None)
+        replays0 = graph.replays if graph is not None else 0
+        book0 = (self.bookkeeping.seconds, self.bookkeeping.calls)
+        mark = _memory_mark(s.device)
+        times = []
+        for step in range(s.warmup, s.warmup + s.steps):
+            sync(s.device)
+            t = time.perf_counter()
+            logits = self._step(net, cache, token, context + step)
+            sync(s.device)
+            times.append(time.perf_counter() - t)
+            token = logits.argmax(-1, keepdim=True)
+        out.update(times=times, peak_mib=_memory_peak(s.device, mark), kv_bytes=self._kv_bytes(policy, cache))
+        if graph is not None:
+            calls = self.bookkeeping.calls - book0[1]
+            out.update(replays=graph.replays - replays0, captures=graph.captures,
+                       bookkeeping_ms=1e3 * (self.bookkeeping.seconds - book0[0]) / calls if calls else None)
+        return out
+
+    def _step(self, net: torch.nn.Module, cache: Any, token: torch.Tensor, position: int) -> torch.Tensor:
+        positions = torch.full_like(token, position)
+        return net(input_ids=token, position_ids=positions, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+
+    def _kv_bytes(self, policy: str, cache: Any) -> int:
+        if POLICIES[policy] is None:  # transformers keeps the latent c and k_pe and reads them every step
+            layers = [la for la in cache.layers if getattr(la, "keys", None) is not None]
+            return sum(la.keys.numel() * la.keys.element_size() + la.values.numel() * la.values.element_size()
+                       for la in layers)
+        return int(sum(la.last_step.get("kv_bytes_read", 0) for la in cache.stats().layers))
+
+    def reference(self, policy: str, context: int, batch: int) -> Reference:
+        key = (policy, context, batch)
+        if key not in self.refs:
+            got = self._run(policy, *REFERENCE, context, batch, teacher=None, timed=False)
+            self.refs[key] = Reference(got["warm_logits"], got["warm_tokens"])
+        return self.refs[key]
+
+    def decode_cell(self, p: dict[str, Any]) -> dict[str, Any]:
+        """One (policy, kernels, mode, context, batch) cell: a row with its timing and its check."""
+        s = self.s
+        policy, kernels, mode, context, batch = p["policy"], p["kernels"], p["mode"], p["context"], p["batch"]
+        if mode == "graph" and s.device != "cuda" and self.graph_runner is None:
+            raise Skip("mode graph captures CUDA graphs: CUDA only")
+        free = _free_bytes(s.device)
+        need = self.need_bytes(policy, context, batch)
+        if need > free:
+            raise Skip(f"needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+        self.models()
+        is_reference = (kernels, mode) == REFERENCE and policy != "transformers"
+        ref_policy = "full" if policy == "transformers" else policy
+        reference = None if is_reference else self.reference(ref_policy, context, batch)
+        before = self.guard.snapshot()
+        try:
+            got = self._run(policy, kernels, mode, context, batch,
+                            teacher=None if reference is None else reference.tokens, timed=True)
+        finally:
+            calls, problems = self.guard.since(before)
+        if is_reference:
+            self.refs[(policy, context, batch)] = Reference(got["warm_logits"], got["warm_tokens"])
+        kv = got["kv_bytes"]
+        times = got["times"]
+        row: dict[str, Any] = {
+            "policy": policy, "kernels": "—" if policy == "transformers" else kernels, "mode": mode,
+            "context": context, "batch": batch, "dtype": str(s.dtype).removeprefix("torch."),
+            "decode_ms": 1e3 * statistics.median(times), "decode_ms_min": 1e3 * min(times), "steps": len(times),
+            "kv_bytes_per_step": kv, "bandwidth_bound_ms": 1e3 * kv / self.bandwidth(),
+            "decode_peak_mib": got["peak_mib"], "setup_s": got["setup_s"], "kernel_calls": calls,
+        }
+        for key in ("replays", "captures", "bookkeeping_ms"):
+            if key in got:
+                row[key] = got[key]
+        problems = list(problems)
+        if reference is None:
+            row["check"] = {"reference": "this row (torch, eager)"}
+        else:
+            check = compare(reference.logits, got["warm_logits"], LOGIT_TOL[s.dtype])
+            check["reference"] = f"{ref_policy} torch eager"
+            row["check"] = check
+            if not check["ok"]:
+                problems.append(check["why"])
+        if (kernels == "triton" or kernels == "auto" and s.device == "cuda") and policy != "transformers" and not calls:
+            problems.append("no Triton kernel ran in this row: it timed the PyTorch path")
+        if kernels == "torch" and calls:
+            problems.append(f"Triton kernels ran under KVZOO_KERNELS=torch: {calls}")
+        if mode == "graph" and not got.get("replays"):
+            problems.append(f"no timed step replayed a CUDA graph ({got.get('captures', 0)} captures)")
+        row["status"] = "failed" if problems else "ok"
+        if problems:
+            row["error"] = "; ".join(problems)
+        return row
+
+
+def _release_graph(model: torch.nn.Module, cache: Any) -> None:
+    """Let a graphed cache go: ``graphs.install`` keeps it in ``model._kvzoo_graphs``, a WeakKeyDictionary whose
+    value (the DecodeGraph) holds the cache strongly, so the entry -- the cache's rows and the graph's memory pool --
+    would live as long as the model (a fix belongs in ``kvzoo/framework/graphs.py``)."""
+    registry = getattr(model, "_kvzoo_graphs", None)
+    if registry is not None:
+        registry.pop(cache, None)
+
+
+def _memory_mark(device: str) -> int:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
     return 0
 
 
-def memory_peak(device: str, base: int) -> float | None:
+def _memory_peak(device: str, base: int) -> float | None:
     if device == "cuda":
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     return None  # CPU: no allocator peak to read without a subprocess per row
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights one decode step reads (all but the embedding table, of which it reads a row)."""
-    embed = model.get_input_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
-
-
-def make_cache(model: torch.nn.Module, name: str, s: Settings, context: int, mode: str = "eager") -> Any:
-    from transformers import DynamicCache
-
-    from kvzoo import TieredCache, registry
-    from kvzoo.framework.attention import detach
-
-    if POLICIES[name] is None:
-        detach(model)
-        return DynamicCache(config=model.config)
-    policy_name, extra = POLICIES[name]
-    params = dict(extra) if policy_name == "full" else {"ratio": s.ratio, **extra}
-    policy = registry.get(policy_name, **params)
-    if mode == "eager":
-        return TieredCache(model, policy, context_length=context)
-    capacity = context + s.warmup + s.steps + 8  # the prompt and every decode step, preallocated
-    return TieredCache(model, policy, context_length=context, capacity=capacity, cuda_graph=mode == "graph")
-
-
-def forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-    return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-
-
-def kv_bytes_per_step(name: str, cache: Any, s: Settings) -> int:
-    if POLICIES[name] is None:  # transformers keeps the latent c and k_pe and reads them every step
-        layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-        return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                   for layer in layers)
-    return int(sum(layer.last_step.get("kv_bytes_read", 0) for layer in cache.stats().layers))
-
-
-def run_config(model: torch.nn.Module, name: str, context: int, s: Settings, bandwidth: float,
-               mode: str = "eager") -> list[dict[str, Any]]:
-    """Prefill one context at batch 1, then decode at every batch size; one row per batch size."""
-    g = torch.Generator(device="cpu").manual_seed(context)
-    ids = torch.randint(3, s.vocab, (1, context), generator=g).to(s.device)
-    base = memory_mark(s.device)
-    cache = make_cache(model, name, s, context, mode)
-    rows = []
-    with torch.no_grad():
-        sync(s.device)
-        t = time.perf_counter()
-        for start in range(0, context, s.chunk):
-            logits = forward(model, ids[:, start : start + s.chunk], cache)
-        if hasattr(cache, "compress"):
-            cache.compress()
-        sync(s.device)
-        prefill_s = time.perf_counter() - t
-        prefill_peak = memory_peak(s.device, base)
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        current = 1
-        for batch in s.batches:
-            if batch % current:
-                raise ValueError(f"batch sizes must each divide the next, got {s.batches}")
-            if batch != current:
-                cache.batch_repeat_interleave(batch // current)
-                token = token.repeat_interleave(batch // current, dim=0)
-                current = batch
-            decode_base = memory_mark(s.device)
-            times = []
-            for step in range(s.warmup + s.steps):
-                sync(s.device)
-                t = time.perf_counter()
-                logits = forward(model, token, cache)
-                sync(s.device)
-                if step >= s.warmup:
-                    times.append(time.perf_counter() - t)
-                token = logits[:, -1].argmax(-1, keepdim=True)
-            kv = kv_bytes_per_step(name, cache, s)
-            bound_bytes = kv + (weight_bytes(model) if s.weights_in_bound else 0)
-            graph = getattr(cache, "graph", None)
-            rows.append({
-                "policy": name, "kernels": "—" if name == "transformers" else os.environ.get("KVZOO_KERNELS", "auto"),
-                "mode": mode if graph is None else f"graph ({graph.replays} replays, {graph.captures} captures)",
-                "context": context, "batch": batch,
-                "decode_ms": 1e3 * statistics.median(times),
-                "prefill_s": prefill_s if batch == 1 else None,
-                "prefill_peak_mib": prefill_peak if batch == 1 else None,
-                "decode_peak_mib": memory_peak(s.device, decode_base),
-                "kv_bytes_per_step": kv,
-                "bandwidth_bound_ms": 1e3 * bound_bytes / bandwidth,
-            })
-    del cache
-    if s.device == "cuda":
-        torch.cuda.empty_cache()
-    return rows
-
-
-def profile_step(model: torch.nn.Module, name: str, context: int, s: Settings) -> str:
-    """One decode step under torch.profiler: kernels launched, host syncs, CPU and device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.randint(3, s.vocab, (1, context)).to(s.device)
-    cache = make_cache(model, name, s, context)
-    with torch.no_grad():
-        for start in range(0, context, s.chunk):
-            logits = forward(model, ids[:, start : start + s.chunk], cache)
-        if hasattr(cache, "compress"):
-            cache.compress()
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(3):
-            forward(model, token, cache)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device == "cuda" else [])
-        sync(s.device)
-        with profile(activities=activities) as prof:
-            forward(model, token, cache)
-            sync(s.device)
-    events = prof.key_averages()
-    aten = sum(e.count for e in events if e.key.startswith("aten::"))
-    syncs = sum(e.count for e in events if e.key in ("aten::item", "aten::_local_scalar_dense", "cudaMemcpyAsync",
-                                                      "cudaStreamSynchronize", "cudaDeviceSynchronize"))
-    lines = [f"profile of one decode step: {name}, context {context}, batch 1, {s.layers} layers",
-             f"  aten ops: {aten} ({aten / s.layers:.0f} per layer); host syncs (item / memcpy / synchronize): {syncs}"]
-    if s.device == "cuda":
-        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        device_us = sum(e.self_device_time_total for e in events)
-        cpu_us = sum(e.self_cpu_time_total for e in events)
-        lines.append(f"  CUDA kernels: {kernels}; device time {device_us / 1e3:.2f} ms; CPU time {cpu_us / 1e3:.2f} ms")
-    lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    del cache
-    return "\n".join(lines)
-
-
-def markdown(rows: list[dict[str, Any]], s: Settings, bandwidth: float) -> str:
-    def fmt(v: Any, spec: str) -> str:
-        return "—" if v is None else format(v, spec)
-
-    out = [f"Device {s.device}, {str(s.dtype).removeprefix('torch.')}, {s.layers} layers of DeepSeek-V2-Lite attention "
-           f"(hidden {s.hidden}, {s.heads} heads, 512 + 64 latent), ratio {s.ratio:g}x, prefill in chunks of {s.chunk}, "
-           f"median of {s.steps} decode steps. Copy bandwidth {bandwidth / 1e9:,.0f} GB/s.", "",
-           "| policy | kernels | mode | context | batch | decode ms/step | bandwidth-bound ms | KV MiB/step | prefill s | prefill peak MiB | decode peak MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['policy']} | {r.get('kernels', '—')} | {r.get('mode', '—')} | {r['context']} | "
-                       f"{r.get('batch', '—')} | {r['error']} | | | | | |")
-            continue
-        out.append(
-            f"| {r['policy']} | {r['kernels']} | {r['mode']} | {r['context']} | {r['batch']} | {r['decode_ms']:.2f} | {r['bandwidth_bound_ms']:.3f} | "
-            f"{r['kv_bytes_per_step'] / 2**20:,.1f} | {fmt(r['prefill_s'], '.2f')} | {fmt(r['prefill_peak_mib'], ',.0f')} | "
-            f"{fmt(r['decode_peak_mib'], ',.0f')} |"
-        )
-    return "\n".join(out + [""] + [f"- {n}" for n in s.notes])
-
-
-def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--toy", action="store_true", help="a toy size that runs anywhere in seconds (CI smoke test)")
-    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    p.add_argument("--contexts", default=None, help="comma-separated context lengths (default 32768,131072)")
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes, each dividing the next (default 1,4)")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="decode steps measured (default 48)")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 4096)")
-    p.add_argument("--ratio", type=float, default=32.0)
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
-    p.add_argument("--weights", action="store_true", help="add the weight bytes a step reads to the bandwidth bound")
-    p.add_argument("--profile", default=None, help="also profile one decode step of this policy")
-    p.add_argument("--kernels", default=None, help="comma-separated KVZOO_KERNELS modes for kvzoo's policies "
-                   "(torch, triton; default torch,triton on CUDA, torch elsewhere)")
-    p.add_argument("--modes", default=None, help="comma-separated decode modes for kvzoo's policies: eager, capacity "
-                   "(preallocated, not captured), graph (CUDA graphs; CUDA only). Default eager,graph on CUDA, eager "
-                   "elsewhere")
-    p.add_argument("--out", default="results/gpu_runtime", help="output stem: STEM.md and STEM.json")
-    args = p.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    toy = args.toy or device == "cpu"
-    policies = args.policies.split(",")
-    unknown = [n for n in policies if n not in POLICIES]
-    if unknown:
-        p.error(f"unknown policies {unknown}; valid: {', '.join(POLICIES)}")
-    s = Settings(
-        device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-        layers=args.layers or (2 if toy else 8), hidden=256 if toy else 2048, heads=4 if toy else 16,
-        intermediate=256 if toy else 1024, vocab=512 if toy else 32768,
-        contexts=[int(c) for c in (args.contexts or ("1024,2048" if toy else "32768,131072")).split(",")],
-        batches=[int(b) for b in (args.batches or ("1,2" if toy else "1,4")).split(",")],
-        steps=args.steps or (6 if toy else 48), warmup=2 if toy else 4, chunk=args.chunk or (256 if toy else 4096),
-        ratio=args.ratio, policies=policies, weights_in_bound=args.weights,
-        kernels=(args.kernels or ("torch,triton" if device == "cuda" else "torch")).split(","),
-    )
-    bad = [k for k in s.kernels if k not in ("torch", "triton", "auto")]
-    if bad:
-        p.error(f"unknown --kernels {bad}; valid: torch, triton, auto")
-    s.modes = (args.modes or ("eager,graph" if device == "cuda" else "eager")).split(",")
-    bad = [m for m in s.modes if m not in ("eager", "capacity", "graph")]
-    if bad or ("graph" in s.modes and device != "cuda"):
-        p.error(f"--modes {s.modes}: valid are eager, capacity and graph (graph needs CUDA)")
-    if toy:
-        s.notes.append("toy size (hidden 256, 4 heads, the real 512 + 64 row): a smoke run, not a measurement of a GPU")
-    return s, args
-
-
-def main(argv: list[str] | None = None) -> int:
-    s, args = parse(argv)
-    model = build_model(s)
-    bandwidth = copy_bandwidth(s.device, gib=0.125 if s.device == "cpu" else 1.0)
-    rows: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    previous = os.environ.get("KVZOO_KERNELS")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(s).items()}
-
-    def write() -> str:  # after every configuration: a run cut short keeps what it measured
-        report = markdown(rows, s, bandwidth)
-        out.with_suffix(".md").write_text(report + "\n")
-        out.with_suffix(".json").write_text(json.dumps({"settings": settings, "bandwidth_bytes_per_s": bandwidth,
-                                                        "rows": rows}, indent=1) + "\n")
-        return report
-
-    for context in s.contexts:
-        for name in s.policies:
-            for kernels in s.kernels if name != "transformers" else s.kernels[:1]:
-                for mode in s.modes if name != "transformers" else ["eager"]:
-                    os.environ["KVZOO_KERNELS"] = kernels
-                    try:
-                        rows.extend(run_config(model, name, context, s, bandwidth, mode))
-                    except Exception as exc:  # OOM, and Triton's CompilationError / OutOfResources (not RuntimeErrors)
-                        traceback.print_exc(file=sys.stderr)
-                        rows.append({"policy": name, "kernels": kernels, "mode": mode, "context": context,
-                                     "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                        if s.device == "cuda":
-                            torch.cuda.empty_cache()
-                    write()
-                    print(f"[{time.perf_counter() - started:6.1f} s] {name} ({kernels}, {mode}) at {context}",
-                          file=sys.stderr)
-    if previous is None:
-        os.environ.pop("KVZOO_KERNELS", None)
-    else:
-        os.environ["KVZOO_KERNELS"] = previous
-    s.notes.append(f"wall time {time.perf_counter() - started:.0f} s")
-    report = write()
-    if args.profile:
-        report += "\n\n```\n" + profile_step(model, args.profile, s.contexts[0], s) + "\n```\n"
-        out.with_suffix(".md").write_text(report + "\n")
-    print(report)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
