@@ -251,7 +251,6 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
-@torch.no_grad()
 def prefill_chunk(cache: Cache, tokens: int) -> int:
     """The chunk a prefill of ``tokens`` takes by default: the one that bounds the cache's peak for its policy.
 
@@ -265,6 +264,7 @@ def prefill_chunk(cache: Cache, tokens: int) -> int:
     return block if block and tokens > block else max(1, tokens)
 
 
+@torch.no_grad()
 def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None, *,
             phase: str = "prefill", ends_context: bool = False) -> torch.Tensor:
     """Run ``ids [B, n]`` through the model into ``cache`` (in chunks of ``chunk_size``, by default

@@ -199,7 +199,7 @@ def test_decode_attention_on_cpu_takes_sdpa_never_the_kernel(monkeypatch):
     out, lse = decode_attention(query, [Rows(keys, values)], SCALE)
     got = attend(query, [Rows(keys, values)], SCALE, lse=True, impl="sdpa")
     assert torch.equal(out, got.out.to(out.dtype)) and torch.equal(lse, got.lse)
-    with pytest.raises(ValueError, match=r"impl must be one of \('reference', 'sdpa', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('reference', 'sdpa', 'triton', 'native'\)"):
         attend(query, [Rows(keys, values)], SCALE, impl="cuda")
 
 

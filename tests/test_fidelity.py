@@ -109,8 +109,16 @@ def test_per_query_head_selection_contains_every_heads_own_top_pages(seed):
     choice = state.choose(query, None, 1.0, view)
     bounds = page_bounds(query, state.page_min, state.page_max, 1.0)  # [B, H, 1, p]
     mask = choice.as_mask(m)
-    staged = torch.arange(m).expand(B, G, m)
-    visible = choice.visible(staged)  # [B, H, m]
+    if choice.segments:  # a decode step: each head's own rows, one segment per head of its group
+        hpg = H // G
+        rows_of = choice.rows.view(B, G, hpg, -1)
+        ok_of = choice.ok.view(B, G, hpg, -1)
+        visible = torch.zeros(B, H, m, dtype=torch.bool)
+        for h in range(H):
+            visible[0, h, rows_of[0, h // hpg, h % hpg][ok_of[0, h // hpg, h % hpg]]] = True
+    else:
+        staged = torch.arange(m).expand(B, G, m)
+        visible = choice.visible(staged)  # [B, H, m]
     for h in range(H):
         own = bounds[0, h, 0].topk(3).indices
         rows = (own[:, None] * 16 + torch.arange(16)).flatten()

@@ -72,7 +72,7 @@ def test_resident_bytes_per_token_and_ratio8(mla, dtype):
         cache.compress()
         for s in cache.stats().layers:
             assert s.resident_rows == 100 and s.resident_bytes == 100 * 576 * size
-            assert s.archived_rows == 700
+            assert s.dropped_rows == 700 and s.archived_rows == 0  # eviction only: the 700 rows freed
     finally:
         mla.to(torch.float32)
 
@@ -117,7 +117,7 @@ def test_partition_invariant_mla(mla):
 
     KVLayer.update = update
     try:
-        cache = TieredCache(mla, StreamingLLM(budget=50))
+        cache = TieredCache(mla, StreamingLLM(budget=50, archive=True))
         _generate(mla, _ids(200, seed=4), cache, n=10)
     finally:
         KVLayer.update = original

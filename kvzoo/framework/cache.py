@@ -161,7 +161,7 @@ class TieredCache(Cache):
         if missing:
             cls = type(adapter)
             raise ValueError(
-                f"model-family adapter {cls.__module__}.{cls.__qualname__} ({getattr(adapter, 'name', '?')!r}): "
+                f"model-family adapter {cls.__module__}.{cls.__qualname__} ({adapter.name!r}): "
                 f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
                 f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
                 f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
@@ -342,21 +342,35 @@ class TieredCache(Cache):
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
         return self._continue_as(policy)
 
-    def transplant(self, policy: Policy | str, *, capacity: int | None = None,
-                   context_length: int | None = None) -> TieredCache:
+    def transplant(self, policy: Policy | str, *, capacity: int | None = None, context_length: int | None = None,
+                   cuda_graph: bool = False, model: torch.nn.Module | None = None) -> TieredCache:
         """A new cache of ``policy`` that holds this cache's rows as they are -- whatever policy prefilled them --
         with its retriever's index empty and its budget still to be fixed: a benchmark's way to hand every arm the
         same rows (what follows them is the policy's own; a policy that would have acted during the prefill did
         not). ``capacity``: the new cache's storage is preallocated for that many rows (``TieredCache(...,
-        capacity=N)``). Refused once this cache has compressed (its rows are no longer the prefill's)."""
+        capacity=N)``); ``cuda_graph=True`` (with ``capacity``, on CUDA, and the ``model`` the cache belongs to): its
+        decode steps are captured and replayed, as ``TieredCache(..., cuda_graph=True)``'s. Refused once this cache
+        has compressed (its rows are no longer the prefill's)."""
         policy = resolve_policy(policy)
+        if cuda_graph:
+            from kvzoo.framework.graphs import check_cuda_graph
+
+            if model is None:
+                raise ValueError("transplant(cuda_graph=True) needs model=, the model the cache belongs to (its forward "
+                                 "is routed through the graph)")
+            check_cuda_graph(model, capacity)
         if any(la.context_ended or la.budget is not None or la.archived.n or la.events for la in self.tiered_layers):
             raise ValueError("transplant(): this cache has compressed already (an event fired)")
         layout = self.adapter.geometry.layout
         if layout not in policy.layouts:
             raise ValueError(f"transplant(): policy {policy.name!r} supports layouts {policy.layouts}, this model is "
                              f"{layout!r}")
-        return self._continue_as(policy, capacity=capacity, context_length=context_length)
+        clone = self._continue_as(policy, capacity=capacity, context_length=context_length)
+        if cuda_graph:
+            from kvzoo.framework.graphs import install
+
+            clone.graph = install(model, clone)
+        return clone
 
     def _continue_as(self, policy: Policy, *, capacity: int | None = None,
                      context_length: int | None = None) -> TieredCache:

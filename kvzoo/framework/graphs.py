@@ -31,6 +31,7 @@ available where it was written); on CPU its logic is tested with a stand-in grap
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -149,14 +150,24 @@ class _Steps:
                 HostNumbers._set(root, path, HostNumbers._get(root, path) + count * d2 + dd * total_i)
 
 
-class CUDAGraphRunner:
-    """What :class:`DecodeGraph` needs of a graph: capture a function once, replay it (``torch.cuda.CUDAGraph``)."""
+class CUDAStreamAndPool:
+    """What every graph of one :class:`DecodeGraph` shares: the side stream its warm-up steps and captures run on
+    (PyTorch's documented recipe) and one memory pool (a new capture after an event reuses the last one's memory)."""
 
     def __init__(self) -> None:
-        self.graph = torch.cuda.CUDAGraph()
-        self.pool = None
+        self.stream = torch.cuda.Stream()
+        self.pool = torch.cuda.graph_pool_handle()
 
-        self.stream = torch.cuda.Stream()  # the warm-up step and the capture run here (PyTorch's documented recipe)
+
+class CUDAGraphRunner:
+    """What :class:`DecodeGraph` needs of a graph: warm a function up, capture it once, replay it
+    (``torch.cuda.CUDAGraph``), on the stream and memory pool its :class:`DecodeGraph` shares (``shared``)."""
+
+    def __init__(self, shared: CUDAStreamAndPool | None = None) -> None:
+        shared = shared or CUDAStreamAndPool()
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = shared.pool
+        self.stream = shared.stream
 
     def warm(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` eagerly on the stream the capture will use (its lazy initialisations happen there)."""
@@ -171,7 +182,6 @@ class CUDAGraphRunner:
         with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
             out = fn()
         torch.cuda.current_stream().wait_stream(self.stream)
-        self.pool = self.graph.pool()
         return out
 
     def replay(self) -> None:
@@ -194,8 +204,12 @@ RUN_LIMIT = 256
 class DecodeGraph:
     """Captures a cache's steady decode steps in a CUDA graph and replays them (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] = CUDAGraphRunner) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] | None = None) -> None:
+        # the cache by weak reference: the model's table of graphed caches (install) must not keep a cache alive
+        self.model, self._cache = model, weakref.ref(cache)
+        if make_runner is None:  # CUDA: one stream and one memory pool for every capture of this cache
+            shared = CUDAStreamAndPool()
+            make_runner = lambda: CUDAGraphRunner(shared)  # noqa: E731
         self.make_runner = make_runner
         self.captured: _Captured | None = None
         self.warm: tuple | None = None  # (kind, shape, numbers before, after, runner) of the eager steady step just run
@@ -204,6 +218,10 @@ class DecodeGraph:
         self.captures = self.replays = 0
         self.pending = 0  # replays whose host effects are not applied yet (settle())
         self.left = 0  # replays the runtime allowed before it must be asked again
+
+    @property
+    def cache(self) -> Any:
+        return self._cache()
 
     def host_state(self) -> list:
         """What holds the host's numbers of a step: the cache's layers (kvzoo's and the others, e.g. KDA)."""
@@ -294,14 +312,12 @@ class DecodeGraph:
         return self._output()
 
 
-def install(model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] = CUDAGraphRunner) -> DecodeGraph:
+def install(model: torch.nn.Module, cache: Any, make_runner: Callable[[], Any] | None = None) -> DecodeGraph:
     """Route ``model``'s single-token forwards with ``cache`` through a :class:`DecodeGraph` (idempotent per
     model: the wrapper dispatches on the cache it is handed, so several graphed caches can share a model)."""
     graph = DecodeGraph(model, cache, make_runner)
     graphs = getattr(model, "_kvzoo_graphs", None)
     if graphs is None:
-        import weakref
-
         graphs = model._kvzoo_graphs = weakref.WeakKeyDictionary()
         original = model.forward
 

@@ -22,6 +22,7 @@ import functools
 import importlib
 import os
 import warnings
+from collections import Counter
 
 import torch
 
@@ -81,18 +82,31 @@ def decode_impl(tensor: torch.Tensor, *, mass: bool = False) -> str:
 
 
 _failed: set[str] = set()
+# what each op's calls took: (op, "triton") or (op, "fallback: <error>"), counted; read by benchmarks that must say
+# which path they timed (make gpu-check)
+calls: Counter = Counter()
+STRICT_ENV = "KVZOO_KERNELS_STRICT"
+
+
+def strict() -> bool:
+    """``KVZOO_KERNELS_STRICT=1``: a kernel that fails raises, even in ``auto`` mode (no silent fallback: what a
+    benchmark of the kernels needs)."""
+    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
 
 
 def run(name: str, triton_fn, reference_fn, *args, **kwargs):
     """``triton_fn(*args, **kwargs)``; in ``auto`` mode a kernel that fails to compile or launch is reported
     once (a RuntimeWarning naming the op and the error) and the reference runs instead from then on.
-    With ``KVZOO_KERNELS=triton`` the error propagates."""
+    With ``KVZOO_KERNELS=triton`` or ``KVZOO_KERNELS_STRICT=1`` the error propagates. :data:`calls` counts what ran."""
     if name in _failed:
+        calls[(name, "fallback")] += 1
         return reference_fn(*args, **kwargs)
     try:
-        return triton_fn(*args, **kwargs)
+        out = triton_fn(*args, **kwargs)
+        calls[(name, "triton")] += 1
+        return out
     except Exception as err:
-        if mode() == "triton":
+        if mode() == "triton" or strict():
             raise
         _failed.add(name)
         warnings.warn(f"kvzoo: the Triton kernel {name!r} failed ({type(err).__name__}: {err}); using the PyTorch "

@@ -216,7 +216,7 @@ def _mla_forward(
     r = r.view(B, 1, q_len, self.qk_rope_head_dim)
     q_r, r = self._kvzoo_rotate(self, q_r, r, position_embeddings)
     row = torch.cat([c, r.to(c.dtype)], dim=-1)  # [B, 1, q, 576]
-    cache.update(row, None, self.layer_idx)
+    cache.update(row, None, self.layer_idx, kwargs={})  # kwargs: the layer names itself there, no context variable
     query = MLAQuery(q_nope, q_r, self.kv_b_proj.weight, self.v_head_dim, self.scaling)
     out = mla_attention(layer, query, attention_mask, layer.decompress_min_queries)  # [B, H, q, v]
     return self.o_proj(out.transpose(1, 2).reshape(B, q_len, -1)), None
