@@ -1,13 +1,21 @@
-"""SnapKV three ways on SmolLM2-135M, a needle context, the question after compression: kvzoo beside kvpress.
+"""A kvzoo policy beside kvpress's press and transformers' own prefill, on SmolLM2-135M, a needle context, the
+question after compression.
 
-Arms (SnapKV keeping 1/4 of the context rows in each):
+Arms (``--policy`` at ``--ratio``, 8 by default: each compressing arm keeps 1/8 of the context rows):
 
-* ``kvpress``       -- kvpress's pipeline with its ``SnapKVPress(compression_ratio=0.75)``;
-* ``kvzoo``         -- kvzoo's runtime (``kvzoo.pipeline.generate``'s steps: ``TieredCache``, prefill, compress, the
-  question, greedy decoding) with ``snapkv`` at ratio 4 (paper defaults) and ``archive=False``: the evicted rows
-  are dropped, as kvpress drops them (kvzoo's default keeps them bit-exact in its archive, which SnapKV without a
-  retriever never reads);
-* ``kvpress+kvzoo`` -- kvpress's pipeline with ``to_press(registry.get("snapkv", ratio=4))``.
+* ``kvpress``       -- kvpress's pipeline with its press for the policy (``PRESSES``: ``SnapKVPress``; for
+  ``chunkkv`` its ``ChunkKVPress`` around ``SnapKVPress``, chunks of 10; for ``vestige``, which has no kvpress
+  counterpart, ``SnapKVPress`` of the same size), ``compression_ratio = 1 - 1/ratio``;
+* ``kvzoo``         -- kvzoo's runtime (``kvzoo.pipeline.generate``'s steps: ``TieredCache``, the default prefill,
+  which compresses each layer right after its attention in the context's last forward, as kvpress's hooks do; the
+  question; greedy decoding) with the policy's defaults (an eviction-only policy drops what it evicts, as kvpress
+  does; ``vestige`` keeps its bit-exact archive, which its retriever reads);
+* ``kvpress+kvzoo`` -- kvpress's pipeline with ``to_press(registry.get(policy, ratio=ratio))`` (not for ``vestige``);
+* ``transformers``  -- transformers' own prefill of the same context into a ``DynamicCache`` (nothing compressed),
+  then the same question and decoding: the yardstick for the prefill's wall (``kvzoo/transformers prefill``).
+
+Every arm records its whole call and, apart, its prefill (the context's forward(s) and compression: kvzoo's
+``prefill``, transformers' forward, kvpress's first forward of the base model, its press hooks inside).
 
 Interleaved: every round runs each arm once, in a fresh process of its own, the arms' order rotated from round to
 round, so a drift in the machine's load falls on every arm alike. Every arm reads the same token ids (the context and
@@ -24,7 +32,8 @@ their medians over the rounds. The load average (``os.getloadavg``) is recorded 
 every process: on a shared machine, read the ratios, not the seconds.
 
 Runs only in kvpress's environment: ``.venv-kvpress/bin/python benchmarks/kvpress_side_by_side.py``
-(``make test-kvpress`` builds it; ``--context-tokens 2000,8000 --rounds 3`` is the README's run).
+(``make venv-kvpress`` builds it). Issue 32's runs: ``--context-tokens 2000,8000,16000`` (snapkv), then
+``--policy chunkkv --context-tokens 8000`` and ``--policy vestige --context-tokens 8000``, each ``--rounds 3``.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import sys
 import tempfile
 import time
 
-ARMS = ("kvpress", "kvzoo", "kvpress+kvzoo")
+ARMS = ("kvpress", "kvzoo", "kvpress+kvzoo", "transformers")
 
 
 def _peak_mib() -> float:
@@ -63,41 +72,84 @@ def prepare(context_tokens: int, path: str) -> None:
                 "answers": list(task.answers)}, path)
 
 
-def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | None = None) -> dict:
+PRESSES = {  # the policy -> kvpress's press it is measured against
+    "snapkv": "SnapKVPress",
+    "chunkkv": "ChunkKVPress(SnapKVPress, chunk_length=10)",
+    "vestige": "SnapKVPress",  # kvpress has no query-independent press that keeps an archive: its SnapKV, same size
+}
+
+
+def _press(policy: str, ratio: float):
+    import kvpress
+
+    snap = kvpress.SnapKVPress(compression_ratio=1 - 1 / ratio)
+    return kvpress.ChunkKVPress(press=snap, chunk_length=10) if policy == "chunkkv" else snap
+
+
+def _timed_first_forward(module, record: dict) -> None:
+    """Time ``module``'s first forward after ``record`` is cleared (kvpress's pipeline: the context's prefill, its
+    press hooks compressing each layer inside it)."""
+    import time
+
+    def pre(*_):
+        if "t0" not in record:
+            record["t0"] = (time.perf_counter(), time.process_time())
+
+    def post(*_):
+        if "prefill_s" not in record:
+            t0, c0 = record["t0"]
+            record["prefill_s"], record["prefill_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+
+
+def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | None, policy: str,
+            ratio: float) -> dict:
     import torch
     from transformers import DynamicCache, pipeline
 
     from kvzoo import registry
     from kvzoo.framework.cache import TieredCache
     from kvzoo.models import load_smollm2
-    from kvzoo.pipeline import compress, eos_ids, greedy_decode, prefill
+    from kvzoo.pipeline import cache_kwargs, eos_ids, greedy_decode, prefill
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(torch.float32)
     prepared = torch.load(ids_path)
     context_ids, question_ids = prepared["context_ids"], prepared["question_ids"]
+    record: dict = {}
 
-    if arm == "kvzoo":
+    def clock(fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        record["prefill_s"], record["prefill_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        return out
+
+    if arm in ("kvzoo", "transformers"):
         def call(context: torch.Tensor, new_tokens: int) -> tuple[str, list[int], int]:
-            cache = TieredCache(model, registry.get("snapkv", ratio=4, archive=False), context_length=context.shape[1])
-            prefill(model, cache, context)
-            compress(cache)
-            kept = [layer.slots.shape[2] for layer in cache.tiered_layers]
-            logits = prefill(model, cache, question_ids)
+            if arm == "kvzoo":  # kvzoo.pipeline.generate's steps: the default prefill (compressing inside it)
+                cache = TieredCache(model, registry.get(policy, ratio=ratio), context_length=context.shape[1])
+                clock(lambda: prefill(model, cache, context, ends_context=True))
+                kept = [layer.n for layer in cache.tiered_layers]
+            else:  # transformers' own prefill of the same tokens into its DynamicCache, nothing compressed
+                cache = DynamicCache()
+                clock(lambda: model(input_ids=context, **cache_kwargs(model, cache), use_cache=True,
+                                    logits_to_keep=1))
+                kept = [layer.keys.shape[2] for layer in cache.layers]
+            logits = prefill(model, cache, question_ids, phase="question")
             tokens = greedy_decode(model, cache, logits, new_tokens, eos_ids(model, tokenizer))
             return tokenizer.decode(tokens, skip_special_tokens=True), kept, len(tokens)
     else:
-        import kvpress
-
         from kvzoo.integrations.kvpress import to_press
 
         pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
         forwards = [0]  # the pipeline's lm_head forwards: the question's, then one per further token
         model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        _timed_first_forward(model.model, record)
 
         def call(context: torch.Tensor, new_tokens: int) -> tuple[str, list[int], int]:
-            press = (kvpress.SnapKVPress(compression_ratio=0.75) if arm == "kvpress"
-                     else to_press(registry.get("snapkv", ratio=4)))
+            press = _press(policy, ratio) if arm == "kvpress" else to_press(registry.get(policy, ratio=ratio))
             cache = DynamicCache()
             forwards[0] = 0
             out = pipe.forward({"context_ids": context, "questions_ids": [question_ids]}, press=press, cache=cache,
@@ -107,15 +159,17 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
     with torch.no_grad():
         call(context_ids[:, :warmup_tokens], max_new_tokens)  # None: the whole context
         warm_peak = _peak_mib()
+        record.clear()
         t0, c0 = time.perf_counter(), time.process_time()
         answer, kept, generated = call(context_ids, max_new_tokens)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
-        "arm": arm, "context_tokens": context_ids.shape[1], "question_tokens": question_ids.shape[1],
-        "kept_rows_per_layer": sorted(set(kept)), "layers": len(kept), "tokens_generated": generated,
-        "wall_s": wall, "cpu_s": cpu, "peak_rss_mib": _peak_mib(), "peak_rss_after_warmup_mib": warm_peak,
-        "answer": answer.strip(), "needle_found": all(a in answer for a in prepared["answers"]),
-        "threads": torch.get_num_threads(),
+        "arm": arm, "policy": policy, "ratio": ratio, "context_tokens": context_ids.shape[1],
+        "question_tokens": question_ids.shape[1], "kept_rows_per_layer": sorted(set(kept)), "layers": len(kept),
+        "tokens_generated": generated, "wall_s": wall, "cpu_s": cpu, "prefill_s": record.get("prefill_s"),
+        "prefill_cpu_s": record.get("prefill_cpu_s"), "peak_rss_mib": _peak_mib(),
+        "peak_rss_after_warmup_mib": warm_peak, "answer": answer.strip(),
+        "needle_found": all(a in answer for a in prepared["answers"]), "threads": torch.get_num_threads(),
     }
 
 
@@ -130,7 +184,7 @@ def _child(*args: str) -> str:
 
 
 def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tuple[str, ...],
-                 warmup_tokens: int | None = None) -> dict:
+                 warmup_tokens: int | None = None, policy: str = "snapkv", ratio: float = 8) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ids_path = os.path.join(tmp, "ids.pt")
         _child("--prepare", ids_path, "--context-tokens", str(context_tokens))
@@ -140,11 +194,13 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
             for arm in order:
                 load_before = os.getloadavg()
                 row = json.loads(_child("--arm", arm, "--ids", ids_path, "--max-new-tokens", str(max_new_tokens),
+                                        "--policy", policy, "--ratio", str(ratio),
                                         *(["--warmup-tokens", str(warmup_tokens)] if warmup_tokens else [])
                                         ).strip().splitlines()[-1])
                 row.update(round=r, load_before=load_before, load_after=os.getloadavg())
                 runs.append(row)
-                print(f"  [{context_tokens} tokens, round {r + 1}/{rounds}] {arm}: {row['wall_s']:.2f} s, "
+                print(f"  [{policy} {ratio:g}x, {context_tokens} tokens, round {r + 1}/{rounds}] {arm}: "
+                      f"{row['wall_s']:.2f} s (prefill {row['prefill_s'] or float('nan'):.2f} s), "
                       f"{row['peak_rss_mib']:.0f} MiB, {row['tokens_generated']} tokens, load "
                       f"{row['load_before'][0]:.2f}", file=sys.stderr, flush=True)
     ratios = []
@@ -153,34 +209,52 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
         base = by_arm.get("kvpress")
         if base is None:
             continue
-        ratios.append({f"{arm}/kvpress": {"wall": by_arm[arm]["wall_s"] / base["wall_s"],
-                                          "cpu": by_arm[arm]["cpu_s"] / base["cpu_s"],
-                                          "peak": by_arm[arm]["peak_rss_mib"] / base["peak_rss_mib"]}
-                       for arm in arms if arm != "kvpress" and arm in by_arm})
+        ratio_row = {f"{arm}/kvpress": {"wall": by_arm[arm]["wall_s"] / base["wall_s"],
+                                        "cpu": by_arm[arm]["cpu_s"] / base["cpu_s"],
+                                        "peak": by_arm[arm]["peak_rss_mib"] / base["peak_rss_mib"]}
+                     for arm in arms if arm not in ("kvpress", "transformers") and arm in by_arm}
+        if "kvzoo" in by_arm and "transformers" in by_arm:  # the prefill (and compression) beside transformers'
+            kz, tf = by_arm["kvzoo"], by_arm["transformers"]
+            ratio_row["kvzoo/transformers prefill"] = {"wall": kz["prefill_s"] / tf["prefill_s"],
+                                                       "cpu": kz["prefill_cpu_s"] / tf["prefill_cpu_s"],
+                                                       "peak": kz["peak_rss_mib"] / tf["peak_rss_mib"]}
+        ratios.append(ratio_row)
     medians = {key: {what: statistics.median(r[key][what] for r in ratios) for what in ("wall", "cpu", "peak")}
                for key in (ratios[0] if ratios else {})}
-    return {"context_tokens": context_tokens, "rounds": rounds, "runs": runs, "ratios": ratios, "medians": medians}
+    return {"policy": policy, "ratio": ratio, "press": PRESSES[policy], "context_tokens": context_tokens,
+            "rounds": rounds, "runs": runs, "ratios": ratios, "medians": medians}
+
+
+def _prefill(row: dict) -> str:
+    return "-" if row.get("prefill_s") is None else f"{row['prefill_s']:.1f}"
 
 
 def render(result: dict) -> list[str]:
     runs, arms = result["runs"], list(dict.fromkeys(row["arm"] for row in result["runs"]))
-    first = runs[0]
-    lines = [f"SmolLM2-135M fp32, {first['context_tokens']} context tokens + {first['question_tokens']} question "
-             f"tokens, kept rows per layer {first['kept_rows_per_layer']}, {first['threads']} threads",
-             "", "| round | " + " | ".join(f"{a}: wall s / CPU s / peak MiB / tokens" for a in arms) + " | "
-             + " | ".join(f"{a}/kvpress: wall, CPU, peak" for a in arms if a != "kvpress") + " | load (1 min) |",
-             "|---|" + "---|" * (2 * len(arms))]
+    first, keys = runs[0], list(result["medians"])
+    kept = {a: next(row["kept_rows_per_layer"] for row in runs if row["arm"] == a) for a in arms}
+    lines = [f"{result['policy']} {result['ratio']:g}x (kvpress: {result['press']}), SmolLM2-135M fp32, "
+             f"{first['context_tokens']} context tokens + {first['question_tokens']} question tokens, "
+             f"{first['threads']} threads; kept rows per layer {kept}",
+             "", "| round | " + " | ".join(f"{a}: wall s / prefill s / CPU s / peak MiB / tokens" for a in arms)
+             + " | " + " | ".join(f"{k}: wall, CPU, peak" for k in keys) + " | load (1 min) |",
+             "|---|" + "---|" * (len(arms) + len(keys) + 1)]
     for r, ratio in enumerate(result["ratios"]):
         cells = [next(row for row in runs if row["round"] == r and row["arm"] == a) for a in arms]
         load = [row["load_before"][0] for row in runs if row["round"] == r]
         lines.append(f"| {r + 1} | " + " | ".join(
-            f"{c['wall_s']:.1f} / {c['cpu_s']:.1f} / {c['peak_rss_mib']:.0f} / {c['tokens_generated']}" for c in cells)
+            f"{c['wall_s']:.1f} / {_prefill(c)} / {c['cpu_s']:.1f} / {c['peak_rss_mib']:.0f} / "
+            f"{c['tokens_generated']}" for c in cells)
             + " | " + " | ".join(f"{v['wall']:.2f}x, {v['cpu']:.2f}x, {v['peak']:.2f}x" for v in ratio.values())
-                     + f" | {min(load):.1f}-{max(load):.1f} |")
+            + f" | {min(load):.1f}-{max(load):.1f} |")
+
+    def median(a: str, field: str) -> float:
+        values = [row[field] for row in runs if row["arm"] == a and row.get(field) is not None]
+        return statistics.median(values) if values else float("nan")
+
     lines.append("| median | " + " | ".join(
-        f"{statistics.median(row['wall_s'] for row in runs if row['arm'] == a):.1f} / "
-        f"{statistics.median(row['cpu_s'] for row in runs if row['arm'] == a):.1f} / "
-        f"{statistics.median(row['peak_rss_mib'] for row in runs if row['arm'] == a):.0f} / -" for a in arms) + " | "
+        f"{median(a, 'wall_s'):.1f} / {median(a, 'prefill_s'):.1f} / {median(a, 'cpu_s'):.1f} / "
+        f"{median(a, 'peak_rss_mib'):.0f} / -" for a in arms) + " | "
         + " | ".join(f"**{v['wall']:.2f}x, {v['cpu']:.2f}x, {v['peak']:.2f}x**" for v in result["medians"].values())
         + " | |")
     found = {a: sorted({row["needle_found"] for row in runs if row["arm"] == a}) for a in arms}
@@ -191,36 +265,45 @@ def render(result: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=None,
+                        help=f"comma-separated, from {', '.join(ARMS)} (default: all; vestige: kvpress, kvzoo, "
+                             "transformers -- kvpress has no vestige press)")
+    parser.add_argument("--policy", default="snapkv", choices=sorted(PRESSES))
+    parser.add_argument("--ratio", type=float, default=8.0, help="compression ratio (8: keep 1/8 of the context)")
     parser.add_argument("--context-tokens", default="2000", help="comma-separated context lengths, e.g. 2000,8000")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--warmup-tokens", type=int, default=None,
                         help="context tokens of each process's warm-up call (default: the whole context, as timed)")
-    parser.add_argument("--json", help="write the runs, ratios and medians here too")
+    parser.add_argument("--json", help="write the runs, ratios and medians here too (one JSON line per length)")
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # a child process runs one arm
     parser.add_argument("--ids", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", help=argparse.SUPPRESS)  # a child process writes the token ids
     args = parser.parse_args()
+    if args.ratio <= 1:
+        raise SystemExit(f"--ratio must be > 1 (got {args.ratio})")
     if args.prepare:
         prepare(int(args.context_tokens), args.prepare)
         return
     if args.arm:
-        print(json.dumps(run_arm(args.arm, args.ids, args.max_new_tokens, args.warmup_tokens)))
+        print(json.dumps(run_arm(args.arm, args.ids, args.max_new_tokens, args.warmup_tokens, args.policy,
+                                 args.ratio)))
         return
-    arms = tuple(args.arms.split(","))
+    default = ("kvpress", "kvzoo", "transformers") if args.policy == "vestige" else ARMS
+    arms = tuple(args.arms.split(",")) if args.arms else default
     unknown = [a for a in arms if a not in ARMS]
     if unknown or "kvpress" not in arms:
         raise SystemExit(f"unknown arm(s) {unknown}; valid: {', '.join(ARMS)} (kvpress, the baseline, must be one)")
     print(f"uptime at start: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     results = []
     for n in (int(x) for x in args.context_tokens.split(",")):
-        results.append(side_by_side(n, args.rounds, args.max_new_tokens, arms, args.warmup_tokens))
+        results.append(side_by_side(n, args.rounds, args.max_new_tokens, arms, args.warmup_tokens, args.policy,
+                                    args.ratio))
         print("\n".join(["", *render(results[-1])]), flush=True)
+        if args.json:  # appended as each length finishes: a long run's earlier lengths are not lost
+            with open(args.json, "a") as f:
+                f.write(json.dumps(results[-1]) + "\n")
     print(f"\nuptime at end: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

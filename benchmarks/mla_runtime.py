@@ -1,11 +1,16 @@
 """MLA runtime figures on the tiny random models (issue 4's benchmark), CPU.
 
     .venv/bin/python benchmarks/mla_runtime.py [--tokens 8192] [--chunk 512]
+    .venv/bin/python benchmarks/mla_runtime.py --prefill-vs-transformers [--tokens 8192] [--rounds 3]
 
 For tiny DeepSeek-V2 (Lite geometry) and tiny Kimi Linear: prefill time and peak process memory
 (ru_maxrss of a fresh subprocess per configuration, minus the same process's RSS right before
 the prefill) with one-shot vs streaming (chunked) prefill under streaming_llm at ratio 8; and the
 mean decode-step time with full vs ratio 8 and 32 (20 steps after the prefill).
+
+``--prefill-vs-transformers``: tiny DeepSeek-V2's prefill, kvzoo's default (compressed latent rows, each layer
+compressing inside the forward) beside transformers' own (its decompressed K/V in a ``DynamicCache``), interleaved
+rounds, a fresh process per arm and round, 1-thread CPU time (issue 32's goal: kvzoo <= 1.1x).
 """
 
 from __future__ import annotations
@@ -58,14 +63,93 @@ def run_one(model_name: str, policy: str, ratio: float | None, tokens: int, chun
                 decode_ms=decode * 1e3, resident_rows=s["resident_rows"], peak_rows=s["peak_resident_rows"])
 
 
+def prefill_one(model_name: str, arm: str, tokens: int) -> dict:
+    """One prefill of ``tokens`` random ids, timed after a warm-up prefill of the same size: transformers' own
+    (``arm == "transformers"``: a ``DynamicCache`` of decompressed K/V, as its DeepSeek-V2 attention keeps) or
+    kvzoo's default prefill of policy ``arm`` at ratio 8 (``pipeline.prefill(..., ends_context=True)``)."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvzoo import TieredCache, registry
+    from kvzoo.models import load_model
+    from kvzoo.pipeline import cache_kwargs, prefill
+
+    torch.manual_seed(0)
+    model, _ = load_model(model_name)
+    ids = torch.randint(3, 512, (1, tokens))
+
+    def once() -> float:
+        t = time.process_time()
+        if arm == "transformers":
+            cache = DynamicCache()
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        else:
+            policy = registry.get(arm) if arm == "full" else registry.get(arm, ratio=8)
+            cache = TieredCache(model, policy, context_length=tokens)
+            prefill(model, cache, ids, ends_context=True)
+        return time.process_time() - t
+
+    with torch.no_grad():
+        once()
+        rss0 = _rss_mib()
+        cpu = once()
+    return dict(model=model_name, arm=arm, tokens=tokens, cpu_s=cpu, rss_mib=_rss_mib(), rss_warm_mib=rss0,
+                peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def prefill_side_by_side(model_name: str, tokens: int, rounds: int, arms: list[str]) -> list[dict]:
+    """Fresh process per arm and round, the arms' order rotated each round; per round each arm's prefill CPU time
+    over transformers' (1 thread: ``OMP_NUM_THREADS=1`` unless set)."""
+    import os
+    import statistics
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    rows = []
+    for r in range(rounds):
+        for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
+            out = subprocess.run([sys.executable, __file__, "--prefill-one",
+                                  json.dumps(dict(model_name=model_name, arm=arm, tokens=tokens))],
+                                 capture_output=True, text=True, env=env)
+            if out.returncode:
+                raise SystemExit(f"{arm} failed:\n{out.stderr[-3000:]}")
+            rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "round": r})
+    print(f"| {model_name}, {tokens} tokens, prefill | " + " | ".join(
+        f"round {r + 1}" for r in range(rounds)) + " | median |")
+    print("|---|" + "---|" * (rounds + 1))
+    for arm in arms:
+        ratios = [next(x for x in rows if x["round"] == r and x["arm"] == arm)["cpu_s"]
+                  / next(x for x in rows if x["round"] == r and x["arm"] == "transformers")["cpu_s"]
+                  for r in range(rounds)]
+        cpu = [x["cpu_s"] for x in rows if x["arm"] == arm]
+        print(f"| {arm} / transformers (CPU s {statistics.median(cpu):.2f}) | "
+              + " | ".join(f"{v:.2f}x" for v in ratios) + f" | **{statistics.median(ratios):.2f}x** |", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--prefill-vs-transformers", action="store_true",
+                        help="only the prefill beside transformers' own (tiny DeepSeek-V2, --rounds rounds)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="with --prefill-vs-transformers: write its rows here (JSON lines)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(**json.loads(args.one))))
+        return
+    if args.prefill_one:
+        print(json.dumps(prefill_one(**json.loads(args.prefill_one))))
+        return
+    if args.prefill_vs_transformers:
+        rows = prefill_side_by_side("tiny-deepseek-v2", args.tokens, args.rounds,
+                                    ["transformers", "full", "snapkv", "vestige"])
+        if args.json:
+            with open(args.json, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
         return
     configs = []
     for model in ("tiny-deepseek-v2", "tiny-kimi-linear"):

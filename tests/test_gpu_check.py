@@ -24,11 +24,13 @@ import gpu_runtime  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _collect():
+def _collect(monkeypatch):
     """The caches these tests build hold cycles (a graphed cache and its DecodeGraph): collect them, so that a
-    later test counting live caches (benchmarks/soak.py's) counts its own. An MLA forward also leaves its last
-    layer in ``ACTIVE_LAYER`` (kvzoo/framework/layer.py sets it where transformers hands no kwargs, and only the
-    GQA attention clears it): cleared here too."""
+    later test counting live caches (benchmarks/soak.py's) counts its own. ``ACTIVE_LAYER`` (the fallback for a
+    transformers that hands no kwargs) is cleared too. The bench writes ``KVZOO_KERNELS`` into ``os.environ`` (it
+    is a process of its own on the GPU machine): put back after each test, else a later test in this worker runs
+    with the kernels switched off."""
+    monkeypatch.setenv("KVZOO_KERNELS", "auto")
     yield
     from kvzoo.framework.layer import ACTIVE_LAYER
 
