@@ -141,6 +141,8 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
             tokens = greedy_decode(model, cache, logits, new_tokens, eos_ids(model, tokenizer))
             return tokenizer.decode(tokens, skip_special_tokens=True), kept, len(tokens)
     else:
+        import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
+
         from kvzoo.integrations.kvpress import to_press
 
         pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)

@@ -51,7 +51,8 @@ def transformers_cache(model, kind: str):
     return lambda: StaticCache(config=model.config, max_cache_len=PROMPT + 16)
 
 
-def measure(models: dict | None = None, policies: dict | None = None) -> list[dict]:
+def measure(models: dict | None = None, policies: dict | None = None,
+            capacities: tuple[bool, ...] = (True, False)) -> list[dict]:
     rows = []
     for model_name, build in (models or MODELS).items():
         model = build()[0]
@@ -69,9 +70,9 @@ def measure(models: dict | None = None, policies: dict | None = None) -> list[di
                 rows.append({"model": model_name, "cache": f"transformers {kind}", "error": f"{type(err).__name__}: "
                              f"{str(err)[:80]}", "layers": layers})
         for label, (name, params) in (policies or POLICIES).items():
-            for capacity in (PROMPT + 16, None):
+            for capacity in [PROMPT + 16 if fixed else None for fixed in capacities]:
                 policy = registry.get(name, **params)
-                if ("mla" if model_name != "tiny Llama" else "gqa") not in policy.layouts:
+                if ("gqa" if "llama" in model_name.lower() else "mla") not in policy.layouts:
                     continue
                 count = count_decode_step(model, lambda m=model, p=policy, c=capacity: TieredCache(m, p, capacity=c),
                                           prompt, layers=layers)
