@@ -99,7 +99,7 @@ def prefill_one(model_name: str, arm: str, tokens: int) -> dict:
 
 def prefill_side_by_side(model_name: str, tokens: int, rounds: int, arms: list[str]) -> list[dict]:
     """Fresh process per arm and round, the arms' order rotated each round; per round each arm's prefill CPU time
-    over transformers' (1 thread: ``OMP_NUM_THREADS=1`` unless set)."""
+    over transformers' (1 thread: ``OMP_NUM_THREADS=1`` unless set). One summary row per arm: the medians."""
     import os
     import statistics
 
@@ -117,14 +117,18 @@ def prefill_side_by_side(model_name: str, tokens: int, rounds: int, arms: list[s
     print(f"| {model_name}, {tokens} tokens, prefill | " + " | ".join(
         f"round {r + 1}" for r in range(rounds)) + " | median |")
     print("|---|" + "---|" * (rounds + 1))
+    summary = []
     for arm in arms:
         ratios = [next(x for x in rows if x["round"] == r and x["arm"] == arm)["cpu_s"]
                   / next(x for x in rows if x["round"] == r and x["arm"] == "transformers")["cpu_s"]
                   for r in range(rounds)]
-        cpu = [x["cpu_s"] for x in rows if x["arm"] == arm]
-        print(f"| {arm} / transformers (CPU s {statistics.median(cpu):.2f}) | "
-              + " | ".join(f"{v:.2f}x" for v in ratios) + f" | **{statistics.median(ratios):.2f}x** |", flush=True)
-    return rows
+        mine = [x for x in rows if x["arm"] == arm]
+        summary.append(dict(model=model_name, tokens=tokens, arm=arm, rounds=rounds, threads=env["OMP_NUM_THREADS"],
+                            cpu_s=statistics.median(x["cpu_s"] for x in mine), ratio=statistics.median(ratios),
+                            ratios=ratios, peak_mib=statistics.median(x["peak_mib"] for x in mine)))
+        print(f"| {arm} / transformers (CPU s {summary[-1]['cpu_s']:.2f}) | "
+              + " | ".join(f"{v:.2f}x" for v in ratios) + f" | **{summary[-1]['ratio']:.2f}x** |", flush=True)
+    return summary
 
 
 def main() -> None:
@@ -134,7 +138,7 @@ def main() -> None:
     parser.add_argument("--prefill-vs-transformers", action="store_true",
                         help="only the prefill beside transformers' own (tiny DeepSeek-V2, --rounds rounds)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", help="with --prefill-vs-transformers: write its rows here (JSON lines)")
+    parser.add_argument("--json", help="with --prefill-vs-transformers: write its summary rows here (JSON lines)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--prefill-one", help=argparse.SUPPRESS)
     args = parser.parse_args()

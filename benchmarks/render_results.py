@@ -18,6 +18,9 @@ Kinds:
 * ``decode_step``: rows of ``benchmarks/decode_step.py --json``: time and bytes of one decode step per arm, and the
   parts of a step when it ran with ``--profile``.
 * ``step_ops``: the JSON of ``benchmarks/step_ops.py --json``: ops one decode step launches, per cache.
+* ``table``: any rows, one table line each, the columns named in the entry: ``columns = [[header, field, format],
+  ...]``, ``field`` a key or a dotted path into the row (``medians.kvzoo/kvpress.wall``), ``format`` a format
+  string (``"{:.2f}x"``; ``"{}"`` when omitted); a missing value renders as ``-``.
 
 This script needs the standard library and kvzoo's report module only (no torch): CI renders the page in a second.
 """
@@ -239,10 +242,34 @@ def render_step_ops(entry: dict[str, Any], rows: list[dict[str, Any]], path: Pat
     return "\n".join([_provenance(entry, None, None), "", note, "", *lines])
 
 
+def _field(row: dict[str, Any], path: str) -> Any:
+    value: Any = row
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def render_table(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    columns = entry.get("columns")
+    if not columns or any(not isinstance(c, list) or len(c) not in (2, 3) for c in columns):
+        raise ValueError(f"table {entry['id']!r} (kind table) needs columns = [[header, field, format], ...]")
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for column in columns:
+            value = _field(row, column[1])
+            cells.append("-" if value is None else (column[2] if len(column) == 3 else "{}").format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join([_provenance(entry, None, None), "", *lines])
+
+
 KINDS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], Path], str]] = {
     "leaderboard": render_leaderboard,
     "decode_step": render_decode_step,
     "step_ops": render_step_ops,
+    "table": render_table,
 }
 
 

@@ -75,3 +75,16 @@ def test_the_readme_headline_block_is_replaced_between_its_markers():
     assert new == f"# x\n\n{render.HEADLINE_BEGIN}\nnew\n{render.HEADLINE_END}\n\nrest\n"
     with pytest.raises(ValueError, match="no headline block"):
         render.with_headline("# x\n", "table")
+
+
+def test_a_plain_table_renders_the_columns_its_entry_names():
+    entry = {"id": "t", "command": "c", "date": "2026-12-02", "machine": "m",
+             "columns": [["length", "context_tokens"], ["wall", "medians.kvzoo/kvpress.wall", "{:.2f}x"],
+                         ["peak", "medians.kvzoo/kvpress.peak", "{:.2f}x"]]}
+    rows = [{"context_tokens": 2000, "medians": {"kvzoo/kvpress": {"wall": 0.914, "peak": 0.8}}},
+            {"context_tokens": 8000, "medians": {"kvzoo/kvpress": {"wall": 1.2}}}]
+    text = render.render_table(entry, rows, Path("x.jsonl"))
+    assert "| length | wall | peak |" in text
+    assert "| 2000 | 0.91x | 0.80x |" in text and "| 8000 | 1.20x | - |" in text  # a missing value: -
+    with pytest.raises(ValueError, match="needs columns"):
+        render.render_table({**entry, "columns": None}, rows, Path("x.jsonl"))
