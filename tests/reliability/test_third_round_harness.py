@@ -7,6 +7,7 @@ before its fix. (The CLI's bad-input cases of this round are rows of test_bad_in
 from __future__ import annotations
 
 import json
+import sys
 import types
 from pathlib import Path
 from typing import ClassVar
@@ -132,3 +133,50 @@ def test_a_plugin_that_fails_registration_is_not_kept(plugin, message):
     TieredCache(tiny_llama()[0], "full").close()
     assert list(registry.executors()) == ["local", "ray"]
     assert registry.adapters()["llama"].__name__ == "GQAAdapter"
+
+
+# --- Ray's start-up timeout is one clear message --------------------------------------------------------------
+
+
+class _FakeRay(types.SimpleNamespace):
+    """What kvzoo's Ray executor calls before a worker starts, with ``ray.init`` raising ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(shutdowns=0)
+        self.error = error
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs) -> None:
+        raise self.error
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+# ray/_private/node.py (Ray 2.60): a local node whose raylet is not up in 30 s is a bare Exception; older releases
+# raised ray._private.services.wait_for_node's TimeoutError
+STARTUP_TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
+                            "failed to startup or the GCS has become overloaded.")
+
+
+@pytest.mark.parametrize(("error", "address", "message"), [
+    (STARTUP_TIMEOUT, [], r"could not start a local Ray instance \(Exception: The current node timed out during "
+                          r"startup\..*\)\. A machine under heavy load"),
+    (TimeoutError("Timed out after 60 seconds while waiting for node to startup."), [],
+     r"could not start a local Ray instance \(TimeoutError: Timed out after 60 seconds"),
+    (STARTUP_TIMEOUT, ["--address", "auto"], r"could not connect to the Ray cluster at 'auto' \(Exception: The current "
+                                             r"node timed out during startup"),
+], ids=["local, Ray 2.x", "local, older Ray", "--address auto"])
+def test_rays_start_up_timeout_is_a_clear_message_not_a_traceback(tmp_path, monkeypatch, capsys, error, address,
+                                                                  message):
+    """Seen once under heavy load: ray.init's start-up timeout escaped `kvzoo leaderboard --executor ray` as a
+    traceback. Faked here (ray.init raising what Ray raises): exit 2, the message says what happened and what to
+    do, the half-started Ray is shut down, nothing is written."""
+    fake = _FakeRay(error)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    out = tmp_path / "r.jsonl"
+    assert _cli([*THREE_TRIALS, "--executor", "ray", "--workers", "1", *address, "--out", str(out)]) == 2
+    assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+    assert fake.shutdowns == 1 and not out.exists()
