@@ -527,6 +527,9 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     try:
         rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress,
                                executor=executor)
+    except (runner.ExecutorError, runner.ResultsWriteError) as err:  # the run failed part way: exit 1, not 2
+        print(f"kvzoo leaderboard: {err}", file=sys.stderr)
+        return 1
     except (ExecutorUnavailable, runner.ResultsFileError) as err:
         return _fail("leaderboard", str(err))
     print(report.render(rows, title=f"kvzoo leaderboard ({args.preset} grid)"))
@@ -551,6 +554,12 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 # --- plot ----------------------------------------------------------------------------------------
 
 
+def _row_label(row: dict[str, Any]) -> str:
+    """``snapkv 4x niah_single d=0.5 q-after``: a results row's trial in words (as the leaderboard labels trials)."""
+    ratio = f" {row['ratio']:g}x" if isinstance(row.get("ratio"), (int, float)) else ""
+    return f"{row['policy']}{ratio} {row['task']} d={row.get('depth')} q-{row['question_position']}"
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from kvzoo.bench import plots, runner
 
@@ -571,7 +580,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not found.rows:
         return _fail("plot", f"{path} holds no kvzoo results rows (it was not changed); give a JSONL written by "
                      "`kvzoo leaderboard`")
-    rows = list(runner.latest_rows(found.rows).values())  # one row per trial, as the leaderboard reads them
+    latest, stale = runner.current_rows(found.rows)  # one row per trial, as the leaderboard reads them
+    superseded = {key for key, row in latest.items() if row["status"] == "ok"}
+    passed_over = list({row["key"]: (row, why) for row, why in stale if row["key"] not in superseded}.values())
+    if passed_over:
+        shown = "; ".join(f"{_row_label(row)}: ran with {why}" for row, why in passed_over[:3])
+        print(f"kvzoo plot: {len(passed_over)} trial(s) whose ok row ran another configuration than its policy name "
+              f"builds now are not plotted ({shown}{'; ...' if len(passed_over) > 3 else ''}): rerun `kvzoo "
+              "leaderboard` with the same options to run them again (the rows stay in the file)", file=sys.stderr)
+    rows = list(latest.values())
     if args.model:
         rows = [r for r in rows if r.get("model") == args.model]
     try:
