@@ -78,6 +78,7 @@ from kvzoo.bench.planner import (  # noqa: F401 - re-exported: the runner's publ
     PRESETS,
     TEACHER_FORCING,
     Grid,
+    PolicyRefused,
     Trial,
     build_policy,
     check_model_name,
@@ -110,7 +111,7 @@ from kvzoo.bench.results import (  # noqa: F401 - re-exported
     row_problem,
     versions,
 )
-from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
+from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, fewest_context_tokens, make_task
 from kvzoo.bench.trial import (  # noqa: F401 - re-exported
     PromptIds,
     Reference,
@@ -145,6 +146,53 @@ def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
         tokenizer = ByteTokenizer()
     return model, tokenizer
 
+
+
+def check_context_fits(limit: int | None, context_tokens: int, model: str) -> None:
+    """A ValueError, before a context is built, when a context of ``context_tokens`` tokens cannot fit in ``limit``
+    positions (model ``model``'s ``max_position_embeddings``; None: it declares none) whatever the trial adds to it:
+    the refusal a trial's positions check would give once its task is built, without building it."""
+    fewest = fewest_context_tokens(context_tokens)
+    if limit is not None and fewest > limit:
+        raise ValueError(
+            f"context_tokens={context_tokens} cannot fit model {model!r}: the context alone holds at least {fewest} "
+            f"tokens, more than its max_position_embeddings ({limit}), and positions past {limit} were never trained. "
+            f"Give a context of fewer than {limit} tokens (with room for the question and the answer)")
+
+
+_MAX_POSITIONS: dict[tuple[str, str], int | None] = {}  # kvzoo's named models, read once per process
+
+
+def model_max_positions(name: str, dtype: str = "float32") -> int | None:
+    """Model ``name``'s ``max_position_embeddings`` (None when it declares none or its config cannot be read here: the
+    trial then says why). A local directory's or hub id's is read from its config alone; kvzoo's named models (tiny,
+    SmolLM2-135M, the reference twins) are built, as they load in a second."""
+    from kvzoo.models import MODEL_NAMES
+    from kvzoo.pipeline import max_positions
+
+    if name in MODEL_NAMES:
+        if (name, dtype) not in _MAX_POSITIONS:
+            _MAX_POSITIONS[name, dtype] = max_positions(load(name, dtype)[0])
+        return _MAX_POSITIONS[name, dtype]
+    try:
+        from transformers import AutoConfig
+
+        import kvzoo.refmodel  # noqa: F401  (registers model_type "kvzoo_mla" with the Auto classes)
+
+        config = AutoConfig.from_pretrained(name, local_files_only=Path(name).expanduser().is_dir())
+    except Exception:  # noqa: BLE001 - no config to read here (offline, a bad directory): the trial reports it
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_grid_positions(grid: Grid) -> None:
+    """A ValueError naming the model and the length when a task of ``grid`` cannot fit a model's positions
+    (:func:`check_context_fits`): decided from the grid and the models' configs, before any task is built."""
+    longest = max(spec.context_tokens for spec in grid.tasks)
+    for model in grid.models:
+        check_context_fits(model_max_positions(model, grid.dtype), longest, model)
 
 
 # --- running the pending trials -------------------------------------------------------------------
@@ -186,6 +234,9 @@ class TrialRunner:
     def task(self, name: str, spec: TaskSpec) -> Task:
         key = (name, spec.key)
         if key not in self.tasks:
+            from kvzoo.pipeline import max_positions
+
+            check_context_fits(max_positions(self.model(name)[0]), spec.context_tokens, name)  # before building it
             self.tasks[key] = make_task(spec, self.model(name)[1], continuation_tokens=self.grid.continuation_tokens)
         return self.tasks[key]
 
@@ -371,6 +422,7 @@ def run_grid(
     """
     path = check_results_path(results)
     trials = plan(grid)
+    check_grid_positions(grid)
     path.parent.mkdir(parents=True, exist_ok=True)
     with results_lock(path) as locked:
         found = check_results_target(path, force=force, fresh=fresh)  # read under the lock: nobody else appends

@@ -17,7 +17,7 @@ from typing import ClassVar
 import pytest
 
 from kvzoo import TieredCache, registry
-from kvzoo.bench import plots, runner
+from kvzoo.bench import plots, runner, tasks
 from kvzoo.bench.executors import ExecutorError, Work
 from kvzoo.bench.tasks import TaskSpec
 from kvzoo.cli import main
@@ -394,6 +394,45 @@ def test_resume_and_the_table_agree_with_plot_on_a_stale_row(tmp_path, capsys):
     assert handed == [trials[1].key]
     assert [(r["policy"], r["status"]) for r in rows] == [("full", "ok"), ("streaming_llm", "error")]
     assert "its row ran with policy_config sinks=5 (now 4); running it again" in capsys.readouterr().err
+
+
+# --- a context no model can hold is refused before any task is built -------------------------------------------
+
+
+@pytest.fixture
+def no_task_is_built(monkeypatch):
+    """Building a context fails the test: a refusal must come first (a 10^8-token task took 582 s to build)."""
+    def built(*args, **kwargs):
+        raise AssertionError("a task was built before the positions check")
+
+    for module, name in ((tasks, "make_task"), (tasks, "build_needle_context"), (runner, "make_task")):
+        monkeypatch.setattr(module, name, built)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--model", "tiny-llama", "--context-tokens", "100000000"],
+    ["run", "--model", "tiny-llama", "--task", "niah_single", "--context-tokens", "100000000"],
+    ["leaderboard", "--preset", "tiny", "--context-tokens", "100000000", "--no-progress"],
+], ids=["run", "run --task", "leaderboard"])
+def test_a_context_past_the_models_positions_is_refused_before_a_task_is_built(tmp_path, capsys, no_task_is_built,
+                                                                               argv):
+    out = tmp_path / "r.jsonl"
+    extra = ["--out", str(out)] if argv[0] == "leaderboard" else []
+    assert _cli([*argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--context-tokens 100000000 cannot fit model 'tiny-llama': the context alone holds at least 99000000 " \
+           "tokens, more than its max_position_embeddings (4096)" in err
+    assert not out.exists()
+
+
+def test_run_grid_and_a_trial_refuse_a_context_past_the_positions_before_building_it(tmp_path, no_task_is_built):
+    grid = runner.Grid(models=("tiny-llama",), policies=("full",), tasks=(TaskSpec("niah_single", 10**8, 0.5),),
+                       positions=("after",), continuation_tokens=0)
+    with pytest.raises(ValueError, match=r"context_tokens=100000000 cannot fit model 'tiny-llama'"):
+        runner.run_grid(grid, tmp_path / "r.jsonl", progress=False)
+    assert not (tmp_path / "r.jsonl").exists()
+    row = runner.TrialRunner(grid).run(runner.plan(grid)[0], None)  # a trial on its own: an error row, at once
+    assert row["status"] == "error" and "context_tokens=100000000 cannot fit model 'tiny-llama'" in row["error"]
 
 
 # --- Ray's start-up timeout is one clear message --------------------------------------------------------------
