@@ -309,6 +309,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         check_model_name(args.model)
         model, tokenizer = load(args.model)
+    except ValueError as err:
+        return _fail("run", str(err))
+    try:
         if context_text is None:  # a context this long cannot fit the model: refused before it is built
             check_context_fits(pipeline.max_positions(model), context_tokens, args.model)
     except ValueError as err:
@@ -582,10 +585,13 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
         if not args.no_plots:
             runner.check_output_dir(plot_dir, "--plot-dir" if args.plot_dir else "--plot-dir (default: beside --out)")
         trials = runner.plan(grid)
-        runner.check_grid_positions(grid)  # a context no model can hold: refused before any task is built
     except runner.PolicyRefused as err:
         return _fail("leaderboard", _policies_refused(err))
     except (TypeError, ValueError) as err:  # runner.ResultsFileError is a ValueError
+        return _fail("leaderboard", str(err))
+    try:
+        runner.check_grid_positions(grid)  # a context no model can hold: refused before any task is built
+    except ValueError as err:
         return _fail("leaderboard", _as_flags(str(err)))
     where = "" if args.executor == "local" else f" on {executor!r}"
     print(f"kvzoo leaderboard: {len(trials)} trials -> {results}{where} (rerun the same command to resume)",

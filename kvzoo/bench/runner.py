@@ -172,7 +172,10 @@ def model_max_positions(name: str, dtype: str = "float32") -> int | None:
 
     if name in MODEL_NAMES:
         if (name, dtype) not in _MAX_POSITIONS:
-            _MAX_POSITIONS[name, dtype] = max_positions(load(name, dtype)[0])
+            try:
+                _MAX_POSITIONS[name, dtype] = max_positions(load(name, dtype)[0])
+            except Exception:  # noqa: BLE001 - it does not load here (weights missing): each trial's row says why
+                return None
         return _MAX_POSITIONS[name, dtype]
     try:
         from transformers import AutoConfig
@@ -457,7 +460,7 @@ class _Intake:
         self.who = describe_executor(executor)
         self.given = {t.key: t for t in trials}
         self.path = path
-        self.returned: list[str] = []  # keys, in the order their rows were written
+        self.returned: set[str] = set()  # the keys whose rows were written
         self.refusal: ExecutorError | None = None
 
     def _refuse(self, problem: str) -> ExecutorError:
@@ -496,12 +499,11 @@ class _Intake:
             said = ", ".join(f"{k}={final.get(k)!r}" for k in wrong)
             raise self._refuse(f"the row it returned for {mine.label} is another trial's ({said}; this trial's: "
                                f"{', '.join(f'{k}={expected[k]!r}' for k in wrong)})")
-        self.returned.append(key)
+        self.returned.add(key)
         return mine, final
 
     def missing(self) -> list[Trial]:
-        returned = set(self.returned)
-        return [t for t in self.given.values() if t.key not in returned]
+        return [t for t in self.given.values() if t.key not in self.returned]
 
 
 def _short(value: Any) -> str:
