@@ -80,7 +80,8 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
 
 # Python keywords in library messages -> the flags that set them on the command line
 _FLAG_OF = {"ratio": "--ratio", "budget": "--budget", "max_new_tokens": "--max-new-tokens",
-            "chunk_size": "--chunk-size", "question_position": "--question-position"}
+            "chunk_size": "--chunk-size", "question_position": "--question-position",
+            "context_tokens": "--context-tokens"}
 
 
 def _as_flags(message: str, parameters: Iterable[str] = (), *, ratio_flag: str = "--ratio") -> str:
@@ -236,11 +237,42 @@ def _parameters_of(policy: str) -> list[str]:
         return []
 
 
+def _unused_run_options(args: argparse.Namespace) -> str | None:
+    """Why an option given to ``kvzoo run`` would have no effect with the others given (None: each one applies):
+    ``--haystack`` and ``--seed`` shape ``--task``'s context; ``--question`` is the task's own with ``--task``;
+    ``--context-tokens`` and ``--depth`` build a context, which ``--context-file`` gives instead."""
+    if not args.task:
+        given = [flag for flag, value in (("--haystack", args.haystack), ("--seed", args.seed)) if value is not None]
+        if given:
+            return (f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to --task only (the haystack "
+                    "and seed of a RULER-style task): give --task too, or leave "
+                    f"{'them' if len(given) > 1 else 'it'} out")
+    elif args.question is not None:
+        return (f"--question applies without --task only (to the default needle or a --context-file): --task "
+                f"{args.task} asks its own question. Leave out --question, or --task")
+    if args.context_file:
+        given = [flag for flag, value in (("--context-tokens", args.context_tokens), ("--depth", args.depth))
+                 if value is not None]
+        if given:
+            return (f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} a generated context, and "
+                    f"--context-file gives the context: leave {'them' if len(given) > 1 else 'it'} out, or "
+                    "--context-file")
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from kvzoo import pipeline, registry
     from kvzoo.bench import metrics
-    from kvzoo.bench.runner import check_model_name, encode_prompt, load
-    from kvzoo.bench.tasks import NEEDLE_VALUE, QUESTION, TaskSpec, build_needle_context, make_task
+    from kvzoo.bench.runner import check_context_fits, check_model_name, encode_prompt, load
+    from kvzoo.bench.tasks import (
+        CONTEXT_TOKENS,
+        NEEDLE_DEPTH,
+        NEEDLE_VALUE,
+        QUESTION,
+        TaskSpec,
+        build_needle_context,
+        make_task,
+    )
 
     problem = _kernels_problem()
     if problem is not None:
@@ -257,10 +289,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("run", "--question is required with --context-file")
     if args.context_file and args.task:
         return _fail("run", "give either --task or --context-file, not both")
+    problem = _unused_run_options(args)
+    if problem is not None:
+        return _fail("run", problem)
+    context_tokens = CONTEXT_TOKENS if args.context_tokens is None else args.context_tokens
+    depth = NEEDLE_DEPTH if args.depth is None else args.depth
     spec = None
     if args.task:
         try:
-            spec = TaskSpec(args.task, args.context_tokens, args.depth, args.seed, args.haystack)
+            spec = TaskSpec(args.task, context_tokens, depth, args.seed or 0, args.haystack)
         except (TypeError, ValueError) as err:
             return _fail("run", str(err))
     context_text = None
@@ -274,6 +311,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         model, tokenizer = load(args.model)
     except ValueError as err:
         return _fail("run", str(err))
+    try:
+        if context_text is None:  # a context this long cannot fit the model: refused before it is built
+            check_context_fits(pipeline.max_positions(model), context_tokens, args.model)
+    except ValueError as err:
+        return _fail("run", _as_flags(str(err)))
     task = None
     expected: tuple[str, ...] = ()  # the answers the default needle's question has (none for a question of yours)
     try:
@@ -284,7 +326,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             ids = encode_prompt(tokenizer, task)
             context, question = ids.prefix, ids.question  # token ids: the answer prefix follows the question
         else:
-            context = build_needle_context(tokenizer, context_tokens=args.context_tokens, depth=args.depth).text
+            context = build_needle_context(tokenizer, context_tokens=context_tokens, depth=depth).text
             question = args.question or QUESTION
             expected = (NEEDLE_VALUE,) if question == QUESTION else ()
         result = pipeline.generate(
@@ -498,6 +540,27 @@ def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(executor_options=owned)
 
 
+def _path_options_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--out`` / ``--plot-dir`` cannot be taken as given (None: they can): an empty path (it would silently
+    become the default), or a plot folder with ``--no-plots``."""
+    for flag, value in (("--out", args.out), ("--plot-dir", args.plot_dir)):
+        if value is not None and not value.strip():
+            default = (f"results/{args.preset}.jsonl" if flag == "--out" else "the results file's folder")
+            return f"{flag} {value!r} is empty: give a path, or leave out {flag} for the default ({default})"
+    if args.no_plots and args.plot_dir is not None:
+        return (f"--plot-dir {args.plot_dir!r} says where the plots go, and --no-plots writes none: give one of "
+                "them")
+    return None
+
+
+def _policies_refused(err: Any) -> str:
+    """A grid's policy specs that build at none of its ratios (``runner.PolicyRefused``), in the command line's
+    words."""
+    specs = "; ".join(f"--policies {spec!r}: {why}" for spec, why in err.refused)
+    return (f"{specs}. Nothing was run: such a policy would only be recorded as skipped. Fix the spec (`kvzoo list "
+            "--verbose` lists each policy's parameters), or leave it out")
+
+
 def cmd_leaderboard(args: argparse.Namespace) -> int:
     from kvzoo.bench import plots, report, runner
     from kvzoo.bench.executors import ExecutorUnavailable
@@ -506,12 +569,15 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     problem = _kernels_problem()
     if problem is not None:
         return _fail("leaderboard", problem)
+    problem = _path_options_problem(args)
+    if problem is not None:
+        return _fail("leaderboard", problem)
     try:
         executor = _executor_from_args(args)
     except (ExecutorUnavailable, ValueError) as err:
         return _fail("leaderboard", str(err))
-    results = Path(args.out or runner.RESULTS_DIR / f"{args.preset}.jsonl")
-    plot_dir = Path(args.plot_dir) if args.plot_dir else results.parent
+    results = Path(args.out if args.out is not None else runner.RESULTS_DIR / f"{args.preset}.jsonl")
+    plot_dir = Path(args.plot_dir) if args.plot_dir is not None else results.parent
     try:
         grid = _grid_from_args(args)
         # the files first: an unusable --out or --plot-dir is refused before anything is planned or run
@@ -519,14 +585,23 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
         if not args.no_plots:
             runner.check_output_dir(plot_dir, "--plot-dir" if args.plot_dir else "--plot-dir (default: beside --out)")
         trials = runner.plan(grid)
+    except runner.PolicyRefused as err:
+        return _fail("leaderboard", _policies_refused(err))
     except (TypeError, ValueError) as err:  # runner.ResultsFileError is a ValueError
         return _fail("leaderboard", str(err))
+    try:
+        runner.check_grid_positions(grid)  # a context no model can hold: refused before any task is built
+    except ValueError as err:
+        return _fail("leaderboard", _as_flags(str(err)))
     where = "" if args.executor == "local" else f" on {executor!r}"
     print(f"kvzoo leaderboard: {len(trials)} trials -> {results}{where} (rerun the same command to resume)",
           file=sys.stderr)
     try:
         rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress,
                                executor=executor)
+    except (runner.ExecutorError, runner.ResultsWriteError) as err:  # the run failed part way: exit 1, not 2
+        print(f"kvzoo leaderboard: {err}", file=sys.stderr)
+        return 1
     except (ExecutorUnavailable, runner.ResultsFileError) as err:
         return _fail("leaderboard", str(err))
     print(report.render(rows, title=f"kvzoo leaderboard ({args.preset} grid)"))
@@ -551,6 +626,12 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 # --- plot ----------------------------------------------------------------------------------------
 
 
+def _row_label(row: dict[str, Any]) -> str:
+    """``snapkv 4x niah_single d=0.5 q-after``: a results row's trial in words (as the leaderboard labels trials)."""
+    ratio = f" {row['ratio']:g}x" if isinstance(row.get("ratio"), (int, float)) else ""
+    return f"{row['policy']}{ratio} {row['task']} d={row.get('depth')} q-{row['question_position']}"
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from kvzoo.bench import plots, runner
 
@@ -560,7 +641,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
                      "results JSONL written by `kvzoo leaderboard`")
     if not path.is_file():
         return _fail("plot", f"no results file {str(path)!r}; run `kvzoo leaderboard` first (it writes results/<preset>.jsonl)")
-    out_dir = Path(args.out_dir) if args.out_dir else path.parent
+    if args.out_dir is not None and not args.out_dir.strip():
+        return _fail("plot", f"--out-dir {args.out_dir!r} is empty: give a folder, or leave out --out-dir for the "
+                     "default (beside the results file)")
+    out_dir = Path(args.out_dir) if args.out_dir is not None else path.parent
     try:
         runner.check_output_dir(out_dir, "--out-dir" if args.out_dir else "--out-dir (default: beside the results)")
     except runner.ResultsFileError as err:
@@ -571,7 +655,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not found.rows:
         return _fail("plot", f"{path} holds no kvzoo results rows (it was not changed); give a JSONL written by "
                      "`kvzoo leaderboard`")
-    rows = list(runner.latest_rows(found.rows).values())  # one row per trial, as the leaderboard reads them
+    latest, stale = runner.current_rows(found.rows)  # one row per trial, as the leaderboard reads them
+    superseded = {key for key, row in latest.items() if row["status"] == "ok"}
+    passed_over = list({row["key"]: (row, why) for row, why in stale if row["key"] not in superseded}.values())
+    if passed_over:
+        shown = "; ".join(f"{_row_label(row)}: ran with {why}" for row, why in passed_over[:3])
+        print(f"kvzoo plot: {len(passed_over)} trial(s) whose ok row ran another configuration than its policy name "
+              f"builds now are not plotted ({shown}{'; ...' if len(passed_over) > 3 else ''}): rerun `kvzoo "
+              "leaderboard` with the same options to run them again (the rows stay in the file)", file=sys.stderr)
+    rows = list(latest.values())
     if args.model:
         rows = [r for r in rows if r.get("model") == args.model]
     try:
@@ -656,6 +748,8 @@ def _add_list(sub: Any) -> None:
 
 
 def _add_run(sub: Any, tasks: Iterable[str], haystacks: Iterable[str]) -> None:
+    from kvzoo.bench.tasks import CONTEXT_TOKENS, NEEDLE_DEPTH
+
     tasks, haystacks = list(tasks), list(haystacks)
     p_run = sub.add_parser("run", help=COMMANDS["run"])
     p_run.add_argument("--policy", default="full", help="registered name (see `kvzoo list`)")
@@ -665,11 +759,12 @@ def _add_run(sub: Any, tasks: Iterable[str], haystacks: Iterable[str]) -> None:
     p_run.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     p_run.add_argument("--task", choices=tasks, help="a RULER-style task instead of the default needle")
     p_run.add_argument("--haystack", choices=haystacks, help="haystack text of --task (default: the task's)")
-    p_run.add_argument("--seed", type=int, default=0, help="seed of --task")
+    p_run.add_argument("--seed", type=int, default=None, help="seed of --task (default 0)")
     p_run.add_argument("--context-file", help="a text file to use as the context (needs --question)")
     p_run.add_argument("--question", help="the question asked about the context")
-    p_run.add_argument("--context-tokens", type=_positive, default=2000, help="needle/task context length in tokens")
-    p_run.add_argument("--depth", type=_depth, default=0.35, help="needle depth in [0, 1]")
+    p_run.add_argument("--context-tokens", type=_positive, default=None,
+                       help=f"needle/task context length in tokens (default {CONTEXT_TOKENS})")
+    p_run.add_argument("--depth", type=_depth, default=None, help=f"needle depth in [0, 1] (default {NEEDLE_DEPTH})")
     p_run.add_argument("--question-position", choices=list(QUESTION_POSITIONS), default="after")
     p_run.add_argument("--max-new-tokens", type=_positive, default=None, help="default 24 (with --task: the task's)")
     p_run.add_argument("--chunk-size", type=_positive, default=None, help="prefill in chunks of this many tokens")
@@ -693,18 +788,22 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
                       help="demo: 2k-token single needle, depths 0.25 and 0.75, 4x/8x, question after (the `make demo` grid); "
                       "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); tiny: a tiny random model")
     p_lb.add_argument("--model", dest="models", action="append", metavar="MODEL", help=MODEL_HELP + " (repeatable)")
-    p_lb.add_argument("--policies", nargs="+", metavar="NAME",
+    # the list options extend when repeated (--policies full --policies snapkv runs both), as --model does
+    p_lb.add_argument("--policies", nargs="+", action="extend", metavar="NAME",
                       help="registered names or specs, space- or comma-separated, e.g. snapkv,quest(gqa=group) or "
                            "kvpress:KeyDiffPress (any kvpress ScorerPress, where kvpress is installed) "
-                           "(default: every registered policy)")
-    p_lb.add_argument("--ratios", nargs="+", type=_ratio, metavar="R", help="compression ratios (keep 1/R of the rows)")
-    p_lb.add_argument("--tasks", nargs="+", choices=tasks, metavar="TASK", help=f"tasks: {', '.join(tasks)}")
-    p_lb.add_argument("--haystacks", nargs="+", choices=haystacks, metavar="KIND",
+                           "(default: every registered policy; repeatable, as are the other lists)")
+    p_lb.add_argument("--ratios", nargs="+", action="extend", type=_ratio, metavar="R",
+                      help="compression ratios (keep 1/R of the rows)")
+    p_lb.add_argument("--tasks", nargs="+", action="extend", choices=tasks, metavar="TASK",
+                      help=f"tasks: {', '.join(tasks)}")
+    p_lb.add_argument("--haystacks", nargs="+", action="extend", choices=haystacks, metavar="KIND",
                       help=f"haystacks: {', '.join(haystacks)} (default: each task's own)")
-    p_lb.add_argument("--context-tokens", nargs="+", type=_positive, metavar="N", help="context lengths in tokens")
-    p_lb.add_argument("--depths", nargs="+", type=_depth, metavar="D", help="needle depths in [0, 1]")
-    p_lb.add_argument("--seeds", nargs="+", type=int, metavar="S", help="task seeds")
-    p_lb.add_argument("--positions", nargs="+", choices=list(QUESTION_POSITIONS), metavar="POS",
+    p_lb.add_argument("--context-tokens", nargs="+", action="extend", type=_positive, metavar="N",
+                      help="context lengths in tokens")
+    p_lb.add_argument("--depths", nargs="+", action="extend", type=_depth, metavar="D", help="needle depths in [0, 1]")
+    p_lb.add_argument("--seeds", nargs="+", action="extend", type=int, metavar="S", help="task seeds")
+    p_lb.add_argument("--positions", nargs="+", action="extend", choices=list(QUESTION_POSITIONS), metavar="POS",
                       help="question after and/or before compression")
     p_lb.add_argument("--max-new-tokens", type=_positive, help="tokens to generate (default: each task's own)")
     p_lb.add_argument("--chunk-size", type=_positive, help="prefill in chunks of this many tokens")

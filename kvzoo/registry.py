@@ -500,12 +500,15 @@ def reset() -> None:
 
 
 def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str:
-    """Register a plugin (a module or object with ``@hookimpl`` ``kvzoo_policies`` and/or
-    ``kvzoo_retrievers``) without installing it.
+    """Register a plugin (a module or object with ``@hookimpl`` functions of :mod:`kvzoo.hookspecs`:
+    ``kvzoo_policies``, ``kvzoo_retrievers``, ``kvzoo_namespaces``, ``kvzoo_adapters``, ``kvzoo_executors``)
+    without installing it.
 
     Returns the plugin's name: ``name``, else the module's ``__name__``, else its type and id.
-    The registry is rebuilt at once, so a bad plugin fails here with a :class:`RegistryError` and
-    is not kept. Registering the same object again is a no-op.
+    The registry is rebuilt at once -- every table the plugin adds to, its adapters and executors too -- so a bad
+    plugin (a class that is not what its hook returns, a name or model type another plugin or a built-in claims)
+    fails here with a :class:`RegistryError` naming what was wrong, and is not kept: the registry is left as it
+    was. Registering the same object again is a no-op.
     """
     global _entries
     for known, known_name in _registered:
@@ -519,6 +522,11 @@ def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str
     _entries = None
     try:
         _table()
+        # the adapter and executor tables are otherwise built on their first lookup (adapters import transformers):
+        # build the ones this plugin adds to now, so that its classes are checked here and not by the next lookup
+        for hook, build in (("kvzoo_adapters", adapters), ("kvzoo_executors", _executor_table)):
+            if any(impl.plugin_name == name for impl in getattr(_plugins.hook, hook).get_hookimpls()):
+                build()
     except Exception:
         _registered.pop()
         _entries = None

@@ -126,7 +126,7 @@ def test_info_reports_fields_and_source():
     assert about["paper"] == "https://arxiv.org/abs/2309.17453"
     assert about["layouts"] == ["gqa", "mla"]
     assert about["defaults"] == {
-        "ratio": None, "budget": None, "archive": None, "retriever": None,
+        "ratio": None, "budget": None, "archive": None, "retriever": None,  # None: an archive where a retriever reads one
         "sinks": 4, "schedule": "step", "block_size": 256, "prefill": "dense",
     }
     assert about["class"] == "kvzoo.policies.streaming_llm:StreamingLLM"

@@ -18,6 +18,11 @@ task and question position, in plan order), a factory for the object that runs a
 look-ups it needs. It calls ``emit(trial, row, run_info)`` once per trial, from the driver's
 thread, with ``run_info`` = ``{"worker", "trial_seconds", "model_load_s", "attempts", "attempt_errors"}``.
 
+The runner holds an executor to that (:data:`EMIT_CONTRACT`): each row is matched to the trial it was emitted for
+before anything is written -- one of the trials given, not returned before, its row a kvzoo row keyed as that
+trial -- and a row that is not is refused (:class:`ExecutorError`, naming the executor), as is a run that returns
+without a row for every trial, or raises.
+
 This module imports nothing else of kvzoo: the runner builds the work, the executors only move it.
 """
 
@@ -83,6 +88,17 @@ class Executor(Protocol):
     def add_arguments(cls, group: argparse._ArgumentGroup) -> None: ...
 
     def run(self, work: Work, emit: Emit) -> None: ...
+
+
+EMIT_CONTRACT = ("an executor calls emit(trial, row, run_info) exactly once for each trial of the Work it was given, "
+                 "with that trial's own row (a dict with its key, status, model, policy and task: what "
+                 "Work.make_runner()'s run(trial, reference) returns for it) and run_info a dict")
+
+
+class ExecutorError(RuntimeError):
+    """An executor broke :data:`EMIT_CONTRACT` (a row that is not its trial's, a trial returned twice or never) or
+    raised. The message names the executor and what it did; the refused row was not written (the rows before it
+    were, each checked against its trial), and a rerun resumes with the trials that have no row."""
 
 
 class ExecutorUnavailable(RuntimeError):

@@ -214,20 +214,49 @@ def plan(grid: Grid) -> list[Trial]:
     if unknown or unavailable:
         message = f"unknown policies {', '.join(map(repr, unknown))}; registered policies: {', '.join(available)}"
         raise ValueError("; ".join(([message] if unknown else []) + unavailable))
+    if grid.policies is not None:
+        refused = [(name, why) for name in dict.fromkeys(names) if (why := _builds_nowhere(name, grid.ratios))]
+        if refused:
+            raise PolicyRefused(refused)
     for model in grid.models:
         check_model_name(model)
     settings = tuple(grid.settings().items())
-    trials: list[Trial] = []
+    trials: dict[str, Trial] = {}  # by key: a policy or ratio named twice is one trial
     for model, spec, position in itertools.product(grid.models, grid.tasks, grid.positions):
-        trials.append(Trial(model, spec, REFERENCE_POLICY, None, position, settings))
+        reference = Trial(model, spec, REFERENCE_POLICY, None, position, settings)
+        trials.setdefault(reference.key, reference)
         for name in names:
             if name == REFERENCE_POLICY:
                 continue
-            if not needs_ratio(name):
-                trials.append(Trial(model, spec, name, None, position, settings))
-                continue
-            trials.extend(Trial(model, spec, name, ratio, position, settings) for ratio in grid.ratios)
-    return trials
+            for ratio in grid.ratios if needs_ratio(name) else (None,):
+                trial = Trial(model, spec, name, ratio, position, settings)
+                trials.setdefault(trial.key, trial)
+    return list(trials.values())
+
+
+class PolicyRefused(ValueError):
+    """Policies a grid names that build at none of its ratios (a misspelt parameter, a value no ratio makes valid):
+    each would only be recorded as skipped, so the grid is refused before anything runs. ``refused``: (spec, why)."""
+
+    def __init__(self, refused: list[tuple[str, str]]) -> None:
+        self.refused = refused
+        super().__init__("; ".join(f"policy {spec!r} builds at none of the grid's ratios: {why}" for spec, why in refused)
+                         + ". A policy the grid names must build at one of its ratios at least (one refused at some "
+                         "ratios only is recorded as skipped at those)")
+
+
+def _builds_nowhere(name: str, ratios: Sequence[float]) -> str | None:
+    """Why policy spec ``name`` builds at none of ``ratios`` (at no ratio, for a policy without a budget), in the
+    words of the first refusal; None when it builds at one at least."""
+    first = None
+    for ratio in ratios if needs_ratio(name) else (None,):
+        try:
+            build_policy(name, ratio)
+        except (KeyError, TypeError, ValueError) as err:  # what a trial records as skipped
+            first = first or f"{type(err).__name__}: {err.args[0] if err.args else err}"
+        else:
+            return None
+    return first
 
 
 def check_model_name(name: str) -> None:

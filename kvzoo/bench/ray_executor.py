@@ -173,22 +173,44 @@ class RayExecutor:
         ray = self.ray
         if ray.is_initialized():
             return False
+        # What ray.init raises when it cannot start or reach Ray is not one class: a local instance whose processes
+        # do not come up in time (a loaded machine) is a bare Exception ("The current node timed out during
+        # startup", ray/_private/node.py, Ray 2.x), or TimeoutError from ray._private.services.wait_for_node in
+        # older releases; a cluster that cannot be reached, ConnectionError or RuntimeError. Any of them means the
+        # same here: no Ray to run on, said in one message (RayUnavailable), not a traceback.
         if self.address is None:
             cpus = os.cpu_count() or 1
             if self.workers is not None:
                 cpus = max(cpus, math.ceil(self.workers * self.cpus_per_worker))
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                     object_store_memory=self.object_store_memory or LOCAL_OBJECT_STORE_BYTES)
+            try:
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                         object_store_memory=self.object_store_memory or LOCAL_OBJECT_STORE_BYTES)
+            except Exception as err:
+                self._shutdown_quietly()
+                raise RayUnavailable(
+                    f"could not start a local Ray instance ({_cause(err)}). A machine under heavy load can take "
+                    "longer to start Ray's processes than ray.init waits: rerun when it is less busy (the results "
+                    "file resumes where it stopped), or start Ray yourself (`ray start --head`) and pass --address "
+                    "auto; without Ray, leave out --executor ray"
+                ) from err
             return True
         try:
             ray.init(address=self.address, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as err:
+        except Exception as err:
+            self._shutdown_quietly()
             raise RayUnavailable(
-                f"could not connect to the Ray cluster at {self.address!r} ({type(err).__name__}: {err}). Start one "
+                f"could not connect to the Ray cluster at {self.address!r} ({_cause(err)}). Start one "
                 "with `ray start --head` on the head node (then --address auto there, or ray://HEAD:10001 from "
                 "elsewhere), or leave out --address to start a local Ray instance"
             ) from err
         return True
+
+    def _shutdown_quietly(self) -> None:
+        """Stop what a failed ``ray.init`` may have started (nothing to stop is fine)."""
+        try:
+            self.ray.shutdown()
+        except Exception:  # noqa: BLE001 - Ray half started or not at all: nothing more to undo
+            pass
 
     def _needs(self) -> dict[str, float]:
         """What one worker asks the cluster for."""

@@ -2,7 +2,8 @@
 
 A results file is kvzoo's when its lines are kvzoo rows (:func:`row_problem` says what a row must hold);
 reading never writes (a line that is not a row is reported and left where it is), appending never
-rewrites (:func:`append_row` flushes each row to disk, a Ctrl-C waits for the line to be whole), and
+rewrites (:func:`append_row` flushes each row to disk, a Ctrl-C waits for the line to be whole, a write that fails
+-- a full disk -- leaves no partial line), and
 :func:`results_lock` keeps a second driver off the file. :func:`check_results_target` and
 :func:`check_output_dir` refuse an unusable ``--out`` or ``--plot-dir`` before anything runs.
 """
@@ -10,6 +11,7 @@ rewrites (:func:`append_row` flushes each row to disk, a Ctrl-C waits for the li
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.metadata
 import json
 import os
@@ -17,7 +19,7 @@ import platform
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,11 @@ class ResultsFileLocked(ResultsFileError):
     """Another process (a second ``kvzoo leaderboard``) is writing the results file."""
 
 
+class ResultsWriteError(ResultsFileError):
+    """A row could not be appended to the results file (a full disk, a quota, an I/O error): nothing of it was left
+    in the file; the message names the file and the cause."""
+
+
 def _not_a_regular_file(path: Path) -> str | None:
     """Why ``path`` (which exists) cannot be read as a results file: a directory, FIFO, socket or device."""
     if path.is_file():
@@ -154,15 +161,20 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return read_results_file(path).rows
 
 
-def latest_rows(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def latest_rows(rows: Sequence[dict[str, Any]],
+                stale: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, dict[str, Any]]:
     """One row per trial key, in the order keys first appear: a finished trial stays finished.
 
     The latest ``ok`` row of a trial wins over any ``skipped`` or ``error`` row, before or after it (files
     concatenated in any order, a rerun that failed where an earlier one finished); a trial with no ok row
-    keeps its latest row.
+    keeps its latest row. ``stale(row)``: true for an ok row that ran another configuration than its trial's name
+    builds now (:func:`kvzoo.bench.runner.current_rows` asks the registry): such a row is never the trial's result,
+    it is passed over as if it were not in the file (where it stays).
     """
     latest: dict[str, dict[str, Any]] = {}
     for row in rows:
+        if stale is not None and row["status"] == "ok" and stale(row):
+            continue
         kept = latest.get(row["key"])
         if kept is None or row["status"] == "ok" or kept["status"] != "ok":
             latest[row["key"]] = row
@@ -173,19 +185,49 @@ def append_row(path: str | Path, row: dict[str, Any]) -> None:
     """Append one row as a JSON line and flush it to disk (an interruption loses at most the trial in flight).
 
     When the file's last line was cut short (no newline at its end), the row starts on a new line:
-    the file is only ever appended to.
+    the file is only ever appended to. The line is all or nothing: written, then flushed to disk, and when either
+    fails (a full disk, a quota, an I/O error) the file is cut back to the length it had, so no partial line is left,
+    and a :class:`ResultsWriteError` names the file (the earlier rows are as they were). The one writer of a results
+    file holds its lock (:func:`results_lock`), so nobody else's bytes follow the line.
     """
     path = Path(path)
-    lead = ""
+    lead = b""
     if path.exists() and path.stat().st_size:
         with open(path, "rb") as fh:
             fh.seek(-1, os.SEEK_END)
-            lead = "" if fh.read(1) == b"\n" else "\n"
-    line = lead + json.dumps(row, default=_json_default) + "\n"
-    with _interrupts_deferred(), open(path, "a", encoding="utf-8") as fh:
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
+            lead = b"" if fh.read(1) == b"\n" else b"\n"
+    line = lead + (json.dumps(row, default=_json_default) + "\n").encode("utf-8")
+    with _interrupts_deferred():
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise ResultsWriteError(_write_failure(path, err, 0)) from err
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                left = memoryview(line)
+                while left:  # os.write may take part of the line (a disk filling up takes what fits)
+                    left = left[os.write(fd, left):]
+                os.fsync(fd)
+            except OSError as err:
+                try:
+                    os.ftruncate(fd, start)
+                    cut = ""
+                except OSError as cut_err:  # could not cut back: say where the partial line is
+                    cut = (f"; the partial line could not be removed ({cut_err.strerror or cut_err}): everything after "
+                           f"byte {start} is it, and reading skips it")
+                raise ResultsWriteError(_write_failure(path, err, start) + cut) from err
+        finally:
+            os.close(fd)
+
+
+def _write_failure(path: Path, err: OSError, kept: int) -> str:
+    cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}.get(err.errno, "")
+    name = errno.errorcode.get(err.errno, type(err).__name__) if err.errno else type(err).__name__
+    return (f"could not append a row to {path} ({name}: {err.strerror or err}{'; ' + cause if cause else ''}): the "
+            f"row was not written and the file was left as it was ({kept} bytes, the earlier rows intact). "
+            f"{'Free some space' if cause else 'Fix the cause'} (or give another --out) and rerun the same command: "
+            "it resumes with the trials that have no row")
 
 
 @contextlib.contextmanager

@@ -64,13 +64,21 @@ from typing import Any
 
 import torch
 
-from kvzoo.bench.executors import Executor, LocalExecutor, Work
+from kvzoo.bench.executors import (
+    EMIT_CONTRACT,
+    Executor,
+    ExecutorError,
+    ExecutorUnavailable,
+    LocalExecutor,
+    Work,
+)
 from kvzoo.bench.planner import (  # noqa: F401 - re-exported: the runner's public names
     DEFAULT_VARIANTS,
     DTYPES,
     PRESETS,
     TEACHER_FORCING,
     Grid,
+    PolicyRefused,
     Trial,
     build_policy,
     check_model_name,
@@ -90,6 +98,7 @@ from kvzoo.bench.results import (  # noqa: F401 - re-exported
     ResultsFile,
     ResultsFileError,
     ResultsFileLocked,
+    ResultsWriteError,
     _json_default,
     append_row,
     check_output_dir,
@@ -102,7 +111,7 @@ from kvzoo.bench.results import (  # noqa: F401 - re-exported
     row_problem,
     versions,
 )
-from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, make_task
+from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, fewest_context_tokens, make_task
 from kvzoo.bench.trial import (  # noqa: F401 - re-exported
     PromptIds,
     Reference,
@@ -137,6 +146,56 @@ def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
         tokenizer = ByteTokenizer()
     return model, tokenizer
 
+
+
+def check_context_fits(limit: int | None, context_tokens: int, model: str) -> None:
+    """A ValueError, before a context is built, when a context of ``context_tokens`` tokens cannot fit in ``limit``
+    positions (model ``model``'s ``max_position_embeddings``; None: it declares none) whatever the trial adds to it:
+    the refusal a trial's positions check would give once its task is built, without building it."""
+    fewest = fewest_context_tokens(context_tokens)
+    if limit is not None and fewest > limit:
+        raise ValueError(
+            f"context_tokens={context_tokens} cannot fit model {model!r}: the context alone holds at least {fewest} "
+            f"tokens, more than its max_position_embeddings ({limit}), and positions past {limit} were never trained. "
+            f"Give a context of fewer than {limit} tokens (with room for the question and the answer)")
+
+
+_MAX_POSITIONS: dict[tuple[str, str], int | None] = {}  # kvzoo's named models, read once per process
+
+
+def model_max_positions(name: str, dtype: str = "float32") -> int | None:
+    """Model ``name``'s ``max_position_embeddings`` (None when it declares none or its config cannot be read here: the
+    trial then says why). A local directory's or hub id's is read from its config alone; kvzoo's named models (tiny,
+    SmolLM2-135M, the reference twins) are built, as they load in a second."""
+    from kvzoo.models import MODEL_NAMES
+    from kvzoo.pipeline import max_positions
+
+    if name in MODEL_NAMES:
+        if (name, dtype) not in _MAX_POSITIONS:
+            try:
+                _MAX_POSITIONS[name, dtype] = max_positions(load(name, dtype)[0])
+            except Exception:  # noqa: BLE001 - it does not load here (weights missing): each trial's row says why
+                return None
+        return _MAX_POSITIONS[name, dtype]
+    try:
+        from transformers import AutoConfig
+
+        import kvzoo.refmodel  # noqa: F401  (registers model_type "kvzoo_mla" with the Auto classes)
+
+        config = AutoConfig.from_pretrained(name, local_files_only=Path(name).expanduser().is_dir())
+    except Exception:  # noqa: BLE001 - no config to read here (offline, a bad directory): the trial reports it
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_grid_positions(grid: Grid) -> None:
+    """A ValueError naming the model and the length when a task of ``grid`` cannot fit a model's positions
+    (:func:`check_context_fits`): decided from the grid and the models' configs, before any task is built."""
+    longest = max(spec.context_tokens for spec in grid.tasks)
+    for model in grid.models:
+        check_context_fits(model_max_positions(model, grid.dtype), longest, model)
 
 
 # --- running the pending trials -------------------------------------------------------------------
@@ -178,6 +237,9 @@ class TrialRunner:
     def task(self, name: str, spec: TaskSpec) -> Task:
         key = (name, spec.key)
         if key not in self.tasks:
+            from kvzoo.pipeline import max_positions
+
+            check_context_fits(max_positions(self.model(name)[0]), spec.context_tokens, name)  # before building it
             self.tasks[key] = make_task(spec, self.model(name)[1], continuation_tokens=self.grid.continuation_tokens)
         return self.tasks[key]
 
@@ -226,24 +288,54 @@ def _as_json(value: Any) -> Any:
     return json.loads(json.dumps(value, default=_json_default))
 
 
-def stale_configuration(trial: Trial, row: dict[str, Any]) -> str | None:
+def _configuration_now(policy: str, ratio: float | None, built: dict) -> dict[str, Any] | None:
+    """The ``policy_config`` and ``retriever_config`` that ``policy`` at ``ratio`` builds now, as a row stores them
+    (None when it no longer builds); memoised in ``built``."""
+    if (policy, ratio) not in built:
+        try:
+            made = build_policy(policy, ratio)
+        except (KeyError, TypeError, ValueError):
+            built[policy, ratio] = None
+        else:
+            retriever = policy_retriever(made)
+            built[policy, ratio] = {"policy_config": _as_json(made.config()),
+                                    "retriever_config": None if retriever is None else _as_json(retriever.config())}
+    return built[policy, ratio]
+
+
+def stale_configuration(row: dict[str, Any], built: dict | None = None) -> str | None:
     """What differs between the configuration ``row`` records (``policy_config``, ``retriever_config``) and the one
-    ``trial``'s policy name builds now -- a changed default, e.g. a retriever's rule -- or None when they agree (or
-    the row records none, or the name no longer builds: that trial is run and recorded as skipped anyway)."""
-    try:
-        policy = build_policy(trial.policy, trial.ratio)
-    except (KeyError, TypeError, ValueError):
+    its policy name (at its ratio) builds now -- a changed default, e.g. a retriever's rule -- or None when they agree
+    (or the row records none, or the name no longer builds: that trial is run and recorded as skipped anyway).
+    ``built``: a dict memoising what each (policy, ratio) builds, for a file's worth of rows."""
+    now = _configuration_now(row["policy"], row.get("ratio"), {} if built is None else built)
+    if now is None:
         return None
-    retriever = policy_retriever(policy)
-    now = {"policy_config": policy.config(), "retriever_config": None if retriever is None else retriever.config()}
     changed = []
     for field, config in now.items():
-        if field in row and _as_json(config) != row[field]:
-            old, new = row[field] or {}, _as_json(config) or {}
+        if field in row and config != row[field]:
+            old, new = row[field] or {}, config or {}
             keys = sorted(set(old) | set(new), key=str) if isinstance(old, dict) and isinstance(new, dict) else []
             diffs = [f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in keys if old.get(k) != new.get(k)]
             changed.append(f"{field} {', '.join(diffs) if diffs else repr(row[field])}")
     return "; ".join(changed) or None
+
+
+def current_rows(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[tuple[dict[str, Any], str]]]:
+    """:func:`latest_rows` of ``rows`` taking no ``ok`` row of another configuration than its policy name builds now
+    (:func:`stale_configuration`: a default changed since it ran) as a trial's result -- resuming runs that trial
+    again, and the table and the plots leave the row out, so the three agree -- and those rows beside, each with
+    what changed. What reads a results file as results reads it through here."""
+    built: dict = {}
+    stale: list[tuple[dict[str, Any], str]] = []
+
+    def changed(row: dict[str, Any]) -> str | None:
+        why = stale_configuration(row, built)
+        if why:
+            stale.append((row, why))
+        return why
+
+    return latest_rows(rows, stale=changed), stale
 
 
 def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dict[str, Any]:
@@ -314,10 +406,18 @@ def run_grid(
     appends to another file anyway). ``fresh=True`` empties a file holding nothing but kvzoo rows first (any
     other file is refused, ``force`` or not). The file is locked while the grid runs (:func:`results_lock`:
     a second driver on it refuses, naming this one's pid). A trial with an ``ok`` row is finished, whatever
-    other rows of it say (:func:`latest_rows`). Each
+    other rows of it say, unless that row ran another configuration than its policy name builds now
+    (:func:`current_rows`: it runs again). Each
     finished trial is appended to ``results`` at once, by this process only, whichever ``executor``
     ran it (default :class:`~kvzoo.bench.executors.LocalExecutor`: in this process, in plan order;
     see :mod:`kvzoo.bench.executors`). ``on_row`` is called with each new row, after it was written.
+
+    An executor's rows are matched to the trials it was given before anything is written
+    (:data:`~kvzoo.bench.executors.EMIT_CONTRACT`): a row for another trial, a trial returned twice, a row that is
+    not a kvzoo row, trials never returned, or an exception from the executor end the run with an
+    :class:`~kvzoo.bench.executors.ExecutorError` naming it (the rows written before stay, each its trial's own;
+    a rerun resumes). A row that cannot be written (a full disk) leaves no partial line
+    (:func:`append_row`: :class:`ResultsWriteError`).
 
     Besides the trial's figures every row says where and how it ran: ``worker`` (``host:pid``),
     ``trial_seconds`` (without ``model_load_s``, the model's loading when this trial came first on its
@@ -325,6 +425,7 @@ def run_grid(
     """
     path = check_results_path(results)
     trials = plan(grid)
+    check_grid_positions(grid)
     path.parent.mkdir(parents=True, exist_ok=True)
     with results_lock(path) as locked:
         found = check_results_target(path, force=force, fresh=fresh)  # read under the lock: nobody else appends
@@ -333,21 +434,91 @@ def run_grid(
             found = ResultsFile(path)
         for problem in found.problems():
             print(f"kvzoo: {problem}", file=sys.stderr)
-        return _run_pending(grid, trials, path, latest_rows(found.rows), progress=progress, on_row=on_row,
+        latest, stale = current_rows(found.rows)
+        planned = {t.key: t for t in trials}
+        for row, changed in stale:  # each trial once, and only where no current ok row finished it
+            trial = planned.pop(row["key"], None)
+            if trial is not None and latest.get(trial.key, {}).get("status") != "ok":
+                print(f"kvzoo: {trial.label}: its row ran with {changed}; running it again", file=sys.stderr)
+        return _run_pending(grid, trials, path, latest, progress=progress, on_row=on_row,
                             executor=executor if executor is not None else LocalExecutor())
+
+
+def describe_executor(executor: Any) -> str:
+    """``executor 'NAME' (module:Class)``: the executor plugin, for messages."""
+    cls = type(executor)
+    return f"executor {getattr(cls, 'name', cls.__name__)!r} ({cls.__module__}:{cls.__qualname__})"
+
+
+class _Intake:
+    """What an executor hands back, matched to the trials it was given before anything is written: each row must be
+    emitted for one of those trials, once, and be a kvzoo row (:func:`row_problem`) saying it is that trial's (its
+    key, model, policy, ratio, task and question position). Anything else is an :class:`ExecutorError` naming the
+    executor and :data:`EMIT_CONTRACT`; the refusal is kept, so an executor that swallows it still fails."""
+
+    def __init__(self, executor: Any, trials: list[Trial], path: Path) -> None:
+        self.who = describe_executor(executor)
+        self.given = {t.key: t for t in trials}
+        self.path = path
+        self.returned: set[str] = set()  # the keys whose rows were written
+        self.refusal: ExecutorError | None = None
+
+    def _refuse(self, problem: str) -> ExecutorError:
+        written = (f"the {len(self.returned)} row(s) it returned before were written to {self.path}, each checked "
+                   "against its trial" if self.returned else f"nothing was written to {self.path}")
+        refusal = ExecutorError(
+            f"{self.who} broke the executor contract: {problem}. The contract: {EMIT_CONTRACT}. That row was not "
+            f"written; {written}, and the trials left were not run. Fix the executor; rerunning the same command "
+            "resumes with the trials that have no row")
+        self.refusal = self.refusal or refusal  # the first one is the one to report
+        return refusal
+
+    def accept(self, trial: Any, row: Any, info: Any, extra: dict[str, Any]) -> tuple[Trial, dict[str, Any]]:
+        """``(the trial, the row to write)`` for what the executor emitted, or an :class:`ExecutorError`."""
+        key = getattr(trial, "key", None)
+        mine = self.given.get(key) if isinstance(key, str) else None
+        if mine is None:
+            label = getattr(trial, "label", None)
+            which = f"{label} (trial key {key!r})" if isinstance(label, str) else _short(trial)
+            raise self._refuse(f"emit() was called for {which}, which is not one of the {len(self.given)} trials it "
+                               "was given")
+        if key in self.returned:
+            raise self._refuse(f"emit() was called a second time for {mine.label} (trial key {key!r})")
+        if not isinstance(row, dict):
+            raise self._refuse(f"its row for {mine.label} is a {type(row).__name__} ({_short(row)}), not a dict")
+        if not isinstance(info, dict):
+            raise self._refuse(f"its run_info for {mine.label} is a {type(info).__name__} ({_short(info)}), not a dict")
+        final = {**row, **info, **extra}
+        why = row_problem(final)
+        if why is not None:
+            raise self._refuse(f"its row for {mine.label} is not a kvzoo results row: "
+                               f"{why.removeprefix('JSON, but not a kvzoo results row ')}")
+        expected = {k: v for k, v in trial_row(mine).items() if k not in ("status", "error")}
+        wrong = [k for k, v in expected.items() if _as_json(final.get(k)) != _as_json(v)]
+        if wrong:
+            said = ", ".join(f"{k}={final.get(k)!r}" for k in wrong)
+            raise self._refuse(f"the row it returned for {mine.label} is another trial's ({said}; this trial's: "
+                               f"{', '.join(f'{k}={expected[k]!r}' for k in wrong)})")
+        self.returned.add(key)
+        return mine, final
+
+    def missing(self) -> list[Trial]:
+        return [t for t in self.given.values() if t.key not in self.returned]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, dict[str, Any]], *, progress: bool,
                  on_row: Callable[[dict[str, Any]], None] | None, executor: Executor) -> list[dict[str, Any]]:
-    """:func:`run_grid`'s loop: the trials of ``trials`` not finished in ``latest`` (the file's rows), each new row
-    appended to ``path``."""
+    """:func:`run_grid`'s loop: the trials of ``trials`` not finished in ``latest`` (the file's current rows), each
+    new row checked against its trial (:class:`_Intake`) and appended to ``path``."""
     done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
-    for trial in [t for t in trials if t.key in done]:
-        changed = stale_configuration(trial, latest[trial.key])
-        if changed:  # the row ran another configuration than the name builds now (a default changed): run again
-            print(f"kvzoo: {trial.label}: its row ran with {changed}; running it again", file=sys.stderr)
-            done.discard(trial.key)
     run_info = {"settings": grid.settings(), "versions": versions()}
+    pending = [t for t in trials if t.key not in done]
+    intake = _Intake(executor, pending, path)
 
     from tqdm.auto import tqdm
 
@@ -365,18 +536,27 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
         phases = pipeline.Progress(position=1, leave=False)
 
     def started(trial: Trial, worker: str) -> None:
-        running[trial.key] = trial.label
-        shown = trial.label if len(running) == 1 else f"{len(running)} running: {trial.label}, ..."
+        label = getattr(trial, "label", None)
+        if not isinstance(label, str):  # not a trial: emit() will refuse it
+            return
+        running[getattr(trial, "key", label)] = label
+        shown = label if len(running) == 1 else f"{len(running)} running: {label}, ..."
         bar.set_postfix_str(shown, refresh=True)
 
+    write_failure: list[BaseException] = []  # this side's own failure inside emit (a full disk), not the executor's
+
     def emit(trial: Trial, row: dict[str, Any], info: dict[str, Any]) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        trial, row = intake.accept(trial, row, info, {**run_info, "finished_at": now})
         running.pop(trial.key, None)
-        row.update(info, **run_info,
-                   finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-        append_row(path, row)
+        try:
+            append_row(path, row)
+        except BaseException as err:
+            write_failure.append(err)
+            raise
         latest[trial.key] = row  # a pending trial has no ok row to keep
         if row["status"] != "ok":
-            bar.write(f"{trial.label}: {row['status']}: {row['error']}", file=sys.stderr)
+            bar.write(f"{trial.label}: {row['status']}: {row.get('error')}", file=sys.stderr)
         bar.update(1)
         if on_row is not None:
             on_row(row)
@@ -385,7 +565,7 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
         return trial_row(trial, "error", cause)
 
     work = Work(
-        groups=group_trials([t for t in trials if t.key not in done]),
+        groups=group_trials(pending),
         make_runner=functools.partial(TrialRunner, grid, progress=phases),
         reference=functools.partial(reference_of, latest),
         failed_row=failed_row,
@@ -394,8 +574,32 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
     )
     try:
         executor.run(work, emit)
+    except ExecutorUnavailable:
+        raise
+    except Exception as err:
+        if write_failure:  # the results file failed under the executor: that is the error, whatever it made of it
+            raise write_failure[0] from None
+        if intake.refusal is not None:
+            raise intake.refusal from None
+        where = f"after returning {len(intake.returned)} of the {len(pending)} trials' rows (written to {path}, each " \
+                "checked against its trial)" if intake.returned else f"before returning any row (nothing was written to {path})"
+        raise ExecutorError(f"{intake.who} raised {type(err).__name__}: {err} {where}; the trials left were not run. "
+                            "Fix the executor (or run with another --executor); rerunning the same command resumes "
+                            "with the trials that have no row") from err
     finally:
         if phases is not None:
             phases.close()
         bar.close()
+    if write_failure:
+        raise write_failure[0]
+    if intake.refusal is not None:  # refused, and the executor swallowed the refusal
+        raise intake.refusal
+    missing = intake.missing()
+    if missing:
+        shown = ", ".join(t.label for t in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ExecutorError(
+            f"{intake.who} returned no row for {len(missing)} of the {len(pending)} trials it was given ({shown}): "
+            f"they were not run, and nothing was written for them. The contract: {EMIT_CONTRACT}. "
+            f"{len(intake.returned)} row(s) were written to {path}; rerunning the same command resumes with the "
+            "trials that have no row")
     return [latest[t.key] for t in trials if t.key in latest]

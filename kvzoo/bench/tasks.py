@@ -530,6 +530,13 @@ def make_task(spec: TaskSpec | str, tokenizer: Any, *, continuation_tokens: int 
     return _BUILDERS[spec.task](spec, tokenizer, continuation_tokens)
 
 
+def fewest_context_tokens(context_tokens: int) -> int:
+    """A lower bound on the tokens of a context built for ``context_tokens``: a task's is within 1 % of it (or a word
+    of a short one), the default needle's within half a sentence. What a refusal decided before a context is built
+    may count on (building one of a hundred million tokens takes minutes)."""
+    return context_tokens - max(context_tokens // 100, 64)
+
+
 # --- the original demo's needle (kept for `kvzoo run` and the tests of the filler) ---------------
 
 NEEDLE = "The special magic number for Lisbon is 7381924."

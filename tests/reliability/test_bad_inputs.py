@@ -189,6 +189,19 @@ CLI = [
     ("--param sinks twice", lambda tmp: ["run", "--policy", "streaming_llm", "--param", "sinks=4", "--param", "sinks=2"],
      r"--param sinks is given twice \(sinks=4 and 'sinks=2'\): give it once"),
     ("--param without =", lambda tmp: ["run", "--param", "sinks"], r"--param expects key=value \(e\.g\. --param sinks=4\)"),
+    # issue 34: options that would do nothing with the others given
+    ("run --haystack without --task", lambda tmp: ["run", "--haystack", "book"],
+     r"--haystack applies to --task only \(the haystack and seed of a RULER-style task\): give --task too, or leave it "
+     r"out"),
+    ("run --seed without --task", lambda tmp: ["run", "--seed", "3"], r"--seed applies to --task only"),
+    ("run --haystack --seed without --task", lambda tmp: ["run", "--haystack", "book", "--seed", "3"],
+     r"--haystack and --seed apply to --task only"),
+    ("run --task with --question", lambda tmp: ["run", "--task", "niah_single"],  # every row adds --question
+     r"--question applies without --task only \(to the default needle or a --context-file\): --task niah_single asks "
+     r"its own question"),
+    ("run --context-file with --context-tokens",
+     lambda tmp: ["run", "--context-file", str(_context_file(tmp, "binary")), "--context-tokens", "500"],
+     r"--context-tokens shapes a generated context, and --context-file gives the context: leave it out"),
 ]
 
 
@@ -239,6 +252,18 @@ LEADERBOARD = [  # argv after `kvzoo leaderboard --preset tiny`, what stderr mus
     (["--policies", ",", " "], r"--policies ',' ' ' names no policy"),
     (["--placement-timeout", "0", "--executor", "ray"], r"--placement-timeout is a number > 0, got '0'"),
     (["--placement-timeout", "5"], r"--placement-timeout only apply to --executor ray"),
+    # issue 34: accepted silently before
+    (["--no-plots", "--plot-dir", "x"], r"--plot-dir 'x' says where the plots go, and --no-plots writes none: give one "
+                                        r"of them"),
+    (["--out", ""], r"--out '' is empty: give a path, or leave out --out for the default \(results/tiny\.jsonl\)"),
+    (["--plot-dir", " "], r"--plot-dir ' ' is empty: give a path, or leave out --plot-dir for the default"),
+    (["--policies", "snapkv(window=0)"], r"--policies 'snapkv\(window=0\)': ValueError: snapkv: window must be an int "
+                                         r">= 1 .*Nothing was run: such a policy would only be recorded as skipped"),
+    (["--policies", "snapkv(windw=8)"], r"--policies 'snapkv\(windw=8\)': TypeError: snapkv: unknown parameter "
+                                        r"'windw'; did you mean 'window'\?"),
+    (["--policies", "full,snapkv(windw=8)", "streaming_llm"], r"--policies 'snapkv\(windw=8\)': TypeError"),
+    (["--context-tokens", "100000000"], r"--context-tokens 100000000 cannot fit model 'tiny-llama': the context alone "
+                                        r"holds at least 99000000 tokens, more than its max_position_embeddings"),
 ]
 
 
@@ -248,3 +273,25 @@ def test_bad_leaderboard_input_exits_2_naming_what_is_valid(tmp_path, capsys, ar
     assert _cli(["leaderboard", "--preset", "tiny", "--no-progress", "--out", str(out), *argv]) == 2
     assert pytest.importorskip("re").search(message, capsys.readouterr().err)
     assert not out.exists()
+
+
+def test_repeated_list_options_extend_and_a_policy_named_twice_is_one_trial():
+    """``--policies full --policies snapkv`` ran snapkv alone (the last one won, silently); the list options now
+    extend when repeated, as ``--model`` does, and a policy or ratio named twice is planned once."""
+    from kvzoo.bench import runner
+    from kvzoo.cli import _grid_from_args, build_parser
+
+    args = build_parser(["leaderboard"]).parse_args(
+        ["leaderboard", "--preset", "tiny", "--policies", "full", "--policies", "snapkv,snapkv", "--ratios", "2",
+         "--ratios", "4", "2", "--positions", "after", "--positions", "after"])
+    grid = _grid_from_args(args)
+    assert list(grid.policies) == ["full", "snapkv", "snapkv"] and grid.ratios == (2.0, 4.0, 2.0)
+    assert [(t.policy, t.ratio) for t in runner.plan(grid)] == [("full", None), ("snapkv", 2.0), ("snapkv", 4.0)]
+
+
+def test_plot_refuses_an_empty_out_dir(tmp_path, capsys):
+    results = tmp_path / "r.jsonl"
+    results.write_text('{"key": "a", "status": "error", "model": "m", "policy": "full", "task": "t", '
+                       '"question_position": "after"}\n')
+    assert _cli(["plot", str(results), "--out-dir", ""]) == 2
+    assert "--out-dir '' is empty: give a folder, or leave out --out-dir" in capsys.readouterr().err
