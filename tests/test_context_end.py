@@ -111,3 +111,75 @@ def test_the_pipelines_default_prefill_holds_one_layers_prompt_at_a_time(name, p
     # the question's 4 rows and the 2 generated ones join afterwards; the peak is the context's
     assert result.stats.peak_cache_rows <= (layers - 1) * budget + PROMPT + 6, result.stats.peak_cache_rows
     detach(model)
+
+
+def _reachable_tensors(root) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root`` through plain objects (modules, i.e. the model's weights, left out)."""
+    import gc
+
+    seen, out, stack = set(), [], [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (torch.nn.Module, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        else:
+            stack.extend(gc.get_referents(obj))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["snapkv", "chunkkv", "h2o", "streaming_llm"])
+def test_a_compressed_cache_holds_no_buffer_of_the_whole_prompt(name, family):
+    """After a context-ending forward an eviction-only policy's cache holds its kept rows, not the prefill's: no
+    tensor reachable from it is backed by storage the size of a layer's whole prompt (the keys handed to the model,
+    or the window queries as a view of the forward's whole queries, each kept every layer's prompt alive: the peak
+    then grew by a layer's prompt per layer)."""
+    model = _model(family)
+    params = dict(_policies())[name]
+    prompt = 256  # past 2 x budget + 64 rows: a store that small shrinks when compressed (framework/buffers.py)
+    ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
+    cache = TieredCache(model, registry.get(name, **params), context_length=prompt)
+    with torch.no_grad():
+        cache.context_end()
+        model(input_ids=ids, cache=cache, use_cache=True)
+    layer = cache.tiered_layers[0]
+    B, G, _, D = layer.rows.get("keys").shape
+    prompt_keys = B * G * prompt * D * 4
+    big = {t.untyped_storage().nbytes(): tuple(t.shape) for t in _reachable_tensors(cache)
+           if t.untyped_storage().nbytes() >= prompt_keys}
+    assert not big, f"tensors backed by a prompt-sized storage (bytes: shape): {big}"
+    detach(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["snapkv", "chunkkv", "h2o", "vestige"])
+def test_a_prefill_leaves_no_tensor_for_the_garbage_collector(name, family):
+    """What a forward allocates is freed when its last reference goes, not at the collector's next pass: a reference
+    cycle through a tensor (a view whose window attention closed over the view itself) held every layer's window
+    attention and its keys until then -- the prefill's peak grew by them, layer after layer."""
+    import gc
+
+    model = _model(family)
+    params = dict(_policies())[name]
+    ids = torch.randint(3, model.config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        cache = TieredCache(model, registry.get(name, **params), context_length=256)
+        with torch.no_grad():
+            cache.context_end()
+            model(input_ids=ids, cache=cache, use_cache=True)
+            model(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        del cache
+        gc.collect()
+        cyclic = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not cyclic, f"tensors freed only by the garbage collector: {cyclic[:8]}"
+    detach(model)

@@ -92,9 +92,10 @@ def kvzoo_attention(
     if layer is None and ACTIVE_LAYER.get() is not None:  # transformers < 5.3
         layer = ACTIVE_LAYER.get()
         ACTIVE_LAYER.set(None)
-    if layer is None or key is not layer.returned_keys:
+    returned = layer.returned_keys if layer is not None else None
+    if layer is None or key is not returned:
         if (layer is not None and layer.layer_idx == getattr(module, "layer_idx", None)
-                and layer.returned_keys is not None and key.shape == layer.returned_keys.shape):
+                and returned is not None and key.shape == returned.shape):
             raise RuntimeError(
                 f"layer {layer.layer_idx}: the attention received keys that are not the TieredCache's attended tier "
                 f"(the model transformed them after Cache.update); {type(module).__name__} is not supported"

@@ -21,6 +21,7 @@ the mechanics of moving an index, and honours transformers' cache-layer contract
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,7 +72,9 @@ class KVLayer(CacheLayerMixin):
             runtime.held(-self.n)
         self.is_initialized = False
         self.refused: str | None = None  # why the cache stopped taking forwards (another model's reached it)
-        self.returned_keys: torch.Tensor | None = None  # the tensor update() handed the model (identity-checked)
+        # the keys update() handed the model (identity-checked by the attention), held weakly: a buffer the layer
+        # reallocates (a compression that shrinks it) must not stay alive here
+        self._returned: weakref.ref | None = None
         self.retains = bool(runtime.policy.archive)  # evicted rows stay in the storage (the archive)
         self.rows = RowStore()  # the storage: "keys", "values" (GQA), "slots", "valid", "stat:<name>"
         self.tier = RowStore()  # with an archive, after the first eviction: "pos", the tier's positions in rows
@@ -208,8 +211,14 @@ class KVLayer(CacheLayerMixin):
             kwargs["kwargs"]["kvzoo_layer"] = self
         else:  # transformers < 5.3 (kvpress's): the attention finds the layer in this context
             ACTIVE_LAYER.set(self)
-        self.returned_keys = self.rows.buffers["keys"]
-        return self.returned_keys, (self.rows.buffers["values"] if value_states is not None else None)
+        keys = self.rows.buffers["keys"]
+        self._returned = weakref.ref(keys)
+        return keys, (self.rows.buffers["values"] if value_states is not None else None)
+
+    @property
+    def returned_keys(self) -> torch.Tensor | None:
+        """The keys the last :meth:`update` handed the model, while they are alive."""
+        return self._returned() if self._returned is not None else None
 
     def _check_rows(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
         layout = self.runtime.geometry.layout

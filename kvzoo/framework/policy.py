@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -225,14 +226,18 @@ def observed_rows(policy: Policy, keys: torch.Tensor | None, values: torch.Tenso
     queries' fp32 softmax over the rows, causal by slot -- is wired only for a policy observing the window, and
     computed on first read."""
     window_fn = None
-    view: RowsView | None = None
+    ref: Callable[[], RowsView | None] = lambda: None  # noqa: E731
     if window is not None and window.size > 0 and Observation.WINDOW in policy.observes:
         def window_fn() -> torch.Tensor:  # [B, H, w, N]
+            view = ref()
             q_slots = torch.arange(window.end - window.size, window.end, device=view.slots.device)
             return window_attention(window.queries(), q_slots, view.keys, view.slots, view.valid, window.scaling)
 
     view = RowsView(keys=keys, values=values, slots=slots, valid=valid, window_fn=window_fn,
                     window_queries=window.size if window_fn is not None else 0, **where)
+    # the view reaches its window attention through a weak reference: a strong one is a cycle (view -> window_fn ->
+    # view) that only the garbage collector frees, holding every layer's window attention and rows meanwhile
+    ref = weakref.ref(view)
     return view
 
 

@@ -185,7 +185,9 @@ class Runtime:
             return
         query = query[:, :, -window:]
         joined = query if layer.window_queries is None else torch.cat([layer.window_queries, query], dim=2)
-        layer.window_queries = joined[:, :, -window:].detach()
+        # a copy: a view would keep the forward's whole query tensor [B, H, n, D] alive with the layer (30 x 9 MiB
+        # for SmolLM2 at 4k: a prefill's peak grew by a layer's queries per layer)
+        layer.window_queries = joined[:, :, -window:].detach().clone()
 
     # --- a row's fate -----------------------------------------------------------------------------
     def resolve_budget(self, layer: KVLayer) -> int | None:
