@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -1169,10 +1168,14 @@ PARALLEL_BYTES = (3 << 20) if os.environ.get("OMP_WAIT_POLICY", "").strip().lowe
 
 
 def _unobserved() -> bool:
-    """Nothing watches the dispatcher: no dispatch mode (FakeTensor, a trace recorder), no torch-function mode, no
-    torch.compile, no JIT tracer. Then the registered CPU function may be called as a function."""
+    """Nothing watches the dispatcher: no torch.compile, no dispatch mode (FakeTensor, a trace recorder), no
+    torch-function mode, no JIT tracer. Then the registered CPU function may be called as a function. (Under
+    ``torch.compile`` the first test is a constant True to dynamo, so the others, which it cannot trace, are never
+    reached there: the compiled step takes the registered op, no graph break.)"""
+    if torch.compiler.is_compiling():
+        return False
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-                or torch.compiler.is_compiling() or torch._C._get_tracing_state())
+                or torch._C._get_tracing_state())
 
 
 def cache_dir() -> Path:
@@ -1260,11 +1263,35 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
     return lib
 
 
-@functools.cache
+# What the first call of library() found: [the library] or [None] (unavailable here); empty until then. Read by the
+# traced path of a compiled step as a plain global (library() and available() touch no file once it is set).
+_LOADED: list[ctypes.CDLL | None] = []
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built on the first call), or None -- with one RuntimeWarning saying why -- where they
     cannot be built or loaded here. Built with OpenMP on torch's own runtime where there is one (else, or if that
-    build fails, without)."""
+    build fails, without). After the first call, a lookup."""
+    if not _LOADED:
+        _LOADED.append(_load())
+    return _LOADED[0]
+
+
+library.cache_clear = _LOADED.clear  # type: ignore[attr-defined]  # forget it (tests rebuild under other settings)
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded here (:func:`library` is not None): a constant once the first eager
+    call has loaded them. Inside ``torch.compile`` before any eager call it is False (the traced step then takes the
+    PyTorch references; nothing is built or read from the filesystem while tracing)."""
+    if not _LOADED:
+        if torch.compiler.is_compiling():
+            return False
+        library()
+    return _LOADED[0] is not None
+
+
+def _load() -> ctypes.CDLL | None:
     try:
         runtime = openmp_runtime()
         if runtime is not None:
@@ -1429,7 +1456,7 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
             and all(t is None or t.dtype in INDEX_DTYPES for t in (source.indices, source.length))
             and all(t is None or t.dtype == torch.bool for t in (source.valid, pool_valid, source.head_valid))
             and not (query.requires_grad or keys.requires_grad or (values is not None and values.requires_grad))
-            and library() is not None)
+            and available())
 
 
 def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_valid: torch.Tensor | None = None,

@@ -319,7 +319,7 @@ def int8_key_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tens
     from kvzoo.kernels import cpu_native
 
     if (mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side)
-            and cpu_native.library() is not None):
+            and cpu_native.available()):
         return cpu_native.int8_estimate(query, codes, side, scaling, length)
     return int8_key_estimate_reference(query, codes, side, scaling, length=length)
 
@@ -348,7 +348,7 @@ def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.T
     from kvzoo.kernels import cpu_native
 
     return (mode() != "torch" and 1 <= j <= min(cpu_native.MAX_J, codes.shape[2])
-            and cpu_native.int8_estimate_supported(query, codes, side) and cpu_native.library() is not None)
+            and cpu_native.int8_estimate_supported(query, codes, side) and cpu_native.available())
 
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
