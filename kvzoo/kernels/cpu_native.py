@@ -383,7 +383,7 @@ typedef struct {
     int64_t *idx;
     uint8_t *picked;
     float *top;                                 /* choose, per item: [hq][j] values, rows, and the count */
-    int64_t *at, *filled;
+    int64_t *at, *filled, *counts;             /* counts: picked rows per group */
     int64_t B, G, hq, D, m, j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, chunks, chunk_rows;
     float scaling, slack;
 } Int8Scan;
@@ -449,13 +449,18 @@ int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uint16_t *sid
                         int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w,
                         float scaling, int64_t threads) {
     if (hq > MAX_HQ || D > MAX_D || D % LANES != 0) return 1;
-    Int8Scan c = {q, codes, side, length, out, NULL, NULL, NULL, NULL, NULL, NULL,
+    Int8Scan c = {q, codes, side, length, out, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                   B, G, hq, D, m, 0, 0, codes_sb, codes_sg, side_sb, side_sg, side_w, 1, m, scaling, 0.0f};
     c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     run_items(estimate_item, &c, B * G * c.chunks, threads);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+   top lists (every fused choice): each query row's best K rows of a run of rows, merged over runs in row order,
+   and a group's candidates staged as the runtime stages a choice
+   ------------------------------------------------------------------------------------------------------------ */
 
 /* insert (v, row) into a query row's top list (vh, ih, *n of j): an earlier row stays first among equal values */
 static inline void top_insert(float *vh, int64_t *ih, int64_t *n, int64_t j, float v, int64_t row) {
@@ -468,6 +473,87 @@ static inline void top_insert(float *vh, int64_t *ih, int64_t *n, int64_t j, flo
     vh[pos] = v;
     ih[pos] = row;
     if (*n < j) (*n)++;
+}
+
+/* the values vals[0 .. count) of rows i .. i + count - 1 (count <= 16; vals holds 16 readable floats) into a query
+   row's top list (vh, ih, *n of j) */
+static inline void top_block(float *vh, int64_t *ih, int64_t *n, int64_t j, const float *vals, int64_t count,
+                             int64_t i) {
+    int64_t r = 0;
+    for (; r < count && *n < j; r++) top_insert(vh, ih, n, j, vals[r], i + r);
+    if (r == count) return;
+#ifdef KV_AVX512
+    /* which rows beat the j-th best: one compare for the block, the insertion only for those */
+    uint32_t beat = _mm512_cmp_ps_mask(_mm512_loadu_ps(vals), _mm512_set1_ps(vh[j - 1]), _CMP_GT_OQ);
+    beat &= ((1u << count) - 1u) & ~((1u << r) - 1u);
+    while (beat) {
+        int rr = __builtin_ctz(beat);
+        beat &= beat - 1;
+        if (vals[rr] > vh[j - 1]) top_insert(vh, ih, n, j, vals[rr], i + rr);  /* the j-th may rise */
+    }
+#else
+    for (; r < count; r++)
+        if (vals[r] > vh[j - 1]) top_insert(vh, ih, n, j, vals[r], i + r);  /* NaN never enters */
+#endif
+}
+
+/* query row h's top lists (top, at, filled: [item][hq][j], [item][hq][j], [item][hq]) of a group's runs -- items
+   bg * chunks + chunk, in row order -- merged into its best j (an earlier run first among equal values): vals and
+   rows (tmp_v, tmp_r: room for j more). Returns how many. */
+static int64_t merge_tops(const float *top, const int64_t *at, const int64_t *filled, int64_t bg, int64_t chunks,
+                          int64_t hq, int64_t h, int64_t j, float *vals, int64_t *rows, float *tmp_v, int64_t *tmp_r) {
+    int64_t n = 0;
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        int64_t item = bg * chunks + chunk, nb = filled[item * hq + h], ia = 0, ib = 0, out = 0;
+        const float *vb = top + (item * hq + h) * j;
+        const int64_t *rb = at + (item * hq + h) * j;
+        while (out < j && (ia < n || ib < nb)) {
+            int from_b = ia >= n || (ib < nb && vb[ib] > vals[ia]);
+            tmp_v[out] = from_b ? vb[ib] : vals[ia];
+            tmp_r[out++] = from_b ? rb[ib++] : rows[ia++];
+        }
+        n = out;
+        memcpy(vals, tmp_v, n * sizeof(float));
+        memcpy(rows, tmp_r, n * sizeof(int64_t));
+    }
+    return n;
+}
+
+static int ascending(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* K candidates (a kept row's index, `archived` for the others) staged as kvzoo.framework.retrieval's
+   unique_candidates stages a choice: sorted ascending, idx = min(candidate, archived - 1), picked on the first copy
+   of each kept row. Returns how many rows are picked. */
+static int64_t stage_union(int64_t *cand, int64_t K, int64_t archived, int64_t *idx, uint8_t *picked) {
+    if (K <= 64) {  /* insertion sort: K is small (heads x j) */
+        for (int64_t k = 1; k < K; k++) {
+            int64_t v = cand[k], pos = k;
+            while (pos > 0 && cand[pos - 1] > v) { cand[pos] = cand[pos - 1]; pos--; }
+            cand[pos] = v;
+        }
+    } else {
+        qsort(cand, K, sizeof(int64_t), ascending);
+    }
+    int64_t count = 0;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t v = cand[k];
+        uint8_t first = v < archived && (k == 0 || v != cand[k - 1]);
+        picked[k] = first;
+        count += first;
+        idx[k] = v < archived ? v : archived - 1;
+    }
+    return count;
+}
+
+/* the total of the groups' counts: written to *count_out, added to *counter (the layer's fetched rows) if given */
+static void add_counts(const int64_t *counts, int64_t groups, int64_t *count_out, int64_t *counter) {
+    int64_t total = 0;
+    for (int64_t bg = 0; bg < groups; bg++) total += counts[bg];
+    *count_out = total;
+    if (counter) *counter += total;
 }
 
 static void choose_item(void *ctx, int64_t item) {
@@ -485,25 +571,7 @@ static void choose_item(void *ctx, int64_t item) {
         int64_t count = r1 - i < 16 ? r1 - i : 16;
         if (i + 80 <= r1) prefetch_rows(cg + (i + 64) * D, 16 * D, sg + (i + 64) * c->side_w, 16 * c->side_w);
         int8_block(qg, hq, D, cg + i * D, sg + i * c->side_w, c->side_w, c->scaling, count, est);
-        for (int64_t h = 0; h < hq; h++) {
-            float *vh = top + h * j, *eh = est + h * 16;
-            int64_t *ih = at + h * j, r = 0;
-            for (; r < count && filled[h] < j; r++) top_insert(vh, ih, filled + h, j, eh[r], i + r);
-            if (r == count) continue;
-#ifdef KV_AVX512
-            /* which rows beat the j-th best: one compare for the block, the insertion only for those */
-            uint32_t beat = _mm512_cmp_ps_mask(_mm512_loadu_ps(eh), _mm512_set1_ps(vh[j - 1]), _CMP_GT_OQ);
-            beat &= ((1u << count) - 1u) & ~((1u << r) - 1u);
-            while (beat) {
-                int rr = __builtin_ctz(beat);
-                beat &= beat - 1;
-                if (eh[rr] > vh[j - 1]) top_insert(vh, ih, filled + h, j, eh[rr], i + rr);  /* the j-th may rise */
-            }
-#else
-            for (; r < count; r++)
-                if (eh[r] > vh[j - 1]) top_insert(vh, ih, filled + h, j, eh[r], i + r);  /* NaN never enters */
-#endif
-        }
+        for (int64_t h = 0; h < hq; h++) top_block(top + h * j, at + h * j, filled + h, j, est + h * 16, count, i);
     }
 }
 
@@ -516,21 +584,9 @@ static void choose_group(void *ctx, int64_t bg) {
     const uint16_t *sg = c->side + b * c->side_sb + g * c->side_sg;
     int64_t candidates[MAX_HQ * MAX_J];
     for (int64_t h = 0; h < hq; h++) {
-        float vals[MAX_J], merged_v[MAX_J];
-        int64_t rows[MAX_J], merged_r[MAX_J], n = 0;
-        for (int64_t chunk = 0; chunk < c->chunks; chunk++) {
-            int64_t item = bg * c->chunks + chunk, nb = c->filled[item * hq + h], ia = 0, ib = 0, out = 0;
-            const float *vb = c->top + (item * hq + h) * j;
-            const int64_t *rb = c->at + (item * hq + h) * j;
-            while (out < j && (ia < n || ib < nb)) {
-                int from_b = ia >= n || (ib < nb && vb[ib] > vals[ia]);
-                merged_v[out] = from_b ? vb[ib] : vals[ia];
-                merged_r[out++] = from_b ? rb[ib++] : rows[ia++];
-            }
-            n = out;
-            memcpy(vals, merged_v, n * sizeof(float));
-            memcpy(rows, merged_r, n * sizeof(int64_t));
-        }
+        float vals[MAX_J], tmp_v[MAX_J];
+        int64_t rows[MAX_J], tmp_r[MAX_J];
+        int64_t n = merge_tops(c->top, c->at, c->filled, bg, c->chunks, hq, h, j, vals, rows, tmp_v, tmp_r);
         const float *qh = qg + h * D;
         float sq = 0.0f;
         for (int64_t d = 0; d < D; d++) sq += qh[d] * qh[d];
@@ -545,18 +601,7 @@ static void choose_group(void *ctx, int64_t bg) {
             candidates[h * j + p] = cand;
         }
     }
-    for (int64_t k = 1; k < K; k++) {  /* insertion sort: K is small (heads x j) */
-        int64_t v = candidates[k], pos = k;
-        while (pos > 0 && candidates[pos - 1] > v) { candidates[pos] = candidates[pos - 1]; pos--; }
-        candidates[pos] = v;
-    }
-    int64_t *ig = c->idx + bg * K;
-    uint8_t *pg = c->picked + bg * K;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t v = candidates[k];
-        pg[k] = v < archived && (k == 0 || v != candidates[k - 1]);
-        ig[k] = v < archived ? v : archived - 1;
-    }
+    c->counts[bg] = stage_union(candidates, K, archived, c->idx + bg * K, c->picked + bg * K);
 }
 
 /* VestigeKV's top-j rule on int8 key entries for one decode step, every query row of a group at once, staged as the
@@ -564,26 +609,31 @@ static void choose_group(void *ctx, int64_t bg) {
    earlier row first among equal values), each kept when its certified bound
        estimate + (scaling * ||q_h||) * (err + slack * norm)
    is above threshold[b, g, h] (s* - j_margin). The K = hq * j candidates -- a kept row's index, `archived` for the
-   others -- are sorted ascending; idx[b, g, k] is min(candidate, archived - 1) and picked[b, g, k] is 1 on the first
-   copy of each kept row: what kvzoo.framework.retrieval's unique_candidates makes of the same choice. With several threads
-   each scans runs of rows keeping its own top lists, merged per group in row order (the same choice). */
+   others -- are staged (stage_union): idx[b, g, k] and picked[b, g, k], what kvzoo.framework.retrieval's
+   unique_candidates makes of the same choice. *count_out: the rows picked over every group, also added to *counter
+   when it is given (the layer's count of fetched rows). With several threads each scans runs of rows keeping its own
+   top lists, merged per group in row order (the same choice). */
 int kvzoo_int8_choose(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
-                      const float *threshold, int64_t *idx, uint8_t *picked, int64_t B, int64_t G, int64_t hq,
-                      int64_t D, int64_t m, int64_t j, int64_t archived, int64_t codes_sb, int64_t codes_sg,
-                      int64_t side_sb, int64_t side_sg, int64_t side_w, float scaling, float slack, int64_t threads) {
+                      const float *threshold, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,
+                      int64_t B, int64_t G, int64_t hq, int64_t D, int64_t m, int64_t j, int64_t archived,
+                      int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w,
+                      float scaling, float slack, int64_t threads) {
     if (hq > MAX_HQ || D > MAX_D || D % LANES != 0 || j < 1 || j > MAX_J || j > m || archived < 1) return 1;
-    Int8Scan c = {q, codes, side, length, NULL, threshold, idx, picked, NULL, NULL, NULL,
+    Int8Scan c = {q, codes, side, length, NULL, threshold, idx, picked, NULL, NULL, NULL, NULL,
                   B, G, hq, D, m, j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, 1, m, scaling, slack};
     c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     int64_t items = B * G * c.chunks;
-    char *scratch = malloc(items * hq * (j * (sizeof(float) + sizeof(int64_t)) + sizeof(int64_t)));
+    char *scratch = malloc(items * hq * (j * (sizeof(float) + sizeof(int64_t)) + sizeof(int64_t))
+                           + B * G * sizeof(int64_t));
     if (!scratch) return 2;
     c.at = (int64_t *)scratch;
     c.filled = c.at + items * hq * j;
-    c.top = (float *)(c.filled + items * hq);
+    c.counts = c.filled + items * hq;
+    c.top = (float *)(c.counts + B * G);
     run_items(choose_item, &c, items, threads);
     run_items(choose_group, &c, B * G, B * G * hq * j >= 4096 ? threads : 1);
+    add_counts(c.counts, B * G, count_out, counter);
     free(scratch);
     return 0;
 }
@@ -1149,6 +1199,7 @@ int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling) {
     return 0;
 }
 
+
 """
 
 MAX_HQ = 64  # query rows per group the int8 scan takes (a group's heads x queries)
@@ -1251,9 +1302,14 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
     fn = lib.kvzoo_int8_estimate
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int64]
-    choose = lib.kvzoo_int8_choose
-    choose.restype = ctypes.c_int
-    choose.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + [ctypes.c_float] * 2 + [ctypes.c_int64]
+    pointer, integer, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {  # the C functions' parameters in order (SOURCE): pointers, integers, floats
+        "kvzoo_int8_choose": [pointer] * 9 + [integer] * 12 + [real] * 2 + [integer],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
     attend = lib.kvzoo_decode_attend
     attend.restype = ctypes.c_int
     attend.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
@@ -1368,22 +1424,34 @@ _LIBRARY.impl("int8_estimate", _int8_estimate_cpu, "CPU")
 _LIBRARY.impl("int8_estimate", _int8_estimate_meta, "Meta")
 
 
+def counter_ok(counter: torch.Tensor | None) -> bool:
+    """A fetched-rows counter the C ops add to in place: None, or an int64 CPU tensor of one element."""
+    return counter is None or (counter.device.type == "cpu" and counter.dtype == torch.int64 and counter.numel() == 1
+                               and counter.is_contiguous())
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
-                archived: int, scaling: float, slack: float,
-                length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over int8 entries for a decode step, staged: ``(idx, picked) [B, G, hq * j]`` (see
-    ``kvzoo_int8_choose`` in ``SOURCE``; ``threshold [B, G, hq]`` is ``s* - j_margin``). One call for what the
-    PyTorch path does in ~30 ops (scan, top-j, the chosen rows' bounds, the group's union). The caller checked
-    :func:`int8_estimate_supported`, ``1 <= j <= min(MAX_J, m)`` and that :func:`library` is not None."""
+                archived: int, scaling: float, slack: float, length: torch.Tensor | None,
+                counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted: ``(idx, picked) [B, G, hq * j]``
+    and ``count`` (int64, 0-dim: the rows picked over every group, also added in place to ``counter``, the layer's
+    fetched rows, when given) -- see ``kvzoo_int8_choose`` in ``SOURCE``; ``threshold [B, G, hq]`` is
+    ``s* - j_margin``. One call for what the PyTorch path does in ~30 ops (scan, top-j, the chosen rows' bounds, the
+    group's union, the count). The caller checked :func:`int8_estimate_supported`, ``1 <= j <= min(MAX_J, m)``, the
+    counter (:func:`counter_ok`) and that :func:`library` is not None."""
     lengths = None if length is None else length.to(torch.int64)
-    args = (query, codes, side, lengths, threshold.float(), j, archived, float(scaling), float(slack))
+    args = (query, codes, side, lengths, threshold.float(), j, archived, float(scaling), float(slack), counter)
     if _unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and args[4].is_cpu and (
             lengths is None or lengths.is_cpu):
         return _int8_choose_cpu(*args)  # the op's CPU function, undispatched
     return torch.ops.kvzoo.int8_choose(*args)
 
 
-def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling, slack):
+def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling, slack, counter=None):
     lib = library()
     B, G, hq, D = query.shape
     q = query.contiguous()
@@ -1391,26 +1459,36 @@ def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling
     lengths = None if length is None else length.contiguous()
     idx = torch.empty(B, G, hq * j, dtype=torch.int64)
     picked = torch.empty(B, G, hq * j, dtype=torch.bool)
+    count = torch.empty((), dtype=torch.int64)
     status = lib.kvzoo_int8_choose(
-        q.data_ptr(), codes.data_ptr(), side.data_ptr(), None if lengths is None else lengths.data_ptr(),
-        thr.data_ptr(), idx.data_ptr(), picked.data_ptr(), B, G, hq, D, codes.shape[2], j, archived,
+        q.data_ptr(), codes.data_ptr(), side.data_ptr(), _pointer(lengths), thr.data_ptr(), idx.data_ptr(),
+        picked.data_ptr(), count.data_ptr(), _pointer(counter), B, G, hq, D, codes.shape[2], j, archived,
         codes.stride(0), codes.stride(1), side.stride(0), side.stride(1), side.shape[-1], scaling, slack,
         _threads(B * G * codes.shape[2] * (D + 2 * side.shape[-1])))
     if status != 0:
         raise RuntimeError(f"kvzoo_int8_choose refused hq={hq}, D={D}, j={j}, m={codes.shape[2]}, "
                            f"archived={archived} (hq <= {MAX_HQ}, D % {LANES} == 0, 1 <= j <= min({MAX_J}, m))")
-    return idx, picked
+    return idx, picked, count
 
 
-def _int8_choose_meta(query, codes, side, length, threshold, j, archived, scaling, slack):
-    B, G, hq, _ = query.shape
-    return (query.new_empty(B, G, hq * j, dtype=torch.int64), query.new_empty(B, G, hq * j, dtype=torch.bool))
+def _staged_meta(query, K):
+    B, G = query.shape[:2]
+    return (query.new_empty(B, G, K, dtype=torch.int64), query.new_empty(B, G, K, dtype=torch.bool),
+            query.new_empty((), dtype=torch.int64))
+
+
+def _int8_choose_meta(query, codes, side, length, threshold, j, archived, scaling, slack, counter=None):
+    return _staged_meta(query, query.shape[2] * j)
 
 
 _LIBRARY.define("int8_choose(Tensor query, Tensor codes, Tensor side, Tensor? length, Tensor threshold, int j, "
-                "int archived, float scaling, float slack) -> (Tensor, Tensor)")
+                "int archived, float scaling, float slack, Tensor(a!)? counter=None) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.impl("int8_choose", _int8_choose_cpu, "CPU")
 _LIBRARY.impl("int8_choose", _int8_choose_meta, "Meta")
+
+
+
+
 
 
 # ----------------------------------------------------------------------------------------------------------------
