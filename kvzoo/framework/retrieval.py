@@ -31,6 +31,7 @@ from kvzoo.framework.buffers import gather_rows
 from kvzoo.framework.names import build_retriever, retriever_names
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
+from kvzoo.kernels.choose import unique_candidates
 from kvzoo.kernels.decode_attention import Rows
 from kvzoo.kernels.index_scan import exact_scores
 
@@ -61,15 +62,6 @@ def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Ten
     idx.scatter_(2, target, torch.arange(m, device=mask.device).expand(B, G, m))
     picked = torch.arange(capacity, device=mask.device) < mask.sum(-1, keepdim=True)
     return idx[..., :capacity], picked
-
-
-def unique_candidates(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag (the form a
-    fused choice returns itself). ``O(K log K)`` in the candidates, independent of the archive."""
-    idx = torch.where(ok, rows, archived).sort(dim=-1).values
-    picked = idx < archived
-    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
-    return idx.clamp_(max=archived - 1), picked
 
 
 def scan(

@@ -913,7 +913,7 @@ static inline void add_scaled(float *a, const float *x, int64_t n, float w) {
 #else  /* portable C (the compiler vectorises the lane loops where it can) */
 static inline __attribute__((always_inline)) void row_dots(const float *q, int64_t Dp, const char *row, int64_t D,
                                                            const int dtype, const int nh, float *out) {
-    float x[MAX_D + 32];
+    float x[2 * MAX_D + 64];  /* index entries too: up to MAX_W */
     for (int64_t d = 0; d < D; d++) x[d] = element(row, d, dtype);
     for (int64_t d = D; d < Dp; d++) x[d] = 0.0f;
     for (int h = 0; h < nh; h++) {
@@ -1199,6 +1199,183 @@ int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling) {
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------------------------------
+   fused decode-step choices over float index entries -- VestigeKV's sketch, Quest's pages -- and Quest's one-row
+   page add (kvzoo.kernels.choose holds their PyTorch references: the specification)
+   ------------------------------------------------------------------------------------------------------------ */
+
+#define MAX_W (2 * MAX_D + 1)  /* the widest index entry: a Quest page [max, min, max |k|] of MLA's 576-dim rows */
+
+/* sc[h * TILE + k] = scaling * dot(q[h], rows[k]) for n (1 - 16) rows of width W in `dtype` and hq fp32 query rows
+   (row stride Wp, zero-padded to Wp, a multiple of 32). The query is not rounded: an index scan's products are fp32's,
+   the entries upcast (kvzoo.kernels.index_scan's reference), whatever their dtype. */
+static void index_scores(const float *q, int64_t Wp, const char *const *rows, int64_t n, int64_t W, int dtype,
+                         int64_t hq, float scaling, float *sc) {
+    for (int64_t h0 = 0; h0 < hq; h0 += 4) {
+        int nh = hq - h0 < 4 ? (int)(hq - h0) : 4;
+        const float *qh = q + h0 * Wp;
+        float *out = sc + h0 * TILE;
+#ifdef KV_AVX512
+#define KV_SCORES(DT) switch (nh) { \
+            case 1: dots16(qh, Wp, rows, n, W, DT, 1, scaling, out); break; \
+            case 2: dots16(qh, Wp, rows, n, W, DT, 2, scaling, out); break; \
+            case 3: dots16(qh, Wp, rows, n, W, DT, 3, scaling, out); break; \
+            default: dots16(qh, Wp, rows, n, W, DT, 4, scaling, out); break; }
+        if (dtype == F32) { KV_SCORES(F32) } else if (dtype == BF16) { KV_SCORES(BF16) } else { KV_SCORES(F16) }
+#undef KV_SCORES
+#else
+        for (int64_t k = 0; k < n; k++) {
+            row_dots(qh, Wp, rows[k], W, dtype, nh, out + k);
+            for (int h = 0; h < nh; h++) out[h * TILE + k] *= scaling;
+        }
+#endif
+    }
+}
+
+/* dot(q, row) over W columns, the row in `dtype`, in LANES partial sums added in a fixed order */
+static float entry_dot(const float *q, const char *row, int64_t W, int dtype) {
+    float a[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < W; d++) a[d % LANES] += q[d] * element(row, d, dtype);
+    return lane_sum(a);
+}
+
+static inline float ranked(float v) { return v != v ? INFINITY : v; }  /* NaN first, as torch.topk ranks it */
+
+/* --- VestigeKV's top-j rule over the certified sketch ------------------------------------------------------- */
+
+typedef struct {
+    const float *qrank, *qbound;  /* [B * G][hq][Wp]: the ranking query rows (the estimate's, or the bound's), the bound's */
+    const char *entries;
+    const int64_t *length;
+    const float *floor;
+    float *top;
+    int64_t *at, *filled, *cand, *idx, *counts;
+    uint8_t *picked;
+    int64_t B, G, hq, W, Wp, m, j, archived, e_sb, e_sg, e_sm, es, chunks, chunk_rows;
+    int dtype;
+    float scaling;
+} SketchScan;
+
+static void sketch_item(void *ctx, int64_t item) {
+    const SketchScan *c = ctx;
+    int64_t bg = item / c->chunks, chunk = item % c->chunks, b = bg / c->G, g = bg % c->G, hq = c->hq, j = c->j;
+    int64_t live = live_rows(c->length, b, c->m), r0 = chunk * c->chunk_rows;
+    int64_t r1 = r0 + c->chunk_rows < live ? r0 + c->chunk_rows : live, step = c->e_sm * c->es;
+    const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
+    const float *q = c->qrank + bg * hq * c->Wp;
+    float *top = c->top + item * hq * j;
+    int64_t *at = c->at + item * hq * j, *filled = c->filled + item * hq;
+    float sc[MAX_HQ * TILE];
+    const char *rows[16];
+    for (int64_t h = 0; h < hq; h++) filled[h] = 0;
+    for (int64_t i = r0; i < r1; i += 16) {
+        int64_t count = r1 - i < 16 ? r1 - i : 16;
+        for (int64_t k = 0; k < count; k++) rows[k] = eg + (i + k) * step;
+        if (i + 80 <= r1)
+            for (int64_t k = 64; k < 80; k++) prefetch_row(eg + (i + k) * step, c->W * c->es);
+        index_scores(q, c->Wp, rows, count, c->W, c->dtype, hq, c->scaling, sc);
+        for (int64_t h = 0; h < hq; h++) {
+            float *v = sc + h * TILE;
+            for (int64_t k = 0; k < count; k++) v[k] = ranked(v[k]);
+            top_block(top + h * j, at + h * j, filled + h, j, v, count, i);
+        }
+    }
+}
+
+static void sketch_group(void *ctx, int64_t bg) {
+    const SketchScan *c = ctx;
+    int64_t hq = c->hq, j = c->j, K = hq * j, b = bg / c->G, g = bg % c->G;
+    const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
+    int64_t *cand = c->cand + bg * K;
+    for (int64_t h = 0; h < hq; h++) {
+        float vals[MAX_J], tmp_v[MAX_J];
+        int64_t rows[MAX_J], tmp_r[MAX_J];
+        int64_t n = merge_tops(c->top, c->at, c->filled, bg, c->chunks, hq, h, j, vals, rows, tmp_v, tmp_r);
+        const float *qb = c->qbound + (bg * hq + h) * c->Wp;
+        float limit = c->floor[bg * hq + h];
+        for (int64_t p = 0; p < j; p++) {
+            int64_t keep = c->archived;
+            if (p < n) {  /* the chosen row's bound, every column of its entry */
+                float bound = entry_dot(qb, eg + rows[p] * c->e_sm * c->es, c->W, c->dtype) * c->scaling;
+                if (bound > limit) keep = rows[p];
+            }
+            cand[h * j + p] = keep;
+        }
+    }
+    c->counts[bg] = stage_union(cand, K, c->archived, c->idx + bg * K, c->picked + bg * K);
+}
+
+/* VestigeKV's top-j rule over its certified sketch for one decode step (kvzoo.kernels.choose.sketch_choose_reference
+   is the specification). q [B, G, hq, D] fp32 contiguous (D = dc + dr: the content part first, dr = 0 on GQA); basis
+   [B, G, dc, r] fp32 (element strides basis_sb, basis_sg; each [dc, r] contiguous); entries [B, G, m, W] in `dtype`
+   (F32 or F16; element strides e_sb, e_sg, e_sm; each row contiguous), W = r + 1 + dr + 2 (MLA) or r + 2 (GQA):
+   [z, eta, r, ||c||, ||r||]; length [B] or NULL (rows >= length[b] are not rows); floor [B, G, hq] fp32 (s* -
+   j_margin). Per query row: its query row Q = [V^T q_c, ||(I - V V^T) q_c||, q_r, slack ||q_c||, slack ||q_r||],
+   the estimate scaling * (Q . E without eta's and the slack columns) of every row (rank_by_bound: the bound scaling *
+   Q . E), its top j (an earlier row first among equal values, NaN first), each kept when its bound scaling * Q . E
+   is above the floor; the group's candidates staged (stage_union) into idx, picked [B, G, hq * j]; *count_out the
+   rows picked, also added to *counter when given. */
+int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, int64_t basis_sg, const char *entries,
+                        int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sm, const int64_t *length,
+                        const float *floor, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,
+                        int64_t B, int64_t G, int64_t hq, int64_t D, int64_t dc, int64_t r, int64_t m, int64_t W,
+                        int64_t j, int64_t archived, int64_t rank_by_bound, float scaling, float slack,
+                        int64_t threads) {
+    int64_t dr = D - dc;
+    if (hq < 1 || hq > MAX_HQ || D > MAX_D || dc < 1 || dr < 0 || r < 1 || r > dc || j < 1 || j > MAX_J || j > m
+        || archived < 1 || W != r + 1 + (dr ? dr + 2 : 1) || (dtype != F32 && dtype != F16))
+        return 1;
+    SketchScan c;
+    memset(&c, 0, sizeof c);
+    c.B = B; c.G = G; c.hq = hq; c.W = W; c.Wp = (W + 31) / 32 * 32; c.m = m; c.j = j; c.archived = archived;
+    c.e_sb = e_sb; c.e_sg = e_sg; c.e_sm = e_sm; c.es = dtype == F32 ? 4 : 2; c.dtype = (int)dtype;
+    c.entries = entries; c.length = length; c.floor = floor; c.idx = idx; c.picked = picked; c.scaling = scaling;
+    c.chunks = scan_chunks(B, G, m, threads);
+    c.chunk_rows = chunk_rows_of(m, c.chunks);
+    int64_t items = B * G * c.chunks, rows_q = B * G * hq * c.Wp;
+    char *scratch = calloc(1, 2 * rows_q * sizeof(float) + items * hq * j * (sizeof(float) + sizeof(int64_t))
+                              + items * hq * sizeof(int64_t) + B * G * (hq * j + 1) * sizeof(int64_t));
+    if (!scratch) return 2;
+    float *qrank = (float *)scratch, *qbound = qrank + rows_q;
+    c.top = qbound + rows_q;
+    c.at = (int64_t *)(c.top + items * hq * j);
+    c.filled = c.at + items * hq * j;
+    c.cand = c.filled + items * hq;
+    c.counts = c.cand + B * G * hq * j;
+    float qz[MAX_D];
+    for (int64_t bg = 0; bg < B * G; bg++) {  /* the query rows (kvzoo.kernels.index_scan.sketch_query) */
+        const float *V = basis + (bg / G) * basis_sb + (bg % G) * basis_sg;
+        for (int64_t h = 0; h < hq; h++) {
+            const float *qc = q + (bg * hq + h) * D, *qr = qc + dc;
+            float *rank = qrank + (bg * hq + h) * c.Wp, *bound = qbound + (bg * hq + h) * c.Wp;
+            for (int64_t k = 0; k < r; k++) qz[k] = 0.0f;
+            for (int64_t d = 0; d < dc; d++)
+                for (int64_t k = 0; k < r; k++) qz[k] += qc[d] * V[d * r + k];
+            float resid = 0.0f, nc = 0.0f, nr = 0.0f;
+            for (int64_t d = 0; d < dc; d++) {
+                float p = 0.0f;
+                for (int64_t k = 0; k < r; k++) p += qz[k] * V[d * r + k];
+                resid += (qc[d] - p) * (qc[d] - p);
+                nc += qc[d] * qc[d];
+            }
+            for (int64_t d = 0; d < dr; d++) nr += qr[d] * qr[d];
+            for (int64_t k = 0; k < r; k++) bound[k] = rank[k] = qz[k];
+            bound[r] = sqrtf(resid);
+            for (int64_t d = 0; d < dr; d++) bound[r + 1 + d] = rank[r + 1 + d] = qr[d];
+            bound[r + 1 + dr] = slack * sqrtf(nc);
+            if (dr) bound[r + 2 + dr] = slack * sqrtf(nr);
+            if (rank_by_bound) memcpy(rank, bound, c.Wp * sizeof(float));
+        }
+    }
+    c.qrank = qrank;
+    c.qbound = qbound;
+    run_items(sketch_item, &c, items, threads);
+    run_items(sketch_group, &c, B * G, B * G * hq * j >= 4096 ? threads : 1);
+    add_counts(c.counts, B * G, count_out, counter);
+    free(scratch);
+    return 0;
+}
+
 
 """
 
@@ -1305,6 +1482,8 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
     pointer, integer, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {  # the C functions' parameters in order (SOURCE): pointers, integers, floats
         "kvzoo_int8_choose": [pointer] * 9 + [integer] * 12 + [real] * 2 + [integer],
+        "kvzoo_sketch_choose": [pointer] * 2 + [integer] * 2 + [pointer] + [integer] * 4 + [pointer] * 6
+                               + [integer] * 11 + [real] * 2 + [integer],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -1487,6 +1666,80 @@ _LIBRARY.impl("int8_choose", _int8_choose_cpu, "CPU")
 _LIBRARY.impl("int8_choose", _int8_choose_meta, "Meta")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# fused decode-step choices over float index entries (kvzoo.kernels.choose: the references and the dispatch)
+# ----------------------------------------------------------------------------------------------------------------
+
+MAX_W = 2 * MAX_D + 1  # the widest index entry the float scans take (a Quest page of MLA's 576-dim rows)
+SCAN_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's F32, BF16, F16
+
+
+def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
+                            j: int, counter: torch.Tensor | None = None) -> bool:
+    """Whether :func:`sketch_choose` takes these tensors: CPU, fp32 query, basis and floor, entries fp32 or fp16 with
+    contiguous rows, the basis' ``[dc, r]`` contiguous, ``hq <= MAX_HQ``, ``D <= MAX_D``, ``1 <= j <= min(MAX_J, m)``,
+    no autograd, and the library built here (widths are checked by the op: a wrong one is an error, not a fallback)."""
+    if query.dim() != 4 or basis.dim() != 4 or entries.dim() != 4:
+        return False
+    return (all(t.device.type == "cpu" for t in (query, basis, entries, floor)) and query.dtype == torch.float32
+            and basis.dtype == torch.float32 and floor.dtype == torch.float32
+            and entries.dtype in (torch.float32, torch.float16) and 1 <= query.shape[2] <= MAX_HQ
+            and query.shape[3] <= MAX_D and 1 <= j <= min(MAX_J, entries.shape[2]) and entries.stride(-1) == 1
+            and basis.stride(-1) == 1 and basis.stride(-2) == basis.shape[-1] and counter_ok(counter)
+            and not (query.requires_grad or entries.requires_grad) and available())
+
+
+def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
+                  floor: torch.Tensor, j: int, archived: int, scaling: float, slack: float, rank_by_bound: bool,
+                  counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VestigeKV's top-j rule over its sketch for a decode step, in one call: ``(idx, picked) [B, G, hq * j]`` staged
+    and ``count`` (added to ``counter`` in place when given); ``kvzoo_sketch_choose`` in ``SOURCE``, whose
+    specification is :func:`kvzoo.kernels.choose.sketch_choose_reference`. The caller checked
+    :func:`sketch_choose_supported`. The torch op ``kvzoo::sketch_choose``."""
+    lengths = None if length is None else length.to(torch.int64)
+    args = (query, basis, entries, lengths, floor, j, archived, float(scaling), float(slack), bool(rank_by_bound),
+            counter)
+    if _unobserved() and query.is_cpu and entries.is_cpu and floor.is_cpu and (lengths is None or lengths.is_cpu):
+        return _sketch_choose_cpu(*args)
+    return torch.ops.kvzoo.sketch_choose(*args)
+
+
+def _sketch_choose_cpu(query, basis, entries, length, floor, j, archived, scaling, slack, rank_by_bound,
+                       counter=None):
+    B, G, hq, D = query.shape
+    dc, r = basis.shape[2], basis.shape[3]
+    m, W = entries.shape[2], entries.shape[3]
+    if basis.shape[:2] != (B, G) and not (basis.shape[0] == 1 and basis.shape[1] == G):
+        raise ValueError(f"kvzoo::sketch_choose: basis must be [B={B} (or 1), G={G}, dc, r], got {list(basis.shape)}")
+    q = query.contiguous()
+    thr = floor.contiguous()
+    lengths = None if length is None else length.contiguous()
+    idx = torch.empty(B, G, hq * j, dtype=torch.int64)
+    picked = torch.empty(B, G, hq * j, dtype=torch.bool)
+    count = torch.empty((), dtype=torch.int64)
+    status = library().kvzoo_sketch_choose(
+        q.data_ptr(), basis.data_ptr(), 0 if basis.shape[0] == 1 else basis.stride(0), basis.stride(1),
+        entries.data_ptr(), SCAN_DTYPES[entries.dtype], entries.stride(0), entries.stride(1), entries.stride(2),
+        _pointer(lengths), thr.data_ptr(), idx.data_ptr(), picked.data_ptr(), count.data_ptr(), _pointer(counter),
+        B, G, hq, D, dc, r, m, W, j, archived, int(rank_by_bound), scaling, slack,
+        _threads(B * G * m * W * entries.element_size()))
+    if status != 0:
+        raise RuntimeError(f"kvzoo_sketch_choose refused hq={hq}, D={D}, dc={dc}, r={r}, W={W}, j={j}, m={m}, "
+                           f"archived={archived} (hq <= {MAX_HQ}, D <= {MAX_D}, r <= dc <= D, W = r + 1 + dr + 2 with "
+                           f"dr = D - dc (r + 2 when dr = 0), 1 <= j <= min({MAX_J}, m), entries fp32 or fp16)")
+    return idx, picked, count
+
+
+def _sketch_choose_meta(query, basis, entries, length, floor, j, archived, scaling, slack, rank_by_bound,
+                        counter=None):
+    return _staged_meta(query, query.shape[2] * j)
+
+
+_LIBRARY.define("sketch_choose(Tensor query, Tensor basis, Tensor entries, Tensor? length, Tensor floor, int j, "
+                "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None) "
+                "-> (Tensor, Tensor, Tensor)")
+_LIBRARY.impl("sketch_choose", _sketch_choose_cpu, "CPU")
+_LIBRARY.impl("sketch_choose", _sketch_choose_meta, "Meta")
 
 
 
