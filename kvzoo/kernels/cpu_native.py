@@ -1376,6 +1376,213 @@ int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, in
     return 0;
 }
 
+/* --- Quest's pages ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *qrows;  /* [B * G][hq][Wp]: [max(q, 0), min(q, 0), slack ||q||_1] */
+    const char *entries;
+    const uint8_t *empty;
+    const int64_t *positions;
+    int64_t *rows_out, *pos_out, *counts;
+    uint8_t *valid_out;
+    char *scratch;
+    int64_t B, G, hq, W, Wp, P, n, size, live, archived, M, es, item_bytes;
+    int64_t e_sb, e_sg, e_sp, em_sb, em_sg, em_sp, p_sb, p_sg, p_sm;
+    int dtype, per_head;
+    float scaling;
+} QuestScan;
+
+/* the storage position of archive entry `row` (the archive list), -1 for none */
+static inline int64_t archive_position(const QuestScan *c, int64_t b, int64_t g, int64_t row) {
+    return row >= 0 && row < c->M ? c->positions[b * c->p_sb + g * c->p_sg + row * c->p_sm] : -1;
+}
+
+static void quest_item(void *ctx, int64_t bg) {
+    const QuestScan *c = ctx;
+    int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, n = c->n, P = c->P, size = c->size, live = c->live;
+    int64_t lists = c->per_head ? hq : 1;
+    char *mine = c->scratch + bg * c->item_bytes;
+    float *vh = (float *)mine;
+    int64_t *ih = (int64_t *)(vh + lists * n), *filled = ih + lists * n;
+    uint8_t *chosen = (uint8_t *)(filled + lists);
+    const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
+    const uint8_t *emg = c->empty + b * c->em_sb + g * c->em_sg;
+    const float *q = c->qrows + bg * hq * c->Wp;
+    float sc[MAX_HQ * TILE], vals[MAX_HQ * 16];
+    const char *rows[16];
+    int64_t slot[16];
+    for (int64_t l = 0; l < lists; l++) filled[l] = 0;
+    memset(chosen, 0, P);
+    for (int64_t i = 0; i < P; i += 16) {
+        int64_t count = P - i < 16 ? P - i : 16, nz = 0;
+        for (int64_t k = 0; k < count; k++)
+            if (!emg[(i + k) * c->em_sp]) {  /* an empty page is never read: its bound is -inf */
+                rows[nz] = eg + (i + k) * c->e_sp * c->es;
+                slot[nz++] = k;
+            }
+        for (int64_t l = 0; l < lists; l++)
+            for (int64_t k = 0; k < 16; k++) vals[l * 16 + k] = -INFINITY;
+        if (nz) {
+            index_scores(q, c->Wp, rows, nz, c->W, c->dtype, hq, c->scaling, sc);
+            for (int64_t z = 0; z < nz; z++) {
+                if (c->per_head) {  /* each head's own bound */
+                    for (int64_t h = 0; h < hq; h++) vals[h * 16 + slot[z]] = ranked(sc[h * TILE + z]);
+                } else {  /* the group's: the max over its heads, a NaN bound left out (index_scan_reduce's margin) */
+                    float best = -INFINITY;
+                    for (int64_t h = 0; h < hq; h++) {
+                        float v = sc[h * TILE + z];
+                        best = v > best ? v : best;
+                    }
+                    vals[slot[z]] = best;
+                }
+            }
+        }
+        for (int64_t l = 0; l < lists; l++) top_block(vh + l * n, ih + l * n, filled + l, n, vals + l * 16, count, i);
+    }
+    int64_t K = lists * n * size;
+    int64_t *rows_out = c->rows_out + bg * K, *pos_out = c->positions ? c->pos_out + bg * K : NULL;
+    uint8_t *valid_out = c->valid_out + bg * K;
+    if (c->per_head) {  /* each head's pages in its own segment, best first; the group's union counted once */
+        for (int64_t h = 0; h < hq; h++)
+            for (int64_t k = 0; k < n; k++) {
+                int64_t page = ih[h * n + k];
+                chosen[page] = 1;
+                for (int64_t o = 0; o < size; o++) {
+                    int64_t at = (h * n + k) * size + o, row = page * size + o;
+                    int64_t clamped = row < live ? row : live - 1;
+                    rows_out[at] = clamped;
+                    valid_out[at] = row < live;
+                    if (pos_out) pos_out[at] = archive_position(c, b, g, clamped);
+                }
+            }
+        int64_t count = 0;
+        for (int64_t page = 0; page < P; page++)
+            if (chosen[page]) {
+                int64_t in = live - page * size;
+                count += in < 0 ? 0 : (in > size ? size : in);
+            }
+        c->counts[bg] = count;
+    } else {  /* one page set for the group: its rows staged as unique_candidates stages them */
+        int64_t *cand = (int64_t *)(chosen + (P + 7) / 8 * 8);
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t o = 0; o < size; o++) {
+                int64_t row = ih[k] * size + o;
+                cand[k * size + o] = row < live ? row : c->archived;
+            }
+        c->counts[bg] = stage_union(cand, K, c->archived, rows_out, valid_out);
+        if (pos_out)
+            for (int64_t k = 0; k < K; k++) pos_out[k] = archive_position(c, b, g, rows_out[k]);
+    }
+}
+
+/* Quest's choice for one decode step (kvzoo.kernels.choose.quest_choose_reference is the specification). q [B, G, hq,
+   D] fp32 contiguous (a group's query heads); entries [B, G, P, W = 2 D + 1] in `dtype` ([max, min, max |k|] per
+   page; element strides e_sb, e_sg, e_sp; rows contiguous); empty [B, G, P] (strides em_*): a page never read;
+   *live: the rows indexed; positions [B, G, M] (strides p_*) or NULL: the archive list (each archived row's storage
+   position). Each page's bound scaling * Q . E with Q = [max(q, 0), min(q, 0), slack ||q||_1] (-inf for an empty
+   page), and the top n pages (best first, an earlier page first among equal bounds; NaN first):
+   * per_head: of each query head; rows_out [B, G, hq * n * size] = head after head, page after page, its rows
+     page * size + o clamped below live, valid_out = (row < live), counted once per group (the union of its heads'
+     rows);
+   * else: of the group by the max over its heads (a NaN bound left out); rows_out/valid_out [B, G, n * size] the
+     pages' rows staged (stage_union: sorted, the rows >= live not picked).
+   pos_out: the storage positions of rows_out (positions given); *count_out: the rows counted over every group, also
+   added to *counter when given. */
+int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sp,
+                       const uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp, const int64_t *live,
+                       const int64_t *positions, int64_t p_sb, int64_t p_sg, int64_t p_sm, int64_t M,
+                       int64_t *rows_out, int64_t *pos_out, uint8_t *valid_out, int64_t *count_out,
+                       int64_t *counter, int64_t B, int64_t G, int64_t hq, int64_t D, int64_t P, int64_t n,
+                       int64_t size, int64_t archived, int64_t per_head, float scaling, float slack,
+                       int64_t threads) {
+    int64_t W = 2 * D + 1;
+    if (hq < 1 || hq > MAX_HQ || D < 1 || W > MAX_W || n < 1 || n > P || size < 1 || archived < 1
+        || dtype < F32 || dtype > F16)
+        return 1;
+    QuestScan c;
+    memset(&c, 0, sizeof c);
+    c.B = B; c.G = G; c.hq = hq; c.W = W; c.Wp = (W + 31) / 32 * 32; c.P = P; c.n = n; c.size = size;
+    c.live = *live; c.archived = archived; c.M = M; c.es = dtype == F32 ? 4 : 2; c.dtype = (int)dtype;
+    c.e_sb = e_sb; c.e_sg = e_sg; c.e_sp = e_sp; c.em_sb = em_sb; c.em_sg = em_sg; c.em_sp = em_sp;
+    c.p_sb = p_sb; c.p_sg = p_sg; c.p_sm = p_sm; c.per_head = (int)per_head; c.scaling = scaling;
+    c.entries = entries; c.empty = empty; c.positions = positions;
+    c.rows_out = rows_out; c.pos_out = pos_out; c.valid_out = valid_out;
+    int64_t lists = per_head ? hq : 1, rows_q = B * G * hq * c.Wp;
+    c.item_bytes = (lists * n * (sizeof(float) + sizeof(int64_t)) + lists * sizeof(int64_t) + (P + 7) / 8 * 8
+                    + (per_head ? 0 : n * size * sizeof(int64_t)) + 63) / 64 * 64;  /* the group's candidates */
+    char *scratch = calloc(1, rows_q * sizeof(float) + B * G * (c.item_bytes + sizeof(int64_t)));
+    if (!scratch) return 2;
+    float *qrows = (float *)scratch;
+    c.counts = (int64_t *)(qrows + rows_q);
+    c.scratch = (char *)(c.counts + B * G);
+    for (int64_t row = 0; row < B * G * hq; row++) {  /* kvzoo.kernels.index_scan.page_query */
+        const float *x = q + row * D;
+        float *out = qrows + row * c.Wp, l1 = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            out[d] = x[d] > 0.0f ? x[d] : 0.0f;
+            out[D + d] = x[d] < 0.0f ? x[d] : 0.0f;
+            l1 += fabsf(x[d]);
+        }
+        out[2 * D] = slack * l1;
+    }
+    c.qrows = qrows;
+    run_items(quest_item, &c, B * G, threads);
+    add_counts(c.counts, B * G, count_out, counter);
+    free(scratch);
+    return 0;
+}
+
+/* torch.minimum / torch.maximum: NaN if either is */
+static inline float nan_min(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
+static inline float nan_max(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
+
+static inline void store_as(char *p, int64_t i, int dtype, float x) {
+    if (dtype == F32) ((float *)p)[i] = x;
+    else ((uint16_t *)p)[i] = dtype == BF16 ? float_to_bf16(x) : float_to_half(x);
+}
+
+/* One archived row joins Quest's fixed page summary (kvzoo.kernels.choose.quest_page_add_reference is the
+   specification), read where it lies: keys [B, G, N, D] in `dtype` (element strides k_*; rows contiguous), valid
+   [B, G, N] (strides v_*), position [B, G] (strides p_*: the row's storage position; one outside [0, N) counts as
+   padding). The open page's running min/max open_min, open_max [B, G, D] fp32 (contiguous) take the row (a padding
+   row: +inf / -inf; the page opens when *count % size == 0), the page's entry [max, min, max |k|] (the magnitude 0
+   for an empty page) is written in `dtype` into entries [B, G, P, 2 D + 1] at page *count / size (strides e_*), its
+   flag into empty [B, G, P] (strides em_*: every bound of both infinite), then *count += 1 and *length (the pages in
+   use) = ceil(*count / size). Returns 1 when that page is past P (the summary is full). */
+int kvzoo_quest_page_add(const char *keys, int64_t dtype, int64_t k_sb, int64_t k_sg, int64_t k_sn,
+                         const uint8_t *valid, int64_t v_sb, int64_t v_sg, int64_t v_sn, const int64_t *position,
+                         int64_t p_sb, int64_t p_sg, float *open_min, float *open_max, char *entries, int64_t e_sb,
+                         int64_t e_sg, int64_t e_sp, uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp,
+                         int64_t *count, int64_t *length, int64_t B, int64_t G, int64_t N, int64_t D, int64_t P,
+                         int64_t size) {
+    int64_t done = *count, page = done / size, es = dtype == F32 ? 4 : 2;
+    int opens = done % size == 0;
+    if (done < 0 || page >= P || size < 1 || dtype < F32 || dtype > F16) return 1;
+    for (int64_t bg = 0; bg < B * G; bg++) {
+        int64_t b = bg / G, g = bg % G, pos = position[b * p_sb + g * p_sg];
+        int ok = pos >= 0 && pos < N && valid[b * v_sb + g * v_sg + pos * v_sn];
+        const char *key = keys + (b * k_sb + g * k_sg + (ok ? pos : 0) * k_sn) * es;
+        char *entry = entries + (b * e_sb + g * e_sg + page * e_sp) * es;
+        float *lo = open_min + bg * D, *hi = open_max + bg * D, magnitude = -INFINITY;
+        int lo_inf = 1, hi_inf = 1;
+        for (int64_t d = 0; d < D; d++) {
+            float x = ok ? element(key, d, (int)dtype) : 0.0f;
+            float mn = ok ? x : INFINITY, mx = ok ? x : -INFINITY;
+            lo[d] = opens ? mn : nan_min(lo[d], mn);
+            hi[d] = opens ? mx : nan_max(hi[d], mx);
+            store_as(entry, d, (int)dtype, hi[d]);
+            store_as(entry, D + d, (int)dtype, lo[d]);
+            magnitude = nan_max(magnitude, nan_max(fabsf(lo[d]), fabsf(hi[d])));
+            lo_inf &= isinf(lo[d]) != 0;
+            hi_inf &= isinf(hi[d]) != 0;
+        }
+        store_as(entry, 2 * D, (int)dtype, lo_inf ? 0.0f : magnitude);
+        empty[b * em_sb + g * em_sg + page * em_sp] = lo_inf && hi_inf;
+    }
+    *count = done + 1;
+    *length = (done + size) / size;
+    return 0;
+}
 
 """
 
@@ -1484,6 +1691,11 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
         "kvzoo_int8_choose": [pointer] * 9 + [integer] * 12 + [real] * 2 + [integer],
         "kvzoo_sketch_choose": [pointer] * 2 + [integer] * 2 + [pointer] + [integer] * 4 + [pointer] * 6
                                + [integer] * 11 + [real] * 2 + [integer],
+        "kvzoo_quest_choose": [pointer] * 2 + [integer] * 4 + [pointer] + [integer] * 3 + [pointer] * 2
+                              + [integer] * 4 + [pointer] * 5 + [integer] * 9 + [real] * 2 + [integer],
+        "kvzoo_quest_page_add": [pointer] + [integer] * 4 + [pointer] + [integer] * 3 + [pointer] + [integer] * 2
+                                + [pointer] * 3 + [integer] * 3 + [pointer] + [integer] * 3 + [pointer] * 2
+                                + [integer] * 6,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -1742,6 +1954,143 @@ _LIBRARY.impl("sketch_choose", _sketch_choose_cpu, "CPU")
 _LIBRARY.impl("sketch_choose", _sketch_choose_meta, "Meta")
 
 
+def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
+                           positions: torch.Tensor | None, counter: torch.Tensor | None = None) -> bool:
+    """Whether :func:`quest_choose` takes these tensors: CPU, an fp32 query of at most ``MAX_HQ`` rows per group,
+    entries fp32, bf16 or fp16 with contiguous rows at most :data:`MAX_W` wide, bool flags, int64 ``live`` (one
+    element) and positions, no autograd, and the library built here."""
+    if query.dim() != 4 or entries.dim() != 4:
+        return False
+    tensors = (query, entries, empty, live) + (() if positions is None else (positions,))
+    return (all(t.device.type == "cpu" for t in tensors) and query.dtype == torch.float32
+            and entries.dtype in SCAN_DTYPES and entries.shape[3] <= MAX_W and entries.stride(-1) == 1
+            and 1 <= query.shape[2] <= MAX_HQ and empty.dtype == torch.bool and live.dtype == torch.int64
+            and live.numel() == 1 and (positions is None or positions.dtype == torch.int64) and counter_ok(counter)
+            and not (query.requires_grad or entries.requires_grad) and available())
+
+
+def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
+                 positions: torch.Tensor | None, pages: int, size: int, archived: int, per_head: bool, scaling: float,
+                 slack: float, counter: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Quest's choice for a decode step in one call: ``(rows, positions, valid) [B, G, K]`` and ``count`` (added to
+    ``counter`` in place when given); ``positions`` None when the archive list is not given. ``kvzoo_quest_choose`` in
+    ``SOURCE``, whose specification is :func:`kvzoo.kernels.choose.quest_choose_reference`. The caller checked
+    :func:`quest_choose_supported`. The torch op ``kvzoo::quest_choose``."""
+    args = (query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling),
+            float(slack), counter)
+    if _unobserved() and query.is_cpu and entries.is_cpu and empty.is_cpu and live.is_cpu:
+        rows, at, valid, count = _quest_choose_cpu(*args)
+    else:
+        rows, at, valid, count = torch.ops.kvzoo.quest_choose(*args)
+    return rows, at if positions is not None else None, valid, count
+
+
+def _quest_rows(query, pages, size, per_head):
+    return query.shape[2] * pages * size if per_head else pages * size
+
+
+def _quest_choose_cpu(query, entries, empty, live, positions, pages, size, archived, per_head, scaling, slack,
+                      counter=None):
+    B, G, hq, D = query.shape
+    P, W = entries.shape[2], entries.shape[3]
+    if (entries.shape[0], entries.shape[1], W) != (B, G, 2 * D + 1) or tuple(empty.shape) != (B, G, P):
+        raise ValueError(f"kvzoo::quest_choose: entries must be [B={B}, G={G}, P, 2 D + 1 = {2 * D + 1}] and empty "
+                         f"[B, G, P] for query {list(query.shape)}, got {list(entries.shape)} and {list(empty.shape)}")
+    if positions is not None and tuple(positions.shape[:2]) != (B, G):
+        raise ValueError(f"kvzoo::quest_choose: positions must be [B={B}, G={G}, M], got {list(positions.shape)}")
+    q = query.contiguous()
+    K = _quest_rows(query, pages, size, per_head)
+    rows = torch.empty(B, G, K, dtype=torch.int64)
+    at = torch.empty(B, G, K, dtype=torch.int64) if positions is not None else torch.empty(0, dtype=torch.int64)
+    valid = torch.empty(B, G, K, dtype=torch.bool)
+    count = torch.empty((), dtype=torch.int64)
+    pos_strides = (0, 0, 0, 0) if positions is None else (*positions.stride(), positions.shape[2])
+    status = library().kvzoo_quest_choose(
+        q.data_ptr(), entries.data_ptr(), SCAN_DTYPES[entries.dtype], *entries.stride()[:3], empty.data_ptr(),
+        *empty.stride(), live.data_ptr(), _pointer(positions), *pos_strides, rows.data_ptr(),
+        at.data_ptr() if positions is not None else None, valid.data_ptr(), count.data_ptr(), _pointer(counter),
+        B, G, hq, D, P, pages, size, archived, int(per_head), scaling, slack,
+        _threads(B * G * P * W * entries.element_size()))
+    if status != 0:
+        raise RuntimeError(f"kvzoo_quest_choose refused hq={hq}, D={D}, pages={pages} of P={P}, size={size}, "
+                           f"archived={archived} (hq <= {MAX_HQ}, 2 D + 1 <= {MAX_W}, 1 <= pages <= P, size >= 1, "
+                           "archived >= 1)")
+    return rows, at, valid, count
+
+
+def _quest_choose_meta(query, entries, empty, live, positions, pages, size, archived, per_head, scaling, slack,
+                       counter=None):
+    B, G = query.shape[:2]
+    K = _quest_rows(query, pages, size, per_head)
+    return (query.new_empty(B, G, K, dtype=torch.int64),
+            query.new_empty((B, G, K) if positions is not None else (0,), dtype=torch.int64),
+            query.new_empty(B, G, K, dtype=torch.bool), query.new_empty((), dtype=torch.int64))
+
+
+_LIBRARY.define("quest_choose(Tensor query, Tensor entries, Tensor empty, Tensor live, Tensor? positions, int pages, "
+                "int size, int archived, bool per_head, float scaling, float slack, Tensor(a!)? counter=None) "
+                "-> (Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.impl("quest_choose", _quest_choose_cpu, "CPU")
+_LIBRARY.impl("quest_choose", _quest_choose_meta, "Meta")
+
+
+def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,
+                             open_min: torch.Tensor, open_max: torch.Tensor, entries: torch.Tensor,
+                             empty: torch.Tensor, count: torch.Tensor, length: torch.Tensor) -> bool:
+    """Whether :func:`quest_page_add` takes these tensors: CPU, keys fp32, bf16 or fp16 with contiguous rows and the
+    entries in their dtype, bool flags, int64 position, count and length (one element each), contiguous fp32 running
+    min/max, and the library built here."""
+    tensors = (keys, valid, position, open_min, open_max, entries, empty, count, length)
+    return (all(t.device.type == "cpu" for t in tensors) and keys.dtype in SCAN_DTYPES and entries.dtype == keys.dtype
+            and keys.stride(-1) == 1 and entries.stride(-1) == 1 and valid.dtype == torch.bool
+            and empty.dtype == torch.bool and position.dtype == torch.int64
+            and all(t.dtype == torch.int64 and t.numel() == 1 for t in (count, length))
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (open_min, open_max))
+            and not keys.requires_grad and available())
+
+
+def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
+                   open_max: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, count: torch.Tensor,
+                   length: torch.Tensor, size: int) -> None:
+    """One archived row joins Quest's fixed page summary, read where it lies, all in place (``kvzoo_quest_page_add`` in
+    ``SOURCE``; the specification is :func:`kvzoo.kernels.choose.quest_page_add_reference`). The caller checked
+    :func:`quest_page_add_supported`. The torch op ``kvzoo::quest_page_add``."""
+    args = (keys, valid, position, open_min, open_max, entries, empty, count, length, size)
+    if _unobserved() and keys.is_cpu and entries.is_cpu:
+        _quest_page_add_cpu(*args)
+    else:
+        torch.ops.kvzoo.quest_page_add(*args)
+
+
+def _quest_page_add_cpu(keys, valid, position, open_min, open_max, entries, empty, count, length, size):
+    B, G, N, D = keys.shape
+    P = entries.shape[2]
+    shapes = ((valid, (B, G, N)), (position, (B, G)), (open_min, (B, G, D)), (open_max, (B, G, D)),
+              (entries, (B, G, P, 2 * D + 1)), (empty, (B, G, P)))
+    for t, shape in shapes:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"kvzoo::quest_page_add: for keys {list(keys.shape)} valid, position, open_min, open_max, "
+                             f"entries and empty must be [B, G, N], [B, G], [B, G, D] (twice), [B, G, P, 2 D + 1] and "
+                             f"[B, G, P]; got {[list(t.shape) for t, _ in shapes]}")
+    status = library().kvzoo_quest_page_add(
+        keys.data_ptr(), SCAN_DTYPES[keys.dtype], *keys.stride()[:3], valid.data_ptr(), *valid.stride(),
+        position.data_ptr(), *position.stride(), open_min.data_ptr(), open_max.data_ptr(), entries.data_ptr(),
+        *entries.stride()[:3], empty.data_ptr(), *empty.stride(), count.data_ptr(), length.data_ptr(), B, G, N, D, P,
+        size)
+    if status != 0:
+        raise RuntimeError(f"kvzoo_quest_page_add: the summary is full ({P} pages of {size} rows) or size < 1")
+
+
+def _quest_page_add_meta(keys, valid, position, open_min, open_max, entries, empty, count, length, size):
+    return None
+
+
+_LIBRARY.define("quest_page_add(Tensor keys, Tensor valid, Tensor position, Tensor(a!) open_min, "
+                "Tensor(b!) open_max, Tensor(c!) entries, Tensor(d!) empty, Tensor(e!) count, Tensor(f!) length, "
+                "int size) -> ()")
+_LIBRARY.impl("quest_page_add", _quest_page_add_cpu, "CPU")
+_LIBRARY.impl("quest_page_add", _quest_page_add_meta, "Meta")
 
 
 # ----------------------------------------------------------------------------------------------------------------
