@@ -274,10 +274,9 @@ def _policy(name, params, retriever):
     return registry.get(name, **params, **({} if retriever is None else {"retriever": VestigeRetriever(**retriever)}))
 
 
-def _decode(model, policy, steps: int = 6):
-    """Greedy decode steps after a compressed 200-token prompt, ``capacity`` set: logits, stats, the last step's
-    trace."""
-    cache = TieredCache(model, policy, capacity=240)
+def _decode(model, policy, steps: int = 6, capacity: int | None = 240):
+    """Greedy decode steps after a compressed 200-token prompt: logits, stats, the last step's trace."""
+    cache = TieredCache(model, policy, capacity=capacity)
     prompt = torch.randint(3, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
     logits = []
     with torch.no_grad():
@@ -295,19 +294,21 @@ def _decode(model, policy, steps: int = 6):
 
 
 @needs_compiler
+@pytest.mark.parametrize("capacity", [240, None])
 @pytest.mark.parametrize("arm", list(ARMS))
 @pytest.mark.parametrize("model_name", ["llama", "deepseek_v2"])
-def test_retrievers_take_the_op_and_keep_their_behaviour(model_name, arm, monkeypatch):
+def test_retrievers_take_the_op_and_keep_their_behaviour(model_name, arm, capacity, monkeypatch):
     """A decode step with the op (CPU) against the same steps on the references (``KVZOO_KERNELS=torch``): the same
     logits (to the decode attention's fp32 summation order), the same counts in ``stats()``; the step's choice is one
-    launch of the op, and the layer's count is not added apart."""
+    launch of the op, and the layer's count is not added apart. With a fixed capacity and without (a growing index:
+    Quest's page summary takes a page slot as a row opens one)."""
     name, params, retriever, op = ARMS[arm]
     model = MODELS[model_name]()[0]
     if op is None:  # the default index: int8 keys on GQA rows, the sketch on MLA rows
         op = "int8_choose" if model_name == "llama" else "sketch_choose"
-    native, native_stats, trace = _decode(model, _policy(name, params, retriever))
+    native, native_stats, trace = _decode(model, _policy(name, params, retriever), capacity=capacity)
     monkeypatch.setenv("KVZOO_KERNELS", "torch")
-    reference, reference_stats, reference_trace = _decode(model, _policy(name, params, retriever))
+    reference, reference_stats, reference_trace = _decode(model, _policy(name, params, retriever), capacity=capacity)
     torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
     assert native_stats.totals == reference_stats.totals
     assert [s.last_step for s in native_stats.layers] == [s.last_step for s in reference_stats.layers]
@@ -315,6 +316,8 @@ def test_retrievers_take_the_op_and_keep_their_behaviour(model_name, arm, monkey
     layers = sum(1 for s in native_stats.layers if s.archived_rows)
     assert trace.launch_counts[op] == layers and reference_trace.launch_counts[op] == 0
     assert trace.launches < reference_trace.launches
+    if name == "quest":  # rule="eval": each step's row joins the page summary in one op, where it lies
+        assert trace.launch_counts["quest_page_add"] == layers
 
 
 @needs_compiler

@@ -144,17 +144,16 @@ class PageIndex(RetrievalState):
         self.summary.add(keys, rows["valid"], {"entries": ((2 * D + 1,), keys.dtype)})
 
     def index_in_place(self, storage, positions) -> bool:
-        """One row a step (``rule="eval"`` archives each decode step's row) joins a fixed summary in one op,
-        :func:`~kvzoo.kernels.choose.quest_page_add`, read where it lies; the host's row count moves here (the
-        summary's page count is brought up to date by its next multi-row add, as after ``PageSummary._add_one``)."""
+        """One row a step (``rule="eval"`` archives each decode step's row) joins the summary in one op,
+        :func:`~kvzoo.kernels.choose.quest_page_add`, read where it lies; the host's counts move in the summary
+        (:meth:`~kvzoo.retrievers.pages.PageSummary.one_added`)."""
         summary = self.summary
-        if positions.shape[2] != 1 or not summary.defined or not summary.fixed \
-                or summary.rows >= summary.pages.capacity * self.page_size:
+        if positions.shape[2] != 1 or not summary.room_for_one():
             return False
         pages = summary.pages
         quest_page_add(storage["keys"], storage["valid"], positions[:, :, 0], summary.open_min, summary.open_max,
                        pages.buffers["entries"], pages.buffers["empty"], summary.count, pages.length, self.page_size)
-        summary.rows += 1
+        summary.one_added()
         return True
 
     def entries(self) -> int:
