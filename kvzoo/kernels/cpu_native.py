@@ -1232,11 +1232,23 @@ static void index_scores(const float *q, int64_t Wp, const char *const *rows, in
     }
 }
 
-/* dot(q, row) over W columns, the row in `dtype`, in LANES partial sums added in a fixed order */
-static float entry_dot(const float *q, const char *row, int64_t W, int dtype) {
+/* dot(x, y) over n fp32 values, in LANES partial sums (d mod LANES) added in a fixed order: the compiler vectorises
+   it (a plain running sum it may not reorder) */
+static inline float lanes_dot(const float *x, const float *y, int64_t n) {
     float a[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t d = 0; d < W; d++) a[d % LANES] += q[d] * element(row, d, dtype);
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) a[l] += x[d + l] * y[d + l];
+    for (int l = 0; d < n; d++, l++) a[l] += x[d] * y[d];
     return lane_sum(a);
+}
+
+/* dot(q, row) over W columns, the row in `dtype` */
+static float entry_dot(const float *q, const char *row, int64_t W, int dtype) {
+    if (dtype == F32) return lanes_dot(q, (const float *)row, W);
+    float x[MAX_W];
+    for (int64_t d = 0; d < W; d++) x[d] = element(row, d, dtype);
+    return lanes_dot(q, x, W);
 }
 
 static inline float ranked(float v) { return v != v ? INFINITY : v; }  /* NaN first, as torch.topk ranks it */
@@ -1305,6 +1317,104 @@ static void sketch_group(void *ctx, int64_t bg) {
     c->counts[bg] = stage_union(cand, K, c->archived, c->idx + bg * K, c->picked + bg * K);
 }
 
+/* A group's query rows of the sketch (kvzoo.kernels.index_scan.sketch_query): for each of its hq query rows q (D =
+   dc + dr, the content part q_c first) the bound's row [V^T q_c, ||(I - V V^T) q_c||, q_r, slack ||q_c||, slack
+   ||q_r||] (GQA, dr = 0: [V^T q_c, ||(I - V V^T) q_c||, slack ||q_c||]) and the ranking row: the estimate's (eta's
+   and the slack columns 0) or, rank_by_bound, the bound's. V [dc, r] contiguous; rows of stride Wp (zero-padded).
+   Both products run in a fixed order (V^T q_c over the latent dimensions, V (V^T q_c) over the basis columns, every
+   head at once: with AVX-512 a register of 16 heads and 4 latent dimensions in flight). Scratch: qz [hq][r], qzT [r][hq], resid, nc [hq]. */
+static void sketch_query_rows(const float *restrict q, const float *restrict V, int64_t hq, int64_t D, int64_t dc,
+                              int64_t r, float slack, int rank_by_bound, int64_t Wp, float *restrict rank,
+                              float *restrict bound, float *restrict qz, float *restrict qzT, float *restrict resid,
+                              float *restrict nc) {
+    int64_t dr = D - dc;
+    /* qz[h][k] = sum over d (in order) of q_c[h][d] V[d][k] */
+    for (int64_t h = 0; h < hq; h++) {
+        const float *qc = q + h * D;
+        float *z = qz + h * r;
+#ifdef KV_AVX512
+        int64_t k0 = 0;
+        for (; k0 + 64 <= r; k0 += 64) {  /* 64 columns in registers over the whole sum */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < dc; d++) {
+                __m512 x = _mm512_set1_ps(qc[d]);
+                const float *v = V + d * r + k0;
+                a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v), a0);
+                a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 16), a1);
+                a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 32), a2);
+                a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 48), a3);
+            }
+            _mm512_storeu_ps(z + k0, a0);
+            _mm512_storeu_ps(z + k0 + 16, a1);
+            _mm512_storeu_ps(z + k0 + 32, a2);
+            _mm512_storeu_ps(z + k0 + 48, a3);
+        }
+        for (; k0 < r; k0 += 16) {
+            __mmask16 mk = tail16(r - k0);
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dc; d++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(qc[d]), _mm512_maskz_loadu_ps(mk, V + d * r + k0), a);
+            _mm512_mask_storeu_ps(z + k0, mk, a);
+        }
+#else
+        for (int64_t k = 0; k < r; k++) z[k] = 0.0f;
+        for (int64_t d = 0; d < dc; d++)
+            for (int64_t k = 0; k < r; k++) z[k] += qc[d] * V[d * r + k];
+#endif
+        for (int64_t k = 0; k < r; k++) qzT[k * hq + h] = z[k];
+        resid[h] = nc[h] = 0.0f;
+    }
+    /* p[h] = (V V^T q_c[h])[d] = sum over k (in order) of V[d][k] qz[h][k], every head at once; then the residual's
+       and q_c's squared norms, summed over d in order */
+    for (int64_t d0 = 0; d0 < dc; d0 += 4) {
+        int64_t nd = dc - d0 < 4 ? dc - d0 : 4;
+        float pp[4 * MAX_HQ];
+#ifdef KV_AVX512
+        for (int64_t h0 = 0; h0 < hq; h0 += 16) {  /* 16 heads a register, 4 latent dimensions in flight */
+            __mmask16 mk = tail16(hq - h0);
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float *v0 = V + d0 * r, *v1 = V + (d0 + (nd > 1)) * r, *v2 = V + (d0 + 2 * (nd > 2)) * r;
+            const float *v3 = V + (d0 + 3 * (nd > 3)) * r;
+            for (int64_t k = 0; k < r; k++) {
+                __m512 z = _mm512_maskz_loadu_ps(mk, qzT + k * hq + h0);
+                a0 = _mm512_fmadd_ps(z, _mm512_set1_ps(v0[k]), a0);
+                a1 = _mm512_fmadd_ps(z, _mm512_set1_ps(v1[k]), a1);
+                a2 = _mm512_fmadd_ps(z, _mm512_set1_ps(v2[k]), a2);
+                a3 = _mm512_fmadd_ps(z, _mm512_set1_ps(v3[k]), a3);
+            }
+            _mm512_mask_storeu_ps(pp + h0, mk, a0);
+            _mm512_mask_storeu_ps(pp + MAX_HQ + h0, mk, a1);
+            _mm512_mask_storeu_ps(pp + 2 * MAX_HQ + h0, mk, a2);
+            _mm512_mask_storeu_ps(pp + 3 * MAX_HQ + h0, mk, a3);
+        }
+#else
+        for (int64_t i = 0; i < nd; i++)
+            for (int64_t h = 0; h < hq; h++) {
+                float a = 0.0f;
+                for (int64_t k = 0; k < r; k++) a += qzT[k * hq + h] * V[(d0 + i) * r + k];
+                pp[i * MAX_HQ + h] = a;
+            }
+#endif
+        for (int64_t i = 0; i < nd; i++)
+            for (int64_t h = 0; h < hq; h++) {
+                float x = q[h * D + d0 + i], e = x - pp[i * MAX_HQ + h];
+                resid[h] += e * e;
+                nc[h] += x * x;
+            }
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        const float *qr = q + h * D + dc, *z = qz + h * r;
+        float *rk = rank + h * Wp, *bd = bound + h * Wp, nr = 0.0f;
+        for (int64_t d = 0; d < dr; d++) nr += qr[d] * qr[d];
+        for (int64_t k = 0; k < r; k++) bd[k] = rk[k] = z[k];
+        bd[r] = sqrtf(resid[h]);
+        for (int64_t d = 0; d < dr; d++) bd[r + 1 + d] = rk[r + 1 + d] = qr[d];
+        bd[r + 1 + dr] = slack * sqrtf(nc[h]);
+        if (dr) bd[r + 2 + dr] = slack * sqrtf(nr);
+        if (rank_by_bound) memcpy(rk, bd, Wp * sizeof(float));
+    }
+}
+
 /* VestigeKV's top-j rule over its certified sketch for one decode step (kvzoo.kernels.choose.sketch_choose_reference
    is the specification). q [B, G, hq, D] fp32 contiguous (D = dc + dr: the content part first, dr = 0 on GQA); basis
    [B, G, dc, r] fp32 (element strides basis_sb, basis_sg; each [dc, r] contiguous); entries [B, G, m, W] in `dtype`
@@ -1342,31 +1452,14 @@ int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, in
     c.filled = c.at + items * hq * j;
     c.cand = c.filled + items * hq;
     c.counts = c.cand + B * G * hq * j;
-    float qz[MAX_D];
-    for (int64_t bg = 0; bg < B * G; bg++) {  /* the query rows (kvzoo.kernels.index_scan.sketch_query) */
-        const float *V = basis + (bg / G) * basis_sb + (bg % G) * basis_sg;
-        for (int64_t h = 0; h < hq; h++) {
-            const float *qc = q + (bg * hq + h) * D, *qr = qc + dc;
-            float *rank = qrank + (bg * hq + h) * c.Wp, *bound = qbound + (bg * hq + h) * c.Wp;
-            for (int64_t k = 0; k < r; k++) qz[k] = 0.0f;
-            for (int64_t d = 0; d < dc; d++)
-                for (int64_t k = 0; k < r; k++) qz[k] += qc[d] * V[d * r + k];
-            float resid = 0.0f, nc = 0.0f, nr = 0.0f;
-            for (int64_t d = 0; d < dc; d++) {
-                float p = 0.0f;
-                for (int64_t k = 0; k < r; k++) p += qz[k] * V[d * r + k];
-                resid += (qc[d] - p) * (qc[d] - p);
-                nc += qc[d] * qc[d];
-            }
-            for (int64_t d = 0; d < dr; d++) nr += qr[d] * qr[d];
-            for (int64_t k = 0; k < r; k++) bound[k] = rank[k] = qz[k];
-            bound[r] = sqrtf(resid);
-            for (int64_t d = 0; d < dr; d++) bound[r + 1 + d] = rank[r + 1 + d] = qr[d];
-            bound[r + 1 + dr] = slack * sqrtf(nc);
-            if (dr) bound[r + 2 + dr] = slack * sqrtf(nr);
-            if (rank_by_bound) memcpy(rank, bound, c.Wp * sizeof(float));
-        }
-    }
+    float *qz = malloc((2 * r * hq + 2 * hq) * sizeof(float));  /* [hq][r], [r][hq], then per head 2 sums */
+    if (!qz) { free(scratch); return 2; }
+    float *qzT = qz + r * hq, *resid = qzT + r * hq, *nc = resid + hq;
+    for (int64_t bg = 0; bg < B * G; bg++)  /* the query rows (kvzoo.kernels.index_scan.sketch_query) */
+        sketch_query_rows(q + bg * hq * D, basis + (bg / G) * basis_sb + (bg % G) * basis_sg, hq, D, dc, r, slack,
+                          (int)rank_by_bound, c.Wp, qrank + bg * hq * c.Wp, qbound + bg * hq * c.Wp, qz, qzT, resid,
+                          nc);
+    free(qz);
     c.qrank = qrank;
     c.qbound = qbound;
     run_items(sketch_item, &c, items, threads);
@@ -1732,9 +1825,7 @@ def available() -> bool:
     call has loaded them. Inside ``torch.compile`` before any eager call it is False (the traced step then takes the
     PyTorch references; nothing is built or read from the filesystem while tracing)."""
     if not _LOADED:
-        if torch.compiler.is_compiling():
-            return False
-        library()
+        return not torch.compiler.is_compiling() and library() is not None
     return _LOADED[0] is not None
 
 
