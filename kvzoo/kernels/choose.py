@@ -117,14 +117,17 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
                            per_head: bool = True, counter: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quest_choose` in PyTorch: the page bounds (``page_query`` rows, :func:`~kvzoo.kernels.index_scan.
-    index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages at ``-inf``, the top pages, their
-    rows and flags, the union count; the storage positions gathered from ``positions``."""
+    index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages at ``-inf``, the top pages (each
+    head's in ascending page order), their rows and flags, the union count; the storage positions gathered from
+    ``positions``. Apart from that order (``PageIndex.choose`` took ``topk``'s, best first: a head reads the same
+    rows, its attention sums them in another order) the torch path kvzoo ran before the op."""
     B, G, hq, D = query.shape
     qrows = torch.cat([query.clamp(min=0), query.clamp(max=0), SKETCH_SLACK * query.abs().sum(-1, keepdim=True)],
                       dim=-1)  # page_query's rows
     if per_head:
         bounds = index_scan(qrows, entries, scaling).masked_fill(empty[:, :, None], float("-inf"))  # [B, G, hq, P]
-        rows = _page_rows(bounds.topk(pages, dim=-1).indices, size)  # each head's rows, head after head
+        top = bounds.topk(pages, dim=-1).indices.sort(dim=-1).values  # each head's pages, in ascending order
+        rows = _page_rows(top, size)  # each head's rows, head after head
         valid = rows < live
         union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
         union.scatter_(2, torch.where(valid, rows, archived), True)
@@ -152,11 +155,11 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     (``1 <= pages <= P``) per head or group, ``size`` rows a page, ``archived`` the archive list's size.
 
     Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack), ``-inf`` for an empty page; the top
-    ``pages`` (best first):
+    ``pages`` (an earlier page first among equal bounds):
 
     * ``per_head`` (Quest's ``gqa="head"``): of each query head: ``K = hq x pages x size``, head after head (the
-      segment head ``h`` reads), page after page, rows ``page * size + offset`` clamped below ``live``, ``valid`` =
-      ``row < live``; ``count``: the rows of the group's union, once;
+      segment head ``h`` reads), its pages in ascending order, rows ``page * size + offset`` clamped below ``live``,
+      ``valid`` = ``row < live``; ``count``: the rows of the group's union, once;
     * else (``gqa="group"``): of the group by the max over its heads; ``K = pages x size`` rows staged as
       :func:`unique_candidates` stages them (``valid``: picked); ``count``: the rows picked.
 

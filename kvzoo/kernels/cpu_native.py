@@ -519,23 +519,51 @@ static int64_t merge_tops(const float *top, const int64_t *at, const int64_t *fi
     return n;
 }
 
-static int ascending(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
+/* a[0 .. K) ascending: nothing when it already is, insertion sort for a few, else a bottom-up merge sort (tmp: room
+   for K) */
+static void sort_rows(int64_t *a, int64_t K, int64_t *tmp) {
+    int64_t k = 1;
+    while (k < K && a[k - 1] <= a[k]) k++;
+    if (k >= K) return;
+    const int64_t run = 32;
+    for (int64_t r0 = 0; r0 < K; r0 += run) {
+        int64_t r1 = r0 + run < K ? r0 + run : K;
+        for (int64_t i = r0 + 1; i < r1; i++) {
+            int64_t v = a[i], pos = i;
+            while (pos > r0 && a[pos - 1] > v) { a[pos] = a[pos - 1]; pos--; }
+            a[pos] = v;
+        }
+    }
+    int64_t *from = a, *to = tmp;
+    for (int64_t width = run; width < K; width *= 2) {
+        for (int64_t lo = 0; lo < K; lo += 2 * width) {
+            int64_t mid = lo + width < K ? lo + width : K, hi = lo + 2 * width < K ? lo + 2 * width : K;
+            int64_t i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) to[o++] = from[j] < from[i] ? from[j++] : from[i++];
+            while (i < mid) to[o++] = from[i++];
+            while (j < hi) to[o++] = from[j++];
+        }
+        int64_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != a) memcpy(a, from, K * sizeof(int64_t));
 }
 
 /* K candidates (a kept row's index, `archived` for the others) staged as kvzoo.framework.retrieval's
    unique_candidates stages a choice: sorted ascending, idx = min(candidate, archived - 1), picked on the first copy
    of each kept row. Returns how many rows are picked. */
 static int64_t stage_union(int64_t *cand, int64_t K, int64_t archived, int64_t *idx, uint8_t *picked) {
-    if (K <= 64) {  /* insertion sort: K is small (heads x j) */
+    int64_t local[MAX_HQ * MAX_J], *tmp = K <= MAX_HQ * MAX_J ? local : malloc(K * sizeof(int64_t));
+    if (!tmp) {  /* no memory for the merge: insertion sort in place */
         for (int64_t k = 1; k < K; k++) {
             int64_t v = cand[k], pos = k;
             while (pos > 0 && cand[pos - 1] > v) { cand[pos] = cand[pos - 1]; pos--; }
             cand[pos] = v;
         }
     } else {
-        qsort(cand, K, sizeof(int64_t), ascending);
+        sort_rows(cand, K, tmp);
+        if (tmp != local) free(tmp);
     }
     int64_t count = 0;
     for (int64_t k = 0; k < K; k++) {
@@ -1494,10 +1522,11 @@ static void quest_item(void *ctx, int64_t bg) {
     const QuestScan *c = ctx;
     int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, n = c->n, P = c->P, size = c->size, live = c->live;
     int64_t lists = c->per_head ? hq : 1;
-    char *mine = c->scratch + bg * c->item_bytes;
-    float *vh = (float *)mine;
-    int64_t *ih = (int64_t *)(vh + lists * n), *filled = ih + lists * n;
-    uint8_t *chosen = (uint8_t *)(filled + lists);
+    char *mine = c->scratch + bg * c->item_bytes;  /* pages [lists][n], sort room [n], filled [lists], candidates
+                                                      [n * size], top values [lists][n], chosen [P] */
+    int64_t *pages = (int64_t *)mine, *room = pages + lists * n, *filled = room + n, *cand = filled + lists;
+    float *vh = (float *)(cand + (c->per_head ? 0 : n * size));
+    uint8_t *chosen = (uint8_t *)(vh + lists * n);
     const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
     const uint8_t *emg = c->empty + b * c->em_sb + g * c->em_sg;
     const float *q = c->qrows + bg * hq * c->Wp;
@@ -1506,7 +1535,7 @@ static void quest_item(void *ctx, int64_t bg) {
     int64_t slot[16];
     for (int64_t l = 0; l < lists; l++) filled[l] = 0;
     memset(chosen, 0, P);
-    for (int64_t i = 0; i < P; i += 16) {
+    for (int64_t i = 0; i < P; i += 16) {  /* every page's bound (each head's, or the group's) into the top lists */
         int64_t count = P - i < 16 ? P - i : 16, nz = 0;
         for (int64_t k = 0; k < count; k++)
             if (!emg[(i + k) * c->em_sp]) {  /* an empty page is never read: its bound is -inf */
@@ -1518,9 +1547,9 @@ static void quest_item(void *ctx, int64_t bg) {
         if (nz) {
             index_scores(q, c->Wp, rows, nz, c->W, c->dtype, hq, c->scaling, sc);
             for (int64_t z = 0; z < nz; z++) {
-                if (c->per_head) {  /* each head's own bound */
+                if (c->per_head) {
                     for (int64_t h = 0; h < hq; h++) vals[h * 16 + slot[z]] = ranked(sc[h * TILE + z]);
-                } else {  /* the group's: the max over its heads, a NaN bound left out (index_scan_reduce's margin) */
+                } else {  /* the max over the heads, a NaN bound left out (index_scan_reduce's margin) */
                     float best = -INFINITY;
                     for (int64_t h = 0; h < hq; h++) {
                         float v = sc[h * TILE + z];
@@ -1530,15 +1559,16 @@ static void quest_item(void *ctx, int64_t bg) {
                 }
             }
         }
-        for (int64_t l = 0; l < lists; l++) top_block(vh + l * n, ih + l * n, filled + l, n, vals + l * 16, count, i);
+        for (int64_t l = 0; l < lists; l++) top_block(vh + l * n, pages + l * n, filled + l, n, vals + l * 16, count, i);
     }
+    for (int64_t l = 0; l < lists; l++) sort_rows(pages + l * n, n, room);  /* each list's pages in ascending order */
     int64_t K = lists * n * size;
     int64_t *rows_out = c->rows_out + bg * K, *pos_out = c->positions ? c->pos_out + bg * K : NULL;
     uint8_t *valid_out = c->valid_out + bg * K;
-    if (c->per_head) {  /* each head's pages in its own segment, best first; the group's union counted once */
+    if (c->per_head) {  /* each head's pages in its own segment; the group's union counted once */
         for (int64_t h = 0; h < hq; h++)
             for (int64_t k = 0; k < n; k++) {
-                int64_t page = ih[h * n + k];
+                int64_t page = pages[h * n + k];
                 chosen[page] = 1;
                 for (int64_t o = 0; o < size; o++) {
                     int64_t at = (h * n + k) * size + o, row = page * size + o;
@@ -1555,11 +1585,10 @@ static void quest_item(void *ctx, int64_t bg) {
                 count += in < 0 ? 0 : (in > size ? size : in);
             }
         c->counts[bg] = count;
-    } else {  /* one page set for the group: its rows staged as unique_candidates stages them */
-        int64_t *cand = (int64_t *)(chosen + (P + 7) / 8 * 8);
+    } else {  /* one page set for the group: its rows staged as unique_candidates stages them (already in order) */
         for (int64_t k = 0; k < n; k++)
             for (int64_t o = 0; o < size; o++) {
-                int64_t row = ih[k] * size + o;
+                int64_t row = pages[k] * size + o;
                 cand[k * size + o] = row < live ? row : c->archived;
             }
         c->counts[bg] = stage_union(cand, K, c->archived, rows_out, valid_out);
@@ -1573,7 +1602,7 @@ static void quest_item(void *ctx, int64_t bg) {
    page; element strides e_sb, e_sg, e_sp; rows contiguous); empty [B, G, P] (strides em_*): a page never read;
    *live: the rows indexed; positions [B, G, M] (strides p_*) or NULL: the archive list (each archived row's storage
    position). Each page's bound scaling * Q . E with Q = [max(q, 0), min(q, 0), slack ||q||_1] (-inf for an empty
-   page), and the top n pages (best first, an earlier page first among equal bounds; NaN first):
+   page), and the top n pages (an earlier page first among equal bounds; NaN first), in ascending page order:
    * per_head: of each query head; rows_out [B, G, hq * n * size] = head after head, page after page, its rows
      page * size + o clamped below live, valid_out = (row < live), counted once per group (the union of its heads'
      rows);
@@ -1601,8 +1630,8 @@ int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64
     c.entries = entries; c.empty = empty; c.positions = positions;
     c.rows_out = rows_out; c.pos_out = pos_out; c.valid_out = valid_out;
     int64_t lists = per_head ? hq : 1, rows_q = B * G * hq * c.Wp;
-    c.item_bytes = (lists * n * (sizeof(float) + sizeof(int64_t)) + lists * sizeof(int64_t) + (P + 7) / 8 * 8
-                    + (per_head ? 0 : n * size * sizeof(int64_t)) + 63) / 64 * 64;  /* the group's candidates */
+    c.item_bytes = ((lists * n + n + lists + (per_head ? 0 : n * size)) * sizeof(int64_t) + lists * n * sizeof(float)
+                    + P + 63) / 64 * 64;
     char *scratch = calloc(1, rows_q * sizeof(float) + B * G * (c.item_bytes + sizeof(int64_t)));
     if (!scratch) return 2;
     float *qrows = (float *)scratch;
