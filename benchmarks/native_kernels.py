@@ -13,7 +13,13 @@ SmolLM2-135M's attention: B = 1, 3 KV groups x 3 query heads, D = Dv = 64, fp32 
   head's segment of the index list);
 * the int8 index scan over ``n`` archived rows (VestigeKV: 64 int8 codes + 3 fp16 per row, j = 16): the PyTorch
   reference, the C loop at ``--base`` (the commit before the AVX-512 one, built from its source under the old
-  flags) and now, for the estimate and for the whole top-j rule (``int8_choose``).
+  flags) and now, for the estimate and for the whole top-j rule (``int8_choose``);
+* the fused choices of ``kvzoo/kernels/choose.py``, each its PyTorch reference (the ops a decode step ran before)
+  against the C op: VestigeKV's top-j rule over the sketch (``sketch_choose``) on ``n`` rows at SmolLM2's shape
+  (rank 16, fp32 entries of 18 values) and at DeepSeek-V2-Lite's (one group of 16 heads, rank 64, a 512 + 64 latent:
+  131 values), Quest's page choice (``quest_choose``, each head's own pages) over the ``n / 16`` pages of 129 values
+  at 8x (``pages = n / 128``), and Quest's one-row page add (``quest_page_add``, a few hundred bytes: its time is the
+  call's).
 
 Each row gives the bytes the op reads (rows, index lists, flags), the time per call and those bytes per second: at
 1 thread the thread's CPU time (``time.thread_time``: load from other processes does not enter), at 2 threads wall
@@ -42,12 +48,15 @@ from pathlib import Path
 import torch
 
 from kvzoo.kernels import cpu_native
+from kvzoo.kernels.choose import quest_choose_reference, quest_page_add_reference, sketch_choose_reference
 from kvzoo.kernels.decode_attention import Rows, _sdpa, _validate
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
     int8_choose_reference,
     int8_key_entries,
     int8_key_estimate_reference,
+    page_entries,
+    sketch_entries,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,6 +202,70 @@ def scan_cases(n: int, base: ctypes.CDLL | None, cache_bytes: int = CACHE_BYTES,
     return arms
 
 
+def choose_cases(n: int, cache_bytes: int = CACHE_BYTES, seed: int = 2) -> list[dict]:
+    """The fused choices' arms at context ``n``: each op's PyTorch reference against the C op."""
+    g = torch.Generator().manual_seed(seed)
+    arms = []
+    for label, groups, hq, dc, dr, rank in (("SmolLM2", G, HPG, D, 0, 16), ("DeepSeek-V2-Lite", 1, 16, 512, 64, 64)):
+        W = rank + 1 + (dr + 2 if dr else 1)
+        nbytes = B * groups * n * W * 4
+        data = []
+        for _ in range(_copies(nbytes, cache_bytes, most=16)):
+            basis = torch.linalg.qr(torch.randn(B, groups, dc, rank, generator=g)).Q.contiguous()
+            keys = torch.randn(B, groups, n, dc + dr, generator=g)
+            data.append((basis, sketch_entries(keys[..., :dc], keys[..., dc:] if dr else None, basis)))
+        q = torch.randn(B, groups, hq, dc + dr, generator=g)
+        floor = torch.full((B, groups, hq), 2.0)
+        form = f"{label}: {groups} x {hq} heads, W={W}, j={J}"
+        arms.append({"op": "sketch top-j rule", "form": form, "impl": "PyTorch reference", "bytes": nbytes,
+                     "calls": [lambda v=v, e=e, q=q, f=floor: sketch_choose_reference(q, v, e, f, J, n, SCALE)
+                               for v, e in data]})
+        arms.append({"op": "sketch top-j rule", "form": form, "impl": "native", "bytes": nbytes,
+                     "calls": [lambda v=v, e=e, q=q, f=floor: cpu_native.sketch_choose(q, v, e, None, f, J, n, SCALE,
+                                                                                      SKETCH_SLACK, False)
+                               for v, e in data]})
+    size, P = 16, n // 16
+    pages = max(1, n // 8 // size)  # Quest at 8x: a budget of n / 8 rows, that many pages per head
+    W = 2 * D + 1
+    nbytes = B * G * P * (W * 4 + 1)
+    data = []
+    for _ in range(_copies(nbytes, cache_bytes, most=16)):
+        keys = torch.randn(B, G, P, size, D, generator=g)
+        data.append(page_entries(keys.amin(3), keys.amax(3)))
+    q = torch.randn(B, G, HPG, D, generator=g)
+    empty = torch.zeros(B, G, P, dtype=torch.bool)
+    live = torch.tensor([n])
+    positions = torch.arange(n).expand(B, G, n)
+    form = f"{G} x {HPG} heads, {P} pages of {size}, {pages} a head"
+    arms.append({"op": "Quest page choice", "form": form, "impl": "PyTorch reference", "bytes": nbytes,
+                 "calls": [lambda e=e: quest_choose_reference(q, e, empty, live, positions, pages, size, n, SCALE)
+                           for e in data]})
+    arms.append({"op": "Quest page choice", "form": form, "impl": "native", "bytes": nbytes,
+                 "calls": [lambda e=e: cpu_native.quest_choose(q, e, empty, live, positions, pages, size, n, True,
+                                                               SCALE, SKETCH_SLACK) for e in data]})
+    storage = torch.randn(B, G, n, D, generator=g)
+    valid = torch.ones(B, G, n, dtype=torch.bool)
+
+    def page_add(add):
+        summary = (torch.full((B, G, D), float("inf")), torch.full((B, G, D), float("-inf")),
+                   torch.zeros(B, G, P, W), torch.ones(B, G, P, dtype=torch.bool))
+        count, length = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        position = torch.zeros(B, G, dtype=torch.long)
+
+        def call():
+            if int(count) >= n - 1:
+                count.zero_()
+            add(storage, valid, position, *summary, count, length, size)
+        return call
+
+    nbytes = B * G * D * (4 * 2 + 4 * 2 + W * 4)  # the row read, the running min/max read and written, the entry
+    arms.append({"op": "Quest page add", "form": "one row", "impl": "PyTorch reference", "bytes": nbytes,
+                 "calls": [page_add(quest_page_add_reference)]})
+    arms.append({"op": "Quest page add", "form": "one row", "impl": "native", "bytes": nbytes,
+                 "calls": [page_add(cpu_native.quest_page_add)]})
+    return arms
+
+
 def _time_arms(arms: list[dict], threads: list[int], rounds: int, cache_bytes: int) -> dict[tuple[int, int], float]:
     """Seconds per call of each arm at each thread count (median over rounds; within a round every arm at every
     thread count, one after another, so that load from other processes falls on all of them alike). Before each
@@ -227,7 +300,7 @@ def measure(contexts: list[int], threads: list[int], rounds: int = 7, base_rev: 
         bandwidth = {t: read_bandwidth(t, bandwidth_mib) for t in threads}
         with torch.no_grad():
             for n in contexts:
-                arms = attention_cases(n, cache_bytes) + scan_cases(n, base, cache_bytes)
+                arms = attention_cases(n, cache_bytes) + scan_cases(n, base, cache_bytes) + choose_cases(n, cache_bytes)
                 seconds = _time_arms(arms, threads, rounds, cache_bytes)
                 for i, arm in enumerate(arms):
                     row = {"context": n, "op": arm["op"], "form": arm["form"], "impl": arm["impl"],

@@ -136,9 +136,12 @@ def test_fused_choose_matches_reference(B, G, hq, D, rows, spare, j):
     threshold = exact.masked_fill(torch.isinf(exact), float("nan")).nanquantile(0.97, dim=-1) - torch.rand(B, G, hq)
     archived = codes.shape[2] + 3  # the archive may hold more rows than the index scans (a fixed capacity)
     assert fused_choose_applies(q, codes, side, j)
-    idx, picked = int8_choose(q, codes, side, threshold, j, archived, 0.125, length=length)
-    ref_idx, ref_picked = int8_choose_reference(q, codes, side, threshold, j, archived, 0.125, length=length)
+    counter = torch.tensor(5)  # a layer's fetched rows: the op adds its count in place
+    idx, picked, count = int8_choose(q, codes, side, threshold, j, archived, 0.125, length=length, counter=counter)
+    ref_idx, ref_picked, ref_count = int8_choose_reference(q, codes, side, threshold, j, archived, 0.125,
+                                                           length=length)
     assert idx.shape == picked.shape == (B, G, hq * j)
+    assert int(count) == int(ref_count) == int(picked.sum()) and int(counter) == 5 + int(count)
     assert torch.equal(picked, ref_picked) and torch.equal(idx[picked], ref_idx[ref_picked])
     assert torch.equal(idx, ref_idx)
     assert picked.any()  # the test chooses something
@@ -178,14 +181,14 @@ def test_kernel_over_threads_matches_reference(threads, monkeypatch):
         kernel = cpu_native.int8_estimate(q, codes, side, 0.125, length)
         exact = int8_key_estimate_reference(q, codes, side, 0.125, length=length)
         threshold = exact.masked_fill(torch.isinf(exact), float("nan")).nanquantile(0.999, dim=-1)
-        idx, picked = int8_choose(q, codes, side, threshold, 16, rows, 0.125, length=length)
+        idx, picked, _ = int8_choose(q, codes, side, threshold, 16, rows, 0.125, length=length)
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(torch.isinf(kernel), torch.isinf(exact))
     finite = torch.isfinite(exact)
     scale = (q.abs()[..., None, :] * codes.abs().float()[:, :, None]).sum(-1) * side[..., 0].float()[:, :, None] * 0.125
     assert ((kernel - exact).abs()[finite] <= 1e-6 * scale[finite] + 1e-30).all()
-    ref_idx, ref_picked = int8_choose_reference(q, codes, side, threshold, 16, rows, 0.125, length=length)
+    ref_idx, ref_picked, _ = int8_choose_reference(q, codes, side, threshold, 16, rows, 0.125, length=length)
     assert torch.equal(idx, ref_idx) and torch.equal(picked, ref_picked) and picked.any()
 
 

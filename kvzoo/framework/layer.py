@@ -469,8 +469,9 @@ class KVLayer(CacheLayerMixin):
         archived = self.archived
         if archived.fixed and archived.capacity == 0:  # the first eviction: room for every row
             archived.resize(self.capacity)
-        if self.index is not None:
-            leaving = {name: gather_rows(self.rows.buffers[name], positions) for name in ("keys", "valid")}
+        storage = self.rows.buffers
+        if self.index is not None and not self.index.index_in_place(storage, positions):  # else: gathered
+            leaving = {name: gather_rows(storage[name], positions) for name in ("keys", "valid")}
             self.index.index(leaving, self.tier_view(), self.archive_view())
         archived.append({"pos": positions})
 
@@ -479,13 +480,18 @@ class KVLayer(CacheLayerMixin):
         """The tier's rows as an :class:`ArchiveView` (read when asked: a retriever fitting its basis reads them)."""
         return ArchiveView(read=self.get, rows=self.n, groups=self.batch_groups[1])
 
-    def archive_view(self, *, whole: bool = False) -> ArchiveView:
+    def archive_view(self, *, whole: bool = False, step: bool = False) -> ArchiveView:
         """The archived rows, in archive order, as an :class:`ArchiveView` (gathered from the storage when read).
 
         ``whole``: a fixed-capacity archive's whole list (a decode step's fixed shapes; positions past the live
-        ones are not rows and read as padding)."""
+        ones are not rows and read as padding). ``step``: a decode step's view, with the archive list
+        (``positions``) and the layer's fetched-rows counter (``fetched``) for a choice made by one op."""
         archived = self.archived
         rows = archived.capacity if (whole and archived.fixed) else archived.n
+        extra = {}
+        if step:
+            extra = {"positions": archived.reading("pos") if whole else archived.get("pos"),
+                     "fetched": self.fetched_rows}
 
         def read(name: str) -> torch.Tensor:
             positions = archived.reading("pos") if whole else archived.get("pos")
@@ -494,7 +500,7 @@ class KVLayer(CacheLayerMixin):
                 picked = picked & (positions >= 0)
             return picked
 
-        return ArchiveView(read=read, budget=self.budget, rows=rows, groups=self.batch_groups[1])
+        return ArchiveView(read=read, budget=self.budget, rows=rows, groups=self.batch_groups[1], **extra)
 
     @property
     def archive(self) -> ArchivedRows:

@@ -31,6 +31,7 @@ from kvzoo.framework.buffers import gather_rows
 from kvzoo.framework.names import build_retriever, retriever_names
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
+from kvzoo.kernels.choose import unique_candidates
 from kvzoo.kernels.decode_attention import Rows
 from kvzoo.kernels.index_scan import exact_scores
 
@@ -61,15 +62,6 @@ def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Ten
     idx.scatter_(2, target, torch.arange(m, device=mask.device).expand(B, G, m))
     picked = torch.arange(capacity, device=mask.device) < mask.sum(-1, keepdim=True)
     return idx[..., :capacity], picked
-
-
-def unique_candidates(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag (the form a
-    fused choice returns itself). ``O(K log K)`` in the candidates, independent of the archive."""
-    idx = torch.where(ok, rows, archived).sort(dim=-1).values
-    picked = idx < archived
-    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
-    return idx.clamp_(max=archived - 1), picked
 
 
 def scan(
@@ -136,33 +128,31 @@ class Retrieval:
         its live count on the device).
         """
         index = layer.index
-        view = layer.archive_view(whole=True)
+        view = layer.archive_view(whole=True, step=True)  # with the archive list and the fetched-rows counter
         choice = index.choose(query, best if index.needs_best else None, scaling, view)
-        positions = layer.archived.reading("pos")  # [B, G, m]: the archive list (whole when fixed)
+        positions = view.positions  # [B, G, m]: the archive list (whole when fixed)
         head_valid = None
         if choice.mask is not None:  # every archived row within reach: flags over the archive list
-            valid, fetched, staged = choice.mask, choice.mask.sum(), None
+            valid, staged = choice.mask, None
         elif choice.segments:  # each query head's own rows, one segment each: read as they are, no union
             staged, valid = choice.rows, choice.ok
-            positions = positions.gather(2, staged)
-            fetched = choice.count if choice.count is not None else valid.sum()
             head_valid = segment_heads(query.shape[1], valid.shape[1], valid.shape[2], query.device).expand(
                 valid.shape[0], -1, -1)
+        elif choice.staged is not None:  # the retriever staged its choice itself (one fused scan)
+            staged, valid = choice.staged
         else:
-            if choice.staged is not None:  # the retriever staged its choice itself (one fused scan)
-                idx, valid = choice.staged
-            else:
-                idx, valid = unique_candidates(choice.rows, choice.ok, view.rows)
-            staged = idx
-            positions = positions.gather(2, idx)
-            fetched = valid.sum()
-            if choice.visible is not None:
-                H = query.shape[1]
-                head_valid = choice.visible(idx) & valid.repeat_interleave(H // valid.shape[1], dim=1)
+            staged, valid = unique_candidates(choice.rows, choice.ok, view.rows)
+        if staged is not None:  # the chosen rows where they lie: the op's own positions, or read from the list
+            positions = choice.positions if choice.positions is not None else positions.gather(2, staged)
+        if choice.visible is not None and choice.mask is None and not choice.segments:
+            H = query.shape[1]
+            head_valid = choice.visible(staged) & valid.repeat_interleave(H // valid.shape[1], dim=1)
+        fetched = choice.count if choice.count is not None else valid.sum()
         rows = layer.rows
         width = None if "values" in rows.buffers else layer.latent_width
         pool_valid = None if layer.all_valid else rows.buffers["valid"]  # padding rows are never fetched
-        self._account(layer, query, scaling, fetched, scanned=True, view=view, chosen=(staged, valid))
+        self._account(layer, query, scaling, fetched, scanned=True, view=view, chosen=(staged, valid),
+                      counted=choice.counted)
         return Rows(rows.buffers["keys"], rows.buffers.get("values"), value_width=width, indices=positions,
                     valid=valid, head_valid=head_valid, pool_valid=pool_valid)
 
@@ -200,9 +190,11 @@ class Retrieval:
 
     # --- accounting --------------------------------------------------------------------------------------
     def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor, *, scanned: bool,
-                 view: ArchiveView, chosen: tuple[torch.Tensor | None, torch.Tensor] | None) -> None:
-        """This forward's reads, in rows and entries: a few host numbers and one device count (the rows fetched);
-        ``stats()`` derives bytes and figures from them."""
+                 view: ArchiveView, chosen: tuple[torch.Tensor | None, torch.Tensor] | None,
+                 counted: bool = False) -> None:
+        """This forward's reads, in rows and entries: a few host numbers and one device count (the rows fetched,
+        already added to the layer's count when ``counted``: the choice's op did it); ``stats()`` derives bytes and
+        figures from them."""
         index = layer.index
         B, G = layer.batch_groups
         entries = B * G * index.entries() if scanned else 0  # the dense rule reads the archive, not the index
@@ -214,7 +206,8 @@ class Retrieval:
         layer.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
         layer.retrieval_steps += 1
         layer.rows_scanned += entries
-        layer.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
+        if not counted:
+            layer.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
         if self.audit and chosen is not None:
             audit = _audit(query, scaling, index, _chosen_mask(chosen, view.rows), view)
             layer.last_read.update(audit)

@@ -49,15 +49,23 @@ class ArchiveView:
     nothing for them). ``rows`` (``m``) and ``groups`` (``G``) are known without reading. With a fixed capacity a
     decode step's view covers the whole archive list: ``m`` is its capacity and the entries past the live ones are
     not valid.
+
+    A decode step's view also carries, for a choice made by one fused op, ``positions [B, G, m]`` (int64: the archive
+    list, each archived row's position in the layer's storage; -1 past the live ones), so the op may return the
+    chosen rows' storage positions itself (:attr:`Choice.positions`), and ``fetched`` (the layer's count of rows
+    fetched, int64 0-dim), to which the op may add its count in place (:attr:`Choice.counted`). None elsewhere.
     """
 
     def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                  valid: torch.Tensor | None = None, budget: int | None = None, *,
                  read: Callable[[str], torch.Tensor] | None = None, rows: int | None = None,
-                 groups: int | None = None) -> None:
+                 groups: int | None = None, positions: torch.Tensor | None = None,
+                 fetched: torch.Tensor | None = None) -> None:
         self._given = {"keys": keys, "slots": slots, "valid": valid}
         self._read = read
         self.budget = budget
+        self.positions = positions
+        self.fetched = fetched
         self.rows = rows if rows is not None else (keys.shape[2] if keys is not None else None)
         self.groups = groups if groups is not None else (keys.shape[1] if keys is not None else None)
 
@@ -103,6 +111,12 @@ class Choice:
     # ``count`` is the rows the group reads at least once (a device count, for the bytes read), None: ``ok.sum()``
     segments: bool = False
     count: torch.Tensor | None = None
+    # the chosen rows' storage positions ``[B, G, K]`` (the archive list read at ``rows``, or at ``staged``'s indices),
+    # when the choice's op returned them: the decode step reads them as they are
+    positions: torch.Tensor | None = None
+    # ``count`` (the rows this choice fetches) was already added to the layer's count (``ArchiveView.fetched``) by the
+    # choice's own op: the retrieval tier adds nothing
+    counted: bool = False
 
     def as_mask(self, archived: int) -> torch.Tensor:
         if self.mask is not None:
@@ -137,6 +151,13 @@ class RetrievalState(ABC):
         ``block_keys``/``block_valid`` are the attended tier before the eviction (the closing block);
         ``archive`` is the archive before ``rows`` join it (to rebuild an index).
         """
+
+    def index_in_place(self, storage: dict[str, torch.Tensor], positions: torch.Tensor) -> bool:
+        """Index the rows at ``positions [B, G, k]`` of the layer's storage (``storage``: its buffers ``keys
+        [B, G, N, D]`` and ``valid [B, G, N]``, whole) as they join the end of the archive, reading them where they lie,
+        if this index can (True; e.g. one row a step, in one op); False (the default): the layer gathers them and
+        calls :meth:`index`."""
+        return False
 
     @abstractmethod
     def entries(self) -> int:

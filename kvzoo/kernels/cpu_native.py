@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -384,7 +383,7 @@ typedef struct {
     int64_t *idx;
     uint8_t *picked;
     float *top;                                 /* choose, per item: [hq][j] values, rows, and the count */
-    int64_t *at, *filled;
+    int64_t *at, *filled, *counts;             /* counts: picked rows per group */
     int64_t B, G, hq, D, m, j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, chunks, chunk_rows;
     float scaling, slack;
 } Int8Scan;
@@ -450,13 +449,18 @@ int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uint16_t *sid
                         int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w,
                         float scaling, int64_t threads) {
     if (hq > MAX_HQ || D > MAX_D || D % LANES != 0) return 1;
-    Int8Scan c = {q, codes, side, length, out, NULL, NULL, NULL, NULL, NULL, NULL,
+    Int8Scan c = {q, codes, side, length, out, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                   B, G, hq, D, m, 0, 0, codes_sb, codes_sg, side_sb, side_sg, side_w, 1, m, scaling, 0.0f};
     c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     run_items(estimate_item, &c, B * G * c.chunks, threads);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+   top lists (every fused choice): each query row's best K rows of a run of rows, merged over runs in row order,
+   and a group's candidates staged as the runtime stages a choice
+   ------------------------------------------------------------------------------------------------------------ */
 
 /* insert (v, row) into a query row's top list (vh, ih, *n of j): an earlier row stays first among equal values */
 static inline void top_insert(float *vh, int64_t *ih, int64_t *n, int64_t j, float v, int64_t row) {
@@ -469,6 +473,115 @@ static inline void top_insert(float *vh, int64_t *ih, int64_t *n, int64_t j, flo
     vh[pos] = v;
     ih[pos] = row;
     if (*n < j) (*n)++;
+}
+
+/* the values vals[0 .. count) of rows i .. i + count - 1 (count <= 16; vals holds 16 readable floats) into a query
+   row's top list (vh, ih, *n of j) */
+static inline void top_block(float *vh, int64_t *ih, int64_t *n, int64_t j, const float *vals, int64_t count,
+                             int64_t i) {
+    int64_t r = 0;
+    for (; r < count && *n < j; r++) top_insert(vh, ih, n, j, vals[r], i + r);
+    if (r == count) return;
+#ifdef KV_AVX512
+    /* which rows beat the j-th best: one compare for the block, the insertion only for those */
+    uint32_t beat = _mm512_cmp_ps_mask(_mm512_loadu_ps(vals), _mm512_set1_ps(vh[j - 1]), _CMP_GT_OQ);
+    beat &= ((1u << count) - 1u) & ~((1u << r) - 1u);
+    while (beat) {
+        int rr = __builtin_ctz(beat);
+        beat &= beat - 1;
+        if (vals[rr] > vh[j - 1]) top_insert(vh, ih, n, j, vals[rr], i + rr);  /* the j-th may rise */
+    }
+#else
+    for (; r < count; r++)
+        if (vals[r] > vh[j - 1]) top_insert(vh, ih, n, j, vals[r], i + r);  /* NaN never enters */
+#endif
+}
+
+/* query row h's top lists (top, at, filled: [item][hq][j], [item][hq][j], [item][hq]) of a group's runs -- items
+   bg * chunks + chunk, in row order -- merged into its best j (an earlier run first among equal values): vals and
+   rows (tmp_v, tmp_r: room for j more). Returns how many. */
+static int64_t merge_tops(const float *top, const int64_t *at, const int64_t *filled, int64_t bg, int64_t chunks,
+                          int64_t hq, int64_t h, int64_t j, float *vals, int64_t *rows, float *tmp_v, int64_t *tmp_r) {
+    int64_t n = 0;
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        int64_t item = bg * chunks + chunk, nb = filled[item * hq + h], ia = 0, ib = 0, out = 0;
+        const float *vb = top + (item * hq + h) * j;
+        const int64_t *rb = at + (item * hq + h) * j;
+        while (out < j && (ia < n || ib < nb)) {
+            int from_b = ia >= n || (ib < nb && vb[ib] > vals[ia]);
+            tmp_v[out] = from_b ? vb[ib] : vals[ia];
+            tmp_r[out++] = from_b ? rb[ib++] : rows[ia++];
+        }
+        n = out;
+        memcpy(vals, tmp_v, n * sizeof(float));
+        memcpy(rows, tmp_r, n * sizeof(int64_t));
+    }
+    return n;
+}
+
+/* a[0 .. K) ascending: nothing when it already is, insertion sort for a few, else a bottom-up merge sort (tmp: room
+   for K) */
+static void sort_rows(int64_t *a, int64_t K, int64_t *tmp) {
+    int64_t k = 1;
+    while (k < K && a[k - 1] <= a[k]) k++;
+    if (k >= K) return;
+    const int64_t run = 32;
+    for (int64_t r0 = 0; r0 < K; r0 += run) {
+        int64_t r1 = r0 + run < K ? r0 + run : K;
+        for (int64_t i = r0 + 1; i < r1; i++) {
+            int64_t v = a[i], pos = i;
+            while (pos > r0 && a[pos - 1] > v) { a[pos] = a[pos - 1]; pos--; }
+            a[pos] = v;
+        }
+    }
+    int64_t *from = a, *to = tmp;
+    for (int64_t width = run; width < K; width *= 2) {
+        for (int64_t lo = 0; lo < K; lo += 2 * width) {
+            int64_t mid = lo + width < K ? lo + width : K, hi = lo + 2 * width < K ? lo + 2 * width : K;
+            int64_t i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) to[o++] = from[j] < from[i] ? from[j++] : from[i++];
+            while (i < mid) to[o++] = from[i++];
+            while (j < hi) to[o++] = from[j++];
+        }
+        int64_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != a) memcpy(a, from, K * sizeof(int64_t));
+}
+
+/* K candidates (a kept row's index, `archived` for the others) staged as kvzoo.framework.retrieval's
+   unique_candidates stages a choice: sorted ascending, idx = min(candidate, archived - 1), picked on the first copy
+   of each kept row. Returns how many rows are picked. */
+static int64_t stage_union(int64_t *cand, int64_t K, int64_t archived, int64_t *idx, uint8_t *picked) {
+    int64_t local[MAX_HQ * MAX_J], *tmp = K <= MAX_HQ * MAX_J ? local : malloc(K * sizeof(int64_t));
+    if (!tmp) {  /* no memory for the merge: insertion sort in place */
+        for (int64_t k = 1; k < K; k++) {
+            int64_t v = cand[k], pos = k;
+            while (pos > 0 && cand[pos - 1] > v) { cand[pos] = cand[pos - 1]; pos--; }
+            cand[pos] = v;
+        }
+    } else {
+        sort_rows(cand, K, tmp);
+        if (tmp != local) free(tmp);
+    }
+    int64_t count = 0;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t v = cand[k];
+        uint8_t first = v < archived && (k == 0 || v != cand[k - 1]);
+        picked[k] = first;
+        count += first;
+        idx[k] = v < archived ? v : archived - 1;
+    }
+    return count;
+}
+
+/* the total of the groups' counts: written to *count_out, added to *counter (the layer's fetched rows) if given */
+static void add_counts(const int64_t *counts, int64_t groups, int64_t *count_out, int64_t *counter) {
+    int64_t total = 0;
+    for (int64_t bg = 0; bg < groups; bg++) total += counts[bg];
+    *count_out = total;
+    if (counter) *counter += total;
 }
 
 static void choose_item(void *ctx, int64_t item) {
@@ -486,25 +599,7 @@ static void choose_item(void *ctx, int64_t item) {
         int64_t count = r1 - i < 16 ? r1 - i : 16;
         if (i + 80 <= r1) prefetch_rows(cg + (i + 64) * D, 16 * D, sg + (i + 64) * c->side_w, 16 * c->side_w);
         int8_block(qg, hq, D, cg + i * D, sg + i * c->side_w, c->side_w, c->scaling, count, est);
-        for (int64_t h = 0; h < hq; h++) {
-            float *vh = top + h * j, *eh = est + h * 16;
-            int64_t *ih = at + h * j, r = 0;
-            for (; r < count && filled[h] < j; r++) top_insert(vh, ih, filled + h, j, eh[r], i + r);
-            if (r == count) continue;
-#ifdef KV_AVX512
-            /* which rows beat the j-th best: one compare for the block, the insertion only for those */
-            uint32_t beat = _mm512_cmp_ps_mask(_mm512_loadu_ps(eh), _mm512_set1_ps(vh[j - 1]), _CMP_GT_OQ);
-            beat &= ((1u << count) - 1u) & ~((1u << r) - 1u);
-            while (beat) {
-                int rr = __builtin_ctz(beat);
-                beat &= beat - 1;
-                if (eh[rr] > vh[j - 1]) top_insert(vh, ih, filled + h, j, eh[rr], i + rr);  /* the j-th may rise */
-            }
-#else
-            for (; r < count; r++)
-                if (eh[r] > vh[j - 1]) top_insert(vh, ih, filled + h, j, eh[r], i + r);  /* NaN never enters */
-#endif
-        }
+        for (int64_t h = 0; h < hq; h++) top_block(top + h * j, at + h * j, filled + h, j, est + h * 16, count, i);
     }
 }
 
@@ -517,21 +612,9 @@ static void choose_group(void *ctx, int64_t bg) {
     const uint16_t *sg = c->side + b * c->side_sb + g * c->side_sg;
     int64_t candidates[MAX_HQ * MAX_J];
     for (int64_t h = 0; h < hq; h++) {
-        float vals[MAX_J], merged_v[MAX_J];
-        int64_t rows[MAX_J], merged_r[MAX_J], n = 0;
-        for (int64_t chunk = 0; chunk < c->chunks; chunk++) {
-            int64_t item = bg * c->chunks + chunk, nb = c->filled[item * hq + h], ia = 0, ib = 0, out = 0;
-            const float *vb = c->top + (item * hq + h) * j;
-            const int64_t *rb = c->at + (item * hq + h) * j;
-            while (out < j && (ia < n || ib < nb)) {
-                int from_b = ia >= n || (ib < nb && vb[ib] > vals[ia]);
-                merged_v[out] = from_b ? vb[ib] : vals[ia];
-                merged_r[out++] = from_b ? rb[ib++] : rows[ia++];
-            }
-            n = out;
-            memcpy(vals, merged_v, n * sizeof(float));
-            memcpy(rows, merged_r, n * sizeof(int64_t));
-        }
+        float vals[MAX_J], tmp_v[MAX_J];
+        int64_t rows[MAX_J], tmp_r[MAX_J];
+        int64_t n = merge_tops(c->top, c->at, c->filled, bg, c->chunks, hq, h, j, vals, rows, tmp_v, tmp_r);
         const float *qh = qg + h * D;
         float sq = 0.0f;
         for (int64_t d = 0; d < D; d++) sq += qh[d] * qh[d];
@@ -546,18 +629,7 @@ static void choose_group(void *ctx, int64_t bg) {
             candidates[h * j + p] = cand;
         }
     }
-    for (int64_t k = 1; k < K; k++) {  /* insertion sort: K is small (heads x j) */
-        int64_t v = candidates[k], pos = k;
-        while (pos > 0 && candidates[pos - 1] > v) { candidates[pos] = candidates[pos - 1]; pos--; }
-        candidates[pos] = v;
-    }
-    int64_t *ig = c->idx + bg * K;
-    uint8_t *pg = c->picked + bg * K;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t v = candidates[k];
-        pg[k] = v < archived && (k == 0 || v != candidates[k - 1]);
-        ig[k] = v < archived ? v : archived - 1;
-    }
+    c->counts[bg] = stage_union(candidates, K, archived, c->idx + bg * K, c->picked + bg * K);
 }
 
 /* VestigeKV's top-j rule on int8 key entries for one decode step, every query row of a group at once, staged as the
@@ -565,26 +637,31 @@ static void choose_group(void *ctx, int64_t bg) {
    earlier row first among equal values), each kept when its certified bound
        estimate + (scaling * ||q_h||) * (err + slack * norm)
    is above threshold[b, g, h] (s* - j_margin). The K = hq * j candidates -- a kept row's index, `archived` for the
-   others -- are sorted ascending; idx[b, g, k] is min(candidate, archived - 1) and picked[b, g, k] is 1 on the first
-   copy of each kept row: what kvzoo.framework.retrieval's unique_candidates makes of the same choice. With several threads
-   each scans runs of rows keeping its own top lists, merged per group in row order (the same choice). */
+   others -- are staged (stage_union): idx[b, g, k] and picked[b, g, k], what kvzoo.framework.retrieval's
+   unique_candidates makes of the same choice. *count_out: the rows picked over every group, also added to *counter
+   when it is given (the layer's count of fetched rows). With several threads each scans runs of rows keeping its own
+   top lists, merged per group in row order (the same choice). */
 int kvzoo_int8_choose(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
-                      const float *threshold, int64_t *idx, uint8_t *picked, int64_t B, int64_t G, int64_t hq,
-                      int64_t D, int64_t m, int64_t j, int64_t archived, int64_t codes_sb, int64_t codes_sg,
-                      int64_t side_sb, int64_t side_sg, int64_t side_w, float scaling, float slack, int64_t threads) {
+                      const float *threshold, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,
+                      int64_t B, int64_t G, int64_t hq, int64_t D, int64_t m, int64_t j, int64_t archived,
+                      int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w,
+                      float scaling, float slack, int64_t threads) {
     if (hq > MAX_HQ || D > MAX_D || D % LANES != 0 || j < 1 || j > MAX_J || j > m || archived < 1) return 1;
-    Int8Scan c = {q, codes, side, length, NULL, threshold, idx, picked, NULL, NULL, NULL,
+    Int8Scan c = {q, codes, side, length, NULL, threshold, idx, picked, NULL, NULL, NULL, NULL,
                   B, G, hq, D, m, j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, 1, m, scaling, slack};
     c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     int64_t items = B * G * c.chunks;
-    char *scratch = malloc(items * hq * (j * (sizeof(float) + sizeof(int64_t)) + sizeof(int64_t)));
+    char *scratch = malloc(items * hq * (j * (sizeof(float) + sizeof(int64_t)) + sizeof(int64_t))
+                           + B * G * sizeof(int64_t));
     if (!scratch) return 2;
     c.at = (int64_t *)scratch;
     c.filled = c.at + items * hq * j;
-    c.top = (float *)(c.filled + items * hq);
+    c.counts = c.filled + items * hq;
+    c.top = (float *)(c.counts + B * G);
     run_items(choose_item, &c, items, threads);
     run_items(choose_group, &c, B * G, B * G * hq * j >= 4096 ? threads : 1);
+    add_counts(c.counts, B * G, count_out, counter);
     free(scratch);
     return 0;
 }
@@ -864,7 +941,7 @@ static inline void add_scaled(float *a, const float *x, int64_t n, float w) {
 #else  /* portable C (the compiler vectorises the lane loops where it can) */
 static inline __attribute__((always_inline)) void row_dots(const float *q, int64_t Dp, const char *row, int64_t D,
                                                            const int dtype, const int nh, float *out) {
-    float x[MAX_D + 32];
+    float x[2 * MAX_D + 64];  /* index entries too: up to MAX_W */
     for (int64_t d = 0; d < D; d++) x[d] = element(row, d, dtype);
     for (int64_t d = D; d < Dp; d++) x[d] = 0.0f;
     for (int h = 0; h < nh; h++) {
@@ -1150,6 +1227,485 @@ int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling) {
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------------------------------
+   fused decode-step choices over float index entries -- VestigeKV's sketch, Quest's pages -- and Quest's one-row
+   page add (kvzoo.kernels.choose holds their PyTorch references: the specification)
+   ------------------------------------------------------------------------------------------------------------ */
+
+#define MAX_W (2 * MAX_D + 1)  /* the widest index entry: a Quest page [max, min, max |k|] of MLA's 576-dim rows */
+
+/* sc[h * TILE + k] = scaling * dot(q[h], rows[k]) for n (1 - 16) rows of width W in `dtype` and hq fp32 query rows
+   (row stride Wp, zero-padded to Wp, a multiple of 32). The query is not rounded: an index scan's products are fp32's,
+   the entries upcast (kvzoo.kernels.index_scan's reference), whatever their dtype. */
+static void index_scores(const float *q, int64_t Wp, const char *const *rows, int64_t n, int64_t W, int dtype,
+                         int64_t hq, float scaling, float *sc) {
+    for (int64_t h0 = 0; h0 < hq; h0 += 4) {
+        int nh = hq - h0 < 4 ? (int)(hq - h0) : 4;
+        const float *qh = q + h0 * Wp;
+        float *out = sc + h0 * TILE;
+#ifdef KV_AVX512
+#define KV_SCORES(DT) switch (nh) { \
+            case 1: dots16(qh, Wp, rows, n, W, DT, 1, scaling, out); break; \
+            case 2: dots16(qh, Wp, rows, n, W, DT, 2, scaling, out); break; \
+            case 3: dots16(qh, Wp, rows, n, W, DT, 3, scaling, out); break; \
+            default: dots16(qh, Wp, rows, n, W, DT, 4, scaling, out); break; }
+        if (dtype == F32) { KV_SCORES(F32) } else if (dtype == BF16) { KV_SCORES(BF16) } else { KV_SCORES(F16) }
+#undef KV_SCORES
+#else
+        for (int64_t k = 0; k < n; k++) {
+            row_dots(qh, Wp, rows[k], W, dtype, nh, out + k);
+            for (int h = 0; h < nh; h++) out[h * TILE + k] *= scaling;
+        }
+#endif
+    }
+}
+
+/* dot(x, y) over n fp32 values, in LANES partial sums (d mod LANES) added in a fixed order: the compiler vectorises
+   it (a plain running sum it may not reorder) */
+static inline float lanes_dot(const float *x, const float *y, int64_t n) {
+    float a[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) a[l] += x[d + l] * y[d + l];
+    for (int l = 0; d < n; d++, l++) a[l] += x[d] * y[d];
+    return lane_sum(a);
+}
+
+/* dot(q, row) over W columns, the row in `dtype` */
+static float entry_dot(const float *q, const char *row, int64_t W, int dtype) {
+    if (dtype == F32) return lanes_dot(q, (const float *)row, W);
+    float x[MAX_W];
+    for (int64_t d = 0; d < W; d++) x[d] = element(row, d, dtype);
+    return lanes_dot(q, x, W);
+}
+
+static inline float ranked(float v) { return v != v ? INFINITY : v; }  /* NaN first, as torch.topk ranks it */
+
+/* --- VestigeKV's top-j rule over the certified sketch ------------------------------------------------------- */
+
+typedef struct {
+    const float *qrank, *qbound;  /* [B * G][hq][Wp]: the ranking query rows (the estimate's, or the bound's), the bound's */
+    const char *entries;
+    const int64_t *length;
+    const float *floor;
+    float *top;
+    int64_t *at, *filled, *cand, *idx, *counts;
+    uint8_t *picked;
+    int64_t B, G, hq, W, Wp, m, j, archived, e_sb, e_sg, e_sm, es, chunks, chunk_rows;
+    int dtype;
+    float scaling;
+} SketchScan;
+
+static void sketch_item(void *ctx, int64_t item) {
+    const SketchScan *c = ctx;
+    int64_t bg = item / c->chunks, chunk = item % c->chunks, b = bg / c->G, g = bg % c->G, hq = c->hq, j = c->j;
+    int64_t live = live_rows(c->length, b, c->m), r0 = chunk * c->chunk_rows;
+    int64_t r1 = r0 + c->chunk_rows < live ? r0 + c->chunk_rows : live, step = c->e_sm * c->es;
+    const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
+    const float *q = c->qrank + bg * hq * c->Wp;
+    float *top = c->top + item * hq * j;
+    int64_t *at = c->at + item * hq * j, *filled = c->filled + item * hq;
+    float sc[MAX_HQ * TILE];
+    const char *rows[16];
+    for (int64_t h = 0; h < hq; h++) filled[h] = 0;
+    for (int64_t i = r0; i < r1; i += 16) {
+        int64_t count = r1 - i < 16 ? r1 - i : 16;
+        for (int64_t k = 0; k < count; k++) rows[k] = eg + (i + k) * step;
+        if (i + 80 <= r1)
+            for (int64_t k = 64; k < 80; k++) prefetch_row(eg + (i + k) * step, c->W * c->es);
+        index_scores(q, c->Wp, rows, count, c->W, c->dtype, hq, c->scaling, sc);
+        for (int64_t h = 0; h < hq; h++) {
+            float *v = sc + h * TILE;
+            for (int64_t k = 0; k < count; k++) v[k] = ranked(v[k]);
+            top_block(top + h * j, at + h * j, filled + h, j, v, count, i);
+        }
+    }
+}
+
+static void sketch_group(void *ctx, int64_t bg) {
+    const SketchScan *c = ctx;
+    int64_t hq = c->hq, j = c->j, K = hq * j, b = bg / c->G, g = bg % c->G;
+    const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
+    int64_t *cand = c->cand + bg * K;
+    for (int64_t h = 0; h < hq; h++) {
+        float vals[MAX_J], tmp_v[MAX_J];
+        int64_t rows[MAX_J], tmp_r[MAX_J];
+        int64_t n = merge_tops(c->top, c->at, c->filled, bg, c->chunks, hq, h, j, vals, rows, tmp_v, tmp_r);
+        const float *qb = c->qbound + (bg * hq + h) * c->Wp;
+        float limit = c->floor[bg * hq + h];
+        for (int64_t p = 0; p < j; p++) {
+            int64_t keep = c->archived;
+            if (p < n) {  /* the chosen row's bound, every column of its entry */
+                float bound = entry_dot(qb, eg + rows[p] * c->e_sm * c->es, c->W, c->dtype) * c->scaling;
+                if (bound > limit) keep = rows[p];
+            }
+            cand[h * j + p] = keep;
+        }
+    }
+    c->counts[bg] = stage_union(cand, K, c->archived, c->idx + bg * K, c->picked + bg * K);
+}
+
+/* A group's query rows of the sketch (kvzoo.kernels.index_scan.sketch_query): for each of its hq query rows q (D =
+   dc + dr, the content part q_c first) the bound's row [V^T q_c, ||(I - V V^T) q_c||, q_r, slack ||q_c||, slack
+   ||q_r||] (GQA, dr = 0: [V^T q_c, ||(I - V V^T) q_c||, slack ||q_c||]) and the ranking row: the estimate's (eta's
+   and the slack columns 0) or, rank_by_bound, the bound's. V [dc, r] contiguous; rows of stride Wp (zero-padded).
+   Both products run in a fixed order (V^T q_c over the latent dimensions, V (V^T q_c) over the basis columns, every
+   head at once: with AVX-512 a register of 16 heads and 4 latent dimensions in flight). Scratch: qz [hq][r], qzT [r][hq], resid, nc [hq]. */
+static void sketch_query_rows(const float *restrict q, const float *restrict V, int64_t hq, int64_t D, int64_t dc,
+                              int64_t r, float slack, int rank_by_bound, int64_t Wp, float *restrict rank,
+                              float *restrict bound, float *restrict qz, float *restrict qzT, float *restrict resid,
+                              float *restrict nc) {
+    int64_t dr = D - dc;
+    /* qz[h][k] = sum over d (in order) of q_c[h][d] V[d][k] */
+    for (int64_t h = 0; h < hq; h++) {
+        const float *qc = q + h * D;
+        float *z = qz + h * r;
+#ifdef KV_AVX512
+        int64_t k0 = 0;
+        for (; k0 + 64 <= r; k0 += 64) {  /* 64 columns in registers over the whole sum */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < dc; d++) {
+                __m512 x = _mm512_set1_ps(qc[d]);
+                const float *v = V + d * r + k0;
+                a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v), a0);
+                a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 16), a1);
+                a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 32), a2);
+                a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 48), a3);
+            }
+            _mm512_storeu_ps(z + k0, a0);
+            _mm512_storeu_ps(z + k0 + 16, a1);
+            _mm512_storeu_ps(z + k0 + 32, a2);
+            _mm512_storeu_ps(z + k0 + 48, a3);
+        }
+        for (; k0 < r; k0 += 16) {
+            __mmask16 mk = tail16(r - k0);
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dc; d++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(qc[d]), _mm512_maskz_loadu_ps(mk, V + d * r + k0), a);
+            _mm512_mask_storeu_ps(z + k0, mk, a);
+        }
+#else
+        for (int64_t k = 0; k < r; k++) z[k] = 0.0f;
+        for (int64_t d = 0; d < dc; d++)
+            for (int64_t k = 0; k < r; k++) z[k] += qc[d] * V[d * r + k];
+#endif
+        for (int64_t k = 0; k < r; k++) qzT[k * hq + h] = z[k];
+        resid[h] = nc[h] = 0.0f;
+    }
+    /* p[h] = (V V^T q_c[h])[d] = sum over k (in order) of V[d][k] qz[h][k], every head at once; then the residual's
+       and q_c's squared norms, summed over d in order */
+    for (int64_t d0 = 0; d0 < dc; d0 += 4) {
+        int64_t nd = dc - d0 < 4 ? dc - d0 : 4;
+        float pp[4 * MAX_HQ];
+#ifdef KV_AVX512
+        for (int64_t h0 = 0; h0 < hq; h0 += 16) {  /* 16 heads a register, 4 latent dimensions in flight */
+            __mmask16 mk = tail16(hq - h0);
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float *v0 = V + d0 * r, *v1 = V + (d0 + (nd > 1)) * r, *v2 = V + (d0 + 2 * (nd > 2)) * r;
+            const float *v3 = V + (d0 + 3 * (nd > 3)) * r;
+            for (int64_t k = 0; k < r; k++) {
+                __m512 z = _mm512_maskz_loadu_ps(mk, qzT + k * hq + h0);
+                a0 = _mm512_fmadd_ps(z, _mm512_set1_ps(v0[k]), a0);
+                a1 = _mm512_fmadd_ps(z, _mm512_set1_ps(v1[k]), a1);
+                a2 = _mm512_fmadd_ps(z, _mm512_set1_ps(v2[k]), a2);
+                a3 = _mm512_fmadd_ps(z, _mm512_set1_ps(v3[k]), a3);
+            }
+            _mm512_mask_storeu_ps(pp + h0, mk, a0);
+            _mm512_mask_storeu_ps(pp + MAX_HQ + h0, mk, a1);
+            _mm512_mask_storeu_ps(pp + 2 * MAX_HQ + h0, mk, a2);
+            _mm512_mask_storeu_ps(pp + 3 * MAX_HQ + h0, mk, a3);
+        }
+#else
+        for (int64_t i = 0; i < nd; i++)
+            for (int64_t h = 0; h < hq; h++) {
+                float a = 0.0f;
+                for (int64_t k = 0; k < r; k++) a += qzT[k * hq + h] * V[(d0 + i) * r + k];
+                pp[i * MAX_HQ + h] = a;
+            }
+#endif
+        for (int64_t i = 0; i < nd; i++)
+            for (int64_t h = 0; h < hq; h++) {
+                float x = q[h * D + d0 + i], e = x - pp[i * MAX_HQ + h];
+                resid[h] += e * e;
+                nc[h] += x * x;
+            }
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        const float *qr = q + h * D + dc, *z = qz + h * r;
+        float *rk = rank + h * Wp, *bd = bound + h * Wp, nr = 0.0f;
+        for (int64_t d = 0; d < dr; d++) nr += qr[d] * qr[d];
+        for (int64_t k = 0; k < r; k++) bd[k] = rk[k] = z[k];
+        bd[r] = sqrtf(resid[h]);
+        for (int64_t d = 0; d < dr; d++) bd[r + 1 + d] = rk[r + 1 + d] = qr[d];
+        bd[r + 1 + dr] = slack * sqrtf(nc[h]);
+        if (dr) bd[r + 2 + dr] = slack * sqrtf(nr);
+        if (rank_by_bound) memcpy(rk, bd, Wp * sizeof(float));
+    }
+}
+
+/* VestigeKV's top-j rule over its certified sketch for one decode step (kvzoo.kernels.choose.sketch_choose_reference
+   is the specification). q [B, G, hq, D] fp32 contiguous (D = dc + dr: the content part first, dr = 0 on GQA); basis
+   [B, G, dc, r] fp32 (element strides basis_sb, basis_sg; each [dc, r] contiguous); entries [B, G, m, W] in `dtype`
+   (F32 or F16; element strides e_sb, e_sg, e_sm; each row contiguous), W = r + 1 + dr + 2 (MLA) or r + 2 (GQA):
+   [z, eta, r, ||c||, ||r||]; length [B] or NULL (rows >= length[b] are not rows); floor [B, G, hq] fp32 (s* -
+   j_margin). Per query row: its query row Q = [V^T q_c, ||(I - V V^T) q_c||, q_r, slack ||q_c||, slack ||q_r||],
+   the estimate scaling * (Q . E without eta's and the slack columns) of every row (rank_by_bound: the bound scaling *
+   Q . E), its top j (an earlier row first among equal values, NaN first), each kept when its bound scaling * Q . E
+   is above the floor; the group's candidates staged (stage_union) into idx, picked [B, G, hq * j]; *count_out the
+   rows picked, also added to *counter when given. */
+int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, int64_t basis_sg, const char *entries,
+                        int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sm, const int64_t *length,
+                        const float *floor, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,
+                        int64_t B, int64_t G, int64_t hq, int64_t D, int64_t dc, int64_t r, int64_t m, int64_t W,
+                        int64_t j, int64_t archived, int64_t rank_by_bound, float scaling, float slack,
+                        int64_t threads) {
+    int64_t dr = D - dc;
+    if (hq < 1 || hq > MAX_HQ || D > MAX_D || dc < 1 || dr < 0 || r < 1 || r > dc || j < 1 || j > MAX_J || j > m
+        || archived < 1 || W != r + 1 + (dr ? dr + 2 : 1) || (dtype != F32 && dtype != F16))
+        return 1;
+    SketchScan c;
+    memset(&c, 0, sizeof c);
+    c.B = B; c.G = G; c.hq = hq; c.W = W; c.Wp = (W + 31) / 32 * 32; c.m = m; c.j = j; c.archived = archived;
+    c.e_sb = e_sb; c.e_sg = e_sg; c.e_sm = e_sm; c.es = dtype == F32 ? 4 : 2; c.dtype = (int)dtype;
+    c.entries = entries; c.length = length; c.floor = floor; c.idx = idx; c.picked = picked; c.scaling = scaling;
+    c.chunks = scan_chunks(B, G, m, threads);
+    c.chunk_rows = chunk_rows_of(m, c.chunks);
+    int64_t items = B * G * c.chunks, rows_q = B * G * hq * c.Wp;
+    char *scratch = calloc(1, 2 * rows_q * sizeof(float) + items * hq * j * (sizeof(float) + sizeof(int64_t))
+                              + items * hq * sizeof(int64_t) + B * G * (hq * j + 1) * sizeof(int64_t));
+    if (!scratch) return 2;
+    float *qrank = (float *)scratch, *qbound = qrank + rows_q;
+    c.top = qbound + rows_q;
+    c.at = (int64_t *)(c.top + items * hq * j);
+    c.filled = c.at + items * hq * j;
+    c.cand = c.filled + items * hq;
+    c.counts = c.cand + B * G * hq * j;
+    float *qz = malloc((2 * r * hq + 2 * hq) * sizeof(float));  /* [hq][r], [r][hq], then per head 2 sums */
+    if (!qz) { free(scratch); return 2; }
+    float *qzT = qz + r * hq, *resid = qzT + r * hq, *nc = resid + hq;
+    for (int64_t bg = 0; bg < B * G; bg++)  /* the query rows (kvzoo.kernels.index_scan.sketch_query) */
+        sketch_query_rows(q + bg * hq * D, basis + (bg / G) * basis_sb + (bg % G) * basis_sg, hq, D, dc, r, slack,
+                          (int)rank_by_bound, c.Wp, qrank + bg * hq * c.Wp, qbound + bg * hq * c.Wp, qz, qzT, resid,
+                          nc);
+    free(qz);
+    c.qrank = qrank;
+    c.qbound = qbound;
+    run_items(sketch_item, &c, items, threads);
+    run_items(sketch_group, &c, B * G, B * G * hq * j >= 4096 ? threads : 1);
+    add_counts(c.counts, B * G, count_out, counter);
+    free(scratch);
+    return 0;
+}
+
+/* --- Quest's pages ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *qrows;  /* [B * G][hq][Wp]: [max(q, 0), min(q, 0), slack ||q||_1] */
+    const char *entries;
+    const uint8_t *empty;
+    const int64_t *positions;
+    int64_t *rows_out, *pos_out, *counts;
+    uint8_t *valid_out;
+    char *scratch;
+    int64_t B, G, hq, W, Wp, P, n, size, live, archived, M, es, item_bytes;
+    int64_t e_sb, e_sg, e_sp, em_sb, em_sg, em_sp, p_sb, p_sg, p_sm;
+    int dtype, per_head;
+    float scaling;
+} QuestScan;
+
+/* the storage position of archive entry `row` (the archive list), -1 for none */
+static inline int64_t archive_position(const QuestScan *c, int64_t b, int64_t g, int64_t row) {
+    return row >= 0 && row < c->M ? c->positions[b * c->p_sb + g * c->p_sg + row * c->p_sm] : -1;
+}
+
+static void quest_item(void *ctx, int64_t bg) {
+    const QuestScan *c = ctx;
+    int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, n = c->n, P = c->P, size = c->size, live = c->live;
+    int64_t lists = c->per_head ? hq : 1;
+    char *mine = c->scratch + bg * c->item_bytes;  /* pages [lists][n], sort room [n], filled [lists], candidates
+                                                      [n * size], top values [lists][n], chosen [P] */
+    int64_t *pages = (int64_t *)mine, *room = pages + lists * n, *filled = room + n, *cand = filled + lists;
+    float *vh = (float *)(cand + (c->per_head ? 0 : n * size));
+    uint8_t *chosen = (uint8_t *)(vh + lists * n);
+    const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
+    const uint8_t *emg = c->empty + b * c->em_sb + g * c->em_sg;
+    const float *q = c->qrows + bg * hq * c->Wp;
+    float sc[MAX_HQ * TILE], vals[MAX_HQ * 16];
+    const char *rows[16];
+    int64_t slot[16];
+    for (int64_t l = 0; l < lists; l++) filled[l] = 0;
+    memset(chosen, 0, P);
+    for (int64_t i = 0; i < P; i += 16) {  /* every page's bound (each head's, or the group's) into the top lists */
+        int64_t count = P - i < 16 ? P - i : 16, nz = 0;
+        for (int64_t k = 0; k < count; k++)
+            if (!emg[(i + k) * c->em_sp]) {  /* an empty page is never read: its bound is -inf */
+                rows[nz] = eg + (i + k) * c->e_sp * c->es;
+                slot[nz++] = k;
+            }
+        for (int64_t l = 0; l < lists; l++)
+            for (int64_t k = 0; k < 16; k++) vals[l * 16 + k] = -INFINITY;
+        if (nz) {
+            index_scores(q, c->Wp, rows, nz, c->W, c->dtype, hq, c->scaling, sc);
+            for (int64_t z = 0; z < nz; z++) {
+                if (c->per_head) {
+                    for (int64_t h = 0; h < hq; h++) vals[h * 16 + slot[z]] = ranked(sc[h * TILE + z]);
+                } else {  /* the max over the heads, a NaN bound left out (index_scan_reduce's margin) */
+                    float best = -INFINITY;
+                    for (int64_t h = 0; h < hq; h++) {
+                        float v = sc[h * TILE + z];
+                        best = v > best ? v : best;
+                    }
+                    vals[slot[z]] = best;
+                }
+            }
+        }
+        for (int64_t l = 0; l < lists; l++) top_block(vh + l * n, pages + l * n, filled + l, n, vals + l * 16, count, i);
+    }
+    for (int64_t l = 0; l < lists; l++) sort_rows(pages + l * n, n, room);  /* each list's pages in ascending order */
+    int64_t K = lists * n * size;
+    int64_t *rows_out = c->rows_out + bg * K, *pos_out = c->positions ? c->pos_out + bg * K : NULL;
+    uint8_t *valid_out = c->valid_out + bg * K;
+    if (c->per_head) {  /* each head's pages in its own segment; the group's union counted once */
+        for (int64_t h = 0; h < hq; h++)
+            for (int64_t k = 0; k < n; k++) {
+                int64_t page = pages[h * n + k];
+                chosen[page] = 1;
+                for (int64_t o = 0; o < size; o++) {
+                    int64_t at = (h * n + k) * size + o, row = page * size + o;
+                    int64_t clamped = row < live ? row : live - 1;
+                    rows_out[at] = clamped;
+                    valid_out[at] = row < live;
+                    if (pos_out) pos_out[at] = archive_position(c, b, g, clamped);
+                }
+            }
+        int64_t count = 0;
+        for (int64_t page = 0; page < P; page++)
+            if (chosen[page]) {
+                int64_t in = live - page * size;
+                count += in < 0 ? 0 : (in > size ? size : in);
+            }
+        c->counts[bg] = count;
+    } else {  /* one page set for the group: its rows staged as unique_candidates stages them (already in order) */
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t o = 0; o < size; o++) {
+                int64_t row = pages[k] * size + o;
+                cand[k * size + o] = row < live ? row : c->archived;
+            }
+        c->counts[bg] = stage_union(cand, K, c->archived, rows_out, valid_out);
+        if (pos_out)
+            for (int64_t k = 0; k < K; k++) pos_out[k] = archive_position(c, b, g, rows_out[k]);
+    }
+}
+
+/* Quest's choice for one decode step (kvzoo.kernels.choose.quest_choose_reference is the specification). q [B, G, hq,
+   D] fp32 contiguous (a group's query heads); entries [B, G, P, W = 2 D + 1] in `dtype` ([max, min, max |k|] per
+   page; element strides e_sb, e_sg, e_sp; rows contiguous); empty [B, G, P] (strides em_*): a page never read;
+   *live: the rows indexed; positions [B, G, M] (strides p_*) or NULL: the archive list (each archived row's storage
+   position). Each page's bound scaling * Q . E with Q = [max(q, 0), min(q, 0), slack ||q||_1] (-inf for an empty
+   page), and the top n pages (an earlier page first among equal bounds; NaN first), in ascending page order:
+   * per_head: of each query head; rows_out [B, G, hq * n * size] = head after head, page after page, its rows
+     page * size + o clamped below live, valid_out = (row < live), counted once per group (the union of its heads'
+     rows);
+   * else: of the group by the max over its heads (a NaN bound left out); rows_out/valid_out [B, G, n * size] the
+     pages' rows staged (stage_union: sorted, the rows >= live not picked).
+   pos_out: the storage positions of rows_out (positions given); *count_out: the rows counted over every group, also
+   added to *counter when given. */
+int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sp,
+                       const uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp, const int64_t *live,
+                       const int64_t *positions, int64_t p_sb, int64_t p_sg, int64_t p_sm, int64_t M,
+                       int64_t *rows_out, int64_t *pos_out, uint8_t *valid_out, int64_t *count_out,
+                       int64_t *counter, int64_t B, int64_t G, int64_t hq, int64_t D, int64_t P, int64_t n,
+                       int64_t size, int64_t archived, int64_t per_head, float scaling, float slack,
+                       int64_t threads) {
+    int64_t W = 2 * D + 1;
+    if (hq < 1 || hq > MAX_HQ || D < 1 || W > MAX_W || n < 1 || n > P || size < 1 || archived < 1
+        || dtype < F32 || dtype > F16)
+        return 1;
+    QuestScan c;
+    memset(&c, 0, sizeof c);
+    c.B = B; c.G = G; c.hq = hq; c.W = W; c.Wp = (W + 31) / 32 * 32; c.P = P; c.n = n; c.size = size;
+    c.live = *live; c.archived = archived; c.M = M; c.es = dtype == F32 ? 4 : 2; c.dtype = (int)dtype;
+    c.e_sb = e_sb; c.e_sg = e_sg; c.e_sp = e_sp; c.em_sb = em_sb; c.em_sg = em_sg; c.em_sp = em_sp;
+    c.p_sb = p_sb; c.p_sg = p_sg; c.p_sm = p_sm; c.per_head = (int)per_head; c.scaling = scaling;
+    c.entries = entries; c.empty = empty; c.positions = positions;
+    c.rows_out = rows_out; c.pos_out = pos_out; c.valid_out = valid_out;
+    int64_t lists = per_head ? hq : 1, rows_q = B * G * hq * c.Wp;
+    c.item_bytes = ((lists * n + n + lists + (per_head ? 0 : n * size)) * sizeof(int64_t) + lists * n * sizeof(float)
+                    + P + 63) / 64 * 64;
+    char *scratch = calloc(1, rows_q * sizeof(float) + B * G * (c.item_bytes + sizeof(int64_t)));
+    if (!scratch) return 2;
+    float *qrows = (float *)scratch;
+    c.counts = (int64_t *)(qrows + rows_q);
+    c.scratch = (char *)(c.counts + B * G);
+    for (int64_t row = 0; row < B * G * hq; row++) {  /* kvzoo.kernels.index_scan.page_query */
+        const float *x = q + row * D;
+        float *out = qrows + row * c.Wp, l1 = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            out[d] = x[d] > 0.0f ? x[d] : 0.0f;
+            out[D + d] = x[d] < 0.0f ? x[d] : 0.0f;
+            l1 += fabsf(x[d]);
+        }
+        out[2 * D] = slack * l1;
+    }
+    c.qrows = qrows;
+    run_items(quest_item, &c, B * G, threads);
+    add_counts(c.counts, B * G, count_out, counter);
+    free(scratch);
+    return 0;
+}
+
+/* torch.minimum / torch.maximum: NaN if either is */
+static inline float nan_min(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
+static inline float nan_max(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
+
+static inline void store_as(char *p, int64_t i, int dtype, float x) {
+    if (dtype == F32) ((float *)p)[i] = x;
+    else ((uint16_t *)p)[i] = dtype == BF16 ? float_to_bf16(x) : float_to_half(x);
+}
+
+/* One archived row joins Quest's fixed page summary (kvzoo.kernels.choose.quest_page_add_reference is the
+   specification), read where it lies: keys [B, G, N, D] in `dtype` (element strides k_*; rows contiguous), valid
+   [B, G, N] (strides v_*), position [B, G] (strides p_*: the row's storage position; one outside [0, N) counts as
+   padding). The open page's running min/max open_min, open_max [B, G, D] fp32 (contiguous) take the row (a padding
+   row: +inf / -inf; the page opens when *count % size == 0), the page's entry [max, min, max |k|] (the magnitude 0
+   for an empty page) is written in `dtype` into entries [B, G, P, 2 D + 1] at page *count / size (strides e_*), its
+   flag into empty [B, G, P] (strides em_*: every bound of both infinite), then *count += 1 and *length (the pages in
+   use) = ceil(*count / size). Returns 1 when that page is past P (the summary is full). */
+int kvzoo_quest_page_add(const char *keys, int64_t dtype, int64_t k_sb, int64_t k_sg, int64_t k_sn,
+                         const uint8_t *valid, int64_t v_sb, int64_t v_sg, int64_t v_sn, const int64_t *position,
+                         int64_t p_sb, int64_t p_sg, float *open_min, float *open_max, char *entries, int64_t e_sb,
+                         int64_t e_sg, int64_t e_sp, uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp,
+                         int64_t *count, int64_t *length, int64_t B, int64_t G, int64_t N, int64_t D, int64_t P,
+                         int64_t size) {
+    int64_t done = *count, page = done / size, es = dtype == F32 ? 4 : 2;
+    int opens = done % size == 0;
+    if (done < 0 || page >= P || size < 1 || dtype < F32 || dtype > F16) return 1;
+    for (int64_t bg = 0; bg < B * G; bg++) {
+        int64_t b = bg / G, g = bg % G, pos = position[b * p_sb + g * p_sg];
+        int ok = pos >= 0 && pos < N && valid[b * v_sb + g * v_sg + pos * v_sn];
+        const char *key = keys + (b * k_sb + g * k_sg + (ok ? pos : 0) * k_sn) * es;
+        char *entry = entries + (b * e_sb + g * e_sg + page * e_sp) * es;
+        float *lo = open_min + bg * D, *hi = open_max + bg * D, magnitude = -INFINITY;
+        int lo_inf = 1, hi_inf = 1;
+        for (int64_t d = 0; d < D; d++) {
+            float x = ok ? element(key, d, (int)dtype) : 0.0f;
+            float mn = ok ? x : INFINITY, mx = ok ? x : -INFINITY;
+            lo[d] = opens ? mn : nan_min(lo[d], mn);
+            hi[d] = opens ? mx : nan_max(hi[d], mx);
+            store_as(entry, d, (int)dtype, hi[d]);
+            store_as(entry, D + d, (int)dtype, lo[d]);
+            magnitude = nan_max(magnitude, nan_max(fabsf(lo[d]), fabsf(hi[d])));
+            lo_inf &= isinf(lo[d]) != 0;
+            hi_inf &= isinf(hi[d]) != 0;
+        }
+        store_as(entry, 2 * D, (int)dtype, lo_inf ? 0.0f : magnitude);
+        empty[b * em_sb + g * em_sg + page * em_sp] = lo_inf && hi_inf;
+    }
+    *count = done + 1;
+    *length = (done + size) / size;
+    return 0;
+}
+
 """
 
 MAX_HQ = 64  # query rows per group the int8 scan takes (a group's heads x queries)
@@ -1169,10 +1725,14 @@ PARALLEL_BYTES = (3 << 20) if os.environ.get("OMP_WAIT_POLICY", "").strip().lowe
 
 
 def _unobserved() -> bool:
-    """Nothing watches the dispatcher: no dispatch mode (FakeTensor, a trace recorder), no torch-function mode, no
-    torch.compile, no JIT tracer. Then the registered CPU function may be called as a function."""
+    """Nothing watches the dispatcher: no torch.compile, no dispatch mode (FakeTensor, a trace recorder), no
+    torch-function mode, no JIT tracer. Then the registered CPU function may be called as a function. (Under
+    ``torch.compile`` the first test is a constant True to dynamo, so the others, which it cannot trace, are never
+    reached there: the compiled step takes the registered op, no graph break.)"""
+    if torch.compiler.is_compiling():
+        return False
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-                or torch.compiler.is_compiling() or torch._C._get_tracing_state())
+                or torch._C._get_tracing_state())
 
 
 def cache_dir() -> Path:
@@ -1248,9 +1808,21 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
     fn = lib.kvzoo_int8_estimate
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int64]
-    choose = lib.kvzoo_int8_choose
-    choose.restype = ctypes.c_int
-    choose.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + [ctypes.c_float] * 2 + [ctypes.c_int64]
+    pointer, integer, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {  # the C functions' parameters in order (SOURCE): pointers, integers, floats
+        "kvzoo_int8_choose": [pointer] * 9 + [integer] * 12 + [real] * 2 + [integer],
+        "kvzoo_sketch_choose": [pointer] * 2 + [integer] * 2 + [pointer] + [integer] * 4 + [pointer] * 6
+                               + [integer] * 11 + [real] * 2 + [integer],
+        "kvzoo_quest_choose": [pointer] * 2 + [integer] * 4 + [pointer] + [integer] * 3 + [pointer] * 2
+                              + [integer] * 4 + [pointer] * 5 + [integer] * 9 + [real] * 2 + [integer],
+        "kvzoo_quest_page_add": [pointer] + [integer] * 4 + [pointer] + [integer] * 3 + [pointer] + [integer] * 2
+                                + [pointer] * 3 + [integer] * 3 + [pointer] + [integer] * 3 + [pointer] * 2
+                                + [integer] * 6,
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
     attend = lib.kvzoo_decode_attend
     attend.restype = ctypes.c_int
     attend.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
@@ -1260,11 +1832,33 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
     return lib
 
 
-@functools.cache
+# What the first call of library() found: [the library] or [None] (unavailable here); empty until then. Read by the
+# traced path of a compiled step as a plain global (library() and available() touch no file once it is set).
+_LOADED: list[ctypes.CDLL | None] = []
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built on the first call), or None -- with one RuntimeWarning saying why -- where they
     cannot be built or loaded here. Built with OpenMP on torch's own runtime where there is one (else, or if that
-    build fails, without)."""
+    build fails, without). After the first call, a lookup."""
+    if not _LOADED:
+        _LOADED.append(_load())
+    return _LOADED[0]
+
+
+library.cache_clear = _LOADED.clear  # type: ignore[attr-defined]  # forget it (tests rebuild under other settings)
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded here (:func:`library` is not None): a constant once the first eager
+    call has loaded them. Inside ``torch.compile`` before any eager call it is False (the traced step then takes the
+    PyTorch references; nothing is built or read from the filesystem while tracing)."""
+    if not _LOADED:
+        return not torch.compiler.is_compiling() and library() is not None
+    return _LOADED[0] is not None
+
+
+def _load() -> ctypes.CDLL | None:
     try:
         runtime = openmp_runtime()
         if runtime is not None:
@@ -1341,22 +1935,34 @@ _LIBRARY.impl("int8_estimate", _int8_estimate_cpu, "CPU")
 _LIBRARY.impl("int8_estimate", _int8_estimate_meta, "Meta")
 
 
+def counter_ok(counter: torch.Tensor | None) -> bool:
+    """A fetched-rows counter the C ops add to in place: None, or an int64 CPU tensor of one element."""
+    return counter is None or (counter.device.type == "cpu" and counter.dtype == torch.int64 and counter.numel() == 1
+                               and counter.is_contiguous())
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
-                archived: int, scaling: float, slack: float,
-                length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over int8 entries for a decode step, staged: ``(idx, picked) [B, G, hq * j]`` (see
-    ``kvzoo_int8_choose`` in ``SOURCE``; ``threshold [B, G, hq]`` is ``s* - j_margin``). One call for what the
-    PyTorch path does in ~30 ops (scan, top-j, the chosen rows' bounds, the group's union). The caller checked
-    :func:`int8_estimate_supported`, ``1 <= j <= min(MAX_J, m)`` and that :func:`library` is not None."""
+                archived: int, scaling: float, slack: float, length: torch.Tensor | None,
+                counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted: ``(idx, picked) [B, G, hq * j]``
+    and ``count`` (int64, 0-dim: the rows picked over every group, also added in place to ``counter``, the layer's
+    fetched rows, when given) -- see ``kvzoo_int8_choose`` in ``SOURCE``; ``threshold [B, G, hq]`` is
+    ``s* - j_margin``. One call for what the PyTorch path does in ~30 ops (scan, top-j, the chosen rows' bounds, the
+    group's union, the count). The caller checked :func:`int8_estimate_supported`, ``1 <= j <= min(MAX_J, m)``, the
+    counter (:func:`counter_ok`) and that :func:`library` is not None."""
     lengths = None if length is None else length.to(torch.int64)
-    args = (query, codes, side, lengths, threshold.float(), j, archived, float(scaling), float(slack))
+    args = (query, codes, side, lengths, threshold.float(), j, archived, float(scaling), float(slack), counter)
     if _unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and args[4].is_cpu and (
             lengths is None or lengths.is_cpu):
         return _int8_choose_cpu(*args)  # the op's CPU function, undispatched
     return torch.ops.kvzoo.int8_choose(*args)
 
 
-def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling, slack):
+def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling, slack, counter=None):
     lib = library()
     B, G, hq, D = query.shape
     q = query.contiguous()
@@ -1364,26 +1970,247 @@ def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling
     lengths = None if length is None else length.contiguous()
     idx = torch.empty(B, G, hq * j, dtype=torch.int64)
     picked = torch.empty(B, G, hq * j, dtype=torch.bool)
+    count = torch.empty((), dtype=torch.int64)
     status = lib.kvzoo_int8_choose(
-        q.data_ptr(), codes.data_ptr(), side.data_ptr(), None if lengths is None else lengths.data_ptr(),
-        thr.data_ptr(), idx.data_ptr(), picked.data_ptr(), B, G, hq, D, codes.shape[2], j, archived,
+        q.data_ptr(), codes.data_ptr(), side.data_ptr(), _pointer(lengths), thr.data_ptr(), idx.data_ptr(),
+        picked.data_ptr(), count.data_ptr(), _pointer(counter), B, G, hq, D, codes.shape[2], j, archived,
         codes.stride(0), codes.stride(1), side.stride(0), side.stride(1), side.shape[-1], scaling, slack,
         _threads(B * G * codes.shape[2] * (D + 2 * side.shape[-1])))
     if status != 0:
         raise RuntimeError(f"kvzoo_int8_choose refused hq={hq}, D={D}, j={j}, m={codes.shape[2]}, "
                            f"archived={archived} (hq <= {MAX_HQ}, D % {LANES} == 0, 1 <= j <= min({MAX_J}, m))")
-    return idx, picked
+    return idx, picked, count
 
 
-def _int8_choose_meta(query, codes, side, length, threshold, j, archived, scaling, slack):
-    B, G, hq, _ = query.shape
-    return (query.new_empty(B, G, hq * j, dtype=torch.int64), query.new_empty(B, G, hq * j, dtype=torch.bool))
+def _staged_meta(query, K):
+    B, G = query.shape[:2]
+    return (query.new_empty(B, G, K, dtype=torch.int64), query.new_empty(B, G, K, dtype=torch.bool),
+            query.new_empty((), dtype=torch.int64))
+
+
+def _int8_choose_meta(query, codes, side, length, threshold, j, archived, scaling, slack, counter=None):
+    return _staged_meta(query, query.shape[2] * j)
 
 
 _LIBRARY.define("int8_choose(Tensor query, Tensor codes, Tensor side, Tensor? length, Tensor threshold, int j, "
-                "int archived, float scaling, float slack) -> (Tensor, Tensor)")
+                "int archived, float scaling, float slack, Tensor(a!)? counter=None) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.impl("int8_choose", _int8_choose_cpu, "CPU")
 _LIBRARY.impl("int8_choose", _int8_choose_meta, "Meta")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fused decode-step choices over float index entries (kvzoo.kernels.choose: the references and the dispatch)
+# ----------------------------------------------------------------------------------------------------------------
+
+MAX_W = 2 * MAX_D + 1  # the widest index entry the float scans take (a Quest page of MLA's 576-dim rows)
+SCAN_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's F32, BF16, F16
+
+
+def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
+                            j: int, counter: torch.Tensor | None = None) -> bool:
+    """Whether :func:`sketch_choose` takes these tensors: CPU, fp32 query, basis and floor, entries fp32 or fp16 with
+    contiguous rows, the basis' ``[dc, r]`` contiguous, ``hq <= MAX_HQ``, ``D <= MAX_D``, ``1 <= j <= min(MAX_J, m)``,
+    no autograd, and the library built here (widths are checked by the op: a wrong one is an error, not a fallback)."""
+    if query.dim() != 4 or basis.dim() != 4 or entries.dim() != 4:
+        return False
+    return (all(t.device.type == "cpu" for t in (query, basis, entries, floor)) and query.dtype == torch.float32
+            and basis.dtype == torch.float32 and floor.dtype == torch.float32
+            and entries.dtype in (torch.float32, torch.float16) and 1 <= query.shape[2] <= MAX_HQ
+            and query.shape[3] <= MAX_D and 1 <= j <= min(MAX_J, entries.shape[2]) and entries.stride(-1) == 1
+            and basis.stride(-1) == 1 and basis.stride(-2) == basis.shape[-1] and counter_ok(counter)
+            and not (query.requires_grad or entries.requires_grad) and available())
+
+
+def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
+                  floor: torch.Tensor, j: int, archived: int, scaling: float, slack: float, rank_by_bound: bool,
+                  counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VestigeKV's top-j rule over its sketch for a decode step, in one call: ``(idx, picked) [B, G, hq * j]`` staged
+    and ``count`` (added to ``counter`` in place when given); ``kvzoo_sketch_choose`` in ``SOURCE``, whose
+    specification is :func:`kvzoo.kernels.choose.sketch_choose_reference`. The caller checked
+    :func:`sketch_choose_supported`. The torch op ``kvzoo::sketch_choose``."""
+    lengths = None if length is None else length.to(torch.int64)
+    args = (query, basis, entries, lengths, floor, j, archived, float(scaling), float(slack), bool(rank_by_bound),
+            counter)
+    if _unobserved() and query.is_cpu and entries.is_cpu and floor.is_cpu and (lengths is None or lengths.is_cpu):
+        return _sketch_choose_cpu(*args)
+    return torch.ops.kvzoo.sketch_choose(*args)
+
+
+def _sketch_choose_cpu(query, basis, entries, length, floor, j, archived, scaling, slack, rank_by_bound,
+                       counter=None):
+    B, G, hq, D = query.shape
+    dc, r = basis.shape[2], basis.shape[3]
+    m, W = entries.shape[2], entries.shape[3]
+    if basis.shape[:2] != (B, G) and not (basis.shape[0] == 1 and basis.shape[1] == G):
+        raise ValueError(f"kvzoo::sketch_choose: basis must be [B={B} (or 1), G={G}, dc, r], got {list(basis.shape)}")
+    q = query.contiguous()
+    thr = floor.contiguous()
+    lengths = None if length is None else length.contiguous()
+    idx = torch.empty(B, G, hq * j, dtype=torch.int64)
+    picked = torch.empty(B, G, hq * j, dtype=torch.bool)
+    count = torch.empty((), dtype=torch.int64)
+    status = library().kvzoo_sketch_choose(
+        q.data_ptr(), basis.data_ptr(), 0 if basis.shape[0] == 1 else basis.stride(0), basis.stride(1),
+        entries.data_ptr(), SCAN_DTYPES[entries.dtype], entries.stride(0), entries.stride(1), entries.stride(2),
+        _pointer(lengths), thr.data_ptr(), idx.data_ptr(), picked.data_ptr(), count.data_ptr(), _pointer(counter),
+        B, G, hq, D, dc, r, m, W, j, archived, int(rank_by_bound), scaling, slack,
+        _threads(B * G * m * W * entries.element_size()))
+    if status != 0:
+        raise RuntimeError(f"kvzoo_sketch_choose refused hq={hq}, D={D}, dc={dc}, r={r}, W={W}, j={j}, m={m}, "
+                           f"archived={archived} (hq <= {MAX_HQ}, D <= {MAX_D}, r <= dc <= D, W = r + 1 + dr + 2 with "
+                           f"dr = D - dc (r + 2 when dr = 0), 1 <= j <= min({MAX_J}, m), entries fp32 or fp16)")
+    return idx, picked, count
+
+
+def _sketch_choose_meta(query, basis, entries, length, floor, j, archived, scaling, slack, rank_by_bound,
+                        counter=None):
+    return _staged_meta(query, query.shape[2] * j)
+
+
+_LIBRARY.define("sketch_choose(Tensor query, Tensor basis, Tensor entries, Tensor? length, Tensor floor, int j, "
+                "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None) "
+                "-> (Tensor, Tensor, Tensor)")
+_LIBRARY.impl("sketch_choose", _sketch_choose_cpu, "CPU")
+_LIBRARY.impl("sketch_choose", _sketch_choose_meta, "Meta")
+
+
+def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
+                           positions: torch.Tensor | None, counter: torch.Tensor | None = None) -> bool:
+    """Whether :func:`quest_choose` takes these tensors: CPU, an fp32 query of at most ``MAX_HQ`` rows per group,
+    entries fp32, bf16 or fp16 with contiguous rows at most :data:`MAX_W` wide, bool flags, int64 ``live`` (one
+    element) and positions, no autograd, and the library built here."""
+    if query.dim() != 4 or entries.dim() != 4:
+        return False
+    tensors = (query, entries, empty, live) + (() if positions is None else (positions,))
+    return (all(t.device.type == "cpu" for t in tensors) and query.dtype == torch.float32
+            and entries.dtype in SCAN_DTYPES and entries.shape[3] <= MAX_W and entries.stride(-1) == 1
+            and 1 <= query.shape[2] <= MAX_HQ and empty.dtype == torch.bool and live.dtype == torch.int64
+            and live.numel() == 1 and (positions is None or positions.dtype == torch.int64) and counter_ok(counter)
+            and not (query.requires_grad or entries.requires_grad) and available())
+
+
+def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
+                 positions: torch.Tensor | None, pages: int, size: int, archived: int, per_head: bool, scaling: float,
+                 slack: float, counter: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Quest's choice for a decode step in one call: ``(rows, positions, valid) [B, G, K]`` and ``count`` (added to
+    ``counter`` in place when given); ``positions`` None when the archive list is not given. ``kvzoo_quest_choose`` in
+    ``SOURCE``, whose specification is :func:`kvzoo.kernels.choose.quest_choose_reference`. The caller checked
+    :func:`quest_choose_supported`. The torch op ``kvzoo::quest_choose``."""
+    args = (query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling),
+            float(slack), counter)
+    if _unobserved() and query.is_cpu and entries.is_cpu and empty.is_cpu and live.is_cpu:
+        rows, at, valid, count = _quest_choose_cpu(*args)
+    else:
+        rows, at, valid, count = torch.ops.kvzoo.quest_choose(*args)
+    return rows, at if positions is not None else None, valid, count
+
+
+def _quest_rows(query, pages, size, per_head):
+    return query.shape[2] * pages * size if per_head else pages * size
+
+
+def _quest_choose_cpu(query, entries, empty, live, positions, pages, size, archived, per_head, scaling, slack,
+                      counter=None):
+    B, G, hq, D = query.shape
+    P, W = entries.shape[2], entries.shape[3]
+    if (entries.shape[0], entries.shape[1], W) != (B, G, 2 * D + 1) or tuple(empty.shape) != (B, G, P):
+        raise ValueError(f"kvzoo::quest_choose: entries must be [B={B}, G={G}, P, 2 D + 1 = {2 * D + 1}] and empty "
+                         f"[B, G, P] for query {list(query.shape)}, got {list(entries.shape)} and {list(empty.shape)}")
+    if positions is not None and tuple(positions.shape[:2]) != (B, G):
+        raise ValueError(f"kvzoo::quest_choose: positions must be [B={B}, G={G}, M], got {list(positions.shape)}")
+    q = query.contiguous()
+    K = _quest_rows(query, pages, size, per_head)
+    rows = torch.empty(B, G, K, dtype=torch.int64)
+    at = torch.empty(B, G, K, dtype=torch.int64) if positions is not None else torch.empty(0, dtype=torch.int64)
+    valid = torch.empty(B, G, K, dtype=torch.bool)
+    count = torch.empty((), dtype=torch.int64)
+    pos_strides = (0, 0, 0, 0) if positions is None else (*positions.stride(), positions.shape[2])
+    status = library().kvzoo_quest_choose(
+        q.data_ptr(), entries.data_ptr(), SCAN_DTYPES[entries.dtype], *entries.stride()[:3], empty.data_ptr(),
+        *empty.stride(), live.data_ptr(), _pointer(positions), *pos_strides, rows.data_ptr(),
+        at.data_ptr() if positions is not None else None, valid.data_ptr(), count.data_ptr(), _pointer(counter),
+        B, G, hq, D, P, pages, size, archived, int(per_head), scaling, slack,
+        _threads(B * G * P * W * entries.element_size()))
+    if status != 0:
+        raise RuntimeError(f"kvzoo_quest_choose refused hq={hq}, D={D}, pages={pages} of P={P}, size={size}, "
+                           f"archived={archived} (hq <= {MAX_HQ}, 2 D + 1 <= {MAX_W}, 1 <= pages <= P, size >= 1, "
+                           "archived >= 1)")
+    return rows, at, valid, count
+
+
+def _quest_choose_meta(query, entries, empty, live, positions, pages, size, archived, per_head, scaling, slack,
+                       counter=None):
+    B, G = query.shape[:2]
+    K = _quest_rows(query, pages, size, per_head)
+    return (query.new_empty(B, G, K, dtype=torch.int64),
+            query.new_empty((B, G, K) if positions is not None else (0,), dtype=torch.int64),
+            query.new_empty(B, G, K, dtype=torch.bool), query.new_empty((), dtype=torch.int64))
+
+
+_LIBRARY.define("quest_choose(Tensor query, Tensor entries, Tensor empty, Tensor live, Tensor? positions, int pages, "
+                "int size, int archived, bool per_head, float scaling, float slack, Tensor(a!)? counter=None) "
+                "-> (Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.impl("quest_choose", _quest_choose_cpu, "CPU")
+_LIBRARY.impl("quest_choose", _quest_choose_meta, "Meta")
+
+
+def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,
+                             open_min: torch.Tensor, open_max: torch.Tensor, entries: torch.Tensor,
+                             empty: torch.Tensor, count: torch.Tensor, length: torch.Tensor) -> bool:
+    """Whether :func:`quest_page_add` takes these tensors: CPU, keys fp32, bf16 or fp16 with contiguous rows and the
+    entries in their dtype, bool flags, int64 position, count and length (one element each), contiguous fp32 running
+    min/max, and the library built here."""
+    tensors = (keys, valid, position, open_min, open_max, entries, empty, count, length)
+    return (all(t.device.type == "cpu" for t in tensors) and keys.dtype in SCAN_DTYPES and entries.dtype == keys.dtype
+            and keys.stride(-1) == 1 and entries.stride(-1) == 1 and valid.dtype == torch.bool
+            and empty.dtype == torch.bool and position.dtype == torch.int64
+            and all(t.dtype == torch.int64 and t.numel() == 1 for t in (count, length))
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (open_min, open_max))
+            and not keys.requires_grad and available())
+
+
+def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
+                   open_max: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, count: torch.Tensor,
+                   length: torch.Tensor, size: int) -> None:
+    """One archived row joins Quest's fixed page summary, read where it lies, all in place (``kvzoo_quest_page_add`` in
+    ``SOURCE``; the specification is :func:`kvzoo.kernels.choose.quest_page_add_reference`). The caller checked
+    :func:`quest_page_add_supported`. The torch op ``kvzoo::quest_page_add``."""
+    args = (keys, valid, position, open_min, open_max, entries, empty, count, length, size)
+    if _unobserved() and keys.is_cpu and entries.is_cpu:
+        _quest_page_add_cpu(*args)
+    else:
+        torch.ops.kvzoo.quest_page_add(*args)
+
+
+def _quest_page_add_cpu(keys, valid, position, open_min, open_max, entries, empty, count, length, size):
+    B, G, N, D = keys.shape
+    P = entries.shape[2]
+    shapes = ((valid, (B, G, N)), (position, (B, G)), (open_min, (B, G, D)), (open_max, (B, G, D)),
+              (entries, (B, G, P, 2 * D + 1)), (empty, (B, G, P)))
+    for t, shape in shapes:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"kvzoo::quest_page_add: for keys {list(keys.shape)} valid, position, open_min, open_max, "
+                             f"entries and empty must be [B, G, N], [B, G], [B, G, D] (twice), [B, G, P, 2 D + 1] and "
+                             f"[B, G, P]; got {[list(t.shape) for t, _ in shapes]}")
+    status = library().kvzoo_quest_page_add(
+        keys.data_ptr(), SCAN_DTYPES[keys.dtype], *keys.stride()[:3], valid.data_ptr(), *valid.stride(),
+        position.data_ptr(), *position.stride(), open_min.data_ptr(), open_max.data_ptr(), entries.data_ptr(),
+        *entries.stride()[:3], empty.data_ptr(), *empty.stride(), count.data_ptr(), length.data_ptr(), B, G, N, D, P,
+        size)
+    if status != 0:
+        raise RuntimeError(f"kvzoo_quest_page_add: the summary is full ({P} pages of {size} rows) or size < 1")
+
+
+def _quest_page_add_meta(keys, valid, position, open_min, open_max, entries, empty, count, length, size):
+    return None
+
+
+_LIBRARY.define("quest_page_add(Tensor keys, Tensor valid, Tensor position, Tensor(a!) open_min, "
+                "Tensor(b!) open_max, Tensor(c!) entries, Tensor(d!) empty, Tensor(e!) count, Tensor(f!) length, "
+                "int size) -> ()")
+_LIBRARY.impl("quest_page_add", _quest_page_add_cpu, "CPU")
+_LIBRARY.impl("quest_page_add", _quest_page_add_meta, "Meta")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1429,7 +2256,7 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
             and all(t is None or t.dtype in INDEX_DTYPES for t in (source.indices, source.length))
             and all(t is None or t.dtype == torch.bool for t in (source.valid, pool_valid, source.head_valid))
             and not (query.requires_grad or keys.requires_grad or (values is not None and values.requires_grad))
-            and library() is not None)
+            and available())
 
 
 def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_valid: torch.Tensor | None = None,

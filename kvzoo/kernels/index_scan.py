@@ -319,17 +319,17 @@ def int8_key_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tens
     from kvzoo.kernels import cpu_native
 
     if (mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side)
-            and cpu_native.library() is not None):
+            and cpu_native.available()):
         return cpu_native.int8_estimate(query, codes, side, scaling, length)
     return int8_key_estimate_reference(query, codes, side, scaling, length=length)
 
 
 def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor,
-                          j: int, archived: int, scaling: float, *,
-                          length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          j: int, archived: int, scaling: float, *, length: torch.Tensor | None = None,
+                          counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`int8_choose` in PyTorch: :func:`int8_key_estimate_reference`, each query row's top ``j``, their
     bounds (:func:`int8_bound_from`) against ``threshold``, then the group's union staged as the runtime stages a
-    choice (sorted candidates, the unchosen ones ``archived``, each chosen row flagged once)."""
+    choice (sorted candidates, the unchosen ones ``archived``, each chosen row flagged once) and counted."""
     B, G, hq, _ = query.shape
     estimate = int8_key_estimate_reference(query, codes, side, scaling, length=length)
     top, rows = estimate.topk(j, dim=-1)  # [B, G, hq, j]
@@ -339,34 +339,42 @@ def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.
     candidates = torch.where(ok, rows, archived).view(B, G, hq * j).sort(dim=-1).values
     picked = candidates < archived
     picked[..., 1:] &= candidates[..., 1:] != candidates[..., :-1]
-    return candidates.clamp(max=archived - 1), picked
+    count = picked.sum()
+    if counter is not None:
+        counter.add_(count)
+    return candidates.clamp(max=archived - 1), picked, count
 
 
-def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int) -> bool:
+def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int,
+                         counter: torch.Tensor | None = None) -> bool:
     """Whether :func:`int8_choose` runs as one kernel call for these tensors (CPU, a C compiler found,
-    ``KVZOO_KERNELS`` not ``torch``, the geometry the loop takes); elsewhere callers keep the PyTorch ops."""
+    ``KVZOO_KERNELS`` not ``torch``, the geometry the loop takes, a CPU counter); elsewhere callers keep the PyTorch
+    ops."""
     from kvzoo.kernels import cpu_native
 
     return (mode() != "torch" and 1 <= j <= min(cpu_native.MAX_J, codes.shape[2])
-            and cpu_native.int8_estimate_supported(query, codes, side) and cpu_native.library() is not None)
+            and cpu_native.int8_estimate_supported(query, codes, side) and cpu_native.counter_ok(counter)
+            and cpu_native.available())
 
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
-                archived: int, scaling: float, *,
-                length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over int8 key entries, staged: ``(idx, picked) [B, G, hq * j]``.
+                archived: int, scaling: float, *, length: torch.Tensor | None = None,
+                counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VestigeKV's top-j rule over int8 key entries, staged and counted: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
     Per query row of ``query [B, G, hq, D]``: its top ``j`` rows by :func:`int8_key_estimate`, each kept where its
     certified bound (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's
     ``hq * j`` candidates sorted (unchosen ones as ``archived``, the archive's row count), ``idx`` clamped below
-    ``archived`` and ``picked`` True on the first copy of each chosen row. On CPU one call of the C loop
-    (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32 rounding of the
-    estimates (a bound within rounding of its threshold may go either way)."""
+    ``archived`` and ``picked`` True on the first copy of each chosen row; ``count`` (int64, 0-dim) the rows picked
+    over the batch and groups, added in place to ``counter`` (the layer's fetched rows) when given. On CPU one call
+    of the C loop (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32
+    rounding of the estimates (a bound within rounding of its threshold may go either way)."""
     from kvzoo.kernels import cpu_native
 
-    if fused_choose_applies(query, codes, side, j):
-        return cpu_native.int8_choose(query, codes, side, threshold, j, archived, scaling, SKETCH_SLACK, length)
-    return int8_choose_reference(query, codes, side, threshold, j, archived, scaling, length=length)
+    if fused_choose_applies(query, codes, side, j, counter):
+        return cpu_native.int8_choose(query, codes, side, threshold, j, archived, scaling, SKETCH_SLACK, length,
+                                      counter)
+    return int8_choose_reference(query, codes, side, threshold, j, archived, scaling, length=length, counter=counter)
 
 
 def int8_bound_from(estimate: torch.Tensor, query: torch.Tensor, side: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Per archived row: the key's int8 codes, an fp16 scale, an error norm and a norm (``D + 6`` bytes,
 :func:`~kvzoo.kernels.index_scan.int8_key_entries`); bound ``s <q, codes> + ||q|| err + slack >= <q, k>`` and
 estimate ``s <q, codes>`` (the score of the row's int8 reconstruction). A decode step's top-j rule -- the scan,
-each query row's top j, the chosen rows' bounds and the group's union -- is one call
+each query row's top j, the chosen rows' bounds, the group's union and its count -- is one call
 (:func:`~kvzoo.kernels.index_scan.int8_choose`: one C loop on CPU tensors, PyTorch elsewhere).
 """
 
@@ -56,10 +56,12 @@ class Int8KeyIndex(EntryIndex):
         hq = (H // G) * q_len
         q = self._grouped(query)
         j = min(self.config.j, codes.shape[2])
-        if q_len == 1 and fused_choose_applies(q, codes, side, j):  # a decode step: scan, top-j, bounds, union
+        counter = archive.fetched if archive is not None else None
+        if q_len == 1 and fused_choose_applies(q, codes, side, j, counter):  # a decode step: one call does it all
             archived = archive.rows if archive is not None and archive.rows else codes.shape[2]
-            return Choice(staged=int8_choose(q, codes, side, floor.reshape(B, G, hq), j, archived, scaling,
-                                             length=length))
+            idx, picked, count = int8_choose(q, codes, side, floor.reshape(B, G, hq), j, archived, scaling,
+                                             length=length, counter=counter)
+            return Choice(staged=(idx, picked), count=count, counted=counter is not None)
         estimate = int8_key_estimate(q, codes, side, scaling, length=length)  # [B, G, hq, m]
         top, rows = estimate.topk(j, dim=-1)  # [B, G, hq, j]
         w = side.shape[-1]

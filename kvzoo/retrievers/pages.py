@@ -132,6 +132,28 @@ class PageSummary:
         self.rows += 1
         self.pages.length.copy_(torch.div(self.count + (size - 1), size, rounding_mode="floor"))
 
+    def room_for_one(self) -> bool:
+        """Before one row is summarised by a single op on the device (e.g. Quest's ``quest_page_add``, which writes
+        the page at ``count // page_size``): whether it can be -- the summary defined and, fixed, not full -- with a
+        growing summary given a page slot first when the row opens one. The op's caller then calls
+        :meth:`one_added`."""
+        if not self.defined:
+            return False
+        pages, size = self.pages, self.page_size
+        if pages.fixed:
+            return self.rows < pages.capacity * size
+        if self.rows % size == 0:  # the row opens a page: a slot for it (the store grows geometrically)
+            pages.n = self.live_pages
+            pages.reserve(1)
+        return True
+
+    def one_added(self) -> None:
+        """The host's side of a row a device op summarised (after :meth:`room_for_one`): the row count, and a growing
+        summary's page count (a fixed one's is brought up to date by the next multi-row add)."""
+        self.rows += 1
+        if not self.pages.fixed:
+            self.pages.n = self.live_pages
+
     def select_batch(self, index: torch.Tensor) -> None:
         if self.defined:
             self.pages.select_batch(index)

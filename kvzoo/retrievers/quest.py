@@ -14,7 +14,8 @@ import torch
 
 from kvzoo.framework.policy import require_int
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.kernels.index_scan import index_scan, index_scan_reduce, page_entries, page_query
+from kvzoo.kernels.choose import quest_choose, quest_page_add
+from kvzoo.kernels.index_scan import index_scan, page_entries, page_query
 from kvzoo.retrievers.pages import PageSummary
 
 GQA_RULES = ("head", "group")
@@ -142,6 +143,19 @@ class PageIndex(RetrievalState):
         D = keys.shape[-1]
         self.summary.add(keys, rows["valid"], {"entries": ((2 * D + 1,), keys.dtype)})
 
+    def index_in_place(self, storage, positions) -> bool:
+        """One row a step (``rule="eval"`` archives each decode step's row) joins the summary in one op,
+        :func:`~kvzoo.kernels.choose.quest_page_add`, read where it lies; the host's counts move in the summary
+        (:meth:`~kvzoo.retrievers.pages.PageSummary.one_added`)."""
+        summary = self.summary
+        if positions.shape[2] != 1 or not summary.room_for_one():
+            return False
+        pages = summary.pages
+        quest_page_add(storage["keys"], storage["valid"], positions[:, :, 0], summary.open_min, summary.open_max,
+                       pages.buffers["entries"], pages.buffers["empty"], summary.count, pages.length, self.page_size)
+        summary.one_added()
+        return True
+
     def entries(self) -> int:
         """Index entries one scan reads: the live pages, or every page slot of a fixed index."""
         return self.summary.entries()
@@ -163,36 +177,36 @@ class PageIndex(RetrievalState):
         G = archive.groups
         n = self.n_pages(archive.budget)
         size = self.page_size
-        offsets = torch.arange(size, device=query.device)
         B = query.shape[0]
         if n == 0:  # the kernel rule with B < 2 pages: the current page only, no archived page read
             none = torch.zeros(B, G, 1, dtype=torch.long, device=query.device)
             return Choice(rows=none, ok=torch.zeros_like(none, dtype=torch.bool))
 
         def page_rows(pages: torch.Tensor) -> torch.Tensor:  # [B, *, q, n] page indices -> [B, G, K] rows
-            return (pages[..., None] * size + offsets).view(B, G, -1)
+            return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
 
-        if self.config.gqa == "group":  # one page set per KV group: the max over its heads
-            if query.shape[2] == 1:  # a decode step: one fused scan reduced over the heads
-                group_max = index_scan_reduce(page_query(query, G), self.summary.reading("entries"), scaling, None)
-                group_max = group_max.masked_fill(self.summary.reading("empty"), float("-inf"))  # empty: never
-                pages = group_max.topk(n, dim=-1).indices[:, :, None]  # [B, G, 1, n]
-            else:
-                bounds = self.bounds(query, scaling)  # [B, H, q, p]
-                H, q_len, p = bounds.shape[1:]
-                pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
+        per_head = self.config.gqa == "head"
+        if query.shape[2] == 1:  # a decode step: one op (kernels/choose.py) from the query to the rows and their count
+            H, D = query.shape[1], query.shape[3]
+            counter = archive.fetched
+            rows, positions, ok, count = quest_choose(
+                query.float().reshape(B, G, H // G, D), self.summary.reading("entries"), self.summary.reading("empty"),
+                self.summary.count, archive.positions, n, size, archive.rows, scaling, per_head=per_head,
+                counter=counter)
+            if per_head:  # each head reads its own segment (no union to stage); the group's union counted once
+                return Choice(rows=rows, ok=ok, segments=True, count=count, positions=positions,
+                              counted=counter is not None)
+            return Choice(staged=(rows, ok), count=count, positions=positions, counted=counter is not None)
+        if not per_head:  # one page set per KV group: the max over its heads
+            bounds = self.bounds(query, scaling)  # [B, H, q, p]
+            H, q_len, p = bounds.shape[1:]
+            pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
             rows = page_rows(pages)
             return Choice(rows=self._clamped(rows), ok=rows < self._live())
         bounds = self.bounds(query, scaling)  # [B, H, q, p]
         H, q_len, p = bounds.shape[1:]
         pages = bounds.topk(n, dim=-1).indices  # [B, H, q, n]: each head's own pages
         rows = page_rows(pages)  # [B, G, heads x queries x n x size]: each head's rows, head after head
-        if q_len == 1:  # a decode step: each head reads its own segment (no union to stage); the group's bytes
-            ok = rows < self._live()  # count its union once
-            archived = archive.rows
-            union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
-            union.scatter_(2, torch.where(ok, rows, archived), True)
-            return Choice(rows=self._clamped(rows), ok=ok, segments=True, count=union[..., :archived].sum())
 
         def visible(staged: torch.Tensor) -> torch.Tensor:
             """Head h reads a staged row when the row's page is among head h's pages: ``[B, H, K]``."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvzoo.framework.retriever import RowGeometry
+from kvzoo.framework.retriever import Choice, RowGeometry
+from kvzoo.kernels.choose import sketch_choose
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
     SKETCH_SLACK_FP16,
@@ -98,6 +99,24 @@ class SketchIndex(EntryIndex):
         in_span[..., [r, *range(W - slack_cols, W)]] = 0  # eta's column and the slack's: the estimate's query rows
         both = index_scan(torch.cat([qrows, in_span], dim=2), entries, scaling, length=length)  # one scan
         return both[:, :, :hq].reshape(B, H, q_len, -1), both[:, :, hq:].reshape(B, H, q_len, -1)
+
+    def choose(self, query, best, scaling, archive) -> Choice:
+        """A decode step's top-j rule (one query per sequence) is one op, :func:`~kvzoo.kernels.choose.sketch_choose`:
+        the query rows, the scan, each query row's top ``j``, their bounds, the group's union staged and counted (one
+        C call on CPU; its PyTorch reference, today's ops, elsewhere). Every other case: the shared rule."""
+        config = self.config
+        if config.certified or query.shape[2] != 1:
+            return super().choose(query, best, scaling, archive)
+        B, H, _, D = query.shape
+        entries, length = self._scanned(B, "entries")
+        G, m = entries.shape[1], entries.shape[2]
+        floor = (best - config.j_margin).reshape(B, G, H // G)  # [B, G, hq]: s* - j_margin
+        archived = archive.rows if archive is not None and archive.rows else m
+        counter = archive.fetched if archive is not None else None
+        idx, picked, count = sketch_choose(query.float().reshape(B, G, H // G, D), self.basis, entries, floor,
+                                           min(config.j, m), archived, scaling, slack=self._slack,
+                                           rank_by=config.rank_by, length=length, counter=counter)
+        return Choice(staged=(idx, picked), count=count, counted=counter is not None)
 
     def within(self, query: torch.Tensor, threshold: torch.Tensor, scaling: float) -> torch.Tensor:
         """One fused scan reduced over the group's heads and queries (the ``[B, H, q, m]`` bounds never exist):

@@ -1,0 +1,219 @@
+"""A decode step's fused retrieval ops: each a PyTorch reference beside the C op that does its work in one call.
+
+On a CPU decode step (one query per sequence) a retriever's choice was a chain of 20-60 small torch ops per layer:
+build the query rows, scan the index, take each query row's top rows, check their bounds, stage the group's union,
+count it. Each op here does that chain in one call of :mod:`kvzoo.kernels.cpu_native` (a registered torch op with a
+Meta implementation, so a trace counts one launch and ``torch.compile`` takes it whole). Its ``*_reference`` is the
+specification: the torch path kvzoo always ran, op for op, so that the two agree up to fp32 summation order
+(``tests/test_native_choose.py`` holds each op to its reference). The public name picks one per call: the C op on
+CPU tensors it takes (``cpu_native.*_supported``), the reference elsewhere -- a GPU (where the reference's scan is
+the Triton kernel of :mod:`kvzoo.kernels.index_scan`), ``KVZOO_KERNELS=torch``, or no C compiler.
+
+* :func:`sketch_choose` -- VestigeKV's top-j rule over its certified low-rank sketch (``retrievers/sketch.py``);
+* :func:`quest_choose` -- Quest's pages for one decode query: each query head's own (``per_head``), or the group's;
+* :func:`quest_page_add` -- one archived row joins Quest's fixed page summary, read where it lies in the storage;
+* :func:`unique_candidates` -- how the runtime stages a group's candidates (the form the choose ops return).
+
+A choose op counts what it stages (``count``: int64, 0-dim, over the batch and groups) and, given ``counter`` (the
+layer's ``fetched_rows``), adds the count to it in place, so the retrieval tier launches nothing more for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzoo.kernels import cpu_native
+from kvzoo.kernels.dispatch import mode
+from kvzoo.kernels.index_scan import SKETCH_SLACK, index_scan, index_scan_reduce, page_entries, sketch_query
+
+RANK_BY = ("estimate", "bound")
+
+
+def unique_candidates(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag (the form a
+    fused choice returns itself). ``O(K log K)`` in the candidates, independent of the archive."""
+    idx = torch.where(ok, rows, archived).sort(dim=-1).values
+    picked = idx < archived
+    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
+    return idx.clamp_(max=archived - 1), picked
+
+
+def _counted(picked: torch.Tensor, counter: torch.Tensor | None) -> torch.Tensor:
+    count = picked.sum()
+    if counter is not None:
+        counter.add_(count)
+    return count
+
+
+# --- VestigeKV's sketch --------------------------------------------------------------------------------------------
+
+
+def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
+                            j: int, archived: int, scaling: float, *, slack: float = SKETCH_SLACK,
+                            rank_by: str = "estimate", length: torch.Tensor | None = None,
+                            counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sketch_choose` in PyTorch: the query rows (:func:`~kvzoo.kernels.index_scan.sketch_query`), one scan
+    for the bounds and the estimates (the query rows without eta's and the slack columns), each query row's top ``j``
+    by the ranking score, kept where the bound is above ``floor``, then :func:`unique_candidates` and the count."""
+    B, G, hq, D = query.shape
+    dc, r = basis.shape[2], basis.shape[3]
+    heads = query.reshape(B, G * hq, 1, D)  # sketch_query groups the heads again: [B, G, hq, W]
+    branch = heads[..., dc:] if D > dc else None
+    qrows = sketch_query(heads[..., :dc], branch, basis, slack=slack)
+    if rank_by == "estimate":
+        W = qrows.shape[-1]
+        in_span = qrows.clone()
+        in_span[..., [r, *range(W - (2 if branch is not None else 1), W)]] = 0  # eta's column and the slack's
+        both = index_scan(torch.cat([qrows, in_span], dim=2), entries, scaling, length=length)  # one scan
+        bounds, ranking = both[:, :, :hq], both[:, :, hq:]
+        rows = ranking.topk(j, dim=-1).indices  # [B, G, hq, j]
+        ok = bounds.gather(-1, rows) > floor[..., None]
+    else:
+        bounds = index_scan(qrows, entries, scaling, length=length)
+        top, rows = bounds.topk(j, dim=-1)
+        ok = top > floor[..., None]
+    idx, picked = unique_candidates(rows.view(B, G, -1), ok.view(B, G, -1), archived)
+    return idx, picked, _counted(picked, counter)
+
+
+def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor, j: int,
+                  archived: int, scaling: float, *, slack: float = SKETCH_SLACK, rank_by: str = "estimate",
+                  length: torch.Tensor | None = None,
+                  counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VestigeKV's top-j rule over its sketch for grouped decode queries: ``(idx, picked) [B, G, hq * j]`` and
+    ``count``.
+
+    ``query [B, G, hq, D]`` fp32 (MLA: ``D = dc + dr``, the absorbed content part first; GQA: the key's width, no
+    branch), ``basis [B, G, dc, r]`` orthonormal columns, ``entries [B, G, m, W]`` fp32 or fp16 (``[z, eta, r, ||c||,
+    ||r||]``: ``W = r + 1 + dr + 2``, or ``r + 2`` on GQA; a preallocated buffer may be passed whole with
+    ``length [B]``), ``floor [B, G, hq]`` (``s* - j_margin``), ``j <= m``, ``archived`` (the archive list's size: the
+    staging's sentinel, as :func:`unique_candidates`), ``slack`` (``SKETCH_SLACK``, or ``SKETCH_SLACK_FP16`` for fp16
+    entries), ``rank_by`` ``"estimate"`` (the bound less its Cauchy-Schwarz term and slack) or ``"bound"``.
+
+    Per query row: the estimate (or bound) of every entry, its top ``j`` (an earlier row first among equal values),
+    each kept where its bound is above ``floor``; the group's ``hq * j`` candidates staged (sorted, each kept row
+    flagged once); ``count`` the rows picked, added to ``counter`` in place when given. One C call on CPU tensors
+    (``cpu_native.sketch_choose_supported``), :func:`sketch_choose_reference` elsewhere."""
+    if rank_by not in RANK_BY:
+        raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
+    if mode() != "torch" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter):
+        return cpu_native.sketch_choose(query, basis, entries, length, floor, j, archived, scaling, slack,
+                                        rank_by == "bound", counter)
+    return sketch_choose_reference(query, basis, entries, floor, j, archived, scaling, slack=slack, rank_by=rank_by,
+                                   length=length, counter=counter)
+
+
+# --- Quest's pages --------------------------------------------------------------------------------------------------
+
+
+def _page_rows(pages: torch.Tensor, size: int) -> torch.Tensor:
+    """Page indices ``[B, G, ..., n]`` -> their rows ``[B, G, ... x n x size]``, page after page."""
+    B, G = pages.shape[:2]
+    return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
+
+
+def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
+                           positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
+                           per_head: bool = True, counter: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """:func:`quest_choose` in PyTorch: the page bounds (``page_query`` rows, :func:`~kvzoo.kernels.index_scan.
+    index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages at ``-inf``, the top pages (each
+    head's in ascending page order), their rows and flags, the union count; the storage positions gathered from
+    ``positions``. Apart from that order (``PageIndex.choose`` took ``topk``'s, best first: a head reads the same
+    rows, its attention sums them in another order) the torch path kvzoo ran before the op."""
+    B, G, hq, D = query.shape
+    qrows = torch.cat([query.clamp(min=0), query.clamp(max=0), SKETCH_SLACK * query.abs().sum(-1, keepdim=True)],
+                      dim=-1)  # page_query's rows
+    if per_head:
+        bounds = index_scan(qrows, entries, scaling).masked_fill(empty[:, :, None], float("-inf"))  # [B, G, hq, P]
+        top = bounds.topk(pages, dim=-1).indices.sort(dim=-1).values  # each head's pages, in ascending order
+        rows = _page_rows(top, size)  # each head's rows, head after head
+        valid = rows < live
+        union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
+        union.scatter_(2, torch.where(valid, rows, archived), True)
+        count = union[..., :archived].sum()
+        rows = torch.minimum(rows, live - 1)
+        if counter is not None:
+            counter.add_(count)
+    else:
+        group_max = index_scan_reduce(qrows, entries, scaling, None).masked_fill(empty, float("-inf"))  # [B, G, P]
+        rows = _page_rows(group_max.topk(pages, dim=-1).indices, size)
+        rows, valid = unique_candidates(torch.minimum(rows, live - 1), rows < live, archived)
+        count = _counted(valid, counter)
+    return rows, None if positions is None else positions.gather(2, rows), valid, count
+
+
+def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
+                 positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
+                 per_head: bool = True, counter: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Quest's choice for grouped decode queries: ``(rows, positions, valid) [B, G, K]`` and ``count``.
+
+    ``query [B, G, hq, D]`` fp32 (a group's query heads), ``entries [B, G, P, 2 D + 1]`` (``[max, min, max |k|]`` per
+    page, in the keys' dtype), ``empty [B, G, P]`` (a page never fetched), ``live`` (int64, one element: the rows
+    indexed), ``positions [B, G, M]`` the archive list (each archived row's storage position) or None, ``pages``
+    (``1 <= pages <= P``) per head or group, ``size`` rows a page, ``archived`` the archive list's size.
+
+    Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack), ``-inf`` for an empty page; the top
+    ``pages`` (an earlier page first among equal bounds):
+
+    * ``per_head`` (Quest's ``gqa="head"``): of each query head: ``K = hq x pages x size``, head after head (the
+      segment head ``h`` reads), its pages in ascending order, rows ``page * size + offset`` clamped below ``live``,
+      ``valid`` = ``row < live``; ``count``: the rows of the group's union, once;
+    * else (``gqa="group"``): of the group by the max over its heads; ``K = pages x size`` rows staged as
+      :func:`unique_candidates` stages them (``valid``: picked); ``count``: the rows picked.
+
+    ``positions`` (out): the storage positions of ``rows`` (None when the archive list is not given); ``count`` is
+    over the batch and groups, added to ``counter`` in place when given. One C call on CPU tensors
+    (``cpu_native.quest_choose_supported``), :func:`quest_choose_reference` elsewhere."""
+    if mode() != "torch" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter):
+        return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
+                                       scaling, SKETCH_SLACK, counter)
+    return quest_choose_reference(query, entries, empty, live, positions, pages, size, archived, scaling,
+                                  per_head=per_head, counter=counter)
+
+
+def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,
+                             open_min: torch.Tensor, open_max: torch.Tensor, entries: torch.Tensor,
+                             empty: torch.Tensor, count: torch.Tensor, length: torch.Tensor, size: int) -> None:
+    """:func:`quest_page_add` in PyTorch: the row gathered, masked where it is padding, then the running min/max, the
+    page's entry and flag written at ``count // size``, ``count`` and ``length`` moved (what ``PageSummary._add_one``
+    does with Quest's encoding, ``retrievers/quest.py``'s ``_quest_entries``)."""
+    B, G, _, D = keys.shape
+    at = position.reshape(B, G, 1)
+    row = keys.gather(2, at[..., None].expand(B, G, 1, D))[:, :, 0].float()  # [B, G, D]
+    ok = valid.gather(2, at)  # [B, G, 1]
+    lo = row.masked_fill(~ok, float("inf"))
+    hi = row.masked_fill(~ok, float("-inf"))
+    page = torch.div(count, size, rounding_mode="floor")  # on the device
+    opens = (count % size == 0).view(1, 1, 1)
+    open_min.copy_(torch.where(opens, lo, torch.minimum(open_min, lo)))
+    open_max.copy_(torch.where(opens, hi, torch.maximum(open_max, hi)))
+    entry = page_entries(open_min[:, :, None], open_max[:, :, None])  # [B, G, 1, 2 D + 1]
+    entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(open_min[:, :, None]).all(-1, keepdim=True), 0.0)
+    entries.index_copy_(2, page, entry.to(entries.dtype))
+    empty.index_copy_(2, page, (torch.isinf(open_min).all(-1) & torch.isinf(open_max).all(-1))[:, :, None])
+    count.add_(1)
+    length.copy_(torch.div(count + (size - 1), size, rounding_mode="floor"))
+
+
+def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
+                   open_max: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, count: torch.Tensor,
+                   length: torch.Tensor, size: int) -> None:
+    """One archived row joins Quest's fixed page summary, read where it lies, everything in place.
+
+    ``keys [B, G, N, D]`` and ``valid [B, G, N]``: the layer's storage, whole; ``position [B, G]`` int64: the row's
+    storage position; ``open_min``/``open_max [B, G, D]`` fp32: the open page's running min/max over its valid rows;
+    ``entries [B, G, P, 2 D + 1]`` in the keys' dtype and ``empty [B, G, P]``: the summary's pages; ``count`` (int64,
+    one element): the rows summarised; ``length`` (int64, one element): the pages in use; ``size``: rows a page.
+
+    The row (``+inf``/``-inf`` where it is padding) joins the open page -- which it opens when ``count % size == 0``
+    --, the page's entry ``[max, min, max |k|]`` (the magnitude 0 for an empty page) and its empty flag (every bound
+    infinite) are written at page ``count // size``, then ``count += 1`` and ``length = ceil(count / size)``. The same
+    ops whatever the count (a captured step replays it); the caller keeps the host's count and checks there is room.
+    One C call on CPU tensors (``cpu_native.quest_page_add_supported``), :func:`quest_page_add_reference` elsewhere."""
+    if mode() != "torch" and cpu_native.quest_page_add_supported(keys, valid, position, open_min, open_max, entries,
+                                                                  empty, count, length):
+        cpu_native.quest_page_add(keys, valid, position, open_min, open_max, entries, empty, count, length, size)
+        return
+    quest_page_add_reference(keys, valid, position, open_min, open_max, entries, empty, count, length, size)
