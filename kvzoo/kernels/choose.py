@@ -6,8 +6,10 @@ count it. Each op here does that chain in one call of :mod:`kvzoo.kernels.cpu_na
 Meta implementation, so a trace counts one launch and ``torch.compile`` takes it whole). Its ``*_reference`` is the
 specification: the torch path kvzoo always ran, op for op, so that the two agree up to fp32 summation order
 (``tests/test_native_choose.py`` holds each op to its reference). The public name picks one per call: the C op on
-CPU tensors it takes (``cpu_native.*_supported``), the reference elsewhere -- a GPU (where the reference's scan is
-the Triton kernel of :mod:`kvzoo.kernels.index_scan`), ``KVZOO_KERNELS=torch``, or no C compiler.
+CPU tensors it takes (``cpu_native.*_supported``) when ``KVZOO_KERNELS`` is ``auto`` (or unset), the reference
+elsewhere -- a GPU (where the reference's scan is the Triton kernel of :mod:`kvzoo.kernels.index_scan`),
+``KVZOO_KERNELS=torch``, ``KVZOO_KERNELS=triton`` (the scan in Triton, on CPU under its interpreter), or no C
+compiler.
 
 * :func:`sketch_choose` -- VestigeKV's top-j rule over its certified low-rank sketch (``retrievers/sketch.py``);
 * :func:`quest_choose` -- Quest's pages for one decode query: each query head's own (``per_head``), or the group's;
@@ -96,7 +98,7 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
     (``cpu_native.sketch_choose_supported``), :func:`sketch_choose_reference` elsewhere."""
     if rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
-    if mode() != "torch" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter):
+    if mode() == "auto" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter):
         return cpu_native.sketch_choose(query, basis, entries, length, floor, j, archived, scaling, slack,
                                         rank_by == "bound", counter)
     return sketch_choose_reference(query, basis, entries, floor, j, archived, scaling, slack=slack, rank_by=rank_by,
@@ -166,7 +168,7 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     ``positions`` (out): the storage positions of ``rows`` (None when the archive list is not given); ``count`` is
     over the batch and groups, added to ``counter`` in place when given. One C call on CPU tensors
     (``cpu_native.quest_choose_supported``), :func:`quest_choose_reference` elsewhere."""
-    if mode() != "torch" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter):
+    if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
                                        scaling, SKETCH_SLACK, counter)
     return quest_choose_reference(query, entries, empty, live, positions, pages, size, archived, scaling,
@@ -212,7 +214,7 @@ def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tens
     infinite) are written at page ``count // size``, then ``count += 1`` and ``length = ceil(count / size)``. The same
     ops whatever the count (a captured step replays it); the caller keeps the host's count and checks there is room.
     One C call on CPU tensors (``cpu_native.quest_page_add_supported``), :func:`quest_page_add_reference` elsewhere."""
-    if mode() != "torch" and cpu_native.quest_page_add_supported(keys, valid, position, open_min, open_max, entries,
+    if mode() == "auto" and cpu_native.quest_page_add_supported(keys, valid, position, open_min, open_max, entries,
                                                                   empty, count, length):
         cpu_native.quest_page_add(keys, valid, position, open_min, open_max, entries, empty, count, length, size)
         return
