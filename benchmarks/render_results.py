@@ -199,12 +199,13 @@ def render_decode_step(entry: dict[str, Any], rows: list[dict[str, Any]], path: 
     extra = (f"Context {', '.join(map(str, context))} tokens, {', '.join(map(str, steps))} interleaved rounds, "
              f"OMP_WAIT_POLICY={', '.join(omp) or '?'}" + (f"; the machine read {read:.1f} GB/s" if read else "") + ".")
     base = rows[0]
-    lines = ["| arm | CPU ms/step (1 thread) | vs " + base["arm"] + " | wall ms/step (2 threads) | KV MiB read/step | "
-             "index MiB/step |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| arm | CPU ms/step (1 thread) | vs " + base["arm"] + " | wall ms/step (2 threads) | vs " + base["arm"]
+             + " | KV MiB read/step | index MiB/step |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         kv = "n/a" if r.get("kv_mib_per_step") is None else f"{r['kv_mib_per_step']:.1f}"
         lines.append(f"| {r['arm']} | {r['cpu_ms_1t']:.1f} | {r['cpu_ms_1t'] / base['cpu_ms_1t']:.2f}x | "
-                     f"{r['wall_ms_2t']:.1f} | {kv} | {r.get('index_mib_per_step') or 0:.2f} |")
+                     f"{r['wall_ms_2t']:.1f} | {r['wall_ms_2t'] / base['wall_ms_2t']:.2f}x | {kv} | "
+                     f"{r.get('index_mib_per_step') or 0:.2f} |")
     parts = [_provenance(entry, None, machine, extra), "", *lines]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
