@@ -1,4 +1,4 @@
-"""The decode-attention op (kvzoo/kernels/decode_attention.py) on CPU: its reference against a float64 softmax,
+"""The decode-attention op (kvzoo/kernels/decode_attention/) on CPU: its reference against a float64 softmax,
 and every other implementation against the reference, on one list of cases.
 
 The reference is the specification; ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere) must
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvzoo.kernels import decode_attention as da
+from kvzoo.kernels import shapes
 from kvzoo.kernels.decode_attention import Rows, attend, decode_attention, decode_attention_reference, merge
 
 SCALE = 0.3
@@ -123,6 +124,59 @@ def test_every_implementation_equals_the_reference(name, impl):
                 assert (a - b).abs().max() <= 1e-5
 
 
+TWO_SOURCES = sorted(name for name, (_, sources) in CASES.items() if len(sources) == 2)
+
+
+def _native_available() -> bool:
+    from kvzoo.kernels import cpu_native
+
+    return cpu_native.available()
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa", "native"])
+@pytest.mark.parametrize("name", TWO_SOURCES)
+def test_a_step_in_two_parts_equals_the_reference_of_the_whole_step(name, impl):
+    """The runtime's retrieving step on every implementation: the tier deferred for its best score (s*), then the
+    fetched rows with that part as the prior; the same softmax as the reference over both sources at once, the best
+    score the tier's, the mass of every position of both sources (the tier's first)."""
+    if impl == "native" and not _native_available():
+        pytest.skip("the native library is not built here")
+    query, sources = CASES[name]
+    whole = attend(query, sources, SCALE, lse=True, mass=True, impl="reference")
+    tier_best = attend(query, sources[:1], SCALE, best=True, impl="reference").best
+    first = attend(query, sources[:1], SCALE, best=True, defer=True, mass=True, impl=impl)
+    both = attend(query, sources[1:], SCALE, lse=True, mass=True, prior=first, impl=impl)
+    assert _rel(both.out.float(), whole.out) <= 1e-5 and _rel(both.lse, whole.lse) <= 1e-5
+    finite = torch.isfinite(tier_best)
+    assert torch.equal(finite, torch.isfinite(both.best)) and _rel(both.best[finite], tier_best[finite]) <= 1e-5
+    assert len(both.mass) == 2
+    for got, want in zip(both.mass, whole.mass):
+        assert (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", TWO_SOURCES)
+def test_the_reference_takes_a_prior_it_cannot_read_again_as_one_log_sum_exp_term(name):
+    """A kernel's or the native op's part has only ``out`` and ``lse``: the reference joins it to its softmax as one
+    term, and the result is the reference of the whole step."""
+    query, sources = CASES[name]
+    whole = attend(query, sources, SCALE, lse=True, impl="reference")
+    alone = attend(query, sources[:1], SCALE, lse=True, best=True, impl="reference")
+    kernel_like = da.Attended(alone.out, alone.lse, alone.best)  # no sources, no scores
+    both = attend(query, sources[1:], SCALE, lse=True, prior=kernel_like, impl="reference")
+    assert _rel(both.out, whole.out) <= 1e-5 and _rel(both.lse, whole.lse) <= 1e-5
+    assert both.best is alone.best
+
+
+def test_the_reference_runs_two_parts_without_sdpa(monkeypatch):
+    """The specification speaks the parts protocol itself (no detour through the SDPA form)."""
+    monkeypatch.setattr(da.sdpa, "attend_sdpa", lambda *a, **k: pytest.fail("the reference took the SDPA form"))
+    query, sources = CASES["gqa-two-sources"]
+    first = attend(query, sources[:1], SCALE, best=True, defer=True, impl="reference")
+    both = attend(query, sources[1:], SCALE, lse=True, prior=first, impl="reference")
+    whole = attend(query, sources, SCALE, lse=True, impl="reference")
+    assert torch.equal(both.out, whole.out) and torch.equal(both.lse, whole.lse)
+
+
 @pytest.mark.parametrize("impl", ["reference", "sdpa"])
 def test_two_parts_merge_into_the_one_softmax_of_both(impl):
     query, sources = CASES["gqa-two-sources"]
@@ -187,7 +241,7 @@ def test_row_blocks_and_splits_do_not_change_the_result(monkeypatch):
     query, keys, values = _gqa(13, N=50)
     src = [Rows(keys, values, length=torch.tensor([50, 31]))]
     whole = decode_attention_reference(query, src, SCALE)
-    monkeypatch.setattr(da, "REFERENCE_ROW_BLOCK_ELEMENTS", 7 * 2 * 16)  # blocks of 3 rows per batch x group
+    monkeypatch.setattr(da.reference, "REFERENCE_ROW_BLOCK_ELEMENTS", 7 * 2 * 16)  # blocks of 3 rows per batch x group
     blocked = decode_attention_reference(query, src, SCALE, splits=5)
     assert _rel(blocked[0], whole[0]) <= 1e-6 and _rel(blocked[1], whole[1]) <= 1e-6
 
@@ -195,7 +249,7 @@ def test_row_blocks_and_splits_do_not_change_the_result(monkeypatch):
 def test_decode_attention_on_cpu_takes_sdpa_never_the_kernel(monkeypatch):
     monkeypatch.delenv("KVZOO_KERNELS", raising=False)
     query, keys, values = _gqa(14)
-    monkeypatch.setattr(da, "_triton", lambda *a, **k: pytest.fail("the kernel ran on CPU in auto mode"))
+    monkeypatch.setattr(da.triton, "launch", lambda *a, **k: pytest.fail("the kernel ran on CPU in auto mode"))
     out, lse = decode_attention(query, [Rows(keys, values)], SCALE)
     got = attend(query, [Rows(keys, values)], SCALE, lse=True, impl="sdpa")
     assert torch.equal(out, got.out.to(out.dtype)) and torch.equal(lse, got.lse)
@@ -281,7 +335,7 @@ def test_default_splits_fill_one_wave_of_the_chip_within_the_tiles():
 
 
 def test_the_grid_table_fills_the_chip_unless_the_tiles_run_out():
-    for row in da.grid_table(132):
+    for row in shapes.grid_table(132):
         assert row["programs"] <= max(row["slots"], row["batch"] * row["groups"])
         more = row["batch"] * row["groups"] * (row["splits"] + 1)
         assert row["splits"] == row["tiles"] or more > row["slots"], row  # one more split would not fit
@@ -310,7 +364,7 @@ def test_flag_words_hold_valid_and_head_valid_bit_per_head(hpg):
     head_valid = torch.rand(B, G * hpg, P, generator=_gen(17)) < 0.5
     words = -(-hpg // 32)
     for v, hv in ((valid, None), (valid, head_valid), (None, head_valid)):
-        packed = da._flag_words(v, hv, hpg)
+        packed = da.triton._flag_words(v, hv, hpg)
         assert packed.dtype == torch.int32 and packed.shape == (B, G, words, P) and packed.stride(-1) == 1
         bits = (packed.long()[:, :, :, None, :] >> torch.arange(32)[:, None]) & 1  # [B, G, words, 32, P]
         heads = bits.reshape(B, G, words * 32, P)[:, :, :hpg].bool()
@@ -336,7 +390,7 @@ def test_a_failing_kernel_after_a_kernel_part_falls_back_to_a_merge(monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel here")
 
-    monkeypatch.setattr(da, "_triton", broken)
+    monkeypatch.setattr(da.triton, "launch", broken)
     with pytest.warns(RuntimeWarning, match="decode_attention"):
         got = attend(query, sources[1:], SCALE, lse=True, prior=first, impl="triton")
     want = attend(query, sources, SCALE, lse=True, impl="reference")

@@ -1,7 +1,7 @@
 """Attention of a forward of several queries over rows that carry their own sequence slots (PyTorch).
 
 A decode step (one query per sequence) goes through the decode-attention op instead
-(``kvzoo/kernels/decode_attention.py``: its reference, SDPA and Triton forms). Rows are not
+(``kvzoo/kernels/decode_attention/``: its reference, SDPA and Triton forms). Rows are not
 contiguous positions: after eviction, a tier holds an arbitrary subset of the sequence, so
 causality and padding are decided per row from its *slot* (its index in the sequence) and its
 ``valid`` flag, never from its index in the tensor.
