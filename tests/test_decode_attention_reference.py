@@ -177,6 +177,16 @@ def test_the_reference_runs_two_parts_without_sdpa(monkeypatch):
     assert torch.equal(both.out, whole.out) and torch.equal(both.lse, whole.lse)
 
 
+def test_half_rows_score_in_fp32_on_every_pytorch_path():
+    """One score precision for s*: bf16 rows, the query rounded to bf16, products kept in fp32 -- the SDPA form's best
+    score equals the reference's (a bf16-rounded score would be off by up to 2**-9 of its size)."""
+    query, keys, values = _gqa(21, N=300, D=64, dtype=torch.bfloat16)
+    src = [Rows(keys, values, valid=torch.rand(2, 2, 300, generator=_gen(22)) < 0.9)]
+    ref = attend(query, src, SCALE, best=True, impl="reference").best
+    got = attend(query, src, SCALE, best=True, defer=True, impl="sdpa").best
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("impl", ["reference", "sdpa"])
 def test_two_parts_merge_into_the_one_softmax_of_both(impl):
     query, sources = CASES["gqa-two-sources"]

@@ -28,11 +28,18 @@ What a row that is not readable by any head of its group holds never matters (a 
 may hold NaN past ``length`` or in invalid rows). A preallocated pool may be passed whole (any
 strides, last dim contiguous) with ``length`` marking its filled prefix.
 
-Scores are ``scaling * <q, k>``, with the query first rounded to the rows' dtype (the product the model's own
-attention takes) and the products accumulated in fp32 (the SDPA form rounds them to the rows' dtype). The
+Scores are ``scaling * <q, k>`` in fp32: the query first rounded to the rows' dtype (the product the model's own
+attention takes), the products accumulated in fp32 and *kept* in fp32 -- never rounded back to the rows' dtype. The
 softmax and the output's accumulation are fp32 and the output is cast to the query's dtype. A ``(b, h)`` with no
 readable row gets ``out = 0`` and ``lse = -inf`` (never NaN). With one source and no ``length`` / ``indices`` /
 ``head_valid`` this is plain softmax attention of one query over the rows.
+
+Why fp32 scores: the best score s* (``best=True``) is VestigeKV's retrieval floor, compared with certified fp32
+bounds, and it is computed by every form of this op (the tier of a decode step) and by the multi-token path
+(:func:`kvzoo.framework.retrieval.tier_best`). A bf16 score keeps 8 bits: rounded, s* moves by up to 2^-9 of its
+size, enough to change which archived rows clear the floor between the decode and the multi-token path. The kernels
+accumulate in fp32 on the tensor cores anyway, so fp32 scores cost them nothing; the SDPA form upcasts a block of
+half-precision rows at a time for its products; fp32 rows compute exactly as before (nothing is rounded there).
 
 A step comes in one or two *parts* (:func:`attend`): a step that must see the tier's best score before it knows which
 other rows to read asks the tier for it with ``defer=True`` and passes that part as ``prior`` when it attends over the
@@ -44,8 +51,8 @@ The forms (``attend(..., impl=...)``; :func:`kvzoo.kernels.dispatch.decode_impl`
 where it applies):
 
 * ``reference`` (:mod:`.reference`): the specification, plain PyTorch, fp32 math, the whole parts protocol;
-* ``sdpa`` (:mod:`.sdpa`): torch's fused ``scaled_dot_product_attention`` for one plain source, per-source scores
-  in the rows' dtype and one fp32 softmax otherwise;
+* ``sdpa`` (:mod:`.sdpa`): torch's fused ``scaled_dot_product_attention`` for one plain source, per-source fp32
+  scores and one fp32 softmax otherwise;
 * ``triton`` (:mod:`.triton`): split-K kernels and a one-pass log-sum-exp merge kernel, launch heuristics beside them
   (what ships for the sm_90 compile gate: ``kvzoo/kernels/shapes.py``);
 * ``native``: ``kvzoo.kernels.cpu_native.decode_attend``, rows read where they lie, once per KV group.

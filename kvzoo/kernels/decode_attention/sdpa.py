@@ -1,7 +1,7 @@
 """Decode attention through torch's fused ``scaled_dot_product_attention`` where it applies (one source, read whole,
 nothing but the output asked: transformers' own decode), and the same math in two products elsewhere: per source
-scores in the rows' dtype, one fp32 softmax over every source of the step, the probabilities in the values' dtype
-times the values. Held to the reference (``tests/test_decode_attention_reference.py``) on single-part and two-part steps.
+fp32 scores, one fp32 softmax over every source of the step, the probabilities in the values' dtype times the
+values. Held to the reference (``tests/test_decode_attention_reference.py``) on single-part and two-part steps.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from kvzoo.kernels.decode_attention.rows import Attended, _group_readable, _readable, _Source
+
+# Most fp32 elements of one block of half-precision rows upcast at once for their scores.
+SCORE_ROW_BLOCK_ELEMENTS = 1 << 22
 
 
 def sdpa_mask(query: torch.Tensor, s: _Source) -> torch.Tensor | None:
@@ -37,12 +40,28 @@ def _sdpa_rows(s: _Source, value: bool) -> torch.Tensor:
     return torch.gather(pool, 2, idx[..., None].expand(*idx.shape, pool.shape[-1]))
 
 
+def _scores(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * q k^T`` ``[B, G, hpg, N']`` in fp32 for ``q [B, G, hpg, D]`` (already in the rows' dtype): fp32
+    rows multiply as they are; half-precision rows are upcast a block at a time (the product is then fp32's, never
+    rounded to the rows' dtype: the score precision of every path that computes s*)."""
+    if keys.dtype == torch.float32:
+        return torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)
+    B, G, hpg, D = q.shape
+    n = keys.shape[2]
+    qf = q.float()
+    out = qf.new_empty(B, G, hpg, n)
+    step = max(1, SCORE_ROW_BLOCK_ELEMENTS // max(1, B * G * D))
+    for a in range(0, n, step):
+        out[..., a:a + step] = torch.matmul(qf, keys[:, :, a:a + step].float().transpose(-1, -2))
+    return out.mul_(scaling)
+
+
 def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, lse: bool = False,
                 best: bool = False, mass: bool = False, defer: bool = False,
                 prior: Attended | None = None) -> Attended:
     """One source without extras through ``F.scaled_dot_product_attention`` (``enable_gqa``: the rows are read
-    in place, the kernels transformers' own SDPA path takes); otherwise per source ``scale * Q K^T`` in the rows'
-    dtype (fp32 accumulation, the query rounded to the rows' dtype as the reference does), one fp32 softmax over every source (``prior``'s
+    in place, the kernels transformers' own SDPA path takes); otherwise per source fp32 scores (:func:`_scores`,
+    the query rounded to the rows' dtype as the reference does), one fp32 softmax over every source (``prior``'s
     deferred scores included), and the probabilities in the values' dtype times the values. ``defer``: stop after
     the scores (and the best one), for a later part to join.
 
@@ -63,8 +82,7 @@ def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, 
     for s in checked:
         keys = _sdpa_rows(s, False)
         G, hpg = s.groups, H // s.groups
-        q = query.to(keys.dtype).view(B, G, hpg, D)
-        sc = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scaling)  # [B, G, hpg, N']
+        sc = _scores(query.to(keys.dtype).view(B, G, hpg, D), keys, scaling)  # [B, G, hpg, N'] fp32
         src = s.rows
         if src.head_valid is not None:  # a flag per head
             sc = sc.view(B, H, s.positions).masked_fill_(~sdpa_mask(query, s)[:, :, 0], float("-inf"))
