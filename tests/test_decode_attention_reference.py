@@ -16,7 +16,7 @@ import torch
 
 from kvzoo.kernels import decode_attention as da
 from kvzoo.kernels import shapes
-from kvzoo.kernels.decode_attention import Rows, attend, decode_attention, decode_attention_reference, merge
+from kvzoo.kernels.decode_attention import Rows, attend, decode_attention, decode_attention_reference
 
 SCALE = 0.3
 
@@ -154,17 +154,20 @@ def test_a_step_in_two_parts_equals_the_reference_of_the_whole_step(name, impl):
         assert (got - want).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("impl", ["reference", "sdpa"])
 @pytest.mark.parametrize("name", TWO_SOURCES)
-def test_the_reference_takes_a_prior_it_cannot_read_again_as_one_log_sum_exp_term(name):
-    """A kernel's or the native op's part has only ``out`` and ``lse``: the reference joins it to its softmax as one
-    term, and the result is the reference of the whole step."""
+def test_a_prior_with_no_scores_joins_the_softmax_as_one_log_sum_exp_term(name, impl):
+    """A kernel's or the native op's part has only ``out``, ``lse`` (and ``mass`` within itself): the PyTorch forms
+    join it to their softmax as one term; the result is the reference of the whole step, its mass the step's."""
     query, sources = CASES[name]
-    whole = attend(query, sources, SCALE, lse=True, impl="reference")
-    alone = attend(query, sources[:1], SCALE, lse=True, best=True, impl="reference")
-    kernel_like = da.Attended(alone.out, alone.lse, alone.best)  # no sources, no scores
-    both = attend(query, sources[1:], SCALE, lse=True, prior=kernel_like, impl="reference")
+    whole = attend(query, sources, SCALE, lse=True, mass=True, impl="reference")
+    alone = attend(query, sources[:1], SCALE, lse=True, best=True, mass=True, impl="reference")
+    kernel_like = da.Attended(alone.out, alone.lse, alone.best, alone.mass)  # no sources, no scores
+    both = attend(query, sources[1:], SCALE, lse=True, mass=True, prior=kernel_like, impl=impl)
     assert _rel(both.out, whole.out) <= 1e-5 and _rel(both.lse, whole.lse) <= 1e-5
-    assert both.best is alone.best
+    assert both.best is alone.best and len(both.mass) == 2
+    for got, want in zip(both.mass, whole.mass):
+        assert (got - want).abs().max() <= 1e-5
 
 
 def test_the_reference_runs_two_parts_without_sdpa(monkeypatch):
@@ -185,17 +188,6 @@ def test_half_rows_score_in_fp32_on_every_pytorch_path():
     ref = attend(query, src, SCALE, best=True, impl="reference").best
     got = attend(query, src, SCALE, best=True, defer=True, impl="sdpa").best
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
-
-
-@pytest.mark.parametrize("impl", ["reference", "sdpa"])
-def test_two_parts_merge_into_the_one_softmax_of_both(impl):
-    query, sources = CASES["gqa-two-sources"]
-    whole = attend(query, sources, SCALE, lse=True, mass=True, impl="reference")
-    parts = [attend(query, [src], SCALE, lse=True, mass=True, impl=impl) for src in sources]
-    out, lse, weights = merge(parts, query.dtype)
-    assert _rel(out, whole.out) <= 1e-5 and _rel(lse, whole.lse) <= 1e-5
-    for part, weight, want in zip(parts, weights, whole.mass):  # a part's mass times its weight: the step's
-        assert (part.mass[0] * weight[..., None] - want).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -387,8 +379,8 @@ def test_flag_words_hold_valid_and_head_valid_bit_per_head(hpg):
 
 
 def test_a_failing_kernel_after_a_kernel_part_falls_back_to_a_merge(monkeypatch):
-    """auto mode: the second part's kernel fails; its fallback computes the part alone and merges it with the
-    first (a kernel part: no scores to join) by log-sum-exp."""
+    """auto mode: the second part's kernel fails; its fallback (the SDPA form) joins the first part (a kernel part:
+    no scores to join) to its softmax by log-sum-exp."""
     from kvzoo.kernels import dispatch
 
     monkeypatch.delenv("KVZOO_KERNELS", raising=False)

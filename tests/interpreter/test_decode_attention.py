@@ -345,7 +345,7 @@ def test_a_prior_part_is_merged_by_the_merge_kernel(monkeypatch):
     """The runtime's retrieving step: the tier deferred (with its best score), then the fetched rows with that part
     as the prior, folded into the merge kernel (no PyTorch merge); the best score stays the tier's."""
     query, sources = __import__("tests.test_decode_attention_reference", fromlist=["CASES"]).CASES["gqa-head-valid"]
-    monkeypatch.setattr(da, "merge", lambda *a, **k: pytest.fail("a PyTorch merge on the kernel path"))
+    monkeypatch.setattr(da.sdpa, "attend_sdpa", lambda *a, **k: pytest.fail("a PyTorch merge on the kernel path"))
     first = da.attend(query, sources[:1], SCALE, best=True, defer=True, impl="triton")
     both = da.attend(query, sources[1:], SCALE, lse=True, prior=first, impl="triton")
     ref = da.attend(query, sources, SCALE, lse=True, impl="reference")

@@ -90,7 +90,7 @@ from kvzoo.kernels.decode_attention.triton import (
 IMPLEMENTATIONS = ("reference", "sdpa", "triton", "native")
 __all__ = ["DEFAULT_SMS", "FLOAT_DTYPES", "IMPLEMENTATIONS", "INDEX_DTYPES", "MAX_MERGE_BLOCK_S", "MAX_SPLITS",
            "Attended", "MergeConfig", "Rows", "SplitConfig", "attend", "decode_attention",
-           "decode_attention_reference", "decode_attention_triton", "default_splits", "merge", "merge_config",
+           "decode_attention_reference", "decode_attention_triton", "default_splits", "merge_config",
            "reference", "sdpa", "split_config", "triton"]
 
 
@@ -127,11 +127,6 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
                             lse=True, prior=prior), query, checked, scaling, splits, best=best, prior=prior)
     if impl != "sdpa":
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS} or None (the dispatch's choice), got {impl!r}")
-    if prior is not None and prior.scores is None:  # a kernel's or the native op's part before: merged with it
-        part = sdpa.attend_sdpa(query, checked, scaling, lse=True, mass=mass)
-        out, lse_t, weights = merge([prior, part], query.dtype)
-        return Attended(out, lse_t, prior.best, None if part.mass is None else [m * weights[1][..., None]
-                                                                                 for m in part.mass])
     return sdpa.attend_sdpa(query, checked, scaling, lse=lse, best=best, mass=mass, defer=defer, prior=prior)
 
 # A plain source (a contiguous pool read whole: `full`, a tier compacted at its events) goes to torch's fused SDPA
@@ -178,34 +173,9 @@ def _native_part(query: torch.Tensor, src: Rows, scaling: float, *, best: bool, 
 
 
 def _fallback(query, checked, scaling, **kwargs):
-    """The PyTorch path a failing kernel falls back to (``dispatch.run``). A prior that a kernel computed has no
-    scores to join: this part is computed alone and merged with it by log-sum-exp."""
-    prior = kwargs.get("prior")
-    if prior is not None and prior.scores is None:
-        def merged(*args, **kw):
-            part = sdpa.attend_sdpa(query, checked, scaling, lse=True)
-            out, lse, _ = merge([prior, part], query.dtype)
-            return Attended(out, lse, prior.best)
-        return merged
+    """The PyTorch path a failing kernel falls back to (``dispatch.run``): the SDPA form, which joins a kernel's
+    prior part to its softmax by its log-sum-exp."""
     return lambda *args, **kw: sdpa.attend_sdpa(query, checked, scaling, **kwargs)
-
-
-def merge(parts: list[Attended], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, list | None]:
-    """One softmax from parts over disjoint rows: ``(out [B, H, Dv] in dtype, lse [B, H], weights)``.
-
-    ``weights[i] [B, H]`` is the share of part ``i`` in the whole (``exp(lse_i - lse)``): a part's ``mass``
-    times its weight is the probability each of its positions got in the step. One part merges to itself
-    (``weights`` None).
-    """
-    if len(parts) == 1:
-        part = parts[0]
-        return part.out.to(dtype), part.lse, None
-    lses = torch.stack([p.lse for p in parts])  # [P, B, H]
-    total = torch.logsumexp(lses, dim=0)
-    shift = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    weights = torch.exp(lses - shift)  # [P, B, H]; 0 for a part with no readable row
-    out = sum(w[..., None] * p.out.float().nan_to_num(0.0) for w, p in zip(weights, parts))
-    return out.to(dtype), total, list(weights)
 
 
 def decode_attention(

@@ -170,7 +170,7 @@ def _fold_pool_valid(src: Rows, pool: int) -> Rows:
 
 @dataclass
 class Attended:
-    """Decode attention over some of a step's sources, before the last merge (``attend``, ``merge``).
+    """Decode attention over some of a step's sources: one part of a step (``attend``).
 
     ``out [B, H, Dv]`` is normalised over this part's readable rows (fp32, or the query's dtype where an
     implementation writes that); ``lse [B, H]`` fp32 their log-sum-exp (``-inf``: none readable); ``best [B, H]``

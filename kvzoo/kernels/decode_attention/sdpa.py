@@ -63,12 +63,12 @@ def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, 
     in place, the kernels transformers' own SDPA path takes); otherwise per source fp32 scores (:func:`_scores`,
     the query rounded to the rows' dtype as the reference does), one fp32 softmax over every source (``prior``'s
     deferred scores included), and the probabilities in the values' dtype times the values. ``defer``: stop after
-    the scores (and the best one), for a later part to join.
+    the scores (and the best one), for a later part to join. A prior with no scores (a kernel's or the native op's
+    part: ``out`` and ``lse``) joins the softmax as one term of score ``lse`` and value ``out``, as in the reference.
 
     Unlike the reference and the kernel, this path multiplies an unreadable row's value by its zero probability:
     unreadable rows must hold finite values (the runtime's always do: zeros past the live rows, real rows
     otherwise); a NaN there would reach the output."""
-
     B, H, D = query.shape
     if len(checked) == 1 and prior is None and not (lse or best or mass or defer) \
             and checked[0].pool == checked[0].positions:
@@ -94,11 +94,16 @@ def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, 
         best_t = torch.stack([sc.amax(dim=-1) for sc in scores]).amax(0) if len(scores) > 1 else scores[0].amax(-1)
     if defer:
         return Attended(None, best=best_t, scores=scores, sources=checked)
-    if prior is not None:
+    merged = prior is not None and prior.scores is None  # a kernel's or the native op's part: (out, lse)
+    if prior is not None and not merged:
         scores, checked = prior.scores + scores, prior.sources + checked
     joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
+    if merged:
+        joined = torch.cat([prior.lse[..., None], joined], dim=-1)
     # 0 (not NaN) where a head may read no row: out = 0 there (the aten op: torch.compile traces it)
     probs = torch.ops.aten._safe_softmax.default(joined, -1)
+    if merged:
+        weight, probs = probs[..., :1], probs[..., 1:]  # the prior's share of the step [B, H, 1]
     parts = probs.split([s.positions for s in checked], dim=-1) if len(checked) > 1 else [probs]
     out = None
     for s, p in zip(checked, parts):
@@ -107,6 +112,11 @@ def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, 
         term = torch.matmul(p.to(values.dtype).view(B, G, H // G, s.positions), values)
         out = term if out is None else out + term
     out = out.view(B, H, -1)
+    masses = list(parts) if mass else None
+    if merged:
+        out = out.float() + torch.where(weight > 0, weight * prior.out.float(), 0.0)
+        if mass and prior.mass is not None:
+            masses = [m * weight for m in prior.mass] + masses
     lse_t = torch.logsumexp(joined, dim=-1) if lse else None  # -inf where no row is readable
-    return Attended(out, lse_t, best_t if prior is None else prior.best, list(parts) if mass else None)
+    return Attended(out, lse_t, best_t if prior is None else prior.best, masses)
 
