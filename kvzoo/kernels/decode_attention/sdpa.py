@@ -40,6 +40,18 @@ def _sdpa_rows(s: _Source, value: bool) -> torch.Tensor:
     return torch.gather(pool, 2, idx[..., None].expand(*idx.shape, pool.shape[-1]))
 
 
+def fused(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch's fused SDPA of one query per sequence ``[B, H, D]`` over ``keys [B, G, N, D]``, ``values [B, G, N, Dv]``
+    (read in place, ``enable_gqa``) under ``mask [B, H, 1, N]`` (None: every row): ``[B, H, Dv]``. The one place a
+    single query takes the fused kernel (the decode op's plain source, a one-token forward of
+    :func:`kvzoo.kernels.attention.attention_sdpa`)."""
+    q = query.to(keys.dtype)[:, :, None]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] > keys.shape[1])
+    return out[:, :, 0]
+
+
 def _scores(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """``scaling * q k^T`` ``[B, G, hpg, N']`` in fp32 for ``q [B, G, hpg, D]`` (already in the rows' dtype): fp32
     rows multiply as they are; half-precision rows are upcast a block at a time (the product is then fp32's, never
@@ -73,11 +85,7 @@ def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, 
     if len(checked) == 1 and prior is None and not (lse or best or mass or defer) \
             and checked[0].pool == checked[0].positions:
         s = checked[0]
-        keys, values = _sdpa_rows(s, False), _sdpa_rows(s, True)
-        q = query.to(keys.dtype)[:, :, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=sdpa_mask(query, s), scale=scaling,
-                                             enable_gqa=H > s.groups)
-        return Attended(out[:, :, 0])
+        return Attended(fused(query, _sdpa_rows(s, False), _sdpa_rows(s, True), scaling, sdpa_mask(query, s)))
     scores = []
     for s in checked:
         keys = _sdpa_rows(s, False)
