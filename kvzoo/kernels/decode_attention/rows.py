@@ -72,6 +72,19 @@ def _check_flag(what: str, t, shape: tuple[int, ...], device: torch.device) -> N
 
 
 def _validate(query: torch.Tensor, sources, scaling, splits, fold: bool = True) -> list[_Source]:
+    """Every input checked (a ValueError says what was wrong and what is valid); ``fold``: the pool flags folded
+    into ``valid`` (what every implementation but the native op reads)."""
+    _check_call(query, sources, scaling, splits)
+    out: list[_Source] = []
+    for i, src in enumerate(sources):
+        checked = _check_source(f"sources[{i}]", src, query, out[0].value_width if out else None)
+        if src.pool_valid is not None and fold:
+            checked = dataclasses.replace(checked, rows=_fold_pool_valid(src, checked.pool))
+        out.append(checked)
+    return out
+
+
+def _check_call(query: torch.Tensor, sources, scaling, splits) -> None:
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         got = _shape(query) if isinstance(query, torch.Tensor) else type(query).__name__
         raise ValueError(f"query must be a [B, H, D] tensor, got {got}")
@@ -84,77 +97,83 @@ def _validate(query: torch.Tensor, sources, scaling, splits, fold: bool = True) 
         raise ValueError(f"splits must be None or an int in [1, {MAX_SPLITS}], got {splits!r}")
     if not isinstance(sources, (list, tuple)) or not sources or not all(isinstance(s, Rows) for s in sources):
         raise ValueError("sources must be a non-empty list of Rows")
+
+
+def _check_keys(name: str, k, query: torch.Tensor) -> None:
+    if not isinstance(k, torch.Tensor) or k.dim() != 4:
+        got = _shape(k) if isinstance(k, torch.Tensor) else type(k).__name__
+        raise ValueError(f"{name}.keys must be a [B, G, N, D] tensor, got {got}")
+    if k.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}.keys must be float16, bfloat16 or float32, got {k.dtype}")
+    _on(f"{name}.keys", k, query.device)
     B, H, D = query.shape
+    Bk, G, N, Dk = k.shape
+    if Bk != B or Dk != D:
+        raise ValueError(f"{name}.keys {_shape(k)} must be [B={B}, G, N, D={D}] for query {_shape(query)}")
+    if G < 1 or H % G:
+        raise ValueError(f"{name}.keys has G={G} KV groups; the query's H={H} heads must be a multiple of it")
+    if k.stride(-1) != 1 and D > 1:
+        raise ValueError(f"{name}.keys must have a contiguous last dimension (stride 1), got strides {k.stride()}")
+
+
+def _value_width(name: str, src: Rows, query: torch.Tensor) -> int:
+    """The checked values' width ``Dv``."""
+    B, _, D = query.shape
+    k = src.keys
+    if src.values is None:
+        width = src.value_width
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= D:
+            raise ValueError(f"{name} has values=None (MLA absorbed form): value_width must be an int in "
+                             f"[1, D={D}], got {width!r}")
+        return width
+    v = src.values
+    _, G, N, _ = k.shape
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or tuple(v.shape[:3]) != (B, G, N):
+        got = _shape(v) if isinstance(v, torch.Tensor) else type(v).__name__
+        raise ValueError(f"{name}.values must be [B={B}, G={G}, N={N}, Dv], got {got}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"{name}.values must have the keys' dtype {k.dtype}, got {v.dtype}")
+    _on(f"{name}.values", v, query.device)
+    if v.stride(-1) != 1 and v.shape[-1] > 1:
+        raise ValueError(f"{name}.values must have a contiguous last dimension (stride 1), "
+                         f"got strides {v.stride()}")
+    width = v.shape[-1]
+    if width < 1:
+        raise ValueError(f"{name}.values has Dv=0; the value width must be >= 1")
+    if src.value_width is not None and src.value_width != width:
+        raise ValueError(f"{name}.value_width={src.value_width!r} disagrees with values' Dv={width} "
+                         "(value_width is only for values=None)")
+    return width
+
+
+def _check_source(name: str, src: Rows, query: torch.Tensor, first_width: int | None) -> _Source:
+    _check_keys(name, src.keys, query)
+    B, H, _ = query.shape
     device = query.device
-    out: list[_Source] = []
-    for i, src in enumerate(sources):
-        name = f"sources[{i}]"
-        k = src.keys
-        if not isinstance(k, torch.Tensor) or k.dim() != 4:
-            got = _shape(k) if isinstance(k, torch.Tensor) else type(k).__name__
-            raise ValueError(f"{name}.keys must be a [B, G, N, D] tensor, got {got}")
-        if k.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name}.keys must be float16, bfloat16 or float32, got {k.dtype}")
-        _on(f"{name}.keys", k, device)
-        Bk, G, N, Dk = k.shape
-        if Bk != B or Dk != D:
-            raise ValueError(f"{name}.keys {_shape(k)} must be [B={B}, G, N, D={D}] for query "
-                             f"{_shape(query)}")
-        if G < 1 or H % G:
-            raise ValueError(f"{name}.keys has G={G} KV groups; the query's H={H} heads must be a "
-                             "multiple of it")
-        if k.stride(-1) != 1 and D > 1:
-            raise ValueError(f"{name}.keys must have a contiguous last dimension (stride 1), "
-                             f"got strides {k.stride()}")
-        if src.values is None:
-            width = src.value_width
-            if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= D:
-                raise ValueError(f"{name} has values=None (MLA absorbed form): value_width must be an int in "
-                                 f"[1, D={D}], got {width!r}")
-        else:
-            v = src.values
-            if not isinstance(v, torch.Tensor) or v.dim() != 4 or tuple(v.shape[:3]) != (B, G, N):
-                got = _shape(v) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"{name}.values must be [B={B}, G={G}, N={N}, Dv], got {got}")
-            if v.dtype != k.dtype:
-                raise ValueError(f"{name}.values must have the keys' dtype {k.dtype}, got {v.dtype}")
-            _on(f"{name}.values", v, device)
-            if v.stride(-1) != 1 and v.shape[-1] > 1:
-                raise ValueError(f"{name}.values must have a contiguous last dimension (stride 1), "
-                                 f"got strides {v.stride()}")
-            width = v.shape[-1]
-            if width < 1:
-                raise ValueError(f"{name}.values has Dv=0; the value width must be >= 1")
-            if src.value_width is not None and src.value_width != width:
-                raise ValueError(f"{name}.value_width={src.value_width!r} disagrees with values' Dv={width} "
-                                 "(value_width is only for values=None)")
-        if out and width != out[0].value_width:
-            raise ValueError(f"{name} has value width {width}, sources[0] {out[0].value_width}: "
-                             "all sources must share Dv")
-        positions = N
-        if src.indices is not None:
-            idx = src.indices
-            if not isinstance(idx, torch.Tensor) or idx.dtype not in INDEX_DTYPES:
-                got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
-                raise ValueError(f"{name}.indices must be an int32 or int64 tensor, got {got}")
-            if idx.dim() != 3 or tuple(idx.shape[:2]) != (B, G):
-                raise ValueError(f"{name}.indices must have shape [B={B}, G={G}, K], got {_shape(idx)}")
-            _on(f"{name}.indices", idx, device)
-            positions = idx.shape[2]
-        if src.length is not None:
-            ln = src.length
-            if not isinstance(ln, torch.Tensor) or ln.dtype not in INDEX_DTYPES or tuple(ln.shape) != (B,):
-                got = f"{ln.dtype} {_shape(ln)}" if isinstance(ln, torch.Tensor) else type(ln).__name__
-                raise ValueError(f"{name}.length must be an int32 or int64 tensor of shape [B={B}], "
-                                 f"got {got}")
-            _on(f"{name}.length (a tensor on the query's device)", ln, device)
-        _check_flag(f"{name}.valid", src.valid, (B, G, positions), device)
-        _check_flag(f"{name}.head_valid", src.head_valid, (B, H, positions), device)
-        _check_flag(f"{name}.pool_valid", src.pool_valid, (B, G, N), device)
-        if src.pool_valid is not None and fold:
-            src = _fold_pool_valid(src, N)
-        out.append(_Source(src, G, N, positions, width))
-    return out
+    _, G, N, _ = src.keys.shape
+    width = _value_width(name, src, query)
+    if first_width is not None and width != first_width:
+        raise ValueError(f"{name} has value width {width}, sources[0] {first_width}: all sources must share Dv")
+    positions = N
+    if src.indices is not None:
+        idx = src.indices
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in INDEX_DTYPES:
+            got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"{name}.indices must be an int32 or int64 tensor, got {got}")
+        if idx.dim() != 3 or tuple(idx.shape[:2]) != (B, G):
+            raise ValueError(f"{name}.indices must have shape [B={B}, G={G}, K], got {_shape(idx)}")
+        _on(f"{name}.indices", idx, device)
+        positions = idx.shape[2]
+    if src.length is not None:
+        ln = src.length
+        if not isinstance(ln, torch.Tensor) or ln.dtype not in INDEX_DTYPES or tuple(ln.shape) != (B,):
+            got = f"{ln.dtype} {_shape(ln)}" if isinstance(ln, torch.Tensor) else type(ln).__name__
+            raise ValueError(f"{name}.length must be an int32 or int64 tensor of shape [B={B}], got {got}")
+        _on(f"{name}.length (a tensor on the query's device)", ln, device)
+    _check_flag(f"{name}.valid", src.valid, (B, G, positions), device)
+    _check_flag(f"{name}.head_valid", src.head_valid, (B, H, positions), device)
+    _check_flag(f"{name}.pool_valid", src.pool_valid, (B, G, N), device)
+    return _Source(src, G, N, positions, width)
 
 
 def _fold_pool_valid(src: Rows, pool: int) -> Rows:
