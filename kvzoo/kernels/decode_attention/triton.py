@@ -163,6 +163,38 @@ def default_splits(batch_groups: int, positions: int, block_n: int, sms: int = D
 # ----------------------------------------------------------------------------------------------------
 
 
+def _tile_rows(idx_base, ahead, hi, n_pool, stride_ik, GATHER: tl.constexpr):
+    """The row number of each position of a tile (int32; -1: past the split or outside the pool)."""
+    if GATHER:
+        got = tl.load(idx_base + ahead.to(tl.int64) * stride_ik, mask=ahead < hi, other=-1)
+        return tl.where((got >= 0) & (got < n_pool), got, -1).to(tl.int32)
+    return tl.where(ahead < hi, ahead, -1)
+
+
+def _flag_word(flag_base, ahead, hi, stride_fw, FLAG_WORDS: tl.constexpr):
+    """The OR of a tile's flag words per position: nonzero where some head of the group may read it."""
+    word = tl.load(flag_base + ahead, mask=ahead < hi, other=0)
+    for w in tl.static_range(1, FLAG_WORDS):
+        word = word | tl.load(flag_base + w * stride_fw + ahead, mask=ahead < hi, other=0)
+    return word
+
+
+def _heads_allowed(word, fetch, flag_base, pos, stride_fw, offs_h, FLAG_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """``[BLOCK_H, BLOCK_N]`` bool: which head may read which position. valid and head_valid in int32 words: bit j
+    of word w = head 32 w + j may read the position."""
+    if FLAG_WORDS == 1:
+        head_ok = (word[None, :] >> (offs_h % 32)[:, None]) & 1
+    else:  # exactly the words the host packed (ceil(hpg / 32)); heads past them read nothing. These loads only mask
+        # the scores, so they need not come a tile ahead
+        head_ok = tl.zeros([BLOCK_H, BLOCK_N], tl.int32)
+        for w in tl.static_range(FLAG_WORDS):
+            bits = tl.load(flag_base + w * stride_fw + pos, mask=fetch, other=0)
+            bit = (bits[None, :] >> (offs_h % 32)[:, None]) & 1
+            head_ok = tl.where((offs_h // 32 == w)[:, None], bit, head_ok)
+    return head_ok != 0
+
+
 def decode_split_kernel(
     Q, K, V, LENGTH, IDX, FLAGS, PART_O, PART_L, PART_M,
     scale_log2,
@@ -228,45 +260,23 @@ def decode_split_kernel(
     # loads of a tile then depend on no load of its own iteration, and the pipeliner keeps as many row tiles in
     # flight as in the dense loop (a row load that waits on a same-iteration flag load got one buffer).
     ahead = lo + offs_n
-    if GATHER:
-        got = tl.load(idx_base + ahead.to(tl.int64) * stride_ik, mask=ahead < hi, other=-1)
-        rows_next = tl.where((got >= 0) & (got < n_pool), got, -1).to(tl.int32)
-    else:
-        rows_next = tl.where(ahead < hi, ahead, -1)
+    rows_next = _tile_rows(idx_base, ahead, hi, n_pool, stride_ik, GATHER)
     if HAS_FLAGS:
-        word_next = tl.load(flag_base + ahead, mask=ahead < hi, other=0)
-        for w in tl.static_range(1, FLAG_WORDS):
-            word_next = word_next | tl.load(flag_base + w * stride_fw + ahead, mask=ahead < hi, other=0)
+        word_next = _flag_word(flag_base, ahead, hi, stride_fw, FLAG_WORDS)
         rows_next = tl.where(word_next != 0, rows_next, -1)
     for start in range(lo, hi, BLOCK_N):
         rows = rows_next
         if HAS_FLAGS:
             word = word_next
         ahead = start + BLOCK_N + offs_n
-        if GATHER:
-            got = tl.load(idx_base + ahead.to(tl.int64) * stride_ik, mask=ahead < hi, other=-1)
-            rows_next = tl.where((got >= 0) & (got < n_pool), got, -1).to(tl.int32)
-        else:
-            rows_next = tl.where(ahead < hi, ahead, -1)
+        rows_next = _tile_rows(idx_base, ahead, hi, n_pool, stride_ik, GATHER)
         if HAS_FLAGS:
-            word_next = tl.load(flag_base + ahead, mask=ahead < hi, other=0)
-            for w in tl.static_range(1, FLAG_WORDS):
-                word_next = word_next | tl.load(flag_base + w * stride_fw + ahead, mask=ahead < hi, other=0)
+            word_next = _flag_word(flag_base, ahead, hi, stride_fw, FLAG_WORDS)
             rows_next = tl.where(word_next != 0, rows_next, -1)
         fetch = rows >= 0
         if HAS_FLAGS:
-            # valid and head_valid in int32 words: bit j of word w = head 32 w + j may read the position
-            if FLAG_WORDS == 1:
-                head_ok = (word[None, :] >> (offs_h % 32)[:, None]) & 1
-            else:  # exactly the words the host packed (ceil(hpg / 32)); heads past them read nothing. These
-                # loads only mask the scores, so they need not come a tile ahead
-                pos = start + offs_n
-                head_ok = tl.zeros([BLOCK_H, BLOCK_N], tl.int32)
-                for w in tl.static_range(FLAG_WORDS):
-                    bits = tl.load(flag_base + w * stride_fw + pos, mask=fetch, other=0)
-                    bit = (bits[None, :] >> (offs_h % 32)[:, None]) & 1
-                    head_ok = tl.where((offs_h // 32 == w)[:, None], bit, head_ok)
-            allowed = fetch[None, :] & (head_ok != 0)
+            allowed = fetch[None, :] & _heads_allowed(word, fetch, flag_base, start + offs_n, stride_fw, offs_h,
+                                                      FLAG_WORDS, BLOCK_H, BLOCK_N)
         else:
             allowed = fetch[None, :]
         rows = tl.maximum(rows, 0).to(tl.int64)
@@ -413,12 +423,14 @@ def decode_merge_kernel(
 
 @functools.cache
 def kernels() -> SimpleNamespace:
-    """The jitted split and merge kernels (imports Triton)."""
-    global tl
+    """The jitted split and merge kernels (imports Triton). The kernels' helpers are jitted too, in place: the
+    kernels call them through this module's globals."""
+    global tl, _tile_rows, _flag_word, _heads_allowed
     import triton
     import triton.language
 
     tl = triton.language
+    _tile_rows, _flag_word, _heads_allowed = (triton.jit(f) for f in (_tile_rows, _flag_word, _heads_allowed))
     return SimpleNamespace(split=triton.jit(decode_split_kernel), merge=triton.jit(decode_merge_kernel))
 
 
