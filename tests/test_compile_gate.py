@@ -4,7 +4,8 @@ memory within the limit, no register spills, the registers and programs per SM t
 tensor-core products (``mma.sync``; FMA for the index scans' IEEE fp32), two row tiles in flight in every
 decode-attention variant, each score computed by the warps expected.
 
-``kvzoo/kernels/shapes.py`` lists the configurations the kernels ship. ``pytest -s tests/test_compile_gate.py`` (or ``python -m kvzoo.kernels.shapes``) prints the tables.
+``kvzoo/kernels/shapes.py`` lists the configurations the kernels ship. ``pytest -s tests/test_compile_gate.py`` (or
+``python -m kvzoo.kernels.shapes``) prints the tables.
 Each configuration is compiled once per session (and Triton caches the binaries on disk).
 """
 

@@ -129,6 +129,7 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS} or None (the dispatch's choice), got {impl!r}")
     return sdpa.attend_sdpa(query, checked, scaling, lse=lse, best=best, mass=mass, defer=defer, prior=prior)
 
+
 # A plain source (a contiguous pool read whole: `full`, a tier compacted at its events) goes to torch's fused SDPA
 # -- transformers' own attention -- rather than the native op, so that kvzoo's `full` is the model's own decode.
 NATIVE_PLAIN = False
