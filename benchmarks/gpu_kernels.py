@@ -114,12 +114,12 @@ def build_case(model: str, case: str, batch: int, rows: int, *, device: str, dty
 
     def one(inputs, **tune):
         query, sources = inputs
-        return da._triton(query, da._validate(query, sources, scaling, None), scaling, tune.pop("splits", None),
+        return da.triton.launch(query, da._validate(query, sources, scaling, None), scaling, tune.pop("splits", None),
                           tune=tune or None)[0]
 
     def one_split(inputs):
         query, sources = inputs
-        return da._triton(query, da._validate(query, sources, scaling, None), scaling, None, merge=False)
+        return da.triton.launch(query, da._validate(query, sources, scaling, None), scaling, None, merge=False)
 
     def one_reference(inputs):
         query, sources = inputs
@@ -191,9 +191,9 @@ def build_case(model: str, case: str, batch: int, rows: int, *, device: str, dty
             def step(inputs, **tune):
                 query, (tier, fetched) = inputs
                 splits = tune.pop("splits", None)
-                out_t, lse_t, _ = da._triton(query, da._validate(query, [tier], scaling, None), scaling, splits,
+                out_t, lse_t, _ = da.triton.launch(query, da._validate(query, [tier], scaling, None), scaling, splits,
                                              best=True, out_dtype=torch.float32, tune=tune or None)
-                return da._triton(query, da._validate(query, [fetched], scaling, None), scaling, splits,
+                return da.triton.launch(query, da._validate(query, [fetched], scaling, None), scaling, splits,
                                   prior=(out_t, lse_t), tune=tune or None)[0]
 
             per_seq = kept * (row_bytes + 4) + f * (row_bytes + 4 + 4 * H // 32 + 4)
@@ -378,7 +378,7 @@ class KernelBench:
         reference = case.check(inputs)
         query, sources = inputs
         src = da._validate(query, sources[:1], SCALING, None)[0]
-        base_cfg, base_splits = da._split_launch(query, src, None)
+        base_cfg, base_splits = da.triton._split_launch(query, src, None)
         points, left_out = [], 0
         for factor, tune in itertools.product(factors, grid):
             if time.time() > deadline:

@@ -5,10 +5,10 @@
 
 SmolLM2-135M's attention: B = 1, 3 KV groups x 3 query heads, D = Dv = 64, fp32 rows. Per context ``n``:
 
-* decode attention over the whole pool of ``n`` rows by SDPA (``decode_attention._sdpa``, one plain source: torch's
+* decode attention over the whole pool of ``n`` rows by SDPA (``decode_attention.sdpa.attend_sdpa``, one plain source: torch's
   fused kernel with ``enable_gqa``) and by the native op (pool form);
 * the gathered form, ``n/8`` and ``n/32`` of the rows (sorted random index lists into the pool), by the native op and
-  by the PyTorch path the runtime takes for a gathered source (``_sdpa``: gather, two matmuls, one softmax);
+  by the PyTorch path the runtime takes for a gathered source (``attend_sdpa``: gather, two matmuls, one softmax);
 * a Quest-like gathered source: each of a group's 3 heads reads its own 64 pages of 16 rows (``head_valid`` marks each
   head's segment of the index list);
 * the int8 index scan over ``n`` archived rows (VestigeKV: 64 int8 codes + 3 fp16 per row, j = 16): the PyTorch
@@ -49,7 +49,8 @@ import torch
 
 from kvzoo.kernels import cpu_native
 from kvzoo.kernels.choose import quest_choose_reference, quest_page_add_reference, sketch_choose_reference
-from kvzoo.kernels.decode_attention import Rows, _sdpa, _validate
+from kvzoo.kernels.decode_attention import Rows, _validate
+from kvzoo.kernels.decode_attention.sdpa import attend_sdpa
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
     int8_choose_reference,
@@ -120,7 +121,7 @@ def attention_cases(n: int, cache_bytes: int = CACHE_BYTES, seed: int = 0) -> li
 
     def sdpa(source: Rows):
         checked = _validate(query, [source], SCALE, None)
-        return lambda: _sdpa(query, checked, SCALE)
+        return lambda: attend_sdpa(query, checked, SCALE)
 
     def native(source: Rows, **kwargs):
         return lambda: cpu_native.decode_attend(query, source, SCALE, **kwargs)

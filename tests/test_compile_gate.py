@@ -4,8 +4,8 @@ memory within the limit, no register spills, the registers and programs per SM t
 tensor-core products (``mma.sync``; FMA for the index scans' IEEE fp32), two row tiles in flight in every
 decode-attention variant, each score computed by the warps expected.
 
-A kernel module ships its configurations through ``shipped_configs()``; this test finds every module that has
-one. ``pytest -s tests/test_compile_gate.py`` (or ``python -m kvzoo.kernels.compile_gate``) prints the tables.
+``kvzoo/kernels/shapes.py`` lists the configurations the kernels ship. ``pytest -s tests/test_compile_gate.py`` (or
+``python -m kvzoo.kernels.shapes``) prints the tables.
 Each configuration is compiled once per session (and Triton caches the binaries on disk).
 """
 
@@ -19,14 +19,15 @@ import torch
 
 triton = pytest.importorskip("triton", reason="SKIPPED LOUDLY: the compile gate needs triton (pip install 'triton==3.7.1')")
 
-from kvzoo.kernels import decode_attention as da  # noqa: E402
+from kvzoo.kernels import shapes  # noqa: E402
 from kvzoo.kernels.compile_gate import (  # noqa: E402
     compile_sm90,
     grid_markdown,
     problems,
-    shipped,
     structure_table,
 )
+from kvzoo.kernels.decode_attention.triton import split_config  # noqa: E402
+from kvzoo.kernels.shapes import shipped  # noqa: E402
 
 CONFIGS = shipped()
 
@@ -39,9 +40,9 @@ def test_the_expected_triton_compiles():
 
 
 def test_some_configuration_ships_and_every_decode_variant_is_held_to_its_structure():
-    assert CONFIGS, "no kernel module lists shipped_configs()"
+    assert CONFIGS, "kvzoo/kernels/shapes.py lists no configuration"
     splits = [c for c in CONFIGS if c.name.startswith("decode_split-")]
-    assert len(splits) == len(da.SHIPPED_SHAPES) * len(da.SHIPPED_DTYPES) * len(da.SHIPPED_VARIANTS)
+    assert len(splits) == len(shapes.SHIPPED_SHAPES) * len(shapes.SHIPPED_DTYPES) * len(shapes.SHIPPED_VARIANTS)
     for config in splits:
         assert {"mma", "row_buffers", "ctas_per_sm", "score_copies", "max_registers"} <= set(config.expect)
         assert config.expect["mma"].startswith("mma.sync") and config.expect["row_buffers"] >= 2
@@ -59,8 +60,8 @@ def test_the_tables():
     print()
     print(structure_table([(c, compile_sm90(c)) for c in CONFIGS]))
     print()
-    print(grid_markdown(da.grid_table(132)))
-    for row in da.grid_table(132):  # the heuristic's wave is the compiled occupancy
+    print(grid_markdown(shapes.grid_table(132)))
+    for row in shapes.grid_table(132):  # the heuristic's wave is the compiled occupancy
         fits = row["batch"] * row["groups"] * (row["splits"] + 1) > row["slots"]
         assert row["programs"] <= max(row["slots"], row["batch"] * row["groups"]) and (fits or row["splits"] == row["tiles"])
 
@@ -78,8 +79,9 @@ def test_the_gate_fails_a_configuration_that_loses_its_pipelining():
 
 def test_the_gate_fails_a_configuration_that_loses_its_tensor_cores():
     """fp32 rows with IEEE products: FMA, not mma.sync (what a change that broke the dot's operand types would do)."""
-    cfg = da.split_config(16, 576, 512, False, 4)
-    signature, constexprs = da.split_specialisation(cfg, torch.float32, 512, False, da.SHIPPED_VARIANTS["pool"])
+    cfg = split_config(16, 576, 512, False, 4)
+    signature, constexprs = shapes.split_specialisation(cfg, torch.float32, 512, False,
+                                                         shapes.SHIPPED_VARIANTS["pool"])
     config = _mla_pool(name="fp32-rows", signature=signature, constexprs=constexprs)
     found = problems(config, compile_sm90(config))
     assert any("tensor-core path is lost" in p for p in found), found

@@ -1,4 +1,4 @@
-"""The decode-attention op (kvzoo/kernels/decode_attention.py) on CPU: its reference against a float64 softmax,
+"""The decode-attention op (kvzoo/kernels/decode_attention/) on CPU: its reference against a float64 softmax,
 and every other implementation against the reference, on one list of cases.
 
 The reference is the specification; ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere) must
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kvzoo.kernels import decode_attention as da
-from kvzoo.kernels.decode_attention import Rows, attend, decode_attention, decode_attention_reference, merge
+from kvzoo.kernels import shapes
+from kvzoo.kernels.decode_attention import Rows, attend, decode_attention, decode_attention_reference
 
 SCALE = 0.3
 
@@ -123,15 +124,70 @@ def test_every_implementation_equals_the_reference(name, impl):
                 assert (a - b).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("impl", ["reference", "sdpa"])
-def test_two_parts_merge_into_the_one_softmax_of_both(impl):
-    query, sources = CASES["gqa-two-sources"]
+TWO_SOURCES = sorted(name for name, (_, sources) in CASES.items() if len(sources) == 2)
+
+
+def _native_available() -> bool:
+    from kvzoo.kernels import cpu_native
+
+    return cpu_native.available()
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa", "native"])
+@pytest.mark.parametrize("name", TWO_SOURCES)
+def test_a_step_in_two_parts_equals_the_reference_of_the_whole_step(name, impl):
+    """The runtime's retrieving step on every implementation: the tier deferred for its best score (s*), then the
+    fetched rows with that part as the prior; the same softmax as the reference over both sources at once, the best
+    score the tier's, the mass of every position of both sources (the tier's first)."""
+    if impl == "native" and not _native_available():
+        pytest.skip("the native library is not built here")
+    query, sources = CASES[name]
     whole = attend(query, sources, SCALE, lse=True, mass=True, impl="reference")
-    parts = [attend(query, [src], SCALE, lse=True, mass=True, impl=impl) for src in sources]
-    out, lse, weights = merge(parts, query.dtype)
-    assert _rel(out, whole.out) <= 1e-5 and _rel(lse, whole.lse) <= 1e-5
-    for part, weight, want in zip(parts, weights, whole.mass):  # a part's mass times its weight: the step's
-        assert (part.mass[0] * weight[..., None] - want).abs().max() <= 1e-5
+    tier_best = attend(query, sources[:1], SCALE, best=True, impl="reference").best
+    first = attend(query, sources[:1], SCALE, best=True, defer=True, mass=True, impl=impl)
+    both = attend(query, sources[1:], SCALE, lse=True, mass=True, prior=first, impl=impl)
+    assert _rel(both.out.float(), whole.out) <= 1e-5 and _rel(both.lse, whole.lse) <= 1e-5
+    finite = torch.isfinite(tier_best)
+    assert torch.equal(finite, torch.isfinite(both.best)) and _rel(both.best[finite], tier_best[finite]) <= 1e-5
+    assert len(both.mass) == 2
+    for got, want in zip(both.mass, whole.mass):
+        assert (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa"])
+@pytest.mark.parametrize("name", TWO_SOURCES)
+def test_a_prior_with_no_scores_joins_the_softmax_as_one_log_sum_exp_term(name, impl):
+    """A kernel's or the native op's part has only ``out``, ``lse`` (and ``mass`` within itself): the PyTorch forms
+    join it to their softmax as one term; the result is the reference of the whole step, its mass the step's."""
+    query, sources = CASES[name]
+    whole = attend(query, sources, SCALE, lse=True, mass=True, impl="reference")
+    alone = attend(query, sources[:1], SCALE, lse=True, best=True, mass=True, impl="reference")
+    kernel_like = da.Attended(alone.out, alone.lse, alone.best, alone.mass)  # no sources, no scores
+    both = attend(query, sources[1:], SCALE, lse=True, mass=True, prior=kernel_like, impl=impl)
+    assert _rel(both.out, whole.out) <= 1e-5 and _rel(both.lse, whole.lse) <= 1e-5
+    assert both.best is alone.best and len(both.mass) == 2
+    for got, want in zip(both.mass, whole.mass):
+        assert (got - want).abs().max() <= 1e-5
+
+
+def test_the_reference_runs_two_parts_without_sdpa(monkeypatch):
+    """The specification speaks the parts protocol itself (no detour through the SDPA form)."""
+    monkeypatch.setattr(da.sdpa, "attend_sdpa", lambda *a, **k: pytest.fail("the reference took the SDPA form"))
+    query, sources = CASES["gqa-two-sources"]
+    first = attend(query, sources[:1], SCALE, best=True, defer=True, impl="reference")
+    both = attend(query, sources[1:], SCALE, lse=True, prior=first, impl="reference")
+    whole = attend(query, sources, SCALE, lse=True, impl="reference")
+    assert torch.equal(both.out, whole.out) and torch.equal(both.lse, whole.lse)
+
+
+def test_half_rows_score_in_fp32_on_every_pytorch_path():
+    """One score precision for s*: bf16 rows, the query rounded to bf16, products kept in fp32 -- the SDPA form's best
+    score equals the reference's (a bf16-rounded score would be off by up to 2**-9 of its size)."""
+    query, keys, values = _gqa(21, N=300, D=64, dtype=torch.bfloat16)
+    src = [Rows(keys, values, valid=torch.rand(2, 2, 300, generator=_gen(22)) < 0.9)]
+    ref = attend(query, src, SCALE, best=True, impl="reference").best
+    got = attend(query, src, SCALE, best=True, defer=True, impl="sdpa").best
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -187,7 +243,7 @@ def test_row_blocks_and_splits_do_not_change_the_result(monkeypatch):
     query, keys, values = _gqa(13, N=50)
     src = [Rows(keys, values, length=torch.tensor([50, 31]))]
     whole = decode_attention_reference(query, src, SCALE)
-    monkeypatch.setattr(da, "REFERENCE_ROW_BLOCK_ELEMENTS", 7 * 2 * 16)  # blocks of 3 rows per batch x group
+    monkeypatch.setattr(da.reference, "REFERENCE_ROW_BLOCK_ELEMENTS", 7 * 2 * 16)  # blocks of 3 rows per batch x group
     blocked = decode_attention_reference(query, src, SCALE, splits=5)
     assert _rel(blocked[0], whole[0]) <= 1e-6 and _rel(blocked[1], whole[1]) <= 1e-6
 
@@ -195,7 +251,7 @@ def test_row_blocks_and_splits_do_not_change_the_result(monkeypatch):
 def test_decode_attention_on_cpu_takes_sdpa_never_the_kernel(monkeypatch):
     monkeypatch.delenv("KVZOO_KERNELS", raising=False)
     query, keys, values = _gqa(14)
-    monkeypatch.setattr(da, "_triton", lambda *a, **k: pytest.fail("the kernel ran on CPU in auto mode"))
+    monkeypatch.setattr(da.triton, "launch", lambda *a, **k: pytest.fail("the kernel ran on CPU in auto mode"))
     out, lse = decode_attention(query, [Rows(keys, values)], SCALE)
     got = attend(query, [Rows(keys, values)], SCALE, lse=True, impl="sdpa")
     assert torch.equal(out, got.out.to(out.dtype)) and torch.equal(lse, got.lse)
@@ -281,7 +337,7 @@ def test_default_splits_fill_one_wave_of_the_chip_within_the_tiles():
 
 
 def test_the_grid_table_fills_the_chip_unless_the_tiles_run_out():
-    for row in da.grid_table(132):
+    for row in shapes.grid_table(132):
         assert row["programs"] <= max(row["slots"], row["batch"] * row["groups"])
         more = row["batch"] * row["groups"] * (row["splits"] + 1)
         assert row["splits"] == row["tiles"] or more > row["slots"], row  # one more split would not fit
@@ -310,7 +366,7 @@ def test_flag_words_hold_valid_and_head_valid_bit_per_head(hpg):
     head_valid = torch.rand(B, G * hpg, P, generator=_gen(17)) < 0.5
     words = -(-hpg // 32)
     for v, hv in ((valid, None), (valid, head_valid), (None, head_valid)):
-        packed = da._flag_words(v, hv, hpg)
+        packed = da.triton._flag_words(v, hv, hpg)
         assert packed.dtype == torch.int32 and packed.shape == (B, G, words, P) and packed.stride(-1) == 1
         bits = (packed.long()[:, :, :, None, :] >> torch.arange(32)[:, None]) & 1  # [B, G, words, 32, P]
         heads = bits.reshape(B, G, words * 32, P)[:, :, :hpg].bool()
@@ -323,8 +379,8 @@ def test_flag_words_hold_valid_and_head_valid_bit_per_head(hpg):
 
 
 def test_a_failing_kernel_after_a_kernel_part_falls_back_to_a_merge(monkeypatch):
-    """auto mode: the second part's kernel fails; its fallback computes the part alone and merges it with the
-    first (a kernel part: no scores to join) by log-sum-exp."""
+    """auto mode: the second part's kernel fails; its fallback (the SDPA form) joins the first part (a kernel part:
+    no scores to join) to its softmax by log-sum-exp."""
     from kvzoo.kernels import dispatch
 
     monkeypatch.delenv("KVZOO_KERNELS", raising=False)
@@ -336,7 +392,7 @@ def test_a_failing_kernel_after_a_kernel_part_falls_back_to_a_merge(monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel here")
 
-    monkeypatch.setattr(da, "_triton", broken)
+    monkeypatch.setattr(da.triton, "launch", broken)
     with pytest.warns(RuntimeWarning, match="decode_attention"):
         got = attend(query, sources[1:], SCALE, lse=True, prior=first, impl="triton")
     want = attend(query, sources, SCALE, lse=True, impl="reference")

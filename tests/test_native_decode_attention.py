@@ -1,5 +1,5 @@
 """The native gathered decode-attention op (kvzoo/kernels/cpu_native.py, ``torch.ops.kvzoo.decode_attend``) against
-the specification, ``_reference`` in kvzoo/kernels/decode_attention.py, on one list of cases covering every option.
+the specification, ``attend_reference`` in kvzoo/kernels/decode_attention/reference.py, on one list of cases covering every option.
 
 Each case is a query and one source; the op runs it alone and as the second part of a step (a first source's
 result as its ``prior``), and is compared with the reference over that source alone and over both sources joined:
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from kvzoo.kernels import cpu_native
-from kvzoo.kernels.decode_attention import Rows, _reference, _validate
+from kvzoo.kernels.decode_attention import Rows, _validate
+from kvzoo.kernels.decode_attention.reference import attend_reference
 
 needs_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,
@@ -168,9 +169,9 @@ CASES = cases()
 def _reference_part(query, sources):
     checked = _validate(query, sources, SCALE, None)
     if sum(s.positions for s in checked):
-        return _reference(query, checked, SCALE, best=True, mass=True)
+        return attend_reference(query, checked, SCALE, best=True, mass=True)
     # no positions at all: the reference's best (an amax over an empty dim) raises; it is -inf by definition
-    part = _reference(query, checked, SCALE, mass=True)
+    part = attend_reference(query, checked, SCALE, mass=True)
     part.best = torch.full(query.shape[:2], float("-inf"))
     return part
 

@@ -237,9 +237,11 @@ def _chosen_mask(chosen: tuple[torch.Tensor | None, torch.Tensor], archived: int
 
 
 def tier_best(layer: KVLayer, query: torch.Tensor, q_slots: torch.Tensor, scaling: float) -> torch.Tensor:
-    """s* ``[B, H, q]``: each query's best exact score over the rows of the attended tier it may read."""
+    """s* ``[B, H, q]``: each query's best exact score over the rows of the attended tier it may read, in the decode
+    op's score precision (``kvzoo/kernels/decode_attention``: the query rounded to the rows' dtype, fp32 products),
+    so a multi-token forward and a decode step floor the retrieval at the same s*."""
     keys = layer.get("keys")
-    scores = exact_scores(query, keys, scaling)  # [B, H, q, n]
+    scores = exact_scores(query.to(keys.dtype), keys, scaling)  # [B, H, q, n]
     B, H, q_len, n = scores.shape
     G = keys.shape[1]
     allowed = row_mask(layer.get("slots"), layer.get("valid"), q_slots)[:, :, None]

@@ -6,7 +6,7 @@ just ended: ``model.generate``'s first decode step). Then, here:
 1. the attended tier is one source of rows, read where the rows lie (:meth:`KVLayer.source`: the storage's live
    rows, or the storage at the tier's positions; with ``TieredCache(..., capacity=N)`` whole preallocated buffers
    with the live count on the device);
-2. the decode-attention op over it (``kvzoo/kernels/decode_attention.py``: its reference, SDPA, native CPU or
+2. the decode-attention op over it (``kvzoo/kernels/decode_attention/``: its reference, SDPA, native CPU or
    Triton form, as ``kvzoo/kernels/dispatch.py`` picks), asking for each row's probability when the policy
    accumulates attention (H2O);
 3. or, when the layer has archived rows and a retriever: the op over the tier first for its best score (s*), the

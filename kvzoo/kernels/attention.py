@@ -1,7 +1,7 @@
 """Attention of a forward of several queries over rows that carry their own sequence slots (PyTorch).
 
 A decode step (one query per sequence) goes through the decode-attention op instead
-(``kvzoo/kernels/decode_attention.py``: its reference, SDPA and Triton forms). Rows are not
+(``kvzoo/kernels/decode_attention/``: its reference, SDPA and Triton forms). Rows are not
 contiguous positions: after eviction, a tier holds an arbitrary subset of the sequence, so
 causality and padding are decided per row from its *slot* (its index in the sequence) and its
 ``valid`` flag, never from its index in the tensor.
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvzoo.kernels.decode_attention import sdpa as decode_sdpa
 
 # Most fp32 elements one score block may hold (B x H x queries x rows): 2**24 floats = 64 MiB. Every
 # reference below that materialises scores works through the queries in blocks of at most this many.
@@ -115,8 +117,8 @@ def attention_sdpa(
     G, n = keys.shape[1], keys.shape[2]
     hpg = H // G
     if all_valid and extra_mask is None:
-        if q_len == 1:  # one query sees every row: no mask
-            return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=hpg > 1)
+        if q_len == 1:  # one query sees every row: the decode op's fused form, no mask
+            return decode_sdpa.fused(query[:, :, 0], keys, values, scaling)[:, :, None]
         if q_len == n:  # lower-right is upper-left here: the causal kernel, nothing materialised
             return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling,
                                                   enable_gqa=hpg > 1)

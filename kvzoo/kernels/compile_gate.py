@@ -22,10 +22,10 @@ any machine. From it, :func:`compile_sm90` reads:
 * the programs one SM holds at once, from registers (64K per SM, allocated per warp in units of 256),
   shared memory (228 KiB per SM, 1 KiB reserved per block) and threads (2,048).
 
-Each kernel module lists the configurations it ships (``shipped_configs()``: the ones its launcher picks
-on a GPU, each with what it is built for in ``expect``); ``tests/test_compile_gate.py`` compiles every one,
-prints the table and holds each to its expectations. Results are cached per process. Imports Triton: never
-imported by the runtime.
+``kvzoo/kernels/shapes.py`` lists the configurations the kernels ship (the ones their launchers pick on a
+GPU, each with what it is built for in ``expect``); ``tests/test_compile_gate.py`` compiles every one, prints
+the table and holds each to its expectations. Results are cached per process. Imports Triton when it
+compiles: never imported by the runtime, and it imports no kernel module (``shapes.py`` imports both).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def structure_table(rows: list[tuple[KernelConfig, Usage]]) -> str:
 
 
 def grid_markdown(rows: list[dict[str, Any]]) -> str:
-    """:func:`kvzoo.kernels.decode_attention.grid_table` as a Markdown table."""
+    """:func:`kvzoo.kernels.shapes.grid_table` as a Markdown table."""
     lines = ["| shape | batch x groups | positions | tiles | splits | programs | programs the chip holds | merge tile |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -225,27 +225,3 @@ def grid_markdown(rows: list[dict[str, Any]]) -> str:
                      f"{r['splits']} | {r['programs']} | {r['slots']} | {r['merge_block_s']} |")
     return "\n".join(lines)
 
-
-def _kernel_modules() -> list:
-    """The modules of kvzoo.kernels, found at run time: they import this module (for :class:`KernelConfig`), this
-    module never imports them by name (no import cycle)."""
-    import importlib
-    import pkgutil
-
-    import kvzoo.kernels
-
-    return [importlib.import_module(f"kvzoo.kernels.{info.name}") for info in pkgutil.iter_modules(kvzoo.kernels.__path__)]
-
-
-def shipped() -> list[KernelConfig]:
-    """Every configuration the kernel modules ship (``shipped_configs()`` of each module of kvzoo.kernels)."""
-    return [config for module in _kernel_modules() if hasattr(module, "shipped_configs")
-            for config in module.shipped_configs()]
-
-
-if __name__ == "__main__":  # python -m kvzoo.kernels.compile_gate: the tables, without pytest
-    print(structure_table([(c, compile_sm90(c)) for c in shipped()]))
-    for module in _kernel_modules():  # the grids the launchers pick (decode_attention.grid_table)
-        if hasattr(module, "grid_table"):
-            print()
-            print(grid_markdown(module.grid_table()))

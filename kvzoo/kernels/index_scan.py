@@ -45,7 +45,7 @@ Memory: a scan's output is ``[B, H, q, m]`` fp32 and no intermediate is larger t
 tiles (:func:`kvzoo.kernels.attention.query_block`), so a scan's extra memory is one tile of scores
 plus ``O(rows)``, whatever the number of queries. The reduction's kernel needs ``O(rows)``.
 
-The kernel (:func:`launch_config` picks its blocks; :func:`shipped_configs` lists the specialisations
+The kernel (:func:`launch_config` picks its blocks; ``kvzoo/kernels/shapes.py`` lists the specialisations
 the compile gate builds for sm_90) imports Triton on its first call; this module imports with torch
 alone.
 """
@@ -619,7 +619,7 @@ _POINTER_ARGS = ("q_ptr", "e_ptr", "thr_ptr", "len_ptr", "out_ptr")
 @functools.cache
 def _jit():
     """The jitted kernel (imports Triton). Integers and pointers are not specialised on their values or
-    alignment, so the binary a GPU runs is the one :func:`shipped_configs` holds to the compile gate
+    alignment, so the binary a GPU runs is the one ``kvzoo/kernels/shapes.py`` holds to the compile gate
     (rows of odd width are never 16-byte aligned anyway)."""
     global tl
     import triton
@@ -635,7 +635,7 @@ def _next_pow2(n: int) -> int:
 
 def launch_config(hq: int, W: int) -> dict[str, int]:
     """Block sizes, warps and stages of a scan over ``hq`` query rows of width ``W`` -- the one rule the
-    launcher and :func:`shipped_configs` share. Every ``tl.dot`` dimension is >= 16."""
+    launcher and ``kvzoo/kernels/shapes.py`` share. Every ``tl.dot`` dimension is >= 16."""
     # Measured with the compile gate (sm_90): Triton's fp32 (FMA) dot holds each thread's slice of both
     # operands over the whole BLOCK_W, so registers grow with BLOCK_M x BLOCK_W / threads. BLOCK_W 16, 8 warps
     # and no software pipelining (num_stages 1) keep every shipped shape at 56-102 registers with no stack;
@@ -689,46 +689,3 @@ def index_scan_reduce_triton(query_rows: torch.Tensor, entries: torch.Tensor, sc
                              threshold: torch.Tensor | None, *, length: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`index_scan_reduce` as one fused Triton kernel (the bounds stay in registers)."""
     return _launch(query_rows, entries, scaling, threshold, length, reduce=True)
-
-
-# Shapes the shipped retrievers scan: (label, query rows hq, width W, entries dtype, op, threshold given).
-# VestigeKV MLA: W = rank 64 + eta + rope 64 + 2 norms = 131, entries fp32 (sketch_entries), hq = heads
-# per group (DeepSeek-V2-Lite 16, Kimi Linear 32); its certified rule reduces with s* - tau, its top-j
-# rule scans. Quest MLA: W = 2 x 576 + 1, hq 16; Quest GQA head_dim 64: W = 129, hq 3 / 4 / 8; entries in
-# the keys' dtype; gqa="head" scans, gqa="group" reduces with threshold 0 (None).
-SHIPPED_SHAPES = (
-    [(f"vestige_mla_h{h}", h, 131, torch.float32, op, op == "reduce") for h in (16, 32) for op in ("scan", "reduce")]
-    + [(f"quest_mla_h16_{_TRITON_DTYPES[d]}", 16, 1153, d, op, False)
-       for d in (torch.bfloat16, torch.float16) for op in ("scan", "reduce")]
-    + [(f"quest_gqa_h{h}_{_TRITON_DTYPES[d]}", h, 129, d, op, False)
-       for h in (3, 4, 8) for d in (torch.bfloat16, torch.float16) for op in ("scan", "reduce")]
-)
-
-
-def shipped_configs(lengths: tuple[bool, ...] = (False, True)):
-    """The :class:`~kvzoo.kernels.compile_gate.KernelConfig` of every specialisation the launcher picks for
-    :data:`SHIPPED_SHAPES` (``lengths``: with and/or without a ``length`` tensor, int64)."""
-    from kvzoo.kernels.compile_gate import KernelConfig
-
-    kernel = _jit()
-    configs = []
-    for label, hq, W, dtype, op, has_threshold in SHIPPED_SHAPES:
-        for has_length in lengths:
-            config = launch_config(hq, W)
-            warps, stages = config.pop("num_warps"), config.pop("num_stages")
-            signature = {"q_ptr": "*fp32", "e_ptr": f"*{_TRITON_DTYPES[dtype]}",
-                         "thr_ptr": "*fp32" if has_threshold else "constexpr",
-                         "len_ptr": "*i64" if has_length else "constexpr", "out_ptr": "*fp32", "scaling": "fp32"}
-            signature.update({name: "i32" for name in _INT_ARGS})
-            constexprs = {"REDUCE": op == "reduce", "HAS_THRESHOLD": has_threshold, "HAS_LENGTH": has_length, **config}
-            if not has_threshold:
-                constexprs["thr_ptr"] = None
-            if not has_length:
-                constexprs["len_ptr"] = None
-            signature.update({name: "constexpr" for name in ("REDUCE", "HAS_THRESHOLD", "HAS_LENGTH", *config)})
-            name = f"index_scan_{op}_{label}_W{W}" + ("_length" if has_length else "")
-            # the compile gate's expectations: fp32 FMA products (IEEE: a certified bound cannot take TF32), no
-            # software pipelining (num_stages 1): the loads' latency is hidden by 3 or more programs per SM
-            configs.append(KernelConfig(name, kernel, signature, constexprs, num_warps=warps, num_stages=stages,
-                                        expect={"mma": "fma", "ctas_per_sm": 3}))
-    return configs

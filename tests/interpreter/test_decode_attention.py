@@ -269,7 +269,7 @@ def test_strided_views_and_a_full_precision_query_over_half_rows():
     values = torch.randn(B, G, N, 48, generator=g).half()[..., 8:40]
     query = torch.randn(B, 6, 32, generator=g)
     src = Rows(wide[..., :32], values, valid=torch.rand(B, G, N, generator=g) < 0.9)
-    assert not da._aligned(src.keys, src.values)
+    assert not da.triton._aligned(src.keys, src.values)
     out, lse = decode_attention_triton(query, [src], SCALE)
     assert out.dtype == torch.float32
     _close((out, lse), decode_attention_reference(query, [src], SCALE), torch.float16)
@@ -278,8 +278,8 @@ def test_strided_views_and_a_full_precision_query_over_half_rows():
 def test_decode_attention_takes_the_kernel_or_the_reference_as_dispatch_says(monkeypatch):
     query, rows = _pool("gqa", 29, 1, 20, torch.float32)
     calls = []
-    real = da._triton
-    monkeypatch.setattr(da, "_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = da.triton.launch
+    monkeypatch.setattr(da.triton, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     want = decode_attention_reference(query, [rows], SCALE)
     _close(decode_attention(query, [rows], SCALE), want, torch.float32)
     assert calls == [1]
@@ -332,7 +332,7 @@ def test_the_best_score_comes_from_the_split_kernel(form, monkeypatch):
     valid = torch.rand(2, rows.keys.shape[1], 150, generator=_gen(42)) < 0.8
     valid[1] = False  # a sequence with nothing readable: best -inf
     src = _with(rows, valid=valid)
-    monkeypatch.setattr(da, "_sdpa", lambda *a, **k: pytest.fail("the kernel path read the rows again"))
+    monkeypatch.setattr(da.sdpa, "attend_sdpa", lambda *a, **k: pytest.fail("the kernel path read the rows again"))
     part = da.attend(query, [src], SCALE, best=True, defer=True, impl="triton", splits=3)
     ref = da.attend(query, [src], SCALE, lse=True, best=True, impl="reference")
     assert part.out.dtype == torch.float32 and part.best.dtype == torch.float32
@@ -345,7 +345,7 @@ def test_a_prior_part_is_merged_by_the_merge_kernel(monkeypatch):
     """The runtime's retrieving step: the tier deferred (with its best score), then the fetched rows with that part
     as the prior, folded into the merge kernel (no PyTorch merge); the best score stays the tier's."""
     query, sources = __import__("tests.test_decode_attention_reference", fromlist=["CASES"]).CASES["gqa-head-valid"]
-    monkeypatch.setattr(da, "merge", lambda *a, **k: pytest.fail("a PyTorch merge on the kernel path"))
+    monkeypatch.setattr(da.sdpa, "attend_sdpa", lambda *a, **k: pytest.fail("a PyTorch merge on the kernel path"))
     first = da.attend(query, sources[:1], SCALE, best=True, defer=True, impl="triton")
     both = da.attend(query, sources[1:], SCALE, lse=True, prior=first, impl="triton")
     ref = da.attend(query, sources, SCALE, lse=True, impl="reference")
@@ -366,8 +366,8 @@ def test_a_split_with_no_positions_writes_nothing(monkeypatch):
         made.append(buffers)
         return buffers
 
-    real = da._partials
-    monkeypatch.setattr(da, "_partials", poisoned)
+    real = da.triton._partials
+    monkeypatch.setattr(da.triton, "_partials", poisoned)
     got = decode_attention_triton(query, [src], SCALE, splits=7)
     _close(got, decode_attention_reference(query, [src], SCALE), torch.float32)
     part_o, part_l, _ = made[0]
@@ -378,7 +378,7 @@ def test_a_split_with_no_positions_writes_nothing(monkeypatch):
 
 def test_more_splits_than_one_merge_tile_take_the_chunked_merge(monkeypatch):
     """Past MAX_MERGE_BLOCK_S splits the merge takes them in chunks (a maximum first, then one pass)."""
-    monkeypatch.setattr(da, "MAX_MERGE_BLOCK_S", 16)
+    monkeypatch.setattr(da.triton, "MAX_MERGE_BLOCK_S", 16)
     query, rows = _pool("mla", 44, 1, 40 * 64, torch.float32)
     assert da.merge_config(40).BLOCK_S == 16
     got = da.attend(query, [rows], SCALE, lse=True, best=True, impl="triton", splits=40)

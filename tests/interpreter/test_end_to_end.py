@@ -1,6 +1,6 @@
 """End to end in Triton's interpreter: every registered policy gives the same tokens on the kernel path.
 
-The decode step takes ``kvzoo/kernels/decode_attention.py`` (the tier and the fetched rows in one
+The decode step takes ``kvzoo/kernels/decode_attention/`` (the tier and the fetched rows in one
 split-K launch) and the retrievers' scans take ``kvzoo/kernels/index_scan.py`` when
 ``KVZOO_KERNELS=triton``; with ``torch`` everything runs the PyTorch path. Greedy tokens must agree
 on tiny DeepSeek-V2 and tiny Kimi Linear (MLA, absorbed rows of 512 + 64) and on a tiny Llama (GQA).
@@ -52,11 +52,11 @@ def _policies():
 def test_same_tokens_on_the_kernel_path(model, name, params, monkeypatch):
     vocab = model.config.vocab_size
     context, question = _ids(CONTEXT, 1, vocab), _ids(QUESTION, 2, vocab)
-    runs, launches, original = {}, {}, decode_attention._triton
+    runs, launches, original = {}, {}, decode_attention.triton.launch
     for kernels in ("torch", "triton"):
         monkeypatch.setenv("KVZOO_KERNELS", kernels)
         calls = launches.setdefault(kernels, [])
-        monkeypatch.setattr(decode_attention, "_triton", functools.partial(_counted, calls, original))
+        monkeypatch.setattr(decode_attention.triton, "launch", functools.partial(_counted, calls, original))
         policy = registry.get(name, **params)
         runs[kernels] = pipeline.generate(model, None, context, question, policy, max_new_tokens=NEW)
     launches = {k: len(v) for k, v in launches.items()}

@@ -23,7 +23,7 @@ def test_a_triton_row_whose_kernel_raises_is_a_failed_row_naming_it(monkeypatch)
     cells = {c["id"]: c for c in gpu_check.plan(toy=True)}
     try:
         assert gpu_check.run_cell(worker, cells["prefill kvzoo 512"], 1e18)["status"] == "ok"
-        monkeypatch.setattr(decode_attention, "_triton_part", broken)  # (auto on CUDA: tests/test_gpu_check.py)
+        monkeypatch.setattr(decode_attention.triton, "attend_triton", broken)  # (auto on CUDA: tests/test_gpu_check.py)
         row = gpu_check.run_cell(worker, cells["runtime full triton eager B1 512"], 1e18)
         assert row["status"] == "failed", row
         assert "KernelFailed" in row["error"] and "RuntimeError: boom: no kernel today" in row["error"]

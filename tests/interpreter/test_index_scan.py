@@ -215,10 +215,12 @@ def test_shipped_configs_are_the_launchers_picks():
     warps and stages launch_config gives its shape (the one rule the launcher also uses)."""
     import inspect
 
-    configs = ix.shipped_configs()
+    from kvzoo.kernels import shapes
+
+    configs = shapes.index_scan_configs()
     arguments = list(inspect.signature(ix._index_scan_kernel).parameters)
-    assert len(configs) == 2 * len(ix.SHIPPED_SHAPES) and len({c.name for c in configs}) == len(configs)
-    for config, (label, hq, W, dtype, op, has_threshold) in zip(configs[::2], ix.SHIPPED_SHAPES):
+    assert len(configs) == 2 * len(shapes.INDEX_SCAN_SHAPES) and len({c.name for c in configs}) == len(configs)
+    for config, (label, hq, W, dtype, op, has_threshold) in zip(configs[::2], shapes.INDEX_SCAN_SHAPES):
         assert label in config.name and list(config.signature) == arguments
         picked = launch_config(hq, W)
         assert (config.num_warps, config.num_stages) == (picked.pop("num_warps"), picked.pop("num_stages"))

@@ -1,0 +1,193 @@
+"""Gathered decode attention over several row sources, one softmax: the op, one specification, four forms.
+
+One decode step: one query per sequence, ``query [B, H, D]``, reads rows from one or more
+:class:`Rows` sources (the attended pool, the rows a retriever fetched, ...). Every readable row of
+every source joins **one** softmax; the result is the output ``[B, H, Dv]`` (the query's dtype) and
+the natural-log log-sum-exp ``[B, H]`` (fp32) of the scaled scores over all those rows.
+
+A source holds ``keys [B, G, N, D]`` (``G`` KV groups, ``H % G == 0``: query head ``h`` reads group
+``h // (H // G)``) and its values in one of two forms:
+
+* GQA: ``values [B, G, N, Dv]``, separate rows;
+* MLA absorbed: ``values=None`` and ``value_width=Dv``: the value of a row is its first ``Dv``
+  dims (DeepSeek / Kimi latent rows of 512 + 64: the key is the whole 576-dim row, the value its
+  512-dim latent). The kernel loads such a row once for both products.
+
+Which rows a query head reads (a *readable* row) is the conjunction of:
+
+* ``length [B]`` (a device tensor, so a launch can be graph-captured): positions ``[0, length[b])``
+  only (``None``: every position). A position is a row index ``n`` of the pool, or in the gathered
+  form an entry ``i`` of ``indices``;
+* ``indices [B, G, K]`` (gathered form): position ``i`` is the row ``keys[b, g, indices[b, g, i]]``;
+  a duplicate index is read twice, like a gather. An index outside ``[0, N)`` makes its entry
+  unreadable (so ``-1`` may pad; neither implementation reads outside the pool);
+* ``valid [B, G, N']`` (``N' = N``, or ``K`` in the gathered form), per position;
+* ``head_valid [B, H, N']`` per query head and position (Quest picks pages per head).
+
+What a row that is not readable by any head of its group holds never matters (a preallocated pool
+may hold NaN past ``length`` or in invalid rows). A preallocated pool may be passed whole (any
+strides, last dim contiguous) with ``length`` marking its filled prefix.
+
+Scores are ``scaling * <q, k>`` in fp32: the query first rounded to the rows' dtype (the product the model's own
+attention takes), the products accumulated in fp32 and *kept* in fp32 -- never rounded back to the rows' dtype. The
+softmax and the output's accumulation are fp32 and the output is cast to the query's dtype. A ``(b, h)`` with no
+readable row gets ``out = 0`` and ``lse = -inf`` (never NaN). With one source and no ``length`` / ``indices`` /
+``head_valid`` this is plain softmax attention of one query over the rows.
+
+Why fp32 scores: the best score s* (``best=True``) is VestigeKV's retrieval floor, compared with certified fp32
+bounds, and it is computed by every form of this op (the tier of a decode step) and by the multi-token path
+(:func:`kvzoo.framework.retrieval.tier_best`). A bf16 score keeps 8 bits: rounded, s* moves by up to 2^-9 of its
+size, enough to change which archived rows clear the floor between the decode and the multi-token path. The kernels
+accumulate in fp32 on the tensor cores anyway, so fp32 scores cost them nothing; the SDPA form upcasts a block of
+half-precision rows at a time for its products; fp32 rows compute exactly as before (nothing is rounded there).
+
+A step comes in one or two *parts* (:func:`attend`): a step that must see the tier's best score before it knows which
+other rows to read asks the tier for it with ``defer=True`` and passes that part as ``prior`` when it attends over the
+rest; the two parts make one softmax over both (the kernels and the native op merge them by their log-sum-exp, the
+reference and SDPA forms join their scores). Every form runs single-part and two-part steps, and is held to the
+reference on both.
+
+The forms (``attend(..., impl=...)``; :func:`kvzoo.kernels.dispatch.decode_impl` picks one, and on CPU the native op
+where it applies):
+
+* ``reference`` (:mod:`.reference`): the specification, plain PyTorch, fp32 math, the whole parts protocol;
+* ``sdpa`` (:mod:`.sdpa`): torch's fused ``scaled_dot_product_attention`` for one plain source, per-source fp32
+  scores and one fp32 softmax otherwise;
+* ``triton`` (:mod:`.triton`): split-K kernels and a one-pass log-sum-exp merge kernel, launch heuristics beside them
+  (what ships for the sm_90 compile gate: ``kvzoo/kernels/shapes.py``);
+* ``native``: ``kvzoo.kernels.cpu_native.decode_attend``, rows read where they lie, once per KV group.
+
+``tests/test_decode_attention_reference.py``, ``tests/test_native_decode_attention.py`` and
+``tests/interpreter/test_decode_attention.py`` hold the others to the reference on one list of cases.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzoo.kernels import dispatch
+from kvzoo.kernels.decode_attention import reference, sdpa, triton
+from kvzoo.kernels.decode_attention.reference import decode_attention_reference
+from kvzoo.kernels.decode_attention.rows import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    MAX_SPLITS,
+    Attended,
+    Rows,
+    _validate,
+)
+from kvzoo.kernels.decode_attention.triton import (
+    DEFAULT_SMS,
+    MAX_MERGE_BLOCK_S,
+    MergeConfig,
+    SplitConfig,
+    decode_attention_triton,
+    default_splits,
+    merge_config,
+    split_config,
+)
+
+IMPLEMENTATIONS = ("reference", "sdpa", "triton", "native")
+__all__ = ["DEFAULT_SMS", "FLOAT_DTYPES", "IMPLEMENTATIONS", "INDEX_DTYPES", "MAX_MERGE_BLOCK_S", "MAX_SPLITS",
+           "Attended", "MergeConfig", "Rows", "SplitConfig", "attend", "decode_attention",
+           "decode_attention_reference", "decode_attention_triton", "default_splits", "merge_config",
+           "reference", "sdpa", "split_config", "triton"]
+
+
+def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: bool = False, best: bool = False,
+           mass: bool = False, defer: bool = False, prior: Attended | None = None, impl: str | None = None,
+           splits: int | None = None) -> Attended:
+    """Decode attention of ``query [B, H, D]`` over ``sources`` as one part of a step (:class:`Attended`).
+
+    ``lse``/``best``/``mass`` ask for the log-sum-exp, the best score (VestigeKV's s*) and the per-position
+    probabilities. A step that must see the tier's best score before it knows which other rows to read asks the
+    tier for it with ``defer=True`` and passes that part as ``prior`` when it attends over the rest: one softmax
+    over both. ``impl`` is one of :data:`IMPLEMENTATIONS` (None: what :func:`kvzoo.kernels.dispatch.decode_impl`
+    picks for the query's device, and the native op on CPU where it applies): ``reference`` (the specification),
+    ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere), ``triton`` (the split-K kernels; they
+    compute no per-position probabilities, so ``mass`` takes ``sdpa``) or ``native``. Inputs are checked first.
+    """
+    if impl is None:
+        impl = dispatch.decode_impl(query, mass=mass)
+        if impl == "sdpa" and _native_applies(query, sources, prior):
+            impl = "native"
+    checked = _validate(query, sources, scaling, splits, fold=impl != "native")
+    scaling = float(scaling)
+    if impl == "native":
+        return _native_part(query, checked[0].rows, scaling, best=best, mass=mass, defer=defer, prior=prior)
+    if impl == "reference":  # the specification runs every case itself, the parts protocol included
+        return reference.attend_reference(query, checked, scaling, best=best, mass=mass, defer=defer, prior=prior)
+    if impl == "triton" and (mass or (prior is not None and prior.scores is not None)):
+        impl = "sdpa"
+    if impl == "triton":
+        if defer:  # the kernel part stands alone: a later part merges it by its log-sum-exp
+            return dispatch.run("decode_attention", triton.attend_triton, _fallback(query, checked, scaling,
+                                best=best, defer=True), query, checked, scaling, splits, best=best, defer=True)
+        return dispatch.run("decode_attention", triton.attend_triton, _fallback(query, checked, scaling, best=best,
+                            lse=True, prior=prior), query, checked, scaling, splits, best=best, prior=prior)
+    if impl != "sdpa":
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS} or None (the dispatch's choice), got {impl!r}")
+    return sdpa.attend_sdpa(query, checked, scaling, lse=lse, best=best, mass=mass, defer=defer, prior=prior)
+
+
+# A plain source (a contiguous pool read whole: `full`, a tier compacted at its events) goes to torch's fused SDPA
+# -- transformers' own attention -- rather than the native op, so that kvzoo's `full` is the model's own decode.
+NATIVE_PLAIN = False
+
+
+def _native_applies(query: torch.Tensor, sources: list[Rows], prior: Attended | None) -> bool:
+    """Whether the native CPU op (``kvzoo.kernels.cpu_native.decode_attend``) takes this part: one source on CPU
+    tensors (read where it lies: gathered, or a pool with flags or a length), a prior part it can merge (one the
+    op or a kernel computed: no kept scores), and the library built here."""
+    if query.device.type != "cpu" or len(sources) != 1 or (prior is not None and prior.scores is not None):
+        return False
+    src = sources[0]
+    if not isinstance(src, Rows):
+        return False
+    plain = src.indices is None and src.length is None and src.valid is None and src.head_valid is None \
+        and src.pool_valid is None
+    if plain and prior is None and not NATIVE_PLAIN:
+        return False
+    from kvzoo.kernels import cpu_native
+
+    return cpu_native.decode_attend_supported(query, src, prior=None if prior is None else (prior.out, prior.lse))
+
+
+def _native_part(query: torch.Tensor, src: Rows, scaling: float, *, best: bool, mass: bool, defer: bool,
+                 prior: Attended | None) -> Attended:
+    """:func:`attend` on the native CPU op: one source, merged with ``prior`` (a part the op or a kernel computed)
+    into one softmax. The prior's per-position probabilities (``prior.mass``, within its own part) are rescaled to
+    the whole step, so ``mass`` lists every source of the step, the prior's first."""
+    from kvzoo.kernels import cpu_native
+
+    merge_with = None if prior is None else (prior.out.float(), prior.lse)
+    out, lse, top, masses = cpu_native.decode_attend(query, src, scaling, prior=merge_with, best=best, mass=mass)
+    mass_list = None
+    if mass:
+        mass_list = [masses]
+        if prior is not None and prior.mass is not None:  # the prior's share of the whole softmax
+            weight = torch.exp(prior.lse - lse).nan_to_num_(0.0)[..., None]
+            mass_list = [m * weight for m in prior.mass] + mass_list
+    if prior is not None:
+        top = prior.best
+    return Attended(out if defer else out.to(query.dtype), lse, top, mass_list)
+
+
+def _fallback(query, checked, scaling, **kwargs):
+    """The PyTorch path a failing kernel falls back to (``dispatch.run``): the SDPA form, which joins a kernel's
+    prior part to its softmax by its log-sum-exp."""
+    return lambda *args, **kw: sdpa.attend_sdpa(query, checked, scaling, **kwargs)
+
+
+def decode_attention(
+    query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None, impl: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of ``query [B, H, D]`` over ``sources``: ``(out [B, H, Dv], lse [B, H] fp32)``.
+
+    One softmax over every readable row of every source (the package's docstring), by the implementation
+    ``impl`` names or :func:`kvzoo.kernels.dispatch.decode_impl` picks (:func:`attend`). Inputs are checked
+    first, so a bad input raises a ValueError on every path (never a kernel fallback).
+    """
+    part = attend(query, sources, scaling, lse=True, impl=impl, splits=splits)
+    return part.out.to(query.dtype), part.lse
+
