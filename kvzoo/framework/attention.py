@@ -36,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
 from kvzoo.framework.retrieval import Fetched
 from kvzoo.framework.step import decode_step
-from kvzoo.kernels.attention import attention_reference, attention_sdpa, sink_window_mask
+from kvzoo.kernels.attention import attention_reference, attention_sdpa, received_attention, sink_window_mask
 
 ATTN_NAME = "kvzoo"
 
@@ -210,8 +210,7 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
     if layer.runtime.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                         column_sums=True, extra_mask=extra)
-        B, G = layer.batch_groups
-        layer.accumulate_rows(sums[..., rows.tier].reshape(B, G, -1, layer.n).sum(dim=2))  # MLA: heads into one group
+        layer.accumulate_rows(received_attention(sums[..., rows.tier], layer.batch_groups[1]))  # MLA: its heads into the one group
         return out
     if sdpa:
         return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,

@@ -29,6 +29,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvzoo.framework.buffers import RowStore, gather_rows
 from kvzoo.framework.retriever import ArchiveView
+from kvzoo.kernels.attention import received_attention
 from kvzoo.kernels.decode_attention import Rows
 
 if TYPE_CHECKING:  # type names only: the runtime holds layers, a layer holds its runtime
@@ -408,8 +409,7 @@ class KVLayer(CacheLayerMixin):
         """Add each tier row's probability in this decode step (``mass [B, H, N']`` over the positions of
         :meth:`source`), summed over its group's query heads, to its ``stat:attention`` (H2O's accumulator)."""
         stat = self.rows.buffers["stat:attention"]
-        B, G = stat.shape[:2]
-        per_group = mass.view(B, G, -1, mass.shape[-1]).sum(dim=2)  # [B, G, N']
+        per_group = received_attention(mass, stat.shape[1])  # [B, G, N']
         if self.gathered:
             positions = self.tier.reading("pos")  # spare entries (-1) carry no mass
             stat.scatter_add_(2, positions.clamp(min=0), per_group)
