@@ -191,7 +191,7 @@ def _multi_rows(layer: KVLayer, index_query: Callable[[], torch.Tensor], scaling
 def _window_mask(layer: KVLayer, rows: MultiTokenRows, q_len: int, groups: int) -> torch.Tensor | None:
     """The policy's per-token window over the tier's rows for a multi-token forward (None: none)."""
     rt = layer.runtime
-    if rt.policy.is_dense(layer.rank):
+    if layer.rank < rt.policy.dense_layers:
         return None
     budget = rt.resolve_budget(layer)
     window = rt.policy.multi_token_window(budget) if budget is not None else None

@@ -121,7 +121,7 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         B, G = self.batch_groups
-        stats = {f"stat:{name}" for name in runtime.policy.new_row_stats()}
+        stats = {"stat:attention"} if runtime.accumulates else set()
         for name in [n for n in self.rows.buffers if n.startswith("stat:") and n not in stats]:
             del self.rows.buffers[name]
         for name in stats - set(self.rows.buffers):
@@ -174,8 +174,8 @@ class KVLayer(CacheLayerMixin):
         if value_states is not None:
             fields["values"] = ((value_states.shape[-1],), value_states.dtype)
         fields.update(slots=((), torch.long), valid=((), torch.bool))
-        for name in self.runtime.policy.new_row_stats():
-            fields[f"stat:{name}"] = ((), torch.float32)
+        if self.runtime.accumulates:  # H2O's accumulator, zero for a new row
+            fields["stat:attention"] = ((), torch.float32)
         capacity, fixed = self.capacity, self.capacity is not None
         device = key_states.device
         self.rows.define(B, G, fields, device, capacity=capacity or self.reserve_rows or 0, fixed=fixed, empty=EMPTY)

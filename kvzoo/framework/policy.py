@@ -32,9 +32,11 @@ at its first event, from the whole context when the cache knows its length, and 
 :meth:`Policy.target_rows`, which says how many rows stay after an event (default: the budget;
 VestigeKV applies the formula to each closed block on its own, Quest keeps the current page).
 
-Schedule (class attributes, which a policy may turn into dataclass fields to make them settable):
-``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows per block),
-``dense_layers`` (the first layers the policy never compresses).
+What the framework reads of a policy as data (class attributes, which a policy may turn into dataclass fields to make
+them settable): the schedule -- ``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows
+per block), ``dense_layers`` (the first layers the policy never compresses), ``rows_between_events`` (where the
+schedule does not say it) --, ``observes`` (what the runtime records: an ``accumulate`` policy's rows carry
+``row_stats["attention"]``), and ``retriever_fields`` (what the retriever it names takes from it).
 """
 
 from __future__ import annotations
@@ -279,6 +281,13 @@ class Policy(ABC):
     schedule: ClassVar[str] = "context_end"
     block_size: ClassVar[int | None] = None  # rows per block, for schedule "block"
     dense_layers: ClassVar[int] = 0  # the first layers (by rank among compressed layers) never compressed
+    # the most rows a layer's attended tier gains between two events after the context, where the schedule does not
+    # say it (None: one row for "step", block_size for "block", no bound for "context_end"; Quest's kernel rule: a
+    # page). TieredCache(..., capacity=N) sizes the tier's storage by it; too small is safe (the storage then grows)
+    rows_between_events: ClassVar[int | None] = None
+    # the fields of this policy that the retriever it names takes, so one setting is never held twice with two
+    # values (Quest: page_size, gqa, rule; registry.check_retriever_params refuses a retriever object that differs)
+    retriever_fields: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -407,11 +416,6 @@ class Policy(ABC):
         prefill); None (default): every earlier row of the attended tier."""
         return None
 
-    def retriever_params(self) -> dict[str, Any]:
-        """Parameters this policy gives the retriever it names (``retriever="quest"`` takes the
-        policy's ``page_size``), so one setting is never held twice with two values."""
-        return {}
-
     def step_victim(self, rows: RowsView) -> torch.Tensor | None:
         """For a ``step`` event that evicts exactly one row: int64 ``[B, G]``, the row each gives up -- by default
         the one ``select(rows, rows.num_rows - 1)`` leaves out, the lowest :meth:`priority` (ties to the latest slot).
@@ -424,25 +428,6 @@ class Policy(ABC):
         """
         return lowest_priority_victim(self.checked_priority(rows, rows.num_rows - 1), rows.slots,
                                       None if rows.all_valid else rows.valid)
-
-    def rows_between_events(self) -> int | None:
-        """The most rows a layer's attended tier gains between two of this policy's events after the context
-        (None: it may grow until the sequence ends). ``TieredCache(..., capacity=N)`` sizes the tier's storage by
-        it after each event; too small is safe (the storage then grows, once). Default: one row for a ``step``
-        schedule (one in, one out), ``block_size`` for a ``block`` schedule."""
-        if self.schedule == "step":
-            return 1
-        if self.schedule == "block":
-            return self.block_size
-        return None
-
-    def is_dense(self, layer_rank: int) -> bool:
-        """True for the first ``dense_layers`` layers, which this policy never compresses."""
-        return layer_rank < self.dense_layers
-
-    def new_row_stats(self) -> tuple[str, ...]:
-        """Names of the per-row statistics this policy keeps (zero for a new row)."""
-        return ("attention",) if Observation.ACCUMULATE in self.observes else ()
 
 
 def require_int(value: Any, field_name: str, low: int, meaning: str = "") -> None:
