@@ -34,9 +34,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
+from kvzoo.framework.policy import sinks_and_recent
 from kvzoo.framework.retrieval import Fetched
 from kvzoo.framework.step import decode_step
-from kvzoo.kernels.attention import attention_reference, attention_sdpa, received_attention, sink_window_mask
+from kvzoo.kernels.attention import attention_reference, attention_sdpa, received_attention
 
 ATTN_NAME = "kvzoo"
 
@@ -197,9 +198,12 @@ def _window_mask(layer: KVLayer, rows: MultiTokenRows, q_len: int, groups: int) 
     window = rt.policy.multi_token_window(budget) if budget is not None else None
     if window is None:
         return None
-    tier_valid = layer.get("valid")
+    tier_slots, tier_valid = layer.get("slots"), layer.get("valid")
+    q_slots = _query_slots(layer, q_len, tier_slots.device)
     mask = torch.ones(*rows.valid.shape[:2], q_len, rows.valid.shape[2], dtype=torch.bool, device=tier_valid.device)
-    mask[..., rows.tier] = sink_window_mask(tier_valid, q_len, *window).expand(rows.valid.shape[0], groups, -1, -1)
+    sinks, recent = window
+    mask[..., rows.tier] = sinks_and_recent(tier_slots, tier_valid, sinks, recent, query_slots=q_slots).expand(
+        rows.valid.shape[0], groups, -1, -1)
     return mask
 
 

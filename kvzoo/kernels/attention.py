@@ -152,17 +152,6 @@ def attention_sdpa(
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling, enable_gqa=hpg > 1)
 
 
-def sink_window_mask(valid: torch.Tensor, queries: int, sinks: int, window: int) -> torch.Tensor:
-    """Bool ``[B, G, q, n]``: each of the last ``queries`` rows' tokens reads the first ``sinks`` valid
-    rows and the ``window`` latest valid rows up to and including its own (StreamingLLM's rule, token
-    by token). ``valid [B, G, n]`` over rows in sequence order, the queries' own rows last."""
-    rank = valid.long().cumsum(-1) - 1  # [B, G, n], rank among valid rows
-    q_rank = rank[..., -queries:]  # [B, G, q]
-    is_sink = (valid & (rank < sinks))[:, :, None, :]
-    recent = (q_rank[..., :, None] - rank[..., None, :]) < window
-    return is_sink | recent
-
-
 def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """``scale * <q, k>`` ``[B, H, q, n]`` in fp32, ``-inf`` where ``allowed [B, G, q|1, n]`` is False.
 
