@@ -38,6 +38,9 @@ def test_sinks_and_recent_are_read_by_slot_whatever_the_rows_order(n):
     n_valid = ordered.valid.sum(-1, keepdim=True)
     assert torch.equal(ordered.sinks(n), ordered.valid & (valid_rank < n))
     assert torch.equal(ordered.recent(n), ordered.valid & (valid_rank >= n_valid - n))
+    for sinks in (0, 2, 5):  # the rule is the accessors' union, on any row order
+        assert torch.equal(sinks_and_recent(shuffled.slots, shuffled.valid, sinks, n),
+                           shuffled.sinks(sinks) | shuffled.recent(n))
 
 
 def test_values_on_mla_rows_are_the_content_latent():

@@ -480,19 +480,30 @@ def _latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int, all_vali
 
 
 def sinks_and_recent(slots: torch.Tensor, valid: torch.Tensor, sinks: int, recent: int, *,
-                     query_slots: torch.Tensor | None = None, all_valid: bool = False) -> torch.Tensor:
+                     query_slots: torch.Tensor | None = None) -> torch.Tensor:
     """StreamingLLM's rule, the one statement of it in kvzoo: bool ``[B, G, N]``, each sequence's ``sinks`` earliest
     and ``recent`` latest valid rows, by slot (the rows in any order). Its selector (:class:`SinksAndRecentPolicy`,
-    also Quest's attended tier), its per-step victim (the row the rule leaves out of ``N - 1``) and its
-    token-by-token prefill read it.
+    also Quest's attended tier) ranks by it, its per-step victim is the row it leaves out of ``N - 1``
+    (:func:`_sinks_and_recent_victim`), and its token-by-token prefill applies it per query.
 
-    ``query_slots [q]``: the rule for each query of a multi-token forward, ``[B, G, q, N]``: among the rows up to
-    the query's own slot (and its own row, which a query always reads), as if the tokens came one at a time."""
-    if query_slots is not None:
-        upto = slots[..., None, :] <= query_slots[:, None]  # [B, G, q, N]
-        own = slots[..., None, :] == query_slots[:, None]
-        return sinks_and_recent(slots[..., None, :].expand(upto.shape), valid[..., None, :] & upto, sinks, recent) | own
-    return _earliest_valid(slots, valid, sinks, all_valid) | _latest_valid(slots, valid, recent, all_valid)
+    ``query_slots [q]``: the rule for each query of a multi-token forward, ``[B, G, q, N]``: the sinks, and the
+    ``recent`` latest valid rows up to the query's own slot, as if the tokens came one at a time (and the query's own
+    row, which a query always reads). Rows after a query's slot may be marked: causality is the attention's.
+    """
+    # how many valid rows have a slot <= each row's (its 1-based age among the valid rows), in any row order
+    order = slots.argsort(dim=-1)
+    counted = valid.gather(-1, order).long().cumsum(-1)  # [B, G, N], in slot order
+    count = torch.empty_like(counted).scatter_(-1, order, counted)
+    if query_slots is None:
+        newest = counted[..., -1:]  # [B, G, 1]: the sequence's valid rows
+        return valid & ((count <= sinks) | (count > newest - recent))
+    # each query's count of valid rows up to its slot: [B, G, q, 1]
+    upto = torch.searchsorted(slots.gather(-1, order).contiguous(), query_slots.expand(*slots.shape[:-1], -1).contiguous(),
+                              right=True)
+    newest = torch.where(upto > 0, counted.gather(-1, (upto - 1).clamp(min=0)), 0)[..., None]
+    count, row_valid = count[..., None, :], valid[..., None, :]
+    own = slots[..., None, :] == query_slots[:, None]
+    return (row_valid & ((count <= sinks) | (count > newest - recent))) | own  # bool compares: no [q, N] ints
 
 
 def _sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int,
@@ -528,7 +539,7 @@ class SinksAndRecentPolicy(Policy):
         """The sinks ``+inf``, every other row by recency (its slot): the top ``keep`` are
         ``sinks_and_recent(slots, valid, sinks, keep - sinks)`` (valid rows rank first; where a sequence has fewer
         valid rows than ``keep``, its latest padding rows fill the rest)."""
-        sinks = sinks_and_recent(rows.slots, rows.valid, self.sinks, 0, all_valid=rows.all_valid)
+        sinks = sinks_and_recent(rows.slots, rows.valid, self.sinks, 0)
         return rows.slots.float().masked_fill(sinks, math.inf)
 
     def step_victim(self, rows: RowsView) -> torch.Tensor:
