@@ -681,7 +681,7 @@ def check_retriever_params(policy: Policy, retriever: Retriever | None) -> None:
     """ValueError when a retriever object disagrees with a setting the policy also holds (``page_size``)."""
     if retriever is None:
         return
-    for name, value in policy.retriever_params().items():
+    for name, value in ((name, getattr(policy, name)) for name in policy.retriever_fields):
         if name in getattr(retriever, "__dataclass_fields__", {}) and getattr(retriever, name) != value:
             raise ValueError(
                 f"policy {policy.name!r} has {name}={value!r} but its retriever has {name}={getattr(retriever, name)!r}; "

@@ -158,7 +158,7 @@ def test_every_policy_runs_on_mla_rows(mla, name):
     r = pipeline.generate(mla, None, _ids(400, seed=6)[0], _ids(8, seed=7)[0], policy, max_new_tokens=4)
     assert len(r.token_ids) == 4
     for rank, s in enumerate(r.stats.layers):
-        if policy.is_dense(rank):  # quest keeps its first two layers dense (all the tiny models have)
+        if rank < policy.dense_layers:  # quest keeps its first two layers dense (all the tiny models have)
             assert s.resident_rows == s.seen_rows
             continue
         # the context's budget + the question and decode rows a context_end policy adds on top

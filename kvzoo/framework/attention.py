@@ -34,9 +34,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
+from kvzoo.framework.policy import sinks_and_recent
 from kvzoo.framework.retrieval import Fetched
 from kvzoo.framework.step import decode_step
-from kvzoo.kernels.attention import attention_reference, attention_sdpa, sink_window_mask
+from kvzoo.kernels.attention import attention_reference, attention_sdpa, received_attention
 
 ATTN_NAME = "kvzoo"
 
@@ -191,15 +192,18 @@ def _multi_rows(layer: KVLayer, index_query: Callable[[], torch.Tensor], scaling
 def _window_mask(layer: KVLayer, rows: MultiTokenRows, q_len: int, groups: int) -> torch.Tensor | None:
     """The policy's per-token window over the tier's rows for a multi-token forward (None: none)."""
     rt = layer.runtime
-    if rt.policy.is_dense(layer.rank):
+    if layer.rank < rt.policy.dense_layers:
         return None
     budget = rt.resolve_budget(layer)
     window = rt.policy.multi_token_window(budget) if budget is not None else None
     if window is None:
         return None
-    tier_valid = layer.get("valid")
+    tier_slots, tier_valid = layer.get("slots"), layer.get("valid")
+    q_slots = _query_slots(layer, q_len, tier_slots.device)
     mask = torch.ones(*rows.valid.shape[:2], q_len, rows.valid.shape[2], dtype=torch.bool, device=tier_valid.device)
-    mask[..., rows.tier] = sink_window_mask(tier_valid, q_len, *window).expand(rows.valid.shape[0], groups, -1, -1)
+    sinks, recent = window
+    mask[..., rows.tier] = sinks_and_recent(tier_slots, tier_valid, sinks, recent, query_slots=q_slots).expand(
+        rows.valid.shape[0], groups, -1, -1)
     return mask
 
 
@@ -210,8 +214,7 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
     if layer.runtime.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                         column_sums=True, extra_mask=extra)
-        B, G = layer.batch_groups
-        layer.accumulate_rows(sums[..., rows.tier].reshape(B, G, -1, layer.n).sum(dim=2))  # MLA: heads into one group
+        layer.accumulate_rows(received_attention(sums[..., rows.tier], layer.batch_groups[1]))  # MLA: its heads into the one group
         return out
     if sdpa:
         return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,

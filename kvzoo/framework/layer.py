@@ -29,6 +29,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvzoo.framework.buffers import RowStore, gather_rows
 from kvzoo.framework.retriever import ArchiveView
+from kvzoo.kernels.attention import received_attention
 from kvzoo.kernels.decode_attention import Rows
 
 if TYPE_CHECKING:  # type names only: the runtime holds layers, a layer holds its runtime
@@ -120,7 +121,7 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         B, G = self.batch_groups
-        stats = {f"stat:{name}" for name in runtime.policy.new_row_stats()}
+        stats = {"stat:attention"} if runtime.accumulates else set()
         for name in [n for n in self.rows.buffers if n.startswith("stat:") and n not in stats]:
             del self.rows.buffers[name]
         for name in stats - set(self.rows.buffers):
@@ -173,8 +174,8 @@ class KVLayer(CacheLayerMixin):
         if value_states is not None:
             fields["values"] = ((value_states.shape[-1],), value_states.dtype)
         fields.update(slots=((), torch.long), valid=((), torch.bool))
-        for name in self.runtime.policy.new_row_stats():
-            fields[f"stat:{name}"] = ((), torch.float32)
+        if self.runtime.accumulates:  # H2O's accumulator, zero for a new row
+            fields["stat:attention"] = ((), torch.float32)
         capacity, fixed = self.capacity, self.capacity is not None
         device = key_states.device
         self.rows.define(B, G, fields, device, capacity=capacity or self.reserve_rows or 0, fixed=fixed, empty=EMPTY)
@@ -408,8 +409,7 @@ class KVLayer(CacheLayerMixin):
         """Add each tier row's probability in this decode step (``mass [B, H, N']`` over the positions of
         :meth:`source`), summed over its group's query heads, to its ``stat:attention`` (H2O's accumulator)."""
         stat = self.rows.buffers["stat:attention"]
-        B, G = stat.shape[:2]
-        per_group = mass.view(B, G, -1, mass.shape[-1]).sum(dim=2)  # [B, G, N']
+        per_group = received_attention(mass, stat.shape[1])  # [B, G, N']
         if self.gathered:
             positions = self.tier.reading("pos")  # spare entries (-1) carry no mass
             stat.scatter_add_(2, positions.clamp(min=0), per_group)

@@ -33,7 +33,7 @@ def policy_retriever(policy: Policy) -> Retriever | None:
     """The retriever ``policy`` names, configured with what the policy holds for it (its ``page_size``)."""
     retriever = policy.retriever
     if isinstance(retriever, str):
-        retriever = registry.build_retriever(retriever, **policy.retriever_params())
+        retriever = registry.build_retriever(retriever, **{name: getattr(policy, name) for name in policy.retriever_fields})
     registry.check_retriever_params(policy, retriever)
     return retriever
 

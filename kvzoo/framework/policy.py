@@ -32,9 +32,11 @@ at its first event, from the whole context when the cache knows its length, and 
 :meth:`Policy.target_rows`, which says how many rows stay after an event (default: the budget;
 VestigeKV applies the formula to each closed block on its own, Quest keeps the current page).
 
-Schedule (class attributes, which a policy may turn into dataclass fields to make them settable):
-``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows per block),
-``dense_layers`` (the first layers the policy never compresses).
+What the framework reads of a policy as data (class attributes, which a policy may turn into dataclass fields to make
+them settable): the schedule -- ``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows
+per block), ``dense_layers`` (the first layers the policy never compresses), ``rows_between_events`` (where the
+schedule does not say it) --, ``observes`` (what the runtime records: an ``accumulate`` policy's rows carry
+``row_stats["attention"]``), and ``retriever_fields`` (what the retriever it names takes from it).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class RowsView:
     """
 
     keys: torch.Tensor  # [B, G, N, D] rotated keys (GQA) or latent rows [c ; r] (MLA)
-    values: torch.Tensor | None  # [B, G, N, Dv]; None on MLA (the latent row is both)
+    values: torch.Tensor | None  # [B, G, N, Dv]; on MLA rows the content latent c, keys[..., :D - branch_dim]
     slots: torch.Tensor  # [B, G, N] int64, the row's index in the sequence (padding counted)
     valid: torch.Tensor  # [B, G, N] bool, False for padding rows
     layer_idx: int  # the model's layer index
@@ -190,13 +192,15 @@ class RowsView:
         window = self.observed_window()
         return 0 if window is None else window.shape[2]
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV group (0 when no window attention was recorded)."""
-        window = self.observed_window()
-        if window is None:
-            return 0
-        return window.shape[1] // self.keys.shape[1]
+    def sinks(self, n: int) -> torch.Tensor:
+        """Bool ``[B, G, N]``: each sequence's ``n`` earliest valid rows (by slot: the rows may be in any order;
+        padding is never a sink)."""
+        return _earliest_valid(self.slots, self.valid, n, self.all_valid)
+
+    def recent(self, n: int) -> torch.Tensor:
+        """Bool ``[B, G, N]``: each sequence's ``n`` latest valid rows (by slot: the rows may be in any order;
+        padding is never recent)."""
+        return _latest_valid(self.slots, self.valid, n, self.all_valid)
 
 
 def _read_on_first_use(name: str) -> property:
@@ -215,8 +219,21 @@ def _read_on_first_use(name: str) -> property:
     return property(get, set)
 
 
-for _name in ("keys", "values", "slots", "valid"):
+for _name in ("keys", "slots", "valid"):
     setattr(RowsView, _name, _read_on_first_use(_name))
+
+
+def _values(self: RowsView) -> torch.Tensor | None:
+    """The rows' values ``[B, G, N, Dv]``; on MLA rows, where the latent row is both key and value, its content
+    latent ``c`` (``keys[..., :D - branch_dim]``, a view: what the decode attention reads as values)."""
+    value = _read_values.fget(self)
+    if value is None and self.layout == "mla" and self.keys is not None:
+        value = self.keys[..., : self.keys.shape[-1] - self.branch_dim]
+    return value
+
+
+_read_values = _read_on_first_use("values")
+RowsView.values = property(_values, _read_values.fset)
 
 
 def observed_rows(policy: Policy, keys: torch.Tensor | None, values: torch.Tensor | None, slots: torch.Tensor | None,
@@ -279,6 +296,13 @@ class Policy(ABC):
     schedule: ClassVar[str] = "context_end"
     block_size: ClassVar[int | None] = None  # rows per block, for schedule "block"
     dense_layers: ClassVar[int] = 0  # the first layers (by rank among compressed layers) never compressed
+    # the most rows a layer's attended tier gains between two events after the context, where the schedule does not
+    # say it (None: one row for "step", block_size for "block", no bound for "context_end"; Quest's kernel rule: a
+    # page). TieredCache(..., capacity=N) sizes the tier's storage by it; too small is safe (the storage then grows)
+    rows_between_events: ClassVar[int | None] = None
+    # the fields of this policy that the retriever it names takes, so one setting is never held twice with two
+    # values (Quest: page_size, gqa, rule; registry.check_retriever_params refuses a retriever object that differs)
+    retriever_fields: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -365,7 +389,7 @@ class Policy(ABC):
         Rows the rule always keeps score ``+inf``, padding ``-inf`` (:func:`forced_priority`). A rule of groups scores
         each row as its group (ChunkKV: a chunk's score, spread to its rows). A policy with a ``step`` schedule is
         also asked for its per-step victim from this score on the tier as stored, in any row order: it must then
-        read ``slots``, never positions (H2O: :func:`latest_valid`), or write its own :meth:`step_victim`.
+        read ``slots``, never positions (H2O: :meth:`RowsView.recent`), or write its own :meth:`step_victim`.
 
         What a kvpress ``ScorerPress`` computes in ``score()``: ``kvzoo.integrations.kvpress`` hands it to
         kvpress's wrappers (``ChunkKVPress``, ``KeyRerotationPress``, ...), which take their own top-k of it.
@@ -385,7 +409,7 @@ class Policy(ABC):
         TypeError or ValueError naming the policy and the contract otherwise); ``event``: at a compression event, also
         no NaN (checked on the device, no host synchronisation; a per-step victim's scores are not checked for NaN:
         that would cost every decode step a device check). Whatever the scores, padding is never kept while a valid
-        row is left out: :func:`top_rows` and :func:`lowest_priority_victim` rank valid rows first."""
+        row is left out: :func:`top_rows` and the per-step victim rank valid rows first."""
         scores = self.priority(rows, keep)
         expected = tuple(rows.slots.shape)
         contract = ("priority() must return a float tensor [B, G, N] = " + str(list(expected)) + ": one score per row "
@@ -407,11 +431,6 @@ class Policy(ABC):
         prefill); None (default): every earlier row of the attended tier."""
         return None
 
-    def retriever_params(self) -> dict[str, Any]:
-        """Parameters this policy gives the retriever it names (``retriever="quest"`` takes the
-        policy's ``page_size``), so one setting is never held twice with two values."""
-        return {}
-
     def step_victim(self, rows: RowsView) -> torch.Tensor | None:
         """For a ``step`` event that evicts exactly one row: int64 ``[B, G]``, the row each gives up -- by default
         the one ``select(rows, rows.num_rows - 1)`` leaves out, the lowest :meth:`priority` (ties to the latest slot).
@@ -422,27 +441,8 @@ class Policy(ABC):
         order (``tests/test_runtime.py`` holds every built-in to ``select`` on shuffled rows). An override
         returning None makes the runtime sort the tier and call :meth:`select`.
         """
-        return lowest_priority_victim(self.checked_priority(rows, rows.num_rows - 1), rows.slots,
-                                      None if rows.all_valid else rows.valid)
-
-    def rows_between_events(self) -> int | None:
-        """The most rows a layer's attended tier gains between two of this policy's events after the context
-        (None: it may grow until the sequence ends). ``TieredCache(..., capacity=N)`` sizes the tier's storage by
-        it after each event; too small is safe (the storage then grows, once). Default: one row for a ``step``
-        schedule (one in, one out), ``block_size`` for a ``block`` schedule."""
-        if self.schedule == "step":
-            return 1
-        if self.schedule == "block":
-            return self.block_size
-        return None
-
-    def is_dense(self, layer_rank: int) -> bool:
-        """True for the first ``dense_layers`` layers, which this policy never compresses."""
-        return layer_rank < self.dense_layers
-
-    def new_row_stats(self) -> tuple[str, ...]:
-        """Names of the per-row statistics this policy keeps (zero for a new row)."""
-        return ("attention",) if Observation.ACCUMULATE in self.observes else ()
+        return _lowest_priority_victim(self.checked_priority(rows, rows.num_rows - 1), rows.slots,
+                                       None if rows.all_valid else rows.valid)
 
 
 def require_int(value: Any, field_name: str, low: int, meaning: str = "") -> None:
@@ -452,39 +452,67 @@ def require_int(value: Any, field_name: str, low: int, meaning: str = "") -> Non
         raise ValueError(f"{field_name} must be an int >= {low}{what}, got {value!r}")
 
 
-def sorted_keep(indices: torch.Tensor) -> torch.Tensor:
-    """Sort kept indices ascending along the last dim so kept rows stay in sequence order."""
-    return indices.sort(dim=-1).values
+# --- rows by age, read by slot: the rows may be in any order ---------------------------------------------------
 
 
-def recent_and_sinks(valid: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
-    """Bool mask ``[B, G, N]`` of the first ``sinks`` and the last ``recent`` valid rows.
+def _earliest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int, all_valid: bool = False) -> torch.Tensor:
+    """Bool ``[..., n]``: the ``count`` valid rows with the smallest slots (:meth:`RowsView.sinks`). ``all_valid``:
+    no row is padding (fewer ops)."""
+    if count <= 0:
+        return torch.zeros_like(valid)
+    k = min(count, slots.shape[-1])
+    if all_valid:
+        return slots <= slots.topk(k, dim=-1, largest=False).values[..., -1:]
+    threshold = torch.where(valid, slots, torch.iinfo(slots.dtype).max).topk(k, dim=-1, largest=False).values[..., -1:]
+    return valid & (slots <= threshold)
 
-    Rows are assumed to be in sequence order (the attended tier always is). Padding rows are never
-    sinks or recent; they rank below every valid row.
+
+def _latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int, all_valid: bool = False) -> torch.Tensor:
+    """Bool ``[..., n]``: the ``count`` valid rows with the largest slots (:meth:`RowsView.recent`). ``all_valid``:
+    no row is padding (fewer ops)."""
+    if count <= 0:
+        return torch.zeros_like(valid)
+    k = min(count, slots.shape[-1])
+    if all_valid:
+        return slots >= slots.topk(k, dim=-1).values[..., -1:]
+    threshold = torch.where(valid, slots, -1).topk(k, dim=-1).values[..., -1:]
+    return valid & (slots >= threshold)
+
+
+def sinks_and_recent(slots: torch.Tensor, valid: torch.Tensor, sinks: int, recent: int, *,
+                     query_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """StreamingLLM's rule, the one statement of it in kvzoo: bool ``[B, G, N]``, each sequence's ``sinks`` earliest
+    and ``recent`` latest valid rows, by slot (the rows in any order). Its selector (:class:`SinksAndRecentPolicy`,
+    also Quest's attended tier) ranks by it, its per-step victim is the row it leaves out of ``N - 1``
+    (:func:`_sinks_and_recent_victim`), and its token-by-token prefill applies it per query.
+
+    ``query_slots [q]``: the rule for each query of a multi-token forward, ``[B, G, q, N]``: the sinks, and the
+    ``recent`` latest valid rows up to the query's own slot, as if the tokens came one at a time (and the query's own
+    row, which a query always reads). Rows after a query's slot may be marked: causality is the attention's.
     """
-    valid_rank = valid.long().cumsum(-1) - 1  # 0-based rank among valid rows
-    n_valid = valid.long().sum(-1, keepdim=True)
-    is_sink = valid & (valid_rank < sinks)
-    is_recent = valid & (valid_rank >= n_valid - recent)
-    return is_sink | is_recent
+    # how many valid rows have a slot <= each row's (its 1-based age among the valid rows), in any row order
+    order = slots.argsort(dim=-1)
+    counted = valid.gather(-1, order).long().cumsum(-1)  # [B, G, N], in slot order
+    count = torch.empty_like(counted).scatter_(-1, order, counted)
+    if query_slots is None:
+        newest = counted[..., -1:]  # [B, G, 1]: the sequence's valid rows
+        return valid & ((count <= sinks) | (count > newest - recent))
+    # each query's count of valid rows up to its slot: [B, G, q, 1]
+    upto = torch.searchsorted(slots.gather(-1, order).contiguous(), query_slots.expand(*slots.shape[:-1], -1).contiguous(),
+                              right=True)
+    newest = torch.where(upto > 0, counted.gather(-1, (upto - 1).clamp(min=0)), 0)[..., None]
+    count, row_valid = count[..., None, :], valid[..., None, :]
+    own = slots[..., None, :] == query_slots[:, None]
+    return (row_valid & ((count <= sinks) | (count > newest - recent))) | own  # bool compares: no [q, N] ints
 
 
-def sinks_then_recent_priority(valid: torch.Tensor, sinks: int) -> torch.Tensor:
-    """fp32 ``[B, G, N]``, the rows in sequence order: the first ``sinks`` valid rows (earliest highest), then valid
-    rows by recency, then padding by recency. Its top ``keep`` rows are the sinks and the latest valid rows,
-    ``keep`` in all; where a sequence has fewer valid rows than ``keep`` (left padding), its latest padding rows."""
-    n = valid.shape[-1]
-    order = torch.arange(n, device=valid.device, dtype=torch.float32).expand(valid.shape)
-    is_sink = recent_and_sinks(valid, sinks, 0)
-    return torch.where(is_sink, 3 * n - order, torch.where(valid, n + order, order))
-
-
-def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int,
-                            all_valid: bool = False) -> torch.Tensor:
-    """The row the top ``N - 1`` of :func:`sinks_then_recent_priority` leave out, ``[B, G]``, on rows in any order
-    (reads slots): the earliest padding row if there is one, else the oldest valid row that is not a sink.
-    ``all_valid``: no row is padding (one top-k)."""
+def _sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int,
+                             all_valid: bool = False) -> torch.Tensor:
+    """The row ``sinks_and_recent(slots, valid, sinks, N - 1 - sinks)`` leaves out, ``[B, G]`` (rows in any order):
+    the oldest valid row past the sinks, or, where a sequence has padding, its earliest padding row (which the
+    selector's ranking, :meth:`SinksAndRecentPolicy.priority`, leaves out first). One top-k over the slots: the
+    few ops a decode step may launch (``tests/test_static_step.py`` bounds them); ``tests/test_policy_surface.py``
+    holds it to the rule."""
     n = slots.shape[-1]
     sinks = min(sinks, n - 1)
     if all_valid:
@@ -498,12 +526,8 @@ def sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int
 
 @dataclass
 class SinksAndRecentPolicy(Policy):
-    """The rule of StreamingLLM (and of Quest's attended tier): the first ``sinks`` rows, then the latest ones.
-
-    A subclass writes no selector. Its per-step victim is :func:`sinks_and_recent_victim` (one top-k over the
-    slots) rather than the lowest of the score found on shuffled rows: the same row, in the fewer ops a decode
-    step launches (``tests/test_static_step.py`` bounds them).
-    """
+    """The rule of StreamingLLM (and of Quest's attended tier): the first ``sinks`` rows, then the latest ones
+    (:func:`sinks_and_recent`). A subclass writes no selector."""
 
     sinks: int = 4
 
@@ -512,14 +536,18 @@ class SinksAndRecentPolicy(Policy):
         require_int(self.sinks, "sinks", 0, "attention sinks kept at the start")
 
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
-        return sinks_then_recent_priority(rows.valid, self.sinks)
+        """The sinks ``+inf``, every other row by recency (its slot): the top ``keep`` are
+        ``sinks_and_recent(slots, valid, sinks, keep - sinks)`` (valid rows rank first; where a sequence has fewer
+        valid rows than ``keep``, its latest padding rows fill the rest)."""
+        sinks = sinks_and_recent(rows.slots, rows.valid, self.sinks, 0)
+        return rows.slots.float().masked_fill(sinks, math.inf)
 
     def step_victim(self, rows: RowsView) -> torch.Tensor:
-        return sinks_and_recent_victim(rows.slots, rows.valid, self.sinks, rows.all_valid)
+        return _sinks_and_recent_victim(rows.slots, rows.valid, self.sinks, rows.all_valid)
 
 
-def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor,
-                           valid: torch.Tensor | None = None) -> torch.Tensor:
+def _lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor,
+                            valid: torch.Tensor | None = None) -> torch.Tensor:
     """The row :func:`top_rows` leaves out when keeping all but one, on rows in any order: the lowest ``priority``
     ``[B, G, n]`` (fp32, ``-inf`` for padding, ``+inf`` for forced rows), ties to the latest slot; with ``valid``, a
     padding row before any valid one (the lowest padding row, whatever the valid rows scored)."""
@@ -528,18 +556,6 @@ def lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor,
         priority = priority.masked_fill(has_padding & valid, math.inf)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
     return torch.where(lowest, slots, -1).argmax(dim=-1)
-
-
-def latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int, all_valid: bool = False) -> torch.Tensor:
-    """Bool ``[B, G, n]``: the ``count`` valid rows with the largest slots (:func:`recent_and_sinks`'s recent rows,
-    on rows in any order). ``all_valid``: no row is padding (fewer ops)."""
-    if count <= 0:
-        return torch.zeros_like(valid)
-    k = min(count, slots.shape[-1])
-    if all_valid:
-        return slots >= slots.topk(k, dim=-1).values[..., -1:]
-    threshold = torch.where(valid, slots, -1).topk(k, dim=-1).values[..., -1:]
-    return valid & (slots >= threshold)
 
 
 def forced_priority(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor,
@@ -558,7 +574,7 @@ def top_rows(priority: torch.Tensor, keep: int, valid: torch.Tensor | None = Non
     if valid is not None:
         first = torch.sort(valid.gather(-1, order).to(torch.uint8), dim=-1, descending=True, stable=True).indices
         order = order.gather(-1, first)
-    return sorted_keep(order[..., :keep])
+    return order[..., :keep].sort(dim=-1).values  # ascending: kept rows stay in sequence order
 
 
 # --- the observation window (SnapKV, ChunkKV) ------------------------------------------------
@@ -576,7 +592,7 @@ def window_rows_mask(rows: RowsView) -> torch.Tensor:
             "the observation window was not recorded for this layer; the policy must list 'window' in "
             "`observes` and return a positive `observation_window`"
         )
-    return recent_and_sinks(rows.valid, 0, w)
+    return rows.recent(w)
 
 
 WINDOW_POOLINGS = ("maxpool", "avgpool")

@@ -49,6 +49,14 @@ def _number(value: Any) -> float:
     return int(value) if float(value).is_integer() else float(value)
 
 
+def rows_between_events(policy: Policy) -> int | None:
+    """The most rows a layer's attended tier gains between two of ``policy``'s events after the context (None: it may
+    grow until the sequence ends): the policy's ``rows_between_events`` where it states one, else what its schedule
+    says -- one row for ``step`` (one in, one out), ``block_size`` for ``block``."""
+    if policy.rows_between_events is not None:
+        return policy.rows_between_events
+    return {"step": 1, "block": policy.block_size}.get(policy.schedule)
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What a cache runs with, fixed when it is made (a fork shares it; ``fork_as`` makes another).
@@ -228,7 +236,7 @@ class Runtime:
         tier_storage = layer.tier if layer.gathered else layer.rows
         if n > tier_storage.capacity or (layer.retains and layer.rows.n + before + 1 > layer.rows.capacity):
             return "event"  # the storage grows
-        if policy.is_dense(layer.rank):
+        if layer.rank < policy.dense_layers:
             return "steady"
         if policy.schedule == "step":
             target = policy.target_rows("step", budget=layer.budget, resident=n, block_rows=min(since, n), seen=seen)
@@ -281,7 +289,7 @@ class Runtime:
         policy = self.policy
         if event == "context_end":
             layer.context_ended = True
-        if not layer.is_initialized or policy.is_dense(layer.rank):
+        if not layer.is_initialized or layer.rank < policy.dense_layers:
             if event == "context_end":
                 self._fit(layer)
             return
@@ -311,7 +319,7 @@ class Runtime:
 
     def _fit(self, layer: KVLayer) -> None:
         """Fixed capacity, once the context has ended: the tier's storage holds the rows it has plus the most it
-        can gain before the policy's next event (:meth:`Policy.rows_between_events`), never more than the rows still
+        can gain before the policy's next event (:func:`rows_between_events`), never more than the rows still
         to come. The storage of a layer with an archive keeps every row: there the tier's position list is sized."""
         capacity = layer.capacity
         if capacity is None or not layer.context_ended or not layer.is_initialized:
@@ -319,7 +327,7 @@ class Runtime:
         if layer.retains and not layer.gathered:
             return
         remaining = max(0, capacity - layer.seen)
-        gain = None if self.policy.is_dense(layer.rank) else self.policy.rows_between_events()
+        gain = None if layer.rank < self.policy.dense_layers else rows_between_events(self.policy)
         rows = layer.n + (remaining if gain is None else min(gain, remaining))
         storage = layer.tier if layer.gathered else layer.rows
         storage.resize(max(rows, storage.n))
@@ -355,7 +363,7 @@ class Runtime:
     def notes(self, layers: list[KVLayer]) -> list[str]:
         """What the figures alone would not tell: a block policy whose first block has not closed yet."""
         policy = self.policy
-        open_rows = [la.since_event for la in layers if la.events == 0 and not policy.is_dense(la.rank)]
+        open_rows = [la.since_event for la in layers if la.events == 0 and la.rank >= policy.dense_layers]
         if policy.schedule == "block" and open_rows and max(open_rows) and not any(la.context_ended for la in layers):
             return [f"{policy.name}: no block has closed yet ({max(open_rows)} rows wait in an open block of "
                     f"{policy.block_size}): nothing is compressed until a block fills or compress() is called "

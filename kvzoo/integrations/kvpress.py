@@ -156,7 +156,7 @@ def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_
             "policy's rule); to_press(policy, prefill_only=True) runs its eviction at the context's end alone "
             "(the rows kvzoo's runtime holds after the context), or run it in kvzoo's runtime"
         )
-    if policy.is_dense(0):
+    if policy.dense_layers:
         raise ValueError(
             f"{policy.name}: it leaves its first layers uncompressed (dense_layers={getattr(policy, 'dense_layers', '?')}"
             "), so layers would hold different numbers of rows, which kvpress's pipeline cannot attend over (its "

@@ -212,8 +212,7 @@ class KvzooPress(BasePress):
         if Observation.WINDOW in policy.observes and policy.observation_window > 0:
             w = self._window(n, keep, available)
             window = WindowQueries(w, n, scaling, lambda: recomputed_queries(module, hidden_states, kwargs, last=w))
-        row_stats = {name: torch.zeros(B, G, n, dtype=torch.float32, device=keys.device)
-                     for name in policy.new_row_stats()}
+        row_stats: dict[str, torch.Tensor] = {}
         if Observation.ACCUMULATE in policy.observes:  # H2O: the attention every row received from the call's queries
             queries = recomputed_queries(module, hidden_states, kwargs, last=available)
             _, sums = attention_reference(queries, keys, values, slots, valid,
@@ -242,7 +241,7 @@ class KvzooPress(BasePress):
                  attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         n = keys.shape[2]
         keep = self.kept_rows(n)
-        if self.compression_ratio == 0 or keep >= n or self.policy.is_dense(module.layer_idx):
+        if self.compression_ratio == 0 or keep >= n or module.layer_idx < self.policy.dense_layers:
             return keys, values
         if keep == 0:  # compression_ratio 1 (PerLayerCompressionPress may ask it): the layer keeps nothing
             return keys[:, :, :0].contiguous(), values[:, :, :0].contiguous()

@@ -38,6 +38,18 @@ def row_mask(key_slots: torch.Tensor, key_valid: torch.Tensor, query_slots: torc
     return (key_valid[:, :, None, :] & (ks <= qs)) | (ks == qs)
 
 
+def received_attention(probs: torch.Tensor, groups: int) -> torch.Tensor:
+    """H2O's accumulation, the one statement of it in kvzoo: what each row gains, ``[B, groups, n]`` fp32 -- the
+    probability it received, summed over the queries and over the query heads of its group.
+
+    ``probs [B, H, ..., n]``: the attention probabilities of ``H`` query heads (a group's heads consecutive, as
+    transformers' GQA lays them out), any query dims between; or per-group sums ``[B, G', n]`` to fold into fewer
+    groups (an MLA layer attended per head: its ``H`` heads into the latent row's one group).
+    """
+    B, n = probs.shape[0], probs.shape[-1]
+    return probs.reshape(B, groups, -1, n).sum(dim=2)
+
+
 def masked_probs(
     query: torch.Tensor, keys: torch.Tensor, key_slots: torch.Tensor, key_valid: torch.Tensor,
     query_slots: torch.Tensor, scaling: float,
@@ -74,7 +86,6 @@ def attention_reference(
     """
     B, H, q_len, D = query.shape
     G, n = keys.shape[1], keys.shape[2]
-    hpg = H // G
     out = torch.empty(B, H, q_len, values.shape[-1], dtype=query.dtype, device=query.device)
     sums = torch.zeros(B, G, n, dtype=torch.float32, device=query.device) if column_sums else None
     query_chunk = query_chunk or query_block(B * H, n)
@@ -86,7 +97,7 @@ def attention_reference(
         scores = row_scores(query[:, :, start:stop], keys, scaling, allowed)
         out[:, :, start:stop], _, (probs,) = attend_scores([scores], [values], query.dtype)
         if sums is not None:
-            sums += probs.view(B, G, hpg, stop - start, n).sum(dim=(2, 3))
+            sums += received_attention(probs, G)
     return out, sums
 
 
@@ -141,17 +152,6 @@ def attention_sdpa(
         allowed = allowed & extra_mask
     allowed = allowed[:, :, None].expand(B, G, hpg, q_len, n).reshape(B, H, q_len, n)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling, enable_gqa=hpg > 1)
-
-
-def sink_window_mask(valid: torch.Tensor, queries: int, sinks: int, window: int) -> torch.Tensor:
-    """Bool ``[B, G, q, n]``: each of the last ``queries`` rows' tokens reads the first ``sinks`` valid
-    rows and the ``window`` latest valid rows up to and including its own (StreamingLLM's rule, token
-    by token). ``valid [B, G, n]`` over rows in sequence order, the queries' own rows last."""
-    rank = valid.long().cumsum(-1) - 1  # [B, G, n], rank among valid rows
-    q_rank = rank[..., -queries:]  # [B, G, q]
-    is_sink = (valid & (rank < sinks))[:, :, None, :]
-    recent = (q_rank[..., :, None] - rank[..., None, :]) < window
-    return is_sink | recent
 
 
 def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed: torch.Tensor | None = None) -> torch.Tensor:

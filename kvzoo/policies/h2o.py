@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Observation, Policy, RowsView, forced_priority, latest_valid
+from kvzoo.framework.policy import Observation, Policy, RowsView, forced_priority
 
 
 @dataclass
@@ -82,5 +82,4 @@ class H2O(Policy):
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         """The accumulated attention, the ``recent`` latest valid rows forced (read by slot: any row order)."""
         _, recent = self.split(keep)
-        recent_rows = latest_valid(rows.slots, rows.valid, recent, rows.all_valid)
-        return forced_priority(rows.row_stats["attention"], recent_rows, rows.valid, rows.all_valid)
+        return forced_priority(rows.row_stats["attention"], rows.recent(recent), rows.valid, rows.all_valid)

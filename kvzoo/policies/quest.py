@@ -74,6 +74,7 @@ class Quest(SinksAndRecentPolicy):
                               "reference's evaluation code) or 'kernel' (its kernels)")
     paper: ClassVar[str] = "https://arxiv.org/abs/2406.10774"
     schedule: ClassVar[str] = "step"
+    retriever_fields: ClassVar[tuple[str, ...]] = ("page_size", "gqa", "rule")  # retriever="quest" takes them
 
     def validate(self) -> None:
         super().validate()
@@ -81,9 +82,6 @@ class Quest(SinksAndRecentPolicy):
         check_paging(self.page_size, self.gqa, self.rule)  # the retriever's checks: one statement of them
         if not self.archive:
             raise ValueError("quest deletes nothing: archive must be True (pages are fetched back from it)")
-
-    def retriever_params(self) -> dict[str, Any]:
-        return {"page_size": self.page_size, "gqa": self.gqa, "rule": self.rule}
 
     def target_rows(self, event, *, budget, resident, block_rows=0, seen=0):
         sinks = min(self.sinks, seen if seen else resident)
@@ -94,5 +92,7 @@ class Quest(SinksAndRecentPolicy):
             attended = sinks + current
         return attended if resident > attended else None
 
-    def rows_between_events(self) -> int:
-        return self.page_size if self.rule == "kernel" else 1  # eval: each forward's rows leave after it
+    @property
+    def rows_between_events(self) -> int:  # type: ignore[override]
+        """kernel: the current page stays attended until it completes; eval: each forward's rows leave after it."""
+        return self.page_size if self.rule == "kernel" else 1

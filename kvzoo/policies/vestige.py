@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvzoo.framework.policy import Counters, Policy, RowsView, forced_priority, recent_and_sinks, require_int
+from kvzoo.framework.policy import Counters, Policy, RowsView, forced_priority, require_int
 
 BRANCHES = ("auto", "rope", "content", "row", "key")
 
@@ -137,7 +137,6 @@ class Vestige(Policy):
         scores = torch.zeros(B, G, N, dtype=torch.float32, device=sigma.device)
         scores[:, :, start:] = sigma
         forced = (torch.arange(N, device=sigma.device) < start).expand(B, G, N).clone()  # earlier blocks: final
-        forced |= recent_and_sinks(rows.valid, self.sinks, 0)  # the sequence's first valid rows
-        recent = min(self.recent, block_keep // 2)
-        forced[:, :, start:] |= recent_and_sinks(rows.valid[:, :, start:], 0, recent)  # the block's latest rows
+        forced |= rows.sinks(self.sinks)  # the sequence's first valid rows
+        forced |= rows.recent(min(self.recent, block_keep // 2))  # the block's latest rows (earlier ones are forced)
         return forced_priority(scores, forced, rows.valid)
