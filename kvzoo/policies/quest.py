@@ -74,6 +74,7 @@ class Quest(SinksAndRecentPolicy):
                               "reference's evaluation code) or 'kernel' (its kernels)")
     paper: ClassVar[str] = "https://arxiv.org/abs/2406.10774"
     schedule: ClassVar[str] = "step"
+    press_rule: ClassVar[str] = "kvzoo.integrations.kvpress_presses:quest_priority"  # as a kvpress press: its pages
 
     def validate(self) -> None:
         super().validate()
