@@ -203,11 +203,12 @@ def _class_path(cls: Any) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _named_class(cls: Any, where: str, hook: str, base: type | None = None, what: str = "classes") -> type:
+def _named_class(cls: Any, where: str, hook: str, base: type | None = None, what: str = "a class") -> type:
     """``cls`` if it is a class (a subclass of ``base``, if given) with a non-empty ``name``; else a RegistryError."""
     if not inspect.isclass(cls) or (base is not None and not issubclass(cls, base)):
-        raise RegistryError(f"{where}: {hook}() returned {cls!r}, which is not {what}; return named subclasses of "
-                            f"{_class_path(base) if base else 'object'} (class attribute name: ClassVar[str])")
+        classes = f"subclasses of {_class_path(base)}" if base else "classes"
+        raise RegistryError(f"{where}: {hook}() returned {cls!r}, which is not {what}; return named {classes} "
+                            "(class attribute name: ClassVar[str])")
     if not isinstance(getattr(cls, "name", None), str) or not cls.name:
         raise RegistryError(f"{where}: class {_class_path(cls)} has no name; set the class attribute "
                             f"name: ClassVar[str] = '<name>' (a non-empty string): what {hook}() returns is named")
@@ -348,14 +349,15 @@ def _discover(pm: pluggy.PluginManager, kind: _Kind) -> dict[str, _Entry]:
             raise RegistryError(f"{where}: {kind.hook}() must return {kind.returns}, got {result!r}")
         for item in (result.items() if kind.mapping else result):
             for key, obj in kind.claims(item, where).items():
-                entry = _Entry(obj, impl.plugin_name, f"{where}, class {_class_path(obj)}")
+                what = "class" if inspect.isclass(obj) else "resolver"
+                entry = _Entry(obj, impl.plugin_name, f"{where}, {what} {_class_path(obj)}")
                 known = builtins.get(key) or others.get(key)
                 if known is not None and (known.obj, known.plugin) == (obj, entry.plugin):
                     continue  # one plugin listing a class twice
                 if known is not None:
                     raise RegistryError(
                         f"{kind.hook}: {kind.noun}{key!r} is claimed twice: by {known.source} and by {entry.source}; "
-                        "names must be unique, so rename one (its class attribute `name`) or uninstall one of the plugins"
+                        "each must be unique, so rename one (a class's attribute `name`) or uninstall one of the plugins"
                     )
                 (builtins if impl.plugin_name == BUILTIN_PLUGIN_NAME else others)[key] = entry
     return {**builtins, **dict(sorted(others.items()))}
