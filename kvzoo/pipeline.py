@@ -74,10 +74,6 @@ class ScoreResult:
     answer_tokens: int
     cache: TieredCache = field(repr=False)
 
-    @property
-    def mean_nll(self) -> float:
-        return self.nll / max(1, self.answer_tokens)
-
 
 # --- progress ------------------------------------------------------------------------------------
 

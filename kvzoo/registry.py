@@ -1,7 +1,10 @@
-"""Policies and retrievers by name: ``get("streaming_llm", ratio=4)`` returns a configured policy.
+"""Policies, retrievers, name prefixes, model-family adapters and executors by name: ``get("streaming_llm",
+ratio=4)`` returns a configured policy.
 
-Every policy reaches the registry through one pluggy hook, :func:`kvzoo.hookspecs.kvzoo_policies`,
-and every retriever through a second, :func:`kvzoo.hookspecs.kvzoo_retrievers`:
+Each kind reaches the registry through its pluggy hook (:mod:`kvzoo.hookspecs`: ``kvzoo_policies``,
+``kvzoo_retrievers``, ``kvzoo_namespaces``, ``kvzoo_adapters``, ``kvzoo_executors``), and every kind is discovered
+by the one function :func:`_discover`, with what is particular to a kind (its check, what its key is) in
+:data:`_KINDS`:
 
 * kvzoo's own come from :class:`BuiltinPolicies`, a plugin that reads ``registry.toml`` (names and
   ``module:Class`` only; summary, paper, layouts and defaults are read from the classes) and
@@ -11,8 +14,8 @@ and every retriever through a second, :func:`kvzoo.hookspecs.kvzoo_retrievers`:
 
 Discovery runs on the first lookup and is cached; :func:`reload` re-reads the entry points and
 :func:`reset` also forgets the plugins given to :func:`register_plugin`. A name claimed twice, or a
-plugin handing back something that is not a named :class:`~kvzoo.framework.policy.Policy` subclass,
-is a :class:`RegistryError` that names the plugins involved.
+plugin handing back something that is not what its hook promises (a named
+:class:`~kvzoo.framework.policy.Policy` subclass, ...), is a :class:`RegistryError` that names the plugins involved.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import difflib
 import importlib
 import inspect
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -174,28 +177,107 @@ class BuiltinPolicies:
                 for entry in read_manifest(self.manifest_path, "namespace")}
 
 
-# --- discovery -----------------------------------------------------------------------------------
+# --- discovery: one path for every kind of thing a plugin provides -------------------------------
 
 
 @dataclass(frozen=True)
 class _Entry:
-    cls: type[Policy]
+    obj: Any  # the class (a namespace's resolver, for a namespace)
     plugin: str  # the pluggy plugin name
     source: str  # where it came from, for messages and info()
 
 
-_registered: list[tuple[object, str]] = []  # plugins given to register_plugin(), in order
-_entries: dict[str, _Entry] | None = None  # the policy table; None until the first lookup
-_retrievers: dict[str, _Entry] | None = None  # the retriever table, built with it
-_namespaces: dict[str, tuple[Any, str]] | None = None  # prefix -> (resolver, source), built with it
-_adapters: dict[str, _Entry] | None = None  # model type -> adapter class, built on its first lookup
-_executors: dict[str, _Entry] | None = None  # executor name -> class, built on its first lookup
-_plugins: pluggy.PluginManager | None = None  # the plugins of the current tables
+@dataclass(frozen=True)
+class _Kind:
+    """One kind of thing plugins provide: the hook returning them, and how one is checked."""
+
+    hook: str
+    returns: str  # what the hook must return, for the message when it does not
+    claims: Callable[[Any, str], dict[str, Any]]  # one returned item, checked -> {key: object} ("where" names the plugin)
+    noun: str = ""  # what a key is, for the message when two plugins claim one
+    mapping: bool = False  # the hook returns a mapping (its items are what is claimed), not a list
+    eager: bool = True  # built with the policy table, else on its first lookup (adapters import transformers)
 
 
-def _class_path(cls: type) -> str:
+def _class_path(cls: Any) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
+
+def _named_class(cls: Any, where: str, hook: str, base: type | None = None, what: str = "a class") -> type:
+    """``cls`` if it is a class (a subclass of ``base``, if given) with a non-empty ``name``; else a RegistryError."""
+    if not inspect.isclass(cls) or (base is not None and not issubclass(cls, base)):
+        classes = f"subclasses of {_class_path(base)}" if base else "classes"
+        raise RegistryError(f"{where}: {hook}() returned {cls!r}, which is not {what}; return named {classes} "
+                            "(class attribute name: ClassVar[str])")
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+        raise RegistryError(f"{where}: class {_class_path(cls)} has no name; set the class attribute "
+                            f"name: ClassVar[str] = '<name>' (a non-empty string): what {hook}() returns is named")
+    return cls
+
+
+def _policy_claims(cls: Any, where: str) -> dict[str, Any]:
+    """A policy class, checked: named, concrete, valid layouts and observations."""
+    from kvzoo.framework.policy import LAYOUTS, Policy, observations
+
+    _named_class(cls, where, "kvzoo_policies", Policy, "a Policy subclass")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise RegistryError(f"{where}: policy {cls.name!r} ({_class_path(cls)}) does not implement {missing}")
+    if not cls.layouts or not set(cls.layouts) <= set(LAYOUTS):
+        raise RegistryError(f"{where}: policy {cls.name!r} has layouts={cls.layouts!r}; use a non-empty subset of {LAYOUTS}")
+    try:
+        observations(cls.observes, f"{where}: policy {cls.name!r}")
+    except ValueError as exc:
+        raise RegistryError(str(exc)) from None
+    return {cls.name: cls}
+
+
+def _retriever_claims(cls: Any, where: str) -> dict[str, Any]:
+    from kvzoo.framework.retriever import Retriever
+
+    return {_named_class(cls, where, "kvzoo_retrievers", Retriever, "a Retriever subclass").name: cls}
+
+
+def _namespace_claims(item: tuple[Any, Any], where: str) -> dict[str, Any]:
+    prefix, resolver = item
+    if not callable(resolver) or not str(prefix).isidentifier():
+        raise RegistryError(f"{where}: kvzoo_namespaces() must map identifiers to callables, got {prefix!r}: {resolver!r}")
+    return {prefix: resolver}
+
+
+def _adapter_claims(cls: Any, where: str) -> dict[str, Any]:
+    """The model types an adapter class serves, checked against :class:`kvzoo.framework.adapters.Adapter`."""
+    from kvzoo.framework.adapters.base import adapter_problem
+
+    _named_class(cls, where, "kvzoo_adapters")
+    problem = adapter_problem(cls)
+    if problem is not None:
+        raise RegistryError(f"{where}: adapter {_class_path(cls)} {problem}")
+    return dict.fromkeys(cls.model_types, cls)
+
+
+def _executor_claims(cls: Any, where: str) -> dict[str, Any]:
+    """An executor class, checked: it needs ``summary``, ``add_arguments`` and ``run``."""
+    _named_class(cls, where, "kvzoo_executors")
+    missing = [attr for attr in ("summary", "add_arguments", "run") if not hasattr(cls, attr)]
+    if missing:
+        raise RegistryError(f"{where}: executor {_class_path(cls)} has no {', '.join(missing)}; an executor class "
+                            "has name, summary, add_arguments(group) and run(work, emit) (kvzoo.bench.executors.Executor)")
+    return {cls.name: cls}
+
+
+_KINDS: dict[str, _Kind] = {
+    "policy": _Kind("kvzoo_policies", "a list of Policy subclasses", _policy_claims, "policy name "),
+    "retriever": _Kind("kvzoo_retrievers", "a list of Retriever subclasses", _retriever_claims, "retriever name "),
+    "namespace": _Kind("kvzoo_namespaces", "a mapping of identifiers to resolvers", _namespace_claims,
+                       "policy namespace ", mapping=True),
+    "adapter": _Kind("kvzoo_adapters", "a list of adapter classes", _adapter_claims, eager=False),
+    "executor": _Kind("kvzoo_executors", "a list of executor classes", _executor_claims, eager=False),
+}
+
+_registered: list[tuple[object, str]] = []  # plugins given to register_plugin(), in order
+_plugins: pluggy.PluginManager | None = None  # the plugins of the current tables; None until the first lookup
+_tables: dict[str, dict[str, _Entry]] = {}  # kind -> key -> entry, each built from _plugins on its first lookup
 
 
 def _hook_result(impl: Any, where: str, hook: str) -> Any:
@@ -206,6 +288,7 @@ def _hook_result(impl: Any, where: str, hook: str) -> Any:
         raise
     except Exception as exc:
         raise RegistryError(f"{where}: {hook}() raised {type(exc).__name__}: {exc}") from exc
+
 
 def _describe_plugin(plugin_name: str, dist: Any) -> str:
     if plugin_name == BUILTIN_PLUGIN_NAME:
@@ -224,44 +307,8 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
         raise RegistryError(f"plugin {name!r} does not match the kvzoo hook spec: {exc}") from exc
 
 
-def _policy_classes(result: object, where: str) -> list[type[Policy]]:
-    """Check what one plugin's ``kvzoo_policies()`` returned; the classes, in order."""
-    from kvzoo.framework.policy import LAYOUTS, Policy, observations
-
-    if result is None:
-        return []
-    if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
-        raise RegistryError(f"{where}: kvzoo_policies() must return a list of Policy subclasses, got {result!r}")
-    classes: list[type[Policy]] = []
-    for cls in result:
-        if not (inspect.isclass(cls) and issubclass(cls, Policy)):
-            raise RegistryError(
-                f"{where}: kvzoo_policies() returned {cls!r}, which is not a Policy subclass; return classes "
-                "deriving from kvzoo.framework.policy.Policy"
-            )
-        if not isinstance(cls.name, str) or not cls.name:
-            raise RegistryError(
-                f"{where}: policy class {_class_path(cls)} has no name; set the class attribute "
-                "name: ClassVar[str] = '<policy name>' (a non-empty string)"
-            )
-        if inspect.isabstract(cls):
-            missing = ", ".join(sorted(cls.__abstractmethods__))
-            raise RegistryError(f"{where}: policy {cls.name!r} ({_class_path(cls)}) does not implement {missing}")
-        if not cls.layouts or not set(cls.layouts) <= set(LAYOUTS):
-            raise RegistryError(
-                f"{where}: policy {cls.name!r} has layouts={cls.layouts!r}; use a non-empty subset of {LAYOUTS}"
-            )
-        try:
-            observations(cls.observes, f"{where}: policy {cls.name!r}")
-        except ValueError as exc:
-            raise RegistryError(str(exc)) from None
-        if cls not in classes:
-            classes.append(cls)
-    return classes
-
-
-def _discover() -> dict[str, _Entry]:
-    """Build the name -> class table: built-ins in manifest order, then plugins' by name."""
+def _plugin_manager() -> pluggy.PluginManager:
+    """The built-in plugin, the entry-point plugins and the registered ones, checked against the hook spec."""
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     _register(pm, BuiltinPolicies(), BUILTIN_PLUGIN_NAME)
@@ -279,139 +326,70 @@ def _discover() -> dict[str, _Entry]:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise RegistryError(f"{exc}; the kvzoo hooks are kvzoo_policies(), kvzoo_retrievers(), kvzoo_namespaces(), "
-                            "kvzoo_adapters() and kvzoo_executors()") from exc
+        hooks = ", ".join(f"{kind.hook}()" for kind in _KINDS.values())
+        raise RegistryError(f"{exc}; the kvzoo hooks are {hooks}") from exc
+    return pm
 
-    global _retrievers, _namespaces, _adapters, _executors, _plugins
-    _retrievers = _discover_retrievers(pm)
-    _namespaces = _discover_namespaces(pm)
-    _plugins, _adapters, _executors = pm, None, None  # read on their first lookup (adapters import transformers)
+
+def _discover(pm: pluggy.PluginManager, kind: _Kind) -> dict[str, _Entry]:
+    """key -> entry from every plugin's ``kind.hook()``: the built-in plugin's in its order (``registry.toml``'s),
+    then the other plugins' sorted by key. Each returned item is checked by ``kind.claims``; a key claimed twice is a
+    RegistryError naming both plugins."""
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
-    impls = sorted(
-        pm.hook.kvzoo_policies.get_hookimpls(),
-        key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name),
-    )
-    builtins: list[_Entry] = []
-    others: list[_Entry] = []
-    claimed: dict[str, _Entry] = {}
-    for impl in impls:
-        where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
-        result = _hook_result(impl, where, "kvzoo_policies")
-        for cls in _policy_classes(result, where):
-            entry = _Entry(cls, impl.plugin_name, f"{where}, class {_class_path(cls)}")
-            if cls.name in claimed:
-                raise RegistryError(
-                    f"policy name {cls.name!r} is claimed twice: by {claimed[cls.name].source} and by "
-                    f"{entry.source}; policy names must be unique, so rename one (its class attribute `name`) "
-                    "or uninstall one of the plugins"
-                )
-            claimed[cls.name] = entry
-            (builtins if impl.plugin_name == BUILTIN_PLUGIN_NAME else others).append(entry)
-    others.sort(key=lambda entry: entry.cls.name)
-    return {entry.cls.name: entry for entry in builtins + others}
-
-
-def _discover_retrievers(pm: pluggy.PluginManager) -> dict[str, _Entry]:
-    """The name -> class table of retrievers: built-ins first, then plugins' by name."""
-    from kvzoo.framework.retriever import Retriever
-
-    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
-    impls = sorted(
-        pm.hook.kvzoo_retrievers.get_hookimpls(),
-        key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name),
-    )
-    table: dict[str, _Entry] = {}
-    for impl in impls:
-        where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
-        try:
-            result = impl.function()
-        except Exception as exc:
-            raise RegistryError(f"{where}: kvzoo_retrievers() raised {type(exc).__name__}: {exc}") from exc
-        for cls in result or []:
-            if not (inspect.isclass(cls) and issubclass(cls, Retriever)) or not getattr(cls, "name", ""):
-                raise RegistryError(
-                    f"{where}: kvzoo_retrievers() returned {cls!r}; return named subclasses of "
-                    "kvzoo.framework.retriever.Retriever (class attribute name: ClassVar[str])"
-                )
-            entry = _Entry(cls, impl.plugin_name, f"{where}, class {_class_path(cls)}")
-            if cls.name in table:
-                raise RegistryError(
-                    f"retriever name {cls.name!r} is claimed twice: by {table[cls.name].source} and by {entry.source}"
-                )
-            table[cls.name] = entry
-    return table
-
-
-def _discover_namespaces(pm: pluggy.PluginManager) -> dict[str, tuple[Any, str]]:
-    """prefix -> (resolver, plugin name) from every plugin's ``kvzoo_namespaces()``; a prefix claimed twice is an error."""
-    table: dict[str, tuple[Any, str]] = {}
-    for impl in pm.hook.kvzoo_namespaces.get_hookimpls():
-        result = impl.function() or {}
-        for prefix, resolver in dict(result).items():
-            if not callable(resolver) or not str(prefix).isidentifier():
-                raise RegistryError(f"plugin {impl.plugin_name!r}: kvzoo_namespaces() must map identifiers to "
-                                    f"callables, got {prefix!r}: {resolver!r}")
-            if prefix in table:
-                raise RegistryError(f"policy namespace {prefix!r} is claimed by plugins {table[prefix][1]!r} and "
-                                    f"{impl.plugin_name!r}")
-            table[prefix] = (resolver, impl.plugin_name)
-    return table
-
-
-def _discover_classes(pm: pluggy.PluginManager, hook: str, keys: Any) -> dict[str, _Entry]:
-    """key -> class from every plugin's ``hook()``: built-ins first, then plugins' by name. ``keys(cls, where)``
-    checks a class and returns the keys it claims (a RegistryError for a bad class); a key claimed twice is an
-    error naming both plugins."""
-    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
-    impls = sorted(getattr(pm.hook, hook).get_hookimpls(),
+    impls = sorted(getattr(pm.hook, kind.hook).get_hookimpls(),
                    key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name))
-    table: dict[str, _Entry] = {}
+    builtins: dict[str, _Entry] = {}
+    others: dict[str, _Entry] = {}
     for impl in impls:
         where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
-        result = _hook_result(impl, where, hook)
+        result = _hook_result(impl, where, kind.hook)
         if result is None:
             continue
-        if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
-            raise RegistryError(f"{where}: {hook}() must return a list of classes, got {result!r}")
-        for cls in result:
-            if not inspect.isclass(cls) or not isinstance(getattr(cls, "name", None), str) or not cls.name:
-                raise RegistryError(f"{where}: {hook}() returned {cls!r}; return classes with a non-empty class "
-                                    "attribute name: ClassVar[str]")
-            entry = _Entry(cls, impl.plugin_name, f"{where}, class {_class_path(cls)}")
-            for key in keys(cls, where):
-                if key in table:
-                    raise RegistryError(f"{hook}: {key!r} is claimed twice: by {table[key].source} and by "
-                                        f"{entry.source}; rename or remove one")
-                table[key] = entry
-    return table
+        if isinstance(result, (str, bytes)) or not isinstance(result, Mapping if kind.mapping else Iterable):
+            raise RegistryError(f"{where}: {kind.hook}() must return {kind.returns}, got {result!r}")
+        for item in (result.items() if kind.mapping else result):
+            for key, obj in kind.claims(item, where).items():
+                what = "class" if inspect.isclass(obj) else "resolver"
+                entry = _Entry(obj, impl.plugin_name, f"{where}, {what} {_class_path(obj)}")
+                known = builtins.get(key) or others.get(key)
+                if known is not None and (known.obj, known.plugin) == (obj, entry.plugin):
+                    continue  # one plugin listing a class twice
+                if known is not None:
+                    raise RegistryError(
+                        f"{kind.hook}: {kind.noun}{key!r} is claimed twice: by {known.source} and by {entry.source}; "
+                        "each must be unique, so rename one (a class's attribute `name`) or uninstall one of the plugins"
+                    )
+                (builtins if impl.plugin_name == BUILTIN_PLUGIN_NAME else others)[key] = entry
+    return {**builtins, **dict(sorted(others.items()))}
 
 
-def _adapter_keys(cls: type, where: str) -> tuple[str, ...]:
-    """The model types an adapter class serves, checked against :class:`kvzoo.framework.adapters.Adapter`."""
-    from kvzoo.framework.adapters.base import adapter_problem
+def _table(kind: str = "policy") -> dict[str, _Entry]:
+    """The table of ``kind``: discovery runs on the first lookup (the plugins and every eager kind's table) and is
+    cached until :func:`reload`, :func:`reset` or a plugin (un)registered."""
+    global _plugins
+    if _plugins is None:
+        try:
+            _plugins = _plugin_manager()
+            for name, eager_kind in _KINDS.items():
+                if eager_kind.eager:
+                    _tables[name] = _discover(_plugins, eager_kind)
+        except Exception:
+            _forget()
+            raise
+    if kind not in _tables:
+        _tables[kind] = _discover(_plugins, _KINDS[kind])
+    return _tables[kind]
 
-    problem = adapter_problem(cls)
-    if problem is not None:
-        raise RegistryError(f"{where}: adapter {_class_path(cls)} {problem}")
-    return tuple(cls.model_types)
 
-
-def _executor_keys(cls: type, where: str) -> tuple[str, ...]:
-    """An executor class's name, checked: it needs ``summary``, ``add_arguments`` and ``run``."""
-    missing = [attr for attr in ("summary", "add_arguments", "run") if not hasattr(cls, attr)]
-    if missing:
-        raise RegistryError(f"{where}: executor {_class_path(cls)} has no {', '.join(missing)}; an executor class "
-                            "has name, summary, add_arguments(group) and run(work, emit) (kvzoo.bench.executors.Executor)")
-    return (cls.name,)
+def _forget() -> None:
+    global _plugins
+    _plugins = None
+    _tables.clear()
 
 
 def adapters() -> dict[str, type]:
     """Every registered model type with the adapter class that serves it."""
-    global _adapters
-    _table()
-    if _adapters is None:
-        _adapters = _discover_classes(_plugins, "kvzoo_adapters", _adapter_keys)
-    return {model_type: entry.cls for model_type, entry in _adapters.items()}
+    return {model_type: entry.obj for model_type, entry in _table("adapter").items()}
 
 
 def adapter_class(model_type: str | None) -> type:
@@ -425,29 +403,20 @@ def adapter_class(model_type: str | None) -> type:
 
 def executors() -> dict[str, str]:
     """Every registered executor name with its one-line summary (``local`` first)."""
-    return {name: entry.cls.summary for name, entry in _executor_table().items()}
-
-
-def _executor_table() -> dict[str, _Entry]:
-    global _executors
-    _table()
-    if _executors is None:
-        _executors = _discover_classes(_plugins, "kvzoo_executors", _executor_keys)
-    return _executors
+    return {name: entry.obj.summary for name, entry in _table("executor").items()}
 
 
 def executor_class(name: str) -> type:
     """The executor class registered as ``name``; a ValueError naming the valid ones if none is."""
-    table = _executor_table()
+    table = _table("executor")
     if name not in table:
         raise ValueError(f"unknown executor {name!r}: valid executors are {', '.join(table)}")
-    return table[name].cls
+    return table[name].obj
 
 
 def namespaces() -> list[str]:
     """The prefixes of namespaced policy names (``kvpress`` for ``kvpress:KnormPress``)."""
-    _table()
-    return list(_namespaces)
+    return list(_table("namespace"))
 
 
 def _namespaced(name: str) -> _Entry:
@@ -455,12 +424,13 @@ def _namespaced(name: str) -> _Entry:
     from kvzoo.framework.policy import Policy
 
     prefix, _, rest = name.partition(":")
-    if prefix not in _namespaces:
+    table = _table("namespace")
+    if prefix not in table:
         raise UnknownPolicyError(
             f"unknown policy {name!r}: {prefix!r} is not a policy namespace; namespaces: "
-            f"{', '.join(_namespaces) or 'none'} (e.g. 'kvpress:KnormPress'), policies: {', '.join(_table())}"
+            f"{', '.join(table) or 'none'} (e.g. 'kvpress:KnormPress'), policies: {', '.join(_table())}"
         )
-    resolver, plugin = _namespaces[prefix]
+    resolver, plugin = table[prefix].obj, table[prefix].plugin
     try:
         cls = resolver(rest)
     except ImportError as exc:  # the namespace's package is missing: its message says how to install it
@@ -473,30 +443,16 @@ def _namespaced(name: str) -> _Entry:
     return _Entry(cls, plugin, f"namespace {prefix!r} of {_describe_plugin(plugin, None)}, class {_class_path(cls)}")
 
 
-def _table() -> dict[str, _Entry]:
-    global _entries
-    if _entries is None:
-        _entries = _discover()
-    return _entries
-
-
-def _retriever_table() -> dict[str, _Entry]:
-    _table()
-    return _retrievers
-
-
 def reload() -> None:
     """Forget the cached tables and discover again now (entry points re-read; registered plugins kept)."""
-    global _entries
-    _entries = None
+    _forget()
     _table()
 
 
 def reset() -> None:
     """Unregister every plugin given to :func:`register_plugin` and forget the cached tables."""
-    global _entries
     _registered.clear()
-    _entries = None
+    _forget()
 
 
 def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str:
@@ -510,7 +466,6 @@ def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str
     fails here with a :class:`RegistryError` naming what was wrong, and is not kept: the registry is left as it
     was. Registering the same object again is a no-op.
     """
-    global _entries
     for known, known_name in _registered:
         if known is plugin:
             return known_name
@@ -519,28 +474,25 @@ def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str
     if name == BUILTIN_PLUGIN_NAME or any(name == known_name for _, known_name in _registered):
         raise RegistryError(f"a plugin named {name!r} is already registered; pass register_plugin(plugin, name=...)")
     _registered.append((plugin, name))
-    _entries = None
+    _forget()
     try:
         _table()
-        # the adapter and executor tables are otherwise built on their first lookup (adapters import transformers):
-        # build the ones this plugin adds to now, so that its classes are checked here and not by the next lookup
-        for hook, build in (("kvzoo_adapters", adapters), ("kvzoo_executors", _executor_table)):
-            if any(impl.plugin_name == name for impl in getattr(_plugins.hook, hook).get_hookimpls()):
-                build()
+        for kind_name, kind in _KINDS.items():  # check the lazy tables it adds to now, not at their next lookup
+            if any(impl.plugin_name == name for impl in getattr(_plugins.hook, kind.hook).get_hookimpls()):
+                _table(kind_name)
     except Exception:
         _registered.pop()
-        _entries = None
+        _forget()
         raise
     return name
 
 
 def unregister_plugin(plugin_or_name: ModuleType | object | str) -> None:
     """Undo :func:`register_plugin` (by the plugin object or its name); KeyError if it is not registered."""
-    global _entries
     for i, (plugin, name) in enumerate(_registered):
         if plugin is plugin_or_name or name == plugin_or_name:
             del _registered[i]
-            _entries = None
+            _forget()
             return
     names = ", ".join(name for _, name in _registered) or "none"
     raise KeyError(f"{plugin_or_name!r} is not a registered plugin (registered: {names})")
@@ -567,12 +519,12 @@ def _entry(name: str) -> _Entry:
 
 def policy_class(name: str) -> type[Policy]:
     """The policy class registered as ``name``; :class:`UnknownPolicyError` (a KeyError) if none."""
-    return _entry(name).cls
+    return _entry(name).obj
 
 
 def available() -> dict[str, str]:
     """Every registered policy name with its one-line summary: built-ins first, then plugins' by name."""
-    return {name: entry.cls.summary for name, entry in _table().items()}
+    return {name: entry.obj.summary for name, entry in _table().items()}
 
 
 def _parameters(cls: type[Policy]) -> list[dataclasses.Field]:
@@ -623,8 +575,8 @@ def get(name: str, **params: Any) -> Policy:
 
 
 def _check_retriever_name(policy: Policy) -> None:
-    if isinstance(policy.retriever, str) and policy.retriever not in _retriever_table():
-        valid = ", ".join(_retriever_table())
+    if isinstance(policy.retriever, str) and policy.retriever not in _table("retriever"):
+        valid = ", ".join(_table("retriever"))
         raise ValueError(f"{policy.name}: retriever={policy.retriever!r} is not a retriever; valid: {valid} "
                          "or None (eviction only)")
 
@@ -651,14 +603,14 @@ def resolve(policy: Policy | str | None) -> Policy:
 
 def retrievers() -> dict[str, str]:
     """Every registered retriever name with the first line of its class's docstring."""
-    return {name: (entry.cls.__doc__ or "").strip().splitlines()[0] for name, entry in _retriever_table().items()}
+    return {name: (entry.obj.__doc__ or "").strip().splitlines()[0] for name, entry in _table("retriever").items()}
 
 
 def retriever_class(name: str) -> type[Retriever]:
-    table = _retriever_table()
+    table = _table("retriever")
     if name not in table:
         raise KeyError(f"unknown retriever {name!r}; valid: {', '.join(table)}")
-    return table[name].cls
+    return table[name].obj
 
 
 def build_retriever(spec: str | Retriever | None, **params: Any) -> Retriever | None:
@@ -727,7 +679,7 @@ def get_spec(spec: str, **params: Any) -> Policy:
 def info(name: str) -> dict[str, Any]:
     """What the registry knows of ``name``: summary, paper, layouts, parameter defaults, source."""
     entry = _entry(name)
-    cls = entry.cls
+    cls = entry.obj
     defaults: dict[str, Any] = {}
     for f in _parameters(cls):
         if f.default is not dataclasses.MISSING:

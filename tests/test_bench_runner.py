@@ -115,7 +115,7 @@ def test_forked_mla_cache_keeps_the_models_attention_modules():
 def test_plan_puts_the_reference_first_and_runs_it_without_a_ratio():
     grid = tiny_grid(ratios=(2, 4), positions=("after", "before"), policies=None)
     trials = runner.plan(grid)
-    names = list(registry.available()) + list(runner.DEFAULT_VARIANTS)  # quest(gqa=group) runs beside quest
+    names = list(registry.available()) + list(runner.registered_variants())  # quest(gqa=group) runs beside quest
     per_position = 1 + 2 * (len(names) - 1)  # full once, every other policy at two ratios
     assert len(trials) == 2 * per_position
     assert trials[0].policy == "full" and trials[0].ratio is None and trials[0].position == "after"
@@ -210,7 +210,7 @@ def test_entry_point_plugin_appears_in_the_leaderboard(tmp_path: Path, monkeypat
     registry.reload()
 
     rows = runner.run_grid(tiny_grid(policies=None, positions=("after",)), tmp_path / "plugin.jsonl", progress=False)
-    assert [r["policy"] for r in rows] == list(registry.available()) + list(runner.DEFAULT_VARIANTS)
+    assert [r["policy"] for r in rows] == list(registry.available()) + list(runner.registered_variants())
     keep_first = [r for r in rows if r["policy"] == "keep_first"]
     assert [r["status"] for r in keep_first] == ["ok"]
     assert keep_first[0]["policy_config"]["name"] == "keep_first"
@@ -315,7 +315,8 @@ def test_demo_preset_is_the_small_grid_of_the_issue():
     assert grid.continuation_tokens == 0 and tuple(grid.variants) == ()
     trials = runner.plan(grid)
     assert len(trials) == 2 * (1 + 2 * (len(registry.available()) - 1))  # per depth: full, every other policy at 2 ratios
-    assert runner.PRESETS["leaderboard"]().variants == runner.DEFAULT_VARIANTS  # the larger grid keeps them
+    assert runner.PRESETS["leaderboard"]().variants is None  # the larger grid keeps them: the registered ones
+    assert runner.registered_variants() == ("quest(rule=kernel)", "quest(gqa=group)")
 
 
 def test_render_json_turns_benchmark_json_into_the_same_table(tmp_path: Path):

@@ -10,6 +10,7 @@ same kept rows with and without ``capacity``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -23,28 +24,48 @@ from tests.greedy import assert_same_greedy
 
 PROMPT, STEPS = 120, 24
 
-# every registered policy (quest and vestige with their retrievers), at budgets the tiny models' prompt exceeds
-POLICIES = {
-    "full": {},
-    "streaming_llm": {"budget": 32},
-    "snapkv": {"budget": 32, "window": 8},
-    "h2o": {"budget": 32},
-    "chunkkv": {"budget": 40, "window": 8},
-    "quest": {"budget": 48, "dense_layers": 0},
-    "vestige": {"budget": 16, "block_size": 64},
-    "vestige-evict": {"budget": 16, "block_size": 64, "retriever": None},
-    "streaming_llm-sketch": {"budget": 32, "retriever": "vestige"},  # one in, one out, and indexed every step
-    # the paged index (issue 25): pages scanned first; one row a step joins the open page on the device
-    "vestige-paged": {"budget": 16, "block_size": 64, "retriever": registry.build_retriever("vestige", index="paged",
-                                                                                              page_rows=8)},
-    "streaming_llm-paged": {"budget": 32, "retriever": registry.build_retriever("vestige", index="paged",
-                                                                                page_rows=8)},
-}
+# Test sizes, by hyperparameter: budgets the tiny models' prompt exceeds, a small observation window, blocks that
+# close within the prompt, every layer compressed. A policy takes those of its fields it has.
+SIZES = {"budget": 32, "window": 8, "block_size": 64, "dense_layers": 0}
+
+
+def _paged():
+    """The paged sketch index (issue 25), pages of 8 rows."""
+    return registry.build_retriever("vestige", index="paged", page_rows=8)
+
+
+def _sized(name: str, **params) -> tuple[str, dict]:
+    cls = registry.policy_class(name)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    sized = {k: v for k, v in SIZES.items() if k in fields and (k != "budget" or cls.requires_budget)
+             and (k != "block_size" or cls.schedule == "block")}
+    return name, {**sized, **params}
+
+
+def _policies() -> dict[str, tuple[str, dict]]:
+    """Every registered policy at test sizes; the eviction-only form of each that holds a retriever by default; and
+    the runtime's other paths: the sketch indexed at every step under one in, one out, and the paged index."""
+    out = {name: _sized(name) for name in registry.available()}
+    for name in registry.available():
+        if isinstance(registry.policy_class(name).retriever, str):
+            out[f"{name}-evict"] = _sized(name, retriever=None)
+    out["streaming_llm-sketch"] = _sized("streaming_llm", retriever="vestige")  # one in, one out, indexed every step
+    out["vestige-paged"] = _sized("vestige", retriever=_paged())  # pages scanned first; a row a step joins the open page
+    out["streaming_llm-paged"] = _sized("streaming_llm", retriever=_paged())
+    return out
+
+
+POLICIES = _policies()
 
 
 def _policy(name: str):
-    base = name.split("-")[0]
-    return registry.get(base, **POLICIES[name])
+    base, params = POLICIES[name]
+    return registry.get(base, **params)
+
+
+def _pages(policy) -> bool:
+    """The policy's retriever moves pages of ``page_size`` rows (an event every page)."""
+    return policy.retriever is not None and "page_size" in policy.retriever_fields
 
 
 def _runs_on(name: str, policy, family: str) -> bool:
@@ -132,8 +153,9 @@ def test_steady_decode_steps_repeat_op_for_op(name, family):
             runs.append([])
     runs = [run for run in runs if run]
     longest = max((len(run) for run in runs), default=0)
-    # quest moves its current page to the archive every 16 steps (an event); the others have none here
-    assert longest >= (12 if name == "quest" else STEPS), f"the longest run of steady steps is {longest}"
+    # a paging retriever (quest's) moves the current page to the archive every page_size steps (an event); the
+    # others have none here
+    assert longest >= (12 if _pages(policy) else STEPS), f"the longest run of steady steps is {longest}"
     for run in runs:
         reference, ref_owned = run[0]
         assert reference.syncs == [], f"host syncs in a decode step: {reference.syncs}"
@@ -237,7 +259,7 @@ def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
         runs[graphed] = (out, cache.stats().totals, graph)
     detach(model)
     (eager, eager_totals, _), (replayed, replayed_totals, graph) = runs[False], runs[True]
-    assert graph.replays >= (12 if name == "quest" else 20) and graph.captures >= 1
+    assert graph.replays >= (12 if _pages(_policy(name)) else 20) and graph.captures >= 1
     assert_same_greedy(eager.sequences[0], replayed.sequences[0], torch.stack([s[0] for s in eager.logits]),
                        torch.stack([s[0] for s in replayed.logits]))
     if torch.equal(eager.sequences, replayed.sequences):

@@ -27,10 +27,21 @@ if TYPE_CHECKING:
 # names (torch's attribute names), the question positions are kvzoo.pipeline's, checked when a grid is made.
 
 
-# Configured variants that the leaderboard runs beside every registered policy (grid.policies=None): Quest's
-# other reference rule (its kernels' page count; the default `quest` is its evaluation code's), and kvzoo's
-# per-KV-group Quest, so that the equal-bytes comparison with the reference's per-head rule shows.
-DEFAULT_VARIANTS: tuple[str, ...] = ("quest(rule=kernel)", "quest(gqa=group)")
+def registered_variants() -> tuple[str, ...]:
+    """Configured variants that the leaderboard runs beside every registered policy (``Grid.variants=None``): for a
+    policy holding a retriever by name, that retriever class's ``variants`` (``quest(rule=kernel)``: Quest's other
+    reference rule, its kernels' page count; ``quest(gqa=group)``: one page set per KV group, so that the
+    equal-bytes comparison with the reference's per-head rule shows). A plugin's policy and retriever join with no
+    code change."""
+    from kvzoo import registry
+
+    variants = []
+    for name in registry.available():
+        retriever = next((f.default for f in dataclasses.fields(registry.policy_class(name)) if f.name == "retriever"),
+                         None)
+        if isinstance(retriever, str) and retriever in registry.retrievers():
+            variants += [f"{name}({v})" for v in registry.retriever_class(retriever).variants]
+    return tuple(variants)
 
 
 @dataclass
@@ -40,7 +51,7 @@ class Grid:
     ``max_new_tokens=None`` uses each task's own (:data:`kvzoo.bench.tasks.MAX_NEW_TOKENS`).
     ``audit=True`` asks the retrieval tier to count bound violations (slow; see ``TieredCache``).
     ``variants``: configured policies (specs such as ``quest(gqa=group)``) that join every registered policy when
-    ``policies`` is None (default :data:`DEFAULT_VARIANTS`; the ``demo`` preset runs none).
+    ``policies`` is None (default None: :func:`registered_variants` at plan time; the ``demo`` preset runs none).
     """
 
     models: Sequence[str] = ("smollm2-135m",)
@@ -53,8 +64,8 @@ class Grid:
     continuation_tokens: int = 64
     audit: bool = False
     dtype: str = "float32"
-    # configured variants run beside every registered policy when ``policies`` is None
-    variants: Sequence[str] = DEFAULT_VARIANTS
+    # configured variants run beside every registered policy when ``policies`` is None (None: the registered ones)
+    variants: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         from kvzoo.pipeline import QUESTION_POSITIONS
@@ -78,7 +89,8 @@ class Grid:
         if not _is_int(self.continuation_tokens, 0):
             raise ValueError("continuation_tokens must be an int >= 0 (0: no held-out continuation, no ΔCE), "
                              f"got {self.continuation_tokens!r}")
-        if isinstance(self.variants, str) or not all(isinstance(v, str) for v in self.variants):
+        if self.variants is not None and (isinstance(self.variants, str)
+                                          or not all(isinstance(v, str) for v in self.variants)):
             raise ValueError(f"variants must be a list of policy specs such as 'quest(gqa=group)', got {self.variants!r}")
         self.ratios = tuple(float(r) for r in self.ratios)
 
@@ -198,7 +210,8 @@ def plan(grid: Grid) -> list[Trial]:
     if grid.policies is not None:
         names = list(grid.policies)
     else:
-        names = available + [v for v in grid.variants if registry.parse_spec(v)[0] in available]
+        variants = registered_variants() if grid.variants is None else grid.variants
+        names = available + [v for v in variants if registry.parse_spec(v)[0] in available]
     unknown, unavailable = [], []
     for n in names:
         name = registry.parse_spec(n)[0]

@@ -73,7 +73,6 @@ from kvzoo.bench.executors import (
     Work,
 )
 from kvzoo.bench.planner import (  # noqa: F401 - re-exported: the runner's public names
-    DEFAULT_VARIANTS,
     DTYPES,
     PRESETS,
     TEACHER_FORCING,
@@ -86,6 +85,7 @@ from kvzoo.bench.planner import (  # noqa: F401 - re-exported: the runner's publ
     needle_grid,
     needs_ratio,
     plan,
+    registered_variants,
     trial_row,
 )
 from kvzoo.bench.report import REFERENCE_POLICY

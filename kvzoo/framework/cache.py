@@ -201,6 +201,24 @@ class TieredCache(Cache):
         """The layers kvzoo compresses, in order (all layers on GQA; the MLA layers on Kimi Linear)."""
         return [layer for layer in self.layers if isinstance(layer, KVLayer)]
 
+    # --- what a CUDA graph of the decode step asks (framework/graphs.py) ----------------------------------
+    def next_step_kind(self) -> tuple[tuple[str, bool], ...] | None:
+        """What the next decode step does in each tiered layer, as the runtime states it
+        (:meth:`~kvzoo.framework.runtime.Runtime.next_step`, host counters only), and whether it retrieves; None
+        when any layer will run an event."""
+        kinds = []
+        for layer in self.tiered_layers:
+            kind = self.runtime.next_step(layer)
+            if kind == "event":
+                return None
+            kinds.append((kind, layer.index is not None and layer.archived.n > 0))
+        return tuple(kinds)
+
+    def steady_run(self, limit: int) -> int:
+        """How many decode steps from the next one on are of its kind in every tiered layer, at most ``limit``
+        (:meth:`~kvzoo.framework.runtime.Runtime.run_of`; 0: the next is an event)."""
+        return min((self.runtime.run_of(layer, limit) for layer in self.tiered_layers), default=0)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, layer_idx: int, *args: Any,
                **kwargs: Any):
         if not 0 <= layer_idx < len(self.layers):

@@ -9,8 +9,8 @@ of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
   single-token forward with this cache goes through :meth:`DecodeGraph.forward`, anything else runs as before;
 * a step is *steady* when no layer will run an event (a selection over its tier, a block closing, Quest's page
   move, the prompt's end) and no buffer has to grow: the runtime states it per layer from the host's counters,
-  before the step (:meth:`~kvzoo.framework.runtime.Runtime.next_step`, no device work), and also how many steps
-  in a row will be of that kind (:meth:`~kvzoo.framework.runtime.Runtime.run_of`);
+  before the step (:meth:`~kvzoo.framework.cache.TieredCache.next_step_kind`, from the runtime's ``next_step``, no
+  device work), and also how many steps in a row will be of that kind (``TieredCache.steady_run``);
 * an unsteady step runs eagerly, and so does the first steady step after it (it warms the new shapes up, on the
   stream the capture will use); the second is captured (``torch.cuda.CUDAGraph``) into static inputs (token ids
   and positions) and outputs (logits) and replayed; later steady steps copy the new token's id and position in and
@@ -59,8 +59,8 @@ class HostNumbers:
     step count (a running sum of a per-step figure that grows by a fixed amount -- bytes read over one more row
     each step), so ``value += delta`` with ``delta`` growing by the same second difference every step is exact.
     Bools take their value after the capture. Tensors are left out: they live on the device, where the graph
-    updates them. ``tests/test_static_step.py`` holds every policy's ``cache.stats()`` after replays to the
-    eager run's."""
+    updates them. ``tests/test_static_step.py`` holds ``cache.stats()`` after replays to the eager run's
+    for a policy of each schedule (none, one in one out, with and without a retriever, blocks)."""
 
     # the objects walked into: kvzoo's (layers, their states and stores, row buffers, indexes) and transformers'
     # cache layers (Kimi's KDA layers count their tokens on the host too)
@@ -233,24 +233,6 @@ class DecodeGraph:
             self.captured.steps.advance(self.host_state(), self.pending)
         self.pending = 0
 
-    # --- when a step may replay -----------------------------------------------------------------------
-    def step_kind(self) -> tuple | None:
-        """What the next decode step does per layer, as the runtime states it (:meth:`Runtime.next_step`), and
-        whether it retrieves (None: an event somewhere, run it eagerly)."""
-        runtime = self.cache.runtime
-        kinds = []
-        for layer in self.cache.tiered_layers:
-            kind = runtime.next_step(layer)
-            if kind == "event":
-                return None
-            kinds.append((kind, layer.index is not None and layer.archived.n > 0))
-        return tuple(kinds)
-
-    def _run(self) -> int:
-        """How many steps from the next one on are of its kind in every layer (:meth:`Runtime.run_of`)."""
-        runtime = self.cache.runtime
-        return min((runtime.run_of(layer, RUN_LIMIT) for layer in self.cache.tiered_layers), default=0)
-
     # --- the forward -------------------------------------------------------------------------------------
     def forward(self, call: Callable[..., Any], input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                 **kwargs: Any) -> Any:
@@ -261,10 +243,10 @@ class DecodeGraph:
             self.left -= 1  # the runtime said so at the last ask: no layer is asked again (O(1) in the layers)
             return self._replay(input_ids, position_ids)
         self.settle()
-        kind = self.step_kind()
+        kind = self.cache.next_step_kind()
         if kind is not None and self.captured is not None and self.captured.kind == kind \
                 and self.ids.shape == input_ids.shape:
-            self.left = self._run() - 1
+            self.left = self.cache.steady_run(RUN_LIMIT) - 1
             return self._replay(input_ids, position_ids)
         self.captured = None
         shape = tuple(input_ids.shape)
@@ -301,7 +283,7 @@ class DecodeGraph:
         self.ids, self.positions = input_ids.clone(), position_ids.clone()
         kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # a graphed token is a real token
         _, _, first, second, runner = self.warm
-        left = self._run() - 1  # asked before the capture: the captured step is the first of the run
+        left = self.cache.steady_run(RUN_LIMIT) - 1  # asked before the capture: the captured step is the first of the run
         output = runner.capture(lambda: call(input_ids=self.ids, position_ids=self.positions, **kwargs))
         third = HostNumbers.snapshot(self.host_state())
         runner.replay()  # capturing records the kernels; this runs them for the step being captured

@@ -25,10 +25,6 @@ def build_retriever(spec: str | Retriever | None, **params: Any) -> Retriever | 
     return registry.build_retriever(spec, **params)
 
 
-def retriever_names() -> tuple[str, ...]:
-    return tuple(registry.retrievers())
-
-
 def policy_retriever(policy: Policy) -> Retriever | None:
     """The retriever ``policy`` names, configured with what the policy holds for it (its ``page_size``)."""
     retriever = policy.retriever

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvzoo.framework.buffers import gather_rows
-from kvzoo.framework.names import build_retriever, retriever_names
+from kvzoo.framework.names import build_retriever
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
 from kvzoo.kernels.choose import unique_candidates
@@ -283,4 +283,4 @@ def _audit(query, scaling, index, mask, view) -> dict[str, float]:
 
 
 __all__ = ["ArchiveView", "Choice", "Fetched", "RetrievalState", "Retrieval", "Retriever", "RowGeometry",
-           "build_retriever", "read_figures", "retriever_names", "scan", "tier_best", "unique_candidates"]
+           "build_retriever", "read_figures", "scan", "tier_best", "unique_candidates"]

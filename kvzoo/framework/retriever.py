@@ -205,6 +205,9 @@ class Retriever(ABC):
     multi_token: str = "dense"
 
     name: ClassVar[str] = ""
+    # configurations worth comparing with the default, as parameters of a policy holding this retriever by name
+    # (it takes them through its fields: ``Policy.retriever_fields``); the leaderboard runs each beside the policy
+    variants: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if self.multi_token not in MULTI_TOKEN_RULES:

@@ -172,7 +172,7 @@ def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_
         )
     from kvzoo.integrations import kvpress_presses
 
-    score_based = policy.requires_budget or policy.name in kvpress_presses.PRESS_RULES  # full keeps every row
+    score_based = policy.requires_budget or kvpress_presses.press_rule(policy) is not None  # full keeps every row
     cls = kvpress_presses.KvzooScorerPress if score_based else kvpress_presses.KvzooPress
     return cls(policy, compression_ratio=compression_ratio, exact_compression_ratio=exact_compression_ratio(policy))
 

@@ -31,6 +31,7 @@ per-head page sets have no form as one row set per KV head).
 
 from __future__ import annotations
 
+import importlib
 import math
 import warnings
 from collections.abc import Callable
@@ -122,13 +123,20 @@ def quest_priority(policy: Policy, rows: RowsView, keep: int) -> torch.Tensor:
     return torch.where(forced, priority, torch.where(special, top + 1, priority))
 
 
-# selectors whose press form is not their runtime selector, by policy name: (policy, rows, keep) -> priority [B, G, n]
-PRESS_RULES: dict[str, Callable[[Policy, RowsView, int], torch.Tensor]] = {"quest": quest_priority}
+def press_rule(policy: Policy) -> Callable[[Policy, RowsView, int], torch.Tensor] | None:
+    """The policy's press rule, ``(policy, rows, keep) -> priority [B, G, n]``, for a selector whose press form is not
+    its runtime selector: the function its class names as ``press_rule = "package.module:function"`` (``quest``:
+    :func:`quest_priority`), or None."""
+    spec = getattr(type(policy), "press_rule", None)
+    if spec is None:
+        return None
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 class KvzooPress(BasePress):
     """A kvzoo policy run by kvpress: at the end of the prefill each layer keeps what ``policy.select`` chooses
-    (for a policy in :data:`PRESS_RULES`, ``quest``: the top rows of its press rule).
+    (for a policy with a :func:`press_rule`, ``quest``: the top rows of that rule).
 
     ``compression_ratio`` is kvpress's (the fraction removed). Given the policy's ``ratio`` r it is
     ``1 - 1/r``, and then the press keeps exactly what kvzoo's runtime keeps at the context's end
@@ -143,7 +151,7 @@ class KvzooPress(BasePress):
         self.policy = policy
         self.exact_compression_ratio = exact_compression_ratio  # 1 - 1/ratio (to_press computes it)
         self.compression_ratio = self.exact_compression_ratio if compression_ratio is None else compression_ratio
-        self.press_rule = PRESS_RULES.get(policy.name)
+        self.press_rule = press_rule(policy)
         # the policy's cross-layer scratch for one prefill (ChunkKV's reuse), one per call of a layer: a wrapper that
         # scores a layer in parts (ChunkPress) calls each layer once per part, and part i reuses part i's scratch
         self._shared: dict[int, dict[str, Any]] = {}

@@ -75,6 +75,7 @@ class Quest(SinksAndRecentPolicy):
     paper: ClassVar[str] = "https://arxiv.org/abs/2406.10774"
     schedule: ClassVar[str] = "step"
     retriever_fields: ClassVar[tuple[str, ...]] = ("page_size", "gqa", "rule")  # retriever="quest" takes them
+    press_rule: ClassVar[str] = "kvzoo.integrations.kvpress_presses:quest_priority"  # as a kvpress press: its pages
 
     def validate(self) -> None:
         super().validate()

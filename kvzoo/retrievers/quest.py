@@ -58,6 +58,9 @@ class QuestRetriever(Retriever):
     rule: str = "eval"
 
     name: ClassVar[str] = "quest"
+    # the reference's other rule (its kernels' page count), and one page set per KV group (the equal-bytes comparison
+    # with the reference's per-head sets)
+    variants: ClassVar[tuple[str, ...]] = ("rule=kernel", "gqa=group")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -3,32 +3,39 @@ block and chunk sizes, padding and beams (hypothesis; profile ``ci`` in CI, ``lo
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvzoo import TieredCache, registry
+from kvzoo.bench.planner import registered_variants
 from kvzoo.framework.attention import detach
 from kvzoo.framework.layer import KVLayer
 from tests.greedy import assert_same_greedy
 
 from .conftest import MODELS, model
 
-# every registered policy, plugins included, and Quest's second page rule
-POLICIES = [name for name in registry.available()] + ["quest(rule=kernel)"]
+# every registered policy, plugins included, and the configured variants the leaderboard runs (Quest's second page
+# rule, its per-group pages)
+POLICIES = list(registry.available()) + list(registered_variants())
 
 
 def _params(name: str, budget: int, block: int) -> dict:
-    name = registry.parse_spec(name)[0]
-    params = {} if name == "full" else {"budget": budget}
-    if name in ("snapkv", "chunkkv"):
+    """Test sizes by hyperparameter, for the fields the policy has: the budget, an observation window and sinks
+    that fit in it, blocks of ``block`` rows for a block schedule, every layer compressed."""
+    cls = registry.policy_class(registry.parse_spec(name)[0])
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    params = {"budget": budget} if cls.requires_budget else {}
+    if "window" in fields:
         params["window"] = min(8, budget)
-    if name == "vestige":
+    if "block_size" in fields and cls.schedule == "block":
         params["block_size"] = block
-    if name == "quest":
+    if "dense_layers" in fields:
         params["dense_layers"] = 0
-    if name == "streaming_llm":
-        params["sinks"] = min(4, budget - 1)
+    if "sinks" in fields and cls.requires_budget:
+        params["sinks"] = min(fields["sinks"].default, budget - 1)
     return params
 
 

@@ -32,7 +32,9 @@ class Adapter(Protocol):
     ``attach()`` installs kvzoo's attention on the model (idempotent; GQA: nothing to replace, MLA: the
     module's forward); ``attention_modules()`` maps each tiered layer to the module whose forwards reach the
     cache (a cache is bound to them); ``untiered_layer(i)`` is the transformers cache layer of a layer kvzoo
-    does not compress (only called for layers outside ``geometry.tiered``).
+    does not compress (only called for layers outside ``geometry.tiered``). Optional: ``min_transformers``, the
+    oldest transformers ``(major, minor)`` whose classes the family runs on (checked before a cache or a tiny model
+    is built, :func:`kvzoo.framework.adapters.mla.check_transformers_for`), and ``family``, its name in messages.
     """
 
     name: ClassVar[str]

@@ -36,9 +36,8 @@ except ImportError:
 
 from kvzoo.framework.adapters.base import Geometry
 from kvzoo.framework.attention import MLAQuery, mla_attention
+from kvzoo.framework.names import adapter_class
 from kvzoo.framework.policy import Policy
-
-KIMI_MIN_TRANSFORMERS = (5, 18)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -50,12 +49,15 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 def check_transformers_for(model_type: str, version: str = transformers.__version__) -> None:
-    """Raise if this transformers is too old for ``model_type`` (Kimi Linear needs >= 5.18)."""
-    if model_type == "kimi_linear" and _version_tuple(version) < KIMI_MIN_TRANSFORMERS:
-        need = ".".join(map(str, KIMI_MIN_TRANSFORMERS))
+    """Raise if this transformers is older than the adapter serving ``model_type`` needs: its class's
+    ``min_transformers`` (Kimi Linear: 5.18), if it has one."""
+    cls = adapter_class(model_type)
+    need = getattr(cls, "min_transformers", None)
+    if need is not None and _version_tuple(version) < tuple(need):
+        need = ".".join(map(str, need))
         raise RuntimeError(
-            f"Kimi Linear needs transformers >= {need} (native KimiLinear classes); this environment has "
-            f"{version}. Upgrade with: pip install 'transformers>={need}'"
+            f"{getattr(cls, 'family', cls.name)} needs transformers >= {need} (native classes of its models); this "
+            f"environment has {version}. Upgrade with: pip install 'transformers>={need}'"
         )
 
 
@@ -81,9 +83,11 @@ class MLAAdapter:
     """
 
     name: ClassVar[str] = "mla"
+    family: ClassVar[str] = "MLA"  # for messages
     model_types: ClassVar[tuple[str, ...]] = ()
     layout = "mla"
     rotated_branch: ClassVar[bool] = True
+    min_transformers: ClassVar[tuple[int, int] | None] = None  # the oldest transformers whose classes it runs on
 
     def __init__(self, model: torch.nn.Module, policy: Policy) -> None:
         config = model.config.get_text_config(decoder=True)
@@ -160,16 +164,19 @@ class KimiMLAAdapter(MLAAdapter):
     linear-attention cache layers (a fixed-size state)."""
 
     name = "kimi_linear"
+    family = "Kimi Linear"
     model_types = ("kimi_linear",)
     rotated_branch = False
+    min_transformers = (5, 18)  # its native KimiLinear classes and linear-attention cache layers
 
     def __init__(self, model: torch.nn.Module, policy: Policy) -> None:
-        check_transformers_for("kimi_linear")
+        check_transformers_for(self.model_types[0])
         super().__init__(model, policy)
         if len(self.geometry.tiered) < self.geometry.num_layers and LinearAttentionLayer is None:
+            need = ".".join(map(str, self.min_transformers))
             raise RuntimeError(
-                f"{type(model).__name__} has linear-attention layers, whose cache layer needs transformers >= 5.18 "
-                f"(this is {transformers.__version__}): pip install 'transformers>=5.18,<5.40'"
+                f"{type(model).__name__} has linear-attention layers, whose cache layer needs transformers >= {need} "
+                f"(this is {transformers.__version__}): pip install 'transformers>={need},<5.40'"
             )
 
     def untiered_layer(self, layer_idx: int) -> Any:
