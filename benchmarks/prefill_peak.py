@@ -2,7 +2,9 @@
 
     .venv/bin/python benchmarks/prefill_peak.py [--tokens 8192] [--ratio 8] [--json docs/results/prefill_peak.jsonl]
 
-Modes (every one ends with the same kept rows; tests/test_context_end.py holds that):
+Modes (``default`` and ``after`` end with the same cache, tests/test_context_end.py holds that; ``chunks`` does only
+for a policy whose prefill is token by token -- StreamingLLM's ``prefill="stream"`` -- and otherwise is a different,
+cheaper prefill: a chunk attends only the rows kept so far):
 
 * ``default``  -- ``kvzoo.pipeline.prefill(..., ends_context=True)``'s own choice (``prefill_chunk``): the whole
   context in one forward that compresses each layer right after its attention, or, for a policy that closes blocks

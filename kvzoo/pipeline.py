@@ -247,17 +247,27 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
+STREAM_CHUNK = 512  # a token-by-token prefill's chunk: its peak is the budget + one chunk per layer
+
+
 def prefill_chunk(cache: Cache, tokens: int) -> int:
     """The chunk a prefill of ``tokens`` takes by default: the one that bounds the cache's peak for its policy.
 
     A policy that closes blocks shorter than the context (VestigeKV past its ``block_size``) is prefilled a block at a
-    time: each block is compressed as it closes, inside the forward, layer by layer. Every other policy -- one that
-    scores at the context's end (SnapKV, ChunkKV), or every forward (StreamingLLM, H2O, Quest) -- cannot compress
-    earlier chunks before it sees the end, so it takes the whole context in one forward that compresses each layer
-    right after its attention (:meth:`TieredCache.context_end`): one layer at a time holds its whole prefill."""
+    time: each block is compressed as it closes, inside the forward, layer by layer. A policy whose prefill is token
+    by token (StreamingLLM's ``prefill="stream"``: :meth:`Policy.multi_token_window`) ends with the same cache whatever
+    the chunking, so it takes chunks of :data:`STREAM_CHUNK` tokens: its peak is the budget and one chunk per layer.
+    Every other policy -- one that scores at the context's end (SnapKV, ChunkKV), or whose cache depends on where a
+    forward ends (StreamingLLM's default dense prefill, where a chunk reads only the rows kept so far; H2O's
+    accumulated attention; Quest) -- takes the whole context in one forward that compresses each layer right after its attention
+    (:meth:`TieredCache.context_end`): one layer at a time holds its whole prefill. ``chunk_size=`` forces a chunk."""
     policy = getattr(cache, "policy", None)
     block = getattr(policy, "block_size", None) if getattr(policy, "schedule", None) == "block" else None
-    return block if block and tokens > block else max(1, tokens)
+    if block and tokens > block:
+        return block
+    if policy is not None and policy.multi_token_window(2) is not None and tokens > STREAM_CHUNK:
+        return STREAM_CHUNK
+    return max(1, tokens)
 
 
 @torch.no_grad()

@@ -113,6 +113,33 @@ def test_the_pipelines_default_prefill_holds_one_layers_prompt_at_a_time(name, p
     detach(model)
 
 
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+def test_a_token_by_token_prefill_is_chunked_by_default_and_keeps_the_same_rows(family, monkeypatch):
+    """StreamingLLM with ``prefill="stream"`` prefills token by token (``multi_token_window``), so its default
+    prefill takes chunks (``pipeline.STREAM_CHUNK``: here 32 of a 96-token prompt) and ends with the rows and the
+    logits one forward gives; a policy whose cache depends on where a forward ends (StreamingLLM's default dense
+    prefill: a chunk reads only the rows kept so far; H2O's accumulated attention) keeps its one forward."""
+    from kvzoo import pipeline
+
+    monkeypatch.setattr(pipeline, "STREAM_CHUNK", 32)
+    model = _model(family)
+    ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    kept, logits = {}, {}
+    for chunk in (None, PROMPT):
+        cache = TieredCache(model, registry.get("streaming_llm", budget=24, prefill="stream"), context_length=PROMPT)
+        if chunk is None:
+            assert pipeline.prefill_chunk(cache, PROMPT) == 32
+        logits[chunk] = pipeline.prefill(model, cache, ids, chunk, ends_context=True)
+        kept[chunk] = [layer.slots.sort(dim=-1).values for layer in cache.tiered_layers]
+    for layer, (a, b) in enumerate(zip(kept[None], kept[PROMPT])):
+        assert torch.equal(a, b), f"layer {layer}: a chunked prefill kept other rows"
+    torch.testing.assert_close(logits[None], logits[PROMPT], rtol=1e-4, atol=1e-4)
+    for name in ("streaming_llm", "h2o"):
+        one = TieredCache(model, registry.get(name, budget=24), context_length=PROMPT)
+        assert pipeline.prefill_chunk(one, PROMPT) == PROMPT, name
+    detach(model)
+
+
 def _reachable_tensors(root) -> list[torch.Tensor]:
     """Every tensor reachable from ``root`` through plain objects (modules, i.e. the model's weights, left out)."""
     import gc
