@@ -34,9 +34,10 @@ VestigeKV applies the formula to each closed block on its own, Quest keeps the c
 
 What the framework reads of a policy as data (class attributes, which a policy may turn into dataclass fields to make
 them settable): the schedule -- ``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows
-per block), ``dense_layers`` (the first layers the policy never compresses), ``rows_between_events`` (where the
-schedule does not say it) --, ``observes`` (what the runtime records: an ``accumulate`` policy's rows carry
-``row_stats["attention"]``), and ``retriever_fields`` (what the retriever it names takes from it).
+per block), ``closes_each_block`` (a forward longer than a block closes each full block on its own), ``dense_layers``
+(the first layers the policy never compresses), ``rows_between_events`` (where the schedule does not say it) --,
+``observes`` (what the runtime records: an ``accumulate`` policy's rows carry ``row_stats["attention"]``), and
+``retriever_fields`` (what the retriever it names takes from it).
 """
 
 from __future__ import annotations
@@ -295,6 +296,10 @@ class Policy(ABC):
     # The schedule (see the module docstring): when the selector fires besides "context_end"
     schedule: ClassVar[str] = "context_end"
     block_size: ClassVar[int | None] = None  # rows per block, for schedule "block"
+    # schedule "block": a forward that adds more than ``block_size`` rows (a one-shot prefill) closes each full block
+    # of ``block_size`` rows in turn, each selected on its own as if the forward had been chunked at ``block_size``,
+    # and leaves the rest open (False: one event over all the rows since the last, then back to the target)
+    closes_each_block: ClassVar[bool] = False
     dense_layers: ClassVar[int] = 0  # the first layers (by rank among compressed layers) never compressed
     # the most rows a layer's attended tier gains between two events after the context, where the schedule does not
     # say it (None: one row for "step", block_size for "block", no bound for "context_end"; Quest's kernel rule: a

@@ -129,30 +129,43 @@ class Runtime:
         return self.retrieval.new_state(self.geometry) if self.retrieval is not None else None
 
     # --- the rows the selector sees ---------------------------------------------------------------
-    def view(self, layer: KVLayer, ordered: bool = True) -> RowsView:
-        """The attended tier as a :class:`RowsView` (``ordered=False``: in tier order, for ``step_victim``)."""
+    def view(self, layer: KVLayer, ordered: bool = True, end: int | None = None) -> RowsView:
+        """The attended tier as a :class:`RowsView` (``ordered=False``: in tier order, for ``step_victim``).
+
+        ``end``: the tier's first ``end`` rows only (in slot order) -- a block that closes before the rows after it
+        (:meth:`_close_block`); its rows are ``[first_new, end)``."""
         if ordered:
             layer.ensure_order()
         window = None
         if layer.window_queries is not None:
             queries = layer.window_queries[:, :, -self.policy.observation_window:]
             window = WindowQueries(queries.shape[2], layer.seen, layer.scaling, lambda: queries)
+        first_new = max(0, layer.n - layer.since_event)
+
+        def read(name: str) -> torch.Tensor | None:
+            if name == "values" and "values" not in layer.rows.buffers:
+                return None
+            return layer.get(name) if end is None else layer.get(name)[:, :, :end]
+
+        row_stats = layer.row_statistics()
+        if end is not None:
+            row_stats = {name: stat[:, :, :end] for name, stat in row_stats.items()}
         return observed_rows(
             self.policy,
             None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
-            read=lambda name: None if name == "values" and "values" not in layer.rows.buffers else layer.get(name),
+            read=read,
             window=window,
             layer_idx=layer.layer_idx,
             num_layers=self.num_layers,
             layout=self.geometry.layout,
             layer_rank=layer.rank,
             branch_dim=self.geometry.branch_dim,
-            first_new=max(0, layer.n - layer.since_event),
+            first_new=first_new,
             all_valid=layer.all_valid,
-            row_stats=layer.row_statistics(),
+            row_stats=row_stats,
             shared=self.shared,
             info=layer.policy_info,
-            inputs=self._inputs(layer),
+            inputs=self._inputs(layer, None if end is None else end - first_new),
         )
 
     def record_inputs(self, layer: KVLayer, module: torch.nn.Module, hidden_states: torch.Tensor,
@@ -170,14 +183,15 @@ class Runtime:
         if position_embeddings is not None:
             inputs.setdefault("position_embeddings", []).append(tuple(t.detach() for t in position_embeddings))
 
-    def _inputs(self, layer: KVLayer) -> AttentionInputs | None:
-        """The "inputs" observation as :class:`RowsView` gives it: the module and the forwards' inputs joined."""
+    def _inputs(self, layer: KVLayer, rows: int | None = None) -> AttentionInputs | None:
+        """The "inputs" observation as :class:`RowsView` gives it: the module and the forwards' inputs joined, for the
+        first ``rows`` rows since the layer's last event (None: all of them)."""
         recorded = layer.inputs
         if not recorded:
             return None
         # the rows appended since the last event; a forward still in flight (generate's first decode step, which
         # ends the context before its own row is appended) recorded its input already: left out
-        rows = layer.since_event
+        rows = layer.since_event if rows is None else rows
         hidden_states = torch.cat(recorded["hidden_states"], dim=1)[:, :rows]
         position_embeddings = None
         if "position_embeddings" in recorded:
@@ -293,6 +307,12 @@ class Runtime:
             if event == "context_end":
                 self._fit(layer)
             return
+        if event != "step" and policy.schedule == "block" and policy.closes_each_block and policy.block_size:
+            while layer.since_event > policy.block_size:  # a forward added more than a block: each closes on its own
+                self._close_block(layer, event, policy.block_size)
+            if event == "block" and layer.since_event < policy.block_size:  # the rest stays open
+                self._fit(layer)
+                return
         n = layer.n
         target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=n,
                                     block_rows=min(layer.since_event, n), seen=layer.seen)
@@ -316,6 +336,31 @@ class Runtime:
         layer.keep(keep)
         layer.events += 1
         self._fit(layer)
+
+    def _close_block(self, layer: KVLayer, event: Event, block: int) -> None:
+        """Close the first ``block`` of the rows since the layer's last event, as if the forward had ended there: the
+        selector sees the tier up to the block's end, chooses among the block's rows, and every later row stays
+        (they open the next block). The kept rows are those of a forward chunked at ``block`` rows."""
+        policy = self.policy
+        n, open_rows = layer.n, min(layer.since_event, layer.n)
+        end = n - open_rows + block  # the block is tier rows [n - open_rows, end)
+        target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=end, block_rows=block,
+                                    seen=layer.seen - open_rows + block)
+        if target is not None and target < end:
+            rows = self.view(layer, end=end)  # before since_event moves on: the view marks where the block starts
+            keep = policy.select(rows, target)
+            self._check_keep(layer, keep, target, end)
+            B, G = layer.batch_groups
+            later = torch.arange(end, n, device=keep.device).expand(B, G, n - end)
+            layer.keep(torch.cat([keep, later], dim=2))
+            layer.events += 1
+        layer.since_event -= block
+        recorded = layer.inputs  # the "inputs" observation covers the rows still open
+        if recorded:
+            recorded["hidden_states"] = [torch.cat(recorded["hidden_states"], dim=1)[:, block:]]
+            if "position_embeddings" in recorded:
+                cos, sin = zip(*recorded["position_embeddings"])
+                recorded["position_embeddings"] = [(torch.cat(cos, dim=1)[:, block:], torch.cat(sin, dim=1)[:, block:])]
 
     def _fit(self, layer: KVLayer) -> None:
         """Fixed capacity, once the context has ended: the tier's storage holds the rows it has plus the most it

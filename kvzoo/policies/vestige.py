@@ -56,7 +56,10 @@ class Vestige(Policy):
 
     Schedule ``"block"``: a block closes when ``block_size`` rows have arrived since the last one
     closed, or at the end of the context (``cache.compress()``: the pipeline's compression point,
-    before the question). Only the closing block's rows are candidates; rows kept by earlier
+    before the question). Blocks are ``block_size`` rows however the context is fed: a forward
+    that adds more (a one-shot prefill, a chunk larger than a block) closes each full block in
+    turn, as if it had been chunked at ``block_size``, and the rest stays open
+    (``closes_each_block``). Only the closing block's rows are candidates; rows kept by earlier
     blocks stay (decisions are final). Per block the kept count is ``floor(block_rows / ratio)``
     (or ``budget`` rows per block): the 4 sinks (first block only), the last ``recent`` rows of
     the block -- capped at half the block's keep so that σ always chooses at least half -- and the
@@ -88,6 +91,7 @@ class Vestige(Policy):
                               "(int8 keys on GQA rows, the certified sketch on MLA rows)")
     paper: ClassVar[str] = "VestigeKV (paper §4.1-4.2; kvzoo's docs/fidelity.md)"
     schedule: ClassVar[str] = "block"
+    closes_each_block: ClassVar[bool] = True  # blocks of block_size rows, however the context is fed
 
     def validate(self) -> None:
         super().validate()
