@@ -12,8 +12,9 @@ pages of 16 from the first token, bound ``sum_i max(q_i min_i, q_i max_i)``, the
 ``min(max(3, B // 16), pages)`` pages over all of them, the current page included), in fp64.
 
 Reported per ratio: head-steps; the fraction where the archived rows a head reads differ from the reference's
-(the step's own row left out on both sides: kvzoo always attends it), and how many of those at steps that open a
-page; and, at steps that do not open a page, the
+(the step's own row left out on both sides: kvzoo always attends it), how many of those at steps that open a
+page, and the widest relative gap, among them, between the last bound the reference takes and the first it leaves
+(a near-tie: kvzoo's fp32 bounds and their slack may order such pages otherwise); and, at steps that do not open a page, the
 head-steps where each reads the current page (its rows before the step's own).
 """
 
@@ -31,19 +32,22 @@ from kvzoo.models import tiny_llama
 PAGE = 16
 
 
-def reference_rows(query: torch.Tensor, keys: torch.Tensor, budget: int) -> list[set[int]]:
-    """Rows each query head reads by the reference's eval rule: ``query [H, D]``, ``keys [G, L, D]`` (own key last)."""
+def reference_rows(query: torch.Tensor, keys: torch.Tensor, budget: int) -> tuple[list[set[int]], list[float]]:
+    """Rows each query head reads by the reference's eval rule: ``query [H, D]``, ``keys [G, L, D]`` (own key last);
+    and per head the relative gap between the last bound it takes and the first it leaves (inf: it takes all)."""
     H, G, L = query.shape[0], keys.shape[0], keys.shape[1]
     pages = -(-L // PAGE)
     n = min(max(3, budget // PAGE), pages)
-    out = []
+    out, gaps = [], []
     for h in range(H):
         k = keys[h // (H // G)].double()
         q = query[h].double()
         bound = torch.stack([torch.maximum(q * k[p * PAGE:(p + 1) * PAGE].amin(0),
                                            q * k[p * PAGE:(p + 1) * PAGE].amax(0)).sum() for p in range(pages)])
         out.append({r for p in bound.topk(n).indices.tolist() for r in range(p * PAGE, min(L, (p + 1) * PAGE))})
-    return out
+        ranked = bound.sort(descending=True).values
+        gaps.append(float((ranked[n - 1] - ranked[n]) / ranked[n - 1].abs()) if n < pages else float("inf"))
+    return out, gaps
 
 
 def observe(ratio: int, context: int, steps: int, seed: int) -> dict:
@@ -84,20 +88,24 @@ def observe(ratio: int, context: int, steps: int, seed: int) -> dict:
     finally:
         Retrieval.fetch_step = original
     differ = differ_opening = head_steps = kvzoo_current = ref_current = 0
+    differ_gaps = []
     for query, keys, budget, got in records:
         L = keys.shape[1]
-        ref = reference_rows(query, keys, budget)
+        ref, gaps = reference_rows(query, keys, budget)
         start = (L - 1) // PAGE * PAGE  # the current page's first row
         for h in range(query.shape[0]):
             head_steps += 1
             mine, theirs = got[h] - {L - 1}, ref[h] - {L - 1}
             differ += mine != theirs
             differ_opening += mine != theirs and start == L - 1
+            if mine != theirs:
+                differ_gaps.append(gaps[h])
             if start < L - 1:  # a step that does not open a page: the current page has rows before the own one
                 kvzoo_current += start in mine
                 ref_current += start in theirs
     return {"ratio": ratio, "head_steps": head_steps, "differ": differ, "differ_fraction": differ / head_steps,
             "differ_at_page_opening_steps": differ_opening,
+            "max_reference_gap_where_differ": max(differ_gaps, default=None),
             "kvzoo_reads_current_page": kvzoo_current, "reference_reads_current_page": ref_current}
 
 
