@@ -227,3 +227,27 @@ def test_eval_rule_pages_through_the_model_match_the_reference_rule(ratio):
     assert figures["head_steps"] == 23 * 3 * 4  # steps after the first token x layers x query heads
     assert figures["differ"] == 0, figures
     assert figures["reference_reads_current_page"] > 0
+
+
+@pytest.mark.parametrize(("name", "params", "carried"), [
+    ("quest", {}, True),  # eval: the step's row is the archive's next row
+    ("quest", {"rule": "kernel"}, False),  # the current page stays attended
+    ("h2o", {"retriever": "quest"}, False),  # another selector: the archive's last page is not the step's
+    ("streaming_llm", {"retriever": "quest"}, False),
+])
+def test_a_decode_steps_view_carries_its_own_row_where_the_policy_archives_it_next(tiny, name, params, carried):
+    """Issue 36: the current page is scored with the step's key only where the step's row joins it next; under
+    another selector Quest's retriever scores the archive's pages as they are."""
+    cache = TieredCache(tiny, registry.get(name, ratio=4, **params))
+    ids = torch.randint(1, 256, (1, 120), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        token = tiny(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        cache.compress()
+        tiny(input_ids=token, position_ids=torch.tensor([[120]]), cache=cache, use_cache=True)
+    layer = cache.tiered_layers[-1]
+    own = layer.archive_view(whole=True, step=True).own_row
+    assert (own is not None) == carried
+    if carried:  # the storage whole, the latest row's position: the step's own key
+        keys, valid, position = own
+        assert torch.equal(keys.gather(2, position[..., None, None].expand(-1, -1, 1, keys.shape[-1]))[:, :, 0],
+                           layer.rows.get("keys")[:, :, -1]) and valid.gather(2, position[..., None]).all()

@@ -53,10 +53,10 @@ class ArchiveView:
     A decode step's view also carries, for a choice made by one fused op, ``positions [B, G, m]`` (int64: the archive
     list, each archived row's position in the layer's storage; -1 past the live ones), so the op may return the
     chosen rows' storage positions itself (:attr:`Choice.positions`), and ``fetched`` (the layer's count of rows
-    fetched, int64 0-dim), to which the op may add its count in place (:attr:`Choice.counted`), and ``own_row`` (the
-    step's own row, attended apart and not yet archived: ``(keys [B, G, N, D], valid [B, G, N], position [B, G])``,
-    the layer's storage whole and the row's position in it, read when asked; e.g. Quest's eval rule scores the
-    current page with it). None elsewhere.
+    fetched, int64 0-dim), to which the op may add its count in place (:attr:`Choice.counted`), and, where the policy
+    archives the step's own row next (``Policy.own_row_archived_next``), ``own_row`` (that row, attended apart and
+    not yet archived: ``(keys [B, G, N, D], valid [B, G, N], position [B, G])``, the layer's storage whole and the
+    row's position in it, read when asked; Quest's eval rule scores the current page with it). None elsewhere.
     """
 
     def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,

@@ -97,6 +97,12 @@ class Quest(SinksAndRecentPolicy):
         return attended if resident > attended else None
 
     @property
+    def own_row_archived_next(self) -> bool:  # type: ignore[override]
+        """eval: every row but the sinks is archived after its forward, so the step's own row joins the current
+        page next (its retriever scores that page with the row's key); kernel: the current page stays attended."""
+        return self.rule == "eval"
+
+    @property
     def rows_between_events(self) -> int:  # type: ignore[override]
         """kernel: the current page stays attended until it completes; eval: each forward's rows leave after it."""
         return self.page_size if self.rule == "kernel" else 1

@@ -47,8 +47,10 @@ class QuestRetriever(Retriever):
     with the layer's budget ``B`` (see :class:`kvzoo.policies.quest.Quest`): ``"eval"`` ``max(3, B // page_size)``
     (the current page is the archive's last page, one of the candidates), ``"kernel"``
     ``B // page_size - 1`` (the current page is attended apart), at most the pages there are. Under
-    ``"eval"`` a decode step scores the current page with the step's own key in its min/max, as the reference does
-    (the key is indexed after the forward; the choice joins it to the open page, or opens one with it). The
+    ``"eval"``, where the policy archives the step's row next (the ``quest`` policy's eval rule: the view carries
+    the row, ``ArchiveView.own_row``), a decode step scores the current page with the step's own key in its min/max,
+    as the reference does (the key is indexed after the forward; the choice joins it to the open page, or opens one
+    with it); under another selector the archive's last page is not the step's, and no row is joined. The
     last page may be partial. Page min/max are kept in the keys' dtype (each is one of the page's key
     values). On MLA rows the "key" is the whole 576-dim latent row and the query the absorbed query.
     Under the ``quest`` policy these settings are the policy's (it names its retriever).
@@ -182,7 +184,8 @@ class PageIndex(RetrievalState):
     def _own(self, archive) -> tuple[torch.Tensor, ...] | None:
         """``rule="eval"``: the step's own row and the open page's running min/max, for the choice to score the
         current page with the step's key in it, as the reference evaluation code does (its new key joins the key
-        states before any page is scored); None elsewhere (``rule="kernel"`` attends the current page apart)."""
+        states before any page is scored); None elsewhere (``rule="kernel"`` attends the current page apart; a view
+        without the row: the policy does not archive it next)."""
         row = archive.own_row if self.config.rule == "eval" else None
         if row is None or not self.summary.defined:
             return None
