@@ -162,6 +162,55 @@ def test_quest_choose_matches_reference(B, G, hq, D, P, live, size, pages, paddi
         assert (segments.diff(dim=-1) >= 0).all()  # in ascending page order
 
 
+def _own_row(B, G, D, P, live, size, dtype, padding, seed):
+    """The step's own row for :func:`quest_choose` (``own``): a storage of random keys with the row (8 times as large)
+    at a random position (padding if asked), and the open page's running min/max over random rows (stale ones, a completed page's,
+    when the row opens a page: the op must not read them then)."""
+    g = torch.Generator().manual_seed(seed)
+    N = 40
+    keys = torch.randn(B, G, N, D, generator=g).to(dtype)
+    valid = torch.ones(B, G, N, dtype=torch.bool)
+    position = torch.randint(0, N, (B, G), generator=g)
+    at = position[..., None, None].expand(B, G, 1, D)
+    keys.scatter_(2, at, keys.gather(2, at) * 8)  # a large own key: a query along it ranks its page first
+    if padding:
+        valid.scatter_(2, position[..., None], False)
+    earlier = torch.randn(B, G, 5, D, generator=g).to(dtype).float()
+    return keys, valid, position, earlier.amin(2).contiguous(), earlier.amax(2).contiguous()
+
+
+@needs_compiler
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("P", "live", "padding"), [
+    (20, 150, False),  # the current page partial: its min/max joined with the own key
+    (20, 144, False),  # the own key opens a page inside the summary's slots
+    (9, 144, False),  # ... past them (a growing summary): the extra slot
+    (20, 150, True),  # a padding own row joins nothing
+    (9, 144, True),  # a padding own row opening a page: the page stays empty
+])
+def test_quest_choose_with_the_own_row_matches_reference(P, live, padding, dtype, per_head):
+    B, G, hq, D, size = 2, 2, 3, 16, 16
+    query, entries, empty, live_t, positions = _pages(B, G, hq, D, P, live, size, None, dtype, seed=live + P)
+    own = _own_row(B, G, D, P, live, size, dtype, padding, seed=P)
+    assert cpu_native.quest_choose_supported(query, entries, empty, live_t, positions, None, own)
+    archived = positions.shape[2]
+    for pages in (1, 4, P + 1):
+        got = quest_choose(query, entries, empty, live_t, positions, pages, size, archived, 0.7, per_head=per_head,
+                           own=own)
+        want = quest_choose_reference(query, entries, empty, live_t, positions, pages, size, archived, 0.7,
+                                      per_head=per_head, own=own)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert int(got[3]) == int(want[3])
+    # pages=1, per head: the current page wins for a query along the own key (it is read: its rows before the own)
+    keys, valid, position = own[:3]
+    key = keys.gather(2, position[..., None, None].expand(B, G, 1, D))[:, :, 0].float()  # [B, G, D]
+    along = key[:, :, None].expand(B, G, hq, D) * 50
+    rows = quest_choose(along, entries, empty, live_t, None, 1, size, archived, 0.7, own=own)[0]
+    if not padding:
+        assert (rows // size == live // size).all() if live % size else (rows == live - 1).all()  # opened: no rows
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quest_page_add_is_todays_path_and_the_op_matches_it(dtype):
@@ -225,6 +274,10 @@ def test_the_ops_are_registered_with_meta_impls_and_declared_mutations():
     for per_head, at in ((True, positions), (False, None)):
         checks.append((torch.ops.kvzoo.quest_choose.default,
                        (q, page_rows, empty, live, at, 3, 4, positions.shape[2], per_head, 0.3, SKETCH_SLACK, counter)))
+    own = _own_row(1, 2, 16, 10, 37, 4, torch.float32, False, seed=7)  # the step's own row (rule="eval")
+    checks.append((torch.ops.kvzoo.quest_choose.default,
+                   (q, page_rows, empty, live, positions, 11, 4, positions.shape[2], True, 0.3, SKETCH_SLACK, counter,
+                    *own)))
     keys = torch.randn(1, 2, 40, 16)
     checks.append((torch.ops.kvzoo.quest_page_add.default,
                    (keys, torch.ones(1, 2, 40, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.long),

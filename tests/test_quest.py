@@ -145,3 +145,109 @@ def test_retriever_errors():
         build_retriever("vestige", k=3)
     with pytest.raises(ValueError, match="j must be"):
         build_retriever("vestige", j=0)
+
+
+# --- rule="eval": the current page is scored with the step's own key, as the reference's evaluation code does -------
+
+
+def _reference_eval_rows(query, keys, budget, size=16):
+    """Issue 36's independent restatement of mit-han-lab/Quest ``evaluation/quest_attention.py`` at one decode step:
+    the new key joins the key states (``keys [G, L, D]``, the step's own key last) before any page is scored; pages
+    of ``size`` from the first token, bound ``sum_i max(q_i min_i, q_i max_i)`` (fp64), the top
+    ``min(max(3, B // size), pages)`` over all pages; per query head (``query [H, D]``). The rows each head reads."""
+    H, G, L = query.shape[0], keys.shape[0], keys.shape[1]
+    n_pages = -(-L // size)
+    out = []
+    for h in range(H):
+        k, q = keys[h // (H // G)].double(), query[h].double()
+        pages = [k[p * size:(p + 1) * size] for p in range(n_pages)]
+        bound = torch.stack([torch.maximum(q * page.amin(0), q * page.amax(0)).sum() for page in pages])
+        top = bound.topk(min(max(3, budget // size), n_pages)).indices.tolist()
+        out.append({r for p in top for r in range(p * size, min(L, (p + 1) * size))})
+    return out
+
+
+def _kvzoo_eval_rows(query, keys, budget, capacity, with_own=True):
+    """The archived rows each query head reads with kvzoo's eval rule at that step (every row but the own one
+    archived and indexed; the step's own row in the view as a decode step's view carries it), plus the own row."""
+    G, L, D = keys.shape
+    H = query.shape[0]
+    state = PageIndex(QuestRetriever(), capacity)
+    storage = keys[None]  # [1, G, L, D]: the layer's storage, the own row last
+    valid = torch.ones(1, G, L, dtype=torch.bool)
+    _index(state, storage[:, :, : L - 1])
+    own = (lambda: (storage, valid, torch.full((1, G), L - 1))) if with_own else None
+    view = ArchiveView(storage[:, :, : L - 1], torch.arange(L - 1).expand(1, G, L - 1), valid[:, :, : L - 1], budget,
+                       own_row=own)
+    choice = state.choose(query[None, :, None], None, 1.0, view)
+    rows, ok = choice.rows.view(G, H // G, -1), choice.ok.view(G, H // G, -1)  # each head's own segment
+    return [set(rows[h // (H // G), h % (H // G)][ok[h // (H // G), h % (H // G)]].tolist()) | {L - 1}
+            for h in range(H)]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the C op and its reference
+@pytest.mark.parametrize("capacity", [None, 260])  # a growing page summary, a fixed one
+@pytest.mark.parametrize("L", [201, 209, 193, 17])  # the current page partial (201, 209) or opened by the step
+@pytest.mark.parametrize("budget", [31, 64, 100])
+def test_eval_rule_scores_the_current_page_with_the_steps_own_key(kernels, capacity, L, budget, monkeypatch):
+    """Issue 36: the current page's min/max include the step's own key (a key of its own, no copy of an earlier one:
+    its page's earlier rows are planted worst for query head 0 and the own key best, so only the own key can make
+    the page rank). Each head reads what the reference's eval rule reads (restated above), plus its own row, which
+    kvzoo always attends; without the own key the page would not be read."""
+    monkeypatch.setenv("KVZOO_KERNELS", kernels)
+    g = torch.Generator().manual_seed(L + budget)
+    G, H, D = 2, 4, 16
+    keys = torch.randn(G, L, D, generator=g)
+    query = torch.randn(H, D, generator=g)
+    start = (L - 1) // 16 * 16  # the current page's first row
+    keys[0, start:L - 1] = -query[0] * 3  # head 0's worst rows...
+    keys[0, L - 1] = query[0] * 6  # ...and the step's own key its best
+    ref = _reference_eval_rows(query, keys, budget)
+    got = _kvzoo_eval_rows(query, keys, budget, capacity)
+    for h in range(H):
+        assert got[h] == ref[h] | {L - 1}, (h, sorted(got[h] ^ (ref[h] | {L - 1})))
+    assert L - 1 in ref[0]  # the current page is head 0's: read whole where it has rows before the own one
+    if start < L - 1:
+        assert set(range(start, L - 1)) <= got[0]
+        assert not set(range(start, L - 1)) & _kvzoo_eval_rows(query, keys, budget, capacity, with_own=False)[0]
+
+
+@pytest.mark.parametrize("ratio", [4, 8])
+def test_eval_rule_pages_through_the_model_match_the_reference_rule(ratio):
+    """Issue 36 through a tiny Llama: every decode step's archived rows per query head (``dense_layers=0``) equal
+    those of the reference's eval rule restated on the layer's keys (``benchmarks/quest_current_page.py``, the
+    probe behind the figures in docs/fidelity.md), the step's own row left out on both sides."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import quest_current_page
+
+    figures = quest_current_page.observe(ratio, context=240, steps=24, seed=1)
+    assert figures["head_steps"] == 23 * 3 * 4  # steps after the first token x layers x query heads
+    assert figures["differ"] == 0, figures
+    assert figures["reference_reads_current_page"] > 0
+
+
+@pytest.mark.parametrize(("name", "params", "carried"), [
+    ("quest", {}, True),  # eval: the step's row is the archive's next row
+    ("quest", {"rule": "kernel"}, False),  # the current page stays attended
+    ("h2o", {"retriever": "quest"}, False),  # another selector: the archive's last page is not the step's
+    ("streaming_llm", {"retriever": "quest"}, False),
+])
+def test_a_decode_steps_view_carries_its_own_row_where_the_policy_archives_it_next(tiny, name, params, carried):
+    """Issue 36: the current page is scored with the step's key only where the step's row joins it next; under
+    another selector Quest's retriever scores the archive's pages as they are."""
+    cache = TieredCache(tiny, registry.get(name, ratio=4, **params))
+    ids = torch.randint(1, 256, (1, 120), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        token = tiny(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        cache.compress()
+        tiny(input_ids=token, position_ids=torch.tensor([[120]]), cache=cache, use_cache=True)
+    layer = cache.tiered_layers[-1]
+    own = layer.archive_view(whole=True, step=True).own_row
+    assert (own is not None) == carried
+    if carried:  # the storage whole, the latest row's position: the step's own key
+        keys, valid, position = own
+        assert torch.equal(keys.gather(2, position[..., None, None].expand(-1, -1, 1, keys.shape[-1]))[:, :, 0],
+                           layer.rows.get("keys")[:, :, -1]) and valid.gather(2, position[..., None]).all()

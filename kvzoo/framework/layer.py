@@ -485,13 +485,19 @@ class KVLayer(CacheLayerMixin):
 
         ``whole``: a fixed-capacity archive's whole list (a decode step's fixed shapes; positions past the live
         ones are not rows and read as padding). ``step``: a decode step's view, with the archive list
-        (``positions``) and the layer's fetched-rows counter (``fetched``) for a choice made by one op."""
+        (``positions``), the layer's fetched-rows counter (``fetched``) for a choice made by one op, and, where the
+        policy archives the step's own row next (``Policy.own_row_archived_next``), that row where it lies
+        (``own_row``: the storage and the latest append's position)."""
         archived = self.archived
         rows = archived.capacity if (whole and archived.fixed) else archived.n
         extra = {}
         if step:
             extra = {"positions": archived.reading("pos") if whole else archived.get("pos"),
                      "fetched": self.fetched_rows}
+            if self.runtime.policy.own_row_archived_next:
+                storage = self.rows
+                extra["own_row"] = lambda: (storage.buffers["keys"], storage.buffers["valid"],
+                                            storage.last_index()[..., 0])
 
         def read(name: str) -> torch.Tensor:
             positions = archived.reading("pos") if whole else archived.get("pos")

@@ -36,8 +36,9 @@ What the framework reads of a policy as data (class attributes, which a policy m
 them settable): the schedule -- ``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows
 per block), ``closes_each_block`` (a forward longer than a block closes each full block on its own), ``dense_layers``
 (the first layers the policy never compresses), ``rows_between_events`` (where the schedule does not say it) --,
-``observes`` (what the runtime records: an ``accumulate`` policy's rows carry ``row_stats["attention"]``), and
-``retriever_fields`` (what the retriever it names takes from it).
+``observes`` (what the runtime records: an ``accumulate`` policy's rows carry ``row_stats["attention"]``),
+``retriever_fields`` (what the retriever it names takes from it), and ``own_row_archived_next`` (a decode step's own
+row is the archive's next row: its archive view carries that row).
 """
 
 from __future__ import annotations
@@ -305,6 +306,10 @@ class Policy(ABC):
     # say it (None: one row for "step", block_size for "block", no bound for "context_end"; Quest's kernel rule: a
     # page). TieredCache(..., capacity=N) sizes the tier's storage by it; too small is safe (the storage then grows)
     rows_between_events: ClassVar[int | None] = None
+    # whether a decode step's own row is the archive's next row (every row but the sinks leaves for the archive after
+    # its forward: Quest's eval rule); a decode step's archive view then carries that row (ArchiveView.own_row), for a
+    # retriever that scores the page the row will join (Quest's current page). False: the view carries none
+    own_row_archived_next: ClassVar[bool] = False
     # the fields of this policy that the retriever it names takes, so one setting is never held twice with two
     # values (Quest: page_size, gqa, rule; registry.check_retriever_params refuses a retriever object that differs)
     retriever_fields: ClassVar[tuple[str, ...]] = ()

@@ -53,16 +53,21 @@ class ArchiveView:
     A decode step's view also carries, for a choice made by one fused op, ``positions [B, G, m]`` (int64: the archive
     list, each archived row's position in the layer's storage; -1 past the live ones), so the op may return the
     chosen rows' storage positions itself (:attr:`Choice.positions`), and ``fetched`` (the layer's count of rows
-    fetched, int64 0-dim), to which the op may add its count in place (:attr:`Choice.counted`). None elsewhere.
+    fetched, int64 0-dim), to which the op may add its count in place (:attr:`Choice.counted`), and, where the policy
+    archives the step's own row next (``Policy.own_row_archived_next``), ``own_row`` (that row, attended apart and
+    not yet archived: ``(keys [B, G, N, D], valid [B, G, N], position [B, G])``, the layer's storage whole and the
+    row's position in it, read when asked; Quest's eval rule scores the current page with it). None elsewhere.
     """
 
     def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                  valid: torch.Tensor | None = None, budget: int | None = None, *,
                  read: Callable[[str], torch.Tensor] | None = None, rows: int | None = None,
                  groups: int | None = None, positions: torch.Tensor | None = None,
-                 fetched: torch.Tensor | None = None) -> None:
+                 fetched: torch.Tensor | None = None,
+                 own_row: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
         self._given = {"keys": keys, "slots": slots, "valid": valid}
         self._read = read
+        self._own_row = own_row
         self.budget = budget
         self.positions = positions
         self.fetched = fetched
@@ -78,6 +83,11 @@ class ArchiveView:
     @property
     def keys(self) -> torch.Tensor:
         return self._get("keys")
+
+    @property
+    def own_row(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A decode step's own row (class docstring), None when the view has none."""
+        return self._own_row() if self._own_row is not None else None
 
     @property
     def slots(self) -> torch.Tensor:

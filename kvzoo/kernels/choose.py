@@ -114,16 +114,45 @@ def _page_rows(pages: torch.Tensor, size: int) -> torch.Tensor:
     return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
 
 
+def _own_page(own: tuple[torch.Tensor, ...], live: torch.Tensor, size: int, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current page's entry ``[B, G, 1, 2 D + 1]`` (in ``dtype``) and empty flag ``[B, G, 1]`` with the step's own
+    key in it: ``own = (keys [B, G, N, D], valid [B, G, N], position [B, G], open_min, open_max [B, G, D])`` -- the
+    row gathered and masked as :func:`quest_page_add_reference` does, joined to the open page's running min/max (or
+    alone when it opens a page, ``live % size == 0``); the summary is left as it is."""
+    keys, valid, position, open_min, open_max = own
+    B, G, _, D = keys.shape
+    at = position.reshape(B, G, 1)
+    row = keys.gather(2, at[..., None].expand(B, G, 1, D))[:, :, 0].float()  # [B, G, D]
+    ok = valid.gather(2, at)  # [B, G, 1]
+    lo = row.masked_fill(~ok, float("inf"))
+    hi = row.masked_fill(~ok, float("-inf"))
+    opens = (live % size == 0).view(1, 1, 1)
+    lo = torch.where(opens, lo, torch.minimum(open_min, lo))[:, :, None]
+    hi = torch.where(opens, hi, torch.maximum(open_max, hi))[:, :, None]
+    entry = page_entries(lo, hi)
+    entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(lo).all(-1, keepdim=True), 0.0)
+    return entry.to(dtype), torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)  # [B, G, 1]
+
+
 def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                            positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
-                           per_head: bool = True, counter: torch.Tensor | None = None
+                           per_head: bool = True, counter: torch.Tensor | None = None,
+                           own: tuple[torch.Tensor, ...] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """:func:`quest_choose` in PyTorch: the page bounds (``page_query`` rows, :func:`~kvzoo.kernels.index_scan.
-    index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages at ``-inf``, the top pages (each
-    head's in ascending page order), their rows and flags, the union count; the storage positions gathered from
-    ``positions``. Apart from that order (``PageIndex.choose`` took ``topk``'s, best first: a head reads the same
-    rows, its attention sums them in another order) the torch path kvzoo ran before the op."""
+    """:func:`quest_choose` in PyTorch: with ``own``, one page slot more and the current page's entry with the step's
+    key (:func:`_own_page`) written at page ``live // size``; the page bounds (``page_query`` rows,
+    :func:`~kvzoo.kernels.index_scan.index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages
+    at ``-inf``, the top pages (each head's in ascending page order), their rows and flags, the union count; the
+    storage positions gathered from ``positions``. Apart from that order (``PageIndex.choose`` took ``topk``'s, best
+    first: a head reads the same rows, its attention sums them in another order) and ``own`` the torch path kvzoo
+    ran before the op."""
     B, G, hq, D = query.shape
+    if own is not None:  # the current page with the step's key, in its slot; one slot more for a page it opens
+        entry, unused = _own_page(own, live, size, entries.dtype)
+        page = torch.div(live, size, rounding_mode="floor").view(1)
+        entries = torch.cat([entries, torch.zeros_like(entry)], 2).index_copy_(2, page, entry)
+        empty = torch.cat([empty, torch.ones_like(unused)], 2).index_copy_(2, page, unused)
     qrows = torch.cat([query.clamp(min=0), query.clamp(max=0), SKETCH_SLACK * query.abs().sum(-1, keepdim=True)],
                       dim=-1)  # page_query's rows
     if per_head:
@@ -147,14 +176,24 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
 
 def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
-                 per_head: bool = True, counter: torch.Tensor | None = None
+                 per_head: bool = True, counter: torch.Tensor | None = None,
+                 own: tuple[torch.Tensor, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Quest's choice for grouped decode queries: ``(rows, positions, valid) [B, G, K]`` and ``count``.
 
     ``query [B, G, hq, D]`` fp32 (a group's query heads), ``entries [B, G, P, 2 D + 1]`` (``[max, min, max |k|]`` per
     page, in the keys' dtype), ``empty [B, G, P]`` (a page never fetched), ``live`` (int64, one element: the rows
     indexed), ``positions [B, G, M]`` the archive list (each archived row's storage position) or None, ``pages``
-    (``1 <= pages <= P``) per head or group, ``size`` rows a page, ``archived`` the archive list's size.
+    (``1 <= pages <= P``, ``P + 1`` with ``own``) per head or group, ``size`` rows a page, ``archived`` the archive
+    list's size.
+
+    ``own`` (Quest's ``rule="eval"``): the step's own row, not yet indexed, ``(keys [B, G, N, D], valid [B, G, N],
+    position [B, G], open_min, open_max [B, G, D])`` -- the layer's storage whole, the row's position in it, and the
+    summary's open page's running min/max (fp32). The reference evaluation code writes the step's key into the key
+    states before it scores any page, so the current page's min/max include it: here page ``live // size`` is
+    scored by its min/max joined with that key (the key alone when it opens the page, ``live % size == 0``; a padding
+    row joins nothing), read from one page slot more (``P + 1``: a page the key opens past the summary's slots); the
+    summary is left as it is. A chosen page's rows past ``live`` are not valid (the step's own row is attended apart).
 
     Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack), ``-inf`` for an empty page; the top
     ``pages`` (an earlier page first among equal bounds):
@@ -168,11 +207,11 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     ``positions`` (out): the storage positions of ``rows`` (None when the archive list is not given); ``count`` is
     over the batch and groups, added to ``counter`` in place when given. One C call on CPU tensors
     (``cpu_native.quest_choose_supported``), :func:`quest_choose_reference` elsewhere."""
-    if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter):
+    if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
-                                       scaling, SKETCH_SLACK, counter)
+                                       scaling, SKETCH_SLACK, counter, own)
     return quest_choose_reference(query, entries, empty, live, positions, pages, size, archived, scaling,
-                                  per_head=per_head, counter=counter)
+                                  per_head=per_head, counter=counter, own=own)
 
 
 def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,

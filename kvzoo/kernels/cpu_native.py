@@ -1499,6 +1499,15 @@ int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, in
 
 /* --- Quest's pages ------------------------------------------------------------------------------------------- */
 
+/* torch.minimum / torch.maximum: NaN if either is */
+static inline float nan_min(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
+static inline float nan_max(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
+
+static inline void store_as(char *p, int64_t i, int dtype, float x) {
+    if (dtype == F32) ((float *)p)[i] = x;
+    else ((uint16_t *)p)[i] = dtype == BF16 ? float_to_bf16(x) : float_to_half(x);
+}
+
 typedef struct {
     const float *qrows;  /* [B * G][hq][Wp]: [max(q, 0), min(q, 0), slack ||q||_1] */
     const char *entries;
@@ -1507,11 +1516,42 @@ typedef struct {
     int64_t *rows_out, *pos_out, *counts;
     uint8_t *valid_out;
     char *scratch;
-    int64_t B, G, hq, W, Wp, P, n, size, live, archived, M, es, item_bytes;
+    int64_t B, G, hq, W, Wp, P, Pc, n, size, live, archived, M, es, item_bytes;
     int64_t e_sb, e_sg, e_sp, em_sb, em_sg, em_sp, p_sb, p_sg, p_sm;
     int dtype, per_head;
     float scaling;
+    /* the step's own row (own_keys NULL: none): the storage keys [B, G, N, D] in `dtype`, valid [B, G, N], its
+       position [B, G], the open page's running min/max [B, G, D] fp32 contiguous */
+    const char *own_keys;
+    const uint8_t *own_valid;
+    const int64_t *own_pos;
+    const float *open_min, *open_max;
+    int64_t N, k_sb, k_sg, k_sn, v_sb, v_sg, v_sn, o_sb, o_sg;
 } QuestScan;
+
+/* The current page's entry [max, min, max |k|] in the entries' dtype with the step's own key in it (the key alone when
+   it opens the page, *live % size == 0; a padding row, or a position outside [0, N), joins nothing): written into
+   `entry`; returns whether the page is empty (every bound of both infinite). The summary is left as it is. */
+static int own_page_entry(const QuestScan *c, int64_t b, int64_t g, char *entry) {
+    int64_t D = (c->W - 1) / 2, bg = b * c->G + g, pos = c->own_pos[b * c->o_sb + g * c->o_sg];
+    int ok = pos >= 0 && pos < c->N && c->own_valid[b * c->v_sb + g * c->v_sg + pos * c->v_sn];
+    int opens = c->live % c->size == 0, lo_inf = 1, hi_inf = 1;
+    const char *key = c->own_keys + (b * c->k_sb + g * c->k_sg + (ok ? pos : 0) * c->k_sn) * c->es;
+    const float *lo0 = c->open_min + bg * D, *hi0 = c->open_max + bg * D;
+    float magnitude = -INFINITY;
+    for (int64_t d = 0; d < D; d++) {
+        float x = ok ? element(key, d, c->dtype) : 0.0f;
+        float mn = ok ? x : INFINITY, mx = ok ? x : -INFINITY;
+        float lo = opens ? mn : nan_min(lo0[d], mn), hi = opens ? mx : nan_max(hi0[d], mx);
+        store_as(entry, d, c->dtype, hi);
+        store_as(entry, D + d, c->dtype, lo);
+        magnitude = nan_max(magnitude, nan_max(fabsf(lo), fabsf(hi)));
+        lo_inf &= isinf(lo) != 0;
+        hi_inf &= isinf(hi) != 0;
+    }
+    store_as(entry, 2 * D, c->dtype, lo_inf ? 0.0f : magnitude);
+    return lo_inf && hi_inf;
+}
 
 /* the storage position of archive entry `row` (the archive list), -1 for none */
 static inline int64_t archive_position(const QuestScan *c, int64_t b, int64_t g, int64_t row) {
@@ -1520,28 +1560,40 @@ static inline int64_t archive_position(const QuestScan *c, int64_t b, int64_t g,
 
 static void quest_item(void *ctx, int64_t bg) {
     const QuestScan *c = ctx;
-    int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, n = c->n, P = c->P, size = c->size, live = c->live;
-    int64_t lists = c->per_head ? hq : 1;
+    int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, n = c->n, P = c->P, Pc = c->Pc, size = c->size;
+    int64_t live = c->live, lists = c->per_head ? hq : 1;
     char *mine = c->scratch + bg * c->item_bytes;  /* pages [lists][n], sort room [n], filled [lists], candidates
-                                                      [n * size], top values [lists][n], chosen [P] */
+                                                      [n * size], top values [lists][n], the own page's entry [W],
+                                                      chosen [Pc] */
     int64_t *pages = (int64_t *)mine, *room = pages + lists * n, *filled = room + n, *cand = filled + lists;
     float *vh = (float *)(cand + (c->per_head ? 0 : n * size));
-    uint8_t *chosen = (uint8_t *)(vh + lists * n);
+    char *own_entry = (char *)(vh + lists * n);
+    uint8_t *chosen = (uint8_t *)(own_entry + c->W * sizeof(float));
     const char *eg = c->entries + (b * c->e_sb + g * c->e_sg) * c->es;
     const uint8_t *emg = c->empty + b * c->em_sb + g * c->em_sg;
     const float *q = c->qrows + bg * hq * c->Wp;
     float sc[MAX_HQ * TILE], vals[MAX_HQ * 16];
     const char *rows[16];
     int64_t slot[16];
+    /* the current page (live / size) scored with the step's own key; one slot past P for a page it opens there */
+    int64_t own_page = c->own_keys ? live / size : -1;
+    int own_empty = c->own_keys ? own_page_entry(c, b, g, own_entry) : 1;
     for (int64_t l = 0; l < lists; l++) filled[l] = 0;
-    memset(chosen, 0, P);
-    for (int64_t i = 0; i < P; i += 16) {  /* every page's bound (each head's, or the group's) into the top lists */
-        int64_t count = P - i < 16 ? P - i : 16, nz = 0;
-        for (int64_t k = 0; k < count; k++)
-            if (!emg[(i + k) * c->em_sp]) {  /* an empty page is never read: its bound is -inf */
-                rows[nz] = eg + (i + k) * c->e_sp * c->es;
+    memset(chosen, 0, Pc);
+    for (int64_t i = 0; i < Pc; i += 16) {  /* every page's bound (each head's, or the group's) into the top lists */
+        int64_t count = Pc - i < 16 ? Pc - i : 16, nz = 0;
+        for (int64_t k = 0; k < count; k++) {
+            int64_t page = i + k;
+            if (page == own_page) {
+                if (!own_empty) {
+                    rows[nz] = own_entry;
+                    slot[nz++] = k;
+                }
+            } else if (page < P && !emg[page * c->em_sp]) {  /* an empty page is never read: its bound is -inf */
+                rows[nz] = eg + page * c->e_sp * c->es;
                 slot[nz++] = k;
             }
+        }
         for (int64_t l = 0; l < lists; l++)
             for (int64_t k = 0; k < 16; k++) vals[l * 16 + k] = -INFINITY;
         if (nz) {
@@ -1579,7 +1631,7 @@ static void quest_item(void *ctx, int64_t bg) {
                 }
             }
         int64_t count = 0;
-        for (int64_t page = 0; page < P; page++)
+        for (int64_t page = 0; page < Pc; page++)
             if (chosen[page]) {
                 int64_t in = live - page * size;
                 count += in < 0 ? 0 : (in > size ? size : in);
@@ -1609,20 +1661,30 @@ static void quest_item(void *ctx, int64_t bg) {
    * else: of the group by the max over its heads (a NaN bound left out); rows_out/valid_out [B, G, n * size] the
      pages' rows staged (stage_union: sorted, the rows >= live not picked).
    pos_out: the storage positions of rows_out (positions given); *count_out: the rows counted over every group, also
-   added to *counter when given. */
+   added to *counter when given.
+   own_keys (or NULL; Quest's rule "eval"): the step's own row, not yet indexed -- the storage keys [B, G, N, D] in
+   `dtype` (strides k_*; rows contiguous), valid [B, G, N] (strides v_*), its position [B, G] (strides o_*), the
+   summary's open page's running min/max open_min, open_max [B, G, D] fp32 contiguous: page *live / size is scored
+   by its min/max joined with that key (own_page_entry), read from P + 1 page slots (the last one a page the key
+   opens past P, else empty); n <= P + 1. */
 int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sp,
                        const uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp, const int64_t *live,
                        const int64_t *positions, int64_t p_sb, int64_t p_sg, int64_t p_sm, int64_t M,
                        int64_t *rows_out, int64_t *pos_out, uint8_t *valid_out, int64_t *count_out,
                        int64_t *counter, int64_t B, int64_t G, int64_t hq, int64_t D, int64_t P, int64_t n,
                        int64_t size, int64_t archived, int64_t per_head, float scaling, float slack,
-                       int64_t threads) {
-    int64_t W = 2 * D + 1;
-    if (hq < 1 || hq > MAX_HQ || D < 1 || W > MAX_W || n < 1 || n > P || size < 1 || archived < 1
-        || dtype < F32 || dtype > F16)
+                       int64_t threads, const char *own_keys, int64_t k_sb, int64_t k_sg, int64_t k_sn, int64_t N,
+                       const uint8_t *own_valid, int64_t v_sb, int64_t v_sg, int64_t v_sn, const int64_t *own_pos,
+                       int64_t o_sb, int64_t o_sg, const float *open_min, const float *open_max) {
+    int64_t W = 2 * D + 1, Pc = P + (own_keys ? 1 : 0);
+    if (hq < 1 || hq > MAX_HQ || D < 1 || W > MAX_W || n < 1 || n > Pc || size < 1 || archived < 1
+        || dtype < F32 || dtype > F16 || (own_keys && (!own_valid || !own_pos || !open_min || !open_max)))
         return 1;
     QuestScan c;
     memset(&c, 0, sizeof c);
+    c.own_keys = own_keys; c.own_valid = own_valid; c.own_pos = own_pos; c.open_min = open_min;
+    c.open_max = open_max; c.N = N; c.k_sb = k_sb; c.k_sg = k_sg; c.k_sn = k_sn; c.v_sb = v_sb; c.v_sg = v_sg;
+    c.v_sn = v_sn; c.o_sb = o_sb; c.o_sg = o_sg; c.Pc = Pc;
     c.B = B; c.G = G; c.hq = hq; c.W = W; c.Wp = (W + 31) / 32 * 32; c.P = P; c.n = n; c.size = size;
     c.live = *live; c.archived = archived; c.M = M; c.es = dtype == F32 ? 4 : 2; c.dtype = (int)dtype;
     c.e_sb = e_sb; c.e_sg = e_sg; c.e_sp = e_sp; c.em_sb = em_sb; c.em_sg = em_sg; c.em_sp = em_sp;
@@ -1630,8 +1692,8 @@ int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64
     c.entries = entries; c.empty = empty; c.positions = positions;
     c.rows_out = rows_out; c.pos_out = pos_out; c.valid_out = valid_out;
     int64_t lists = per_head ? hq : 1, rows_q = B * G * hq * c.Wp;
-    c.item_bytes = ((lists * n + n + lists + (per_head ? 0 : n * size)) * sizeof(int64_t) + lists * n * sizeof(float)
-                    + P + 63) / 64 * 64;
+    c.item_bytes = ((lists * n + n + lists + (per_head ? 0 : n * size)) * sizeof(int64_t)
+                    + (lists * n + W) * sizeof(float) + Pc + 63) / 64 * 64;
     char *scratch = calloc(1, rows_q * sizeof(float) + B * G * (c.item_bytes + sizeof(int64_t)));
     if (!scratch) return 2;
     float *qrows = (float *)scratch;
@@ -1652,15 +1714,6 @@ int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64
     add_counts(c.counts, B * G, count_out, counter);
     free(scratch);
     return 0;
-}
-
-/* torch.minimum / torch.maximum: NaN if either is */
-static inline float nan_min(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
-static inline float nan_max(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
-
-static inline void store_as(char *p, int64_t i, int dtype, float x) {
-    if (dtype == F32) ((float *)p)[i] = x;
-    else ((uint16_t *)p)[i] = dtype == BF16 ? float_to_bf16(x) : float_to_half(x);
 }
 
 /* One archived row joins Quest's fixed page summary (kvzoo.kernels.choose.quest_page_add_reference is the
@@ -1814,7 +1867,9 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
         "kvzoo_sketch_choose": [pointer] * 2 + [integer] * 2 + [pointer] + [integer] * 4 + [pointer] * 6
                                + [integer] * 11 + [real] * 2 + [integer],
         "kvzoo_quest_choose": [pointer] * 2 + [integer] * 4 + [pointer] + [integer] * 3 + [pointer] * 2
-                              + [integer] * 4 + [pointer] * 5 + [integer] * 9 + [real] * 2 + [integer],
+                              + [integer] * 4 + [pointer] * 5 + [integer] * 9 + [real] * 2 + [integer]
+                              + [pointer] + [integer] * 4 + [pointer] + [integer] * 3 + [pointer] + [integer] * 2
+                              + [pointer] * 2,
         "kvzoo_quest_page_add": [pointer] + [integer] * 4 + [pointer] + [integer] * 3 + [pointer] + [integer] * 2
                                 + [pointer] * 3 + [integer] * 3 + [pointer] + [integer] * 3 + [pointer] * 2
                                 + [integer] * 6,
@@ -2075,12 +2130,21 @@ _LIBRARY.impl("sketch_choose", _sketch_choose_meta, "Meta")
 
 
 def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
-                           positions: torch.Tensor | None, counter: torch.Tensor | None = None) -> bool:
+                           positions: torch.Tensor | None, counter: torch.Tensor | None = None,
+                           own: tuple[torch.Tensor, ...] | None = None) -> bool:
     """Whether :func:`quest_choose` takes these tensors: CPU, an fp32 query of at most ``MAX_HQ`` rows per group,
     entries fp32, bf16 or fp16 with contiguous rows at most :data:`MAX_W` wide, bool flags, int64 ``live`` (one
-    element) and positions, no autograd, and the library built here."""
+    element) and positions, no autograd, and the library built here; ``own`` (or None): keys in the entries' dtype
+    with contiguous rows, bool valid, int64 position, contiguous fp32 running min/max."""
     if query.dim() != 4 or entries.dim() != 4:
         return False
+    if own is not None:
+        keys, valid, position, open_min, open_max = own
+        if not (all(t.device.type == "cpu" for t in own) and keys.dtype == entries.dtype and keys.stride(-1) == 1
+                and valid.dtype == torch.bool and position.dtype == torch.int64
+                and all(t.dtype == torch.float32 and t.is_contiguous() for t in (open_min, open_max))
+                and not keys.requires_grad):
+            return False
     tensors = (query, entries, empty, live) + (() if positions is None else (positions,))
     return (all(t.device.type == "cpu" for t in tensors) and query.dtype == torch.float32
             and entries.dtype in SCAN_DTYPES and entries.shape[3] <= MAX_W and entries.stride(-1) == 1
@@ -2091,14 +2155,15 @@ def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: to
 
 def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, per_head: bool, scaling: float,
-                 slack: float, counter: torch.Tensor | None = None
+                 slack: float, counter: torch.Tensor | None = None, own: tuple[torch.Tensor, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Quest's choice for a decode step in one call: ``(rows, positions, valid) [B, G, K]`` and ``count`` (added to
-    ``counter`` in place when given); ``positions`` None when the archive list is not given. ``kvzoo_quest_choose`` in
+    ``counter`` in place when given); ``positions`` None when the archive list is not given; ``own``: the step's own
+    row and the open page's min/max (:func:`kvzoo.kernels.choose.quest_choose`). ``kvzoo_quest_choose`` in
     ``SOURCE``, whose specification is :func:`kvzoo.kernels.choose.quest_choose_reference`. The caller checked
     :func:`quest_choose_supported`. The torch op ``kvzoo::quest_choose``."""
     args = (query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling),
-            float(slack), counter)
+            float(slack), counter, *(own if own is not None else (None,) * 5))
     if _unobserved() and query.is_cpu and entries.is_cpu and empty.is_cpu and live.is_cpu:
         rows, at, valid, count = _quest_choose_cpu(*args)
     else:
@@ -2111,12 +2176,23 @@ def _quest_rows(query, pages, size, per_head):
 
 
 def _quest_choose_cpu(query, entries, empty, live, positions, pages, size, archived, per_head, scaling, slack,
-                      counter=None):
+                      counter=None, own_keys=None, own_valid=None, own_position=None, open_min=None, open_max=None):
     B, G, hq, D = query.shape
     P, W = entries.shape[2], entries.shape[3]
     if (entries.shape[0], entries.shape[1], W) != (B, G, 2 * D + 1) or tuple(empty.shape) != (B, G, P):
         raise ValueError(f"kvzoo::quest_choose: entries must be [B={B}, G={G}, P, 2 D + 1 = {2 * D + 1}] and empty "
                          f"[B, G, P] for query {list(query.shape)}, got {list(entries.shape)} and {list(empty.shape)}")
+    own = (own_keys, own_valid, own_position, open_min, open_max)
+    if any(t is None for t in own) and any(t is not None for t in own):
+        raise ValueError("kvzoo::quest_choose: own_keys, own_valid, own_position, open_min and open_max go together")
+    N = own_keys.shape[2] if own_keys is not None else 0
+    if own_keys is not None:
+        shapes = ((own_keys, (B, G, N, D)), (own_valid, (B, G, N)), (own_position, (B, G)), (open_min, (B, G, D)),
+                  (open_max, (B, G, D)))
+        if any(tuple(t.shape) != shape for t, shape in shapes):
+            raise ValueError(f"kvzoo::quest_choose: own_keys, own_valid, own_position, open_min and open_max must be "
+                             f"[B, G, N, D], [B, G, N], [B, G], [B, G, D] (twice) for query {list(query.shape)}; got "
+                             f"{[list(t.shape) for t, _ in shapes]}")
     if positions is not None and tuple(positions.shape[:2]) != (B, G):
         raise ValueError(f"kvzoo::quest_choose: positions must be [B={B}, G={G}, M], got {list(positions.shape)}")
     q = query.contiguous()
@@ -2131,16 +2207,19 @@ def _quest_choose_cpu(query, entries, empty, live, positions, pages, size, archi
         *empty.stride(), live.data_ptr(), _pointer(positions), *pos_strides, rows.data_ptr(),
         at.data_ptr() if positions is not None else None, valid.data_ptr(), count.data_ptr(), _pointer(counter),
         B, G, hq, D, P, pages, size, archived, int(per_head), scaling, slack,
-        _threads(B * G * P * W * entries.element_size()))
+        _threads(B * G * P * W * entries.element_size()), _pointer(own_keys),
+        *(own_keys.stride()[:3] if own_keys is not None else (0, 0, 0)), N, _pointer(own_valid),
+        *(own_valid.stride() if own_valid is not None else (0, 0, 0)), _pointer(own_position),
+        *(own_position.stride() if own_position is not None else (0, 0)), _pointer(open_min), _pointer(open_max))
     if status != 0:
         raise RuntimeError(f"kvzoo_quest_choose refused hq={hq}, D={D}, pages={pages} of P={P}, size={size}, "
-                           f"archived={archived} (hq <= {MAX_HQ}, 2 D + 1 <= {MAX_W}, 1 <= pages <= P, size >= 1, "
-                           "archived >= 1)")
+                           f"archived={archived} (hq <= {MAX_HQ}, 2 D + 1 <= {MAX_W}, 1 <= pages <= P (P + 1 with "
+                           "the own row), size >= 1, archived >= 1)")
     return rows, at, valid, count
 
 
 def _quest_choose_meta(query, entries, empty, live, positions, pages, size, archived, per_head, scaling, slack,
-                       counter=None):
+                       counter=None, own_keys=None, own_valid=None, own_position=None, open_min=None, open_max=None):
     B, G = query.shape[:2]
     K = _quest_rows(query, pages, size, per_head)
     return (query.new_empty(B, G, K, dtype=torch.int64),
@@ -2149,8 +2228,9 @@ def _quest_choose_meta(query, entries, empty, live, positions, pages, size, arch
 
 
 _LIBRARY.define("quest_choose(Tensor query, Tensor entries, Tensor empty, Tensor live, Tensor? positions, int pages, "
-                "int size, int archived, bool per_head, float scaling, float slack, Tensor(a!)? counter=None) "
-                "-> (Tensor, Tensor, Tensor, Tensor)")
+                "int size, int archived, bool per_head, float scaling, float slack, Tensor(a!)? counter=None, "
+                "Tensor? own_keys=None, Tensor? own_valid=None, Tensor? own_position=None, Tensor? open_min=None, "
+                "Tensor? open_max=None) -> (Tensor, Tensor, Tensor, Tensor)")
 _LIBRARY.impl("quest_choose", _quest_choose_cpu, "CPU")
 _LIBRARY.impl("quest_choose", _quest_choose_meta, "Meta")
 

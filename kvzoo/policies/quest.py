@@ -41,11 +41,14 @@ class Quest(SinksAndRecentPolicy):
     Both read multi-token forwards (the prefill, a question, a teacher-forced answer) densely, as both the
     reference's paths do, and the first ``dense_layers`` layers always densely.
 
+    The current page is scored as the reference scores it, with the step's own key in its min/max (the reference
+    writes the new key into its key states before it scores a page): the step's row is indexed only after its
+    forward, so the choice joins its key to the open page's running min/max for the scoring
+    (:func:`kvzoo.kernels.choose.quest_choose`'s ``own``); at a step that opens a page the 1-row current page is a
+    candidate like any other, chosen, it reads no archived row.
+
     Known deviations: ``rule="eval"`` -- the step's own row is always read by every head (the reference reads
-    it only when the current page ranks among a head's pages), and the current page's bound leaves out that
-    row's key (the page's other rows are in the index; the step's row is indexed after its forward); at a
-    step that opens a page the current page therefore holds no indexed row, and the head reads ``n`` other
-    pages where the reference reads ``n`` pages counting the 1-row current page. On MLA rows the "key" is the
+    it only when the current page ranks among a head's pages). On MLA rows the "key" is the
     576-dim latent row and the query the absorbed query (the bound holds for any vectors; the reference has
     no MLA); a padded batch's pages count padding slots; the bound carries a float slack
     (``kernels/index_scan.py``: ``1e-5 * ||q||_1 * max|k|`` per page, so that fp32 rounding never makes it
@@ -92,6 +95,12 @@ class Quest(SinksAndRecentPolicy):
             current = (seen - sinks) % self.page_size if seen else resident - sinks
             attended = sinks + current
         return attended if resident > attended else None
+
+    @property
+    def own_row_archived_next(self) -> bool:  # type: ignore[override]
+        """eval: every row but the sinks is archived after its forward, so the step's own row joins the current
+        page next (its retriever scores that page with the row's key); kernel: the current page stays attended."""
+        return self.rule == "eval"
 
     @property
     def rows_between_events(self) -> int:  # type: ignore[override]

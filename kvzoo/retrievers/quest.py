@@ -46,7 +46,11 @@ class QuestRetriever(Retriever):
     heads (``gqa="group"``), its top ``pages`` archived pages; by default the count follows ``rule``
     with the layer's budget ``B`` (see :class:`kvzoo.policies.quest.Quest`): ``"eval"`` ``max(3, B // page_size)``
     (the current page is the archive's last page, one of the candidates), ``"kernel"``
-    ``B // page_size - 1`` (the current page is attended apart), at most the pages there are. The
+    ``B // page_size - 1`` (the current page is attended apart), at most the pages there are. Under
+    ``"eval"``, where the policy archives the step's row next (the ``quest`` policy's eval rule: the view carries
+    the row, ``ArchiveView.own_row``), a decode step scores the current page with the step's own key in its min/max,
+    as the reference does (the key is indexed after the forward; the choice joins it to the open page, or opens one
+    with it); under another selector the archive's last page is not the step's, and no row is joined. The
     last page may be partial. Page min/max are kept in the keys' dtype (each is one of the page's key
     values). On MLA rows the "key" is the whole 576-dim latent row and the query the absorbed query.
     Under the ``quest`` policy these settings are the policy's (it names its retriever).
@@ -171,15 +175,27 @@ class PageIndex(RetrievalState):
         bounds = bounds.masked_fill(self.summary.reading("empty")[:, :, None], float("-inf"))  # empty: never
         return bounds.view(B, H, q_len, -1)
 
-    def n_pages(self, budget: int | None) -> int:
+    def n_pages(self, budget: int | None, own: bool = False) -> int:
         """Archived pages one query head reads (:meth:`QuestRetriever.archived_pages`), at most the index's pages
-        (with a fixed capacity: its page slots; those past the archive are empty and never fetched)."""
-        return min(self.summary.entries(), self.config.archived_pages(budget))
+        (with a fixed capacity: its page slots; those past the archive are empty and never fetched), one more when
+        the step's own row is scored with the current page (``own``: the page it opens may be past them)."""
+        return min(self.summary.entries() + own, self.config.archived_pages(budget))
+
+    def _own(self, archive) -> tuple[torch.Tensor, ...] | None:
+        """``rule="eval"``: the step's own row and the open page's running min/max, for the choice to score the
+        current page with the step's key in it, as the reference evaluation code does (its new key joins the key
+        states before any page is scored); None elsewhere (``rule="kernel"`` attends the current page apart; a view
+        without the row: the policy does not archive it next)."""
+        row = archive.own_row if self.config.rule == "eval" else None
+        if row is None or not self.summary.defined:
+            return None
+        return (*row, self.summary.open_min, self.summary.open_max)
 
     def choose(self, query, best, scaling, archive) -> Choice:
         G = archive.groups
-        n = self.n_pages(archive.budget)
         size = self.page_size
+        own = self._own(archive) if query.shape[2] == 1 else None
+        n = self.n_pages(archive.budget, own is not None)
         B = query.shape[0]
         if n == 0:  # the kernel rule with B < 2 pages: the current page only, no archived page read
             none = torch.zeros(B, G, 1, dtype=torch.long, device=query.device)
@@ -195,7 +211,7 @@ class PageIndex(RetrievalState):
             rows, positions, ok, count = quest_choose(
                 query.float().reshape(B, G, H // G, D), self.summary.reading("entries"), self.summary.reading("empty"),
                 self.summary.count, archive.positions, n, size, archive.rows, scaling, per_head=per_head,
-                counter=counter)
+                counter=counter, own=own)
             if per_head:  # each head reads its own segment (no union to stage); the group's union counted once
                 return Choice(rows=rows, ok=ok, segments=True, count=count, positions=positions,
                               counted=counter is not None)
