@@ -808,7 +808,8 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
     p_lb.add_argument("--max-new-tokens", type=_positive, help="tokens to generate (default: each task's own)")
     p_lb.add_argument("--chunk-size", type=_positive, help="prefill in chunks of this many tokens")
     p_lb.add_argument("--continuation-tokens", type=_positive_int("--continuation-tokens", 0, " (0: no ΔCE)"),
-                      help="held-out continuation length for ΔCE (default 64; 0: none, no ΔCE)")
+                      help="held-out continuation length for ΔCE (default: the preset's -- demo 0, leaderboard 32, tiny 64; "
+                           "0: none, no ΔCE)")
     p_lb.add_argument("--dtype", choices=dtypes, help="model dtype (default float32)")
     p_lb.add_argument("--audit", action="store_true", help="count the retrieval tier's bound violations (slow)")
     p_lb.add_argument("--out", help="results JSONL (default results/<preset>.jsonl)")
