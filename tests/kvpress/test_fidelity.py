@@ -1,8 +1,52 @@
-"""Fidelity badges: with kvpress's parameters, kvzoo's ports keep exactly kvpress's rows, layer by layer and head by head.
+"""Fidelity badges: kvzoo's ports keep exactly the rows of kvpress's presses, layer by layer and head by head.
 
-kvzoo's runtime (``TieredCache``, the context compressed at its end) against kvpress's presses in kvpress's
-hook, on SmolLM2-135M (real weights, 2,000 tokens of text) and a tiny random Llama (GQA, 400 random ids).
-With kvzoo's paper defaults the rows differ, in the ways each policy's docstring lists.
+kvzoo's runtime (``TieredCache``, the context compressed at its end; decode steps through kvzoo's attention) against
+kvpress 0.5.5's presses in kvpress's hook, on SmolLM2-135M (real weights, 2,000 tokens of text) and a tiny random
+Llama (GQA, 3 layers, 400 random ids). Ratio r is kvpress's ``compression_ratio = 1 - 1/r``.
+
+=============  =========================================  ==========================================================
+kvzoo port     kvpress twin                               checked here (exact rows unless said)
+=============  =========================================  ==========================================================
+full           none needed (no press: every row stays)    ``tests/kvpress/test_interop.py`` (kept length)
+streaming_llm  ``StreamingLLMPress(n_sink=4)``            prompt's end: ratios 2, 4, 8 (tiny), 4 (SmolLM2).
+               ``DecodingPress(StreamingLLMPress(4),      decode: 37 steps after the prompt at ratio 4 (tiny), every
+               compression_interval, target_size)``       step (``schedule="step"``, interval 1) and per block of 8
+                                                          (``"block"``, interval 8) -- exact only with kvpress's kept
+                                                          rows put back in position order; as released, kvpress keeps
+                                                          them in topk order and then drops other rows (finding below)
+snapkv         ``SnapKVPress(window_size, kernel_size)``  kvpress's settings (window 64, kernel 5, avgpool, mean):
+                                                          ratios 2, 4 (tiny), 4, 8 (SmolLM2). kvzoo's paper defaults
+                                                          (window 32, kernel 7) with ``pooling="avgpool"``: ratios 2,
+                                                          4, 8 (tiny), 4 (SmolLM2). Max pooling (the paper's): no twin,
+                                                          SnapKVPress pools by average only (the SnapKV reference's
+                                                          rule restated: ``tests/test_fidelity.py``)
+chunkkv        ``ChunkKVPress(SnapKVPress(...),           kvpress's settings (chunk 20, window 64, kernel 5):
+               chunk_length)``                            ratios 2, 4 (tiny), 4, 8 (SmolLM2; at 8 kvpress keeps 12
+                                                          whole chunks, 240 rows, so kvzoo gets ``budget=240``).
+                                                          kvzoo's paper defaults (chunk 10, window 32, kernel 1) with
+                                                          ``reuse=1, tiling="kvpress", aggregate="mean"``: ratios 2,
+                                                          4, 8 (tiny), 4 (SmolLM2). ``reuse=2`` (the paper's): no
+                                                          twin; its scoring layers keep kvpress's rows of that layer
+                                                          and its reusing layers the layer before's (tiny, 2, 4, 8).
+                                                          ``tiling="paper"`` (window kept apart, sum): no twin
+h2o            none                                       kvpress 0.5.5 has no H2O press; ``ObservedAttentionPress``
+                                                          ("related to H2O") scores one forward's attention with no
+                                                          accumulation across steps and no recent window. Checked
+                                                          against the H2O reference's rule restated
+                                                          (``tests/test_fidelity.py``)
+quest          none                                       kvpress has no page retrieval (its presses evict)
+vestige        none                                       kvzoo's own policy; no reference code anywhere
+=============  =========================================  ==========================================================
+
+Not comparable, so not tested: SnapKV and ChunkKV at ratio 8 on the tiny Llama with kvpress's 64-query window (the
+budget, 50 rows, is below the window: kvzoo refuses it, kvpress keeps 50 window rows).
+
+Finding (kvpress, not kvzoo): kvpress 0.5.5's ``ScorerPress.compress`` stores the kept rows in ``topk`` order
+(NVIDIA/kvpress#173), and ``StreamingLLMPress`` prunes by cache index, so ``DecodingPress(StreamingLLMPress)`` does
+not keep the sinks and the latest rows: on the tiny Llama after 37 steps at ratio 4, 27 of 100 rows per layer and
+head differ from StreamingLLM's (interval 1; sink 1 lost, rows from 304 on kept where StreamingLLM keeps 341 on),
+21 of 105 at interval 8 (sinks 0 and 3 lost). ``test_kvpress_decoding_press_as_released_drops_other_rows_than_
+streaming_llm`` pins it; with the order restored the rows are StreamingLLM's exactly.
 """
 
 from __future__ import annotations
