@@ -83,16 +83,16 @@ def test_kvpress_pipeline_runs_every_kvzoo_selector(name, pipe, context, smol, k
 def test_to_press_of_a_port_keeps_kvpress_rows(port, tiny, tiny_ids, kv):
     """A port given kvpress's parameters keeps kvpress's rows in kvpress's hook too, not only in kvzoo's runtime."""
     policy, press = PAIRS[port]
-    ours = kv.press_rows(tiny, tiny_ids, to_press(policy(), prefill_only=True))
-    assert _same_rows(ours, kv.press_rows(tiny, tiny_ids, press())) == []
-    assert _same_rows(ours, kv.zoo_rows(tiny, tiny_ids, policy())) == []
+    ours = kv.press_rows(tiny, tiny_ids, to_press(policy(RATIO), prefill_only=True))
+    assert _same_rows(ours, kv.press_rows(tiny, tiny_ids, press(RATIO))) == []
+    assert _same_rows(ours, kv.zoo_rows(tiny, tiny_ids, policy(RATIO))) == []
 
 
 def test_kvpress_chunkkv_wraps_to_press_as_it_wraps_snapkv(tiny, tiny_ids, kv):
     """``ChunkKVPress(press=to_press(snapkv))`` keeps the rows of ``ChunkKVPress(press=SnapKVPress)``: the forced
     window rows score above every other row, as SnapKVPress pads its window."""
     snapkv, _ = PAIRS["snapkv"]
-    ours = kvpress.ChunkKVPress(press=to_press(snapkv()), chunk_length=20)
+    ours = kvpress.ChunkKVPress(press=to_press(snapkv(RATIO)), chunk_length=20)
     theirs = kvpress.ChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=0.75, window_size=64, kernel_size=5),
                                   chunk_length=20)
     assert _same_rows(kv.press_rows(tiny, tiny_ids, ours), kv.press_rows(tiny, tiny_ids, theirs)) == []
