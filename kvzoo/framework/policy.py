@@ -197,12 +197,12 @@ class RowsView:
     def sinks(self, n: int) -> torch.Tensor:
         """Bool ``[B, G, N]``: each sequence's ``n`` earliest valid rows (by slot: the rows may be in any order;
         padding is never a sink)."""
-        return _earliest_valid(self.slots, self.valid, n, self.all_valid)
+        return _valid_by_slot(self.slots, self.valid, n, self.all_valid, latest=False)
 
     def recent(self, n: int) -> torch.Tensor:
         """Bool ``[B, G, N]``: each sequence's ``n`` latest valid rows (by slot: the rows may be in any order;
         padding is never recent)."""
-        return _latest_valid(self.slots, self.valid, n, self.all_valid)
+        return _valid_by_slot(self.slots, self.valid, n, self.all_valid, latest=True)
 
 
 def _read_on_first_use(name: str) -> property:
@@ -465,28 +465,19 @@ def require_int(value: Any, field_name: str, low: int, meaning: str = "") -> Non
 # --- rows by age, read by slot: the rows may be in any order ---------------------------------------------------
 
 
-def _earliest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int, all_valid: bool = False) -> torch.Tensor:
-    """Bool ``[..., n]``: the ``count`` valid rows with the smallest slots (:meth:`RowsView.sinks`). ``all_valid``:
-    no row is padding (fewer ops)."""
+def _valid_by_slot(slots: torch.Tensor, valid: torch.Tensor, count: int, all_valid: bool, latest: bool
+                   ) -> torch.Tensor:
+    """Bool ``[..., n]``: the ``count`` valid rows with the largest (``latest``: :meth:`RowsView.recent`) or the
+    smallest slots (:meth:`RowsView.sinks`). ``all_valid``: no row is padding (fewer ops)."""
     if count <= 0:
         return torch.zeros_like(valid)
     k = min(count, slots.shape[-1])
     if all_valid:
-        return slots <= slots.topk(k, dim=-1, largest=False).values[..., -1:]
-    threshold = torch.where(valid, slots, torch.iinfo(slots.dtype).max).topk(k, dim=-1, largest=False).values[..., -1:]
-    return valid & (slots <= threshold)
-
-
-def _latest_valid(slots: torch.Tensor, valid: torch.Tensor, count: int, all_valid: bool = False) -> torch.Tensor:
-    """Bool ``[..., n]``: the ``count`` valid rows with the largest slots (:meth:`RowsView.recent`). ``all_valid``:
-    no row is padding (fewer ops)."""
-    if count <= 0:
-        return torch.zeros_like(valid)
-    k = min(count, slots.shape[-1])
-    if all_valid:
-        return slots >= slots.topk(k, dim=-1).values[..., -1:]
-    threshold = torch.where(valid, slots, -1).topk(k, dim=-1).values[..., -1:]
-    return valid & (slots >= threshold)
+        threshold = slots.topk(k, dim=-1, largest=latest).values[..., -1:]
+        return slots >= threshold if latest else slots <= threshold
+    padding = -1 if latest else torch.iinfo(slots.dtype).max  # never among the k
+    threshold = torch.where(valid, slots, padding).topk(k, dim=-1, largest=latest).values[..., -1:]
+    return valid & (slots >= threshold if latest else slots <= threshold)
 
 
 def sinks_and_recent(slots: torch.Tensor, valid: torch.Tensor, sinks: int, recent: int, *,

@@ -114,6 +114,19 @@ def _page_rows(pages: torch.Tensor, size: int) -> torch.Tensor:
     return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
 
 
+def _joined_bounds(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
+                   open_max: torch.Tensor, opens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row at ``position`` (``keys [B, G, N, D]``, upcast; padding contributes nothing) joined to the open page's
+    running min/max ``[B, G, D]``, or alone where ``opens`` (the row opens a page): ``(lo, hi) [B, G, D]``."""
+    B, G, _, D = keys.shape
+    at = position.reshape(B, G, 1)
+    row = keys.gather(2, at[..., None].expand(B, G, 1, D))[:, :, 0].float()  # [B, G, D]
+    ok = valid.gather(2, at)  # [B, G, 1]
+    lo = row.masked_fill(~ok, float("inf"))
+    hi = row.masked_fill(~ok, float("-inf"))
+    return torch.where(opens, lo, torch.minimum(open_min, lo)), torch.where(opens, hi, torch.maximum(open_max, hi))
+
+
 def _own_page(own: tuple[torch.Tensor, ...], live: torch.Tensor, size: int, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The current page's entry ``[B, G, 1, 2 D + 1]`` (in ``dtype``) and empty flag ``[B, G, 1]`` with the step's own
@@ -121,15 +134,8 @@ def _own_page(own: tuple[torch.Tensor, ...], live: torch.Tensor, size: int, dtyp
     row gathered and masked as :func:`quest_page_add_reference` does, joined to the open page's running min/max (or
     alone when it opens a page, ``live % size == 0``); the summary is left as it is."""
     keys, valid, position, open_min, open_max = own
-    B, G, _, D = keys.shape
-    at = position.reshape(B, G, 1)
-    row = keys.gather(2, at[..., None].expand(B, G, 1, D))[:, :, 0].float()  # [B, G, D]
-    ok = valid.gather(2, at)  # [B, G, 1]
-    lo = row.masked_fill(~ok, float("inf"))
-    hi = row.masked_fill(~ok, float("-inf"))
-    opens = (live % size == 0).view(1, 1, 1)
-    lo = torch.where(opens, lo, torch.minimum(open_min, lo))[:, :, None]
-    hi = torch.where(opens, hi, torch.maximum(open_max, hi))[:, :, None]
+    lo, hi = _joined_bounds(keys, valid, position, open_min, open_max, (live % size == 0).view(1, 1, 1))
+    lo, hi = lo[:, :, None], hi[:, :, None]
     entry = page_entries(lo, hi)
     entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(lo).all(-1, keepdim=True), 0.0)
     return entry.to(dtype), torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)  # [B, G, 1]
@@ -220,16 +226,10 @@ def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: 
     """:func:`quest_page_add` in PyTorch: the row gathered, masked where it is padding, then the running min/max, the
     page's entry and flag written at ``count // size``, ``count`` and ``length`` moved (what ``PageSummary._add_one``
     does with Quest's encoding, ``retrievers/quest.py``'s ``_quest_entries``)."""
-    B, G, _, D = keys.shape
-    at = position.reshape(B, G, 1)
-    row = keys.gather(2, at[..., None].expand(B, G, 1, D))[:, :, 0].float()  # [B, G, D]
-    ok = valid.gather(2, at)  # [B, G, 1]
-    lo = row.masked_fill(~ok, float("inf"))
-    hi = row.masked_fill(~ok, float("-inf"))
     page = torch.div(count, size, rounding_mode="floor")  # on the device
-    opens = (count % size == 0).view(1, 1, 1)
-    open_min.copy_(torch.where(opens, lo, torch.minimum(open_min, lo)))
-    open_max.copy_(torch.where(opens, hi, torch.maximum(open_max, hi)))
+    lo, hi = _joined_bounds(keys, valid, position, open_min, open_max, (count % size == 0).view(1, 1, 1))
+    open_min.copy_(lo)
+    open_max.copy_(hi)
     entry = page_entries(open_min[:, :, None], open_max[:, :, None])  # [B, G, 1, 2 D + 1]
     entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(open_min[:, :, None]).all(-1, keepdim=True), 0.0)
     entries.index_copy_(2, page, entry.to(entries.dtype))
