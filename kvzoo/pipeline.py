@@ -248,6 +248,49 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
 
 
 STREAM_CHUNK = 512  # a token-by-token prefill's chunk: its peak is the budget + one chunk per layer
+FEED_FORWARD_ROWS = 1024  # a prefill forward's feed-forward runs on at most this many tokens at a time
+
+
+def _feed_forward_in_pieces(forward: Callable[..., torch.Tensor], rows: int, hidden: torch.Tensor, *args: Any,
+                            **kwargs: Any) -> torch.Tensor:
+    """``forward(hidden)`` of a token-wise module, ``rows`` tokens at a time, written into one output."""
+    if hidden.dim() < 2 or hidden.shape[-2] <= rows:
+        return forward(hidden, *args, **kwargs)
+    out = None
+    for start in range(0, hidden.shape[-2], rows):
+        piece = forward(hidden[..., start : start + rows, :], *args, **kwargs)
+        if not isinstance(piece, torch.Tensor) or piece.shape[-2] != min(rows, hidden.shape[-2] - start):
+            raise TypeError(f"{forward!r} returned {type(piece).__name__} {getattr(piece, 'shape', '')}: a feed-forward "
+                            "split by tokens must return one tensor per token (pass feed_forward_rows=0)")
+        if out is None:
+            out = piece.new_empty((*piece.shape[:-2], hidden.shape[-2], piece.shape[-1]))
+        out[..., start : start + rows, :] = piece
+    return out
+
+
+@contextlib.contextmanager
+def feed_forward_in_pieces(model: torch.nn.Module, rows: int | None = FEED_FORWARD_ROWS) -> Iterator[int]:
+    """While inside, each decoder layer's feed-forward (its ``mlp``: a dense MLP or a mixture of experts, token-wise
+    both) runs on at most ``rows`` tokens at a time; yields how many layers it wraps (0: ``rows`` 0/None, or none).
+
+    A long prefill forward's largest activations are the feed-forward's (SmolLM2-135M at 8k tokens: four
+    ``[8k, 1536]`` fp32 tensors, ~190 MiB, against ~12 MiB for the layer's keys and values); in pieces of
+    :data:`FEED_FORWARD_ROWS` they are a few MiB, and the forward's peak is the attention's. Each token's output is
+    what the whole forward computes for it, up to float rounding where the matrix library blocks a shorter product
+    differently (tests/test_context_end.py measures it). transformers' own ``apply_chunking_to_forward`` is the same
+    idea for the models that configure it."""
+    wrapped = []
+    if rows:
+        for layer in _decoder_layers(model):
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(mlp, torch.nn.Module) and "forward" not in vars(mlp):
+                mlp.forward = functools.partial(_feed_forward_in_pieces, type(mlp).forward.__get__(mlp), rows)
+                wrapped.append(mlp)
+    try:
+        yield len(wrapped)
+    finally:
+        for mlp in wrapped:
+            del mlp.forward
 
 
 def prefill_chunk(cache: Cache, tokens: int) -> int:
@@ -272,18 +315,26 @@ def prefill_chunk(cache: Cache, tokens: int) -> int:
 
 @torch.no_grad()
 def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size: int | None = None, *,
-            phase: str = "prefill", ends_context: bool = False) -> torch.Tensor:
+            phase: str = "prefill", ends_context: bool = False,
+            feed_forward_rows: int | None = FEED_FORWARD_ROWS) -> torch.Tensor:
     """Run ``ids [B, n]`` through the model into ``cache`` (in chunks of ``chunk_size``, by default
     :func:`prefill_chunk`'s); the last position's logits ``[B, V]``.
 
     ``ends_context``: these tokens end the context, and a :class:`TieredCache` compresses inside the last forward, each
     layer right after its attention (:meth:`TieredCache.context_end`), keeping the rows :func:`compress` afterwards
     would keep, at a lower peak. Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd
-    graph. ``phase`` names it to the progress reporter (``"prefill chunk k/n"``, or e.g. ``"question chunk 1/1"``)."""
+    graph. ``phase`` names it to the progress reporter (``"prefill chunk k/n"``, or e.g. ``"question chunk 1/1"``).
+    ``feed_forward_rows``: each layer's feed-forward runs on at most this many tokens at a time
+    (:func:`feed_forward_in_pieces`, a lower peak for a long forward; 0 or None: the whole forward at once)."""
+    if feed_forward_rows is not None and (isinstance(feed_forward_rows, bool) or not isinstance(
+            feed_forward_rows, numbers.Integral) or feed_forward_rows < 0):
+        raise ValueError(f"feed_forward_rows must be a whole number of tokens >= 1 (0 or None: the whole forward at "
+                         f"once), got {feed_forward_rows!r}")
     step = chunk_size or prefill_chunk(cache, ids.shape[1])
     chunks = -(-ids.shape[1] // step) if ids.shape[1] else 0
     logits = None
-    with _layer_ticks(model) as layers:
+    pieces = feed_forward_rows if feed_forward_rows and step > feed_forward_rows else None
+    with _layer_ticks(model) as layers, feed_forward_in_pieces(model, pieces):
         for k, start in enumerate(range(0, ids.shape[1], step)):
             _phase(f"{phase} chunk {k + 1}/{chunks}", layers or None, "layers")
             if ends_context and k == chunks - 1 and isinstance(cache, TieredCache):

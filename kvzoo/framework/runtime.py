@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from kvzoo.framework.layer import KVLayer
+from kvzoo.framework.memory import release_freed
 from kvzoo.framework.policy import (
     AttentionInputs,
     Event,
@@ -289,6 +290,7 @@ class Runtime:
             self.fire(layer, "block")
         if self.ending:
             self.fire(layer, "context_end")
+            release_freed()  # the layer's whole prefill was freed just now: give its pages back before the next layer
             if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
                 self.ending = False
 
