@@ -482,6 +482,8 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
     overrides = {field: given[option] for option, field in grid_fields.items() if option in given}
     if args.audit:
         overrides["audit"] = True
+    if args.one_forward:
+        overrides["one_forward"] = True
     if any(option in given for option in task_options):
         specs = base.tasks
         tasks = given.get("tasks") or list(dict.fromkeys(s.task for s in specs))
@@ -812,6 +814,9 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
                            "0: none, no ΔCE)")
     p_lb.add_argument("--dtype", choices=dtypes, help="model dtype (default float32)")
     p_lb.add_argument("--audit", action="store_true", help="count the retrieval tier's bound violations (slow)")
+    p_lb.add_argument("--one-forward", action="store_true",
+                      help="also teacher-force the answer and the continuation in one forward each (the *_one_forward "
+                      "fields; off by default: None in the rows, two multi-token forwards less per trial)")
     p_lb.add_argument("--out", help="results JSONL (default results/<preset>.jsonl)")
     p_lb.add_argument("--plot-dir", help="where the PNGs go (default: beside the results file)")
     p_lb.add_argument("--fresh", action="store_true",

@@ -52,6 +52,10 @@ class Grid:
     ``audit=True`` asks the retrieval tier to count bound violations (slow; see ``TieredCache``).
     ``variants``: configured policies (specs such as ``quest(gqa=group)``) that join every registered policy when
     ``policies`` is None (default None: :func:`registered_variants` at plan time; the ``demo`` preset runs none).
+    ``one_forward=True`` also teacher-forces the answer and the continuation in one forward each (the
+    ``*_one_forward`` fields; default off: those fields are None, and a trial costs two multi-token forwards less).
+    It is not part of a trial's key (a row holding the one-forward figures holds every other figure too): a grid
+    with ``one_forward=True`` runs again the ok trials whose rows lack them.
     """
 
     models: Sequence[str] = ("smollm2-135m",)
@@ -66,6 +70,7 @@ class Grid:
     dtype: str = "float32"
     # configured variants run beside every registered policy when ``policies`` is None (None: the registered ones)
     variants: Sequence[str] | None = None
+    one_forward: bool = False
 
     def __post_init__(self) -> None:
         from kvzoo.pipeline import QUESTION_POSITIONS
@@ -92,6 +97,8 @@ class Grid:
         if self.variants is not None and (isinstance(self.variants, str)
                                           or not all(isinstance(v, str) for v in self.variants)):
             raise ValueError(f"variants must be a list of policy specs such as 'quest(gqa=group)', got {self.variants!r}")
+        if not isinstance(self.one_forward, bool):
+            raise ValueError(f"one_forward must be True or False, got {self.one_forward!r}")
         self.ratios = tuple(float(r) for r in self.ratios)
 
     def settings(self) -> dict[str, Any]:
@@ -107,7 +114,8 @@ class Grid:
 
 DTYPES = ("float32", "bfloat16", "float16")  # model dtypes a grid may ask for: torch.<name>
 # The answer's NLL and the continuation's CE are teacher-forced one decode step per token (what greedy decoding
-# runs: a retriever's per-step rule is what they see); the one-forward figures are kept beside them (*_one_forward)
+# runs: a retriever's per-step rule is what they see); the one-forward figures (*_one_forward) are measured beside
+# them only when a grid asks (Grid.one_forward, `kvzoo leaderboard --one-forward`)
 TEACHER_FORCING = "decode"
 
 

@@ -27,10 +27,11 @@ from the same point, without paying for the prefill three times:
 * the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL (ΔNLL, the
   needle-intact test), one decode step per answer token after the question's forward -- the forwards greedy
   decoding runs, so a retriever's per-step rule is what the NLL sees (``pipeline.teacher_forced_nll``,
-  ``mode="decode"``); and again in one forward (``answer_nll_one_forward``: under a retriever's default
-  ``multi_token="dense"`` rule that forward reads the whole archive, so it equals ``full``'s by construction);
-* the held-out continuation of the haystack, teacher-forced (question after compression only) the same two
-  ways: ΔCE (decode steps, the VestigeKV paper's measure) and ``delta_ce_one_forward``;
+  ``mode="decode"``); and, when the grid asks (``Grid.one_forward``, ``--one-forward``; None otherwise), again in
+  one forward (``answer_nll_one_forward``: under a retriever's default ``multi_token="dense"`` rule that forward
+  reads the whole archive, so it equals ``full``'s by construction);
+* the held-out continuation of the haystack, teacher-forced (question after compression only) the same way(s):
+  ΔCE (decode steps, the VestigeKV paper's measure) and, when asked, ``delta_ce_one_forward``;
 * the question and the answer prefix, then greedy decoding, stopped at EOS, at ``max_new_tokens``,
   or once every reference answer has appeared (the score cannot change after that): the string-match
   score, and the per-step KV-path bytes and fetched rows.
@@ -361,6 +362,7 @@ def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dic
             audit=ctx.grid.audit,
             shared=ctx.shared,
             shared_key=(trial.model, trial.task.key, trial.position),
+            one_forward=ctx.grid.one_forward,
         ))
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -511,11 +513,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def finished(row: dict[str, Any], grid: Grid) -> bool:
+    """Whether ``row`` finished its trial for ``grid``: it is ok and, when the grid asks for the one-forward
+    figures (``Grid.one_forward``), holds them (a row of a grid without them is run again)."""
+    if row.get("status") != "ok":
+        return False
+    return not grid.one_forward or row.get("answer_nll_one_forward") is not None
+
+
 def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, dict[str, Any]], *, progress: bool,
                  on_row: Callable[[dict[str, Any]], None] | None, executor: Executor) -> list[dict[str, Any]]:
     """:func:`run_grid`'s loop: the trials of ``trials`` not finished in ``latest`` (the file's current rows), each
     new row checked against its trial (:class:`_Intake`) and appended to ``path``."""
-    done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
+    done = {t.key for t in trials if finished(latest.get(t.key, {}), grid)}
     run_info = {"settings": grid.settings(), "versions": versions()}
     pending = [t for t in trials if t.key not in done]
     intake = _Intake(executor, pending, path)
