@@ -600,7 +600,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress,
-                               executor=executor)
+                               executor=executor, estimate=True)
     except (runner.ExecutorError, runner.ResultsWriteError) as err:  # the run failed part way: exit 1, not 2
         print(f"kvzoo leaderboard: {err}", file=sys.stderr)
         return 1

@@ -291,7 +291,7 @@ def test_detail_table_reports_intact_rate_and_na_for_unreported_violations(tmp_p
     assert "| n/a |" in detail[3]  # no retrieval tier, no audit: bound violations not reported
 
 
-def test_one_forward_figures_are_opt_in_and_a_grid_asking_for_them_reruns_rows_without(tmp_path: Path):
+def test_one_forward_figures_are_opt_in_and_a_grid_asking_for_them_reruns_rows_without(tmp_path: Path, capsys):
     path = tmp_path / "o.jsonl"
     rows = runner.run_grid(tiny_grid(), path, progress=False)  # default: decode steps only
     assert {r["status"] for r in rows} == {"ok"}
@@ -304,13 +304,14 @@ def test_one_forward_figures_are_opt_in_and_a_grid_asking_for_them_reruns_rows_w
     detail = report.detail_table(rows)
     assert "one forward" not in detail and "n/a | n/a | n/a | n/a" not in detail
     report.render(rows, title="t")  # the whole page renders from rows holding None there
-    again = runner.run_grid(tiny_grid(one_forward=True), path, progress=False)  # runs both again
+    again = runner.run_grid(tiny_grid(one_forward=True), path, progress=False, estimate=True)  # runs both again
     assert all(r["answer_nll_one_forward"] is not None for r in again)
     assert again[1]["delta_ce_one_forward"] is not None
     for before, after in zip(rows, again, strict=True):  # the decode-step figures do not depend on the option
         assert after["key"] == before["key"]
         for key in ("answer_nll", "continuation_ce", "delta_nll", "delta_ce", "prediction"):
             assert after[key] == before[key]
+    assert "estimated time" in capsys.readouterr().err
     assert len(runner.read_results(path)) == 4
     runner.run_grid(tiny_grid(), path, progress=False)  # rows with the figures finish a grid without them
     assert len(runner.read_results(path)) == 4

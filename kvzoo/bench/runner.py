@@ -401,6 +401,7 @@ def run_grid(
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     executor: Executor | None = None,
+    estimate: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
 
@@ -424,6 +425,9 @@ def run_grid(
     Besides the trial's figures every row says where and how it ran: ``worker`` (``host:pid``),
     ``trial_seconds`` (without ``model_load_s``, the model's loading when this trial came first on its
     worker), ``attempts`` (more than 1 when a worker died under it) and ``attempt_errors``.
+
+    ``estimate=True`` prints one line to stderr before the first trial: the pending trials' estimated time
+    (:mod:`kvzoo.bench.estimate`: per policy, in all, and on the executor's workers).
     """
     path = check_results_path(results)
     trials = plan(grid)
@@ -443,7 +447,7 @@ def run_grid(
             if trial is not None and latest.get(trial.key, {}).get("status") != "ok":
                 print(f"kvzoo: {trial.label}: its row ran with {changed}; running it again", file=sys.stderr)
         return _run_pending(grid, trials, path, latest, progress=progress, on_row=on_row,
-                            executor=executor if executor is not None else LocalExecutor())
+                            executor=executor if executor is not None else LocalExecutor(), estimate=estimate)
 
 
 def describe_executor(executor: Any) -> str:
@@ -522,13 +526,19 @@ def finished(row: dict[str, Any], grid: Grid) -> bool:
 
 
 def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, dict[str, Any]], *, progress: bool,
-                 on_row: Callable[[dict[str, Any]], None] | None, executor: Executor) -> list[dict[str, Any]]:
+                 on_row: Callable[[dict[str, Any]], None] | None, executor: Executor,
+                 estimate: bool = False) -> list[dict[str, Any]]:
     """:func:`run_grid`'s loop: the trials of ``trials`` not finished in ``latest`` (the file's current rows), each
     new row checked against its trial (:class:`_Intake`) and appended to ``path``."""
     done = {t.key for t in trials if finished(latest.get(t.key, {}), grid)}
     run_info = {"settings": grid.settings(), "versions": versions()}
     pending = [t for t in trials if t.key not in done]
     intake = _Intake(executor, pending, path)
+    if estimate and pending:
+        from kvzoo.bench import estimate as cost_model
+
+        workers = 1 if isinstance(executor, LocalExecutor) else getattr(executor, "workers", None)
+        print(cost_model.describe(cost_model.estimate(pending, grid), workers), file=sys.stderr)
 
     from tqdm.auto import tqdm
 
