@@ -348,6 +348,16 @@ def test_demo_preset_is_the_small_grid_of_the_issue():
     assert runner.registered_variants() == ("quest(rule=kernel)", "quest(gqa=group)")
 
 
+def test_leaderboard_hour_is_the_leaderboard_at_4x_and_8x_without_the_variants_and_the_one_forward_figures():
+    full, hour = runner.PRESETS["leaderboard"](), runner.PRESETS["leaderboard-hour"]()
+    assert hour.tasks == full.tasks and hour.positions == full.positions == ("after", "before")
+    assert hour.continuation_tokens == full.continuation_tokens == 32  # ΔCE kept
+    assert hour.ratios == (4.0, 8.0) and full.ratios == (2.0, 4.0, 8.0) and tuple(hour.variants) == ()
+    assert not hour.one_forward and not full.one_forward  # opt-in: --one-forward
+    assert len(runner.plan(full)) == 650
+    assert len(runner.plan(hour)) == 2 * len(hour.tasks) * (1 + 2 * (len(registry.available()) - 1))
+
+
 def test_render_json_turns_benchmark_json_into_the_same_table(tmp_path: Path):
     import importlib.util
 

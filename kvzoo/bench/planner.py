@@ -143,6 +143,21 @@ def needle_grid(
     return Grid(models=tuple(models), tasks=tuple(specs), **grid)
 
 
+def _leaderboard_tasks() -> tuple[TaskSpec, ...]:
+    """The ``leaderboard`` preset's tasks: every RULER task at 2k tokens, the single needle also at 1k, at three depths
+    and on every haystack."""
+    return (
+        *(TaskSpec("niah_single", n, d, 0, "essay") for n in (1000, 2000) for d in (0.1, 0.5, 0.9)),
+        TaskSpec("niah_single", 2000, 0.5, 0, "noise"),
+        TaskSpec("niah_single", 2000, 0.5, 0, "book"),
+        TaskSpec("niah_multikey", 2000, 0.5, 0),
+        TaskSpec("niah_multivalue", 2000, 0.5, 0),
+        TaskSpec("niah_multiquery", 2000, 0.5, 0),
+        TaskSpec("vt", 2000, 0.5, 0),
+        TaskSpec("cwe", 2000, None, 0),
+    )
+
+
 PRESETS: dict[str, Callable[[], Grid]] = {
     # `make demo`, the main job, in minutes on 2 CPU cores: every registered policy at 4x and 8x on one needle in 2k
     # tokens of essay text at 2 depths, question after compression -- which policy keeps the needle at which ratio
@@ -151,22 +166,23 @@ PRESETS: dict[str, Callable[[], Grid]] = {
     "demo": lambda: needle_grid(depths=(0.25, 0.75), ratios=(4, 8), positions=("after",),
                                 continuation_tokens=0, variants=()),
     # `make leaderboard`: every RULER task at 2k tokens, the single needle also at 1k and on every haystack,
-    # ratios 2-8, question after and before compression (650 trials; with the decode-mode ΔCE several hours on 2
-    # CPU cores: see the README's leaderboard section, or run it on Ray)
+    # ratios 2-8, question after and before compression (650 trials; with the decode-mode ΔCE about 1.5 hours on 2
+    # one-thread Ray workers by kvzoo.bench.estimate, nearer 3 in one process: docs/scaling.md)
     "leaderboard": lambda: Grid(
-        tasks=(
-            *(TaskSpec("niah_single", n, d, 0, "essay") for n in (1000, 2000) for d in (0.1, 0.5, 0.9)),
-            TaskSpec("niah_single", 2000, 0.5, 0, "noise"),
-            TaskSpec("niah_single", 2000, 0.5, 0, "book"),
-            TaskSpec("niah_multikey", 2000, 0.5, 0),
-            TaskSpec("niah_multivalue", 2000, 0.5, 0),
-            TaskSpec("niah_multiquery", 2000, 0.5, 0),
-            TaskSpec("vt", 2000, 0.5, 0),
-            TaskSpec("cwe", 2000, None, 0),
-        ),
+        tasks=_leaderboard_tasks(),
         ratios=(2, 4, 8),
         positions=("after", "before"),
         continuation_tokens=32,
+    ),
+    # the leaderboard's tasks, positions and ΔCE at 4x and 8x, without the two Quest variants (338 trials): about
+    # 45 minutes on 2 one-thread workers (`--executor ray --workers 2`) by kvzoo.bench.estimate's cost model, which
+    # the grid prints before it starts (docs/scaling.md)
+    "leaderboard-hour": lambda: Grid(
+        tasks=_leaderboard_tasks(),
+        ratios=(4, 8),
+        positions=("after", "before"),
+        continuation_tokens=32,
+        variants=(),
     ),
     # the test suite's: a tiny random Llama, two short needle contexts
     "tiny": lambda: needle_grid(
