@@ -538,6 +538,8 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
         from kvzoo.bench import estimate as cost_model
 
         workers = 1 if isinstance(executor, LocalExecutor) else getattr(executor, "workers", None)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            workers = None  # an executor that does not say (a plugin's, Ray's "as many as the cluster holds")
         print(cost_model.describe(cost_model.estimate(pending, grid), workers), file=sys.stderr)
 
     from tqdm.auto import tqdm
