@@ -27,7 +27,7 @@ from the same point, without paying for the prefill three times:
 * the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL (ΔNLL, the
   needle-intact test), one decode step per answer token after the question's forward -- the forwards greedy
   decoding runs, so a retriever's per-step rule is what the NLL sees (``pipeline.teacher_forced_nll``,
-  ``mode="decode"``); and, when the grid asks (``Grid.one_forward``, ``--one-forward``; None otherwise), again in
+  ``mode="decode"``; the question is asked once, on the cache itself, and the answer's fork continues it); and, when the grid asks (``Grid.one_forward``, ``--one-forward``; None otherwise), again in
   one forward (``answer_nll_one_forward``: under a retriever's default ``multi_token="dense"`` rule that forward
   reads the whole archive, so it equals ``full``'s by construction);
 * the held-out continuation of the haystack, teacher-forced (question after compression only) the same way(s):
