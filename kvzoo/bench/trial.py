@@ -228,9 +228,9 @@ def run_trial(
                 m.continuation_nll, m.continuation_nll_one_forward, _ = _teacher_forced(
                     model, cache, ids.question[:, :0], ids.continuation, first_logits, m.compressed, "continuation CE",
                     one_forward)
-        # The answer's decode steps follow the question's forward, which greedy decoding follows too: asked on the
-        # cache itself once, and the answer forked after it -- the forward a fork would run, in the same chunks (the
-        # default ones: a grid's chunk_size applies to the question only, so with one the fork asks it itself)
+        # The answer's decode steps follow the question's forward, which greedy decoding follows too: asked once on
+        # the cache itself, and the answer forked after it -- the very forward the fork would run when both use the
+        # default chunks (teacher_forced_nll asks in those; with a grid chunk_size the fork asks it itself, as before)
         ask_once = chunk_size is None or not m.question_tokens
         with _phase(m, "score"):  # the reference answer, teacher-forced, on forks
             m.answer_nll, m.answer_nll_one_forward, m.answer_kv_bytes = _teacher_forced(
