@@ -482,6 +482,8 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
     overrides = {field: given[option] for option, field in grid_fields.items() if option in given}
     if args.audit:
         overrides["audit"] = True
+    if args.one_forward:
+        overrides["one_forward"] = True
     if any(option in given for option in task_options):
         specs = base.tasks
         tasks = given.get("tasks") or list(dict.fromkeys(s.task for s in specs))
@@ -598,7 +600,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         rows = runner.run_grid(grid, results, fresh=args.fresh, force=args.force, progress=not args.no_progress,
-                               executor=executor)
+                               executor=executor, estimate=True)
     except (runner.ExecutorError, runner.ResultsWriteError) as err:  # the run failed part way: exit 1, not 2
         print(f"kvzoo leaderboard: {err}", file=sys.stderr)
         return 1
@@ -786,7 +788,8 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
     )
     p_lb.add_argument("--preset", choices=presets, default="demo",
                       help="demo: 2k-token single needle, depths 0.25 and 0.75, 4x/8x, question after (the `make demo` grid); "
-                      "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); tiny: a tiny random model")
+                      "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); leaderboard-hour: the same at 4x/8x "
+                      "without the Quest variants (about 45 min on 2 Ray workers); tiny: a tiny random model")
     p_lb.add_argument("--model", dest="models", action="append", metavar="MODEL", help=MODEL_HELP + " (repeatable)")
     # the list options extend when repeated (--policies full --policies snapkv runs both), as --model does
     p_lb.add_argument("--policies", nargs="+", action="extend", metavar="NAME",
@@ -812,6 +815,9 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
                            "0: none, no ΔCE)")
     p_lb.add_argument("--dtype", choices=dtypes, help="model dtype (default float32)")
     p_lb.add_argument("--audit", action="store_true", help="count the retrieval tier's bound violations (slow)")
+    p_lb.add_argument("--one-forward", action="store_true",
+                      help="also teacher-force the answer and the continuation in one forward each (the *_one_forward "
+                      "fields; off by default: None in the rows, two multi-token forwards less per trial)")
     p_lb.add_argument("--out", help="results JSONL (default results/<preset>.jsonl)")
     p_lb.add_argument("--plot-dir", help="where the PNGs go (default: beside the results file)")
     p_lb.add_argument("--fresh", action="store_true",

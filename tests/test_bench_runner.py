@@ -283,11 +283,40 @@ def test_a_cut_line_is_skipped_reported_and_kept_and_the_next_row_starts_clean(t
 
 
 def test_detail_table_reports_intact_rate_and_na_for_unreported_violations(tmp_path: Path):
-    rows = runner.run_grid(tiny_grid(), tmp_path / "d.jsonl", progress=False)
+    rows = runner.run_grid(tiny_grid(one_forward=True), tmp_path / "d.jsonl", progress=False)
     detail = report.detail_table(rows).splitlines()
     assert detail[0].startswith("| policy | ratio | trials | intact rate |")
+    assert "| ΔCE (one forward) |" in detail[0]
     assert detail[2].startswith("| full | — | 1 | 1.00 | +0.00 | +0.0000 | +0.0000 |")
     assert "| n/a |" in detail[3]  # no retrieval tier, no audit: bound violations not reported
+
+
+def test_one_forward_figures_are_opt_in_and_a_grid_asking_for_them_reruns_rows_without(tmp_path: Path, capsys):
+    path = tmp_path / "o.jsonl"
+    rows = runner.run_grid(tiny_grid(), path, progress=False)  # default: decode steps only
+    assert {r["status"] for r in rows} == {"ok"}
+    for row in rows:
+        assert row["answer_nll"] is not None and row["continuation_ce"] is not None
+        for key in ("answer_nll_one_forward", "continuation_ce_one_forward", "delta_nll_one_forward",
+                    "intact_one_forward", "delta_ce_one_forward", "full_continuation_ce_one_forward"):
+            assert row[key] is None
+    assert rows[1]["delta_ce"] is not None and rows[1]["intact"] is not None
+    detail = report.detail_table(rows)
+    assert "one forward" not in detail and "n/a | n/a | n/a | n/a" not in detail
+    report.render(rows, title="t")  # the whole page renders from rows holding None there
+    again = runner.run_grid(tiny_grid(one_forward=True), path, progress=False, estimate=True)  # runs both again
+    assert all(r["answer_nll_one_forward"] is not None for r in again)
+    assert again[1]["delta_ce_one_forward"] is not None
+    for before, after in zip(rows, again, strict=True):  # the decode-step figures do not depend on the option
+        assert after["key"] == before["key"]
+        for key in ("answer_nll", "continuation_ce", "delta_nll", "delta_ce", "prediction"):
+            assert after[key] == before[key]
+    assert "estimated time" in capsys.readouterr().err
+    assert len(runner.read_results(path)) == 4
+    runner.run_grid(tiny_grid(), path, progress=False)  # rows with the figures finish a grid without them
+    assert len(runner.read_results(path)) == 4
+    with pytest.raises(ValueError, match="one_forward"):
+        tiny_grid(one_forward=1)
 
 
 def test_format_bytes():
@@ -317,6 +346,16 @@ def test_demo_preset_is_the_small_grid_of_the_issue():
     assert len(trials) == 2 * (1 + 2 * (len(registry.available()) - 1))  # per depth: full, every other policy at 2 ratios
     assert runner.PRESETS["leaderboard"]().variants is None  # the larger grid keeps them: the registered ones
     assert runner.registered_variants() == ("quest(rule=kernel)", "quest(gqa=group)")
+
+
+def test_leaderboard_hour_is_the_leaderboard_at_4x_and_8x_without_the_variants_and_the_one_forward_figures():
+    full, hour = runner.PRESETS["leaderboard"](), runner.PRESETS["leaderboard-hour"]()
+    assert hour.tasks == full.tasks and hour.positions == full.positions == ("after", "before")
+    assert hour.continuation_tokens == full.continuation_tokens == 32  # ΔCE kept
+    assert hour.ratios == (4.0, 8.0) and full.ratios == (2.0, 4.0, 8.0) and tuple(hour.variants) == ()
+    assert not hour.one_forward and not full.one_forward  # opt-in: --one-forward
+    assert len(runner.plan(full)) == 650
+    assert len(runner.plan(hour)) == 2 * len(hour.tasks) * (1 + 2 * (len(registry.available()) - 1))
 
 
 def test_render_json_turns_benchmark_json_into_the_same_table(tmp_path: Path):

@@ -52,6 +52,10 @@ class Grid:
     ``audit=True`` asks the retrieval tier to count bound violations (slow; see ``TieredCache``).
     ``variants``: configured policies (specs such as ``quest(gqa=group)``) that join every registered policy when
     ``policies`` is None (default None: :func:`registered_variants` at plan time; the ``demo`` preset runs none).
+    ``one_forward=True`` also teacher-forces the answer and the continuation in one forward each (the
+    ``*_one_forward`` fields; default off: those fields are None, and a trial costs two multi-token forwards less).
+    It is not part of a trial's key (a row holding the one-forward figures holds every other figure too): a grid
+    with ``one_forward=True`` runs again the ok trials whose rows lack them.
     """
 
     models: Sequence[str] = ("smollm2-135m",)
@@ -66,6 +70,7 @@ class Grid:
     dtype: str = "float32"
     # configured variants run beside every registered policy when ``policies`` is None (None: the registered ones)
     variants: Sequence[str] | None = None
+    one_forward: bool = False
 
     def __post_init__(self) -> None:
         from kvzoo.pipeline import QUESTION_POSITIONS
@@ -92,6 +97,8 @@ class Grid:
         if self.variants is not None and (isinstance(self.variants, str)
                                           or not all(isinstance(v, str) for v in self.variants)):
             raise ValueError(f"variants must be a list of policy specs such as 'quest(gqa=group)', got {self.variants!r}")
+        if not isinstance(self.one_forward, bool):
+            raise ValueError(f"one_forward must be True or False, got {self.one_forward!r}")
         self.ratios = tuple(float(r) for r in self.ratios)
 
     def settings(self) -> dict[str, Any]:
@@ -107,7 +114,8 @@ class Grid:
 
 DTYPES = ("float32", "bfloat16", "float16")  # model dtypes a grid may ask for: torch.<name>
 # The answer's NLL and the continuation's CE are teacher-forced one decode step per token (what greedy decoding
-# runs: a retriever's per-step rule is what they see); the one-forward figures are kept beside them (*_one_forward)
+# runs: a retriever's per-step rule is what they see); the one-forward figures (*_one_forward) are measured beside
+# them only when a grid asks (Grid.one_forward, `kvzoo leaderboard --one-forward`)
 TEACHER_FORCING = "decode"
 
 
@@ -135,6 +143,21 @@ def needle_grid(
     return Grid(models=tuple(models), tasks=tuple(specs), **grid)
 
 
+def _leaderboard_tasks() -> tuple[TaskSpec, ...]:
+    """The ``leaderboard`` preset's tasks: every RULER task at 2k tokens, the single needle also at 1k, at three depths
+    and on every haystack."""
+    return (
+        *(TaskSpec("niah_single", n, d, 0, "essay") for n in (1000, 2000) for d in (0.1, 0.5, 0.9)),
+        TaskSpec("niah_single", 2000, 0.5, 0, "noise"),
+        TaskSpec("niah_single", 2000, 0.5, 0, "book"),
+        TaskSpec("niah_multikey", 2000, 0.5, 0),
+        TaskSpec("niah_multivalue", 2000, 0.5, 0),
+        TaskSpec("niah_multiquery", 2000, 0.5, 0),
+        TaskSpec("vt", 2000, 0.5, 0),
+        TaskSpec("cwe", 2000, None, 0),
+    )
+
+
 PRESETS: dict[str, Callable[[], Grid]] = {
     # `make demo`, the main job, in minutes on 2 CPU cores: every registered policy at 4x and 8x on one needle in 2k
     # tokens of essay text at 2 depths, question after compression -- which policy keeps the needle at which ratio
@@ -143,22 +166,23 @@ PRESETS: dict[str, Callable[[], Grid]] = {
     "demo": lambda: needle_grid(depths=(0.25, 0.75), ratios=(4, 8), positions=("after",),
                                 continuation_tokens=0, variants=()),
     # `make leaderboard`: every RULER task at 2k tokens, the single needle also at 1k and on every haystack,
-    # ratios 2-8, question after and before compression (650 trials; with the decode-mode ΔCE several hours on 2
-    # CPU cores: see the README's leaderboard section, or run it on Ray)
+    # ratios 2-8, question after and before compression (650 trials; with the decode-mode ΔCE about 1.5 hours on 2
+    # one-thread Ray workers by kvzoo.bench.estimate, nearer 3 in one process: docs/scaling.md)
     "leaderboard": lambda: Grid(
-        tasks=(
-            *(TaskSpec("niah_single", n, d, 0, "essay") for n in (1000, 2000) for d in (0.1, 0.5, 0.9)),
-            TaskSpec("niah_single", 2000, 0.5, 0, "noise"),
-            TaskSpec("niah_single", 2000, 0.5, 0, "book"),
-            TaskSpec("niah_multikey", 2000, 0.5, 0),
-            TaskSpec("niah_multivalue", 2000, 0.5, 0),
-            TaskSpec("niah_multiquery", 2000, 0.5, 0),
-            TaskSpec("vt", 2000, 0.5, 0),
-            TaskSpec("cwe", 2000, None, 0),
-        ),
+        tasks=_leaderboard_tasks(),
         ratios=(2, 4, 8),
         positions=("after", "before"),
         continuation_tokens=32,
+    ),
+    # the leaderboard's tasks, positions and ΔCE at 4x and 8x, without the two Quest variants (338 trials): about
+    # 45 minutes on 2 one-thread workers (`--executor ray --workers 2`) by kvzoo.bench.estimate's cost model, which
+    # the grid prints before it starts (docs/scaling.md)
+    "leaderboard-hour": lambda: Grid(
+        tasks=_leaderboard_tasks(),
+        ratios=(4, 8),
+        positions=("after", "before"),
+        continuation_tokens=32,
+        variants=(),
     ),
     # the test suite's: a tiny random Llama, two short needle contexts
     "tiny": lambda: needle_grid(

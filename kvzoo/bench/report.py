@@ -134,9 +134,12 @@ def leaderboard_table(rows: Sequence[dict[str, Any]], ratios: Sequence[float] | 
 
 
 def detail_table(rows: Sequence[dict[str, Any]]) -> str:
-    """One row per (policy, ratio): intact rate, ΔNLL, ΔCE, memory and time figures (successful trials)."""
+    """One row per (policy, ratio): intact rate, ΔNLL, ΔCE, memory and time figures (successful trials). The
+    "ΔCE (one forward)" column shows only when a row measured it (``Grid.one_forward``)."""
+    one_forward = any(r.get("delta_ce_one_forward") is not None for r in rows)
     columns = [
-        "policy", "ratio", "trials", "intact rate", "mean ΔNLL (nats)", "ΔCE (nats/token)", "ΔCE (one forward)",
+        "policy", "ratio", "trials", "intact rate", "mean ΔNLL (nats)", "ΔCE (nats/token)",
+        *(["ΔCE (one forward)"] if one_forward else []),
         "resident KV",
         "KV freed", "fetched rows/step", "bound violations", "prefill+compress (s)", "decode (ms/step)",
     ]
@@ -154,7 +157,7 @@ def detail_table(rows: Sequence[dict[str, Any]]) -> str:
                 _fmt(sum(intact) / len(intact) if intact else None),
                 _fmt(_mean(r.get("delta_nll") for r in cell), signed=True),
                 _fmt(_mean(r.get("delta_ce") for r in cell), ".4f", signed=True),
-                _fmt(_mean(r.get("delta_ce_one_forward") for r in cell), ".4f", signed=True),
+                *([_fmt(_mean(r.get("delta_ce_one_forward") for r in cell), ".4f", signed=True)] if one_forward else []),
                 format_bytes(_mean(r.get("resident_bytes") for r in cell)),
                 format_bytes(_mean(r.get("bytes_freed") for r in cell)),
                 _fmt(_mean(r.get("fetched_rows_per_step") for r in cell), ".1f"),

@@ -27,10 +27,11 @@ from the same point, without paying for the prefill three times:
 * the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL (ΔNLL, the
   needle-intact test), one decode step per answer token after the question's forward -- the forwards greedy
   decoding runs, so a retriever's per-step rule is what the NLL sees (``pipeline.teacher_forced_nll``,
-  ``mode="decode"``); and again in one forward (``answer_nll_one_forward``: under a retriever's default
-  ``multi_token="dense"`` rule that forward reads the whole archive, so it equals ``full``'s by construction);
-* the held-out continuation of the haystack, teacher-forced (question after compression only) the same two
-  ways: ΔCE (decode steps, the VestigeKV paper's measure) and ``delta_ce_one_forward``;
+  ``mode="decode"``; the question is asked once, on the cache itself, and the answer's fork continues it); and, when the grid asks (``Grid.one_forward``, ``--one-forward``; None otherwise), again in
+  one forward (``answer_nll_one_forward``: under a retriever's default ``multi_token="dense"`` rule that forward
+  reads the whole archive, so it equals ``full``'s by construction);
+* the held-out continuation of the haystack, teacher-forced (question after compression only) the same way(s):
+  ΔCE (decode steps, the VestigeKV paper's measure) and, when asked, ``delta_ce_one_forward``;
 * the question and the answer prefix, then greedy decoding, stopped at EOS, at ``max_new_tokens``,
   or once every reference answer has appeared (the score cannot change after that): the string-match
   score, and the per-step KV-path bytes and fetched rows.
@@ -361,6 +362,7 @@ def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dic
             audit=ctx.grid.audit,
             shared=ctx.shared,
             shared_key=(trial.model, trial.task.key, trial.position),
+            one_forward=ctx.grid.one_forward,
         ))
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -399,6 +401,7 @@ def run_grid(
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     executor: Executor | None = None,
+    estimate: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
 
@@ -422,6 +425,9 @@ def run_grid(
     Besides the trial's figures every row says where and how it ran: ``worker`` (``host:pid``),
     ``trial_seconds`` (without ``model_load_s``, the model's loading when this trial came first on its
     worker), ``attempts`` (more than 1 when a worker died under it) and ``attempt_errors``.
+
+    ``estimate=True`` prints one line to stderr before the first trial: the pending trials' estimated time
+    (:mod:`kvzoo.bench.estimate`: per policy, in all, and on the executor's workers).
     """
     path = check_results_path(results)
     trials = plan(grid)
@@ -441,7 +447,7 @@ def run_grid(
             if trial is not None and latest.get(trial.key, {}).get("status") != "ok":
                 print(f"kvzoo: {trial.label}: its row ran with {changed}; running it again", file=sys.stderr)
         return _run_pending(grid, trials, path, latest, progress=progress, on_row=on_row,
-                            executor=executor if executor is not None else LocalExecutor())
+                            executor=executor if executor is not None else LocalExecutor(), estimate=estimate)
 
 
 def describe_executor(executor: Any) -> str:
@@ -511,14 +517,30 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def finished(row: dict[str, Any], grid: Grid) -> bool:
+    """Whether ``row`` finished its trial for ``grid``: it is ok and, when the grid asks for the one-forward
+    figures (``Grid.one_forward``), holds them (a row of a grid without them is run again)."""
+    if row.get("status") != "ok":
+        return False
+    return not grid.one_forward or row.get("answer_nll_one_forward") is not None
+
+
 def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, dict[str, Any]], *, progress: bool,
-                 on_row: Callable[[dict[str, Any]], None] | None, executor: Executor) -> list[dict[str, Any]]:
+                 on_row: Callable[[dict[str, Any]], None] | None, executor: Executor,
+                 estimate: bool = False) -> list[dict[str, Any]]:
     """:func:`run_grid`'s loop: the trials of ``trials`` not finished in ``latest`` (the file's current rows), each
     new row checked against its trial (:class:`_Intake`) and appended to ``path``."""
-    done = {t.key for t in trials if latest.get(t.key, {}).get("status") == "ok"}
+    done = {t.key for t in trials if finished(latest.get(t.key, {}), grid)}
     run_info = {"settings": grid.settings(), "versions": versions()}
     pending = [t for t in trials if t.key not in done]
     intake = _Intake(executor, pending, path)
+    if estimate and pending:
+        from kvzoo.bench import estimate as cost_model
+
+        workers = 1 if isinstance(executor, LocalExecutor) else getattr(executor, "workers", None)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            workers = None  # an executor that does not say (a plugin's, Ray's "as many as the cluster holds")
+        print(cost_model.describe(cost_model.estimate(pending, grid), workers), file=sys.stderr)
 
     from tqdm.auto import tqdm
 

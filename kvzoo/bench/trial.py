@@ -1,9 +1,11 @@
 """One trial: a policy on one task's prompt, measured (:func:`run_trial`, :class:`TrialMeasurements`).
 
 A trial prefills the context into a :class:`~kvzoo.TieredCache` (or continues a dense prefill it shares,
-:class:`SharedPrefill`) and compresses it once, then forks the compressed cache for the teacher-forced
-figures -- the reference answer's NLL and the held-out continuation's CE, each one decode step per token
-and in one forward -- and finally asks the question and decodes greedily on the cache itself. What it
+:class:`SharedPrefill`) and compresses it once, then forks the compressed cache for the held-out continuation's CE
+(one decode step per token), asks the question on the cache itself, forks that for the reference answer's NLL (one
+decode step per token after the question: the question's forward is run once, not once more on the answer's fork),
+and decodes greedily on the cache itself. With ``one_forward=True`` the answer and the continuation are also
+teacher-forced in one forward each, on forks of the compressed cache. What it
 measured is a :class:`TrialMeasurements`; ``to_row()`` is that trial's results row (the module docstring
 of :mod:`kvzoo.bench.runner` and ``benchmarks/README.md`` say what each field means).
 """
@@ -122,7 +124,7 @@ class TrialMeasurements:
     prompt_tokens: int = 0  # the prefix that was compressed (the context; with the question asked before, it too)
     question_tokens: int = 0  # forwarded after compression (question and answer prefix; 0 when asked before)
     answer_nll: list[float] = field(default_factory=list)  # per reference-answer token, one decode step each
-    answer_nll_one_forward: list[float] = field(default_factory=list)  # the same, in one forward
+    answer_nll_one_forward: list[float] | None = None  # the same, in one forward (None: not measured)
     answer_kv_bytes: int = 0  # KV-path bytes the answer's decode-step fork read
     continuation_nll: list[float] | None = None  # per held-out token (None: question before, or no continuation)
     continuation_nll_one_forward: list[float] | None = None
@@ -146,7 +148,8 @@ class TrialMeasurements:
             "score": metrics.string_match(self.task.metric, self.prediction, self.task.answers),
             "teacher_forcing": TEACHER_FORCING,
             "answer_nll": sum(self.answer_nll),
-            "answer_nll_one_forward": sum(self.answer_nll_one_forward),
+            "answer_nll_one_forward": (None if self.answer_nll_one_forward is None
+                                       else sum(self.answer_nll_one_forward)),
             "answer_tokens": len(self.answer_nll),
             "continuation_ce": _mean_or_none(self.continuation_nll),
             "continuation_ce_one_forward": _mean_or_none(self.continuation_nll_one_forward),
@@ -201,12 +204,14 @@ def run_trial(
     stop_when_answered: bool = True,
     shared: SharedPrefill | None = None,
     shared_key: tuple | None = None,
+    one_forward: bool = True,
 ) -> dict[str, Any]:
     """Run one trial; its row's figures as a flat dict (:meth:`TrialMeasurements.to_row`, then ΔNLL/ΔCE).
 
     With ``reference=None`` the ΔNLL/ΔCE fields are None (the runner fills them for the reference row).
     ``shared`` (with ``shared_key``, naming the model, task and position): a :class:`SharedPrefill` the
-    trial continues from when its policy can.
+    trial continues from when its policy can. ``one_forward=False`` skips the one-forward figures (the answer and the
+    continuation teacher-forced a second time, in one forward each): their fields are None.
     """
     if position not in QUESTION_POSITIONS:
         raise ValueError(f"question position must be one of {QUESTION_POSITIONS}, got {position!r}")
@@ -218,16 +223,27 @@ def run_trial(
         with _phase(m, "compress"):
             pipeline.compress(cache)
         m.compressed = cache.stats().totals
-        with _phase(m, "score"):  # the reference answer, teacher-forced, on forks
-            m.answer_nll, m.answer_nll_one_forward, m.answer_kv_bytes = _teacher_forced(
-                model, cache, ids.question, ids.answer, first_logits, m.compressed, "answer NLL")
         with _phase(m, "continuation"):  # the held-out continuation, on forks (question after compression only)
             if position == "after" and ids.continuation.shape[1]:
                 m.continuation_nll, m.continuation_nll_one_forward, _ = _teacher_forced(
-                    model, cache, ids.question[:, :0], ids.continuation, first_logits, m.compressed, "continuation CE")
+                    model, cache, ids.question[:, :0], ids.continuation, first_logits, m.compressed, "continuation CE",
+                    one_forward)
+        # The answer's decode steps follow the question's forward, which greedy decoding follows too: asked once on
+        # the cache itself, and the answer forked after it -- the very forward the fork would run when both use the
+        # default chunks (teacher_forced_nll asks in those; with a grid chunk_size the fork asks it itself, as before)
+        ask_once = chunk_size is None or not m.question_tokens
+        with _phase(m, "score"):  # the reference answer, teacher-forced, on forks
+            m.answer_nll, m.answer_nll_one_forward, m.answer_kv_bytes = _teacher_forced(
+                model, cache, ids.question, ids.answer, first_logits, m.compressed, "answer NLL", one_forward,
+                decode_steps=not ask_once)
         with _phase(m, "question"):
             logits = (pipeline.prefill(model, cache, ids.question, chunk_size, phase="question") if m.question_tokens
                       else first_logits)
+        if ask_once:
+            with _phase(m, "answer"):  # the reference answer's decode steps, on a fork of the asked cache
+                m.answer_nll, m.answer_kv_bytes = _decode_steps(model, cache, ids.question[:, :0], ids.answer, logits,
+                                                                m.compressed, "answer NLL")
+            m.seconds["score"] += m.seconds.pop("answer")
         eos = pipeline.eos_ids(model, tokenizer)
 
         def answered(tokens: list[int]) -> bool:  # the score cannot change once every answer appeared
@@ -289,19 +305,30 @@ def _prefill(m: TrialMeasurements, model: torch.nn.Module, prefix: torch.Tensor,
     return cache, first_logits
 
 
+def _decode_steps(model: torch.nn.Module, cache: TieredCache, rest: torch.Tensor, target: torch.Tensor,
+                  last_logits: torch.Tensor, compressed: dict[str, Any], what: str) -> tuple[list[float], int]:
+    """``target``'s per-token NLLs after ``rest``, one decode step per token, on a fork of ``cache``; and the KV-path
+    bytes the fork read since compression (``compressed``: the totals then)."""
+    with cache.fork() as fork:
+        nll = pipeline.teacher_forced_nll(model, fork, rest, target, last_logits, TEACHER_FORCING, phase=what)
+        return nll, fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
+
+
 def _teacher_forced(model: torch.nn.Module, cache: TieredCache, rest: torch.Tensor, target: torch.Tensor,
                     first_logits: torch.Tensor, compressed: dict[str, Any],
-                    what: str) -> tuple[list[float], list[float], int]:
-    """``target``'s per-token NLLs after ``rest``, each on a fork of ``cache``: one decode step per token, and in
-    one forward; and the KV-path bytes the decode-step fork read since compression (``compressed``: its totals).
-    ``what`` names the phase to the progress reporter."""
+                    what: str, one_forward: bool = True,
+                    decode_steps: bool = True) -> tuple[list[float], list[float] | None, int]:
+    """``target``'s per-token NLLs after ``rest``, each on a fork of ``cache``: one decode step per token
+    (:func:`_decode_steps`; empty, and 0 bytes, when not ``decode_steps``), and in one forward (None when not
+    ``one_forward``); and the KV-path bytes the decode-step fork read since compression (``compressed``: its
+    totals). ``what`` names the phase to the progress reporter."""
+    steps, kv_bytes = (_decode_steps(model, cache, rest, target, first_logits, compressed, what) if decode_steps
+                       else ([], 0))
+    if not one_forward:
+        return steps, None, kv_bytes
     with cache.fork() as fork:
-        decode_steps = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, TEACHER_FORCING,
-                                                   phase=what)
-        kv_bytes = fork.stats().totals["kv_bytes_read"] - compressed["kv_bytes_read"]
-    with cache.fork() as fork:
-        one_forward = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, "one_forward", phase=what)
-    return decode_steps, one_forward, kv_bytes
+        forward = pipeline.teacher_forced_nll(model, fork, rest, target, first_logits, "one_forward", phase=what)
+    return steps, forward, kv_bytes
 
 
 # the cache's own counters, carried by name above (LayerStats, so a renamed counter cannot leak into policy_info);

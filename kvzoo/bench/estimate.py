@@ -1,0 +1,132 @@
+"""How long a grid will take, before it starts: a small cost model (:func:`estimate`, :func:`describe`).
+
+A trial's time is its prefill (seconds per 1000 prompt tokens, paid once per (model, task, question position) by
+the policies that continue one shared dense prefill, :class:`~kvzoo.bench.trial.SharedPrefill`) plus its one-token
+forwards (the held-out continuation's decode steps, the answer's, greedy decoding's) at a per-step cost, plus a
+fixed part (the question's forward, compression, the forks), each per policy (:data:`COSTS`). The constants were
+measured on SmolLM2-135M in float32 on one thread of the 2-core CPU this project is developed on (the numbers and
+the command: ``docs/scaling.md``); on another machine, model or thread count the estimate is only a scale -- it
+says so when it prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvzoo.bench.report import REFERENCE_POLICY
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One policy's trial cost on the calibration machine (seconds, one thread)."""
+
+    prefill_per_ktoken: float  # its own prefill, per 1000 prompt tokens
+    step: float  # one decode step (teacher-forced or greedy)
+    fixed: float  # the question's forward, compression, the forks
+
+
+# measured on smollm2-135m float32, 1 thread, niah_single 2k tokens at 8x, question after and before, on a 2-core
+# machine with other work on it (docs/scaling.md: the command and the figures)
+COSTS: dict[str, Cost] = {
+    "full": Cost(4.5, 0.12, 0.3),
+    "streaming_llm": Cost(4.3, 0.10, 0.2),
+    "snapkv": Cost(4.5, 0.105, 0.35),
+    "chunkkv": Cost(4.5, 0.10, 0.3),
+    "h2o": Cost(14.5, 0.13, 0.2),
+    "quest": Cost(4.9, 0.14, 0.3),
+    "vestige": Cost(5.0, 0.13, 0.3),
+}
+DEFAULT_COST = Cost(6.0, 0.13, 0.3)  # a policy not measured (a plugin's)
+ONE_FORWARD_STEPS = 7  # the two one-forward passes of Grid.one_forward, in decode steps' worth
+CONTINUATION_OVERSHOOT = 1.3  # the held-out text is whole sentences: 32 tokens asked gave 36-43
+# the reference answer's tokens, teacher-forced (SmolLM2's tokenizer; measured at 2k tokens); another task: 40 % of
+# the tokens it may generate
+ANSWER_TOKENS = {"niah_single": 9, "niah_multikey": 9, "niah_multivalue": 36, "niah_multiquery": 36, "vt": 24,
+                 "cwe": 24}
+QUESTION_TOKENS = 40  # a question with its answer prefix (added to the prompt when asked before compression)
+CALIBRATION = "smollm2-135m float32, 1 thread per worker, a 2-core x86 CPU"
+
+
+@dataclass
+class Estimate:
+    """Estimated seconds of the trials given to :func:`estimate`."""
+
+    trials: int
+    by_policy: dict[str, tuple[int, float]]  # policy -> (trials, seconds in all)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.by_policy.values())
+
+
+def cost_of(policy: str) -> Cost:
+    """The :class:`Cost` of policy spec ``policy`` (``quest(gqa=group)`` costs as ``quest``)."""
+    return COSTS.get(policy.split("(", 1)[0].strip(), DEFAULT_COST)
+
+
+def _shares_prefill(policy: str, ratio: float | None) -> bool:
+    """Whether ``policy`` continues the shared dense prefill (False when it does not build)."""
+    from kvzoo.bench.planner import build_policy
+    from kvzoo.framework.cache import dense_prefill_problem
+
+    try:
+        return dense_prefill_problem(build_policy(policy, ratio)) is None
+    except Exception:  # noqa: BLE001 - it will be recorded as skipped: it costs nothing
+        return False
+
+
+def trial_seconds(trial: Any, grid: Any, *, prefill: bool = True) -> float:
+    """Estimated seconds of ``trial`` (a :class:`~kvzoo.bench.planner.Trial`) of ``grid``; ``prefill=False``: without
+    its prefill (a fork of the shared one)."""
+    from kvzoo.bench.tasks import MAX_NEW_TOKENS
+
+    cost = cost_of(trial.policy)
+    prompt = trial.task.context_tokens + (QUESTION_TOKENS if trial.position == "before" else 0)
+    allowed = grid.max_new_tokens or MAX_NEW_TOKENS[trial.task.task]
+    generated = round(0.9 * allowed)  # greedy decoding stops once answered, or runs to the end
+    answer = ANSWER_TOKENS.get(trial.task.task, max(1, round(0.4 * allowed)))
+    continuation = round(CONTINUATION_OVERSHOOT * grid.continuation_tokens) if trial.position == "after" else 0
+    steps = max(0, continuation - 1) + (answer - 1) + generated
+    seconds = cost.fixed + cost.step * (steps + (ONE_FORWARD_STEPS if grid.one_forward else 0))
+    return seconds + (cost.prefill_per_ktoken * prompt / 1000 if prefill else 0.0)
+
+
+def estimate(trials: Sequence[Any], grid: Any) -> Estimate:
+    """The estimated time of ``trials`` (of ``grid``): each priced by :func:`trial_seconds`, the shared dense prefill
+    once per (model, task, question position)."""
+    by_policy: dict[str, tuple[int, float]] = {}
+    prefilled: set[str] = set()
+    shares: dict[tuple[str, float | None], bool] = {}
+    for trial in trials:
+        key = (trial.policy, trial.ratio)
+        if key not in shares:
+            shares[key] = _shares_prefill(*key)
+        group = trial.reference().key
+        pays = not shares[key] or group not in prefilled
+        if shares[key]:
+            prefilled.add(group)
+        n, seconds = by_policy.get(trial.policy, (0, 0.0))
+        by_policy[trial.policy] = (n + 1, seconds + trial_seconds(trial, grid, prefill=pays))
+    return Estimate(len(trials), by_policy)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def describe(est: Estimate, workers: int | None) -> str:
+    """One line: trials, seconds per trial by policy, the total, and on how many workers (None: unknown, as many as
+    a Ray cluster holds)."""
+    order = sorted(est.by_policy, key=lambda p: (p != REFERENCE_POLICY, p))
+    per = ", ".join(f"{p} {s / n:.0f}" for p in order for n, s in [est.by_policy[p]])
+    total = est.seconds
+    where = (f"{_duration(total / workers)} on {workers} worker{'s' if workers != 1 else ''}" if workers
+             else f"{_duration(total)} on one worker, divided by the workers the cluster gives")
+    return (f"kvzoo leaderboard: estimated time (a cost model calibrated on {CALIBRATION}; an estimate): "
+            f"{est.trials} trial{'s' if est.trials != 1 else ''}, s/trial by policy: {per}; {_duration(total)} of trials in all, {where}")
