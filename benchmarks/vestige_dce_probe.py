@@ -2,7 +2,7 @@
 retrieval tier as shipped (top ``j`` = 16 rows per head and step) and with more rows fetched (``j`` = 64, 256).
 
     PYTHONPATH=. .venv/bin/python benchmarks/vestige_dce_probe.py --context-tokens 4000 --ratios 64 128 \
-        --depths 0.1 0.3 0.5 0.7 0.9 --json docs/results/vestige_dce_probe.jsonl
+        --depths 0.1 0.3 0.5 0.7 0.9 --json rows.jsonl --summary docs/results/vestige_dce_probe_4k.jsonl
 
 SmolLM2-135M (real weights), the leaderboard's ``niah_single`` trial (essay haystack, seed 0, the same prompt as
 ``kvzoo leaderboard --continuation-tokens 32``): the context is prefilled and compressed, then its 32-token held-out
@@ -49,7 +49,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--json", help="append one JSON line per (depth, ratio, arm)")
+    parser.add_argument("--summary", help="write one JSON line per (ratio, arm) here: mean ΔCE, per depth, fetched")
+    parser.add_argument("--from-json", help="summarize the rows of an earlier --json file instead of running")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        _summarize(rows, args.summary)
+        return
     model, tokenizer = load_smollm2(torch.float32)
     rows = []
     for depth in args.depths:
@@ -79,14 +86,30 @@ def main() -> None:
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(row) + "\n")
-    print("\n| ratio | arm | mean ΔCE | per depth | fetched share |\n|---|---|---|---|---|")
-    for ratio in args.ratios:
-        for arm in args.arms:
-            mine = [r for r in rows if r["ratio"] == ratio and r["arm"] == arm]
-            per_depth = ", ".join(f"{r['delta_ce']:+.2f}" for r in mine)
-            print(f"| {ratio:g}x | {arm} | {statistics.mean(r['delta_ce'] for r in mine):+.3f} | {per_depth} | "
-                  f"{statistics.mean(r['fetched_share'] for r in mine) * 100:.2f} % |")
+    _summarize(rows, args.summary)
 
+
+def _summarize(rows: list[dict], path: str | None) -> None:
+    """One line per (ratio, arm): the mean ΔCE over the depths, each depth's, the mean fetched share; printed as a
+    table and, with ``path``, written as JSON lines (the results page's rows)."""
+    out = []
+    for ratio in dict.fromkeys(r["ratio"] for r in rows):
+        for arm in dict.fromkeys(r["arm"] for r in rows):
+            mine = [r for r in rows if r["ratio"] == ratio and r["arm"] == arm]
+            if mine:
+                out.append({"context_tokens": mine[0]["context_tokens"], "seed": mine[0]["seed"], "ratio": ratio,
+                            "arm": arm, "depths": [r["depth"] for r in mine],
+                            "mean_delta_ce": statistics.mean(r["delta_ce"] for r in mine),
+                            "delta_ce_per_depth": " ".join(f"{r['delta_ce']:+.2f}" for r in mine),
+                            "fetched_share": statistics.mean(r["fetched_share"] for r in mine),
+                            "fetched_rows_per_step": statistics.mean(r["fetched_rows_per_step"] for r in mine)})
+    print("\n| ratio | arm | mean ΔCE | per depth | fetched share |\n|---|---|---|---|---|")
+    for row in out:
+        print(f"| {row['ratio']:g}x | {row['arm']} | {row['mean_delta_ce']:+.3f} | {row['delta_ce_per_depth']} | "
+              f"{row['fetched_share'] * 100:.2f} % |")
+    if path:
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in out)
 
 if __name__ == "__main__":
     main()
