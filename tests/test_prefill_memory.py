@@ -78,23 +78,29 @@ def test_a_bad_feed_forward_rows_is_refused(bad):
         pipeline.prefill(model, cache, torch.tensor([[5, 6, 7]]), feed_forward_rows=bad)
 
 
-def test_each_layer_gives_its_freed_pages_back_once_in_a_context_ending_forward(monkeypatch):
+def test_a_layer_that_dropped_its_prefill_gives_the_pages_back_in_a_context_ending_forward(monkeypatch):
     import kvzoo.framework.runtime as runtime
 
-    calls = []
-    monkeypatch.setattr(runtime, "release_freed", lambda: calls.append(1) or True)
+    freed = []
+    monkeypatch.setattr(runtime, "release_freed", lambda n: freed.append(n) or True)
     model = _model("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     cache = TieredCache(model, registry.get("snapkv", budget=24, window=8), context_length=PROMPT)
-    pipeline.prefill(model, cache, ids[:, :40])  # not the context's end: nothing compressed, nothing trimmed
-    assert calls == []
+    pipeline.prefill(model, cache, ids[:, :40])  # not the context's end: nothing compressed, nothing given back
+    assert freed == []
     pipeline.prefill(model, cache, ids[:, 40:], ends_context=True)
-    assert len(calls) == len(cache.tiered_layers)
+    layer = cache.tiered_layers[0]
+    batch, groups = layer.batch_groups
+    assert freed == [(PROMPT - 24) * layer.row_bytes() * batch * groups] * len(cache.tiered_layers)
     detach(model)
 
 
-def test_release_freed_can_be_turned_off(monkeypatch):
+def test_release_freed_can_be_turned_off_and_skips_small_frees(monkeypatch):
+    trims = []
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: trims.append)
     monkeypatch.setenv(memory.VARIABLE, "0")
     assert memory.can_release() is False and memory.release_freed() is False
     monkeypatch.delenv(memory.VARIABLE)
-    assert memory.release_freed() is memory.can_release()  # glibc here: True; elsewhere a no-op that says so
+    assert memory.release_freed(memory.TRIM_AFTER - 1) is False  # too little freed to be worth the faults
+    assert memory.release_freed(memory.TRIM_AFTER) is True and memory.release_freed() is True
+    assert trims == [0, 0]

@@ -289,8 +289,11 @@ class Runtime:
         elif policy.schedule == "block" and policy.block_size and layer.since_event >= policy.block_size:
             self.fire(layer, "block")
         if self.ending:
+            dropped = layer.dropped_rows
             self.fire(layer, "context_end")
-            release_freed()  # the layer's whole prefill was freed just now: give its pages back before the next layer
+            batch, groups = layer.batch_groups if layer.is_initialized else (0, 0)
+            # the rows just dropped (most of the layer's prefill): give their pages back before the next layer runs
+            release_freed((layer.dropped_rows - dropped) * layer.row_bytes() * batch * groups if groups else 0)
             if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
                 self.ending = False
 
