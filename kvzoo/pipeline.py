@@ -277,7 +277,7 @@ def feed_forward_in_pieces(model: torch.nn.Module, rows: int | None = FEED_FORWA
     ``[8k, 1536]`` fp32 tensors, ~190 MiB, against ~12 MiB for the layer's keys and values); in pieces of
     :data:`FEED_FORWARD_ROWS` they are a few MiB, and the forward's peak is the attention's. Each token's output is
     what the whole forward computes for it, up to float rounding where the matrix library blocks a shorter product
-    differently (tests/test_context_end.py measures it). transformers' own ``apply_chunking_to_forward`` is the same
+    differently (bit for bit on this machine; tests/test_prefill_memory.py holds the rows and tokens). transformers' own ``apply_chunking_to_forward`` is the same
     idea for the models that configure it."""
     wrapped = []
     if rows:
