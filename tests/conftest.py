@@ -4,7 +4,18 @@ import pathlib
 import pytest
 import torch
 
+from kvzoo import registry
 from kvzoo.models import tiny_llama
+
+
+@pytest.fixture
+def clean_registry():
+    """The registry as it starts: reset before and after the test (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("clean_registry")``)."""
+    registry.reset()
+    yield
+    registry.reset()
+
 
 # tests/interpreter/ runs the Triton kernels in Triton's CPU interpreter, which must be switched on before
 # triton is imported: `make test` runs it as a second pytest process with TRITON_INTERPRET=1 set.

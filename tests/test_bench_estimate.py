@@ -6,16 +6,10 @@ import dataclasses
 
 import pytest
 
-from kvzoo import registry
 from kvzoo.bench import estimate, runner
 from kvzoo.bench.tasks import TaskSpec
 
-
-@pytest.fixture(autouse=True)
-def clean_registry():
-    registry.reset()
-    yield
-    registry.reset()
+pytestmark = pytest.mark.usefixtures("clean_registry")  # tests/conftest.py
 
 
 def grid(**fields) -> runner.Grid:

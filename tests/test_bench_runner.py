@@ -25,11 +25,7 @@ BYTES = ByteTokenizer()
 TINY_TASK = TaskSpec("niah_single", 384, 0.5)
 
 
-@pytest.fixture(autouse=True)
-def clean_registry():
-    registry.reset()
-    yield
-    registry.reset()
+pytestmark = pytest.mark.usefixtures("clean_registry")  # tests/conftest.py
 
 
 def tiny_grid(**fields) -> runner.Grid:

@@ -18,11 +18,7 @@ TINY_LEADERBOARD = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def clean_registry():
-    registry.reset()
-    yield
-    registry.reset()
+pytestmark = pytest.mark.usefixtures("clean_registry")  # tests/conftest.py
 
 
 def test_list_shows_every_registry_entry(capsys: pytest.CaptureFixture):

@@ -21,11 +21,7 @@ from kvzoo.cli import main
 TASKS = (TaskSpec("niah_single", 384, 0.5), TaskSpec("niah_single", 384, 0.25))
 
 
-@pytest.fixture(autouse=True)
-def clean_registry():
-    registry.reset()
-    yield
-    registry.reset()
+pytestmark = pytest.mark.usefixtures("clean_registry")  # tests/conftest.py
 
 
 def grid(**fields) -> runner.Grid:

@@ -27,11 +27,7 @@ BASE_FIELDS = {f.name for f in dataclasses.fields(Policy)}
 BUILTINS = [entry["name"] for entry in registry.read_manifest()]  # registry.toml order
 
 
-@pytest.fixture(autouse=True)
-def clean_registry():
-    registry.reset()
-    yield
-    registry.reset()
+pytestmark = pytest.mark.usefixtures("clean_registry")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -24,12 +24,7 @@ from kvzoo.cli import main
 from kvzoo.framework.adapters.gqa import GQAAdapter
 from kvzoo.models import tiny_llama
 
-
-@pytest.fixture(autouse=True)
-def clean_registry():
-    registry.reset()
-    yield
-    registry.reset()
+pytestmark = pytest.mark.usefixtures("clean_registry")  # tests/conftest.py
 
 
 def _cli(args: list[str]) -> int:
