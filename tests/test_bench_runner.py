@@ -119,6 +119,15 @@ def test_plan_puts_the_reference_first_and_runs_it_without_a_ratio():
     assert len({t.key for t in trials}) == len(trials)
 
 
+def test_a_spec_that_fixes_its_budget_runs_once_per_task_whatever_the_grids_ratios():
+    grid = tiny_grid(ratios=(2, 4), positions=("after",), policies=("full", "snapkv", "snapkv(budget=64)",
+                                                                    "chunkkv(ratio=8)"))
+    got = [(t.policy, t.ratio) for t in runner.plan(grid)]
+    assert got == [("full", None), ("snapkv", 2), ("snapkv", 4), ("snapkv(budget=64)", None),
+                   ("chunkkv(ratio=8)", None)]
+    assert runner.build_policy("snapkv(budget=64)", None).budget == 64
+
+
 def test_plan_rejects_unknown_policies_and_models_naming_the_valid_ones():
     with pytest.raises(ValueError, match="registered policies: full, streaming_llm"):
         runner.plan(tiny_grid(policies=("full", "streamingllm")))

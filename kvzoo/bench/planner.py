@@ -220,10 +220,15 @@ class Trial:
 
 
 def needs_ratio(name: str) -> bool:
-    """Whether policy ``name`` (a name or a spec such as ``quest(gqa=group)``) takes a budget."""
+    """Whether policy ``name`` (a name or a spec such as ``quest(gqa=group)``) takes the grid's ratios: False for a
+    policy without a budget, and for a spec that fixes its own (``snapkv(budget=128)``, ``h2o(ratio=4)``), which
+    runs once per task at that size."""
     from kvzoo import registry
 
-    return bool(getattr(registry.policy_class(registry.parse_spec(name)[0]), "requires_budget", True))
+    base, params = registry.parse_spec(name)
+    if "budget" in params or "ratio" in params:
+        return False
+    return bool(getattr(registry.policy_class(base), "requires_budget", True))
 
 
 def plan(grid: Grid) -> list[Trial]:
