@@ -266,11 +266,68 @@ def render_table(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
     return "\n".join([_provenance(entry, None, None), "", *lines])
 
 
+def _parts(row: dict[str, Any], spec: list[list[str]]) -> tuple[str, ...]:
+    """``row``'s values of ``spec``'s fields ([header, field] or [header, field, format]), formatted; "" for none."""
+    return tuple("" if (v := _field(row, c[1])) is None else (c[2] if len(c) == 3 else "{}").format(v) for c in spec)
+
+
+def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    """A cross table: one line per distinct ``rows`` key, one column per distinct ``column`` key (in first-seen order),
+    each cell the mean of ``value`` over the rows it holds ("-": no row ran there) with, where rows differ in count,
+    the count; one table per distinct ``blocks`` key. ``where`` keeps the rows whose fields equal its values.
+    ``relative_to`` (a policy name): every other column's cell is its mean less the mean of that policy's rows of the
+    same line and block (the reference's own column stays absolute)."""
+    for key in ("rows", "column", "value"):
+        if key not in entry:
+            raise ValueError(f"table {entry['id']!r} (kind pivot) needs {key!r}: rows = [[header, field, format], ...], "
+                             "column = [[header, field, format], ...], value = [field, format]")
+    if "key" in (rows[0] if rows else {}):
+        rows = list({r["key"]: r for r in rows}.values())  # the latest row of each trial
+    rows = [r for r in rows if all(_field(r, k) == v for k, v in entry.get("where", {}).items())]
+    field, fmt = entry["value"][0], entry["value"][1] if len(entry["value"]) > 1 else "{}"
+    reference = entry.get("relative_to")
+    blocks = entry.get("blocks", [])
+    parts = [_provenance(entry, *_leaderboard_provenance(rows)), ""]
+    for block in dict.fromkeys(_parts(r, blocks) for r in rows):
+        mine = [r for r in rows if _parts(r, blocks) == block]
+        lines_keys = list(dict.fromkeys(_parts(r, entry["rows"]) for r in mine))
+        column_keys = list(dict.fromkeys(_parts(r, entry["column"]) for r in mine))
+        if blocks:
+            parts += ["**" + ", ".join(f"{c[0]} {v}" for c, v in zip(blocks, block, strict=True) if v) + "**", ""]
+        header = [c[0] for c in entry["rows"]] + [" ".join(p for p in key if p) for key in column_keys]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(entry["rows"]) + "---:|" * len(column_keys)]
+        counts = {len([r for r in mine if _parts(r, entry["rows"]) == lk and _parts(r, entry["column"]) == ck])
+                  for lk in lines_keys for ck in column_keys} - {0}
+        for line_key in lines_keys:
+            here = [r for r in mine if _parts(r, entry["rows"]) == line_key]
+            base = _mean([_field(r, field) for r in here if reference and r.get("policy") == reference])
+            cells = list(line_key)
+            for column_key in column_keys:
+                values = [_field(r, field) for r in here if _parts(r, entry["column"]) == column_key]
+                mean = _mean(values)
+                if mean is None:
+                    cells.append("-")
+                    continue
+                own = reference is None or any(r.get("policy") == reference for r in here
+                                               if _parts(r, entry["column"]) == column_key)
+                if own:
+                    text = fmt.format(mean)
+                elif base is None:
+                    text = fmt.format(mean) + " (no reference)"
+                else:
+                    text = entry.get("relative_format", "{:+.2f}").format(mean - base)
+                cells.append(text + (f" ({len(values)})" if len(counts) > 1 else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+        parts += [*lines, ""]
+    return "\n".join(parts).rstrip()
+
+
 KINDS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], Path], str]] = {
     "leaderboard": render_leaderboard,
     "decode_step": render_decode_step,
     "step_ops": render_step_ops,
     "table": render_table,
+    "pivot": render_pivot,
 }
 
 

@@ -88,3 +88,28 @@ def test_a_plain_table_renders_the_columns_its_entry_names():
     assert "| 2000 | 0.91x | 0.80x |" in text and "| 8000 | 1.20x | - |" in text  # a missing value: -
     with pytest.raises(ValueError, match="needs columns"):
         render.render_table({**entry, "columns": None}, rows, Path("x.jsonl"))
+
+
+def test_pivot_averages_each_cell_says_dash_where_nothing_ran_and_subtracts_the_reference():
+    def row(policy, ratio, task, score, position="after"):
+        return {"key": f"{policy}|{ratio}|{task}|{position}|{score}", "policy": policy, "ratio": ratio, "task": task,
+                "question_position": position, "score": score, "status": "ok"}
+
+    rows = [row("full", None, "a", 0.5), row("full", None, "b", 1.0), row("snapkv", 8, "a", 0.25),
+            row("snapkv", 8, "a", 0.75), row("snapkv", 8, "b", 0.0), row("h2o", 8, "b", 1.0),
+            row("h2o", 8, "b", 0.0, position="before")]
+    entry = {"id": "p", "command": "c", "date": "d", "machine": "m", "rows": [["task", "task"]],
+             "column": [["policy", "policy"], ["ratio", "ratio", "{:g}x"]], "value": ["score", "{:.2f}"],
+             "where": {"question_position": "after"}}
+    text = render.render_pivot(entry, rows, Path("x.jsonl"))
+    lines = text.splitlines()
+    assert "| task | full | snapkv 8x | h2o 8x |" in lines
+    assert "| a | 0.50 (1) | 0.50 (2) | - (0) |" not in lines  # an empty cell carries no count
+    assert "| a | 0.50 (1) | 0.50 (2) | - |" in lines and "| b | 1.00 (1) | 0.00 (1) | 1.00 (1) |" in lines
+    relative = render.render_pivot({**entry, "relative_to": "full"}, rows, Path("x.jsonl")).splitlines()
+    assert "| a | 0.50 (1) | +0.00 (2) | - |" in relative and "| b | 1.00 (1) | -1.00 (1) | +0.00 (1) |" in relative
+    blocked = render.render_pivot({**entry, "where": {}, "blocks": [["question", "question_position"]]}, rows,
+                                  Path("x.jsonl"))
+    assert "**question after**" in blocked and "**question before**" in blocked
+    with pytest.raises(ValueError, match="needs 'value'"):
+        render.render_pivot({"id": "p", "rows": [], "column": []}, rows, Path("x.jsonl"))
