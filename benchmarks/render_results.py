@@ -252,7 +252,14 @@ def _field(row: dict[str, Any], path: str) -> Any:
     return value
 
 
+def _where(entry: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows whose fields equal the values of ``entry``'s ``where`` (or one of them, for a list)."""
+    return [r for r in rows if all(_field(r, k) in (v if isinstance(v, list) else [v])
+                                   for k, v in entry.get("where", {}).items())]
+
+
 def render_table(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    rows = _where(entry, rows)
     columns = entry.get("columns")
     if not columns or any(not isinstance(c, list) or len(c) not in (2, 3) for c in columns):
         raise ValueError(f"table {entry['id']!r} (kind table) needs columns = [[header, field, format], ...]")
@@ -274,7 +281,8 @@ def _parts(row: dict[str, Any], spec: list[list[str]]) -> tuple[str, ...]:
 def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
     """A cross table: one line per distinct ``rows`` key, one column per distinct ``column`` key (in first-seen order),
     each cell the mean of ``value`` over the rows it holds ("-": no row ran there) with, where rows differ in count,
-    the count; one table per distinct ``blocks`` key. ``where`` keeps the rows whose fields equal its values.
+    the count; one table per distinct ``blocks`` key. A column whose fields are all null (``full``'s ratio) is headed
+    ``column_none`` (default "none"). ``where`` keeps the rows whose fields equal its values (or one of them, for a list).
     ``relative_to`` (a policy name): every other column's cell is its mean less the mean of that policy's rows of the
     same line and block (the reference's own column stays absolute)."""
     for key in ("rows", "column", "value"):
@@ -283,7 +291,7 @@ def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
                              "column = [[header, field, format], ...], value = [field, format]")
     if "key" in (rows[0] if rows else {}):
         rows = list({r["key"]: r for r in rows}.values())  # the latest row of each trial
-    rows = [r for r in rows if all(_field(r, k) == v for k, v in entry.get("where", {}).items())]
+    rows = _where(entry, rows)
     field, fmt = entry["value"][0], entry["value"][1] if len(entry["value"]) > 1 else "{}"
     reference = entry.get("relative_to")
     blocks = entry.get("blocks", [])
@@ -294,7 +302,8 @@ def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
         column_keys = list(dict.fromkeys(_parts(r, entry["column"]) for r in mine))
         if blocks:
             parts += ["**" + ", ".join(f"{c[0]} {v}" for c, v in zip(blocks, block, strict=True) if v) + "**", ""]
-        header = [c[0] for c in entry["rows"]] + [" ".join(p for p in key if p) for key in column_keys]
+        header = [c[0] for c in entry["rows"]] + [" ".join(p for p in key if p) or entry.get("column_none", "none")
+                                                for key in column_keys]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(entry["rows"]) + "---:|" * len(column_keys)]
         counts = {len([r for r in mine if _parts(r, entry["rows"]) == lk and _parts(r, entry["column"]) == ck])
                   for lk in lines_keys for ck in column_keys} - {0}

@@ -8,14 +8,15 @@ SmolLM2-135M (real weights), the leaderboard's trial (``kvzoo.bench.trial.run_tr
 the same prompt and greedy answer as ``kvzoo leaderboard``), one row per (ratio, arm):
 
 - the arms: ``full``; VestigeKV with eviction alone (no retriever); with its retrieval tier as shipped (top ``j`` = 16
-  rows per head and step); with ``j`` = 64 and 256 (more rows fetched back per step);
+  rows per head and step, ranked by the bound's estimate); with ``j`` = 64 and 256 (more rows fetched back per step);
+  certified (every row whose bound is within ``tau`` = 8 of the tier's best score: no ranking);
 - per arm: the greedy answer, its score, the reference answer's teacher-forced NLL (decode steps) less ``full``'s,
   and the rows fetched back per decode step;
 - per ratio: where the answer's digits are after compression -- for each answer value (in the context's order) and
   each digit of it, the share of (layer, KV head) pairs whose attended tier still holds that digit's row.
 
-If the tier with more rows fetched answers, the miss is the fetch budget; if eviction alone answers as the tier
-does and the value's rows are gone from the tier, the rows the answer copies were evicted and are not fetched back.
+If the tier with more rows fetched answers, the miss is the fetch budget; if only the certified tier answers, it is
+the top-j ranking; if none does, the rows a step fetches are not what decides it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ ARMS = {  # arm -> the vestige policy's retriever parameters (None: eviction alo
     "tier, j=16 (default)": {},
     "tier, j=64": {"j": 64},
     "tier, j=256": {"j": 256},
+    "tier, certified tau=8": {"certified": True, "tau": 8.0},
 }
 
 
