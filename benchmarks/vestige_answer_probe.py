@@ -9,7 +9,8 @@ the same prompt and greedy answer as ``kvzoo leaderboard``), one row per (ratio,
 
 - the arms: ``full``; VestigeKV with eviction alone (no retriever); with its retrieval tier as shipped (top ``j`` = 16
   rows per head and step, ranked by the bound's estimate); with ``j`` = 64 and 256 (more rows fetched back per step);
-  certified (every row whose bound is within ``tau`` = 8 of the tier's best score: no ranking);
+  the same ranked by the bound itself (``rank_by="bound"``); certified (every row whose bound is within ``tau`` = 8
+  of the tier's best score: no ranking);
 - per arm: the greedy answer, its score, the reference answer's teacher-forced NLL (decode steps) less ``full``'s,
   and the rows fetched back per decode step;
 - per ratio: where the answer's digits are after compression -- for each answer value (in the context's order) and
@@ -41,6 +42,8 @@ ARMS = {  # arm -> the vestige policy's retriever parameters (None: eviction alo
     "tier, j=16 (default)": {},
     "tier, j=64": {"j": 64},
     "tier, j=256": {"j": 256},
+    "tier, j=16 ranked by the bound": {"rank_by": "bound"},
+    "tier, j=256 ranked by the bound": {"j": 256, "rank_by": "bound"},
     "tier, certified tau=8": {"certified": True, "tau": 8.0},
 }
 
