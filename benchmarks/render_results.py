@@ -301,7 +301,7 @@ def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
         lines_keys = list(dict.fromkeys(_parts(r, entry["rows"]) for r in mine))
         column_keys = list(dict.fromkeys(_parts(r, entry["column"]) for r in mine))
         if blocks:
-            parts += ["**" + ", ".join(f"{c[0]} {v}" for c, v in zip(blocks, block, strict=True) if v) + "**", ""]
+            parts += ["**" + ", ".join(f"{c[0]} {v}".strip() for c, v in zip(blocks, block, strict=True) if v) + "**", ""]
         header = [c[0] for c in entry["rows"]] + [" ".join(p for p in key if p) or entry.get("column_none", "none")
                                                 for key in column_keys]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(entry["rows"]) + "---:|" * len(column_keys)]
