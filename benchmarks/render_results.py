@@ -132,7 +132,8 @@ def _run_line(record: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
     if record is None:
         return f"Trials: {len(rows)}, {busy:.0f} s of trials and {load:.0f} s of model loading (no run record)."
     start, end = record.get("load_average_start"), record.get("load_average_end")
-    load_text = f"; load average {start:.1f} at the start, {end:.1f} at the end" if start is not None else ""
+    load_text = "" if start is None else f"; load average {start:.1f} at the start" + (
+        f", {end:.1f} at the end" if end is not None else "")
     return (f"Wall time: **{record['wall_s']:.0f} s** for {len(rows)} trials (the whole command: start-up, model "
             f"loading {load:.0f} s, trials {busy:.0f} s, plots){load_text}.")
 
