@@ -23,7 +23,6 @@ the top-j ranking; if none does, the rows a step fetches are not what decides it
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import time
 
@@ -31,6 +30,7 @@ import torch
 
 from kvzoo import pipeline, registry
 from kvzoo.bench import metrics
+from kvzoo.bench.results import append_row
 from kvzoo.bench.tasks import TaskSpec, make_task
 from kvzoo.bench.trial import encode_prompt, run_trial
 from kvzoo.framework.cache import TieredCache
@@ -137,8 +137,7 @@ def main() -> None:
             print(f"  {arm}: {out['prediction']!r} score {out['score']:.2f}, answer NLL {nll:.2f}, fetched/step "
                   f"{out['fetched_rows_per_step']} ({time.perf_counter() - t0:.0f} s)", flush=True)
             if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(out) + "\n")
+                append_row(args.out, out)
 
 
 if __name__ == "__main__":
