@@ -174,9 +174,9 @@ PRESETS: dict[str, Callable[[], Grid]] = {
         positions=("after", "before"),
         continuation_tokens=32,
     ),
-    # the leaderboard's tasks, positions and ΔCE at 4x and 8x, without the two Quest variants (338 trials): about
-    # 45 minutes on 2 one-thread workers (`--executor ray --workers 2`) by kvzoo.bench.estimate's cost model, which
-    # the grid prints before it starts (docs/scaling.md)
+    # the leaderboard's tasks, positions and ΔCE at 4x and 8x, without the two Quest variants (338 trials): 33
+    # minutes measured on 2 one-thread workers on 2 cores (`--executor ray --workers 2`; the estimate the grid prints
+    # before it starts says 45: docs/scaling.md)
     "leaderboard-hour": lambda: Grid(
         tasks=_leaderboard_tasks(),
         ratios=(4, 8),
