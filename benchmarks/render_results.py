@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvzoo.bench import report  # noqa: E402
+from kvzoo.bench.results import latest_rows  # noqa: E402
 
 try:
     import tomllib
@@ -291,7 +292,7 @@ def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
             raise ValueError(f"table {entry['id']!r} (kind pivot) needs {key!r}: rows = [[header, field, format], ...], "
                              "column = [[header, field, format], ...], value = [field, format]")
     if "key" in (rows[0] if rows else {}):
-        rows = list({r["key"]: r for r in rows}.values())  # the latest row of each trial
+        rows = list(latest_rows(rows).values())  # one row per trial, as the leaderboard reads
     rows = _where(entry, rows)
     field, fmt = entry["value"][0], entry["value"][1] if len(entry["value"]) > 1 else "{}"
     reference = entry.get("relative_to")
@@ -299,34 +300,33 @@ def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
     parts = [_provenance(entry, *_leaderboard_provenance(rows)), ""]
     for block in dict.fromkeys(_parts(r, blocks) for r in rows):
         mine = [r for r in rows if _parts(r, blocks) == block]
-        lines_keys = list(dict.fromkeys(_parts(r, entry["rows"]) for r in mine))
-        column_keys = list(dict.fromkeys(_parts(r, entry["column"]) for r in mine))
+        cells_of: dict[tuple, dict[tuple, list[dict[str, Any]]]] = {}  # line key -> column key -> its rows
+        for r in mine:
+            cells_of.setdefault(_parts(r, entry["rows"]), {}).setdefault(_parts(r, entry["column"]), []).append(r)
+        column_keys = list(dict.fromkeys(ck for line in cells_of.values() for ck in line))
         if blocks:
             parts += ["**" + ", ".join(f"{c[0]} {v}".strip() for c, v in zip(blocks, block, strict=True) if v) + "**", ""]
         header = [c[0] for c in entry["rows"]] + [" ".join(p for p in key if p) or entry.get("column_none", "none")
                                                 for key in column_keys]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(entry["rows"]) + "---:|" * len(column_keys)]
-        counts = {len([r for r in mine if _parts(r, entry["rows"]) == lk and _parts(r, entry["column"]) == ck])
-                  for lk in lines_keys for ck in column_keys} - {0}
-        for line_key in lines_keys:
-            here = [r for r in mine if _parts(r, entry["rows"]) == line_key]
-            base = _mean([_field(r, field) for r in here if reference and r.get("policy") == reference])
+        counts = {len(held) for line in cells_of.values() for held in line.values()}
+        for line_key, line in cells_of.items():
+            base = _mean([_field(r, field) for held in line.values() for r in held
+                          if reference and r.get("policy") == reference])
             cells = list(line_key)
             for column_key in column_keys:
-                values = [_field(r, field) for r in here if _parts(r, entry["column"]) == column_key]
-                mean = _mean(values)
+                held = line.get(column_key, [])
+                mean = _mean([_field(r, field) for r in held])
                 if mean is None:
                     cells.append("-")
                     continue
-                own = reference is None or any(r.get("policy") == reference for r in here
-                                               if _parts(r, entry["column"]) == column_key)
-                if own:
+                if reference is None or any(r.get("policy") == reference for r in held):
                     text = fmt.format(mean)
                 elif base is None:
                     text = fmt.format(mean) + " (no reference)"
                 else:
                     text = entry.get("relative_format", "{:+.2f}").format(mean - base)
-                cells.append(text + (f" ({len(values)})" if len(counts) > 1 else ""))
+                cells.append(text + (f" ({len(held)})" if len(counts) > 1 else ""))
             lines.append("| " + " | ".join(cells) + " |")
         parts += [*lines, ""]
     return "\n".join(parts).rstrip()
