@@ -4,6 +4,7 @@
     python locks/lock.py pick LOCK NAME ...    # print those packages' entries (pin and hashes) of a lock
     python locks/lock.py check-python          # refuse an interpreter the locks were not made for
     python locks/lock.py verify LOCK ...       # the running interpreter has exactly the versions the locks pin
+    python locks/lock.py diff LOCK ...         # print where it differs from them (make test-latest)
     python locks/lock.py count                 # how many packages each lock pins
 
 The tool is ``uv pip compile``: it resolves for a Python and platform other than the one it runs under
@@ -208,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check-python", help="exit 2 when this interpreter is not the one the locks are for")
     v = sub.add_parser("verify", help="exit 2 when this interpreter's packages differ from the locks' pins")
     v.add_argument("locks", nargs="+", type=Path)
+    d = sub.add_parser("diff", help="print where this interpreter's packages differ from the locks' pins (exit 0)")
+    d.add_argument("locks", nargs="+", type=Path)
     sub.add_parser("count", help="packages pinned per lock")
     args = parser.parse_args(argv)
     if args.command == "compile":
@@ -237,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                   "(make clean, then the make target), or run `make lock` if the locks are what changed", file=sys.stderr)
             return 2
         print(f"{sys.executable}: every package the locks pin is at its pinned version")
+        return 0
+    if args.command == "diff":
+        wrong = verify(args.locks)
+        print(f"newer than (or apart from) the locks: {'; '.join(wrong)}" if wrong else "the same versions as the locks")
         return 0
     for name in ENVS:
         path = lock_path(name)
