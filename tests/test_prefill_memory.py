@@ -13,14 +13,14 @@ import torch
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework import memory
 from kvzoo.framework.attention import detach
-from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from kvzoo.models import TINY_FAMILIES
 
 PROMPT = 80
 
 
 @functools.cache
 def _model(family: str):
-    model = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}[family]()[0]
+    model = TINY_FAMILIES[family]()[0]
     detach(model)
     return model
 
@@ -35,7 +35,7 @@ def _prefill(model, rows: int | None, policy: str = "snapkv"):
     return logits, kept, tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_the_feed_forward_in_pieces_keeps_the_rows_and_tokens_of_the_whole_forward(family):
     model = _model(family)
     whole = _prefill(model, None)

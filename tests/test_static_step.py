@@ -18,8 +18,10 @@ import torch
 
 from kvzoo import TieredCache, registry
 from kvzoo.bench.step_trace import StepTrace, first_difference
+from kvzoo.framework.adapters import model_type_of
 from kvzoo.framework.attention import detach
-from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from kvzoo.framework.names import adapter_class
+from kvzoo.models import TINY_FAMILIES, tiny_deepseek_v2, tiny_llama
 from tests.greedy import assert_same_greedy
 
 PROMPT, STEPS = 120, 24
@@ -70,14 +72,13 @@ def _pages(policy) -> bool:
 
 def _runs_on(name: str, policy, family: str) -> bool:
     """The policy's layouts cover the family's rows (a paged index is for GQA rows only)."""
-    if family != "llama":
-        return "mla" in policy.layouts and not name.endswith("-paged")
-    return "gqa" in policy.layouts
+    layout = adapter_class(model_type_of(_model(family))).layout
+    return layout in policy.layouts and (layout == "gqa" or not name.endswith("-paged"))
 
 
 @functools.cache
 def _model(family: str):
-    build = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}[family]
+    build = TINY_FAMILIES[family]
     model = build()[0]
     detach(model)
     return model
@@ -138,7 +139,7 @@ def _decode_traces(model, policy, *, steps: int = STEPS):
     return out[1:]  # the first decode step sizes what the event left (the archive, the counters): not steady yet
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_steady_decode_steps_repeat_op_for_op(name, family):
     model = _model(family)
@@ -174,7 +175,7 @@ def _generate(model, policy, ids, mask, capacity):
     return out, kept
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "kimi_linear"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_capacity_changes_no_token_and_no_kept_row(name, family):
     """A left-padded batch of two: the same greedy tokens (up to a near tie) and the same rows kept per layer."""

@@ -10,9 +10,9 @@ import torch
 
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.policy import RowsView
-from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from kvzoo.models import TINY_FAMILIES, tiny_llama
 
-BUILDERS = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}
+BUILDERS = TINY_FAMILIES
 CONTEXT, BLOCK, RATIO = 600, 256, 8  # two full blocks of 256 (32 rows kept each) and 88 rows left open
 
 

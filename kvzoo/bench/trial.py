@@ -174,6 +174,11 @@ class TrialMeasurements:
             "answer_kv_bytes": int(self.answer_kv_bytes),
             "kv_bytes_per_token": (final["kv_bytes_read"] - compressed["kv_bytes_read"]) / max(1, self.new_tokens),
             "fetched_rows_per_step": metrics.rows_fetched_per_step(start, final, steps),
+            # a hybrid model's layers the policy does not act on (sliding-window / linear-attention), beside the
+            # figures above, which count the tiered layers only (None: every layer is tiered)
+            "untiered_resident_bytes": _int_or_none(compressed.get("untiered_resident_bytes")),
+            "untiered_kv_bytes_per_step": (None if "untiered_kv_bytes_read" not in final or not steps else
+                                           (final["untiered_kv_bytes_read"] - start["untiered_kv_bytes_read"]) / steps),
             "bound_violations": metrics.bound_violations(final),
             "peak_rss_bytes": self.peak_rss_bytes,
             "prefill_s": seconds["prefill"],
@@ -183,6 +188,10 @@ class TrialMeasurements:
             "wall_s": seconds["wall"],
             "policy_info": {k: v for k, v in final.items() if k not in _STAT_FIELDS},
         }
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _mean_or_none(nll: list[float] | None) -> float | None:
@@ -333,7 +342,7 @@ def _teacher_forced(model: torch.nn.Module, cache: TieredCache, rest: torch.Tens
 
 # the cache's own counters, carried by name above (LayerStats, so a renamed counter cannot leak into policy_info);
 # kv_bytes_read has always been carried in policy_info too, and stays there so that results files compare
-_STAT_FIELDS = set(LayerStats.counters()) - {"kv_bytes_read"}
+_STAT_FIELDS = (set(LayerStats.counters()) - {"kv_bytes_read"}) | {"untiered_resident_bytes", "untiered_kv_bytes_read"}
 
 
 def add_reference(row: dict[str, Any], reference: Reference | None) -> None:

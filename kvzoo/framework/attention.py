@@ -101,14 +101,16 @@ def kvzoo_attention(
                 f"layer {layer.layer_idx}: the attention received keys that are not the TieredCache's attended tier "
                 f"(the model transformed them after Cache.update); {type(module).__name__} is not supported"
             )
-        return _plain_attention(query, key, value, attention_mask, scaling), None
+        return _plain_attention(query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
     layer.check_owner(module, appended=True)  # another model's attention (one that had a TieredCache too)
     out = tiered_attention(layer, query, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """Ordinary causal attention for a cache that is not a TieredCache (or no cache)."""
+def _plain_attention(query, key, value, attention_mask, scaling, sliding_window: int | None = None) -> torch.Tensor:
+    """Ordinary causal attention for a cache that is not a TieredCache (or no cache), and for a hybrid model's
+    sliding-window layers (kept in transformers' sliding-window cache layer: its rows are the last ones, in order):
+    a query sees the rows fewer than ``sliding_window`` positions behind it, as transformers' sliding mask says."""
     B, _, q_len, _ = query.shape
     n = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4:  # a caller-made mask: use it as is
@@ -123,7 +125,11 @@ def _plain_attention(query, key, value, attention_mask, scaling) -> torch.Tensor
     else:
         valid = torch.ones_like(slots, dtype=torch.bool)
     q_slots = torch.arange(n - q_len, n, device=query.device)
-    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling, all_valid=attention_mask is None)
+    window = None
+    if sliding_window is not None and n > sliding_window:  # some row is out of some query's window
+        window = (q_slots[:, None] - slots[0, 0][None, :]) < sliding_window  # [q, n]
+    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling, all_valid=attention_mask is None,
+                         extra_mask=window)
     return out.transpose(1, 2).contiguous()
 
 

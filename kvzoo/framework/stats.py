@@ -47,6 +47,11 @@ class CacheStats:
     # the most rows every layer held at once (summed over layers, per sequence and KV group): what a prefill's peak
     # memory follows (one layer at a time holds its whole prompt when the context ends inside the forward)
     peak_cache_rows: int = 0
+    # the layers the policy does not act on (a hybrid model's sliding-window layers, Kimi Linear's linear-attention
+    # layers), counted apart so that no figure is stated over the tiered layers alone: one dict per layer with its
+    # ``layer``, ``kind``, ``resident_rows`` (-1: a fixed-size state, not rows), ``resident_bytes`` and
+    # ``kv_bytes_read`` (what the forwards' attention read from it, where the cache sees it)
+    untiered: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def totals(self) -> dict[str, float]:
@@ -55,6 +60,9 @@ class CacheStats:
         out["peak_resident_rows"] = max((s.peak_resident_rows for s in self.layers), default=0)  # per layer, max
         for k, v in self.policy_totals.items():
             out[k] = out.get(k, 0) + v
+        if self.untiered:  # beside the tiered figures, never inside them
+            out["untiered_resident_bytes"] = sum(u["resident_bytes"] for u in self.untiered)
+            out["untiered_kv_bytes_read"] = sum(u["kv_bytes_read"] for u in self.untiered)
         return out
 
     @property
@@ -68,7 +76,8 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "totals": self.totals, "layers": [s.as_dict() for s in self.layers],
-                "notes": list(self.notes), "peak_cache_rows": self.peak_cache_rows}
+                "notes": list(self.notes), "peak_cache_rows": self.peak_cache_rows,
+                "untiered": [dict(u) for u in self.untiered]}
 
     def __str__(self) -> str:
         t = self.totals
@@ -89,5 +98,10 @@ class CacheStats:
                 f"{s.layer:5d} {s.seen_rows:5d} {s.resident_rows:9d} {s.archived_rows:9d} {s.dropped_rows:8d} "
                 f"{s.events:7d} {s.resident_bytes / 1024:13.1f}"
             )
+        if self.untiered:
+            kinds = sorted({u["kind"] for u in self.untiered})
+            head += (f"\n{len(self.untiered)} layers the policy does not act on ({', '.join(kinds)}; layers "
+                     f"{[u['layer'] for u in self.untiered]}): resident "
+                     f"{sum(u['resident_bytes'] for u in self.untiered) / 2**20:.2f} MiB beside the figures above")
         notes = [f"note: {note}" for note in self.notes]
         return "\n".join([head, *notes, *rows])

@@ -15,9 +15,9 @@ import torch
 
 from kvzoo import pipeline, registry
 from kvzoo.kernels import decode_attention
-from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
+from kvzoo.models import TINY_FAMILIES
 
-BUILDERS = {"deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear, "llama": tiny_llama}
+BUILDERS = TINY_FAMILIES
 CONTEXT, QUESTION, NEW = 160, 6, 4
 
 

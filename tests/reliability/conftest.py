@@ -11,6 +11,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvzoo.models import TINY_FAMILIES
+
 settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.register_profile("long", max_examples=150, deadline=None,
@@ -20,12 +22,10 @@ settings.load_profile(os.environ.get("KVZOO_HYPOTHESIS_PROFILE", "ci"))
 
 @functools.cache
 def model(name: str):
-    from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama
-
-    return {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2, "kimi_linear": tiny_kimi_linear}[name]()[0]
+    return TINY_FAMILIES[name]()[0]
 
 
-MODELS = ("llama", "deepseek_v2", "kimi_linear")
+MODELS = tuple(TINY_FAMILIES)
 
 
 @pytest.fixture(scope="session")

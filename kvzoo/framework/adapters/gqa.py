@@ -1,8 +1,15 @@
-"""GQA/MHA adapter (Llama, Qwen2/3, Mistral, SmolLM2): rows are one KV head's key and value.
+"""GQA/MHA adapter (Llama, Qwen2/3, Mistral, SmolLM2, Gemma 3): rows are one KV head's key and value.
 
 transformers' own attention modules project and rotate; kvzoo receives the rotated keys through
 ``Cache.update`` and computes attention in ``framework/attention.py``. Keys stay rotated at their
 original positions; decoding continues at the true length because ``TieredCache`` reports it.
+
+**Hybrid models** (Gemma 2/3: most layers attend over a sliding window, a few globally; ``config.layer_types``
+says which): the policy acts on the global layers only; each sliding-window layer keeps transformers' own
+:class:`~transformers.cache_utils.DynamicSlidingWindowLayer` (its last ``sliding_window - 1`` rows), attended
+through the same registered attention with the window applied (:func:`kvzoo.framework.attention.kvzoo_attention`).
+The cache's statistics count those layers apart (``CacheStats.untiered``), so a ratio is never stated over the
+global layers alone.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch
 from kvzoo.framework.adapters.base import Geometry
 from kvzoo.framework.policy import Policy
 
-GQA_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+GQA_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
 # attention modules that already carry the "inputs" recorder (one hook per module, whatever the number of caches)
@@ -33,7 +40,8 @@ def _record_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 
 
 class GQAAdapter:
-    """Every layer tiered; a row is one KV head's rotated key and value."""
+    """The global (full-attention) layers tiered; a row is one KV head's rotated key and value. Sliding-window
+    layers of a hybrid model keep transformers' sliding-window cache layer."""
 
     name = "gqa"
     model_types = GQA_MODEL_TYPES
@@ -42,16 +50,27 @@ class GQAAdapter:
     def __init__(self, model: torch.nn.Module, policy: Policy) -> None:
         config = model.config.get_text_config(decoder=True)
         num_layers = config.num_hidden_layers
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
-        sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-        uses_sliding = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
-        if sliding or uses_sliding:
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None:  # no per-layer types: every layer slides when the config says so (Mistral)
+            slides = bool(getattr(config, "use_sliding_window", True) and window)
+            layer_types = ["sliding_attention" if slides else "full_attention"] * num_layers
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"{type(model).__name__} has layer types {unknown}; kvzoo's GQA adapter supports "
+                             "'full_attention' (tiered) and 'sliding_attention' (kept in a sliding-window layer)")
+        tiered = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+        if not tiered:
             raise ValueError(
-                f"{type(model).__name__} has sliding-window attention (layers {sliding or 'all'}); kvzoo's GQA "
-                "adapter supports full-attention layers only (set sliding_window=None or use_sliding_window=False)"
+                f"{type(model).__name__} attends over a sliding window in every layer: there is no global layer "
+                "for a policy to act on (kvzoo's GQA adapter tiers the full-attention layers; set "
+                "use_sliding_window=False or sliding_window=None to attend globally)"
             )
-        self.geometry = Geometry("gqa", num_layers, tuple(range(num_layers)), config.num_attention_heads,
-                                 config.num_key_value_heads)
+        if len(tiered) < num_layers and not isinstance(window, int):
+            raise ValueError(f"{type(model).__name__} has sliding-attention layers but no integer sliding_window "
+                             f"(got {window!r})")
+        self.sliding_window = window if len(tiered) < num_layers else None
+        self.geometry = Geometry("gqa", num_layers, tiered, config.num_attention_heads, config.num_key_value_heads)
         self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
         for module in model.modules():
             idx = getattr(module, "layer_idx", None)
@@ -66,7 +85,12 @@ class GQAAdapter:
         return {i: m for i, ref in self._modules.items() if (m := ref()) is not None}
 
     def untiered_layer(self, layer_idx: int) -> Any:
-        raise ValueError(f"every layer of a GQA model is tiered (layer {layer_idx} asked for)")
+        """A sliding-window layer's own cache layer (transformers'), holding its last ``sliding_window - 1`` rows."""
+        if self.sliding_window is None or layer_idx in self.geometry.tiered:
+            raise ValueError(f"layer {layer_idx} is a global layer: it is tiered")
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
 
     def attach(self) -> None:
         """transformers' attention modules call kvzoo's registered attention; nothing to replace. For a policy
