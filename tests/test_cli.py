@@ -68,7 +68,7 @@ def test_installed_command_runs_from_any_directory(tmp_path: Path):
     [
         (["leaderboard", "--tasks", "needle"], "invalid choice: 'needle' (choose from niah_single"),
         (["leaderboard", "--policies", "snapkvv"], "registered policies: full, streaming_llm, snapkv"),
-        (["leaderboard", "--model", "gpt-5"], "valid names are smollm2-135m, tiny-llama"),
+        (["leaderboard", "--model", "gpt-5"], "valid names are smollm2-135m, gemma3-270m, tiny-llama"),
         (["leaderboard", "--ratios", "0.5"], "a ratio is a number >= 1"),
         (["leaderboard", "--depths", "50"], "a depth is a fraction in [0, 1]"),
         (["leaderboard", "--positions", "during"], "choose from after, before"),

@@ -46,17 +46,19 @@ from kvzoo.haystacks import ALL_HAYSTACKS, filler_sentences, haystack_sentences,
 
 # --- task table ----------------------------------------------------------------------------------
 
-TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
+TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe",
+                          "niah_multiturn")
 DEFAULT_HAYSTACK: dict[str, str] = {
     "niah_single": "essay", "niah_multikey": "essay", "niah_multivalue": "essay", "niah_multiquery": "essay",
-    "vt": "noise", "cwe": "words",
+    "vt": "noise", "cwe": "words", "niah_multiturn": "essay",
 }
 # tokens to generate after the answer prefix (RULER generates 128 / 30 / 120; these cover the
 # answers of a small model and the runner stops as soon as every reference answer has appeared)
 MAX_NEW_TOKENS: dict[str, int] = {
     "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 40, "cwe": 80,
+    "niah_multiturn": 16,
 }
-NUM_NEEDLES = 4  # multikey: 1 queried + 3 distractors; multivalue: 4 values; multiquery: 4 keys
+NUM_NEEDLES = 4  # multikey: 1 queried + 3 distractors; multivalue: 4 values; multiquery: 4 keys; multiturn: 4 turns
 VT_HOPS = 4  # variables in the chain: hops + 1
 CWE_COMMON = 10  # words asked for
 CWE_RARE_FREQ = 3  # occurrences of each uncommon word (RULER's freq_ucw)
@@ -184,6 +186,16 @@ class TaskSpec:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """One question of a multi-turn task, asked after the earlier turns' questions and answers (SCBench's shared
+    context: one context compressed once, then questions about different facts in it, in sequence)."""
+
+    question: str
+    answer_prefix: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Task:
     """One generated instance: the text pieces, the reference answers, and where the needles are."""
 
@@ -203,6 +215,9 @@ class Task:
     queried_needle: int | None = None  # index into ``needles`` of the needle placed at ``spec.depth``
     sentence_tokens: int = 0  # tokens of the longest haystack sentence used: the depth tolerance
     extra: dict[str, Any] = field(default_factory=dict)
+    # multi-turn tasks: the questions after the first (``question``/``answers`` are the first turn's), each asked on
+    # the same cache after the previous turn's question and the model's own answer
+    later_turns: tuple[Turn, ...] = ()
 
     @property
     def answer_text(self) -> str:
@@ -505,9 +520,46 @@ def _cwe(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) -> Task:
     )
 
 
+def _niah_multiturn(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) -> Task:
+    """Four needles of distinct keys in one context; four turns, one key each: the key at ``spec.depth`` first, the
+    others in a seeded order. A later turn needs a fact the first question did not point at, which is where eviction
+    at the context's end loses what a retrieval tier can bring back."""
+    rng = random.Random(f"niah_multiturn:{spec.seed}")
+    keys, values = _keys(rng, NUM_NEEDLES), _values(rng, NUM_NEEDLES)
+    needles = [_NIAH_NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
+    depths = [spec.depth] + [rng.random() for _ in range(NUM_NEEDLES - 1)]
+    built = _assemble(
+        tokenizer, _NIAH_INTRO, haystack_sentences(spec.haystack, spec.seed),
+        list(zip(depths, needles)), spec.context_tokens, continuation_tokens,
+    )
+    asked = [0] + rng.sample(range(1, NUM_NEEDLES), NUM_NEEDLES - 1)
+    turns = [Turn(_NIAH_QUESTION.format(query=keys[i]), _NIAH_ANSWER_PREFIX.format(query=keys[i]), (values[i],))
+             for i in asked]
+    order = built.order
+    return Task(
+        spec=spec,
+        context=built.context,
+        question=turns[0].question,
+        answer_prefix=turns[0].answer_prefix,
+        answers=turns[0].answers,
+        metric="string_match_all",
+        continuation=built.continuation,
+        max_new_tokens=MAX_NEW_TOKENS[spec.task],
+        needles=tuple(needles[j] for j in order),
+        context_token_count=count_tokens(tokenizer, built.context),
+        haystack_token_count=built.haystack_tokens,
+        needle_starts=tuple(built.needle_starts),
+        needle_token_counts=tuple(built.needle_counts),
+        queried_needle=order.index(0),
+        sentence_tokens=built.sentence_tokens,
+        extra={"keys": keys, "values": values, "asked": asked},
+        later_turns=tuple(turns[1:]),
+    )
+
+
 _BUILDERS = {
     "niah_single": _niah, "niah_multikey": _niah, "niah_multivalue": _niah, "niah_multiquery": _niah,
-    "vt": _vt, "cwe": _cwe,
+    "vt": _vt, "cwe": _cwe, "niah_multiturn": _niah_multiturn,
 }
 
 

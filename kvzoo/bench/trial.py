@@ -133,6 +133,7 @@ class TrialMeasurements:
     final: dict[str, Any] = field(default_factory=dict)
     new_tokens: int = 0  # tokens greedy decoding produced (the last one's forward is not run)
     prediction: str = ""
+    later_predictions: list[str] = field(default_factory=list)  # a multi-turn task's answers after the first
     prefill_shared: bool = False  # the prefill was a shared dense one, continued (SharedPrefill)
     seconds: dict[str, float] = field(default_factory=dict)  # per phase: prefill, compress, score, continuation,
     # question, decode, and the whole trial (wall)
@@ -142,10 +143,16 @@ class TrialMeasurements:
         """The trial's figures as the results row has them (without the ΔNLL/ΔCE fields: :func:`add_reference`)."""
         compressed, start, final, seconds = self.compressed, self.start, self.final, self.seconds
         steps = self.new_tokens - 1
+        first = metrics.string_match(self.task.metric, self.prediction, self.task.answers)
+        turns = [first] + [metrics.string_match(self.task.metric, prediction, turn.answers)
+                           for prediction, turn in zip(self.later_predictions, self.task.later_turns)]
         return {
             "prediction": self.prediction,
             "answers": list(self.task.answers),
-            "score": metrics.string_match(self.task.metric, self.prediction, self.task.answers),
+            "score": sum(turns) / len(turns),  # a multi-turn task: the mean over its turns (turn_scores: each)
+            **({"turn_scores": turns, "turn_predictions": [self.prediction, *self.later_predictions],
+                "turn_answers": [list(self.task.answers), *(list(t.answers) for t in self.task.later_turns)]}
+               if self.task.later_turns else {}),
             "teacher_forcing": TEACHER_FORCING,
             "answer_nll": sum(self.answer_nll),
             "answer_nll_one_forward": (None if self.answer_nll_one_forward is None
@@ -184,6 +191,7 @@ class TrialMeasurements:
             "prefill_s": seconds["prefill"],
             "prefill_shared": self.prefill_shared,
             **{f"{phase}_s": seconds[phase] for phase in ("compress", "score", "continuation", "question", "decode")},
+            **({"turns_s": seconds["turns"]} if "turns" in seconds else {}),
             "decode_ms_per_step": 1e3 * seconds["decode"] / steps if steps else None,
             "wall_s": seconds["wall"],
             "policy_info": {k: v for k, v in final.items() if k not in _STAT_FIELDS},
@@ -264,11 +272,61 @@ def run_trial(
             new_tokens = pipeline.greedy_decode(model, cache, logits, new_tokens_max, eos, stop=answered)
         m.final, m.new_tokens = cache.stats().totals, len(new_tokens)
         m.prediction = tokenizer.decode([t for t in new_tokens if t not in eos], skip_special_tokens=True)
+        if task.later_turns:  # on the same cache, after the first turn's question and answer (timed apart)
+            with _phase(m, "turns"):
+                m.later_predictions = _later_turns(model, tokenizer, cache, task, new_tokens, m.prediction, eos,
+                                                   new_tokens_max, chunk_size, stop_when_answered)
         cache.close()
     m.peak_rss_bytes = metrics.peak_rss_bytes()
     row = m.to_row()
     add_reference(row, reference)
     return row
+
+
+def _later_turns(model: torch.nn.Module, tokenizer: Any, cache: TieredCache, task: Task, first_tokens: list[int],
+                 first_prediction: str, eos: set[int], max_new_tokens: int, chunk_size: int | None,
+                 stop_when_answered: bool) -> list[str]:
+    """Ask ``task.later_turns`` one after another on ``cache``: each turn's text (the previous answer's end, the
+    question, the answer prefix) is forwarded after what the cache holds -- the context, every earlier question and
+    the model's own answers -- and answered greedily. The predictions, in turn order."""
+    history = [(task.question, task.answer_prefix, first_prediction)]
+    pending = first_tokens[-1:] if first_tokens and first_tokens[-1] not in eos else []  # its forward was not run
+    predictions = []
+    for turn in task.later_turns:
+        text = turn_text(tokenizer, task.context, history, turn)
+        ids = torch.tensor([pending + tokenizer(text, add_special_tokens=False).input_ids], dtype=torch.long)
+        logits = pipeline.prefill(model, cache, ids, chunk_size, phase=f"turn {len(history) + 1}")
+
+        def answered(tokens: list[int], answers: tuple[str, ...] = turn.answers) -> bool:
+            text = tokenizer.decode([t for t in tokens if t not in eos])
+            return stop_when_answered and metrics.string_match(task.metric, text, answers) == 1.0
+
+        tokens = pipeline.greedy_decode(model, cache, logits, max_new_tokens, eos, stop=answered)
+        prediction = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+        predictions.append(prediction)
+        history.append((turn.question, turn.answer_prefix, prediction))
+        pending = tokens[-1:] if tokens and tokens[-1] not in eos else []
+    return predictions
+
+
+def turn_text(tokenizer: Any, context: str, history: list[tuple[str, str, str]], turn: Any) -> str:
+    """The text that follows the last answer in ``history`` (``(question, answer prefix, answer)`` per turn) to ask
+    ``turn``: with a chat template, what the template puts between that answer and the next assistant reply (the
+    end of the answer's message, the user's question, the reply's start), then ``turn.answer_prefix``; without one,
+    the plain form :func:`kvzoo.pipeline.build_prompt` uses."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n\n" + turn.question + "\n" + turn.answer_prefix
+    messages = []
+    for i, (question, prefix, answer) in enumerate(history):
+        messages.append({"role": "user", "content": context + "\n\n" + question if i == 0 else question})
+        messages.append({"role": "assistant", "content": prefix + answer})
+    messages.append({"role": "user", "content": turn.question})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    last = messages[-2]["content"]
+    if last not in rendered:
+        raise ValueError(f"the chat template changed the previous answer's text ({last!r:.80}): a multi-turn task "
+                         "cannot continue the cache after it")
+    return rendered[rendered.rindex(last) + len(last):] + turn.answer_prefix
 
 
 @contextlib.contextmanager
