@@ -790,7 +790,9 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
     p_lb.add_argument("--preset", choices=presets, default="demo",
                       help="demo: 2k-token single needle, depths 0.25 and 0.75, 4x/8x, question after (the `make demo` grid); "
                       "leaderboard: every task, 2x/4x/8x, after and before (`make leaderboard`); leaderboard-hour: the same at 4x/8x "
-                      "without the Quest variants (33 min measured on 2 Ray workers on 2 cores); tiny: a tiny random model")
+                      "without the Quest variants (33 min measured on 2 Ray workers on 2 cores); long: Gemma-3-270M on "
+                      "real essays at 8k/16k/32k, single needle, multi-key and multi-turn, 8x/32x and VestigeKV 64x/128x "
+                      "(not yet measured end to end); tiny: a tiny random model")
     p_lb.add_argument("--model", dest="models", action="append", metavar="MODEL", help=MODEL_HELP + " (repeatable)")
     # the list options extend when repeated (--policies full --policies snapkv runs both), as --model does
     p_lb.add_argument("--policies", nargs="+", action="extend", metavar="NAME",

@@ -406,3 +406,17 @@ def test_a_row_that_ran_another_configuration_is_run_again(tmp_path: Path, monke
     assert "its row ran with policy_config sinks=" in capsys.readouterr().err
     runner.run_grid(grid, results, progress=False)  # the new row records what ran: finished now
     assert calls == ["streaming_llm"]
+
+
+def test_the_long_preset_is_gemma3_on_real_essays_at_8k_to_32k_with_vestige_at_64x_and_128x():
+    from kvzoo.bench.planner import PRESETS
+
+    grid = PRESETS["long"]()
+    assert grid.models == ("gemma3-270m",) and grid.ratios == (8.0, 32.0) and grid.positions == ("after",)
+    single = [t for t in grid.tasks if t.task == "niah_single"]
+    assert {t.haystack for t in grid.tasks} == {"paul_graham"}
+    assert {n: sum(t.context_tokens == n for t in single) for n in (8000, 16000, 32000)} == {8000: 10, 16000: 10,
+                                                                                           32000: 10}
+    assert {t.task for t in grid.tasks if t.context_tokens == 16000} == {"niah_single", "niah_multikey",
+                                                                          "niah_multiturn"}
+    assert set(grid.variants) == {"vestige(ratio=64)", "vestige(ratio=128)"}

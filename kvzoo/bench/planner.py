@@ -158,6 +158,16 @@ def _leaderboard_tasks() -> tuple[TaskSpec, ...]:
     )
 
 
+def _long_tasks() -> tuple[TaskSpec, ...]:
+    """The ``long`` preset's tasks, on Paul Graham's essays: the single needle at 8k, 16k and 32k tokens (five depths x
+    two seeds: 10 trials per length), and the multi-key and multi-turn needles at 16k (two depths each)."""
+    return (
+        *(TaskSpec("niah_single", n, d, s, "paul_graham") for n in (8000, 16000, 32000)
+          for d in (0.1, 0.3, 0.5, 0.7, 0.9) for s in (0, 1)),
+        *(TaskSpec(task, 16000, d, 0, "paul_graham") for task in ("niah_multikey", "niah_multiturn") for d in (0.3, 0.7)),
+    )
+
+
 PRESETS: dict[str, Callable[[], Grid]] = {
     # `make demo`, the main job, in minutes on 2 CPU cores: every registered policy at 4x and 8x on one needle in 2k
     # tokens of essay text at 2 depths, question after compression -- which policy keeps the needle at which ratio
@@ -183,6 +193,17 @@ PRESETS: dict[str, Callable[[], Grid]] = {
         positions=("after", "before"),
         continuation_tokens=32,
         variants=(),
+    ),
+    # evidence where users decide: Gemma-3-270M (hybrid sliding/global, 32k positions) on real essays at 8k-32k, every
+    # policy at 8x and 32x and VestigeKV also at 64x and 128x, question after compression, ΔCE on 32 held-out tokens;
+    # the policies that compress at the context's end continue one shared prefill per task
+    "long": lambda: Grid(
+        models=("gemma3-270m",),
+        tasks=_long_tasks(),
+        ratios=(8, 32),
+        positions=("after",),
+        continuation_tokens=32,
+        variants=("vestige(ratio=64)", "vestige(ratio=128)"),
     ),
     # the test suite's: a tiny random Llama, two short needle contexts
     "tiny": lambda: needle_grid(
