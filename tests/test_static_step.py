@@ -52,6 +52,7 @@ def _policies() -> dict[str, tuple[str, dict]]:
         if isinstance(registry.policy_class(name).retriever, str):
             out[f"{name}-evict"] = _sized(name, retriever=None)
     out["streaming_llm-sketch"] = _sized("streaming_llm", retriever="vestige")  # one in, one out, indexed every step
+    out["vestige-sketch"] = _sized("vestige", retriever=registry.build_retriever("vestige", index="sketch"))
     out["vestige-paged"] = _sized("vestige", retriever=_paged())  # pages scanned first; a row a step joins the open page
     out["streaming_llm-paged"] = _sized("streaming_llm", retriever=_paged())
     return out
@@ -139,9 +140,13 @@ def _decode_traces(model, policy, *, steps: int = STEPS):
     return out[1:]  # the first decode step sizes what the event left (the archive, the counters): not steady yet
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_steady_decode_steps_repeat_op_for_op(name, family):
+def test_steady_decode_steps_repeat_op_for_op(name, family, kernels, monkeypatch):
+    """``auto``: what a CPU step runs (the C ops where they apply); ``torch``: the PyTorch references every op
+    falls back to -- what a GPU step composes with its Triton kernels (VestigeKV's choice has no kernel there)."""
+    monkeypatch.setenv("KVZOO_KERNELS", kernels)
     model = _model(family)
     policy = _policy(name)
     if not _runs_on(name, policy, family):
@@ -160,11 +165,13 @@ def test_steady_decode_steps_repeat_op_for_op(name, family):
     for run in runs:
         reference, ref_owned = run[0]
         assert reference.syncs == [], f"host syncs in a decode step: {reference.syncs}"
+        assert reference.host_tensors == [], f"tensors built from host data in a decode step (a host-to-device " \
+                                             f"copy each on a GPU): shapes {reference.host_tensors}"
         for i, (trace, owned) in enumerate(run[1:], 1):
             assert first_difference(reference, trace) is None, f"steady step {i}: {first_difference(reference, trace)}"
             moved = sorted(k for k in owned if owned[k] != ref_owned.get(k))
             assert not moved, f"steady step {i}: storage moved for {moved}"
-            assert trace.syncs == []
+            assert trace.syncs == [] and trace.host_tensors == []
 
 
 def _generate(model, policy, ids, mask, capacity):

@@ -10,7 +10,10 @@ that can be checked by recording each aten op a step dispatches: :class:`StepTra
 * ``launches``: the ops that launch work (metadata-only ops -- views, slices, ``t``, ``expand``, ... -- are
   not counted: they move no data and launch nothing on a GPU);
 * ``syncs``: ops that make the host wait for the device (``item``, ``bool(t)``, and ops whose output shape
-  depends on the data: ``nonzero``, ``masked_select``, ``unique``, ...).
+  depends on the data: ``nonzero``, ``masked_select``, ``unique``, ...);
+* ``host_tensors``: tensors built from host data inside the step (``torch.tensor([...])``, or a Python list used as
+  an index): on a GPU each is a host-to-device copy, which a CUDA graph cannot capture (a Python scalar, passed to
+  a kernel by value, is not one).
 
 Used by ``benchmarks/step_ops.py`` (ops per layer-step for every policy against transformers' own caches)
 and by the trace-invariance tests.
@@ -65,6 +68,7 @@ class StepTrace(TorchDispatchMode):
     ops: list[tuple[str, Any]] = field(default_factory=list)
     launches: int = 0
     syncs: list[str] = field(default_factory=list)
+    host_tensors: list[tuple[int, ...]] = field(default_factory=list)  # shapes of tensors made from host data
     storages: set[int] = field(default_factory=set)  # data pointers of every tensor an op wrote or read
 
     def __post_init__(self) -> None:
@@ -79,6 +83,8 @@ class StepTrace(TorchDispatchMode):
         if name in SYNC_OPS or (name == "repeat_interleave" and args and isinstance(args[0], torch.Tensor)
                                 and len(args) > 1 and isinstance(args[1], torch.Tensor)):
             self.syncs.append(name)
+        if name == "lift_fresh" and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            self.host_tensors.append(tuple(args[0].shape))
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 try:

@@ -65,7 +65,10 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
     if rank_by == "estimate":
         W = qrows.shape[-1]
         in_span = qrows.clone()
-        in_span[..., [r, *range(W - (2 if branch is not None else 1), W)]] = 0  # eta's column and the slack's
+        # eta's column and the slack's, zeroed by a select and a slice: no index tensor built on the host (on a GPU
+        # a host-to-device copy per layer-step, which a CUDA graph cannot capture)
+        in_span[..., r] = 0
+        in_span[..., W - (2 if branch is not None else 1):] = 0
         both = index_scan(torch.cat([qrows, in_span], dim=2), entries, scaling, length=length)  # one scan
         bounds, ranking = both[:, :, :hq], both[:, :, hq:]
         rows = ranking.topk(j, dim=-1).indices  # [B, G, hq, j]

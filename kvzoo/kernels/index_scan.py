@@ -557,7 +557,7 @@ _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: 
 
 def _index_scan_kernel(
     q_ptr, e_ptr, thr_ptr, len_ptr, out_ptr, scaling,
-    G, hq, m, W,
+    G, hq, m, W, stride_lb,
     stride_qb, stride_qg, stride_qh,
     stride_eb, stride_eg, stride_em,
     REDUCE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_LENGTH: tl.constexpr,
@@ -569,7 +569,7 @@ def _index_scan_kernel(
     g = pid_bg - b * G
     n_rows = m
     if HAS_LENGTH:
-        n_rows = tl.minimum(tl.load(len_ptr + b), m).to(tl.int32)
+        n_rows = tl.minimum(tl.load(len_ptr + b * stride_lb), m).to(tl.int32)
     local = tl.arange(0, BLOCK_M)
     rows = pid_m * BLOCK_M + local
     row_ok = rows < n_rows
@@ -612,7 +612,8 @@ def _index_scan_kernel(
         tl.store(out_ptr + pid_bg.to(tl.int64) * m + rows, best, mask=rows < m)
 
 
-_INT_ARGS = ("G", "hq", "m", "W", "stride_qb", "stride_qg", "stride_qh", "stride_eb", "stride_eg", "stride_em")
+_INT_ARGS = ("G", "hq", "m", "W", "stride_lb", "stride_qb", "stride_qg", "stride_qh", "stride_eb", "stride_eg",
+             "stride_em")
 _POINTER_ARGS = ("q_ptr", "e_ptr", "thr_ptr", "len_ptr", "out_ptr")
 
 
@@ -672,7 +673,8 @@ def _launch(query_rows, entries, scaling, threshold, length, reduce: bool) -> to
     config = launch_config(hq, W)
     warps, stages = config.pop("num_warps"), config.pop("num_stages")
     grid = (-(-m // config["BLOCK_M"]), B * G)
-    _jit()[grid](q, e, thr, length, out, float(scaling), G, hq, m, W,
+    # a count shared by every sequence (a fixed-capacity index: its [1] length expanded to [B]) has stride 0
+    _jit()[grid](q, e, thr, length, out, float(scaling), G, hq, m, W, 0 if length is None else length.stride(0),
                  q.stride(0), q.stride(1), q.stride(2), e.stride(0), e.stride(1), e.stride(2),
                  REDUCE=reduce, HAS_THRESHOLD=thr is not None, HAS_LENGTH=length is not None,
                  num_warps=warps, num_stages=stages, **config)

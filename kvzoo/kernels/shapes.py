@@ -76,7 +76,7 @@ def split_specialisation(cfg: SplitConfig, dtype: torch.dtype, value_width: int,
         "FLAGS": "*i32" if flags["HAS_FLAGS"] else elem,
         "PART_O": "*fp32", "PART_L": "*fp32", "PART_M": "*fp32",
     }
-    ints = ["n_pool", "n_pos", "stride_qb", "stride_qh", "stride_kb", "stride_kg", "stride_kn",
+    ints = ["n_pool", "n_pos", "stride_lb", "stride_qb", "stride_qh", "stride_kb", "stride_kg", "stride_kn",
             "stride_vb", "stride_vg", "stride_vn", "stride_ib", "stride_ig", "stride_ik",
             "stride_fb", "stride_fg", "stride_fw", "groups", "hpg", "splits"]
     constexprs = {
@@ -100,7 +100,7 @@ def merge_specialisation(mcfg: MergeConfig, out_dtype: torch.dtype, prior_dtype:
                "PRIOR_O": "*" + _TRITON_TYPE[prior_dtype] if flags["HAS_PRIOR"] else out,
                "PRIOR_L": "*fp32", "PRIOR_M": "*fp32", "OUT": out, "LSE": "*fp32", "BEST_OUT": "*fp32"}
     constexprs = {"BLOCK_S": mcfg.BLOCK_S, "BLOCK_DV": mcfg.BLOCK_DV, "ONE_TILE": splits <= mcfg.BLOCK_S, **flags}
-    signature = {**pointer, **{name: "i32" for name in ("heads", "n_pos", "splits", "block_n", "dv")},
+    signature = {**pointer, **{name: "i32" for name in ("heads", "n_pos", "stride_lb", "splits", "block_n", "dv")},
                  **{name: "constexpr" for name in constexprs}}
     return signature, constexprs
 

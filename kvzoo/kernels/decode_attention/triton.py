@@ -198,7 +198,7 @@ def _heads_allowed(word, fetch, flag_base, pos, stride_fw, offs_h, FLAG_WORDS: t
 def decode_split_kernel(
     Q, K, V, LENGTH, IDX, FLAGS, PART_O, PART_L, PART_M,
     scale_log2,
-    n_pool, n_pos,
+    n_pool, n_pos, stride_lb,
     stride_qb, stride_qh,
     stride_kb, stride_kg, stride_kn,
     stride_vb, stride_vg, stride_vn,
@@ -219,7 +219,7 @@ def decode_split_kernel(
     g64 = g.to(tl.int64)
     # this split's positions: the readable prefix [0, n) cut into `splits` runs of whole tiles
     if HAS_LENGTH:
-        n = tl.maximum(tl.minimum(tl.load(LENGTH + b).to(tl.int32), n_pos), 0)
+        n = tl.maximum(tl.minimum(tl.load(LENGTH + b * stride_lb).to(tl.int32), n_pos), 0)
     else:
         n = n_pos
     per_split = tl.cdiv(tl.cdiv(n, BLOCK_N), splits) * BLOCK_N
@@ -343,7 +343,7 @@ def decode_split_kernel(
 
 def decode_merge_kernel(
     PART_O, PART_L, PART_M, LENGTH, PRIOR_O, PRIOR_L, PRIOR_M, OUT, LSE, BEST_OUT,
-    heads, n_pos, splits, block_n, dv,
+    heads, n_pos, stride_lb, splits, block_n, dv,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, ONE_TILE: tl.constexpr,
     HAS_LENGTH: tl.constexpr, HAS_PRIOR: tl.constexpr, BEST: tl.constexpr, PRIOR_BEST: tl.constexpr,
 ):
@@ -352,7 +352,7 @@ def decode_merge_kernel(
     b = bh // heads
     # the splits that hold positions, as the split kernel cut them: [0, count)
     if HAS_LENGTH:
-        n = tl.maximum(tl.minimum(tl.load(LENGTH + b).to(tl.int32), n_pos), 0)
+        n = tl.maximum(tl.minimum(tl.load(LENGTH + b * stride_lb).to(tl.int32), n_pos), 0)
     else:
         n = n_pos
     tiles = tl.cdiv(n, block_n)
@@ -537,7 +537,7 @@ def launch(query: torch.Tensor, checked: list[_Source], scaling: float, splits: 
             flags if flags is not None else keys,
             part_o, part_l, part_m,
             float(scaling) * LOG2E,
-            s.pool, s.positions,
+            s.pool, s.positions, _length_stride(src.length),
             query.stride(0), query.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
@@ -566,7 +566,7 @@ def launch(query: torch.Tensor, checked: list[_Source], scaling: float, splits: 
             src.length if src.length is not None else part_l,
             p_out, p_lse, p_best if p_best is not None else lse,
             out, lse, top if top is not None else lse,
-            H, s.positions, count, cfg.BLOCK_N, Dv,
+            H, s.positions, _length_stride(src.length), count, cfg.BLOCK_N, Dv,
             BLOCK_S=mcfg.BLOCK_S, BLOCK_DV=mcfg.BLOCK_DV, ONE_TILE=count <= mcfg.BLOCK_S,
             HAS_LENGTH=src.length is not None, HAS_PRIOR=carried is not None, BEST=best,
             PRIOR_BEST=best and p_best is not None,
@@ -574,6 +574,12 @@ def launch(query: torch.Tensor, checked: list[_Source], scaling: float, splits: 
         )
         carried = (out, lse, top)
     return carried
+
+
+def _length_stride(length: torch.Tensor | None) -> int:
+    """The element stride of a per-sequence ``length [B]`` as the kernels read it (``LENGTH + b * stride``): 0 for one
+    count shared by every sequence (``.expand(B)`` of a ``[1]`` tensor, what a fixed-capacity layer passes)."""
+    return 0 if length is None else length.stride(0)
 
 
 def decode_attention_triton(
