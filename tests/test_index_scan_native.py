@@ -219,3 +219,55 @@ def test_portable_and_avx2_builds_match_reference(march, monkeypatch):
         got = int8_choose(q, codes, side, threshold, 8, rows, 0.125)
         want = int8_choose_reference(q, codes, side, threshold, 8, rows, 0.125)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_bounds_past_length_are_minus_infinity_whatever_the_side_columns_hold(kernels, monkeypatch):
+    """A preallocated index's rows past ``length`` hold anything: an fp16 key norm that overflowed (inf) there made
+    ``-inf + inf = NaN`` bounds, which a top-j rule may pick. Past length the bound is -inf, whatever is stored."""
+    monkeypatch.setenv("KVZOO_KERNELS", kernels)
+    _, codes, side = _index(2, 2, 48, 16, spare=0)
+    side = side.clone()
+    side[:, :, 30:, 1:] = float("inf")  # past the length below: err and norm overflowed
+    length = torch.tensor([30, 12])
+    bound, estimate = int8_key_bounds(torch.randn(2, 2, 3, 16), codes, side, 0.5, length=length)
+    assert not torch.isnan(bound).any()
+    assert torch.isneginf(bound[0, :, :, 30:]).all() and torch.isneginf(bound[1, :, :, 12:]).all()
+    assert torch.isfinite(bound[1, :, :, :12]).all()
+
+
+def test_the_native_librarys_cache_key_names_the_processor_on_x86_arm_and_elsewhere(monkeypatch, tmp_path):
+    """A library built with -march=native in a shared cache must never be loaded by another processor: the key
+    holds the model and instruction sets (x86: model name, flags; ARM: implementer, part, Features), or the
+    machine's name where nothing names the processor; ARM builds take -mcpu=native."""
+    import builtins
+    import io
+
+    arm = ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve2\nCPU implementer\t: 0x41\n"
+           "CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd40\nCPU revision\t: 1\n\nprocessor\t: 1\n")
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/cpuinfo":
+            if cpuinfo is None:
+                raise FileNotFoundError(path)
+            return io.StringIO(cpuinfo)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    cpuinfo = arm
+    signature = cpu_native._cpu_signature()
+    assert "CPU part\t: 0xd40" in signature and "sve2" in signature and "implementer" in signature
+    cpuinfo = None
+    monkeypatch.setattr(cpu_native.sys, "platform", "linux")
+    assert cpu_native._cpu_signature().startswith("host ")
+    monkeypatch.setattr(cpu_native.platform, "machine", lambda: "aarch64")
+    assert cpu_native._arch_flag("native") == "-mcpu=native" and cpu_native._arch_flag("armv8-a") == "-march=armv8-a"
+    monkeypatch.setattr(cpu_native.platform, "machine", lambda: "x86_64")
+    assert cpu_native._arch_flag("native") == "-march=native"
+
+
+def test_this_machines_cache_key_holds_its_model_name():
+    if not os.path.exists("/proc/cpuinfo") or "model name" not in open("/proc/cpuinfo").read():
+        pytest.skip("no x86 /proc/cpuinfo here")
+    assert "model name" in cpu_native._cpu_signature() and "flags" in cpu_native._cpu_signature()

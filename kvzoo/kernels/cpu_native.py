@@ -39,6 +39,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -1796,14 +1797,42 @@ def cache_dir() -> Path:
     return Path(base) / "kvzoo"
 
 
+# /proc/cpuinfo's lines that name the processor and its instruction sets: x86 ("model name", "flags") and ARM
+# ("CPU implementer"/"part"/"variant"/"revision", "Features"); the first of each is the machine's
+_CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part",
+                 "CPU revision")
+
+
 def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the processor's model and flags (a cache shared by machines)."""
+    """What ``-march=native`` / ``-mcpu=native`` depends on: the processor's model and instruction sets, so that a
+    cache folder shared by machines never hands one a library built for another (an illegal instruction). Linux reads
+    ``/proc/cpuinfo``, macOS ``sysctl``; where neither names the processor, the machine's own name stands in (the
+    library is then built per machine)."""
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in _CPUINFO_KEYS and key not in found:
+                    found[key] = line.strip()
     except OSError:
-        return platform.processor()
+        pass
+    if not found and sys.platform == "darwin":
+        try:
+            found["sysctl"] = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string", "hw.cputype", "hw.cpusubtype", "hw.cpufamily"],
+                capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return "\n".join(found.values()) if any(found.values()) else f"host {platform.node()} {platform.processor()}"
+
+
+def _arch_flag(march: str) -> str:
+    """``-march=native`` on x86; on ARM ``-mcpu=native`` (GCC's and clang's spelling there: clang before 15 rejects
+    ``-march=native`` on ARM)."""
+    if march == "native" and platform.machine().lower() in ("aarch64", "arm64"):
+        return "-mcpu=native"
+    return f"-march={march}"
 
 
 def openmp_runtime() -> str | None:
@@ -1832,7 +1861,7 @@ def _build(target: Path, compiler: str, march: str, runtime: str | None) -> None
         src = Path(tmp) / "kvzoo_cpu.c"
         src.write_text(SOURCE)
         out = Path(tmp) / target.name
-        flags = [*COMPILE_FLAGS, f"-march={march}"]
+        flags = [*COMPILE_FLAGS, _arch_flag(march)]
         if runtime is None:
             commands = [[compiler, *flags, "-shared", str(src), "-o", str(out), "-lm"]]
         else:  # compile with -fopenmp, link against the runtime already loaded (not the compiler's own -lgomp)

@@ -394,7 +394,10 @@ def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor
     :func:`int8_key_estimate`) and ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``
     (:func:`int8_bound_from`). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
     estimate = int8_key_estimate(query, codes, side, scaling, length=length)
-    return int8_bound_from(estimate, query, side[:, :, None], scaling), estimate
+    bound = int8_bound_from(estimate, query, side[:, :, None], scaling)
+    if length is not None:  # past length the side columns are anything (an fp16 norm's inf): -inf + inf is NaN
+        bound.masked_fill_(_beyond(length, codes.shape[2])[:, :, None], float("-inf"))
+    return bound, estimate
 
 
 def int8_row_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor,
