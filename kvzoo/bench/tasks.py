@@ -389,14 +389,22 @@ def _niah(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) -> Task:
         tokenizer, _NIAH_INTRO, haystack_sentences(spec.haystack, spec.seed),
         list(zip(depths, needles)), spec.context_tokens, continuation_tokens,
     )
-    order = built.order
     query = _join_query(query_keys)
+    first = Turn(_NIAH_QUESTION.format(query=query), _NIAH_ANSWER_PREFIX.format(query=query), tuple(answers))
+    return _needle_task(spec, tokenizer, built, needles, first, {"keys": keys, "values": values})
+
+
+def _needle_task(spec: TaskSpec, tokenizer: Any, built: _Assembled, needles: list[str], first: Turn,
+                 extra: dict[str, Any], later_turns: tuple[Turn, ...] = ()) -> Task:
+    """A needle task's :class:`Task` from its assembled context: ``first`` is the question asked (the first turn),
+    ``needles[0]`` the one placed at ``spec.depth``."""
+    order = built.order
     return Task(
         spec=spec,
         context=built.context,
-        question=_NIAH_QUESTION.format(query=query),
-        answer_prefix=_NIAH_ANSWER_PREFIX.format(query=query),
-        answers=tuple(answers),
+        question=first.question,
+        answer_prefix=first.answer_prefix,
+        answers=first.answers,
         metric="string_match_all",
         continuation=built.continuation,
         max_new_tokens=MAX_NEW_TOKENS[spec.task],
@@ -407,7 +415,8 @@ def _niah(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) -> Task:
         needle_token_counts=tuple(built.needle_counts),
         queried_needle=order.index(0),
         sentence_tokens=built.sentence_tokens,
-        extra={"keys": keys, "values": values},
+        extra=extra,
+        later_turns=later_turns,
     )
 
 
@@ -535,26 +544,8 @@ def _niah_multiturn(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) ->
     asked = [0] + rng.sample(range(1, NUM_NEEDLES), NUM_NEEDLES - 1)
     turns = [Turn(_NIAH_QUESTION.format(query=keys[i]), _NIAH_ANSWER_PREFIX.format(query=keys[i]), (values[i],))
              for i in asked]
-    order = built.order
-    return Task(
-        spec=spec,
-        context=built.context,
-        question=turns[0].question,
-        answer_prefix=turns[0].answer_prefix,
-        answers=turns[0].answers,
-        metric="string_match_all",
-        continuation=built.continuation,
-        max_new_tokens=MAX_NEW_TOKENS[spec.task],
-        needles=tuple(needles[j] for j in order),
-        context_token_count=count_tokens(tokenizer, built.context),
-        haystack_token_count=built.haystack_tokens,
-        needle_starts=tuple(built.needle_starts),
-        needle_token_counts=tuple(built.needle_counts),
-        queried_needle=order.index(0),
-        sentence_tokens=built.sentence_tokens,
-        extra={"keys": keys, "values": values, "asked": asked},
-        later_turns=tuple(turns[1:]),
-    )
+    return _needle_task(spec, tokenizer, built, needles, turns[0], {"keys": keys, "values": values, "asked": asked},
+                        tuple(turns[1:]))
 
 
 _BUILDERS = {
