@@ -72,7 +72,7 @@ def test_installed_command_runs_from_any_directory(tmp_path: Path):
         (["leaderboard", "--ratios", "0.5"], "a ratio is a number >= 1"),
         (["leaderboard", "--depths", "50"], "a depth is a fraction in [0, 1]"),
         (["leaderboard", "--positions", "during"], "choose from after, before"),
-        (["leaderboard", "--preset", "huge"], "choose from demo, leaderboard, leaderboard-hour, tiny"),
+        (["leaderboard", "--preset", "huge"], "choose from demo, leaderboard, leaderboard-hour, long, tiny"),
         (["run", "--policy", "snapkvv"], "Available policies: full, streaming_llm"),
         # a library error in the command line's words: the flag, not the Python keyword
         (["run", "--policy", "snapkv", "--model", "tiny-llama"], "needs a budget: pass --ratio (e.g. --ratio 4 keeps"),

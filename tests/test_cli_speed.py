@@ -75,5 +75,5 @@ def test_the_parser_offers_the_pipelines_question_positions_and_the_planners_nam
     parser = cli.build_parser()
     args = parser.parse_args(["leaderboard", "--preset", "demo", "--dtype", "bfloat16", "--positions", "before"])
     assert (args.preset, args.dtype, args.positions) == ("demo", "bfloat16", ["before"])
-    assert set(planner.PRESETS) == {"demo", "leaderboard", "leaderboard-hour", "tiny"}
+    assert set(planner.PRESETS) == {"demo", "leaderboard", "leaderboard-hour", "long", "tiny"}
     assert set(planner.DTYPES) == {"float32", "bfloat16", "float16"}

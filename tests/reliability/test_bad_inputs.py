@@ -234,7 +234,7 @@ def test_a_model_directory_without_config_json_exits_2_naming_what_is_valid(tmp_
     assert _cli(["run", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "holds no config.json, so it is not a transformers model directory" in err
-    assert "valid models are smollm2-135m, tiny-llama" in err and "Traceback" not in err
+    assert "valid models are smollm2-135m, gemma3-270m, tiny-llama" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("command", [["run", "--model", "no-such-model"],
