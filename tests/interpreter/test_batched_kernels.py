@@ -13,7 +13,7 @@ import torch
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.models import tiny_deepseek_v2, tiny_llama
 
-CONTEXT, STEPS = 160, 3
+CONTEXT, STEPS = 160, 2
 
 
 @functools.cache
