@@ -71,6 +71,25 @@ def test_a_prompt_prefilled_in_chunks_smaller_than_the_window_attends_as_one_for
     assert (ref - chunked).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("block", [7, 16, 1024])
+def test_a_long_sliding_forward_attends_in_blocks_of_queries_over_the_rows_their_windows_reach(block, monkeypatch):
+    """At 32k tokens a whole [q, n] window mask and SDPA's scores over it took ~20 GB (a real Gemma-3-270M trial was
+    killed): the forward attends WINDOW_BLOCK queries at a time. Blocks smaller than, equal to and larger than the
+    window give transformers' logits, with a left-padded batch."""
+    from kvzoo.framework import attention
+
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", block)
+    model = _model()
+    ids = _ids(PROMPT, 2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config)).logits
+        got = model(input_ids=ids, attention_mask=mask, cache=TieredCache(model, "full")).logits
+    assert (ref[0] - got[0]).abs().max().item() < 1e-4
+    assert (ref[1, 5:] - got[1, 5:]).abs().max().item() < 1e-4  # the padding positions' own outputs are not compared
+
+
 def test_stats_count_the_sliding_layers_apart_and_name_the_layers_the_figures_cover():
     model = _model()
     cache = TieredCache(model, "snapkv(budget=24, window=8)")

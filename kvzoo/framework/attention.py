@@ -125,12 +125,31 @@ def _plain_attention(query, key, value, attention_mask, scaling, sliding_window:
     else:
         valid = torch.ones_like(slots, dtype=torch.bool)
     q_slots = torch.arange(n - q_len, n, device=query.device)
-    window = None
     if sliding_window is not None and n > sliding_window:  # some row is out of some query's window
-        window = (q_slots[:, None] - slots[0, 0][None, :]) < sliding_window  # [q, n]
-    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling, all_valid=attention_mask is None,
-                         extra_mask=window)
+        return _windowed_attention(query, key, value, slots, valid, q_slots, scaling, sliding_window,
+                                   attention_mask is None)
+    out = attention_sdpa(query, key, value, slots, valid, q_slots, scaling, all_valid=attention_mask is None)
     return out.transpose(1, 2).contiguous()
+
+
+WINDOW_BLOCK = 1024  # queries per block of a long sliding-window forward (_windowed_attention)
+
+
+def _windowed_attention(query, key, value, slots, valid, q_slots, scaling, window: int,
+                        all_valid: bool) -> torch.Tensor:
+    """Sliding-window attention of a long forward, :data:`WINDOW_BLOCK` queries at a time over only the rows their
+    windows reach (``block + window - 1`` at most): memory ``O(block x (block + window))``, never ``[q, n]`` -- at 32k tokens
+    a whole mask and SDPA's scores over it would take ~20 GB. Returns ``[B, q, H, Dv]``."""
+    q_len, block = query.shape[2], WINDOW_BLOCK
+    outs = []
+    for start in range(0, q_len, block):
+        end = min(q_len, start + block)
+        qs = q_slots[start:end]
+        lo, hi = max(0, int(qs[0]) - window + 1), int(qs[-1]) + 1  # the rows these queries' windows reach
+        near = (qs[:, None] - slots[0, 0, lo:hi][None, :]) < window  # [b, hi - lo]
+        outs.append(attention_sdpa(query[:, :, start:end], key[:, :, lo:hi], value[:, :, lo:hi], slots[..., lo:hi],
+                                   valid[..., lo:hi], qs, scaling, all_valid=all_valid, extra_mask=near))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 # --- the tiered path ---------------------------------------------------------------------------------
