@@ -140,12 +140,12 @@ def _windowed_attention(query, key, value, slots, valid, q_slots, scaling, windo
     """Sliding-window attention of a long forward, :data:`WINDOW_BLOCK` queries at a time over only the rows their
     windows reach (``block + window - 1`` at most): memory ``O(block x (block + window))``, never ``[q, n]`` -- at 32k tokens
     a whole mask and SDPA's scores over it would take ~20 GB. Returns ``[B, q, H, Dv]``."""
-    q_len, block = query.shape[2], WINDOW_BLOCK
+    q_len, n, block = query.shape[2], key.shape[2], WINDOW_BLOCK
     outs = []
     for start in range(0, q_len, block):
         end = min(q_len, start + block)
-        qs = q_slots[start:end]
-        lo, hi = max(0, int(qs[0]) - window + 1), int(qs[-1]) + 1  # the rows these queries' windows reach
+        qs = q_slots[start:end]  # slots n - q_len + start ... n - q_len + end - 1 (read from the shapes: no sync)
+        lo, hi = max(0, n - q_len + start - window + 1), n - q_len + end  # the rows these queries' windows reach
         near = (qs[:, None] - slots[0, 0, lo:hi][None, :]) < window  # [b, hi - lo]
         outs.append(attention_sdpa(query[:, :, start:end], key[:, :, lo:hi], value[:, :, lo:hi], slots[..., lo:hi],
                                    valid[..., lo:hi], qs, scaling, all_valid=all_valid, extra_mask=near))
