@@ -263,10 +263,7 @@ def run_trial(
             m.seconds["score"] += m.seconds.pop("answer")
         eos = pipeline.eos_ids(model, tokenizer)
 
-        def answered(tokens: list[int]) -> bool:  # the score cannot change once every answer appeared
-            text = tokenizer.decode([t for t in tokens if t not in eos])
-            return stop_when_answered and metrics.string_match(task.metric, text, task.answers) == 1.0
-
+        answered = _answered_rule(tokenizer, eos, task.metric, task.answers, stop_when_answered)
         m.start = cache.stats().totals
         with _phase(m, "decode"):  # the loop reads no statistics: its time is the forwards'
             new_tokens = pipeline.greedy_decode(model, cache, logits, new_tokens_max, eos, stop=answered)
@@ -283,6 +280,18 @@ def run_trial(
     return row
 
 
+def _answered_rule(tokenizer: Any, eos: set[int], metric: str, answers: tuple[str, ...],
+                   enabled: bool) -> Any:
+    """Greedy decoding's stop rule: every answer appeared (the score cannot change after that); never when not
+    ``enabled``."""
+
+    def answered(tokens: list[int]) -> bool:
+        text = tokenizer.decode([t for t in tokens if t not in eos])
+        return enabled and metrics.string_match(metric, text, answers) == 1.0
+
+    return answered
+
+
 def _later_turns(model: torch.nn.Module, tokenizer: Any, cache: TieredCache, task: Task, first_tokens: list[int],
                  first_prediction: str, eos: set[int], max_new_tokens: int, chunk_size: int | None,
                  stop_when_answered: bool) -> list[str]:
@@ -296,11 +305,7 @@ def _later_turns(model: torch.nn.Module, tokenizer: Any, cache: TieredCache, tas
         text = turn_text(tokenizer, task.context, history, turn)
         ids = torch.tensor([pending + tokenizer(text, add_special_tokens=False).input_ids], dtype=torch.long)
         logits = pipeline.prefill(model, cache, ids, chunk_size, phase=f"turn {len(history) + 1}")
-
-        def answered(tokens: list[int], answers: tuple[str, ...] = turn.answers) -> bool:
-            text = tokenizer.decode([t for t in tokens if t not in eos])
-            return stop_when_answered and metrics.string_match(task.metric, text, answers) == 1.0
-
+        answered = _answered_rule(tokenizer, eos, task.metric, turn.answers, stop_when_answered)
         tokens = pipeline.greedy_decode(model, cache, logits, max_new_tokens, eos, stop=answered)
         prediction = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
         predictions.append(prediction)
