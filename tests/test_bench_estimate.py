@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("clean_registry")  # tests/conftest.py
 
 
 def grid(**fields) -> runner.Grid:
-    base = dict(models=("tiny-llama",), policies=("full", "snapkv", "streaming_llm"), ratios=(2, 4),
+    base = dict(models=("tiny-llama",), policies=("full", "snapkv", "h2o"), ratios=(2, 4),
                 tasks=(TaskSpec("niah_single", 1000, 0.5),), positions=("after", "before"), continuation_tokens=32)
     return runner.Grid(**{**base, **fields})
 
@@ -23,8 +23,8 @@ def test_estimate_prices_each_trial_and_the_shared_prefill_once_per_group():
     trials = runner.plan(g)
     est = estimate.estimate(trials, g)
     assert est.trials == len(trials) == 2 * (1 + 2 + 2)
-    assert {p: n for p, (n, _) in est.by_policy.items()} == {"full": 2, "snapkv": 4, "streaming_llm": 4}
-    # full pays the group's dense prefill; snapkv continues it (no prefill of its own); streaming_llm prefills alone
+    assert {p: n for p, (n, _) in est.by_policy.items()} == {"full": 2, "snapkv": 4, "h2o": 4}
+    # full pays the group's dense prefill; snapkv continues it (no prefill of its own); h2o prefills alone
     full = estimate.COSTS["full"]
     assert est.by_policy["full"][1] == pytest.approx(sum(estimate.trial_seconds(t, g) for t in trials[:1])
                                                      + estimate.trial_seconds(trials[5], g))
@@ -32,7 +32,7 @@ def test_estimate_prices_each_trial_and_the_shared_prefill_once_per_group():
         if t.policy == "snapkv":
             assert estimate.trial_seconds(t, g, prefill=False) < estimate.trial_seconds(t, g)
     snapkv = est.by_policy["snapkv"][1] / 4
-    assert snapkv < est.by_policy["streaming_llm"][1] / 4
+    assert snapkv < est.by_policy["h2o"][1] / 4
     assert snapkv * 4 == pytest.approx(sum(estimate.trial_seconds(t, g, prefill=False) for t in trials
                                            if t.policy == "snapkv"))  # no prefill in a shared policy's trial
     # question after: the continuation's decode steps; before: none, but a longer prompt
@@ -59,7 +59,7 @@ def test_describe_is_one_line_naming_trials_policies_total_and_workers():
     est = estimate.estimate(runner.plan(g), g)
     line = estimate.describe(est, 2)
     assert "\n" not in line and "estimate" in line and "10 trials" in line
-    assert "full " in line and "snapkv " in line and "streaming_llm " in line
+    assert "full " in line and "snapkv " in line and "h2o " in line
     assert "on 2 workers" in line and estimate.CALIBRATION in line
     assert "divided by the workers" in estimate.describe(est, None)
     assert "on 1 worker" in estimate.describe(est, 1)

@@ -52,10 +52,17 @@ def test_fork_as_refuses_what_it_cannot_share(tiny):
     with torch.no_grad():
         base = TieredCache(tiny, "full", context_length=120)  # keeps no window queries
         pipeline.prefill(tiny, base, ids, None)
-        for name, why in [("h2o", "schedule"), ("quest", "schedule"), ("vestige", "schedule"),
-                          ("streaming_llm", "schedule")]:
+        for name, why in [("h2o", "accumulate"), ("quest", "schedule"), ("vestige", "schedule"),
+                          ("streaming_llm", "schedule")]:  # acting during a prefill of unknown chunks
             with pytest.raises(ValueError, match=why):
                 base.fork_as(registry.get(name, ratio=4))
+        for policy, why in [(registry.get("h2o", ratio=4), r"observes \['accumulate'\]"),
+                            (registry.get("vestige", ratio=4, block_size=64), "blocks of 64 rows"),
+                            (registry.get("streaming_llm", ratio=4, prefill="stream"), "token by token")]:
+            with pytest.raises(ValueError, match=why):  # not even when the prefill was one forward
+                base.fork_as(policy, ends_context=True)
+        for name in ("quest", "vestige", "streaming_llm"):  # a one-forward prefill: they act once, after it
+            assert base.fork_as(registry.get(name, ratio=4), ends_context=True).stats().totals["events"] > 0
         with pytest.raises(ValueError, match="record_window=32"):  # snapkv reads 32 queries the base did not keep
             base.fork_as(registry.get("snapkv", ratio=4))
         compressed = base.fork_as("full")
@@ -66,19 +73,46 @@ def test_fork_as_refuses_what_it_cannot_share(tiny):
         TieredCache(tiny, "full", record_window=-1)
 
 
-def test_the_runner_gives_the_same_row_with_a_shared_prefill(tiny):
+TIMING = {"prefill_s", "compress_s", "score_s", "continuation_s", "question_s", "decode_s", "decode_ms_per_step",
+          "wall_s", "turns_s", "peak_rss_bytes", "prefill_shared"}
+
+
+def _same_row(a: dict, b: dict) -> None:
+    """Every figure but the timings equal: counts, predictions and bytes exactly, NLLs to float rounding (the two
+    prefills are separate computations of the same operations)."""
+    assert a.keys() == b.keys()
+    for k in a.keys() - TIMING:
+        if isinstance(a[k], float):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+        else:
+            assert a[k] == b[k], k
+
+
+# every registered policy, on a plain model and on a hybrid one (Gemma 3: sliding layers beside the tiered ones);
+# whether it continued the shared prefill (a one-forward prefill of 200 tokens) or made its own
+SHARES = {"full": False, "streaming_llm": True, "snapkv": True, "h2o": False, "chunkkv": True, "quest": True,
+          "vestige": True, "vestige(block_size=64)": False, "streaming_llm(prefill=stream)": False}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_runner_gives_the_same_row_with_a_shared_prefill(family, tiny):
+    from kvzoo.bench.planner import build_policy
+    from kvzoo.models import TINY_FAMILIES
+
+    assert set(registry.available()) <= {name.split("(")[0] for name in SHARES}  # a new policy is added here
+    model = tiny if family == "llama" else TINY_FAMILIES[family]()[0]
     task = make_task(TaskSpec(context_tokens=200, depth=0.5), ByteTokenizer(), continuation_tokens=16)
     shared = runner.SharedPrefill(record_window=32)
-    key = ("tiny", "task", "after")
-    timing = {"prefill_s", "compress_s", "score_s", "continuation_s", "question_s", "decode_s", "decode_ms_per_step", "wall_s",
-              "peak_rss_bytes", "prefill_shared"}
-    for i, name in enumerate(["full", "chunkkv", "h2o"]):
-        policy = registry.get(name) if name == "full" else registry.get(name, ratio=4)
-        with_shared = runner.run_trial(tiny, ByteTokenizer(), task, policy, max_new_tokens=4, shared=shared,
+    key = (family, "task", "after")
+    for name, shares in SHARES.items():
+        policy = build_policy(name, None if name == "full" else 4)
+        with_shared = runner.run_trial(model, ByteTokenizer(), task, policy, max_new_tokens=4, shared=shared,
                                        shared_key=key)
-        alone = runner.run_trial(tiny, ByteTokenizer(), task, policy, max_new_tokens=4)
-        assert {k: v for k, v in with_shared.items() if k not in timing} == \
-            {k: v for k, v in alone.items() if k not in timing}, name
-        assert with_shared["prefill_shared"] == (i == 1)  # full made it, chunkkv reused it, h2o prefills alone
+        alone = runner.run_trial(model, ByteTokenizer(), task, policy, max_new_tokens=4)
+        _same_row(with_shared, alone)
+        assert with_shared["prefill_shared"] == shares, name  # full made it; the rest reused it or prefilled alone
         assert not alone["prefill_shared"]
+    chunked = runner.run_trial(model, ByteTokenizer(), task, registry.get("quest", ratio=4), max_new_tokens=4,
+                               shared=shared, shared_key=("chunked",) + key, chunk_size=64)
+    assert not chunked["prefill_shared"]  # a per-step policy acts after each chunk: not a dense prefill's
     shared.clear()

@@ -66,13 +66,14 @@ def cost_of(policy: str) -> Cost:
     return COSTS.get(policy.split("(", 1)[0].strip(), DEFAULT_COST)
 
 
-def _shares_prefill(policy: str, ratio: float | None) -> bool:
-    """Whether ``policy`` continues the shared dense prefill (False when it does not build)."""
+def _shares_prefill(policy: str, ratio: float | None, one_forward: int | None) -> bool:
+    """Whether ``policy`` continues the shared dense prefill (False when it does not build); ``one_forward``: the
+    prompt's length when its prefill is one forward (``SharedPrefill.one_forward``)."""
     from kvzoo.bench.planner import build_policy
     from kvzoo.framework.cache import dense_prefill_problem
 
     try:
-        return dense_prefill_problem(build_policy(policy, ratio)) is None
+        return dense_prefill_problem(build_policy(policy, ratio), one_forward=one_forward) is None
     except Exception:  # noqa: BLE001 - it will be recorded as skipped: it costs nothing
         return False
 
@@ -98,9 +99,10 @@ def estimate(trials: Sequence[Any], grid: Any) -> Estimate:
     once per (model, task, question position)."""
     by_policy: dict[str, tuple[int, float]] = {}
     prefilled: set[str] = set()
-    shares: dict[tuple[str, float | None], bool] = {}
+    shares: dict[tuple[str, float | None, int | None], bool] = {}
     for trial in trials:
-        key = (trial.policy, trial.ratio)
+        prompt = trial.task.context_tokens + (QUESTION_TOKENS if trial.position == "before" else 0)
+        key = (trial.policy, trial.ratio, prompt if grid.chunk_size is None or grid.chunk_size >= prompt else None)
         if key not in shares:
             shares[key] = _shares_prefill(*key)
         group = trial.reference().key

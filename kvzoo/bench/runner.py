@@ -37,12 +37,15 @@ from the same point, without paying for the prefill three times:
   score, and the per-step KV-path bytes and fetched rows.
 
 Trials of one (model, task, question position) also share one prefill across policies where it is the same
-prefill (:class:`SharedPrefill`): every policy that prefills densely and acts only at the context's end
-(``full``, ``snapkv``, ``chunkkv``, at every ratio) continues from one dense prefill
-through ``TieredCache.fork_as`` -- the rows, counters and observation-window queries are that prefill's, bit
-for bit, so the row is the one a prefill of its own gives (``prefill_shared`` says it was reused;
-``prefill_s`` is the shared prefill's time). StreamingLLM, H2O and Quest (per-step schedules: they evict
-after each prefill chunk, and H2O accumulates attention there) and VestigeKV (per block) prefill on their own.
+prefill (:class:`SharedPrefill`): every policy whose own prefill would be one dense forward continues from one
+dense prefill through ``TieredCache.fork_as`` -- the rows, counters and observation-window queries are that
+prefill's, bit for bit, and a policy that acts after each forward (StreamingLLM's default dense prefill, Quest) or
+block (VestigeKV, when the context fits one block) acts once on the fork, as after its own one forward -- so the
+row is the one a prefill of its own gives (``prefill_shared`` says it was reused; ``prefill_s`` is the shared
+prefill's time). On their own prefill: H2O (it accumulates the attention every prefill query gives every row, which
+a dense SDPA prefill does not compute), StreamingLLM's ``prefill="stream"`` (token by token), VestigeKV on a
+context longer than its block (each block after the first attends to what the earlier ones kept), and every policy
+of a grid whose ``chunk_size`` cuts the context (a per-step policy acts after each chunk).
 
 The pieces: :mod:`kvzoo.bench.planner` (the grid and its trials), :mod:`kvzoo.bench.trial` (one trial's
 measurements), :mod:`kvzoo.bench.results` (the results file); this module loads models and runs the
@@ -270,7 +273,7 @@ def _widest_window(grid: Grid) -> int:
                 policy = build_policy(name, ratio)
             except Exception:  # noqa: BLE001 - as above
                 continue
-            if dense_prefill_problem(policy) is None and "window" in policy.observes:
+            if dense_prefill_problem(policy, one_forward=1) is None and "window" in policy.observes:
                 widest = max(widest, policy.observation_window)
     return widest
 

@@ -75,7 +75,9 @@ class Reference:
 
 class SharedPrefill:
     """The latest dense prefill of one (model, task, question position), kept to serve every policy that can
-    continue it (``TieredCache.fork_as``). ``record_window``: the most observation-window queries any of
+    continue it (``TieredCache.fork_as``): one that acts only at the context's end, and -- when the trial's prefill is
+    one forward (no ``chunk_size`` shorter than the context) -- one that acts after each forward or block of the
+    prefill, which then acts once, after that forward. ``record_window``: the most observation-window queries any of
     those policies reads (the prefill keeps that many)."""
 
     def __init__(self, record_window: int = 0) -> None:
@@ -90,12 +92,20 @@ class SharedPrefill:
             self.base.close()
         self.key = self.base = self.first_logits = None
 
+    @staticmethod
+    def one_forward(prefix: torch.Tensor, chunk_size: int | None) -> int | None:
+        """The context's length when a policy's own prefill of it is one forward (None when ``chunk_size`` cuts it)."""
+        n = int(prefix.shape[1])
+        return n if chunk_size is None or chunk_size >= n else None
+
     @torch.no_grad()
     def fork(self, key: tuple, model: torch.nn.Module, prefix: torch.Tensor, chunk_size: int | None, audit: bool,
              policy: Policy) -> tuple[TieredCache, torch.Tensor, float, bool] | None:
         """``(cache, first_logits, prefill seconds, reused)`` continuing the dense prefill of ``prefix`` as
-        ``policy`` (made now if ``key`` differs from the kept one), or None when ``policy`` cannot share it."""
-        if dense_prefill_problem(policy) is not None:
+        ``policy``, its context ended (made now if ``key`` differs from the kept one), or None when ``policy``
+        cannot share it."""
+        one_forward = self.one_forward(prefix, chunk_size)
+        if dense_prefill_problem(policy, one_forward=one_forward) is not None:
             return None
         reused = key == self.key
         if not reused:
@@ -106,10 +116,10 @@ class SharedPrefill:
             self.first_logits = pipeline.prefill(model, base, prefix, chunk_size, phase="shared dense prefill")
             self.seconds = time.perf_counter() - started
             self.key, self.base = key, base
-        if self.base.prefill_shared_with(policy) is not None:
+        ends = one_forward is not None
+        if self.base.prefill_shared_with(policy, ends_context=ends) is not None:
             return None
-        return self.base.fork_as(policy), self.first_logits, self.seconds, reused
-
+        return self.base.fork_as(policy, ends_context=ends), self.first_logits, self.seconds, reused
 
 
 @dataclass

@@ -49,15 +49,27 @@ def _retriever_of(policy: Policy):
     return retriever
 
 
-def dense_prefill_problem(policy: Policy) -> str | None:
+def dense_prefill_problem(policy: Policy, *, one_forward: int | None = None) -> str | None:
     """Why ``policy``'s prefill is not a plain dense prefill another policy could share (None: it is): it
-    acts during the prefill, accumulates attention or records inputs there, or prefills token by token."""
-    if policy.schedule != "context_end":
-        return f"{policy.name!r} acts during the prefill (schedule {policy.schedule!r})"
+    accumulates attention or records inputs there, prefills token by token, or acts during the prefill.
+
+    ``one_forward``: the context's length, when ``policy``'s own prefill of it would be one forward ending the
+    context. A policy with a ``step`` or ``block`` schedule then acts only after that forward, layer by layer, on
+    the dense rows of each layer -- what a fork of a dense prefill replays (``TieredCache.fork_as(...,
+    ends_context=True)``) -- unless its blocks are shorter than the context (a block prefill attends, from the
+    second block on, to what the earlier blocks kept)."""
     if policy.observes & {"accumulate", "inputs"}:
         return f"{policy.name!r} observes {sorted(policy.observes & {'accumulate', 'inputs'})} during the prefill"
     if policy.multi_token_window(1 << 30) is not None:
         return f"{policy.name!r} prefills with a window (token by token), not densely"
+    if policy.schedule == "context_end":
+        return None
+    if one_forward is None:
+        return f"{policy.name!r} acts during the prefill (schedule {policy.schedule!r})"
+    block = policy.block_size if policy.schedule == "block" else None
+    if block and one_forward > block:
+        return (f"{policy.name!r} prefills in blocks of {block} rows and the context has {one_forward}: each block "
+                "after the first attends to the rows the earlier ones kept, not to a dense prefill")
     return None
 
 
@@ -345,21 +357,25 @@ class TieredCache(Cache):
         runtime.resident = runtime.peak_resident = sum(layer.n for layer in clone.tiered_layers if layer.is_initialized)
         return clone
 
-    def prefill_shared_with(self, policy: Policy | str) -> str | None:
+    def prefill_shared_with(self, policy: Policy | str, *, ends_context: bool = False) -> str | None:
         """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can.
 
         It can when nothing so far depended on the policy: no event has fired (nothing compressed, nothing
-        archived), both policies prefill densely and act only at the context's end, neither accumulates
-        attention during the prefill nor records the attention modules' inputs, and the queries kept cover
-        ``policy``'s observation window.
+        archived), this cache's policy prefills densely and acts only at the context's end, the new one would
+        have prefilled the same rows (:func:`dense_prefill_problem`: densely, without accumulating attention or
+        recording the attention modules' inputs, and -- unless ``ends_context``, where its prefill is one forward
+        -- acting only at the context's end), and the queries kept cover ``policy``'s observation window.
         """
         policy = resolve_policy(policy)
         if any(la.context_ended or la.budget is not None or la.archived.n or la.events for la in self.tiered_layers):
             return "this cache has compressed already (an event fired)"
-        for role, p in (("this cache's policy", self.policy), ("the new policy", policy)):
-            problem = dense_prefill_problem(p)
-            if problem is not None:
-                return f"{role} {problem}"
+        problem = dense_prefill_problem(self.policy)
+        if problem is not None:
+            return f"this cache's policy {problem}"
+        rows = max((la.seen for la in self.tiered_layers), default=0)
+        problem = dense_prefill_problem(policy, one_forward=rows if ends_context else None)
+        if problem is not None:
+            return f"the new policy {problem}"
         layout = self.adapter.geometry.layout
         if layout not in policy.layouts:
             return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {layout!r}"
@@ -369,7 +385,7 @@ class TieredCache(Cache):
                     f"{self.runtime.observation_window} (create it with record_window={needed})")
         return None
 
-    def fork_as(self, policy: Policy | str) -> TieredCache:
+    def fork_as(self, policy: Policy | str, *, ends_context: bool = False) -> TieredCache:
         """A new cache that continues this prefilled, not yet compressed one as ``policy``: a constructor.
 
         One dense prefill then serves several policies that would have computed the very same prefill
@@ -378,12 +394,24 @@ class TieredCache(Cache):
         retriever with an empty index, its budget still to be fixed -- on this cache's model, adapter and
         geometry. A ValueError says why when the prefill is not ``policy``'s to share
         (:meth:`prefill_shared_with`).
+
+        ``ends_context=True``: the prefill was the context, and ``policy``'s own prefill of it would have been one
+        forward that ends it (:meth:`context_end`): the fork ends it as that forward would have, layer by layer --
+        the policy's scheduled event (a ``step`` or a ``block`` policy's), then ``context_end``. So a policy that
+        acts during its prefill, when that prefill is one forward, shares a dense one too.
         """
         policy = resolve_policy(policy)
-        problem = self.prefill_shared_with(policy)
+        problem = self.prefill_shared_with(policy, ends_context=ends_context)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
-        return self._continue_as(policy)
+        clone = self._continue_as(policy)
+        if ends_context:
+            runtime = clone.runtime
+            runtime.ending = True
+            for layer in clone.tiered_layers:  # what each layer's attention would have fired, in the forward's order
+                runtime.after_forward(layer)
+            runtime.ending = False
+        return clone
 
     def transplant(self, policy: Policy | str, *, capacity: int | None = None, context_length: int | None = None,
                    cuda_graph: bool = False, model: torch.nn.Module | None = None) -> TieredCache:
