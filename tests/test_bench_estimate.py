@@ -24,13 +24,17 @@ def test_estimate_prices_each_trial_and_the_shared_prefill_once_per_group():
     est = estimate.estimate(trials, g)
     assert est.trials == len(trials) == 2 * (1 + 2 + 2)
     assert {p: n for p, (n, _) in est.by_policy.items()} == {"full": 2, "snapkv": 4, "h2o": 4}
-    # full pays the group's dense prefill; snapkv continues it (no prefill of its own); h2o prefills alone
+    # full pays the group's dense prefill; snapkv continues it (no prefill of its own); h2o's first ratio pays the
+    # group's prefill that records attention, its second continues it
     full = estimate.COSTS["full"]
     assert est.by_policy["full"][1] == pytest.approx(sum(estimate.trial_seconds(t, g) for t in trials[:1])
                                                      + estimate.trial_seconds(trials[5], g))
     for t in trials:
         if t.policy == "snapkv":
             assert estimate.trial_seconds(t, g, prefill=False) < estimate.trial_seconds(t, g)
+    h2o = [t for t in trials if t.policy == "h2o"]
+    assert est.by_policy["h2o"][1] == pytest.approx(sum(estimate.trial_seconds(t, g, prefill=i % 2 == 0)
+                                                        for i, t in enumerate(h2o)))
     snapkv = est.by_policy["snapkv"][1] / 4
     assert snapkv < est.by_policy["h2o"][1] / 4
     assert snapkv * 4 == pytest.approx(sum(estimate.trial_seconds(t, g, prefill=False) for t in trials

@@ -69,8 +69,15 @@ def test_fork_as_refuses_what_it_cannot_share(tiny):
         compressed.compress()
         with pytest.raises(ValueError, match="compressed already"):
             compressed.fork_as("full")
+        recorded = TieredCache(tiny, "full", context_length=120, record_attention=True)
+        pipeline.prefill(tiny, recorded, ids, None)
+        assert recorded.fork_as(registry.get("h2o", ratio=4), ends_context=True).stats().totals["events"] > 0
+        with pytest.raises(ValueError, match="differ in rounding"):  # the reference attention's rows, not SDPA's
+            recorded.fork_as("full")
     with pytest.raises(ValueError, match="record_window"):
         TieredCache(tiny, "full", record_window=-1)
+    with pytest.raises(ValueError, match="record_attention must be True or False"):
+        TieredCache(tiny, "full", record_attention=1)
 
 
 TIMING = {"prefill_s", "compress_s", "score_s", "continuation_s", "question_s", "decode_s", "decode_ms_per_step",
@@ -90,8 +97,8 @@ def _same_row(a: dict, b: dict) -> None:
 
 # every registered policy, on a plain model and on a hybrid one (Gemma 3: sliding layers beside the tiered ones);
 # whether it continued the shared prefill (a one-forward prefill of 200 tokens) or made its own
-SHARES = {"full": False, "streaming_llm": True, "snapkv": True, "h2o": False, "chunkkv": True, "quest": True,
-          "vestige": True, "vestige(block_size=64)": False, "streaming_llm(prefill=stream)": False}
+SHARES = {"full": False, "streaming_llm": True, "snapkv": True, "h2o": False, "h2o(ratio=8)": True, "chunkkv": True,
+          "quest": True, "vestige": True, "vestige(block_size=64)": False, "streaming_llm(prefill=stream)": False}
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -105,12 +112,13 @@ def test_the_runner_gives_the_same_row_with_a_shared_prefill(family, tiny):
     shared = runner.SharedPrefill(record_window=32)
     key = (family, "task", "after")
     for name, shares in SHARES.items():
-        policy = build_policy(name, None if name == "full" else 4)
+        policy = build_policy(name, None if name == "full" or "ratio" in name else 4)
         with_shared = runner.run_trial(model, ByteTokenizer(), task, policy, max_new_tokens=4, shared=shared,
                                        shared_key=key)
         alone = runner.run_trial(model, ByteTokenizer(), task, policy, max_new_tokens=4)
         _same_row(with_shared, alone)
-        assert with_shared["prefill_shared"] == shares, name  # full made it; the rest reused it or prefilled alone
+        # full made the dense prefill, h2o at 4x the one recording attention; the rest reused one or prefilled alone
+        assert with_shared["prefill_shared"] == shares, name
         assert not alone["prefill_shared"]
     chunked = runner.run_trial(model, ByteTokenizer(), task, registry.get("quest", ratio=4), max_new_tokens=4,
                                shared=shared, shared_key=("chunked",) + key, chunk_size=64)

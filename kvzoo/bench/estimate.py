@@ -1,7 +1,7 @@
 """How long a grid will take, before it starts: a small cost model (:func:`estimate`, :func:`describe`).
 
 A trial's time is its prefill (seconds per 1000 prompt tokens, paid once per (model, task, question position) by
-the policies that continue one shared dense prefill, :class:`~kvzoo.bench.trial.SharedPrefill`) plus its one-token
+the policies that continue one shared prefill, :class:`~kvzoo.bench.trial.SharedPrefill`) plus its one-token
 forwards (the held-out continuation's decode steps, the answer's, greedy decoding's) at a per-step cost, plus a
 fixed part (the question's forward, compression, the forks), each per policy (:data:`COSTS`). The constants were
 measured on SmolLM2-135M in float32 on one thread of the 2-core CPU this project is developed on (the numbers and
@@ -66,16 +66,21 @@ def cost_of(policy: str) -> Cost:
     return COSTS.get(policy.split("(", 1)[0].strip(), DEFAULT_COST)
 
 
-def _shares_prefill(policy: str, ratio: float | None, one_forward: int | None) -> bool:
-    """Whether ``policy`` continues the shared dense prefill (False when it does not build); ``one_forward``: the
+def _shares_prefill(policy: str, ratio: float | None, one_forward: int | None) -> str | None:
+    """Which shared prefill ``policy`` continues: ``"dense"``, ``"attention"`` (the one recording each row's
+    attention, for an accumulating policy), or None (its own; also when it does not build); ``one_forward``: the
     prompt's length when its prefill is one forward (``SharedPrefill.one_forward``)."""
     from kvzoo.bench.planner import build_policy
     from kvzoo.framework.cache import dense_prefill_problem
 
     try:
-        return dense_prefill_problem(build_policy(policy, ratio), one_forward=one_forward) is None
+        built = build_policy(policy, ratio)
     except Exception:  # noqa: BLE001 - it will be recorded as skipped: it costs nothing
-        return False
+        return None
+    attention = "accumulate" in built.observes
+    if dense_prefill_problem(built, one_forward=one_forward, attention_recorded=attention) is not None:
+        return None
+    return "attention" if attention else "dense"
 
 
 def trial_seconds(trial: Any, grid: Any, *, prefill: bool = True) -> float:
@@ -95,19 +100,21 @@ def trial_seconds(trial: Any, grid: Any, *, prefill: bool = True) -> float:
 
 
 def estimate(trials: Sequence[Any], grid: Any) -> Estimate:
-    """The estimated time of ``trials`` (of ``grid``): each priced by :func:`trial_seconds`, the shared dense prefill
-    once per (model, task, question position)."""
+    """The estimated time of ``trials`` (of ``grid``): each priced by :func:`trial_seconds`, each shared prefill
+    (the dense one, the one recording attention) once per (model, task, question position), by the first policy to
+    continue it."""
     by_policy: dict[str, tuple[int, float]] = {}
-    prefilled: set[str] = set()
-    shares: dict[tuple[str, float | None, int | None], bool] = {}
+    prefilled: set[tuple[str, str]] = set()
+    shares: dict[tuple[str, float | None, int | None], str | None] = {}
     for trial in trials:
         prompt = trial.task.context_tokens + (QUESTION_TOKENS if trial.position == "before" else 0)
         key = (trial.policy, trial.ratio, prompt if grid.chunk_size is None or grid.chunk_size >= prompt else None)
         if key not in shares:
             shares[key] = _shares_prefill(*key)
-        group = trial.reference().key
-        pays = not shares[key] or group not in prefilled
-        if shares[key]:
+        kind = shares[key]
+        group = (trial.reference().key, kind or "")
+        pays = kind is None or group not in prefilled
+        if kind is not None:
             prefilled.add(group)
         n, seconds = by_policy.get(trial.policy, (0, 0.0))
         by_policy[trial.policy] = (n + 1, seconds + trial_seconds(trial, grid, prefill=pays))

@@ -42,8 +42,9 @@ dense prefill through ``TieredCache.fork_as`` -- the rows, counters and observat
 prefill's, bit for bit, and a policy that acts after each forward (StreamingLLM's default dense prefill, Quest) or
 block (VestigeKV, when the context fits one block) acts once on the fork, as after its own one forward -- so the
 row is the one a prefill of its own gives (``prefill_shared`` says it was reused; ``prefill_s`` is the shared
-prefill's time). On their own prefill: H2O (it accumulates the attention every prefill query gives every row, which
-a dense SDPA prefill does not compute), StreamingLLM's ``prefill="stream"`` (token by token), VestigeKV on a
+prefill's time). H2O, which accumulates the attention every prefill query gives every row (a fused SDPA prefill does
+not compute it), continues a second shared prefill that records it, one for all its ratios. On their own prefill:
+StreamingLLM's ``prefill="stream"`` (token by token), VestigeKV on a
 context longer than its block (each block after the first attends to what the earlier ones kept), and every policy
 of a grid whose ``chunk_size`` cuts the context (a per-step policy acts after each chunk).
 

@@ -74,23 +74,23 @@ class Reference:
 
 
 class SharedPrefill:
-    """The latest dense prefill of one (model, task, question position), kept to serve every policy that can
-    continue it (``TieredCache.fork_as``): one that acts only at the context's end, and -- when the trial's prefill is
-    one forward (no ``chunk_size`` shorter than the context) -- one that acts after each forward or block of the
-    prefill, which then acts once, after that forward. ``record_window``: the most observation-window queries any of
-    those policies reads (the prefill keeps that many)."""
+    """The latest prefill of one (model, task, question position), kept to serve every policy that can continue it
+    (``TieredCache.fork_as``): one that acts only at the context's end, and -- when the trial's prefill is one forward
+    (no ``chunk_size`` shorter than the context) -- one that acts after each forward or block of the prefill, which
+    then acts once, after that forward. Two prefills at most per group: the dense one, and (made when an accumulating
+    policy, H2O, first asks) one that records each row's received attention, which every ratio of that policy
+    shares. ``record_window``: the most observation-window queries any of those policies reads (the prefills keep
+    that many)."""
 
     def __init__(self, record_window: int = 0) -> None:
         self.record_window = record_window
         self.key: tuple | None = None
-        self.base: TieredCache | None = None
-        self.first_logits: torch.Tensor | None = None
-        self.seconds = 0.0
+        self.prefills: dict[bool, tuple[TieredCache, torch.Tensor, float]] = {}  # attention recorded -> prefill
 
     def clear(self) -> None:
-        if self.base is not None:
-            self.base.close()
-        self.key = self.base = self.first_logits = None
+        for base, _, _ in self.prefills.values():
+            base.close()
+        self.key, self.prefills = None, {}
 
     @staticmethod
     def one_forward(prefix: torch.Tensor, chunk_size: int | None) -> int | None:
@@ -101,25 +101,29 @@ class SharedPrefill:
     @torch.no_grad()
     def fork(self, key: tuple, model: torch.nn.Module, prefix: torch.Tensor, chunk_size: int | None, audit: bool,
              policy: Policy) -> tuple[TieredCache, torch.Tensor, float, bool] | None:
-        """``(cache, first_logits, prefill seconds, reused)`` continuing the dense prefill of ``prefix`` as
-        ``policy``, its context ended (made now if ``key`` differs from the kept one), or None when ``policy``
+        """``(cache, first_logits, prefill seconds, reused)`` continuing the shared prefill of ``prefix`` as
+        ``policy``, its context ended (made now unless this group's was made already), or None when ``policy``
         cannot share it."""
         one_forward = self.one_forward(prefix, chunk_size)
-        if dense_prefill_problem(policy, one_forward=one_forward) is not None:
+        attention = "accumulate" in policy.observes
+        if dense_prefill_problem(policy, one_forward=one_forward, attention_recorded=attention) is not None:
             return None
-        reused = key == self.key
-        if not reused:
+        if key != self.key:
             self.clear()
+            self.key = key
+        reused = attention in self.prefills
+        if not reused:
             base = TieredCache(model, "full", context_length=prefix.shape[1], audit=audit,
-                               record_window=self.record_window)
+                               record_window=self.record_window, record_attention=attention)
             started = time.perf_counter()
-            self.first_logits = pipeline.prefill(model, base, prefix, chunk_size, phase="shared dense prefill")
-            self.seconds = time.perf_counter() - started
-            self.key, self.base = key, base
+            logits = pipeline.prefill(model, base, prefix, chunk_size,
+                                      phase="shared prefill" + (" (attention recorded)" if attention else ""))
+            self.prefills[attention] = (base, logits, time.perf_counter() - started)
+        base, logits, seconds = self.prefills[attention]
         ends = one_forward is not None
-        if self.base.prefill_shared_with(policy, ends_context=ends) is not None:
+        if base.prefill_shared_with(policy, ends_context=ends) is not None:
             return None
-        return self.base.fork_as(policy, ends_context=ends), self.first_logits, self.seconds, reused
+        return base.fork_as(policy, ends_context=ends), logits, seconds, reused
 
 
 @dataclass

@@ -49,7 +49,8 @@ def _retriever_of(policy: Policy):
     return retriever
 
 
-def dense_prefill_problem(policy: Policy, *, one_forward: int | None = None) -> str | None:
+def dense_prefill_problem(policy: Policy, *, one_forward: int | None = None,
+                          attention_recorded: bool = False) -> str | None:
     """Why ``policy``'s prefill is not a plain dense prefill another policy could share (None: it is): it
     accumulates attention or records inputs there, prefills token by token, or acts during the prefill.
 
@@ -57,9 +58,12 @@ def dense_prefill_problem(policy: Policy, *, one_forward: int | None = None) -> 
     context. A policy with a ``step`` or ``block`` schedule then acts only after that forward, layer by layer, on
     the dense rows of each layer -- what a fork of a dense prefill replays (``TieredCache.fork_as(...,
     ends_context=True)``) -- unless its blocks are shorter than the context (a block prefill attends, from the
-    second block on, to what the earlier blocks kept)."""
-    if policy.observes & {"accumulate", "inputs"}:
-        return f"{policy.name!r} observes {sorted(policy.observes & {'accumulate', 'inputs'})} during the prefill"
+    second block on, to what the earlier blocks kept). ``attention_recorded``: the shared prefill accumulates each
+    row's received attention (``TieredCache(..., record_attention=True)``), so a policy observing ``accumulate``
+    (H2O) can share it."""
+    observed = policy.observes & ({"inputs"} if attention_recorded else {"accumulate", "inputs"})
+    if observed:
+        return f"{policy.name!r} observes {sorted(observed)} during the prefill"
     if policy.multi_token_window(1 << 30) is not None:
         return f"{policy.name!r} prefills with a window (token by token), not densely"
     if policy.schedule == "context_end":
@@ -104,6 +108,10 @@ class TieredCache(Cache):
     than ``N`` still works (the storage grows: an event). The price: on the PyTorch path a step reads the spare
     rows too (masked), as transformers' ``StaticCache`` does; the Triton kernel skips them.
 
+    ``record_window=w`` and ``record_attention=True`` make a prefill that other policies continue (:meth:`fork_as`): it
+    keeps the last ``w`` queries of each layer, and accumulates each row's received attention (H2O's observation;
+    the attention then runs through the reference path that computes the probabilities, as H2O's own does).
+
     ``cuda_graph=True`` (needs ``capacity`` and CUDA): decode steps are captured once in a CUDA graph after each
     event and replayed (``framework/graphs.py``). Off by default: it has not run on a GPU yet.
 
@@ -120,12 +128,15 @@ class TieredCache(Cache):
         decompress_min_queries: int | None = None,
         auto_compress: bool = True,
         record_window: int = 0,
+        record_attention: bool = False,
         capacity: int | None = None,
         cuda_graph: bool = False,
     ) -> None:
         policy = resolve_policy(policy)
         if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
             raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
+        if not isinstance(record_attention, bool):
+            raise ValueError(f"record_attention must be True or False, got {record_attention!r}")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"capacity must be None (buffers grow as rows arrive) or an int >= 1 (the most tokens "
                              f"the sequence will hold, prompt and generated), got {capacity!r}")
@@ -155,7 +166,7 @@ class TieredCache(Cache):
         tiered = list(shape.tiered)
         geometry = RowGeometry(shape.layout, shape.content_dim, shape.branch_dim, capacity=capacity)
         retrieval = Retrieval(retriever, audit=audit) if retriever is not None else None
-        self.runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, len(tiered), record_window),
+        self.runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, len(tiered), record_window, record_attention),
                                context_length=context_length)
         self.adapter = adapter
         # a policy that never evicts (full) holds the whole context: reserve it once instead of growing
@@ -362,9 +373,10 @@ class TieredCache(Cache):
 
         It can when nothing so far depended on the policy: no event has fired (nothing compressed, nothing
         archived), this cache's policy prefills densely and acts only at the context's end, the new one would
-        have prefilled the same rows (:func:`dense_prefill_problem`: densely, without accumulating attention or
-        recording the attention modules' inputs, and -- unless ``ends_context``, where its prefill is one forward
-        -- acting only at the context's end), and the queries kept cover ``policy``'s observation window.
+        have prefilled the same rows (:func:`dense_prefill_problem`: densely, without recording the attention modules'
+        inputs, accumulating attention only if this cache recorded it (``record_attention``, and then only such a
+        policy), and -- unless ``ends_context``, where its prefill is one forward -- acting only at the context's
+        end), and the queries kept cover ``policy``'s observation window.
         """
         policy = resolve_policy(policy)
         if any(la.context_ended or la.budget is not None or la.archived.n or la.events for la in self.tiered_layers):
@@ -373,9 +385,14 @@ class TieredCache(Cache):
         if problem is not None:
             return f"this cache's policy {problem}"
         rows = max((la.seen for la in self.tiered_layers), default=0)
-        problem = dense_prefill_problem(policy, one_forward=rows if ends_context else None)
+        recorded = self.runtime.config.record_attention
+        problem = dense_prefill_problem(policy, one_forward=rows if ends_context else None, attention_recorded=recorded)
         if problem is not None:
-            return f"the new policy {problem}"
+            return f"the new policy {problem}" + (" (create this cache with record_attention=True)"
+                                                  if "accumulate" in problem else "")
+        if recorded and "accumulate" not in policy.observes:
+            return (f"this cache recorded each row's attention (record_attention=True) through the reference attention, "
+                    f"not the fused one policy {policy.name!r} prefills with: its rows differ in rounding")
         layout = self.adapter.geometry.layout
         if layout not in policy.layouts:
             return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {layout!r}"
@@ -452,7 +469,7 @@ class TieredCache(Cache):
         old = self.runtime
         retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
         geometry = old.geometry if capacity is None else dataclasses.replace(old.geometry, capacity=capacity)
-        runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, old.num_layers, old.record_window),
+        runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, old.num_layers, old.record_window),  # attention: the policy's
                           context_length=context_length or old.context_length)
         clone = self._clone(runtime, shared=False)
         window = runtime.observation_window

@@ -65,7 +65,8 @@ class RuntimeConfig:
     ``geometry`` describes the rows (layout, latent and branch widths, the fixed capacity if any);
     ``num_layers`` counts the layers kvzoo compresses; ``record_window``: queries kept beyond the policy's own
     window, for a prefill that policies with wider windows continue from (``TieredCache(..., record_window=w)``
-    and ``fork_as``; the policy itself sees only its own window's).
+    and ``fork_as``; the policy itself sees only its own window's); ``record_attention``: each row's received
+    attention is accumulated whatever the policy (for a prefill that an accumulating policy -- H2O -- continues).
     """
 
     policy: Policy
@@ -73,6 +74,7 @@ class RuntimeConfig:
     geometry: RowGeometry
     num_layers: int
     record_window: int = 0
+    record_attention: bool = False
 
 
 @dataclass
@@ -118,8 +120,9 @@ class Runtime:
 
     @property
     def accumulates(self) -> bool:
-        """The policy observes each row's accumulated attention: the attention path adds to ``stat:attention``."""
-        return Observation.ACCUMULATE in self.policy.observes
+        """The policy observes each row's accumulated attention, or the cache records it (``record_attention``): the
+        attention path adds to ``stat:attention``."""
+        return self.config.record_attention or Observation.ACCUMULATE in self.policy.observes
 
     @property
     def observation_window(self) -> int:
