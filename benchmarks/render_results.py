@@ -201,13 +201,23 @@ def render_decode_step(entry: dict[str, Any], rows: list[dict[str, Any]], path: 
     extra = (f"Context {', '.join(map(str, context))} tokens, {', '.join(map(str, steps))} interleaved rounds, "
              f"OMP_WAIT_POLICY={', '.join(omp) or '?'}" + (f"; the machine read {read:.1f} GB/s" if read else "") + ".")
     base = rows[0]
-    lines = ["| arm | CPU ms/step (1 thread) | vs " + base["arm"] + " | wall ms/step (2 threads) | vs " + base["arm"]
-             + " | KV MiB read/step | index MiB/step |", "|---|---:|---:|---:|---:|---:|---:|"]
+    wall = all(r.get("wall_ms_2t") for r in rows)  # a 1-thread-only run (--threads 1) has no wall column
+    bound = all(r.get("bound_mib_per_step") for r in rows)  # weights and untiered layers stated (since issue 45)
+    head = "| arm | CPU ms/step (1 thread) | vs " + base["arm"]
+    head += (" | wall ms/step (2 threads) | vs " + base["arm"]) if wall else ""
+    head += " | KV MiB read/step | index MiB/step"
+    head += " | untiered MiB/step | weights MiB | bytes vs " + base["arm"] if bound else ""
+    lines = [head + " |", "|---|" + "---:|" * (head.count("|") - 1)]
     for r in rows:
         kv = "n/a" if r.get("kv_mib_per_step") is None else f"{r['kv_mib_per_step']:.1f}"
-        lines.append(f"| {r['arm']} | {r['cpu_ms_1t']:.1f} | {r['cpu_ms_1t'] / base['cpu_ms_1t']:.2f}x | "
-                     f"{r['wall_ms_2t']:.1f} | {r['wall_ms_2t'] / base['wall_ms_2t']:.2f}x | {kv} | "
-                     f"{r.get('index_mib_per_step') or 0:.2f} |")
+        cells = [r["arm"], f"{r['cpu_ms_1t']:.1f}", f"{r['cpu_ms_1t'] / base['cpu_ms_1t']:.2f}x"]
+        if wall:
+            cells += [f"{r['wall_ms_2t']:.1f}", f"{r['wall_ms_2t'] / base['wall_ms_2t']:.2f}x"]
+        cells += [kv, f"{r.get('index_mib_per_step') or 0:.2f}"]
+        if bound:
+            cells += [f"{r['untiered_mib_per_step']:.1f}", f"{r['weights_mib']:.0f}",
+                      f"{r['bound_mib_per_step'] / base['bound_mib_per_step']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
     parts = [_provenance(entry, None, machine, extra), "", *lines]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
