@@ -72,6 +72,23 @@ _NIAH_INTRO = (
 _NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
 _NIAH_QUESTION = "What are all the special magic numbers for {query} mentioned in the provided text?"
 _NIAH_ANSWER_PREFIX = "The special magic numbers for {query} mentioned in the provided text are:"
+# niah_multiturn's facts: one template per turn (needle, question, answer prefix), so each question points at one fact
+# -- with four needles of one template Gemma-3-270M, even with the full cache, answered 1 of 4 turns at 16k by listing
+# the other needles' numbers; with these, 4 of 4 at 8k and 16k (docs/evaluation.md)
+_TURN_INTRO = ("Some special facts are hidden within the following text. Make sure to memorize them. "
+               "I will quiz you about them afterwards.")
+_TURN_FACTS = (
+    (_NIAH_NEEDLE, _NIAH_QUESTION, _NIAH_ANSWER_PREFIX),
+    ("The secret passcode of the {key} vault is {value}.",
+     "What is the secret passcode of the {query} vault mentioned in the provided text?",
+     "The secret passcode of the {query} vault mentioned in the provided text is"),
+    ("The phone number of the {key} bakery is {value}.",
+     "What is the phone number of the {query} bakery mentioned in the provided text?",
+     "The phone number of the {query} bakery mentioned in the provided text is"),
+    ("The {key} expedition found {value} gold coins.",
+     "How many gold coins did the {query} expedition find, according to the provided text?",
+     "According to the provided text, the {query} expedition found"),
+)
 _VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text."
 _VT_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
 _VT_ANSWER_PREFIX = (
@@ -530,19 +547,20 @@ def _cwe(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) -> Task:
 
 
 def _niah_multiturn(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) -> Task:
-    """Four needles of distinct keys in one context; four turns, one key each: the key at ``spec.depth`` first, the
-    others in a seeded order. A later turn needs a fact the first question did not point at, which is where eviction
-    at the context's end loses what a retrieval tier can bring back."""
+    """Four facts of four kinds in one context (a magic number, a vault's passcode, a bakery's phone number, an
+    expedition's gold coins: :data:`_TURN_FACTS`), each with its own key and a 7-digit value; four turns, one fact
+    each: the one at ``spec.depth`` first, the others in a seeded order. A later turn needs a fact the first question
+    did not point at, which is where eviction at the context's end loses what a retrieval tier can bring back."""
     rng = random.Random(f"niah_multiturn:{spec.seed}")
     keys, values = _keys(rng, NUM_NEEDLES), _values(rng, NUM_NEEDLES)
-    needles = [_NIAH_NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
+    needles = [fact[0].format(key=k, value=v) for fact, k, v in zip(_TURN_FACTS, keys, values)]
     depths = [spec.depth] + [rng.random() for _ in range(NUM_NEEDLES - 1)]
     built = _assemble(
-        tokenizer, _NIAH_INTRO, haystack_sentences(spec.haystack, spec.seed),
+        tokenizer, _TURN_INTRO, haystack_sentences(spec.haystack, spec.seed),
         list(zip(depths, needles)), spec.context_tokens, continuation_tokens,
     )
     asked = [0] + rng.sample(range(1, NUM_NEEDLES), NUM_NEEDLES - 1)
-    turns = [Turn(_NIAH_QUESTION.format(query=keys[i]), _NIAH_ANSWER_PREFIX.format(query=keys[i]), (values[i],))
+    turns = [Turn(_TURN_FACTS[i][1].format(query=keys[i]), _TURN_FACTS[i][2].format(query=keys[i]), (values[i],))
              for i in asked]
     return _needle_task(spec, tokenizer, built, needles, turns[0], {"keys": keys, "values": values, "asked": asked},
                         tuple(turns[1:]))
