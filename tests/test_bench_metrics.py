@@ -203,6 +203,7 @@ def test_a_multiturn_trial_asks_every_turn_on_the_one_compressed_cache_and_score
     row = run_trial(tiny, BYTES, task, registry.get("snapkv", ratio=4), max_new_tokens=3, stop_when_answered=False,
                     one_forward=False)
     assert len(row["turn_scores"]) == 4 and row["score"] == sum(row["turn_scores"]) / 4
+    assert row["later_turns_score"] == sum(row["turn_scores"][1:]) / 3
     assert row["turn_answers"][1:] == [list(t.answers) for t in task.later_turns]
     assert len(row["turn_predictions"]) == 4 and row["turns_s"] > 0
     turns = [f for f in forwards if f[0].startswith("turn ")]

@@ -164,7 +164,8 @@ class TrialMeasurements:
             "prediction": self.prediction,
             "answers": list(self.task.answers),
             "score": sum(turns) / len(turns),  # a multi-turn task: the mean over its turns (turn_scores: each)
-            **({"turn_scores": turns, "turn_predictions": [self.prediction, *self.later_predictions],
+            **({"turn_scores": turns, "later_turns_score": sum(turns[1:]) / len(turns[1:]),  # where eviction bites
+                "turn_predictions": [self.prediction, *self.later_predictions],
                 "turn_answers": [list(self.task.answers), *(list(t.answers) for t in self.task.later_turns)]}
                if self.task.later_turns else {}),
             "teacher_forcing": TEACHER_FORCING,
