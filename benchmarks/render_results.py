@@ -15,6 +15,10 @@ Kinds:
   ``kvzoo.bench.report``; date and machine from the rows (``finished_at``, ``versions``), the wall time and load from
   the run record ``<file stem>.run.json`` that ``python -m kvzoo.demo`` writes beside its rows. ``headline = true``
   also renders README.md's one table (between its ``kvzoo:headline`` markers) and the quality-cost frontier PNG.
+* ``length_grid``: rows of ``kvzoo leaderboard`` over several tasks and context lengths (the ``long`` preset):
+  ``full``'s score per task and length and the longest length where it answers >= 0.8 (the one a comparison reads),
+  then per ``fields = [[field, format, heading], ...]`` (default the score) a table of (policy, ratio) lines by (task,
+  length) columns, then the detail table; ``where`` keeps some rows.
 * ``decode_step``: rows of ``benchmarks/decode_step.py --json``: time and bytes of one decode step per arm, and the
   parts of a step when it ran with ``--profile``.
 * ``step_ops``: the JSON of ``benchmarks/step_ops.py --json``: ops one decode step launches, per cache.
@@ -147,6 +151,24 @@ def render_leaderboard(entry: dict[str, Any], rows: list[dict[str, Any]], path: 
     latest = list({r["key"]: r for r in rows}.values())  # the latest row of each trial, as the leaderboard reads
     parts = [_provenance(entry, date, machine, _run_line(run_record(path), latest)), "", report.caption(latest), "",
              report.leaderboard_table(latest), "", report.detail_table(latest)]
+    issues = report.problems(latest)
+    if issues:
+        parts += ["", "Skipped or failed:", *[f"- {line}" for line in issues]]
+    return "\n".join(parts)
+
+
+def render_length_grid(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    """A grid over tasks and context lengths (the ``long`` preset): ``full``'s curve and the length each task's
+    comparison reads, then one table per ``fields`` entry ([field, format, heading]): per (policy, ratio) line, the
+    mean per (task, length) column; then the detail table."""
+    date, machine = _leaderboard_provenance(rows)
+    latest = _where(entry, list({r["key"]: r for r in rows}.values()))
+    parts = [_provenance(entry, date, machine, _run_line(run_record(path), latest)), "", report.caption(latest), "",
+             f"Full cache by task and length (a comparison reads the longest length where it answers >= "
+             f"{report.FULL_ENOUGH:g}):", "", report.full_curve(latest)]
+    for field, fmt, heading in entry.get("fields", [["score", ".2f", "Score"]]):
+        parts += ["", f"{heading}:", "", report.length_table(latest, field, fmt)]
+    parts += ["", report.detail_table(latest)]
     issues = report.problems(latest)
     if issues:
         parts += ["", "Skipped or failed:", *[f"- {line}" for line in issues]]
@@ -344,6 +366,7 @@ def render_pivot(entry: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
 
 KINDS: dict[str, Callable[[dict[str, Any], list[dict[str, Any]], Path], str]] = {
     "leaderboard": render_leaderboard,
+    "length_grid": render_length_grid,
     "decode_step": render_decode_step,
     "step_ops": render_step_ops,
     "table": render_table,

@@ -168,6 +168,74 @@ def detail_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+FULL_ENOUGH = 0.8  # where `full` answers below this, a length is too hard for the model to compare policies on
+
+
+def _groups(rows: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
+    """The (task, context length) pairs of ``rows``, tasks in first-seen order, lengths ascending."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    return sorted({(r["task"], r["context_tokens"]) for r in rows}, key=lambda g: (tasks.index(g[0]), g[1]))
+
+
+def comparison_lengths(rows: Sequence[dict[str, Any]], threshold: float = FULL_ENOUGH) -> dict[str, int | None]:
+    """Per task, the longest context length at which ``full`` answers at least ``threshold`` of its trials (None:
+    at none): the length a comparison of policies reads -- past it, a miss is the model's, not the cache's."""
+    out: dict[str, int | None] = {}
+    for task, length in _groups(rows):
+        score = _mean(r["score"] for r in rows if r["status"] == "ok" and r["policy"] == REFERENCE_POLICY
+                      and r["task"] == task and r["context_tokens"] == length)
+        out.setdefault(task, None)
+        if score is not None and score >= threshold:
+            out[task] = length
+    return out
+
+
+def full_curve(rows: Sequence[dict[str, Any]], threshold: float = FULL_ENOUGH) -> str:
+    """One line per task: ``full``'s score at each length (trials in brackets), and the length compared."""
+    lines = []
+    compared = comparison_lengths(rows, threshold)
+    for task in dict.fromkeys(t for t, _ in _groups(rows)):
+        points = []
+        for _, length in [g for g in _groups(rows) if g[0] == task]:
+            mine = [r["score"] for r in rows if r["status"] == "ok" and r["policy"] == REFERENCE_POLICY
+                    and r["task"] == task and r["context_tokens"] == length]
+            points.append(f"{_fmt(_mean(mine))} at {length} ({len(mine)})" if mine else f"n/a at {length}")
+        chosen = compared[task]
+        verdict = (f"compare at {chosen} tokens" if chosen is not None
+                   else f"full answers below {threshold:g} at every length: no comparison")
+        lines.append(f"- {task}: full {', '.join(points)} -> {verdict}")
+    return "\n".join(lines)
+
+
+def length_table(rows: Sequence[dict[str, Any]], field: str = "score", spec: str = ".2f",
+                 threshold: float = FULL_ENOUGH) -> str:
+    """One line per (policy, ratio), one column per (task, context length): the mean of ``field`` over the ok trials
+    (their count in brackets where cells differ); a column where ``full`` answers below ``threshold`` is marked."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    groups = _groups(ok)
+    full_at = {g: _mean(r["score"] for r in ok if r["policy"] == REFERENCE_POLICY
+                        and (r["task"], r["context_tokens"]) == g) for g in groups}
+    header = ["policy", "ratio"] + [f"{t} {n}" + (f" (full < {threshold:g})" if full_at[(t, n)] is not None
+                                                   and full_at[(t, n)] < threshold else "") for t, n in groups]
+    cells_of: dict[tuple[str, float | None], dict[tuple[str, int], list[float]]] = {}
+    for r in ok:
+        if r.get(field) is None:
+            continue
+        cells_of.setdefault((r["policy"], r.get("ratio")), {}).setdefault((r["task"], r["context_tokens"]), []).append(
+            r[field])
+    counts = {len(v) for line in cells_of.values() for v in line.values()}
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * len(groups)]
+    order = policy_order(ok)
+    for policy, ratio in sorted(cells_of, key=lambda k: (order.index(k[0]), -1.0 if k[1] is None else k[1])):
+        line = cells_of[(policy, ratio)]
+        cells = [policy, _ratio_label(ratio)]
+        for g in groups:
+            held = line.get(g)
+            cells.append("-" if not held else _fmt(_mean(held), spec) + (f" ({len(held)})" if len(counts) > 1 else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def problems(rows: Sequence[dict[str, Any]]) -> list[str]:
     """``policy ratio: status: error`` for each distinct skipped or failed cell."""
     seen: dict[tuple[str, str, str], str] = {}
@@ -218,6 +286,9 @@ def render(rows: Sequence[dict[str, Any]], *, title: str = "kvzoo leaderboard", 
     for model in models:
         mine = [r for r in rows if r["model"] == model]
         out += [f"## {title}: {model}", "", caption(mine), "", leaderboard_table(mine), ""]
+        if len(_groups([r for r in mine if r["status"] == "ok"])) > 1:  # several tasks or lengths: each apart
+            out += [f"Full cache by task and length (a comparison reads the longest length where it answers >= "
+                    f"{FULL_ENOUGH:g}):", "", full_curve(mine), "", "Score by task and length:", "", length_table(mine), ""]
         if detail:
             out += [detail_table(mine), ""]
         issues = problems(mine)
