@@ -238,7 +238,7 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
     extra = _window_mask(layer, rows, query.shape[2], rows.valid.shape[1]) if query.shape[2] > 1 else None
     if layer.runtime.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
-                                        column_sums=True, extra_mask=extra)
+                                        column_sums=True, extra_mask=extra, bottom_right=rows.plain_causal)
         layer.accumulate_rows(received_attention(sums[..., rows.tier], layer.batch_groups[1]))  # MLA: its heads into the one group
         return out
     if sdpa:

@@ -72,10 +72,14 @@ def attention_reference(
     column_sums: bool = False,
     query_chunk: int | None = None,
     extra_mask: torch.Tensor | None = None,
+    bottom_right: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``.
 
-    ``extra_mask [B, G, q, n]`` (bool), when given, further restricts what each query reads.
+    ``extra_mask [B, G, q, n]`` (bool), when given, further restricts what each query reads. ``bottom_right=True``
+    promises the rows are the bottom-right causal case (no padding, in slot order, the queries' own rows last): a
+    block of queries then scores only the rows its last query reaches (a causal prefill: half the products); the
+    rows past them, unreadable, get no probability either way.
 
     Scores are the rows' dtype's product (fp32 accumulation) upcast to fp32, the softmax is fp32
     (:func:`row_scores`, :func:`attend_scores`); the output has the query's dtype, ``[B, H, q, Dv]``.
@@ -91,13 +95,14 @@ def attention_reference(
     query_chunk = query_chunk or query_block(B * H, n)
     for start in range(0, q_len, query_chunk):
         stop = min(start + query_chunk, q_len)
-        allowed = row_mask(key_slots, key_valid, query_slots[start:stop])  # [B, G, c, n]
+        reach = n - q_len + stop if bottom_right else n  # the rows the block's last query may read
+        allowed = row_mask(key_slots[..., :reach], key_valid[..., :reach], query_slots[start:stop])  # [B, G, c, reach]
         if extra_mask is not None:
-            allowed = allowed & extra_mask[:, :, start:stop]
-        scores = row_scores(query[:, :, start:stop], keys, scaling, allowed)
-        out[:, :, start:stop], _, (probs,) = attend_scores([scores], [values], query.dtype)
+            allowed = allowed & extra_mask[:, :, start:stop, :reach]
+        scores = row_scores(query[:, :, start:stop], keys[:, :, :reach], scaling, allowed)
+        out[:, :, start:stop], _, (probs,) = attend_scores([scores], [values[:, :, :reach]], query.dtype)
         if sums is not None:
-            sums += received_attention(probs, G)
+            sums[..., :reach] += received_attention(probs, G)
     return out, sums
 
 
