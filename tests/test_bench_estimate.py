@@ -85,3 +85,12 @@ def test_the_leaderboard_command_prints_the_estimate_before_the_first_trial(tmp_
     assert main(["leaderboard", "--preset", "tiny", "--policies", "full", "--positions", "after", "--no-plots",
                  "--no-progress", "--out", str(out)]) == 0
     assert "estimated time" not in capsys.readouterr().err  # nothing left to run: nothing to estimate
+
+
+def test_a_block_policy_pays_the_shared_first_block_once_and_the_rest_of_its_prompt_each_time():
+    g = grid(policies=("vestige(block_size=256)",), ratios=(4, 8), positions=("after",))
+    trials = [t for t in runner.plan(g) if t.policy != "full"]
+    est = estimate.estimate(trials, g)
+    first, second = trials
+    assert est.by_policy["vestige(block_size=256)"][1] == pytest.approx(
+        estimate.trial_seconds(first, g) + estimate.trial_seconds(second, g, prefill_tokens=1000 - 256))

@@ -98,7 +98,8 @@ def _same_row(a: dict, b: dict) -> None:
 # every registered policy, on a plain model and on a hybrid one (Gemma 3: sliding layers beside the tiered ones);
 # whether it continued the shared prefill (a one-forward prefill of 200 tokens) or made its own
 SHARES = {"full": False, "streaming_llm": True, "snapkv": True, "h2o": False, "h2o(ratio=8)": True, "chunkkv": True,
-          "quest": True, "vestige": True, "vestige(block_size=64)": False, "streaming_llm(prefill=stream)": False}
+          "quest": True, "vestige": True, "vestige(block_size=64)": False, "vestige(block_size=64,ratio=8)": True,
+          "streaming_llm(prefill=stream)": False}
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -117,7 +118,8 @@ def test_the_runner_gives_the_same_row_with_a_shared_prefill(family, tiny):
                                        shared_key=key)
         alone = runner.run_trial(model, ByteTokenizer(), task, policy, max_new_tokens=4)
         _same_row(with_shared, alone)
-        # full made the dense prefill, h2o at 4x the one recording attention; the rest reused one or prefilled alone
+        # full made the dense prefill, h2o at 4x the one recording attention, vestige with blocks of 64 the first block
+        # of the 200-token context (at 8x it reuses that block and prefills the rest itself); the rest reused one
         assert with_shared["prefill_shared"] == shares, name
         assert not alone["prefill_shared"]
     chunked = runner.run_trial(model, ByteTokenizer(), task, registry.get("quest", ratio=4), max_new_tokens=4,

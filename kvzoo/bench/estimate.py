@@ -66,58 +66,63 @@ def cost_of(policy: str) -> Cost:
     return COSTS.get(policy.split("(", 1)[0].strip(), DEFAULT_COST)
 
 
-def _shares_prefill(policy: str, ratio: float | None, one_forward: int | None) -> str | None:
-    """Which shared prefill ``policy`` continues: ``"dense"``, ``"attention"`` (the one recording each row's
-    attention, for an accumulating policy), or None (its own; also when it does not build); ``one_forward``: the
-    prompt's length when its prefill is one forward (``SharedPrefill.one_forward``)."""
+def _shares_prefill(policy: str, ratio: float | None, tokens: int, chunk_size: int | None) -> tuple[str, int] | None:
+    """Which shared prefill ``policy`` continues on a prompt of ``tokens`` and over how many of them
+    (:meth:`~kvzoo.bench.trial.SharedPrefill.kind`); None: its own (also when it does not build)."""
     from kvzoo.bench.planner import build_policy
-    from kvzoo.framework.cache import dense_prefill_problem
+    from kvzoo.bench.trial import SharedPrefill
 
     try:
         built = build_policy(policy, ratio)
     except Exception:  # noqa: BLE001 - it will be recorded as skipped: it costs nothing
         return None
-    attention = "accumulate" in built.observes
-    if dense_prefill_problem(built, one_forward=one_forward, attention_recorded=attention) is not None:
-        return None
-    return "attention" if attention else "dense"
+    return SharedPrefill.kind(built, tokens, chunk_size)
 
 
-def trial_seconds(trial: Any, grid: Any, *, prefill: bool = True) -> float:
+def _prompt_tokens(trial: Any) -> int:
+    return trial.task.context_tokens + (QUESTION_TOKENS if trial.position == "before" else 0)
+
+
+def trial_seconds(trial: Any, grid: Any, *, prefill: bool = True, prefill_tokens: int | None = None) -> float:
     """Estimated seconds of ``trial`` (a :class:`~kvzoo.bench.planner.Trial`) of ``grid``; ``prefill=False``: without
-    its prefill (a fork of the shared one)."""
+    its prefill (a fork of a shared one); ``prefill_tokens``: with a prefill of that many tokens (the rest of a
+    shared first block)."""
     from kvzoo.bench.tasks import MAX_NEW_TOKENS
 
     cost = cost_of(trial.policy)
-    prompt = trial.task.context_tokens + (QUESTION_TOKENS if trial.position == "before" else 0)
+    prompt = _prompt_tokens(trial)
     allowed = grid.max_new_tokens or MAX_NEW_TOKENS[trial.task.task]
     generated = round(0.9 * allowed)  # greedy decoding stops once answered, or runs to the end
     answer = ANSWER_TOKENS.get(trial.task.task, max(1, round(0.4 * allowed)))
     continuation = round(CONTINUATION_OVERSHOOT * grid.continuation_tokens) if trial.position == "after" else 0
     steps = max(0, continuation - 1) + (answer - 1) + generated
     seconds = cost.fixed + cost.step * (steps + (ONE_FORWARD_STEPS if grid.one_forward else 0))
-    return seconds + (cost.prefill_per_ktoken * prompt / 1000 if prefill else 0.0)
+    prefilled = (prompt if prefill else 0) if prefill_tokens is None else prefill_tokens
+    return seconds + cost.prefill_per_ktoken * prefilled / 1000
 
 
 def estimate(trials: Sequence[Any], grid: Any) -> Estimate:
     """The estimated time of ``trials`` (of ``grid``): each priced by :func:`trial_seconds`, each shared prefill
-    (the dense one, the one recording attention) once per (model, task, question position), by the first policy to
-    continue it."""
+    (dense, recording attention, a first block) once per (model, task, question position), by the first policy to
+    continue it; a policy continuing a first block pays the rest of its prompt."""
     by_policy: dict[str, tuple[int, float]] = {}
     prefilled: set[tuple[str, str]] = set()
-    shares: dict[tuple[str, float | None, int | None], str | None] = {}
+    shares: dict[tuple[str, float | None, int], tuple[str, int] | None] = {}
     for trial in trials:
-        prompt = trial.task.context_tokens + (QUESTION_TOKENS if trial.position == "before" else 0)
-        key = (trial.policy, trial.ratio, prompt if grid.chunk_size is None or grid.chunk_size >= prompt else None)
+        prompt = _prompt_tokens(trial)
+        key = (trial.policy, trial.ratio, prompt)
         if key not in shares:
-            shares[key] = _shares_prefill(*key)
+            shares[key] = _shares_prefill(trial.policy, trial.ratio, prompt, grid.chunk_size)
         kind = shares[key]
-        group = (trial.reference().key, kind or "")
-        pays = kind is None or group not in prefilled
-        if kind is not None:
+        if kind is None:
+            seconds = trial_seconds(trial, grid)
+        else:
+            group = (trial.reference().key, kind[0])
+            own = prompt - kind[1] + (kind[1] if group not in prefilled else 0)
             prefilled.add(group)
-        n, seconds = by_policy.get(trial.policy, (0, 0.0))
-        by_policy[trial.policy] = (n + 1, seconds + trial_seconds(trial, grid, prefill=pays))
+            seconds = trial_seconds(trial, grid, prefill_tokens=own)
+        n, total = by_policy.get(trial.policy, (0, 0.0))
+        by_policy[trial.policy] = (n + 1, total + seconds)
     return Estimate(len(trials), by_policy)
 
 

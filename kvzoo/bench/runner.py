@@ -43,8 +43,9 @@ prefill's, bit for bit, and a policy that acts after each forward (StreamingLLM'
 block (VestigeKV, when the context fits one block) acts once on the fork, as after its own one forward -- so the
 row is the one a prefill of its own gives (``prefill_shared`` says it was reused; ``prefill_s`` is the shared
 prefill's time). H2O, which accumulates the attention every prefill query gives every row (a fused SDPA prefill does
-not compute it), continues a second shared prefill that records it, one for all its ratios. On their own prefill:
-StreamingLLM's ``prefill="stream"`` (token by token), VestigeKV on a
+not compute it), continues a second shared prefill that records it, one for all its ratios; VestigeKV on a context
+longer than its block continues a third, the context's first block, and prefills the rest itself. On their own
+prefill: StreamingLLM's ``prefill="stream"`` (token by token), VestigeKV's later blocks on a
 context longer than its block (each block after the first attends to what the earlier ones kept), and every policy
 of a grid whose ``chunk_size`` cuts the context (a per-step policy acts after each chunk).
 

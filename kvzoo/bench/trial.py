@@ -74,18 +74,25 @@ class Reference:
 
 
 class SharedPrefill:
-    """The latest prefill of one (model, task, question position), kept to serve every policy that can continue it
-    (``TieredCache.fork_as``): one that acts only at the context's end, and -- when the trial's prefill is one forward
-    (no ``chunk_size`` shorter than the context) -- one that acts after each forward or block of the prefill, which
-    then acts once, after that forward. Two prefills at most per group: the dense one, and (made when an accumulating
-    policy, H2O, first asks) one that records each row's received attention, which every ratio of that policy
-    shares. ``record_window``: the most observation-window queries any of those policies reads (the prefills keep
-    that many)."""
+    """The prefills of one (model, task, question position), kept to serve every policy that can continue one
+    (``TieredCache.fork_as``), each made when a policy first asks for it:
+
+    * ``dense``: the context in the trial's chunks, for a policy that acts only at the context's end, and -- when
+      the trial's prefill is one forward (no ``chunk_size`` shorter than the context) -- one that acts after each
+      forward or block of the prefill, which then acts once, after that forward;
+    * ``attention``: the same, recording each row's received attention, for an accumulating policy (H2O), one for
+      all its ratios;
+    * ``block:<size>``: the context's first block, for a policy whose own prefill goes a block at a time (VestigeKV on
+      a context longer than its block): that first forward is a dense one whatever the ratio; the fork fires its
+      block event and prefills the rest of the context itself.
+
+    ``record_window``: the most observation-window queries any of those policies reads (the prefills keep that
+    many)."""
 
     def __init__(self, record_window: int = 0) -> None:
         self.record_window = record_window
         self.key: tuple | None = None
-        self.prefills: dict[bool, tuple[TieredCache, torch.Tensor, float]] = {}  # attention recorded -> prefill
+        self.prefills: dict[str, tuple[TieredCache, torch.Tensor, float]] = {}  # kind -> (cache, logits, seconds)
 
     def clear(self) -> None:
         for base, _, _ in self.prefills.values():
@@ -98,29 +105,51 @@ class SharedPrefill:
         n = int(prefix.shape[1])
         return n if chunk_size is None or chunk_size >= n else None
 
+    @classmethod
+    def kind(cls, policy: Policy, tokens: int, chunk_size: int | None) -> tuple[str, int] | None:
+        """Which shared prefill ``policy`` continues on a context of ``tokens`` and over how many of them:
+        ``("dense", tokens)``, ``("attention", tokens)``, ``("block:<size>", size)``, or None (its own)."""
+        one_forward = tokens if chunk_size is None or chunk_size >= tokens else None
+        attention = "accumulate" in policy.observes
+        if dense_prefill_problem(policy, one_forward=one_forward, attention_recorded=attention) is None:
+            return ("attention" if attention else "dense"), tokens
+        block = policy.block_size if policy.schedule == "block" and policy.closes_each_block else None
+        if (block and tokens > block and chunk_size in (None, block)
+                and dense_prefill_problem(policy, one_forward=block) is None):
+            return f"block:{block}", block
+        return None
+
     @torch.no_grad()
     def fork(self, key: tuple, model: torch.nn.Module, prefix: torch.Tensor, chunk_size: int | None, audit: bool,
              policy: Policy) -> tuple[TieredCache, torch.Tensor, float, bool] | None:
-        """``(cache, first_logits, prefill seconds, reused)`` continuing the shared prefill of ``prefix`` as
-        ``policy``, its context ended (made now unless this group's was made already), or None when ``policy``
-        cannot share it."""
-        one_forward = self.one_forward(prefix, chunk_size)
-        attention = "accumulate" in policy.observes
-        if dense_prefill_problem(policy, one_forward=one_forward, attention_recorded=attention) is not None:
+        """``(cache, first_logits, prefill seconds, reused)`` continuing a shared prefill of ``prefix`` as ``policy``,
+        its context ended (the shared part made now unless this group's was made already; the prefill seconds are
+        the shared part's and, for a ``block`` one, the rest's), or None when ``policy`` cannot share one."""
+        n = int(prefix.shape[1])
+        kind = self.kind(policy, n, chunk_size)
+        if kind is None:
             return None
+        name, tokens = kind
         if key != self.key:
             self.clear()
             self.key = key
-        reused = attention in self.prefills
+        reused = name in self.prefills
         if not reused:
-            base = TieredCache(model, "full", context_length=prefix.shape[1], audit=audit,
-                               record_window=self.record_window, record_attention=attention)
+            base = TieredCache(model, "full", context_length=n, audit=audit, record_window=self.record_window,
+                               record_attention=name == "attention")
             started = time.perf_counter()
-            logits = pipeline.prefill(model, base, prefix, chunk_size,
-                                      phase="shared prefill" + (" (attention recorded)" if attention else ""))
-            self.prefills[attention] = (base, logits, time.perf_counter() - started)
-        base, logits, seconds = self.prefills[attention]
-        ends = one_forward is not None
+            logits = pipeline.prefill(model, base, prefix[:, :tokens], chunk_size if tokens == n else None,
+                                      phase=f"shared prefill ({name})")
+            self.prefills[name] = (base, logits, time.perf_counter() - started)
+        base, logits, seconds = self.prefills[name]
+        if tokens < n:  # the first block: its event on the fork, then the rest of the context as the policy's own
+            if base.prefill_shared_with(policy, one_forward=True) is not None:
+                return None
+            cache = base.fork_as(policy, one_forward=True)
+            started = time.perf_counter()
+            logits = pipeline.prefill(model, cache, prefix[:, tokens:], chunk_size, ends_context=True)
+            return cache, logits, seconds + time.perf_counter() - started, reused
+        ends = self.one_forward(prefix, chunk_size) is not None
         if base.prefill_shared_with(policy, ends_context=ends) is not None:
             return None
         return base.fork_as(policy, ends_context=ends), logits, seconds, reused

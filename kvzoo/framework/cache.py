@@ -368,7 +368,8 @@ class TieredCache(Cache):
         runtime.resident = runtime.peak_resident = sum(layer.n for layer in clone.tiered_layers if layer.is_initialized)
         return clone
 
-    def prefill_shared_with(self, policy: Policy | str, *, ends_context: bool = False) -> str | None:
+    def prefill_shared_with(self, policy: Policy | str, *, ends_context: bool = False,
+                            one_forward: bool = False) -> str | None:
         """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can.
 
         It can when nothing so far depended on the policy: no event has fired (nothing compressed, nothing
@@ -386,7 +387,8 @@ class TieredCache(Cache):
             return f"this cache's policy {problem}"
         rows = max((la.seen for la in self.tiered_layers), default=0)
         recorded = self.runtime.config.record_attention
-        problem = dense_prefill_problem(policy, one_forward=rows if ends_context else None, attention_recorded=recorded)
+        problem = dense_prefill_problem(policy, one_forward=rows if ends_context or one_forward else None,
+                                        attention_recorded=recorded)
         if problem is not None:
             return f"the new policy {problem}" + (" (create this cache with record_attention=True)"
                                                   if "accumulate" in problem else "")
@@ -402,7 +404,7 @@ class TieredCache(Cache):
                     f"{self.runtime.observation_window} (create it with record_window={needed})")
         return None
 
-    def fork_as(self, policy: Policy | str, *, ends_context: bool = False) -> TieredCache:
+    def fork_as(self, policy: Policy | str, *, ends_context: bool = False, one_forward: bool = False) -> TieredCache:
         """A new cache that continues this prefilled, not yet compressed one as ``policy``: a constructor.
 
         One dense prefill then serves several policies that would have computed the very same prefill
@@ -415,16 +417,18 @@ class TieredCache(Cache):
         ``ends_context=True``: the prefill was the context, and ``policy``'s own prefill of it would have been one
         forward that ends it (:meth:`context_end`): the fork ends it as that forward would have, layer by layer --
         the policy's scheduled event (a ``step`` or a ``block`` policy's), then ``context_end``. So a policy that
-        acts during its prefill, when that prefill is one forward, shares a dense one too.
+        acts during its prefill, when that prefill is one forward, shares a dense one too. ``one_forward=True``: the
+        prefill so far was the first forward of ``policy``'s own prefill, not the context's end (VestigeKV's first
+        block of a longer context): the fork fires that forward's scheduled event, and the prefill goes on on the fork.
         """
         policy = resolve_policy(policy)
-        problem = self.prefill_shared_with(policy, ends_context=ends_context)
+        problem = self.prefill_shared_with(policy, ends_context=ends_context, one_forward=one_forward)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
         clone = self._continue_as(policy)
-        if ends_context:
+        if ends_context or one_forward:
             runtime = clone.runtime
-            runtime.ending = True
+            runtime.ending = ends_context
             for layer in clone.tiered_layers:  # what each layer's attention would have fired, in the forward's order
                 runtime.after_forward(layer)
             runtime.ending = False
