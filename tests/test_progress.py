@@ -105,7 +105,7 @@ def test_the_leaderboard_shows_each_trials_phases(tmp_path: Path, monkeypatch: p
                                for r in rows]
     phases = recorder.phases()
     assert phases[0] == "loading tiny-llama"
-    for name in ("shared dense prefill chunk 1/1", "compress", "answer NLL, one decode step per token",
+    for name in ("shared prefill (dense) chunk 1/1", "compress", "answer NLL, one decode step per token",
                  "continuation CE, one decode step per token", "question chunk 1/1", "decode"):
         assert name in phases, name
 

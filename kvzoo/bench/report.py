@@ -210,7 +210,8 @@ def full_curve(rows: Sequence[dict[str, Any]], threshold: float = FULL_ENOUGH) -
 def length_table(rows: Sequence[dict[str, Any]], field: str = "score", spec: str = ".2f",
                  threshold: float = FULL_ENOUGH) -> str:
     """One line per (policy, ratio), one column per (task, context length): the mean of ``field`` over the ok trials
-    (their count in brackets where cells differ); a column where ``full`` answers below ``threshold`` is marked."""
+    (their count in brackets where cells differ); a column where ``full`` answers below ``threshold`` is marked. A
+    configured variant (``vestige(ratio=64)``) shows the ratio its configuration holds."""
     ok = [r for r in rows if r["status"] == "ok"]
     groups = _groups(ok)
     full_at = {g: _mean(r["score"] for r in ok if r["policy"] == REFERENCE_POLICY
@@ -221,8 +222,8 @@ def length_table(rows: Sequence[dict[str, Any]], field: str = "score", spec: str
     for r in ok:
         if r.get(field) is None:
             continue
-        cells_of.setdefault((r["policy"], r.get("ratio")), {}).setdefault((r["task"], r["context_tokens"]), []).append(
-            r[field])
+        ratio = r.get("ratio") if r.get("ratio") is not None else (r.get("policy_config") or {}).get("ratio")
+        cells_of.setdefault((r["policy"], ratio), {}).setdefault((r["task"], r["context_tokens"]), []).append(r[field])
     counts = {len(v) for line in cells_of.values() for v in line.values()}
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * len(groups)]
     order = policy_order(ok)
