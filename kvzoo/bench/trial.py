@@ -100,18 +100,17 @@ class SharedPrefill:
         self.key, self.prefills = None, {}
 
     @staticmethod
-    def one_forward(prefix: torch.Tensor, chunk_size: int | None) -> int | None:
+    def one_forward(tokens: int, chunk_size: int | None) -> int | None:
         """The context's length when a policy's own prefill of it is one forward (None when ``chunk_size`` cuts it)."""
-        n = int(prefix.shape[1])
-        return n if chunk_size is None or chunk_size >= n else None
+        return tokens if chunk_size is None or chunk_size >= tokens else None
 
     @classmethod
     def kind(cls, policy: Policy, tokens: int, chunk_size: int | None) -> tuple[str, int] | None:
         """Which shared prefill ``policy`` continues on a context of ``tokens`` and over how many of them:
         ``("dense", tokens)``, ``("attention", tokens)``, ``("block:<size>", size)``, or None (its own)."""
-        one_forward = tokens if chunk_size is None or chunk_size >= tokens else None
         attention = "accumulate" in policy.observes
-        if dense_prefill_problem(policy, one_forward=one_forward, attention_recorded=attention) is None:
+        if dense_prefill_problem(policy, one_forward=cls.one_forward(tokens, chunk_size),
+                                 attention_recorded=attention) is None:
             return ("attention" if attention else "dense"), tokens
         block = policy.block_size if policy.schedule == "block" and policy.closes_each_block else None
         if (block and tokens > block and chunk_size in (None, block)
@@ -149,7 +148,7 @@ class SharedPrefill:
             started = time.perf_counter()
             logits = pipeline.prefill(model, cache, prefix[:, tokens:], chunk_size, ends_context=True)
             return cache, logits, seconds + time.perf_counter() - started, reused
-        ends = self.one_forward(prefix, chunk_size) is not None
+        ends = self.one_forward(n, chunk_size) is not None
         if base.prefill_shared_with(policy, ends_context=ends) is not None:
             return None
         return base.fork_as(policy, ends_context=ends), logits, seconds, reused

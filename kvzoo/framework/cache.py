@@ -390,8 +390,9 @@ class TieredCache(Cache):
         problem = dense_prefill_problem(policy, one_forward=rows if ends_context or one_forward else None,
                                         attention_recorded=recorded)
         if problem is not None:
-            return f"the new policy {problem}" + (" (create this cache with record_attention=True)"
-                                                  if "accumulate" in problem else "")
+            hint = (" (create this cache with record_attention=True)"
+                    if "accumulate" in policy.observes and not recorded else "")
+            return f"the new policy {problem}{hint}"
         if recorded and "accumulate" not in policy.observes:
             return (f"this cache recorded each row's attention (record_attention=True) through the reference attention, "
                     f"not the fused one policy {policy.name!r} prefills with: its rows differ in rounding")
