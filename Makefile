@@ -56,7 +56,7 @@ XDIST_ENV    := $(if $(XDIST),OMP_NUM_THREADS=1,)
 # where the time goes, in every test target's log
 DURATIONS    ?= --durations=20
 
-.PHONY: venv venv-kvpress venv-ray venv-triton36 test test-ray test-triton36 test-kvpress test-latest demo leaderboard soak lint clean gpu-check gpu-bundle results-page lock
+.PHONY: venv venv-kvpress venv-ray venv-triton36 test test-ray test-triton36 test-kvpress test-no-compiler test-latest demo leaderboard soak lint clean gpu-check gpu-bundle results-page lock
 
 # A lock is installed with --no-deps --require-hashes (every package, and each file's hash, named by the lock); kvzoo
 # itself goes in editable with --no-deps and without build isolation (its build backend, setuptools, is in the lock).
@@ -87,6 +87,15 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q $(XDIST) $(DURATIONS)
 	$(TEST_ENV) $(XDIST_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(DURATIONS) tests/interpreter
+
+# No working C++ compiler (CXX=false): kvzoo warns once and every op runs its PyTorch reference; the kernel tests
+# skip, the fallback's own tests and the policies' run on the references
+NO_COMPILER_TESTS := tests/test_index_scan_native.py tests/test_native_choose.py tests/test_native_decode_attention.py \
+	tests/test_kernel_dispatch.py tests/test_quest.py tests/test_vestige.py tests/test_runtime.py
+test-no-compiler: $(STAMP)
+	$(SYNC)
+	$(TEST_ENV) $(XDIST_ENV) CXX=false KVZOO_CACHE_DIR=$(CURDIR)/build/no-compiler $(PY) -m pytest -q -p no:cacheprovider \
+		$(XDIST) $(DURATIONS) $(NO_COMPILER_TESTS)
 
 # The Ray tests are collected only when named (tests/conftest.py); a plain `pytest` says it left them out.
 RAY_STAMP := $(VENV)/.kvzoo-ray-installed

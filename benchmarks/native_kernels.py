@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     if cpu_native.library() is None:
-        print("no C compiler: the native kernels are not built here (set CC)", file=sys.stderr)
+        print(f"the native kernels are not built here: {cpu_native.toolchain_missing() or 'see the warning above'}", file=sys.stderr)
         return 1
     result = measure([int(c) for c in args.contexts.split(",")], [int(t) for t in args.threads.split(",")],
                      args.rounds, args.base)

@@ -3,8 +3,6 @@ page add -- held to their PyTorch references, and the retrievers taking them on 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -30,8 +28,9 @@ from kvzoo.models import TINY_FAMILIES, tiny_llama
 from kvzoo.retrievers.pages import PageSummary
 from kvzoo.retrievers.quest import _quest_entries
 
-needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler 'cc': the CPU kernels are not "
-                                    "built here (kvzoo takes the PyTorch references)")
+needs_compiler = pytest.mark.skipif(cpu_native.toolchain_missing() is not None,
+                                    reason=f"{cpu_native.toolchain_missing()}: the CPU kernels are not built here "
+                                           "(kvzoo takes the PyTorch references)")
 
 
 # --- VestigeKV's sketch ------------------------------------------------------------------------------------------------
