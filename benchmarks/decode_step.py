@@ -25,6 +25,19 @@ OpenMP's idle threads spin by default, which makes many-small-op steps 4-12x slo
 process; this script sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (and prints which).
 An arm is ``transformers`` or a registered policy, ``@RATIO`` (default 8; ``full``: none), ``+capacity``
 (``TieredCache(..., capacity=N)``), and ``/key=value`` pieces that configure the policy's retriever.
+
+``--ops`` counts instead of timing: the ops one decode step launches, per attention layer, for every kvzoo policy
+against transformers' own caches, on tiny Llama, tiny DeepSeek-V2 and tiny Kimi Linear (``--json`` then writes the
+rows as one JSON list; the other options are not used)::
+
+    .venv/bin/python benchmarks/decode_step.py --ops --json docs/results/step_ops.json
+
+One steady decode step after a 300-token prompt (compressed), every aten op recorded under a TorchDispatchMode
+(``kvzoo.bench.step_trace``): *launches* count the ops that launch work (views, slices, ``t``, ``expand``,
+``_unsafe_view`` and other metadata ops apart), *syncs* the ops that make the host wait. kvzoo's caches are
+built with ``capacity`` (preallocated, fixed shapes: the capturable step) and without. "beyond StaticCache" is
+(kvzoo's launches - transformers' ``StaticCache``'s) / the layers kvzoo handles: the cache transformers
+captures in CUDA graphs. On a GPU every launch costs ~5-10 us of host time unless the step is graph-captured.
 """
 
 from __future__ import annotations
@@ -44,12 +57,15 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from kvzoo import TieredCache, registry  # noqa: E402
+from kvzoo.bench.step_trace import count_decode_step  # noqa: E402
 from kvzoo.framework.attention import detach  # noqa: E402
 from kvzoo.framework.retrieval import build_retriever  # noqa: E402
+from kvzoo.models import tiny_deepseek_v2, tiny_kimi_linear, tiny_llama  # noqa: E402
 
 
 def parse_arm(arm: str):
@@ -225,6 +241,79 @@ def untiered_mib(cache) -> float:
     return cache.stats().totals.get("untiered_resident_bytes", 0) / 2**20
 
 
+OPS_PROMPT = 300
+# every registered policy at a budget the prompt exceeds; quest compresses every layer (dense_layers=0: the tiny
+# models have 2-4 layers), vestige and quest with their retrievers, vestige without too
+OPS_POLICIES = {
+    "full": ("full", {}),
+    "streaming_llm": ("streaming_llm", {"budget": 64}),
+    "snapkv": ("snapkv", {"budget": 64}),
+    "chunkkv": ("chunkkv", {"budget": 64}),
+    "h2o": ("h2o", {"budget": 64}),
+    "quest": ("quest", {"budget": 64, "dense_layers": 0}),
+    "vestige (evict only)": ("vestige", {"budget": 16, "retriever": None}),
+    "vestige (+ sketch)": ("vestige", {"budget": 16}),
+}
+OPS_MODELS = {"tiny Llama": tiny_llama, "tiny DeepSeek-V2": tiny_deepseek_v2, "tiny Kimi Linear": tiny_kimi_linear}
+
+
+def transformers_cache(model, kind: str):
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "DynamicCache":
+        return lambda: DynamicCache(config=model.config)
+    return lambda: StaticCache(config=model.config, max_cache_len=OPS_PROMPT + 16)
+
+
+def count_ops(models: dict | None = None, policies: dict | None = None,
+              capacities: tuple[bool, ...] = (True, False)) -> list[dict]:
+    """``--ops``' rows: per model, transformers' two caches, then every policy with and without ``capacity``."""
+    rows = []
+    for model_name, build in (models or OPS_MODELS).items():
+        model = build()[0]
+        prompt = torch.randint(3, model.config.vocab_size, (1, OPS_PROMPT), generator=torch.Generator().manual_seed(0))
+        detach(model)
+        layers = len(TieredCache(model, "full").tiered_layers)
+        detach(model)
+        own = {}
+        for kind in ("DynamicCache", "StaticCache"):
+            try:
+                own[kind] = count_decode_step(model, transformers_cache(model, kind), prompt, layers=layers)
+                rows.append({"model": model_name, "cache": f"transformers {kind}", "launches": own[kind].launches,
+                             "syncs": own[kind].syncs, "layers": layers})
+            except Exception as err:  # a cache transformers does not offer for this model: said in the table
+                rows.append({"model": model_name, "cache": f"transformers {kind}", "error": f"{type(err).__name__}: "
+                             f"{str(err)[:80]}", "layers": layers})
+        for label, (name, params) in (policies or OPS_POLICIES).items():
+            for capacity in [OPS_PROMPT + 16 if fixed else None for fixed in capacities]:
+                policy = registry.get(name, **params)
+                if ("gqa" if "llama" in model_name.lower() else "mla") not in policy.layouts:
+                    continue
+                count = count_decode_step(model, lambda m=model, p=policy, c=capacity: TieredCache(m, p, capacity=c),
+                                          prompt, layers=layers)
+                detach(model)
+                row = {"model": model_name, "cache": f"kvzoo {label}", "capacity": capacity is not None,
+                       "launches": count.launches, "syncs": count.syncs, "layers": layers}
+                for kind, base in own.items():
+                    row[f"beyond {kind}"] = (count.launches - base.launches) / layers
+                rows.append(row)
+    return rows
+
+
+def ops_markdown(rows: list[dict]) -> str:
+    lines = ["| model | cache | capacity | launches / step | per layer beyond StaticCache | beyond DynamicCache | "
+             "host syncs |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['cache']} | | n/a ({r['error']}) | | | |")
+            continue
+        cap = {True: "yes", False: "no"}.get(r.get("capacity"), "")
+        static, dynamic = (f"{r[k]:+.1f}" if k in r else "" for k in ("beyond StaticCache", "beyond DynamicCache"))
+        lines.append(f"| {r['model']} | {r['cache']} | {cap} | {r['launches']} | {static} | {dynamic} | "
+                     f"{r['syncs']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvzoo.models import load_model
 
@@ -237,8 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail", type=int, default=64, help="context tokens each arm runs for real after the shared rows")
     p.add_argument("--threads", default="1,2", help="passes: 1 = thread CPU time, >1 = wall time")
     p.add_argument("--profile", action="store_true", help="time each part of each arm's step (1 thread)")
-    p.add_argument("--json", help="write the rows here (JSON lines appended)")
+    p.add_argument("--json", help="write the rows here (JSON lines appended; with --ops: one JSON list)")
+    p.add_argument("--ops", action="store_true", help="count the ops a decode step launches instead (docstring)")
     args = p.parse_args(argv)
+    if args.ops:
+        torch.manual_seed(0)
+        rows = count_ops()
+        print(ops_markdown(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     arms = args.arms.split(",")
     torch.manual_seed(0)
     print(f"# {OMP_NOTE}; torch {torch.__version__}; {platform.processor() or platform.machine()}")

@@ -20,6 +20,14 @@ Per cell, in a fresh process (1 thread): the most K/V rows every layer's attende
 tier and, where a retriever reads one, the archive), the process's peak RSS over its RSS right before the prefill
 (``ru_maxrss``: the model loaded and its weights touched by a 32-token forward, nothing prefilled), and the
 prefill's CPU time (a first call of this length: first-touch costs included, alike in every cell).
+
+``--mla-vs-transformers``: tiny DeepSeek-V2's prefill (the real row geometry, random weights), kvzoo's default
+(compressed latent rows, each layer compressing inside the forward; ``full``, ``snapkv`` and ``vestige`` at ratio 8)
+beside transformers' own (its decompressed K/V in a ``DynamicCache``), interleaved ``--rounds``, a fresh process per
+arm and round, 1-thread CPU time (issue 32's goal: kvzoo <= 1.1x); ``--json`` then rewrites the file with one summary
+row per arm (the medians)::
+
+    .venv/bin/python benchmarks/prefill_peak.py --mla-vs-transformers [--tokens 8192] [--rounds 3] [--json f.jsonl]
 """
 
 from __future__ import annotations
@@ -89,6 +97,73 @@ def run_cell(policy: str, mode: str, tokens: int, ratio: float, chunk: int) -> d
                 threads=torch.get_num_threads())
 
 
+def mla_cell(model_name: str, arm: str, tokens: int) -> dict:
+    """One prefill of ``tokens`` random ids, timed after a warm-up prefill of the same size: transformers' own
+    (``arm == "transformers"``: a ``DynamicCache`` of decompressed K/V, as its DeepSeek-V2 attention keeps) or
+    kvzoo's default prefill of policy ``arm`` at ratio 8 (``pipeline.prefill(..., ends_context=True)``)."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvzoo import TieredCache, registry
+    from kvzoo.models import load_model
+    from kvzoo.pipeline import cache_kwargs, prefill
+
+    torch.manual_seed(0)
+    model, _ = load_model(model_name)
+    ids = torch.randint(3, 512, (1, tokens))
+
+    def once() -> float:
+        t = time.process_time()
+        if arm == "transformers":
+            cache = DynamicCache()
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        else:
+            policy = registry.get(arm) if arm == "full" else registry.get(arm, ratio=8)
+            cache = TieredCache(model, policy, context_length=tokens)
+            prefill(model, cache, ids, ends_context=True)
+        return time.process_time() - t
+
+    with torch.no_grad():
+        once()
+        rss0 = _rss_mib()
+        cpu = once()
+    return dict(model=model_name, arm=arm, tokens=tokens, cpu_s=cpu, rss_mib=_rss_mib(), rss_warm_mib=rss0,
+                peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def mla_side_by_side(model_name: str, tokens: int, rounds: int, arms: list[str]) -> list[dict]:
+    """Fresh process per arm and round, the arms' order rotated each round; per round each arm's prefill CPU time
+    over transformers' (1 thread: ``OMP_NUM_THREADS=1`` unless set). One summary row per arm: the medians."""
+    import statistics
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    rows = []
+    for r in range(rounds):
+        for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
+            out = subprocess.run([sys.executable, __file__, "--mla-cell",
+                                  json.dumps(dict(model_name=model_name, arm=arm, tokens=tokens))],
+                                 capture_output=True, text=True, env=env)
+            if out.returncode:
+                raise SystemExit(f"{arm} failed:\n{out.stderr[-3000:]}")
+            rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "round": r})
+    print(f"| {model_name}, {tokens} tokens, prefill | " + " | ".join(
+        f"round {r + 1}" for r in range(rounds)) + " | median |")
+    print("|---|" + "---|" * (rounds + 1))
+    summary = []
+    for arm in arms:
+        ratios = [next(x for x in rows if x["round"] == r and x["arm"] == arm)["cpu_s"]
+                  / next(x for x in rows if x["round"] == r and x["arm"] == "transformers")["cpu_s"]
+                  for r in range(rounds)]
+        mine = [x for x in rows if x["arm"] == arm]
+        summary.append(dict(model=model_name, tokens=tokens, arm=arm, rounds=rounds, threads=env["OMP_NUM_THREADS"],
+                            cpu_s=statistics.median(x["cpu_s"] for x in mine), ratio=statistics.median(ratios),
+                            ratios=ratios, peak_mib=statistics.median(x["peak_mib"] for x in mine)))
+        print(f"| {arm} / transformers (CPU s {summary[-1]['cpu_s']:.2f}) | "
+              + " | ".join(f"{v:.2f}x" for v in ratios) + f" | **{summary[-1]['ratio']:.2f}x** |", flush=True)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -96,11 +171,24 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--json", help="append one JSON line per cell here")
+    parser.add_argument("--json", help="append one JSON line per cell here (--mla-vs-transformers: the summary rows)")
+    parser.add_argument("--mla-vs-transformers", action="store_true",
+                        help="only tiny DeepSeek-V2's prefill beside transformers' own, --rounds rounds (docstring)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --mla-vs-transformers")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
+    parser.add_argument("--mla-cell", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(run_cell(**json.loads(args.cell))))
+        return
+    if args.mla_cell:
+        print(json.dumps(mla_cell(**json.loads(args.mla_cell))))
+        return
+    if args.mla_vs_transformers:
+        rows = mla_side_by_side("tiny-deepseek-v2", args.tokens, args.rounds, ["transformers", "full", "snapkv", "vestige"])
+        if args.json:
+            with open(args.json, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
         return
     policies, modes = args.policies.split(","), args.modes.split(",")
     bad = [p for p in policies if p not in POLICIES] + [m for m in modes if m not in MODES]

@@ -21,7 +21,7 @@ Kinds:
   length) columns, then the detail table; ``where`` keeps some rows.
 * ``decode_step``: rows of ``benchmarks/decode_step.py --json``: time and bytes of one decode step per arm, and the
   parts of a step when it ran with ``--profile``.
-* ``step_ops``: the JSON of ``benchmarks/step_ops.py --json``: ops one decode step launches, per cache.
+* ``step_ops``: the JSON of ``benchmarks/decode_step.py --ops --json``: ops one decode step launches, per cache.
 * ``table``: any rows, one table line each, the columns named in the entry: ``columns = [[header, field, format],
   ...]``, ``field`` a key or a dotted path into the row (``medians.kvzoo/kvpress.wall``), ``format`` a format
   string (``"{:.2f}x"``; ``"{}"`` when omitted); a missing value renders as ``-``.

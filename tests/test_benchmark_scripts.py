@@ -7,19 +7,20 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_step_ops_counts_every_policy_against_transformers(monkeypatch):
+def test_decode_step_ops_counts_every_policy_against_transformers(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    sys.modules.pop("step_ops", None)
-    import step_ops
+    sys.modules.pop("decode_step", None)
+    import decode_step
 
     from kvzoo.models import tiny_llama
 
-    rows = step_ops.measure({"tiny Llama": tiny_llama}, {k: step_ops.POLICIES[k] for k in ("full", "streaming_llm")})
+    rows = decode_step.count_ops({"tiny Llama": tiny_llama},
+                                 {k: decode_step.OPS_POLICIES[k] for k in ("full", "streaming_llm")})
     caches = [r["cache"] for r in rows]
     assert caches[:2] == ["transformers DynamicCache", "transformers StaticCache"]
     assert {"kvzoo full", "kvzoo streaming_llm"} <= set(caches)
     assert all(r["syncs"] == 0 for r in rows)
-    assert "| tiny Llama | kvzoo full | yes |" in step_ops.markdown(rows)
+    assert "| tiny Llama | kvzoo full | yes |" in decode_step.ops_markdown(rows)
 
 
 def test_soak_toy_run_reports_every_policy_and_checks(tmp_path, monkeypatch, capsys):

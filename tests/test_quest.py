@@ -215,15 +215,15 @@ def test_eval_rule_scores_the_current_page_with_the_steps_own_key(kernels, capac
 @pytest.mark.parametrize("ratio", [4, 8])
 def test_eval_rule_pages_through_the_model_match_the_reference_rule(ratio):
     """Issue 36 through a tiny Llama: every decode step's archived rows per query head (``dense_layers=0``) equal
-    those of the reference's eval rule restated on the layer's keys (``benchmarks/quest_current_page.py``, the
+    those of the reference's eval rule restated on the layer's keys (``benchmarks/probe.py quest-page``, the
     probe behind the figures in docs/fidelity.md), the step's own row left out on both sides."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import quest_current_page
+    import probe
 
-    figures = quest_current_page.observe(ratio, context=240, steps=24, seed=1)
+    figures = probe.quest_page_observe(ratio, context=240, steps=24, seed=1)
     assert figures["head_steps"] == 23 * 3 * 4  # steps after the first token x layers x query heads
     assert figures["differ"] == 0, figures
     assert figures["reference_reads_current_page"] > 0

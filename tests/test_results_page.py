@@ -3,9 +3,14 @@ results files: a figure cannot be edited by hand, nor drift from the rows that m
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +45,87 @@ def test_every_table_says_its_command_date_and_machine():
         assert f"Command: `{entry['command']}`" in section, entry["id"]
         assert "Date: 20" in section and "Machine: " in section, entry["id"]
         assert f"docs/results/{entry['file']}" in section
+
+
+# A program a table's command names: a benchmark script (and its subcommand, a bare word after it), a kvzoo
+# subcommand or a make target. The options after it, up to the next program, are its own ("; then --seeds 1" too).
+PROGRAM = re.compile(r"(?:python3?|\.venv[\w-]*/bin/python)\s+(?P<script>benchmarks/[\w/]+\.py)"
+                     r"(?:\s+(?P<sub>[a-z][a-z0-9-]*)(?=[\s;)]|$))?"
+                     r"|(?<![\w./-])kvzoo\s+(?P<kvzoo>[a-z][a-z0-9-]*)"
+                     r"|(?<![\w./-])make\s+(?P<make>[a-z][\w-]*)")
+OPTION = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+@functools.cache
+def _script_options(script: str, sub: str | None) -> set[str] | str:
+    """The options ``script [sub] --help`` lists in its usage, or why there are none."""
+    path = ROOT / script
+    if not path.is_file():
+        return f"{script} does not exist"
+    run = subprocess.run([sys.executable, str(path), *([sub] if sub else []), "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    usage = run.stdout.split("\n\n")[0]
+    if run.returncode != 0 or (sub and not usage.startswith(f"usage: {path.name} {sub}")):
+        return f"{script} {sub or ''} --help failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}"
+    return set(OPTION.findall(usage))
+
+
+@functools.cache
+def _kvzoo_options(sub: str) -> set[str] | str:
+    from kvzoo.cli import COMMANDS, build_parser
+
+    if sub not in COMMANDS:
+        return f"kvzoo has no subcommand {sub!r}"
+    parser = build_parser([sub])
+    subparsers = next(a for a in parser._actions if isinstance(a.choices, dict) and sub in a.choices)
+    return set(OPTION.findall(subparsers.choices[sub].format_usage()))
+
+
+def command_problems(command: str) -> list[str]:
+    """What a table's command names that does not exist at HEAD: a script, a subcommand, an option, a make target."""
+    marks = list(PROGRAM.finditer(command))
+    if not marks:
+        return [] if "table above" in command else [f"no script, kvzoo or make command in {command!r}"]
+    problems = []
+    for i, mark in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(command)
+        if mark["make"]:
+            if not re.search(rf"^{re.escape(mark['make'])}\s*:", (ROOT / "Makefile").read_text(), re.M):
+                problems.append(f"the Makefile has no target {mark['make']!r}")
+            continue
+        name = mark["script"] or f"kvzoo {mark['kvzoo']}"
+        known = _script_options(mark["script"], mark["sub"]) if mark["script"] else _kvzoo_options(mark["kvzoo"])
+        if isinstance(known, str):
+            problems.append(known)
+            continue
+        problems += [f"{name}{' ' + mark['sub'] if mark['sub'] else ''} has no option {option}"
+                     for option in OPTION.findall(command, mark.end(), end) if option not in known]
+    return problems
+
+
+def test_every_table_names_a_command_that_runs_at_head():
+    """Each table's command names scripts, subcommands, options and make targets that exist (a retired or renamed
+    script must take its table's command with it); "the same run as the table above" refers to the one before."""
+    tables = render.read_manifest()
+    problems = {entry["id"]: command_problems(entry["command"]) for entry in tables}
+    assert {table: found for table, found in problems.items() if found} == {}
+    assert PROGRAM.search(tables[0]["command"]), "the first table has no table above it to refer to"
+
+
+def test_the_command_check_names_what_does_not_exist():
+    assert command_problems("python benchmarks/no_such_probe.py --json f") == [
+        "benchmarks/no_such_probe.py does not exist"]
+    assert command_problems("python benchmarks/prefill_peak.py --tokens 4096; then --rounds 2 --no-such-option") == [
+        "benchmarks/prefill_peak.py has no option --no-such-option"]
+    assert command_problems("python benchmarks/probe.py quest-page --ratios 4 --context-tokens 9") == [
+        "benchmarks/probe.py quest-page has no option --context-tokens"]
+    assert command_problems("python benchmarks/probe.py no-such-probe")[0].startswith(
+        "benchmarks/probe.py no-such-probe --help failed")
+    assert command_problems("kvzoo leaderboard --preset demo --no-such-option; kvzoo nothing") == [
+        "kvzoo leaderboard has no option --no-such-option", "kvzoo has no subcommand 'nothing'"]
+    assert command_problems("make demo") == [] and command_problems("make no-such-target") == [
+        "the Makefile has no target 'no-such-target'"]
+    assert command_problems("a run of its own") and command_problems("the same run as the table above") == []
 
 
 def test_the_check_fails_when_a_committed_figure_differs_from_its_data(tmp_path: Path,

@@ -274,7 +274,7 @@ def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
         assert replayed_totals == eager_totals
 
 
-# launches per layer-step beyond transformers' StaticCache (benchmarks/step_ops.py prints the exact figures): a policy
+# launches per layer-step beyond transformers' StaticCache (benchmarks/decode_step.py --ops prints the exact figures): a policy
 # that only evicts at its events costs nothing more than StaticCache; a per-step one in, one out, a few ops; a retriever
 # (an index scan, a second attention part) a bounded number
 LAUNCH_BOUNDS = {"full": 0, "snapkv": 0, "chunkkv": 0, "vestige (evict only)": 0, "streaming_llm": 4, "h2o": 10,
@@ -289,10 +289,10 @@ def test_a_decode_step_launches_at_most_its_bound_of_ops_beyond_transformers_sta
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import step_ops
+    import decode_step
 
     build = {"llama": tiny_llama, "deepseek_v2": tiny_deepseek_v2}[family]
-    rows = step_ops.measure({family: build}, step_ops.POLICIES, capacities=(True,))
+    rows = decode_step.count_ops({family: build}, decode_step.OPS_POLICIES, capacities=(True,))
     over = {r["cache"]: round(r["beyond StaticCache"], 1) for r in rows if r["cache"].startswith("kvzoo ")
             and r["beyond StaticCache"] > LAUNCH_BOUNDS[r["cache"][len("kvzoo "):]]}
     assert over == {}, f"launches per layer-step beyond StaticCache over their bound {LAUNCH_BOUNDS}: {over}"

@@ -111,8 +111,8 @@ class ChunkKV(WindowPolicy):
     and its own slots (which must be the same). It computes no window attention -- the runtime computes a layer's window attention
     only when the selector asks for it, and the check that the window fits in the budget reads lengths alone
     (:meth:`~kvzoo.framework.policy.RowsView.window_size`); ``tests/test_chunkkv.py`` counts the calls
-    (``ceil(num_layers / reuse)``). Measured on SmolLM2-135M (README, "ChunkKV's layer-wise index reuse"):
-    ``python benchmarks/chunkkv_reuse.py``.
+    (``ceil(num_layers / reuse)``). Measured on SmolLM2-135M (CHANGELOG.md, "ChunkKV's layer-wise index reuse"):
+    ``python benchmarks/probe.py chunkkv-reuse``.
     """
 
     chunk_size: int = 10

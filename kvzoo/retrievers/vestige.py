@@ -51,7 +51,7 @@ class VestigeRetriever(Retriever):
     earlier rule (rank by the bound, keep what beats s*). With a tight bound (int8 keys) the earlier "beats s*"
     test keeps almost nothing: an archived row rarely scores above the attended tier's best. On SmolLM2 (RoPE/GQA) the bound's
     ranking found 24 % of the exact top-16 archived rows per head, the rank-16 estimate 39 %
-    (``benchmarks/vestige_recall.py``, README "Retrieval tier on SmolLM2").
+    (CHANGELOG.md, "Retrieval tier on SmolLM2"; the probe that measured it was retired: benchmarks/README.md).
 
     On GQA rows there is no branch: the whole key is the "content". ``index="auto"`` (default) gives GQA rows
     **int8 key entries** (``index="int8"``, since issue 25): per row the key's int8 codes, an fp16 scale, an error
