@@ -205,7 +205,7 @@ def test_portable_and_avx2_builds_match_reference(march, monkeypatch):
         lib = cpu_native.compile_library(march, None)
     except subprocess.CalledProcessError as err:
         pytest.skip(f"the compiler does not build -march={march}: {err.stderr[:200]}")
-    monkeypatch.setattr(cpu_native, "library", lambda: lib)
+    monkeypatch.setattr(cpu_native, "_LOADED", [lib])
     from kvzoo.kernels.index_scan import int8_choose, int8_choose_reference
 
     for B, G, hq, D, rows in ((2, 3, 9, 64, 257), (1, 2, 5, 24, 40)):

@@ -302,7 +302,7 @@ def test_builds_without_avx512_match_the_references(march, monkeypatch):
         lib = cpu_native.compile_library(march, None)
     except subprocess.CalledProcessError as err:
         pytest.skip(f"the compiler does not build -march={march}: {err.stderr[:200]}")
-    monkeypatch.setattr(cpu_native, "library", lambda: lib)
+    monkeypatch.setattr(cpu_native, "_LOADED", [lib])
     query, basis, entries, floor, slack = _sketch(2, 1, 5, 32, 8, 8, 70, 3, torch.float16, seed=7)
     got = sketch_choose(query, basis, entries, floor, 8, 75, 0.3, slack=slack)
     want = sketch_choose_reference(query, basis, entries, floor, 8, 75, 0.3, slack=slack)
@@ -385,7 +385,7 @@ def test_retrievers_take_the_op_and_keep_their_behaviour(model_name, arm, capaci
 @pytest.mark.parametrize("name", ["vestige", "quest"])
 def test_launches_per_layer_step_beyond_static_cache(model_name, name):
     """Issue 30's bound: a decode step of ``vestige`` and ``quest`` with their retrievers launches at most 15 ops per
-    layer more than transformers' ``StaticCache`` (``benchmarks/step_ops.py``'s figure; today -6.5 .. +6.7)."""
+    layer more than transformers' ``StaticCache`` (``benchmarks/decode_step.py --ops``' figure; today -6.5 .. +6.7)."""
     from transformers import StaticCache
 
     model = MODELS[model_name]()[0]

@@ -15,12 +15,19 @@ that can be checked by recording each aten op a step dispatches: :class:`StepTra
   an index): on a GPU each is a host-to-device copy, which a CUDA graph cannot capture (a Python scalar, passed to
   a kernel by value, is not one).
 
-Used by ``benchmarks/step_ops.py`` (ops per layer-step for every policy against transformers' own caches)
+Used by ``benchmarks/decode_step.py --ops`` (ops per layer-step for every policy against transformers' own caches)
 and by the trace-invariance tests.
+
+:class:`HostCalls` counts the other half of a step's host time: the kvzoo Python functions a step enters (a
+``sys.setprofile`` hook; a generator's every resumption counts, as it costs a frame switch), per file and per
+function -- on a GPU that host work, not the kernels, is a small batch's step time. :func:`count_host_calls` reads
+one steady decode step (``tests/test_host_cost.py`` holds the bounds).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,3 +159,56 @@ def count_decode_step(model: torch.nn.Module, make_cache, prompt: torch.Tensor, 
                 token = model(input_ids=token, position_ids=position, cache=cache,
                               use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     return StepCount(trace.launches, len(trace.syncs), layers, trace)
+
+
+# --- the kvzoo functions a step enters ---------------------------------------------------------------------------
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvzoo/
+
+
+@dataclass
+class HostCalls:
+    """Python function entries in the kvzoo package while active (``with HostCalls() as calls: ...``): ``by_file``
+    (paths relative to the package) and ``by_function`` (``file:function``). Not re-entrant; replaces (and then
+    restores) any profile hook already set."""
+
+    by_file: Counter = field(default_factory=Counter)
+    by_function: Counter = field(default_factory=Counter)
+
+    def _hook(self, frame, event, arg) -> None:
+        if event == "call":
+            path = frame.f_code.co_filename
+            if path.startswith(_PACKAGE) and path != __file__:  # not the tracer's own __exit__
+                name = os.path.relpath(path, _PACKAGE)
+                self.by_file[name] += 1
+                self.by_function[f"{name}:{frame.f_code.co_name}"] += 1
+
+    def __enter__(self) -> HostCalls:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_file.values())
+
+
+def count_host_calls(model: torch.nn.Module, cache: Any, prompt: torch.Tensor, *, warmup: int = 3) -> HostCalls:
+    """Prefill ``prompt [B, T]`` into ``cache`` (a :class:`~kvzoo.TieredCache`), compress it, run ``warmup`` decode
+    steps, then count the kvzoo functions one more step enters (:class:`HostCalls`)."""
+    T = prompt.shape[1]
+    with torch.no_grad():
+        token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        cache.compress()
+        for t in range(warmup + 1):
+            position = torch.full_like(token, T + t)
+            if t == warmup:
+                with HostCalls() as calls:
+                    model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
+            else:
+                token = model(input_ids=token, position_ids=position, cache=cache,
+                              use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    return calls

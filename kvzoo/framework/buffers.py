@@ -72,13 +72,18 @@ class RowStore:
 
     def get(self, name: str) -> torch.Tensor:
         """The live rows of ``name``: a view ``[B, G, n, ...]`` of the buffer (no copy)."""
-        self.settle()
+        if self.holed:
+            self.settle()
         return self.buffers[name][:, :, : self.n]
 
     def reading(self, name: str) -> torch.Tensor:
         """What a decode step reads of ``name``: the whole buffer when the capacity is fixed (rows past ``n``
         hold ``empty`` values), else the live rows. The same tensor, shape and storage from step to step."""
-        return self.buffers[name] if self.fixed else self.get(name)
+        if self.fixed:
+            return self.buffers[name]
+        if self.holed:
+            self.settle()
+        return self.buffers[name][:, :, : self.n]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer's live rows ``[B, G, n, ...]`` (views); an empty dict when no row is live."""
@@ -131,7 +136,10 @@ class RowStore:
         if set(rows) != set(self.buffers):
             raise ValueError(f"append needs every buffer {sorted(self.buffers)}, got {sorted(rows)}")
         if count is None:
-            count = next(t.shape[2] for t in rows.values() if isinstance(t, torch.Tensor))
+            for t in rows.values():  # a loop, not next() over a generator: a decode step appends per layer
+                if isinstance(t, torch.Tensor):
+                    count = t.shape[2]
+                    break
         if count == 1 and self.holed:  # the hole a one-in-one-out step left: the new row goes there
             for name, value in rows.items():
                 buf = self.buffers[name]
@@ -142,7 +150,8 @@ class RowStore:
             self.holed, self.into_hole = False, True
             return
         self.into_hole = False
-        self.settle()
+        if self.holed:
+            self.settle()
         self.reserve(count)
         if count == 1:
             for name, value in rows.items():
@@ -165,15 +174,17 @@ class RowStore:
         """Make room for ``extra`` more rows: a growing store grows geometrically; a fixed one grows to fit
         (counted in ``growths``: the storage moves, so a captured step must be captured again)."""
         need = self.n + extra
-        cap = self.capacity
+        cap = next(iter(self.buffers.values())).shape[2] if self.buffers else 0  # self.capacity, in place
         if need > cap:
-            self.settle()
+            if self.holed:
+                self.settle()
             self.growths += self.fixed
             self.resize(max(need, cap + max(MIN_GROWTH, int(cap * GROWTH))))
 
     def resize(self, capacity: int) -> None:
         """Reallocate every buffer for ``capacity`` rows (>= ``n``), the live rows copied, the rest ``empty``."""
-        self.settle()  # a hole left by vacate() is filled first: the live rows are then [:n]
+        if self.holed:  # a hole left by vacate() is filled first: the live rows are then [:n]
+            self.settle()
         capacity = max(capacity, self.n)
         if capacity == self.capacity:
             return
@@ -188,7 +199,8 @@ class RowStore:
     def fix(self, capacity: int, empty: dict[str, Fill]) -> None:
         """Make the store fixed-capacity (decode-step readers see whole buffers) with ``capacity`` rows (>= ``n``),
         the rows past the live ones holding ``empty`` (e.g. a prefilled cache handed to a ``capacity`` cache)."""
-        self.settle()
+        if self.holed:
+            self.settle()
         self.fixed = True
         self.empty = dict(empty)
         old = self.capacity
@@ -252,7 +264,8 @@ class RowStore:
         A growing store's buffers shrink when they would be mostly empty (see :meth:`_shrunk_capacity`);
         a fixed store keeps its storage and clears the rows it no longer holds.
         """
-        self.settle()
+        if self.holed:
+            self.settle()
         n, k = self.n, idx.shape[2]
         old, cap = self.capacity, self._shrunk_capacity(k)
         for name, buf in self.buffers.items():
@@ -278,7 +291,8 @@ class RowStore:
         """Take row ``victim[b, g]`` (int64 ``[B, G]``) out of every ``(b, g)`` without moving any row: the next
         appended row takes its place (``O(1)``, no copy). Until then the live rows are all but that one, and
         :meth:`settle` compacts them on the first read."""
-        self.settle()
+        if self.holed:
+            self.settle()
         if self.hole is None or self.hole.shape != victim.shape:
             self.hole = victim.clone()
         else:
@@ -288,7 +302,8 @@ class RowStore:
         self.ordered = False
 
     def settle(self) -> None:
-        """After :meth:`vacate`, before anything reads the live rows as ``[:n]``: the last row moves into the hole."""
+        """After :meth:`vacate`, before anything reads the live rows as ``[:n]``: the last row moves into the hole.
+        (Callers test ``self.holed`` first: this runs per layer per step.)"""
         if not self.holed:
             return
         self.holed = False
@@ -302,7 +317,8 @@ class RowStore:
         rows move; the live rows are no longer in append order afterwards. Between two such steps the
         row count is the same, so the slices here take the same arguments every step.
         """
-        self.settle()
+        if self.holed:
+            self.settle()
         n = self.n
         idx = victim[..., None]  # [B, G, 1]
         for buf in self.buffers.values():
@@ -317,7 +333,8 @@ class RowStore:
 
     def ensure_order(self, key: str = "slots") -> None:
         """Sort the live rows by ``key`` (ascending) if :meth:`remove_one` disturbed their order."""
-        self.settle()
+        if self.holed:
+            self.settle()
         if not self.ordered and self.n:
             order = self.get(key).argsort(dim=2, stable=True)
             for buf in self.buffers.values():
@@ -326,7 +343,8 @@ class RowStore:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep batch elements ``index`` (beam reordering, batch selection); in place when the batch size stays."""
-        self.settle()
+        if self.holed:
+            self.settle()
         resized = False
         for name, buf in self.buffers.items():
             picked = buf.index_select(0, index)
@@ -339,6 +357,7 @@ class RowStore:
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every batch element ``repeats`` times (``generate``'s expansion for beams)."""
-        self.settle()
+        if self.holed:
+            self.settle()
         self.buffers = {name: buf.repeat_interleave(repeats, dim=0) for name, buf in self.buffers.items()}
         self._refresh()

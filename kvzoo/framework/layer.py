@@ -22,19 +22,40 @@ from __future__ import annotations
 
 import contextvars
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvzoo.framework.buffers import RowStore, gather_rows
 from kvzoo.framework.retriever import ArchiveView
+from kvzoo.framework.stats import LayerStats
 from kvzoo.kernels.attention import received_attention
 from kvzoo.kernels.decode_attention import Rows
 
-if TYPE_CHECKING:  # type names only: the runtime holds layers, a layer holds its runtime
-    from kvzoo.framework.runtime import Runtime
-    from kvzoo.framework.stats import LayerStats
+
+class Host(Protocol):
+    """What a layer asks of the cache runtime that holds it (``kvzoo.framework.runtime.Runtime``, which imports this
+    module: the layer names only this interface, so no import runs back up). The policy and geometry it reads, the
+    forward's pending layer, the cache-wide resident count, and four calls: the rows it holds changed, an event to
+    fire, a new retrieval index, its statistics."""
+
+    policy: Any
+    geometry: Any
+    num_layers: int
+    pending: int | None
+    resident: int
+
+    @property
+    def accumulates(self) -> bool: ...
+
+    def held(self, change: int) -> None: ...
+
+    def fire(self, layer: KVLayer, event: Any) -> None: ...
+
+    def new_index(self) -> Any: ...
+
+    def layer_stats(self, layer: KVLayer) -> LayerStats: ...
 
 # transformers < 5.3 (the kvpress environment's) does not hand a layer's ``update`` the attention call's keyword
 # arguments: there the layer whose ``update`` ran last in this context is kept here for kvzoo's attention to find.
@@ -56,7 +77,7 @@ class KVLayer(CacheLayerMixin):
     is_sliding = False
     owner: Any = None  # the model's attention module of this layer (a weakref, set by TieredCache)
 
-    def __init__(self, runtime: Runtime, layer_idx: int, rank: int, *, reserve_rows: int | None = None,
+    def __init__(self, runtime: Host, layer_idx: int, rank: int, *, reserve_rows: int | None = None,
                  decompress_min_queries: int | None = None, auto_compress: bool = True) -> None:
         self.runtime = runtime
         self.layer_idx = layer_idx
@@ -375,7 +396,11 @@ class KVLayer(CacheLayerMixin):
 
     def row_statistics(self) -> dict[str, torch.Tensor]:
         """The per-row statistics ``name -> [B, G, n]`` of the tier rows, in tier order."""
-        return {name[5:]: self.get(name) for name in self.rows.buffers if name.startswith("stat:")}
+        stats = {}
+        for name in self.rows.buffers:  # a loop, not a comprehension: a policy's victim reads this per step
+            if name.startswith("stat:"):
+                stats[name[5:]] = self.get(name)
+        return stats
 
     def ensure_order(self) -> None:
         """Put the tier back in slot order (a one-in-one-out step leaves it out of order); a no-op when it is."""
@@ -443,7 +468,7 @@ class KVLayer(CacheLayerMixin):
     def evict_one(self, victim: torch.Tensor) -> None:
         """One in, one out: tier row ``victim[b, g]`` (int64 ``[B, G]``) leaves; the next appended row takes its place
         in the tier (no row moves)."""
-        self.runtime.held(-1)
+        self.runtime.resident -= 1  # Runtime.held(-1): one row less can raise no peak
         if not self.retains:
             self.rows.vacate(victim)
             self.dropped_rows += 1
@@ -506,7 +531,8 @@ class KVLayer(CacheLayerMixin):
                 picked = picked & (positions >= 0)
             return picked
 
-        return ArchiveView(read=read, budget=self.budget, rows=rows, groups=self.batch_groups[1], **extra)
+        return ArchiveView(read=read, budget=self.budget, rows=rows, groups=self.rows.buffers["keys"].shape[1],
+                           **extra)
 
     @property
     def archive(self) -> ArchivedRows:

@@ -196,7 +196,7 @@ class Retrieval:
         already added to the layer's count when ``counted``: the choice's op did it); ``stats()`` derives bytes and
         figures from them."""
         index = layer.index
-        B, G = layer.batch_groups
+        B, G = layer.rows.buffers["keys"].shape[:2]
         entries = B * G * index.entries() if scanned else 0  # the dense rule reads the archive, not the index
         index_bytes = B * G * index.scan_bytes(query.shape[1] // G * query.shape[2]) if scanned else 0
         n = layer.n

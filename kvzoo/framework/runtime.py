@@ -100,15 +100,19 @@ class Runtime:
         if self.resident > self.peak_resident:
             self.peak_resident = self.resident
 
-    policy = property(lambda self: self.config.policy)
-    retrieval = property(lambda self: self.config.retrieval)
-    geometry = property(lambda self: self.config.geometry)
-    num_layers = property(lambda self: self.config.num_layers)
-    record_window = property(lambda self: self.config.record_window)
+    # the configuration's fields, copied once (read per layer per step: a property is a call each time)
+    policy: Policy = field(init=False, repr=False)
+    retrieval: Retrieval | None = field(init=False, repr=False)
+    geometry: RowGeometry = field(init=False, repr=False)
+    num_layers: int = field(init=False, repr=False)
+    record_window: int = field(init=False, repr=False)
+    retriever: Any = field(init=False, repr=False)
 
-    @property
-    def retriever(self):
-        return self.retrieval.retriever if self.retrieval is not None else None
+    def __post_init__(self) -> None:
+        config = self.config
+        self.policy, self.retrieval, self.geometry = config.policy, config.retrieval, config.geometry
+        self.num_layers, self.record_window = config.num_layers, config.record_window
+        self.retriever = config.retrieval.retriever if config.retrieval is not None else None
 
     @property
     def audit(self) -> bool:
@@ -398,7 +402,7 @@ class Runtime:
             torch._assert_async(ok, f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")
 
     def _check_victim(self, layer: KVLayer, victim: torch.Tensor) -> None:
-        B, G = layer.batch_groups
+        B, G = layer.rows.buffers["keys"].shape[:2]
         if victim.shape != (B, G) or victim.dtype != torch.long:
             raise RuntimeError(
                 f"policy {self.policy.name!r} step_victim() must return int64 indices of shape {(B, G)}, "

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvzoo.kernels.decode_attention import Rows
+    from kvzoo.kernels.decode_attention.rows import Rows
 
 MAX_HQ = 64  # query rows per group the int8 scan takes (a group's heads x queries)
 MAX_D = 1024  # the longest key (and value) the kernels take
@@ -58,16 +58,19 @@ LANES = 8  # the int8 scan's head dim must be a multiple of this
 MAX_HPG = 64  # query heads per KV group decode attention takes
 ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # decode attention's rows (and query)
 INDEX_DTYPES = (torch.int32, torch.int64)
+_BOOL = (torch.bool,)
 # Bytes of rows below which a call runs on one thread. Waking torch's OpenMP threads costs ~1 us while they spin
 # (libgomp's default) but ~60 us once they sleep (OMP_WAIT_POLICY=PASSIVE, which kvzoo's CLI and benchmarks set:
 # an idle core of this 2-core VM is halted, and waking it is an interrupt to the host); at ~20 GB/s a second thread
 # pays only past ~3 MiB then (measured on an idle machine, SmolLM2 pool read from memory: 2k tokens (3 MiB) 1.08x,
 # 8k 1.38x, 32k 1.35x; with another process on the second core, never). Read once: libgomp reads the variable when
 # torch loads it.
+# (Each call takes torch.get_num_threads() threads when it reads at least this many bytes, else 1: written in place
+# at each call, not as a helper, since the ops run per layer per decode step.)
 PARALLEL_BYTES = (3 << 20) if os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive" else (256 << 10)
 
 
-def _unobserved() -> bool:
+def unobserved() -> bool:
     """Nothing watches the dispatcher: no torch.compile, no dispatch mode (FakeTensor, a trace recorder), no
     torch-function mode, no JIT tracer. Then the registered CPU function may be called as a function. (Under
     ``torch.compile`` the first test is a constant True to dynamo, so the others, which it cannot trace, are never
@@ -236,7 +239,8 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
 
 
 # What the first call of library() found: [the library] or [None] (unavailable here); empty until then. Read by the
-# traced path of a compiled step as a plain global (library() and available() touch no file once it is set).
+# traced path of a compiled step as a plain global (library() and available() touch no file once it is set), and by
+# the ops' CPU functions (a test that runs another build sets it: monkeypatch.setattr(cpu_native, "_LOADED", [lib])).
 _LOADED: list[ctypes.CDLL | None] = []
 
 
@@ -278,14 +282,21 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
-def _threads(nbytes: int) -> int:
-    """Threads for a call reading ``nbytes``: ``torch.get_num_threads()`` past :data:`PARALLEL_BYTES`, else 1."""
-    return torch.get_num_threads() if nbytes >= PARALLEL_BYTES else 1
+def _on_cpu(tensors: tuple) -> bool:
+    """Every tensor of ``tensors`` (None skipped) is a CPU tensor. A loop, not ``all()`` over a generator: these
+    checks run per layer per decode step, where each generator step is a Python frame switch."""
+    for t in tensors:
+        if t is not None and (not isinstance(t, torch.Tensor) or t.device.type != "cpu"):
+            return False
+    return True
 
 
-def _rows_contiguous(t: torch.Tensor) -> bool:
-    """``t [B, G, m, w]`` has contiguous rows, one after another (a view of a buffer's first ``m`` rows is fine)."""
-    return t.stride(-1) == 1 and (t.shape[2] <= 1 or t.stride(2) == t.shape[3])
+def _of_dtype(tensors: tuple, dtypes: tuple) -> bool:
+    """Every tensor of ``tensors`` (None skipped) has a dtype of ``dtypes``."""
+    for t in tensors:
+        if t is not None and t.dtype not in dtypes:
+            return False
+    return True
 
 
 def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor) -> bool:
@@ -294,32 +305,35 @@ def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torc
     return (query.device.type == "cpu" and codes.device.type == "cpu" and side.device.type == "cpu"
             and query.dtype == torch.float32 and codes.dtype == torch.int8 and side.dtype == torch.float16
             and hq <= MAX_HQ and D <= MAX_D and D % LANES == 0 and not query.requires_grad
-            and _rows_contiguous(codes) and _rows_contiguous(side))
+            and codes.stride(-1) == 1 and (codes.shape[2] <= 1 or codes.stride(2) == codes.shape[3])
+            and side.stride(-1) == 1 and (side.shape[2] <= 1 or side.stride(2) == side.shape[3]))  # rows contiguous
 
 
 def int8_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float,
                   length: torch.Tensor | None) -> torch.Tensor:
-    """The C loop's ``estimate [B, G, hq, m]`` (``csrc/int8_scan.cpp``) for ``codes [B, G, m, D]`` and ``side [B, G, m, w]``;
-    the caller checked :func:`int8_estimate_supported` and that :func:`library` is not None. Registered as the
-    torch op ``kvzoo::int8_estimate`` (called as a function when nothing observes the dispatcher: :func:`_unobserved`)."""
+    """The C loop's ``estimate [B, G, hq, m]`` (``csrc/int8_scan.cpp``) for ``codes [B, G, m, D]`` and
+    ``side [B, G, m, w]``; the caller checked :func:`int8_estimate_supported` and that :func:`library` is not None.
+    Registered as the torch op ``kvzoo::int8_estimate`` (called as a function when nothing observes the dispatcher:
+    :func:`unobserved`)."""
     lengths = None if length is None else length.to(torch.int64)
-    if _unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and (lengths is None or lengths.is_cpu):
+    if unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and (lengths is None or lengths.is_cpu):
         return _int8_estimate_cpu(query, codes, side, lengths, float(scaling))  # the op's CPU function, undispatched
     return torch.ops.kvzoo.int8_estimate(query, codes, side, lengths, float(scaling))
 
 
 def _int8_estimate_cpu(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, length: torch.Tensor | None,
                        scaling: float) -> torch.Tensor:
-    lib = library()
+    lib = _LOADED[0] if _LOADED else library()  # loaded (one lookup, no call) by the check that chose the op
     B, G, hq, D = query.shape
     m = codes.shape[2]
     q = query.contiguous()
     lengths = None if length is None else length.contiguous()
     out = torch.empty(B, G, hq, m, dtype=torch.float32)
+    threads = torch.get_num_threads() if B * G * m * (D + 2 * side.shape[-1]) >= PARALLEL_BYTES else 1  # PARALLEL_BYTES
     status = lib.kvzoo_int8_estimate(
         q.data_ptr(), codes.data_ptr(), side.data_ptr(), None if lengths is None else lengths.data_ptr(),
         out.data_ptr(), B, G, hq, D, m, codes.stride(0), codes.stride(1), side.stride(0), side.stride(1),
-        side.shape[-1], scaling, _threads(B * G * m * (D + 2 * side.shape[-1])))
+        side.shape[-1], scaling, threads)
     if status != 0:
         raise RuntimeError(f"kvzoo_int8_estimate refused hq={hq}, D={D} (hq <= {MAX_HQ}, D <= {MAX_D}, "
                            f"D % {LANES} == 0)")
@@ -338,14 +352,15 @@ _LIBRARY.impl("int8_estimate", _int8_estimate_cpu, "CPU")
 _LIBRARY.impl("int8_estimate", _int8_estimate_meta, "Meta")
 
 
+def _pointers(*tensors: torch.Tensor | None) -> list[int | None]:
+    """Each tensor's data pointer (None for None), for the C calls: one call for all of a call's optional tensors."""
+    return [None if t is None else t.data_ptr() for t in tensors]  # a list comprehension: one frame, not one per item
+
+
 def counter_ok(counter: torch.Tensor | None) -> bool:
     """A fetched-rows counter the C ops add to in place: None, or an int64 CPU tensor of one element."""
     return counter is None or (counter.device.type == "cpu" and counter.dtype == torch.int64 and counter.numel() == 1
                                and counter.is_contiguous())
-
-
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
@@ -359,14 +374,14 @@ def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, th
     counter (:func:`counter_ok`) and that :func:`library` is not None."""
     lengths = None if length is None else length.to(torch.int64)
     args = (query, codes, side, lengths, threshold.float(), j, archived, float(scaling), float(slack), counter)
-    if _unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and args[4].is_cpu and (
+    if unobserved() and query.is_cpu and codes.is_cpu and side.is_cpu and args[4].is_cpu and (
             lengths is None or lengths.is_cpu):
         return _int8_choose_cpu(*args)  # the op's CPU function, undispatched
     return torch.ops.kvzoo.int8_choose(*args)
 
 
 def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling, slack, counter=None):
-    lib = library()
+    lib = _LOADED[0] if _LOADED else library()  # loaded (one lookup, no call) by the check that chose the op
     B, G, hq, D = query.shape
     q = query.contiguous()
     thr = threshold.contiguous()
@@ -374,11 +389,13 @@ def _int8_choose_cpu(query, codes, side, length, threshold, j, archived, scaling
     idx = torch.empty(B, G, hq * j, dtype=torch.int64)
     picked = torch.empty(B, G, hq * j, dtype=torch.bool)
     count = torch.empty((), dtype=torch.int64)
+    m = codes.shape[2]
+    threads = torch.get_num_threads() if B * G * m * (D + 2 * side.shape[-1]) >= PARALLEL_BYTES else 1
+    length_at, counter_at = _pointers(lengths, counter)
     status = lib.kvzoo_int8_choose(
-        q.data_ptr(), codes.data_ptr(), side.data_ptr(), _pointer(lengths), thr.data_ptr(), idx.data_ptr(),
-        picked.data_ptr(), count.data_ptr(), _pointer(counter), B, G, hq, D, codes.shape[2], j, archived,
-        codes.stride(0), codes.stride(1), side.stride(0), side.stride(1), side.shape[-1], scaling, slack,
-        _threads(B * G * codes.shape[2] * (D + 2 * side.shape[-1])))
+        q.data_ptr(), codes.data_ptr(), side.data_ptr(), length_at, thr.data_ptr(), idx.data_ptr(), picked.data_ptr(),
+        count.data_ptr(), counter_at, B, G, hq, D, m, j, archived, codes.stride(0), codes.stride(1), side.stride(0),
+        side.stride(1), side.shape[-1], scaling, slack, threads)
     if status != 0:
         raise RuntimeError(f"kvzoo_int8_choose refused hq={hq}, D={D}, j={j}, m={codes.shape[2]}, "
                            f"archived={archived} (hq <= {MAX_HQ}, D % {LANES} == 0, 1 <= j <= min({MAX_J}, m))")
@@ -416,25 +433,26 @@ def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: t
     no autograd, and the library built here (widths are checked by the op: a wrong one is an error, not a fallback)."""
     if query.dim() != 4 or basis.dim() != 4 or entries.dim() != 4:
         return False
-    return (all(t.device.type == "cpu" for t in (query, basis, entries, floor)) and query.dtype == torch.float32
+    return (_on_cpu((query, basis, entries, floor)) and query.dtype == torch.float32
             and basis.dtype == torch.float32 and floor.dtype == torch.float32
             and entries.dtype in (torch.float32, torch.float16) and 1 <= query.shape[2] <= MAX_HQ
             and query.shape[3] <= MAX_D and 1 <= j <= min(MAX_J, entries.shape[2]) and entries.stride(-1) == 1
             and basis.stride(-1) == 1 and basis.stride(-2) == basis.shape[-1] and counter_ok(counter)
-            and not (query.requires_grad or entries.requires_grad) and available())
+            and not (query.requires_grad or entries.requires_grad)
+            and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
                   floor: torch.Tensor, j: int, archived: int, scaling: float, slack: float, rank_by_bound: bool,
                   counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over its sketch for a decode step, in one call: ``(idx, picked) [B, G, hq * j]`` staged
-    and ``count`` (added to ``counter`` in place when given); ``kvzoo_sketch_choose`` in ``csrc/sketch_choose.cpp``, whose
-    specification is :func:`kvzoo.kernels.choose.sketch_choose_reference`. The caller checked
-    :func:`sketch_choose_supported`. The torch op ``kvzoo::sketch_choose``."""
+    and ``count`` (added to ``counter`` in place when given); ``kvzoo_sketch_choose`` in
+    ``csrc/sketch_choose.cpp``, whose specification is :func:`kvzoo.kernels.choose.sketch_choose_reference`. The
+    caller checked :func:`sketch_choose_supported`. The torch op ``kvzoo::sketch_choose``."""
     lengths = None if length is None else length.to(torch.int64)
     args = (query, basis, entries, lengths, floor, j, archived, float(scaling), float(slack), bool(rank_by_bound),
             counter)
-    if _unobserved() and query.is_cpu and entries.is_cpu and floor.is_cpu and (lengths is None or lengths.is_cpu):
+    if unobserved() and query.is_cpu and entries.is_cpu and floor.is_cpu and (lengths is None or lengths.is_cpu):
         return _sketch_choose_cpu(*args)
     return torch.ops.kvzoo.sketch_choose(*args)
 
@@ -452,12 +470,13 @@ def _sketch_choose_cpu(query, basis, entries, length, floor, j, archived, scalin
     idx = torch.empty(B, G, hq * j, dtype=torch.int64)
     picked = torch.empty(B, G, hq * j, dtype=torch.bool)
     count = torch.empty((), dtype=torch.int64)
-    status = library().kvzoo_sketch_choose(
+    threads = torch.get_num_threads() if B * G * m * W * entries.element_size() >= PARALLEL_BYTES else 1
+    length_at, counter_at = _pointers(lengths, counter)
+    status = (_LOADED[0] if _LOADED else library()).kvzoo_sketch_choose(
         q.data_ptr(), basis.data_ptr(), 0 if basis.shape[0] == 1 else basis.stride(0), basis.stride(1),
         entries.data_ptr(), SCAN_DTYPES[entries.dtype], entries.stride(0), entries.stride(1), entries.stride(2),
-        _pointer(lengths), thr.data_ptr(), idx.data_ptr(), picked.data_ptr(), count.data_ptr(), _pointer(counter),
-        B, G, hq, D, dc, r, m, W, j, archived, int(rank_by_bound), scaling, slack,
-        _threads(B * G * m * W * entries.element_size()))
+        length_at, thr.data_ptr(), idx.data_ptr(), picked.data_ptr(), count.data_ptr(), counter_at,
+        B, G, hq, D, dc, r, m, W, j, archived, int(rank_by_bound), scaling, slack, threads)
     if status != 0:
         raise RuntimeError(f"kvzoo_sketch_choose refused hq={hq}, D={D}, dc={dc}, r={r}, W={W}, j={j}, m={m}, "
                            f"archived={archived} (hq <= {MAX_HQ}, D <= {MAX_D}, r <= dc <= D, W = r + 1 + dr + 2 with "
@@ -488,17 +507,21 @@ def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: to
         return False
     if own is not None:
         keys, valid, position, open_min, open_max = own
-        if not (all(t.device.type == "cpu" for t in own) and keys.dtype == entries.dtype and keys.stride(-1) == 1
+        if not (_on_cpu(own) and keys.dtype == entries.dtype and keys.stride(-1) == 1
                 and valid.dtype == torch.bool and position.dtype == torch.int64
-                and all(t.dtype == torch.float32 and t.is_contiguous() for t in (open_min, open_max))
+                and open_min.dtype == torch.float32 and open_max.dtype == torch.float32
+                and open_min.is_contiguous() and open_max.is_contiguous()
                 and not keys.requires_grad):
             return False
     tensors = (query, entries, empty, live) + (() if positions is None else (positions,))
-    return (all(t.device.type == "cpu" for t in tensors) and query.dtype == torch.float32
+    return (_on_cpu(tensors) and query.dtype == torch.float32
             and entries.dtype in SCAN_DTYPES and entries.shape[3] <= MAX_W and entries.stride(-1) == 1
             and 1 <= query.shape[2] <= MAX_HQ and empty.dtype == torch.bool and live.dtype == torch.int64
-            and live.numel() == 1 and (positions is None or positions.dtype == torch.int64) and counter_ok(counter)
-            and not (query.requires_grad or entries.requires_grad) and available())
+            and live.numel() == 1 and (positions is None or positions.dtype == torch.int64)
+            and (counter is None or (counter.device.type == "cpu" and counter.dtype == torch.int64
+                                     and counter.numel() == 1 and counter.is_contiguous()))  # counter_ok
+            and not (query.requires_grad or entries.requires_grad)
+            and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
@@ -512,7 +535,7 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     :func:`quest_choose_supported`. The torch op ``kvzoo::quest_choose``."""
     args = (query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling),
             float(slack), counter, *(own if own is not None else (None,) * 5))
-    if _unobserved() and query.is_cpu and entries.is_cpu and empty.is_cpu and live.is_cpu:
+    if unobserved() and query.is_cpu and entries.is_cpu and empty.is_cpu and live.is_cpu:
         rows, at, valid, count = _quest_choose_cpu(*args)
     else:
         rows, at, valid, count = torch.ops.kvzoo.quest_choose(*args)
@@ -530,35 +553,40 @@ def _quest_choose_cpu(query, entries, empty, live, positions, pages, size, archi
     if (entries.shape[0], entries.shape[1], W) != (B, G, 2 * D + 1) or tuple(empty.shape) != (B, G, P):
         raise ValueError(f"kvzoo::quest_choose: entries must be [B={B}, G={G}, P, 2 D + 1 = {2 * D + 1}] and empty "
                          f"[B, G, P] for query {list(query.shape)}, got {list(entries.shape)} and {list(empty.shape)}")
-    own = (own_keys, own_valid, own_position, open_min, open_max)
-    if any(t is None for t in own) and any(t is not None for t in own):
+    absent = (own_keys is None) + (own_valid is None) + (own_position is None) + (open_min is None) + (open_max is None)
+    if absent not in (0, 5):
         raise ValueError("kvzoo::quest_choose: own_keys, own_valid, own_position, open_min and open_max go together")
     N = own_keys.shape[2] if own_keys is not None else 0
     if own_keys is not None:
         shapes = ((own_keys, (B, G, N, D)), (own_valid, (B, G, N)), (own_position, (B, G)), (open_min, (B, G, D)),
                   (open_max, (B, G, D)))
-        if any(tuple(t.shape) != shape for t, shape in shapes):
+        if not (own_keys.shape == shapes[0][1] and own_valid.shape == shapes[1][1]
+                and own_position.shape == shapes[2][1] and open_min.shape == shapes[3][1]
+                and open_max.shape == shapes[4][1]):
             raise ValueError(f"kvzoo::quest_choose: own_keys, own_valid, own_position, open_min and open_max must be "
                              f"[B, G, N, D], [B, G, N], [B, G], [B, G, D] (twice) for query {list(query.shape)}; got "
                              f"{[list(t.shape) for t, _ in shapes]}")
     if positions is not None and tuple(positions.shape[:2]) != (B, G):
         raise ValueError(f"kvzoo::quest_choose: positions must be [B={B}, G={G}, M], got {list(positions.shape)}")
     q = query.contiguous()
-    K = _quest_rows(query, pages, size, per_head)
+    K = hq * pages * size if per_head else pages * size
     rows = torch.empty(B, G, K, dtype=torch.int64)
     at = torch.empty(B, G, K, dtype=torch.int64) if positions is not None else torch.empty(0, dtype=torch.int64)
     valid = torch.empty(B, G, K, dtype=torch.bool)
     count = torch.empty((), dtype=torch.int64)
     pos_strides = (0, 0, 0, 0) if positions is None else (*positions.stride(), positions.shape[2])
-    status = library().kvzoo_quest_choose(
+    threads = torch.get_num_threads() if B * G * P * W * entries.element_size() >= PARALLEL_BYTES else 1
+    positions_at, counter_at, keys_at, valid_at, position_at, min_at, max_at = _pointers(
+        positions, counter, own_keys, own_valid, own_position, open_min, open_max)
+    own = own_keys is not None
+    status = (_LOADED[0] if _LOADED else library()).kvzoo_quest_choose(
         q.data_ptr(), entries.data_ptr(), SCAN_DTYPES[entries.dtype], *entries.stride()[:3], empty.data_ptr(),
-        *empty.stride(), live.data_ptr(), _pointer(positions), *pos_strides, rows.data_ptr(),
-        at.data_ptr() if positions is not None else None, valid.data_ptr(), count.data_ptr(), _pointer(counter),
-        B, G, hq, D, P, pages, size, archived, int(per_head), scaling, slack,
-        _threads(B * G * P * W * entries.element_size()), _pointer(own_keys),
-        *(own_keys.stride()[:3] if own_keys is not None else (0, 0, 0)), N, _pointer(own_valid),
-        *(own_valid.stride() if own_valid is not None else (0, 0, 0)), _pointer(own_position),
-        *(own_position.stride() if own_position is not None else (0, 0)), _pointer(open_min), _pointer(open_max))
+        *empty.stride(), live.data_ptr(), positions_at, *pos_strides, rows.data_ptr(),
+        at.data_ptr() if positions is not None else None, valid.data_ptr(), count.data_ptr(), counter_at,
+        B, G, hq, D, P, pages, size, archived, int(per_head), scaling, slack, threads,
+        keys_at, *(own_keys.stride()[:3] if own else (0, 0, 0)), N, valid_at,
+        *(own_valid.stride() if own else (0, 0, 0)), position_at, *(own_position.stride() if own else (0, 0)),
+        min_at, max_at)
     if status != 0:
         raise RuntimeError(f"kvzoo_quest_choose refused hq={hq}, D={D}, pages={pages} of P={P}, size={size}, "
                            f"archived={archived} (hq <= {MAX_HQ}, 2 D + 1 <= {MAX_W}, 1 <= pages <= P (P + 1 with "
@@ -590,12 +618,13 @@ def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: 
     entries in their dtype, bool flags, int64 position, count and length (one element each), contiguous fp32 running
     min/max, and the library built here."""
     tensors = (keys, valid, position, open_min, open_max, entries, empty, count, length)
-    return (all(t.device.type == "cpu" for t in tensors) and keys.dtype in SCAN_DTYPES and entries.dtype == keys.dtype
+    return (_on_cpu(tensors) and keys.dtype in SCAN_DTYPES and entries.dtype == keys.dtype
             and keys.stride(-1) == 1 and entries.stride(-1) == 1 and valid.dtype == torch.bool
             and empty.dtype == torch.bool and position.dtype == torch.int64
-            and all(t.dtype == torch.int64 and t.numel() == 1 for t in (count, length))
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (open_min, open_max))
-            and not keys.requires_grad and available())
+            and count.dtype == torch.int64 and length.dtype == torch.int64 and count.numel() == 1
+            and length.numel() == 1 and open_min.dtype == torch.float32 and open_max.dtype == torch.float32
+            and open_min.is_contiguous() and open_max.is_contiguous()
+            and not keys.requires_grad and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
@@ -605,7 +634,7 @@ def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tens
     ``csrc/quest.cpp``; the specification is :func:`kvzoo.kernels.choose.quest_page_add_reference`). The caller checked
     :func:`quest_page_add_supported`. The torch op ``kvzoo::quest_page_add``."""
     args = (keys, valid, position, open_min, open_max, entries, empty, count, length, size)
-    if _unobserved() and keys.is_cpu and entries.is_cpu:
+    if unobserved() and keys.is_cpu and entries.is_cpu:
         _quest_page_add_cpu(*args)
     else:
         torch.ops.kvzoo.quest_page_add(*args)
@@ -621,7 +650,7 @@ def _quest_page_add_cpu(keys, valid, position, open_min, open_max, entries, empt
             raise ValueError(f"kvzoo::quest_page_add: for keys {list(keys.shape)} valid, position, open_min, open_max, "
                              f"entries and empty must be [B, G, N], [B, G], [B, G, D] (twice), [B, G, P, 2 D + 1] and "
                              f"[B, G, P]; got {[list(t.shape) for t, _ in shapes]}")
-    status = library().kvzoo_quest_page_add(
+    status = (_LOADED[0] if _LOADED else library()).kvzoo_quest_page_add(
         keys.data_ptr(), SCAN_DTYPES[keys.dtype], *keys.stride()[:3], valid.data_ptr(), *valid.stride(),
         position.data_ptr(), *position.stride(), open_min.data_ptr(), open_max.data_ptr(), entries.data_ptr(),
         *entries.stride()[:3], empty.data_ptr(), *empty.stride(), count.data_ptr(), length.data_ptr(), B, G, N, D, P,
@@ -672,7 +701,7 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
     tensors = [query, keys, values, source.indices, source.length, source.valid, pool_valid, source.head_valid]
     if prior is not None:
         tensors += list(prior)
-    if any(t is not None and (not isinstance(t, torch.Tensor) or t.device.type != "cpu") for t in tensors):
+    if not _on_cpu(tensors):
         return False
     if query.dim() != 3 or keys.dim() != 4 or query.dtype not in ROW_DTYPES or keys.dtype not in ROW_DTYPES:
         return False
@@ -681,10 +710,21 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
     return (G >= 1 and H % G == 0 and H // G <= MAX_HPG and 1 <= D <= MAX_D and isinstance(width, int)
             and 1 <= width <= MAX_D and (keys.stride(-1) == 1 or D == 1)
             and (values is None or (values.dtype == keys.dtype and (values.stride(-1) == 1 or width == 1)))
-            and all(t is None or t.dtype in INDEX_DTYPES for t in (source.indices, source.length))
-            and all(t is None or t.dtype == torch.bool for t in (source.valid, pool_valid, source.head_valid))
+            and _of_dtype((source.indices, source.length), INDEX_DTYPES)
+            and _of_dtype((source.valid, pool_valid, source.head_valid), _BOOL)
             and not (query.requires_grad or keys.requires_grad or (values is not None and values.requires_grad))
-            and available())
+            and (_LOADED[0] is not None if _LOADED else available()))
+
+
+def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: int) -> bool:
+    """:func:`decode_attend_supported` for a source ``kvzoo.kernels.decode_attention`` has checked (shapes, dtypes,
+    devices, strides, ``KVZOO_KERNELS``): the sizes the op takes, no autograd, the library built here."""
+    H, D = query.shape[1], query.shape[2]
+    values = source.values
+    return (H // groups <= MAX_HPG and D <= MAX_D and width <= MAX_D and query.dtype in ROW_DTYPES
+            and source.keys.dtype in ROW_DTYPES and not (query.requires_grad or source.keys.requires_grad
+                                                         or (values is not None and values.requires_grad))
+            and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_valid: torch.Tensor | None = None,
@@ -711,7 +751,7 @@ def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_val
     ``vdpbf16ps`` where the CPU has it), fp32 online softmax. A ``(b, h)`` with nothing readable gets ``out = 0`` and
     ``lse = -inf``. A row no head may read is never loaded (it may hold NaN). The caller checked
     :func:`decode_attend_supported`. The torch op ``kvzoo::decode_attend``; called directly (the same function, not
-    the dispatcher's ~8 us for 14 arguments) when nothing observes the dispatcher (:func:`_unobserved`)."""
+    the dispatcher's ~8 us for 14 arguments) when nothing observes the dispatcher (:func:`unobserved`)."""
     values = source.values
     width = values.shape[-1] if values is not None else source.value_width
     if width is None:
@@ -721,8 +761,8 @@ def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_val
     keys, indices, length, valid, head_valid = source.keys, source.indices, source.length, source.valid, source.head_valid
     args = (query, keys, values, width, indices, length, valid, pool_valid, head_valid, float(scaling), prior_out,
             prior_lse, best, mass)
-    if _unobserved() and all(t is None or t.is_cpu for t in (query, keys, values, indices, length, valid, pool_valid,
-                                                             head_valid, prior_out, prior_lse)):
+    if unobserved() and _on_cpu((query, keys, values, indices, length, valid, pool_valid, head_valid, prior_out,
+                                  prior_lse)):
         return _decode_attend_run(*args)
     out, lse, top, masses = torch.ops.kvzoo.decode_attend(*args)
     return out, lse, top if best else None, masses if mass else None
@@ -773,15 +813,6 @@ def _positions(query, keys, values, value_width, indices, length, valid, pool_va
 _ABSENT = (0, 0, 0, 0)
 
 
-def _flag(t: torch.Tensor | None, what: str) -> tuple[int, ...]:
-    """A bool flag tensor's pointer and 3 strides (zeros: absent)."""
-    if t is None:
-        return _ABSENT
-    if t.dtype != torch.bool:
-        raise _bad(f"{what} must be a bool tensor, got {t.dtype}")
-    return (t.data_ptr(), *t.stride())
-
-
 def _decode_attend_cpu(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, scaling,
                        prior_out, prior_lse, best, mass):
     """The op's CPU function: :func:`_decode_attend_run`, with empty tensors for the outputs not asked for."""
@@ -792,43 +823,56 @@ def _decode_attend_cpu(query, keys, values, value_width, indices, length, valid,
 
 def _decode_attend_run(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, scaling,
                        prior_out, prior_lse, best, mass):
-    B, H, D, G, N, P, Dv = _positions(query, keys, values, value_width, indices, length, valid, pool_valid,
-                                      head_valid, prior_out, prior_lse)
-    dtype = ROW_DTYPES.get(keys.dtype)
-    q_dtype = ROW_DTYPES.get(query.dtype)
-    if dtype is None or q_dtype is None or (values is not None and values.dtype != keys.dtype):
+    """The op's inputs checked (a ValueError naming what is wrong), then :func:`_decode_attend_call`."""
+    dims = _positions(query, keys, values, value_width, indices, length, valid, pool_valid, head_valid, prior_out,
+                      prior_lse)
+    if keys.dtype not in ROW_DTYPES or query.dtype not in ROW_DTYPES or (values is not None
+                                                                         and values.dtype != keys.dtype):
         raise _bad(f"query, keys and values must be float32, bfloat16 or float16 (values in the keys' dtype), got "
                    f"{query.dtype}, {keys.dtype}, {None if values is None else values.dtype}")
+    if keys.stride(3) != 1 and dims[2] > 1:
+        raise _bad("keys need a contiguous last dimension (stride 1): pass the pool itself, not a transposed view")
+    if values is not None and values.stride(3) != 1 and dims[6] > 1:
+        raise _bad("values need a contiguous last dimension (stride 1)")
+    for name, t in (("indices", indices), ("length", length)):
+        if t is not None and t.dtype not in INDEX_DTYPES:
+            raise _bad(f"{name} must be int32 or int64, got {t.dtype}")
+    for name, t in (("valid", valid), ("pool_valid", pool_valid), ("head_valid", head_valid)):
+        if t is not None and t.dtype != torch.bool:
+            raise _bad(f"{name} must be a bool tensor, got {t.dtype}")
+    return decode_attend_unchecked(query, keys, values, indices, length, valid, pool_valid, head_valid, scaling,
+                               prior_out, prior_lse, best, mass, dims)
+
+
+def decode_attend_unchecked(query, keys, values, indices, length, valid, pool_valid, head_valid, scaling, prior_out,
+                        prior_lse, best, mass, dims):
+    """:func:`decode_attend` on inputs already checked -- by :func:`_decode_attend_run`, or by
+    ``kvzoo.kernels.decode_attention.attend`` (``dims``: the ``(B, H, D, G, N, P, Dv)`` its check found): the A_*
+    parameters packed, the outputs made, one C call. Validated once per call, not twice; the caller runs it only
+    where nothing observes the dispatcher (:func:`unobserved`), else the op."""
+    B, H, D, G, N, P, Dv = dims
+    dtype = ROW_DTYPES[keys.dtype]
     qst = query.stride()
     if qst[2] != 1:
         query = query.contiguous()
         qst = query.stride()
     kst = keys.stride()
-    params = [query.data_ptr(), qst[0], qst[1], q_dtype, keys.data_ptr(), kst[0], kst[1], kst[2]]
-    if kst[3] != 1 and D > 1:
-        raise _bad("keys need a contiguous last dimension (stride 1): pass the pool itself, not a transposed view")
+    params = [query.data_ptr(), qst[0], qst[1], ROW_DTYPES[query.dtype], keys.data_ptr(), kst[0], kst[1], kst[2]]
     if values is not None:
         vst = values.stride()
-        if vst[3] != 1 and Dv > 1:
-            raise _bad("values need a contiguous last dimension (stride 1)")
         params += (values.data_ptr(), vst[0], vst[1], vst[2], dtype)
     else:
         params += (0, 0, 0, 0, dtype)
     if indices is not None:
-        if indices.dtype not in INDEX_DTYPES:
-            raise _bad(f"indices must be int32 or int64, got {indices.dtype}")
         params += (indices.data_ptr(), *indices.stride(), indices.dtype == torch.int32)
     else:
         params += (0, 0, 0, 0, 0)
     if length is not None:
-        if length.dtype not in INDEX_DTYPES:
-            raise _bad(f"length must be int32 or int64, got {length.dtype}")
         params += (length.data_ptr(), length.stride(0), length.dtype == torch.int32)
     else:
         params += (0, 0, 0)
-    params += _flag(valid, "valid")
-    params += _flag(pool_valid, "pool_valid")
-    params += _flag(head_valid, "head_valid")
+    for flag in (valid, pool_valid, head_valid):
+        params += _ABSENT if flag is None else (flag.data_ptr(), *flag.stride())
     if prior_out is not None:
         prior_out = prior_out.float().contiguous()
         prior_lse = prior_lse.float().contiguous()
@@ -839,11 +883,12 @@ def _decode_attend_run(query, keys, values, value_width, indices, length, valid,
     lse = torch.empty(B, H)
     top = torch.empty(B, H) if best else None
     masses = torch.empty(B, H, P) if mass else None
+    nbytes = B * G * P * (D + (Dv if values is not None else 0)) * keys.element_size()
+    threads = torch.get_num_threads() if nbytes >= PARALLEL_BYTES else 1  # PARALLEL_BYTES
     params += (out.data_ptr(), lse.data_ptr(), top.data_ptr() if best else 0, masses.data_ptr() if mass else 0,
-               B, H, G, N, P, D, Dv, _threads(B * G * P * (D + (Dv if values is not None else 0))
-                                              * keys.element_size()))
+               B, H, G, N, P, D, Dv, threads)
     packed = array.array("q", params)  # the A_* parameters of csrc/decode_attend.cpp, in their order
-    status = library().kvzoo_decode_attend(packed.buffer_info()[0], len(packed), scaling)
+    status = (_LOADED[0] if _LOADED else library()).kvzoo_decode_attend(packed.buffer_info()[0], len(packed), scaling)
     if status != 0:
         raise RuntimeError(f"kvzoo_decode_attend refused H={H}, G={G}, D={D}, Dv={Dv} (status {status}; at most "
                            f"{MAX_HPG} heads per group, D and Dv at most {MAX_D})")

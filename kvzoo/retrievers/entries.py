@@ -19,13 +19,13 @@ from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, RowGeometry
 
 if TYPE_CHECKING:
-    from kvzoo.retrievers.vestige import VestigeRetriever
+    from kvzoo.framework.retriever import Retriever
 
 
 class EntryIndex(RetrievalState):
     """Per-row entries over a layer's archive and VestigeKV's selection rule (module docstring)."""
 
-    def __init__(self, config: VestigeRetriever, geometry: RowGeometry) -> None:
+    def __init__(self, config: Retriever, geometry: RowGeometry) -> None:  # a VestigeRetriever (its j, tau, ...)
         self.config = config
         self.geometry = geometry
         self.rows = RowStore()  # the entries, [B, G, m, ...] per buffer, in archive order
@@ -33,7 +33,10 @@ class EntryIndex(RetrievalState):
 
     @property
     def entry_bytes(self) -> int:  # type: ignore[override]
-        return sum(b.shape[-1] * b.element_size() for b in self.rows.buffers.values())
+        total = 0
+        for b in self.rows.buffers.values():  # a loop, not a generator: read per layer per step
+            total += b.shape[-1] * b.element_size()
+        return total
 
     @property
     def groups(self) -> int:

@@ -137,9 +137,9 @@ class PageSummary:
         the page at ``count // page_size``): whether it can be -- the summary defined and, fixed, not full -- with a
         growing summary given a page slot first when the row opens one. The op's caller then calls
         :meth:`one_added`."""
-        if not self.defined:
-            return False
         pages, size = self.pages, self.page_size
+        if not pages.buffers:  # not defined
+            return False
         if pages.fixed:
             return self.rows < pages.capacity * size
         if self.rows % size == 0:  # the row opens a page: a slot for it (the store grows geometrically)

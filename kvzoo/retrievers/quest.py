@@ -123,9 +123,9 @@ class PageIndex(RetrievalState):
 
     @property
     def entry_bytes(self) -> int:  # type: ignore[override]
-        if not self.summary.defined:
+        entries = self.summary.pages.buffers.get("entries")
+        if entries is None:  # not defined yet
             return 0
-        entries = self.pages.buffers["entries"]
         return entries.shape[-1] * entries.element_size()
 
     def _live_entries(self) -> torch.Tensor:
@@ -165,7 +165,8 @@ class PageIndex(RetrievalState):
 
     def entries(self) -> int:
         """Index entries one scan reads: the live pages, or every page slot of a fixed index."""
-        return self.summary.entries()
+        pages = self.summary.pages
+        return pages.capacity if pages.fixed else pages.n
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         B, H, q_len, _ = query.shape
@@ -187,7 +188,7 @@ class PageIndex(RetrievalState):
         states before any page is scored); None elsewhere (``rule="kernel"`` attends the current page apart; a view
         without the row: the policy does not archive it next)."""
         row = archive.own_row if self.config.rule == "eval" else None
-        if row is None or not self.summary.defined:
+        if row is None or not self.summary.pages.buffers:  # the summary not defined yet
             return None
         return (*row, self.summary.open_min, self.summary.open_max)
 
@@ -209,7 +210,8 @@ class PageIndex(RetrievalState):
             H, D = query.shape[1], query.shape[3]
             counter = archive.fetched
             rows, positions, ok, count = quest_choose(
-                query.float().reshape(B, G, H // G, D), self.summary.reading("entries"), self.summary.reading("empty"),
+                query.float().reshape(B, G, H // G, D), self.summary.pages.reading("entries"),
+                self.summary.pages.reading("empty"),
                 self.summary.count, archive.positions, n, size, archive.rows, scaling, per_head=per_head,
                 counter=counter, own=own)
             if per_head:  # each head reads its own segment (no union to stage); the group's union counted once

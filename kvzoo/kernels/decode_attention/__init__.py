@@ -63,6 +63,8 @@ where it applies):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvzoo.kernels import dispatch
@@ -74,6 +76,8 @@ from kvzoo.kernels.decode_attention.rows import (
     MAX_SPLITS,
     Attended,
     Rows,
+    _fold_pool_valid,
+    _Source,
     _validate,
 )
 from kvzoo.kernels.decode_attention.triton import (
@@ -107,14 +111,13 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
     ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere), ``triton`` (the split-K kernels; they
     compute no per-position probabilities, so ``mass`` takes ``sdpa``) or ``native``. Inputs are checked first.
     """
+    checked = _validate(query, sources, scaling, splits, fold=False)
     if impl is None:
-        impl = dispatch.decode_impl(query, mass=mass)
-        if impl == "sdpa" and _native_applies(query, sources, prior):
-            impl = "native"
-    checked = _validate(query, sources, scaling, splits, fold=impl != "native")
+        impl = _choose(query, checked, prior, mass)
     scaling = float(scaling)
     if impl == "native":
-        return _native_part(query, checked[0].rows, scaling, best=best, mass=mass, defer=defer, prior=prior)
+        return _native_part(query, checked[0], scaling, best=best, mass=mass, defer=defer, prior=prior)
+    checked = _fold(checked)
     if impl == "reference":  # the specification runs every case itself, the parts protocol included
         return reference.attend_reference(query, checked, scaling, best=best, mass=mass, defer=defer, prior=prior)
     if impl == "triton" and (mass or (prior is not None and prior.scores is not None)):
@@ -135,33 +138,57 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
 NATIVE_PLAIN = False
 
 
-def _native_applies(query: torch.Tensor, sources: list[Rows], prior: Attended | None) -> bool:
-    """Whether the native CPU op (``kvzoo.kernels.cpu_native.decode_attend``) takes this part: one source on CPU
-    tensors (read where it lies: gathered, or a pool with flags or a length), a prior part it can merge (one the
-    op or a kernel computed: no kept scores), and the library built here."""
-    if query.device.type != "cpu" or len(sources) != 1 or (prior is not None and prior.scores is not None):
-        return False
-    src = sources[0]
-    if not isinstance(src, Rows):
-        return False
+def _choose(query: torch.Tensor, checked: list[_Source], prior: Attended | None, mass: bool) -> str:
+    """The implementation :func:`attend` takes when none is named: :func:`kvzoo.kernels.dispatch.decode_impl`'s
+    choice (Triton on CUDA tensors, else SDPA), and on CPU the native op where it takes the part (unless
+    ``KVZOO_KERNELS=torch``): one source of CPU tensors read where it lies (gathered, or a pool with flags or a
+    length), a prior part it can merge (one the op or a kernel computed: no kept scores), sizes the op takes, and
+    the library built here."""
+    chosen = dispatch.mode()
+    if query.is_cuda or chosen == "triton":
+        impl = dispatch.decode_impl(query, mass=mass)
+        if impl == "triton":
+            return impl
+    if chosen == "torch" or query.device.type != "cpu" or len(checked) != 1 or (prior is not None
+                                                                              and prior.scores is not None):
+        return "sdpa"
+    src = checked[0].rows  # the native op takes one source read where it lies (a plain pool goes to SDPA)
     plain = src.indices is None and src.length is None and src.valid is None and src.head_valid is None \
         and src.pool_valid is None
     if plain and prior is None and not NATIVE_PLAIN:
-        return False
+        return "sdpa"
     from kvzoo.kernels import cpu_native
 
-    return cpu_native.decode_attend_supported(query, src, prior=None if prior is None else (prior.out, prior.lse))
+    return "native" if cpu_native.decode_attend_takes(query, src, checked[0].groups, checked[0].value_width) \
+        else "sdpa"
 
 
-def _native_part(query: torch.Tensor, src: Rows, scaling: float, *, best: bool, mass: bool, defer: bool,
+def _fold(checked: list[_Source]) -> list[_Source]:
+    """The checked sources with their pool flags folded into ``valid`` (what every form but the native op reads)."""
+    for i, c in enumerate(checked):
+        if c.rows.pool_valid is not None:
+            checked[i] = dataclasses.replace(c, rows=_fold_pool_valid(c.rows, c.pool))
+    return checked
+
+
+def _native_part(query: torch.Tensor, checked: _Source, scaling: float, *, best: bool, mass: bool, defer: bool,
                  prior: Attended | None) -> Attended:
-    """:func:`attend` on the native CPU op: one source, merged with ``prior`` (a part the op or a kernel computed)
-    into one softmax. The prior's per-position probabilities (``prior.mass``, within its own part) are rescaled to
-    the whole step, so ``mass`` lists every source of the step, the prior's first."""
+    """:func:`attend` on the native CPU op: one checked source, merged with ``prior`` (a part the op or a kernel
+    computed) into one softmax. The prior's per-position probabilities (``prior.mass``, within its own part) are
+    rescaled to the whole step, so ``mass`` lists every source of the step, the prior's first."""
     from kvzoo.kernels import cpu_native
 
+    src = checked.rows
     merge_with = None if prior is None else (prior.out.float(), prior.lse)
-    out, lse, top, masses = cpu_native.decode_attend(query, src, scaling, prior=merge_with, best=best, mass=mass)
+    if cpu_native.unobserved():  # checked once (by attend): the C call itself
+        B, H, D = query.shape
+        prior_out, prior_lse = (None, None) if prior is None else merge_with
+        out, lse, top, masses = cpu_native.decode_attend_unchecked(
+            query, src.keys, src.values, src.indices, src.length, src.valid, src.pool_valid, src.head_valid, scaling,
+            prior_out, prior_lse, best, mass, (B, H, D, checked.groups, checked.pool, checked.positions,
+                                               checked.value_width))
+    else:  # the op, which a trace or torch.compile records
+        out, lse, top, masses = cpu_native.decode_attend(query, src, scaling, prior=merge_with, best=best, mass=mass)
     mass_list = None
     if mass:
         mass_list = [masses]

@@ -73,10 +73,16 @@ def _check_flag(what: str, t, shape: tuple[int, ...], device: torch.device) -> N
 
 def _validate(query: torch.Tensor, sources, scaling, splits, fold: bool = True) -> list[_Source]:
     """Every input checked (a ValueError says what was wrong and what is valid); ``fold``: the pool flags folded
-    into ``valid`` (what every implementation but the native op reads)."""
-    _check_call(query, sources, scaling, splits)
+    into ``valid`` (what every implementation but the native op reads). Once per decode step and layer: the checks
+    that pass call few functions (a flag or a device is checked in place, its message built only when it fails)."""
+    if not (isinstance(query, torch.Tensor) and query.dim() == 3 and query.dtype in FLOAT_DTYPES
+            and isinstance(scaling, (int, float)) and math.isfinite(scaling) and splits is None
+            and isinstance(sources, (list, tuple)) and sources):
+        _check_call(query, sources, scaling, splits)  # raises, naming what is wrong
     out: list[_Source] = []
     for i, src in enumerate(sources):
+        if not isinstance(src, Rows):
+            raise ValueError("sources must be a non-empty list of Rows")
         checked = _check_source(f"sources[{i}]", src, query, out[0].value_width if out else None)
         if src.pool_valid is not None and fold:
             checked = dataclasses.replace(checked, rows=_fold_pool_valid(src, checked.pool))
@@ -95,8 +101,11 @@ def _check_call(query: torch.Tensor, sources, scaling, splits) -> None:
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
                                or not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"splits must be None or an int in [1, {MAX_SPLITS}], got {splits!r}")
-    if not isinstance(sources, (list, tuple)) or not sources or not all(isinstance(s, Rows) for s in sources):
+    if not isinstance(sources, (list, tuple)) or not sources:
         raise ValueError("sources must be a non-empty list of Rows")
+    for s in sources:
+        if not isinstance(s, Rows):
+            raise ValueError("sources must be a non-empty list of Rows")
 
 
 def _check_keys(name: str, k, query: torch.Tensor) -> None:
@@ -105,7 +114,8 @@ def _check_keys(name: str, k, query: torch.Tensor) -> None:
         raise ValueError(f"{name}.keys must be a [B, G, N, D] tensor, got {got}")
     if k.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}.keys must be float16, bfloat16 or float32, got {k.dtype}")
-    _on(f"{name}.keys", k, query.device)
+    if k.device != query.device:
+        _on(f"{name}.keys", k, query.device)
     B, H, D = query.shape
     Bk, G, N, Dk = k.shape
     if Bk != B or Dk != D:
@@ -133,7 +143,8 @@ def _value_width(name: str, src: Rows, query: torch.Tensor) -> int:
         raise ValueError(f"{name}.values must be [B={B}, G={G}, N={N}, Dv], got {got}")
     if v.dtype != k.dtype:
         raise ValueError(f"{name}.values must have the keys' dtype {k.dtype}, got {v.dtype}")
-    _on(f"{name}.values", v, query.device)
+    if v.device != query.device:
+        _on(f"{name}.values", v, query.device)
     if v.stride(-1) != 1 and v.shape[-1] > 1:
         raise ValueError(f"{name}.values must have a contiguous last dimension (stride 1), "
                          f"got strides {v.stride()}")
@@ -147,11 +158,21 @@ def _value_width(name: str, src: Rows, query: torch.Tensor) -> int:
 
 
 def _check_source(name: str, src: Rows, query: torch.Tensor, first_width: int | None) -> _Source:
-    _check_keys(name, src.keys, query)
-    B, H, _ = query.shape
+    B, H, D = query.shape
     device = query.device
-    _, G, N, _ = src.keys.shape
-    width = _value_width(name, src, query)
+    k, v = src.keys, src.values
+    # the usual source, checked in place: keys [B, G, N, D] and values [B, G, N, Dv] in one float dtype on the
+    # query's device, last dims contiguous; anything else goes through the checks that name what is wrong
+    if (isinstance(k, torch.Tensor) and k.dim() == 4 and k.dtype in FLOAT_DTYPES and k.device == device
+            and k.shape[0] == B and k.shape[3] == D and k.shape[1] >= 1 and H % k.shape[1] == 0
+            and (k.stride(3) == 1 or D == 1) and isinstance(v, torch.Tensor) and v.dim() == 4
+            and v.shape[:3] == k.shape[:3] and v.dtype == k.dtype and v.device == device and v.shape[3] >= 1
+            and (v.stride(3) == 1 or v.shape[3] == 1) and (src.value_width is None or src.value_width == v.shape[3])):
+        width = v.shape[3]
+    else:
+        _check_keys(name, k, query)
+        width = _value_width(name, src, query)
+    _, G, N, _ = k.shape
     if first_width is not None and width != first_width:
         raise ValueError(f"{name} has value width {width}, sources[0] {first_width}: all sources must share Dv")
     positions = N
@@ -162,17 +183,21 @@ def _check_source(name: str, src: Rows, query: torch.Tensor, first_width: int | 
             raise ValueError(f"{name}.indices must be an int32 or int64 tensor, got {got}")
         if idx.dim() != 3 or tuple(idx.shape[:2]) != (B, G):
             raise ValueError(f"{name}.indices must have shape [B={B}, G={G}, K], got {_shape(idx)}")
-        _on(f"{name}.indices", idx, device)
+        if idx.device != device:
+            _on(f"{name}.indices", idx, device)
         positions = idx.shape[2]
     if src.length is not None:
         ln = src.length
         if not isinstance(ln, torch.Tensor) or ln.dtype not in INDEX_DTYPES or tuple(ln.shape) != (B,):
             got = f"{ln.dtype} {_shape(ln)}" if isinstance(ln, torch.Tensor) else type(ln).__name__
             raise ValueError(f"{name}.length must be an int32 or int64 tensor of shape [B={B}], got {got}")
-        _on(f"{name}.length (a tensor on the query's device)", ln, device)
-    _check_flag(f"{name}.valid", src.valid, (B, G, positions), device)
-    _check_flag(f"{name}.head_valid", src.head_valid, (B, H, positions), device)
-    _check_flag(f"{name}.pool_valid", src.pool_valid, (B, G, N), device)
+        if ln.device != device:
+            _on(f"{name}.length (a tensor on the query's device)", ln, device)
+    for what, flag, shape in ((".valid", src.valid, (B, G, positions)), (".head_valid", src.head_valid,
+                              (B, H, positions)), (".pool_valid", src.pool_valid, (B, G, N))):
+        if flag is not None and not (isinstance(flag, torch.Tensor) and flag.dtype == torch.bool
+                                     and flag.shape == shape and flag.device == device):
+            _check_flag(name + what, flag, shape, device)  # raises, naming what is wrong
     return _Source(src, G, N, positions, width)
 
 
