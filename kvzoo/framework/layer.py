@@ -4,18 +4,20 @@ the attended tier and the archive --, the retriever's index over the archive, an
 A row is written once, where it lands in the layer's storage (``rows``: the key, the value on GQA, the slot, the
 valid flag and the policy's per-row statistics), and never moves afterwards:
 
-* **with an archive** (``policy.archive``, the default) the storage keeps every row the layer has seen, in the order
-  they came (a row's position is its slot). The attended tier is the whole storage until the first eviction; from
-  then on it is a list of positions (``tier``), and the archive is the list of the positions evicted
-  (``archived``), in eviction order -- the order of the retriever's index entries. Evicting edits the lists;
-  a decode step reads the tier and the fetched rows where they lie (the decode op takes positions);
-* **without an archive** (``archive=False``: evicted rows are dropped and counted) the storage holds the attended
-  tier alone: a compression event keeps the selected rows at the front (memory is given back then), and a per-step
-  "one in, one out" leaves a hole that the next row is written into.
+* **with an archive** (``policy.archive``: by default whenever the policy names a retriever, which reads it) the
+  storage keeps every row the layer has seen, in the order they came (a row's position is its slot). The attended
+  tier is the whole storage until the first eviction; from then on it is a list of positions (``tier``), and the
+  archive is the list of the positions evicted (``archived``), in eviction order -- the order of the retriever's
+  index entries. Evicting edits the lists; a decode step reads the tier and the fetched rows where they lie (the
+  decode op takes positions);
+* **without an archive** (an eviction-only policy, or ``archive=False``: evicted rows are dropped and counted) the
+  storage holds the attended tier alone: a compression event keeps the selected rows at the front (memory is given
+  back then), and a per-step "one in, one out" leaves a hole that the next row is written into.
 
-Which rows go where is decided by the runtime (``framework/runtime.py``); this object holds the rows, the views and
-the mechanics of moving an index, and honours transformers' cache-layer contract (``update``,
-``get_seq_length``, ``get_mask_sizes``).
+Which rows go where is decided by the runtime (``framework/runtime.py``), which the layer reaches only through the
+:class:`Host` protocol (the policy's settings it reads, four calls); this object holds the rows, the views and the
+mechanics of moving an index, and honours transformers' cache-layer contract (``update``, ``get_seq_length``,
+``get_mask_sizes``). It names no concrete policy.
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ class VestigeRetriever(Retriever):
     ``s <q, codes>`` (97 % recall@16 of the exact top rows on SmolLM2); ``index="sketch"`` keeps the low-rank
     sketch there, ``rank`` defaulting to a quarter of the head dim. MLA rows always take the sketch. Sketch entries
     are fp32 (``(64 + rank + 1 + 2) * 4`` bytes on MLA) or, with ``entry_dtype="float16"``, fp16 with a widened
-    slack (still certified; the design's 258 B figure is for 16-bit entries). The int8 scan runs in PyTorch on
-    every device (the fused Triton scan takes the float sketch entries).
+    slack (still certified; the design's 258 B figure is for 16-bit entries). The int8 scan runs as one C call on
+    CPU (``kvzoo.kernels.cpu_native.int8_choose``: scan, top-j, bounds and union fused) and in PyTorch elsewhere
+    (the fused Triton scan takes the float sketch entries).
 
     ``index="paged"`` (GQA; :class:`~kvzoo.retrievers.paged.PagedKeyIndex`) puts a coarse summary over the int8 entries: per ``page_rows``
     archived rows the element-wise key min/max in int8 with one scale (``2 D + 5`` bytes with its empty flag),
