@@ -143,7 +143,13 @@ def count_decode_step(model: torch.nn.Module, make_cache, prompt: torch.Tensor, 
                       warmup: int = 3) -> StepCount:
     """Prefill ``prompt [B, T]`` into ``make_cache()``, compress it (a kvzoo cache), run ``warmup`` decode steps,
     then count one more. Positions are passed as tensors (what a captured step does)."""
-    cache = make_cache()
+    trace = steady_step(model, make_cache(), prompt, StepTrace(), warmup=warmup)
+    return StepCount(trace.launches, len(trace.syncs), layers, trace)
+
+
+def steady_step(model: torch.nn.Module, cache: Any, prompt: torch.Tensor, watch: Any, *, warmup: int = 3) -> Any:
+    """Prefill ``prompt [B, T]`` into ``cache``, compress it (a kvzoo cache), run ``warmup`` decode steps, then one
+    more inside ``watch`` (a context manager: :class:`StepTrace`, :class:`HostCalls`), which it returns."""
     T = prompt.shape[1]
     with torch.no_grad():
         logits = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1]
@@ -153,12 +159,12 @@ def count_decode_step(model: torch.nn.Module, make_cache, prompt: torch.Tensor, 
         for t in range(warmup + 1):
             position = torch.full_like(token, T + t)
             if t == warmup:
-                with StepTrace() as trace:
+                with watch:
                     model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
             else:
                 token = model(input_ids=token, position_ids=position, cache=cache,
                               use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-    return StepCount(trace.launches, len(trace.syncs), layers, trace)
+    return watch
 
 
 # --- the kvzoo functions a step enters ---------------------------------------------------------------------------
@@ -197,18 +203,5 @@ class HostCalls:
 
 
 def count_host_calls(model: torch.nn.Module, cache: Any, prompt: torch.Tensor, *, warmup: int = 3) -> HostCalls:
-    """Prefill ``prompt [B, T]`` into ``cache`` (a :class:`~kvzoo.TieredCache`), compress it, run ``warmup`` decode
-    steps, then count the kvzoo functions one more step enters (:class:`HostCalls`)."""
-    T = prompt.shape[1]
-    with torch.no_grad():
-        token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        cache.compress()
-        for t in range(warmup + 1):
-            position = torch.full_like(token, T + t)
-            if t == warmup:
-                with HostCalls() as calls:
-                    model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
-            else:
-                token = model(input_ids=token, position_ids=position, cache=cache,
-                              use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-    return calls
+    """The kvzoo functions one steady decode step enters (:func:`steady_step` with a :class:`HostCalls`)."""
+    return steady_step(model, cache, prompt, HostCalls(), warmup=warmup)
