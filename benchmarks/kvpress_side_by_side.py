@@ -142,7 +142,7 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
             if arm == "kvzoo":  # kvzoo.pipeline.generate's steps: the default prefill (compressing inside it)
                 cache = TieredCache(model, registry.get(policy, ratio=ratio), context_length=context.shape[1])
                 clock(lambda: prefill(model, cache, context, ends_context=True))
-                kept = [layer.n for layer in cache.tiered_layers]
+                kept = [layer.store.n for layer in cache.tiered_layers]
             else:  # transformers' own prefill of the same tokens into its DynamicCache, nothing compressed
                 cache = DynamicCache()
                 clock(lambda: model(input_ids=context, **cache_kwargs(model, cache), use_cache=True,

@@ -88,8 +88,8 @@ def run_cell(policy: str, mode: str, tokens: int, ratio: float, chunk: int) -> d
             cpu = time.process_time() - t
             stats = cache.stats()
             peak_rows = stats.peak_cache_rows
-            kept = sum(layer.n for layer in cache.tiered_layers)
-            stored = kept + sum(layer.archived_rows for layer in cache.tiered_layers)
+            kept = sum(layer.store.n for layer in cache.tiered_layers)
+            stored = kept + sum(layer.store.archive.n for layer in cache.tiered_layers)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return dict(policy=policy, mode=mode, tokens=tokens, ratio=None if policy in ("full", "transformers") else ratio,
                 chunk=step, layers=layers, peak_cache_rows=peak_rows, peak_layers=peak_rows / tokens,

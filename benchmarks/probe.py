@@ -84,10 +84,11 @@ def residency(model, prefix, ratio: float, spans: list[list[int]]) -> list[list[
         pipeline.compress(cache)
         held = []
         for layer in cache.layers:
-            if layer.gathered:
-                held.append(layer.tier.get("pos")[0])  # [G, n]: the tier's positions per KV head
+            store = layer.store
+            if store.gathered:
+                held.append(store.tier.get("pos")[0])  # [G, n]: the tier's positions per KV head
             else:
-                held.append(torch.arange(layer.n)[None].expand(layer.batch_groups[1], -1))
+                held.append(torch.arange(store.n)[None].expand(store.batch_groups[1], -1))
         cache.close()
     out = []
     for span in spans:
@@ -575,9 +576,9 @@ def quest_page_observe(ratio: int, context: int, steps: int, seed: int) -> dict:
     original = Retrieval.fetch_step
 
     def fetch_step(self, layer, query, best, scaling):
-        L = layer.seen
-        keys = layer.rows.buffers["keys"][0, :, :L].clone()  # [G, L, D]: slot order, the own row last
-        index, captured = layer.index, {}
+        L = layer.counts.seen
+        keys = layer.store.rows.buffers["keys"][0, :, :L].clone()  # [G, L, D]: slot order, the own row last
+        index, captured = layer.store.archive.index, {}
         choose = index.choose
 
         def watched(q, b, s, view):

@@ -88,11 +88,12 @@ def test_forked_cache_shares_the_model_and_copies_the_rows(tiny):
     cache.compress()
     fork = cache.fork()
     layer, copy = cache.tiered_layers[0], fork.tiered_layers[0]
-    assert torch.equal(layer.keys, copy.keys) and layer.rows.buffers["keys"].data_ptr() != copy.rows.buffers["keys"].data_ptr()
+    assert torch.equal(layer.keys, copy.keys)
+    assert layer.store.rows.buffers["keys"].data_ptr() != copy.store.rows.buffers["keys"].data_ptr()
     assert fork.policy == cache.policy and fork.runtime is not cache.runtime and fork.runtime.shared is not cache.runtime.shared
     with torch.no_grad():
         tiny(input_ids=ids.question[:, :3], cache=fork, use_cache=True, logits_to_keep=1)
-    assert layer.seen == ids.prefix.shape[1] and copy.seen == ids.prefix.shape[1] + 3
+    assert layer.counts.seen == ids.prefix.shape[1] and copy.counts.seen == ids.prefix.shape[1] + 3
 
 
 def test_forked_mla_cache_keeps_the_models_attention_modules():

@@ -81,11 +81,11 @@ def _assert_partition(cache, recorder):
     for layer in cache.layers:
         all_k, all_v = recorder.full(layer.layer_idx)
         B, G, T, D = all_k.shape
-        arc = layer.archive.tensors()
+        arc = layer.store.archive.tensors()
         slots = torch.cat([layer.slots, arc["slots"]], dim=2) if arc else layer.slots
         keys = torch.cat([layer.keys, arc["keys"]], dim=2) if arc else layer.keys
         vals = torch.cat([layer.values, arc["values"]], dim=2) if arc else layer.values
-        assert slots.shape[2] == T == layer.seen
+        assert slots.shape[2] == T == layer.counts.seen
         # disjoint and complete: every slot 0..T-1 exactly once per (batch, group)
         assert torch.equal(slots.sort(dim=2).values, torch.arange(T).expand(B, G, T))
         # bit-exact: each row equals the row appended at its slot
@@ -117,7 +117,7 @@ def test_partition_invariant_batch2_left_padding(tiny, monkeypatch, policy):
     _assert_partition(cache, recorder)
     # padding rows are recorded as such and never attended as real tokens
     for layer in cache.layers:
-        arc = layer.archive.tensors()
+        arc = layer.store.archive.tensors()
         valid = torch.cat([layer.valid, arc["valid"]], dim=2)
         slots = torch.cat([layer.slots, arc["slots"]], dim=2)
         assert not valid[1][slots[1] < 17].any() and valid[1][slots[1] >= 17].all() and valid[0].all()
@@ -174,7 +174,7 @@ def test_an_eviction_only_policy_frees_its_storage_and_one_with_a_retriever_keep
         tiny(input_ids=ids, cache=cache, use_cache=True)
         cache.compress()
         layer = cache.tiered_layers[0]
-        sizes[retriever] = layer.rows.capacity
+        sizes[retriever] = layer.store.rows.capacity
         s = layer.stats()
         assert s.resident_rows == 75 and s.archived_rows + s.dropped_rows == 525
         assert (s.archived_rows == 525) == (retriever is not None)

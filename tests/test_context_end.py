@@ -50,7 +50,7 @@ def _run(model, policy, ids, mask, in_forward: bool):
     peak = {"rows": 0}
 
     def watch(module, args, kwargs, output):  # rows resident in every layer after each layer's attention
-        peak["rows"] = max(peak["rows"], sum(layer.n for layer in cache.tiered_layers))
+        peak["rows"] = max(peak["rows"], sum(layer.store.n for layer in cache.tiered_layers))
 
     hooks = [m.register_forward_hook(watch, with_kwargs=True) for m in cache.adapter.attention_modules().values()]
     with torch.no_grad():
@@ -89,7 +89,7 @@ def test_compressing_inside_the_forward_keeps_what_compressing_after_it_keeps(fa
         assert_same_greedy(after[1][row], inside[1][row], after[2][row], inside[2][row])
     cache = inside[4]
     layers = len(cache.tiered_layers)
-    budget = max(layer.n for layer in cache.tiered_layers) if name != "full" else PROMPT
+    budget = max(layer.store.n for layer in cache.tiered_layers) if name != "full" else PROMPT
     if name != "full":  # one layer at a time holds its whole prompt
         assert inside[3] <= (layers - 1) * budget + PROMPT, (inside[3], layers, budget)
     assert all(layer.context_ended for layer in cache.tiered_layers) and not cache.runtime.ending
@@ -173,7 +173,7 @@ def test_a_compressed_cache_holds_no_buffer_of_the_whole_prompt(name, family):
         cache.context_end()
         model(input_ids=ids, cache=cache, use_cache=True)
     layer = cache.tiered_layers[0]
-    B, G, _, D = layer.rows.get("keys").shape
+    B, G, _, D = layer.store.rows.get("keys").shape
     prompt_keys = B * G * prompt * D * 4
     big = {t.untyped_storage().nbytes(): tuple(t.shape) for t in _reachable_tensors(cache)
            if t.untyped_storage().nbytes() >= prompt_keys}

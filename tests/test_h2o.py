@@ -100,19 +100,20 @@ class AttentionLog:
             return real_attention(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs)
 
         def decode_spy(layer, query, scaling):
-            order = layer.get("slots").argsort(dim=-1)  # the tier may be out of slot order after one in, one out
-            keys = layer.get("keys").gather(2, order[..., None].expand(*order.shape, layer.get("keys").shape[-1]))
-            self._pending = dict(query=query.detach().clone(), keys=keys, slots=layer.get("slots").gather(2, order),
-                                 valid=layer.get("valid").gather(2, order),
-                                 q_slots=torch.tensor([layer.seen - 1]), scaling=scaling)
+            store = layer.store
+            order = store.get("slots").argsort(dim=-1)  # the tier may be out of slot order after one in, one out
+            keys = store.get("keys").gather(2, order[..., None].expand(*order.shape, store.get("keys").shape[-1]))
+            self._pending = dict(query=query.detach().clone(), keys=keys, slots=store.get("slots").gather(2, order),
+                                 valid=store.get("valid").gather(2, order),
+                                 q_slots=torch.tensor([layer.counts.seen - 1]), scaling=scaling)
             return real_decode(layer, query, scaling)
 
         def after_forward(rt, layer):
             real_after_forward(rt, layer)
             entry, self._pending = self._pending, None
-            layer.ensure_order()
-            entry.update(layer=layer.layer_idx, kept_slots=layer.get("slots").clone(),
-                         kept_scores=layer.row_statistics()["attention"].clone())
+            layer.store.ensure_order()
+            entry.update(layer=layer.layer_idx, kept_slots=layer.store.get("slots").clone(),
+                         kept_scores=layer.store.row_statistics()["attention"].clone())
             self.entries.append(entry)
 
         monkeypatch.setattr(attention, "attention_reference", attention_spy)
@@ -147,11 +148,11 @@ def test_200_decode_steps_hold_the_budget_and_accumulators_match_brute_force(tin
     cache = TieredCache(tiny, policy)
     assert tiny.config._attn_implementation == "kvzoo"  # observed attention without eager mode
     tiny(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-    assert [layer.num_rows for layer in cache.layers] == [budget] * 3  # evicted right after the prefill
+    assert [layer.store.num_rows for layer in cache.layers] == [budget] * 3  # evicted right after the prefill
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
         tiny(input_ids=torch.randint(1, 256, (B, 1), generator=g), attention_mask=mask, cache=cache, use_cache=True)
-        assert [layer.num_rows for layer in cache.layers] == [budget] * 3  # one in, one out, every step
+        assert [layer.store.num_rows for layer in cache.layers] == [budget] * 3  # one in, one out, every step
     cache.compress()  # the context_end event finds the tier at budget: nothing moves
     assert len(log.entries) == 3 * (1 + steps)
 

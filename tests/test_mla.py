@@ -87,7 +87,7 @@ def test_streaming_prefill_peak_and_equivalence(deepseek):
 
     def update(layer, *a, **kw):
         out = original(layer, *a, **kw)
-        seen_peaks.append(layer.num_rows)
+        seen_peaks.append(layer.store.num_rows)
         return out
 
     KVLayer.update = update
@@ -123,7 +123,7 @@ def test_partition_invariant_mla(mla):
         KVLayer.update = original
     for layer in cache.tiered_layers:
         rows = torch.cat(log[layer.layer_idx], dim=2)  # [1, 1, T, 576]
-        arc = layer.archive.tensors()
+        arc = layer.store.archive.tensors()
         slots = torch.cat([layer.slots, arc["slots"]], dim=2)
         keys = torch.cat([layer.keys, arc["keys"]], dim=2)
         T = rows.shape[2]

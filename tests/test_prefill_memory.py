@@ -90,8 +90,8 @@ def test_a_layer_that_dropped_its_prefill_gives_the_pages_back_in_a_context_endi
     assert freed == []
     pipeline.prefill(model, cache, ids[:, 40:], ends_context=True)
     layer = cache.tiered_layers[0]
-    batch, groups = layer.batch_groups
-    assert freed == [(PROMPT - 24) * layer.row_bytes() * batch * groups] * len(cache.tiered_layers)
+    batch, groups = layer.store.batch_groups
+    assert freed == [(PROMPT - 24) * layer.store.row_bytes() * batch * groups] * len(cache.tiered_layers)
     detach(model)
 
 

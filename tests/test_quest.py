@@ -245,9 +245,9 @@ def test_a_decode_steps_view_carries_its_own_row_where_the_policy_archives_it_ne
         cache.compress()
         tiny(input_ids=token, position_ids=torch.tensor([[120]]), cache=cache, use_cache=True)
     layer = cache.tiered_layers[-1]
-    own = layer.archive_view(whole=True, step=True).own_row
+    own = layer.store.archive.view(layer.store.budget, whole=True, step=True).own_row
     assert (own is not None) == carried
     if carried:  # the storage whole, the latest row's position: the step's own key
         keys, valid, position = own
         assert torch.equal(keys.gather(2, position[..., None, None].expand(-1, -1, 1, keys.shape[-1]))[:, :, 0],
-                           layer.rows.get("keys")[:, :, -1]) and valid.gather(2, position[..., None]).all()
+                           layer.store.rows.get("keys")[:, :, -1]) and valid.gather(2, position[..., None]).all()

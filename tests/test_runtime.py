@@ -182,15 +182,15 @@ def test_per_step_eviction_moves_rows_in_place_and_keeps_the_partition(tiny_llam
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
         layer = cache.layers[0]
-        positions = layer.tier.buffers["pos"].data_ptr()
-        moves, rows = 0, layer.rows.buffers["keys"].data_ptr()
+        positions = layer.store.tier.buffers["pos"].data_ptr()
+        moves, rows = 0, layer.store.rows.buffers["keys"].data_ptr()
         for step in range(40):
             model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
-            assert layer.tier.buffers["pos"].data_ptr() == positions and layer.num_rows == 48
-            moves += layer.rows.buffers["keys"].data_ptr() != rows
-            rows = layer.rows.buffers["keys"].data_ptr()
+            assert layer.store.tier.buffers["pos"].data_ptr() == positions and layer.store.num_rows == 48
+            moves += layer.store.rows.buffers["keys"].data_ptr() != rows
+            rows = layer.store.rows.buffers["keys"].data_ptr()
         assert moves <= 2
-    slots = torch.cat([layer.slots, layer.archive.tensors()["slots"]], dim=2)
+    slots = torch.cat([layer.slots, layer.store.archive.tensors()["slots"]], dim=2)
     assert torch.equal(slots.sort(dim=2).values[0, 0], torch.arange(240))
     assert layer.slots[0, 0, :4].tolist() == [0, 1, 2, 3] and layer.slots[0, 0, -1].item() == 239
 

@@ -94,14 +94,15 @@ def _owned(cache: TieredCache) -> dict[str, int]:
     """Storage pointer of every tensor the cache's tiered layers own: rows, views, index, lengths, counters."""
     out = {}
     for layer in cache.tiered_layers:
-        for where, rows in (("rows", layer.rows), ("tier", layer.tier), ("archived", layer.archived)):
+        store = layer.store
+        for where, rows in (("rows", store.rows), ("tier", store.tier), ("archived", store.archive.positions)):
             for name, buf in rows.buffers.items():
                 out[f"{layer.layer_idx}.{where}.{name}"] = buf.data_ptr()
             if rows.length is not None:
                 out[f"{layer.layer_idx}.{where}.length"] = rows.length.data_ptr()
-        out[f"{layer.layer_idx}.seen"] = layer.seen_dev.data_ptr()
-        out[f"{layer.layer_idx}.fetched"] = layer.fetched_rows.data_ptr()
-        index = layer.index
+        out[f"{layer.layer_idx}.seen"] = layer.counts.seen_dev.data_ptr()
+        out[f"{layer.layer_idx}.fetched"] = layer.counts.fetched_rows.data_ptr()
+        index = layer.store.archive.index
         for owner, attr in ((index, "rows"), (getattr(index, "summary", None), "pages")):
             index_rows = getattr(owner, attr, None)
             if index_rows is not None and hasattr(index_rows, "buffers"):
@@ -118,7 +119,8 @@ def _owned(cache: TieredCache) -> dict[str, int]:
 def _steady(cache: TieredCache) -> tuple[int, ...]:
     """What changes at an event: selections over the tier and storage growths, per layer."""
     return tuple(x for layer in cache.tiered_layers
-                 for x in (layer.selections, layer.rows.growths, layer.tier.growths, layer.archived.growths))
+                 for x in (layer.counts.selections, layer.store.rows.growths, layer.store.tier.growths,
+                           layer.store.archive.positions.growths))
 
 
 def _decode_traces(model, policy, *, steps: int = STEPS):

@@ -160,11 +160,11 @@ def _windowed_attention(query, key, value, slots, valid, q_slots, scaling, windo
 def _begin(layer: KVLayer, attention_mask: torch.Tensor | None, scaling: float) -> None:
     layer.runtime.pending = None  # this layer's attention runs through kvzoo
     layer.scaling = scaling
-    layer.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
+    layer.store.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
 
 
 def _query_slots(layer: KVLayer, q_len: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(layer.seen - q_len, layer.seen, device=device)
+    return torch.arange(layer.counts.seen - q_len, layer.counts.seen, device=device)
 
 
 def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
@@ -191,24 +191,25 @@ class MultiTokenRows:
 def _multi_rows(layer: KVLayer, index_query: Callable[[], torch.Tensor], scaling: float) -> MultiTokenRows:
     """The ordered tier plus what the retriever fetches for ``index_query()`` (built only if it scans)."""
     rt = layer.runtime
-    layer.ensure_order()  # the forward's own rows last, every older row before them
-    keys, values = layer.get("keys"), layer.get("values")
-    slots, valid = layer.get("slots"), layer.get("valid")
+    store = layer.store
+    store.ensure_order()  # the forward's own rows last, every older row before them
+    keys, values = store.get("keys"), store.get("values")
+    slots, valid = store.get("slots"), store.get("valid")
     fetched = None
-    if layer.index is not None and layer.archived.n > 0:
+    if store.archive.index is not None and store.archive.positions.n > 0:
         fetched = rt.retrieval.fetch_forward(layer, index_query(), scaling)
     else:
         rt.account_attended(layer)
-    n = layer.n
+    n = store.n
     if fetched is None:
-        return MultiTokenRows(keys, values, slots, valid, slice(0, n), layer.all_valid)
+        return MultiTokenRows(keys, values, slots, valid, slice(0, n), store.all_valid)
     f_values = _fetched_values(fetched, values.shape[-1])
     if fetched.dense:
         m = fetched.keys.shape[2]
         return MultiTokenRows(
             torch.cat([fetched.keys, keys], dim=2), torch.cat([f_values, values], dim=2),
             torch.cat([fetched.slots, slots], dim=2), torch.cat([fetched.valid, valid], dim=2), slice(m, m + n),
-            layer.all_valid,
+            store.all_valid,
         )
     return MultiTokenRows(
         torch.cat([keys, fetched.keys], dim=2), torch.cat([values, f_values], dim=2),
@@ -225,7 +226,7 @@ def _window_mask(layer: KVLayer, rows: MultiTokenRows, q_len: int, groups: int) 
     window = rt.policy.multi_token_window(budget) if budget is not None else None
     if window is None:
         return None
-    tier_slots, tier_valid = layer.get("slots"), layer.get("valid")
+    tier_slots, tier_valid = layer.store.get("slots"), layer.store.get("valid")
     q_slots = _query_slots(layer, q_len, tier_slots.device)
     mask = torch.ones(*rows.valid.shape[:2], q_len, rows.valid.shape[2], dtype=torch.bool, device=tier_valid.device)
     sinks, recent = window
@@ -241,7 +242,8 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
     if layer.runtime.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                         column_sums=True, extra_mask=extra, bottom_right=rows.plain_causal)
-        layer.accumulate_rows(received_attention(sums[..., rows.tier], layer.batch_groups[1]))  # MLA: its heads into the one group
+        store = layer.store  # MLA: its heads into the one group
+        store.accumulate_rows(received_attention(sums[..., rows.tier], store.batch_groups[1]))
         return out
     if sdpa:
         return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,

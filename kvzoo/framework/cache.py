@@ -3,8 +3,8 @@
 Per layer and sequence, every row ever appended is in exactly one place (docs/architecture.md): the
 **attended tier** -- what every step attends to -- or the **archive** (evicted rows, bit-exact,
 left where they were written; or dropped and counted with ``archive=False``, which frees their
-memory at the event). Each layer is one :class:`~kvzoo.framework.layer.KVLayer` (its rows, its
-views, its index, its counters), a row's fate is decided by the
+memory at the event). Each layer is one :class:`~kvzoo.framework.layer.KVLayer` (its storage:
+rows, views, index; its counters), a row's fate is decided by the
 :class:`~kvzoo.framework.runtime.Runtime`, and the model adapter attaches kvzoo's attention
 (``framework/adapters``).
 
@@ -235,7 +235,7 @@ class TieredCache(Cache):
             kind = self.runtime.next_step(layer)
             if kind == "event":
                 return None
-            kinds.append((kind, layer.index is not None and layer.archived.n > 0))
+            kinds.append((kind, layer.store.archive.index is not None and layer.store.archive.positions.n > 0))
         return tuple(kinds)
 
     def steady_run(self, limit: int) -> int:
@@ -365,7 +365,8 @@ class TieredCache(Cache):
         clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
         clone.runtime, clone.graph, clone.layers = runtime, None, layers
         clone._untiered_read = dict(self._untiered_read)
-        runtime.resident = runtime.peak_resident = sum(layer.n for layer in clone.tiered_layers if layer.is_initialized)
+        runtime.resident = runtime.peak_resident = sum(layer.store.n for layer in clone.tiered_layers
+                                                       if layer.is_initialized)
         return clone
 
     def prefill_shared_with(self, policy: Policy | str, *, ends_context: bool = False,
@@ -380,12 +381,13 @@ class TieredCache(Cache):
         end), and the queries kept cover ``policy``'s observation window.
         """
         policy = resolve_policy(policy)
-        if any(la.context_ended or la.budget is not None or la.archived.n or la.events for la in self.tiered_layers):
+        if any(la.context_ended or la.store.budget is not None or la.store.archive.positions.n or la.counts.events
+               for la in self.tiered_layers):
             return "this cache has compressed already (an event fired)"
         problem = dense_prefill_problem(self.policy)
         if problem is not None:
             return f"this cache's policy {problem}"
-        rows = max((la.seen for la in self.tiered_layers), default=0)
+        rows = max((la.counts.seen for la in self.tiered_layers), default=0)
         recorded = self.runtime.config.record_attention
         problem = dense_prefill_problem(policy, one_forward=rows if ends_context or one_forward else None,
                                         attention_recorded=recorded)
@@ -452,7 +454,8 @@ class TieredCache(Cache):
                 raise ValueError("transplant(cuda_graph=True) needs model=, the model the cache belongs to (its forward "
                                  "is routed through the graph)")
             check_cuda_graph(model, capacity)
-        if any(la.context_ended or la.budget is not None or la.archived.n or la.events for la in self.tiered_layers):
+        if any(la.context_ended or la.store.budget is not None or la.store.archive.positions.n or la.counts.events
+               for la in self.tiered_layers):
             raise ValueError("transplant(): this cache has compressed already (an event fired)")
         layout = self.adapter.geometry.layout
         if layout not in policy.layouts:

@@ -127,8 +127,9 @@ class Retrieval:
         synchronisation; with a fixed capacity the same shapes from step to step (the archive list is read whole,
         its live count on the device).
         """
-        index = layer.index
-        view = layer.archive_view(whole=True, step=True)  # with the archive list and the fetched-rows counter
+        store = layer.store
+        index = store.archive.index
+        view = store.archive.view(store.budget, whole=True, step=True)  # with the archive list, the fetched count
         choice = index.choose(query, best if index.needs_best else None, scaling, view)
         positions = view.positions  # [B, G, m]: the archive list (whole when fixed)
         head_valid = None
@@ -148,9 +149,9 @@ class Retrieval:
             H = query.shape[1]
             head_valid = choice.visible(staged) & valid.repeat_interleave(H // valid.shape[1], dim=1)
         fetched = choice.count if choice.count is not None else valid.sum()
-        rows = layer.rows
-        width = None if "values" in rows.buffers else layer.latent_width
-        pool_valid = None if layer.all_valid else rows.buffers["valid"]  # padding rows are never fetched
+        rows = store.rows
+        width = None if "values" in rows.buffers else store.latent_width
+        pool_valid = None if store.all_valid else rows.buffers["valid"]  # padding rows are never fetched
         self._account(layer, query, scaling, fetched, scanned=True, view=view, chosen=(staged, valid),
                       counted=choice.counted)
         return Rows(rows.buffers["keys"], rows.buffers.get("values"), value_width=width, indices=positions,
@@ -160,29 +161,31 @@ class Retrieval:
     def fetch_forward(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> Fetched:
         """The archived rows a forward of several queries (``query [B, H, q, D]``) reads, by the retriever's
         ``multi_token`` rule (module docstring), gathered with their slots (for the causal mask)."""
-        index = layer.index
+        store = layer.store
+        index = store.archive.index
         q_len = query.shape[2]
-        view = layer.archive_view()
+        view = store.archive.view(store.budget)
         m = view.rows
         dense = self.retriever.multi_token == "dense"
         if dense:  # the reference's rule for a forward of several queries: read the whole archive
             picked = view.valid
             keys, slots = view.keys, view.slots
-            values = layer.archive.get("values") if "values" in layer.rows.buffers else None
+            values = store.archive.get("values") if "values" in store.rows.buffers else None
             fetched = picked.sum()
         else:
-            q_slots = torch.arange(layer.seen - q_len, layer.seen, device=query.device)
+            q_slots = torch.arange(layer.counts.seen - q_len, layer.counts.seen, device=query.device)
 
             def best_of(start: int, stop: int) -> torch.Tensor:
                 return tier_best(layer, query[:, :, start:stop], q_slots[start:stop], scaling)
 
             mask = scan(index, query, best_of, scaling, view)
             idx, picked = _compact(mask, min(m, int(mask.sum(-1).max())))  # a prefill may synchronise
-            positions = layer.archived.get("pos").gather(2, idx)
-            keys = gather_rows(layer.rows.buffers["keys"], positions)
-            slots = gather_rows(layer.rows.buffers["slots"], positions)
-            picked = picked & gather_rows(layer.rows.buffers["valid"], positions)  # padding rows are never fetched
-            values = gather_rows(layer.rows.buffers["values"], positions) if "values" in layer.rows.buffers else None
+            positions = store.archive.positions.get("pos").gather(2, idx)
+            buffers = store.rows.buffers
+            keys = gather_rows(buffers["keys"], positions)
+            slots = gather_rows(buffers["slots"], positions)
+            picked = picked & gather_rows(buffers["valid"], positions)  # padding rows are never fetched
+            values = gather_rows(buffers["values"], positions) if "values" in buffers else None
             fetched = picked.sum()
         self._account(layer, query, scaling, fetched, scanned=not dense, view=view, chosen=None if dense else
                       (None, mask))
@@ -195,23 +198,24 @@ class Retrieval:
         """This forward's reads, in rows and entries: a few host numbers and one device count (the rows fetched,
         already added to the layer's count when ``counted``: the choice's op did it); ``stats()`` derives bytes and
         figures from them."""
-        index = layer.index
-        B, G = layer.rows.buffers["keys"].shape[:2]
+        index = layer.store.archive.index
+        B, G = layer.store.rows.buffers["keys"].shape[:2]
         entries = B * G * index.entries() if scanned else 0  # the dense rule reads the archive, not the index
         index_bytes = B * G * index.scan_bytes(query.shape[1] // G * query.shape[2]) if scanned else 0
-        n = layer.n
-        layer.last_read = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": entries,
-                           "rows_fetched": fetched, "index_bytes_scanned": index_bytes}
-        layer.tier_rows_read += n
-        layer.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
-        layer.retrieval_steps += 1
-        layer.rows_scanned += entries
+        n = layer.store.n
+        counts = layer.counts
+        counts.last_read = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": entries,
+                            "rows_fetched": fetched, "index_bytes_scanned": index_bytes}
+        counts.tier_rows_read += n
+        counts.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
+        counts.retrieval_steps += 1
+        counts.rows_scanned += entries
         if not counted:
-            layer.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
+            counts.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
         if self.audit and chosen is not None:
             audit = _audit(query, scaling, index, _chosen_mask(chosen, view.rows), view)
-            layer.last_read.update(audit)
-            info = layer.policy_info
+            counts.last_read.update(audit)
+            info = counts.policy_info
             for key, value in audit.items():
                 info[key] = info.get(key, 0) + value
 
@@ -240,11 +244,11 @@ def tier_best(layer: KVLayer, query: torch.Tensor, q_slots: torch.Tensor, scalin
     """s* ``[B, H, q]``: each query's best exact score over the rows of the attended tier it may read, in the decode
     op's score precision (``kvzoo/kernels/decode_attention``: the query rounded to the rows' dtype, fp32 products),
     so a multi-token forward and a decode step floor the retrieval at the same s*."""
-    keys = layer.get("keys")
+    keys = layer.store.get("keys")
     scores = exact_scores(query.to(keys.dtype), keys, scaling)  # [B, H, q, n]
     B, H, q_len, n = scores.shape
     G = keys.shape[1]
-    allowed = row_mask(layer.get("slots"), layer.get("valid"), q_slots)[:, :, None]
+    allowed = row_mask(layer.store.get("slots"), layer.store.get("valid"), q_slots)[:, :, None]
     allowed = allowed.expand(B, G, H // G, q_len, n).reshape(scores.shape)
     return scores.masked_fill(~allowed, float("-inf")).amax(dim=-1)
 

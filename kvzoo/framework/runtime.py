@@ -143,19 +143,19 @@ class Runtime:
         ``end``: the tier's first ``end`` rows only (in slot order) -- a block that closes before the rows after it
         (:meth:`_close_block`); its rows are ``[first_new, end)``."""
         if ordered:
-            layer.ensure_order()
+            layer.store.ensure_order()
         window = None
         if layer.window_queries is not None:
             queries = layer.window_queries[:, :, -self.policy.observation_window:]
-            window = WindowQueries(queries.shape[2], layer.seen, layer.scaling, lambda: queries)
-        first_new = max(0, layer.n - layer.since_event)
+            window = WindowQueries(queries.shape[2], layer.counts.seen, layer.scaling, lambda: queries)
+        first_new = max(0, layer.store.n - layer.counts.since_event)
 
         def read(name: str) -> torch.Tensor | None:
-            if name == "values" and "values" not in layer.rows.buffers:
+            if name == "values" and "values" not in layer.store.rows.buffers:
                 return None
-            return layer.get(name) if end is None else layer.get(name)[:, :, :end]
+            return layer.store.get(name) if end is None else layer.store.get(name)[:, :, :end]
 
-        row_stats = layer.row_statistics()
+        row_stats = layer.store.row_statistics()
         if end is not None:
             row_stats = {name: stat[:, :, :end] for name, stat in row_stats.items()}
         return observed_rows(
@@ -169,10 +169,10 @@ class Runtime:
             layer_rank=layer.rank,
             branch_dim=self.geometry.branch_dim,
             first_new=first_new,
-            all_valid=layer.all_valid,
+            all_valid=layer.store.all_valid,
             row_stats=row_stats,
             shared=self.shared,
-            info=layer.policy_info,
+            info=layer.counts.policy_info,
             inputs=self._inputs(layer, None if end is None else end - first_new),
         )
 
@@ -199,7 +199,7 @@ class Runtime:
             return None
         # the rows appended since the last event; a forward still in flight (generate's first decode step, which
         # ends the context before its own row is appended) recorded its input already: left out
-        rows = layer.since_event if rows is None else rows
+        rows = layer.counts.since_event if rows is None else rows
         hidden_states = torch.cat(recorded["hidden_states"], dim=1)[:, :rows]
         position_embeddings = None
         if "position_embeddings" in recorded:
@@ -227,16 +227,16 @@ class Runtime:
         (:meth:`~kvzoo.framework.policy.Policy.check_budget`): a ratio that leaves too few rows fails the same way
         a too-small budget does.
         """
-        if layer.budget is None:
-            rows = max(layer.seen, self.context_length or 0)
+        if layer.store.budget is None:
+            rows = max(layer.counts.seen, self.context_length or 0)
             budget = self.policy.resolve_budget(rows)
             if budget is not None:
                 policy = self.policy
                 source = ("budget" if policy.budget is not None else f"ratio={policy.ratio:g} of {rows} rows"
                           if policy.ratio is not None else f"{rows} rows")  # a policy with its own sizing (kvpress's)
                 policy.check_budget(budget, source)
-            layer.budget = budget
-        return layer.budget
+            layer.store.budget = budget
+        return layer.store.budget
 
     def next_step(self, layer: KVLayer, ahead: int = 1) -> StepKind:
         """What the layer's decode step ``ahead`` steps from now does (1: the next one), the steps before it taken
@@ -251,22 +251,24 @@ class Runtime:
     def _kind(self, layer: KVLayer, before: int, kind: StepKind) -> StepKind:
         """The kind of the step that follows ``before`` steps of ``kind`` (:meth:`next_step`)."""
         policy = self.policy
+        store, counts = layer.store, layer.counts
         one = kind == "one_in_one_out"
-        n = layer.n + (1 if one or before == 0 else before + 1)  # the tier as the step sees it, its own row in
-        seen = layer.seen + before + 1
-        since = (1 if before else layer.since_event + 1) if one else layer.since_event + before + 1
-        tier_storage = layer.tier if layer.gathered else layer.rows
-        if n > tier_storage.capacity or (layer.retains and layer.rows.n + before + 1 > layer.rows.capacity):
+        n = store.n + (1 if one or before == 0 else before + 1)  # the tier as the step sees it, its own row in
+        seen = counts.seen + before + 1
+        since = (1 if before else counts.since_event + 1) if one else counts.since_event + before + 1
+        tier_storage = store.tier if store.gathered else store.rows
+        if n > tier_storage.capacity or (store.retains and store.rows.n + before + 1 > store.rows.capacity):
             return "event"  # the storage grows
         if layer.rank < policy.dense_layers:
             return "steady"
         if policy.schedule == "step":
-            target = policy.target_rows("step", budget=layer.budget, resident=n, block_rows=min(since, n), seen=seen)
+            target = policy.target_rows("step", budget=store.budget, resident=n, block_rows=min(since, n), seen=seen)
             if target is None or target >= n:
                 return "steady"
             if target != n - 1:
                 return "event"
-            if layer.retains and layer.archived.n + (before if one else 0) + 1 > layer.archived.capacity:
+            archived = store.archive.positions
+            if store.retains and archived.n + (before if one else 0) + 1 > archived.capacity:
                 return "event"  # the archive grows
             return "one_in_one_out"
         if policy.schedule == "block" and since >= (policy.block_size or 0):
@@ -290,17 +292,18 @@ class Runtime:
         context (:meth:`TieredCache.context_end`), the ``context_end`` event right after, before the next layer runs
         (so only one layer holds its whole prefill at a time)."""
         policy = self.policy
-        layer.new_rows = 0
+        layer.counts.new_rows = 0
         if policy.schedule == "step":
             self.fire(layer, "step")
-        elif policy.schedule == "block" and policy.block_size and layer.since_event >= policy.block_size:
+        elif policy.schedule == "block" and policy.block_size and layer.counts.since_event >= policy.block_size:
             self.fire(layer, "block")
         if self.ending:
-            dropped = layer.dropped_rows
+            dropped = layer.counts.dropped_rows
             self.fire(layer, "context_end")
-            batch, groups = layer.batch_groups if layer.is_initialized else (0, 0)
+            batch, groups = layer.store.batch_groups if layer.is_initialized else (0, 0)
             # the rows just dropped (most of the layer's prefill): give their pages back before the next layer runs
-            release_freed((layer.dropped_rows - dropped) * layer.row_bytes() * batch * groups if groups else 0)
+            freed = (layer.counts.dropped_rows - dropped) * layer.store.row_bytes() * batch * groups if groups else 0
+            release_freed(freed)
             if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
                 self.ending = False
 
@@ -320,33 +323,33 @@ class Runtime:
                 self._fit(layer)
             return
         if event != "step" and policy.schedule == "block" and policy.closes_each_block and policy.block_size:
-            while layer.since_event > policy.block_size:  # a forward added more than a block: each closes on its own
+            while layer.counts.since_event > policy.block_size:  # a forward added more than a block: each closes alone
                 self._close_block(layer, event, policy.block_size)
-            if event == "block" and layer.since_event < policy.block_size:  # the rest stays open
+            if event == "block" and layer.counts.since_event < policy.block_size:  # the rest stays open
                 self._fit(layer)
                 return
-        n = layer.n
+        n = layer.store.n
         target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=n,
-                                    block_rows=min(layer.since_event, n), seen=layer.seen)
+                                    block_rows=min(layer.counts.since_event, n), seen=layer.counts.seen)
         if target is None or target >= n:
-            layer.since_event = 0
+            layer.counts.since_event = 0
             if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
                 self._fit(layer)
             return
         if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
             victim = policy.step_victim(self.view(layer, ordered=False))
             if victim is not None:
-                layer.since_event = 0
+                layer.counts.since_event = 0
                 self._check_victim(layer, victim)
-                layer.evict_one(victim)
-                layer.events += 1
+                layer.store.evict_one(victim)
+                layer.counts.events += 1
                 return
         rows = self.view(layer)  # before since_event resets: the view marks where the closed block starts
-        layer.since_event = 0
+        layer.counts.since_event = 0
         keep = policy.select(rows, target)
         self._check_keep(layer, keep, target, n)
-        layer.keep(keep)
-        layer.events += 1
+        layer.store.keep(keep)
+        layer.counts.events += 1
         self._fit(layer)
 
     def _close_block(self, layer: KVLayer, event: Event, block: int) -> None:
@@ -354,19 +357,19 @@ class Runtime:
         selector sees the tier up to the block's end, chooses among the block's rows, and every later row stays
         (they open the next block). The kept rows are those of a forward chunked at ``block`` rows."""
         policy = self.policy
-        n, open_rows = layer.n, min(layer.since_event, layer.n)
+        n, open_rows = layer.store.n, min(layer.counts.since_event, layer.store.n)
         end = n - open_rows + block  # the block is tier rows [n - open_rows, end)
         target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=end, block_rows=block,
-                                    seen=layer.seen - open_rows + block)
+                                    seen=layer.counts.seen - open_rows + block)
         if target is not None and target < end:
             rows = self.view(layer, end=end)  # before since_event moves on: the view marks where the block starts
             keep = policy.select(rows, target)
             self._check_keep(layer, keep, target, end)
-            B, G = layer.batch_groups
+            B, G = layer.store.batch_groups
             later = torch.arange(end, n, device=keep.device).expand(B, G, n - end)
-            layer.keep(torch.cat([keep, later], dim=2))
-            layer.events += 1
-        layer.since_event -= block
+            layer.store.keep(torch.cat([keep, later], dim=2))
+            layer.counts.events += 1
+        layer.counts.since_event -= block
         recorded = layer.inputs  # the "inputs" observation covers the rows still open
         if recorded:
             recorded["hidden_states"] = [torch.cat(recorded["hidden_states"], dim=1)[:, block:]]
@@ -378,19 +381,19 @@ class Runtime:
         """Fixed capacity, once the context has ended: the tier's storage holds the rows it has plus the most it
         can gain before the policy's next event (:func:`rows_between_events`), never more than the rows still
         to come. The storage of a layer with an archive keeps every row: there the tier's position list is sized."""
-        capacity = layer.capacity
+        capacity = layer.store.capacity
         if capacity is None or not layer.context_ended or not layer.is_initialized:
             return
-        if layer.retains and not layer.gathered:
+        if layer.store.retains and not layer.store.gathered:
             return
-        remaining = max(0, capacity - layer.seen)
+        remaining = max(0, capacity - layer.counts.seen)
         gain = None if layer.rank < self.policy.dense_layers else rows_between_events(self.policy)
-        rows = layer.n + (remaining if gain is None else min(gain, remaining))
-        storage = layer.tier if layer.gathered else layer.rows
+        rows = layer.store.n + (remaining if gain is None else min(gain, remaining))
+        storage = layer.store.tier if layer.store.gathered else layer.store.rows
         storage.resize(max(rows, storage.n))
 
     def _check_keep(self, layer: KVLayer, keep: torch.Tensor, target: int, n: int) -> None:
-        B, G = layer.batch_groups
+        B, G = layer.store.batch_groups
         name = self.policy.name
         if keep.shape != (B, G, target) or keep.dtype != torch.long:
             raise RuntimeError(
@@ -402,7 +405,7 @@ class Runtime:
             torch._assert_async(ok, f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")
 
     def _check_victim(self, layer: KVLayer, victim: torch.Tensor) -> None:
-        B, G = layer.rows.buffers["keys"].shape[:2]
+        B, G = layer.store.rows.buffers["keys"].shape[:2]
         if victim.shape != (B, G) or victim.dtype != torch.long:
             raise RuntimeError(
                 f"policy {self.policy.name!r} step_victim() must return int64 indices of shape {(B, G)}, "
@@ -412,15 +415,16 @@ class Runtime:
     # --- accounting ------------------------------------------------------------------------------------
     def account_attended(self, layer: KVLayer, queries: int = 1) -> None:
         """A forward that reads the attended tier only: host numbers (the bytes are derived by ``stats()``)."""
-        n = layer.n
-        layer.tier_rows_read += n
-        layer.last_read = {"tier_rows": n}
+        n = layer.store.n
+        layer.counts.tier_rows_read += n
+        layer.counts.last_read = {"tier_rows": n}
 
     # --- reporting -----------------------------------------------------------------------------------
     def notes(self, layers: list[KVLayer]) -> list[str]:
         """What the figures alone would not tell: a block policy whose first block has not closed yet."""
         policy = self.policy
-        open_rows = [la.since_event for la in layers if la.events == 0 and la.rank >= policy.dense_layers]
+        open_rows = [la.counts.since_event for la in layers
+                     if la.counts.events == 0 and la.rank >= policy.dense_layers]
         if policy.schedule == "block" and open_rows and max(open_rows) and not any(la.context_ended for la in layers):
             return [f"{policy.name}: no block has closed yet ({max(open_rows)} rows wait in an open block of "
                     f"{policy.block_size}): nothing is compressed until a block fills or compress() is called "
@@ -429,28 +433,29 @@ class Runtime:
 
     def layer_stats(self, layer: KVLayer) -> LayerStats:
         initialized = layer.is_initialized
-        B, G = layer.batch_groups if initialized else (0, 0)
-        per_row = layer.row_bytes() if initialized else 0
-        fetched = _number(layer.fetched_rows)
-        info = {k: _number(v) for k, v in layer.policy_info.items()}
+        store, counts = layer.store, layer.counts
+        B, G = store.batch_groups if initialized else (0, 0)
+        per_row = store.row_bytes() if initialized else 0
+        fetched = _number(counts.fetched_rows)
+        info = {k: _number(v) for k, v in counts.policy_info.items()}
         fetched_bytes = fetched * per_row
-        attended_bytes = B * G * per_row * layer.tier_rows_read
-        if layer.retrieval_steps:  # cumulative reads of the retrieval tier, derived here from the counts
-            info.update(retrieval_steps=layer.retrieval_steps, rows_scanned=layer.rows_scanned, rows_fetched=fetched,
+        attended_bytes = B * G * per_row * counts.tier_rows_read
+        if counts.retrieval_steps:  # cumulative reads of the retrieval tier, derived here from the counts
+            info.update(retrieval_steps=counts.retrieval_steps, rows_scanned=counts.rows_scanned, rows_fetched=fetched,
                         fetched_bytes=fetched_bytes, attended_bytes_read=attended_bytes,
-                        index_bytes_scanned=layer.index_bytes_scanned)
+                        index_bytes_scanned=counts.index_bytes_scanned)
         return LayerStats(
             layer=layer.layer_idx,
-            seen_rows=layer.seen,
-            resident_rows=layer.n,
-            peak_resident_rows=layer.peak_rows,
-            resident_bytes=B * G * layer.n * per_row,
-            archived_rows=layer.archived.n,
-            archived_bytes=layer.archive.nbytes() if initialized else 0,
-            dropped_rows=layer.dropped_rows,
-            events=layer.events,
+            seen_rows=counts.seen,
+            resident_rows=store.n,
+            peak_resident_rows=counts.peak_rows,
+            resident_bytes=B * G * store.n * per_row,
+            archived_rows=store.archive.positions.n,
+            archived_bytes=store.archive.nbytes() if initialized else 0,
+            dropped_rows=counts.dropped_rows,
+            events=counts.events,
             fetched_rows=fetched,
-            kv_bytes_read=attended_bytes + layer.index_bytes_scanned + fetched_bytes,
+            kv_bytes_read=attended_bytes + counts.index_bytes_scanned + fetched_bytes,
             policy_info=info,
-            last_step={k: _number(v) for k, v in read_figures(layer.last_read, B * G, per_row).items()},
+            last_step={k: _number(v) for k, v in read_figures(counts.last_read, B * G, per_row).items()},
         )

@@ -1,4 +1,5 @@
-"""The figures ``cache.stats()`` reports: :class:`LayerStats` per layer and :class:`CacheStats` for a cache.
+"""A layer's running counters (:class:`LayerCounters`, ``KVLayer.counts``) and the figures ``cache.stats()``
+reports from them: :class:`LayerStats` per layer and :class:`CacheStats` for a cache.
 
 Rows are counted per sequence and KV group (one token's entry); bytes over the whole batch.
 """
@@ -8,6 +9,32 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class LayerCounters:
+    """One layer's counters (``KVLayer.counts``), rows per sequence and KV group: what the storage appended and let
+    go, the events, and what the forwards read. Plain attributes, written in place on the hot path."""
+
+    seen: int = 0  # rows appended: the true sequence length
+    seen_dev: torch.Tensor | None = None  # the same on the device, int64 [1]: a decode row's slot
+    since_event: int = 0  # rows appended since the last compression event
+    new_rows: int = 0  # rows appended by the forward in flight
+    dropped_rows: int = 0
+    events: int = 0
+    selections: int = 0  # events that ran the selector over the tier (all but a one-in-one-out step)
+    peak_rows: int = 0  # most rows the tier held (right after an append)
+    # what the forwards read (host numbers, one add each per forward; bytes are derived by Runtime.layer_stats)
+    tier_rows_read: int = 0  # tier rows attended, summed over forwards
+    index_bytes_scanned: int = 0  # index bytes scanned, summed over forwards
+    retrieval_steps: int = 0  # forwards that read the retrieval tier
+    rows_scanned: int = 0  # index entries they scanned (over the batch and groups)
+    # rows fetched from the archive, on the rows' device
+    fetched_rows: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    last_read: dict[str, Any] = field(default_factory=dict)  # the latest forward's reads (stats derives its bytes)
+    policy_info: dict[str, Any] = field(default_factory=dict)  # the policy's and the retriever's counters
 
 
 @dataclass

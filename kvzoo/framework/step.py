@@ -3,7 +3,7 @@
 The layer's ``update`` has written the step's row before the attention runs (an event fired there if the prompt
 just ended: ``model.generate``'s first decode step). Then, here:
 
-1. the attended tier is one source of rows, read where the rows lie (:meth:`KVLayer.source`: the storage's live
+1. the attended tier is one source of rows, read where the rows lie (``layer.store.source()``: the storage's live
    rows, or the storage at the tier's positions; with ``TieredCache(..., capacity=N)`` whole preallocated buffers
    with the live count on the device);
 2. the decode-attention op over it (``kvzoo/kernels/decode_attention/``: its reference, SDPA, native CPU or
@@ -34,9 +34,11 @@ def decode_step(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Te
     """Attention of one query per sequence ``[B, H, 1, D]`` over the layer's rows: ``[B, H, 1, Dv]``."""
     rt = layer.runtime
     q = query[:, :, 0]
-    tier = layer.source()
+    store = layer.store
+    tier = store.source()
     accumulate = rt.accumulates
-    index = layer.index if layer.index is not None and layer.archived.n else None
+    archive = store.archive
+    index = archive.index if archive.index is not None and archive.positions.n else None
     if index is None:
         part = attend(q, [tier], scaling, mass=accumulate)
         rt.account_attended(layer)
@@ -46,5 +48,5 @@ def decode_step(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Te
         fetched = rt.retrieval.fetch_step(layer, query, best, scaling)
         part = attend(q, [fetched], scaling, prior=part, mass=accumulate)
     if accumulate:  # each tier row's probability in the step (the step's first source), over its group's heads
-        layer.accumulate(part.mass[0])
+        store.accumulate(part.mass[0])
     return part.out.to(query.dtype)[:, :, None]

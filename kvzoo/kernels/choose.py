@@ -17,7 +17,7 @@ compiler.
 * :func:`unique_candidates` -- how the runtime stages a group's candidates (the form the choose ops return).
 
 A choose op counts what it stages (``count``: int64, 0-dim, over the batch and groups) and, given ``counter`` (the
-layer's ``fetched_rows``), adds the count to it in place, so the retrieval tier launches nothing more for it.
+layer's ``counts.fetched_rows``), adds the count to it in place, so the retrieval tier launches nothing more for it.
 """
 
 from __future__ import annotations

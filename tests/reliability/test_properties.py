@@ -104,20 +104,21 @@ def test_partition_invariant_and_budget(name, family, lengths, budget, block, ch
     in the tier, bit-exact, or counted as dropped."""
     cache, recorder, _ = _run(name, family, lengths, budget, block, chunk, steps, seed, archive=archive)
     for layer in cache.tiered_layers:
-        if not layer.retains:
+        if not layer.store.retains:
             appended = torch.cat(recorder.rows[layer.layer_idx], dim=2)
             B, G, T, D = appended.shape
             slots, keys = layer.slots, layer.keys
-            assert layer.seen == T == layer.n + layer.dropped_rows and layer.archived.n == 0
+            assert layer.counts.seen == T == layer.store.n + layer.counts.dropped_rows
+            assert layer.store.archive.n == 0
             assert torch.equal(keys, appended.gather(2, slots[..., None].expand(*slots.shape, D)))
             assert (slots.diff(dim=2) > 0).all()  # each kept once, in slot order
             continue
         appended = torch.cat(recorder.rows[layer.layer_idx], dim=2)  # [B, G, T, D] in slot order
         B, G, T, D = appended.shape
-        archive = layer.archive.tensors()
+        archive = layer.store.archive.tensors()
         slots = torch.cat([layer.slots, archive["slots"]], dim=2) if archive else layer.slots
         keys = torch.cat([layer.keys, archive["keys"]], dim=2) if archive else layer.keys
-        assert slots.shape[2] == T == layer.seen
+        assert slots.shape[2] == T == layer.counts.seen
         assert torch.equal(slots.sort(dim=2).values, torch.arange(T).expand(B, G, T))
         assert torch.equal(keys, appended.gather(2, slots[..., None].expand(B, G, T, D)))
         s = layer.stats()
