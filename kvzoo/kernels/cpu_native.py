@@ -192,9 +192,11 @@ def compile_library(march: str = "native", runtime: str | None = None) -> ctypes
         raise RuntimeError(missing)
     if runtime is not None and not os.path.isfile(runtime):
         raise FileNotFoundError(f"no OpenMP runtime at {runtime}")
-    key = hashlib.sha256("\0".join([march, runtime or "", compiler(), platform.machine(),
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
-    name = f"kvzoo_cpu_{key}"  # one build folder per target: a -march=native build never serves another CPU
+    # one build folder per target and checkout: a -march=native build never serves another CPU, and two checkouts
+    # (git worktrees, an installed copy beside a clone) never rebuild each other's library in one folder
+    key = hashlib.sha256("\0".join([march, runtime or "", compiler(), platform.machine(), _cpu_signature(),
+                                    str(CSRC)]).encode()).hexdigest()[:16]
+    name = f"kvzoo_cpu_{key}"
     folder = cache_dir() / "native" / name
     folder.mkdir(parents=True, exist_ok=True)
     cflags = [*COMPILE_FLAGS, _arch_flag(march), *(["-fopenmp"] if runtime else [])]
