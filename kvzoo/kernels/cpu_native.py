@@ -709,13 +709,12 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
         return False
     H, D, G = query.shape[1], keys.shape[3], keys.shape[1]
     width = source.value_width if values is None else values.shape[-1]
-    return (G >= 1 and H % G == 0 and H // G <= MAX_HPG and 1 <= D <= MAX_D and isinstance(width, int)
-            and 1 <= width <= MAX_D and (keys.stride(-1) == 1 or D == 1)
+    return (G >= 1 and H % G == 0 and D >= 1 and isinstance(width, int) and width >= 1
+            and (keys.stride(-1) == 1 or D == 1)
             and (values is None or (values.dtype == keys.dtype and (values.stride(-1) == 1 or width == 1)))
             and _of_dtype((source.indices, source.length), INDEX_DTYPES)
             and _of_dtype((source.valid, pool_valid, source.head_valid), _BOOL)
-            and not (query.requires_grad or keys.requires_grad or (values is not None and values.requires_grad))
-            and (_LOADED[0] is not None if _LOADED else available()))
+            and decode_attend_takes(query, source, G, width))  # sizes, autograd, the library
 
 
 def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: int) -> bool:

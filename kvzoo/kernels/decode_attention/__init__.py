@@ -63,8 +63,6 @@ where it applies):
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kvzoo.kernels import dispatch
@@ -76,7 +74,7 @@ from kvzoo.kernels.decode_attention.rows import (
     MAX_SPLITS,
     Attended,
     Rows,
-    _fold_pool_valid,
+    _fold,
     _Source,
     _validate,
 )
@@ -161,14 +159,6 @@ def _choose(query: torch.Tensor, checked: list[_Source], prior: Attended | None,
 
     return "native" if cpu_native.decode_attend_takes(query, src, checked[0].groups, checked[0].value_width) \
         else "sdpa"
-
-
-def _fold(checked: list[_Source]) -> list[_Source]:
-    """The checked sources with their pool flags folded into ``valid`` (what every form but the native op reads)."""
-    for i, c in enumerate(checked):
-        if c.rows.pool_valid is not None:
-            checked[i] = dataclasses.replace(c, rows=_fold_pool_valid(c.rows, c.pool))
-    return checked
 
 
 def _native_part(query: torch.Tensor, checked: _Source, scaling: float, *, best: bool, mass: bool, defer: bool,

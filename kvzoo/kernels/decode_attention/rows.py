@@ -83,11 +83,16 @@ def _validate(query: torch.Tensor, sources, scaling, splits, fold: bool = True) 
     for i, src in enumerate(sources):
         if not isinstance(src, Rows):
             raise ValueError("sources must be a non-empty list of Rows")
-        checked = _check_source(f"sources[{i}]", src, query, out[0].value_width if out else None)
-        if src.pool_valid is not None and fold:
-            checked = dataclasses.replace(checked, rows=_fold_pool_valid(src, checked.pool))
-        out.append(checked)
-    return out
+        out.append(_check_source(f"sources[{i}]", src, query, out[0].value_width if out else None))
+    return _fold(out) if fold else out
+
+
+def _fold(checked: list[_Source]) -> list[_Source]:
+    """The checked sources with their pool flags folded into ``valid`` (what every form but the native op reads)."""
+    for i, c in enumerate(checked):
+        if c.rows.pool_valid is not None:
+            checked[i] = dataclasses.replace(c, rows=_fold_pool_valid(c.rows, c.pool))
+    return checked
 
 
 def _check_call(query: torch.Tensor, sources, scaling, splits) -> None:
