@@ -98,6 +98,75 @@ def _cause(err: BaseException) -> str:
     return cause if len(cause) <= 400 else cause[:397] + "..."
 
 
+class _WorkerPool:
+    """The workers' side of a run: what one worker asks the cluster for, how many fit, and each worker's actor
+    started in a placement group of its own (so the placement timeout measures placement alone, not the worker
+    process's start-up) and released again. :class:`RayExecutor` schedules trials onto the workers it holds."""
+
+    def __init__(self, ray: Any, work: Work, *, cpus: float, gpus: float, placement_timeout: float) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray, self.work, self.placement_timeout = ray, work, placement_timeout
+        self.needs = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}  # what one worker asks the cluster for
+        self._placement_group, self._strategy = placement_group, PlacementGroupSchedulingStrategy
+        self._actor_class = ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_task_retries=0)(TrialWorker)
+        self._threads, self._device = max(1, int(cpus)), ("cuda" if gpus else None)
+        self.placing: dict[Any, _Slot] = {}  # the placement groups not ready yet: their workers are not placed
+
+    def worker_count(self, workers: int | None) -> int:
+        """How many workers to start: ``workers``, or as many as the cluster holds; a :class:`RayUnavailable`
+        naming the resource when the cluster cannot hold one (Ray would wait for it forever)."""
+        resources = self.ray.cluster_resources()
+        fits = []
+        for name, need in self.needs.items():
+            have = resources.get(name, 0)
+            if have < need:
+                hint = (" (no GPU is visible to Ray here: leave out --gpus-per-worker to run on CPUs)"
+                        if name == "GPU" and not have else "")
+                raise RayUnavailable(
+                    f"the cluster has {have:g} {name}{'s' if have != 1 else ''} in all: not enough for one worker at "
+                    f"{name.lower()}s_per_worker={need:g}{hint}. Nothing was started")
+            fits.append(int(have // need))
+        return workers if workers is not None else max(1, min(fits))
+
+    def start(self, slot: _Slot) -> None:
+        """A new actor in ``slot``, in a placement group of one bundle: ready once the cluster reserved its CPUs
+        and GPUs."""
+        slot.placement = self._placement_group([self.needs])
+        slot.actor = self._actor_class.options(
+            scheduling_strategy=self._strategy(placement_group=slot.placement)
+        ).remote(self.work.make_runner, self._threads, self._device)
+        slot.name = f"ray worker {slot.index}" + (f" (restart {slot.restarts})" if slot.restarts else "")
+        slot.busy, slot.group_key, slot.model = False, None, None
+        slot.ready, slot.deadline = False, time.monotonic() + self.placement_timeout
+        self.placing[slot.placement.ready()] = slot
+
+    def release(self, slot: _Slot) -> None:
+        """Stop ``slot``'s actor and free its placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        for stop in (lambda: self.ray.kill(slot.actor, no_restart=True), lambda: remove_placement_group(slot.placement)):
+            try:
+                stop()
+            except Exception:  # already dead or removed, or the cluster went away: nothing left to stop
+                pass
+
+    def unplaceable(self, late: list[_Slot], left: int) -> str:
+        """Why the workers ``late`` were given up, naming what they wait for (``left``: workers still running)."""
+        available, total = self.ray.available_resources(), self.ray.cluster_resources()
+        short = [f"{need:g} {name} (free now: {available.get(name, 0):g} of {total.get(name, 0):g})"
+                 for name, need in self.needs.items() if available.get(name, 0) < need]
+        waits = (f"each needs {' and '.join(short)}" if short else
+                 f"the cluster has {', '.join(f'{need:g} {name}' for name, need in self.needs.items())} free in "
+                 "all, but no single node holds one worker's")
+        names = ", ".join(slot.name for slot in late)
+        ahead = f"; going on with the {left} worker(s) that started" if left else ""
+        return (f"{names} could not be placed on the Ray cluster within {self.placement_timeout:g} s: {waits}{ahead}. "
+                "Free those resources, ask for less (--cpus-per-worker, --gpus-per-worker, --workers), or wait longer "
+                "(--placement-timeout)")
+
+
 class RayExecutor:
     """Trials on Ray: ``workers`` actors, each ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs.
 
@@ -212,91 +281,28 @@ class RayExecutor:
         except Exception:  # noqa: BLE001 - Ray half started or not at all: nothing more to undo
             pass
 
-    def _needs(self) -> dict[str, float]:
-        """What one worker asks the cluster for."""
-        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
-
-    def _worker_count(self) -> int:
-        """How many workers to start: ``workers``, or as many as the cluster holds; a :class:`RayUnavailable`
-        naming the resource when the cluster cannot hold one (Ray would wait for it forever)."""
-        resources = self.ray.cluster_resources()
-        fits = []
-        for name, need in self._needs().items():
-            have = resources.get(name, 0)
-            if have < need:
-                hint = (" (no GPU is visible to Ray here: leave out --gpus-per-worker to run on CPUs)"
-                        if name == "GPU" and not have else "")
-                raise RayUnavailable(
-                    f"the cluster has {have:g} {name}{'s' if have != 1 else ''} in all: not enough for one worker at "
-                    f"{name.lower()}s_per_worker={need:g}{hint}. Nothing was started")
-            fits.append(int(have // need))
-        return self.workers if self.workers is not None else max(1, min(fits))
-
-    def _unplaceable(self, late: list[_Slot], left: int) -> str:
-        """Why the workers ``late`` were given up, naming what they wait for (``left``: workers still running)."""
-        available, total = self.ray.available_resources(), self.ray.cluster_resources()
-        short = [f"{need:g} {name} (free now: {available.get(name, 0):g} of {total.get(name, 0):g})"
-                 for name, need in self._needs().items() if available.get(name, 0) < need]
-        waits = (f"each needs {' and '.join(short)}" if short else
-                 f"the cluster has {', '.join(f'{need:g} {name}' for name, need in self._needs().items())} free in "
-                 "all, but no single node holds one worker's")
-        names = ", ".join(slot.name for slot in late)
-        ahead = f"; going on with the {left} worker(s) that started" if left else ""
-        return (f"{names} could not be placed on the Ray cluster within {self.placement_timeout:g} s: {waits}{ahead}. "
-                "Free those resources, ask for less (--cpus-per-worker, --gpus-per-worker, --workers), or wait longer "
-                "(--placement-timeout)")
-
     # --- running -------------------------------------------------------------------------------------
     def run(self, work: Work, emit: Emit) -> None:
         if not work.groups:
             return
-        ray = self.ray
         started_here = self._connect()
         slots: list[_Slot] = []
+        pool = None
         try:
-            actor_class = ray.remote(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker,
-                                     max_restarts=0, max_task_retries=0)(TrialWorker)
-            threads = max(1, int(self.cpus_per_worker))
-            device = "cuda" if self.gpus_per_worker else None
-
-            placing: dict[Any, _Slot] = {}  # the placement groups not ready yet: their workers are not placed
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            def start(slot: _Slot) -> None:
-                # a placement group of one bundle per worker: ready once the cluster reserved its CPUs and GPUs,
-                # so the timeout measures placement alone, not the worker process's start-up
-                slot.placement = placement_group([self._needs()])
-                slot.actor = actor_class.options(
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot.placement)
-                ).remote(work.make_runner, threads, device)
-                slot.name = f"ray worker {slot.index}" + (f" (restart {slot.restarts})" if slot.restarts else "")
-                slot.busy, slot.group_key, slot.model = False, None, None
-                slot.ready, slot.deadline = False, time.monotonic() + self.placement_timeout
-                placing[slot.placement.ready()] = slot
-
-            slots = [_Slot(i) for i in range(min(self._worker_count(), work.trial_count))]
+            pool = _WorkerPool(self.ray, work, cpus=self.cpus_per_worker, gpus=self.gpus_per_worker,
+                               placement_timeout=self.placement_timeout)
+            slots = [_Slot(i) for i in range(min(pool.worker_count(self.workers), work.trial_count))]
             for slot in slots:
-                start(slot)
-            self._loop(work, emit, slots, start, placing)
+                pool.start(slot)
+            self._loop(work, emit, slots, pool)
         finally:
             for slot in slots:
-                self._release(slot)
+                pool.release(slot)
             if started_here:
-                ray.shutdown()
+                self.ray.shutdown()
 
-    def _release(self, slot: _Slot) -> None:
-        """Stop ``slot``'s actor and free its placement group."""
-        from ray.util.placement_group import remove_placement_group
-
-        for stop in (lambda: self.ray.kill(slot.actor, no_restart=True), lambda: remove_placement_group(slot.placement)):
-            try:
-                stop()
-            except Exception:  # already dead or removed, or the cluster went away: nothing left to stop
-                pass
-
-    def _loop(self, work: Work, emit: Emit, slots: list[_Slot], start: Any, placing: dict[Any, _Slot]) -> None:
-        ray = self.ray
+    def _loop(self, work: Work, emit: Emit, slots: list[_Slot], pool: _WorkerPool) -> None:
+        ray, placing = self.ray, pool.placing
         queue = TrialQueue(work.groups)
         in_flight: dict[Any, tuple[_Slot, TrialGroup, Any]] = {}
         lost: dict[str, list[str]] = {}  # trial key -> one cause per worker it lost
@@ -330,9 +336,9 @@ class RayExecutor:
                 for ref in [ref for ref, slot in placing.items() if slot in late]:
                     del placing[ref]
                 for slot in late:
-                    self._release(slot)
+                    pool.release(slot)
                     slots.remove(slot)
-                message = self._unplaceable(late, len(slots))
+                message = pool.unplaceable(late, len(slots))
                 if not slots:
                     raise RayUnavailable(message)
                 print(f"kvzoo: {message}", file=sys.stderr)
@@ -348,9 +354,9 @@ class RayExecutor:
             except ray.exceptions.RayError as err:  # the worker died (killed, out of memory, node lost)
                 errors = lost.setdefault(trial.key, [])
                 errors.append(f"{slot.name}: {_cause(err)}")
-                self._release(slot)
+                pool.release(slot)
                 slot.restarts += 1
-                start(slot)  # a new process in this slot; the trial goes to whichever worker is free first
+                pool.start(slot)  # a new process in this slot; the trial goes to whichever worker is free first
                 if len(errors) < self.max_attempts:
                     queue.retry(group, trial)
                     continue
