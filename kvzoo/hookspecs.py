@@ -2,22 +2,9 @@
 ``kvzoo_namespaces`` resolvers of prefixed names (``kvpress:KnormPress``), ``kvzoo_adapters`` model families
 (adapter classes), ``kvzoo_executors`` where a leaderboard's trials run (executor classes).
 
-A plugin is an ordinary module (or object) with a marked function::
-
-    import kvzoo.registry
-
-    @kvzoo.registry.hookimpl
-    def kvzoo_policies():
-        return [MyPolicy]
-
-installed through the ``kvzoo`` entry-point group of its distribution::
-
-    [project.entry-points.kvzoo]
-    my_policies = "my_package.kvzoo_plugin"
-
-or registered at run time with :func:`kvzoo.registry.register_plugin`. kvzoo's own policies, adapters
-and executors are loaded through the same hooks (the built-in plugin in :mod:`kvzoo.registry` reads
-``registry.toml``).
+A plugin is a module with functions marked ``@kvzoo.registry.hookimpl``, installed through the ``kvzoo``
+entry-point group or registered with :func:`kvzoo.registry.register_plugin` (docs/extending.md); kvzoo's own
+classes come through the same hooks, from ``registry.toml``.
 """
 
 from __future__ import annotations

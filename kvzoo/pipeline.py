@@ -1,28 +1,12 @@
 """Question-after-compression generation and teacher-forced scoring, and the steps they are made of.
 
-A user-layer module (with ``bench`` and ``cli``): it drives a :class:`~kvzoo.framework.cache.TieredCache`
-through its public methods and never reaches into the runtime (docs/architecture.md).
-
-The steps -- :func:`prefill`, :func:`compress`, :func:`greedy_decode`, :func:`teacher_forced_nll`,
-:func:`eos_ids` -- are public: the benchmark runner builds its trials from them (prefill and
-compress once, fork the cache, continue several ways), so "prefill, compress, ask" has one
-implementation. :func:`continuation_nll` and :func:`delta_ce` measure a policy's cross-entropy on a known
-continuation of a compressed context against ``full``'s (by default one decode step per token: the VestigeKV
-paper's ΔCE), for benchmarks to call.
-
-The order of events is the point (VestigeKV's setting, kvpress's leaderboard format): the context
-is prefilled and compressed *before* the question exists, so a policy cannot use the question to
-decide what to keep. ``question_position="before"`` is the other column (question inside the
-compressed prefix).
-
-Prompts: with a tokenizer that has a chat template, context and question go into one user turn
-(``context + "\\n\\n" + question``); the rendered prompt is split where the question starts, and
-the two halves are tokenized separately (both the full and the compressed runs use the same ids).
-Without a chat template, or given token ids, the context and question are used as they are.
-
-Progress: inside ``with reporting(Progress("my run")):`` the steps report where they are (prefill chunk k/n and
-the layer within it, compress, decode t/T, teacher-forced t/T) to a tqdm bar on stderr; ``generate``, ``score`` and
-``delta_ce`` take ``progress=True`` to do that themselves. Off by default: a library call prints nothing.
+A user-layer module: it drives a :class:`~kvzoo.framework.cache.TieredCache` through its public methods only. The
+context is prefilled and compressed *before* the question exists, so a policy cannot use the question to decide
+what to keep (VestigeKV's setting; ``question_position="before"`` is the other column). The steps (:func:`prefill`,
+:func:`compress`, :func:`greedy_decode`, :func:`teacher_forced_nll`, :func:`eos_ids`) are public so the benchmark
+runner builds its trials from the same code. With a chat template, context and question share one user turn,
+split where the question starts. Progress goes to a tqdm bar only inside :func:`reporting` or with
+``progress=True``: a library call prints nothing.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Policies, retrievers, name prefixes, model-family adapters and executors by name: ``get("streaming_llm",
 ratio=4)`` returns a configured policy.
 
-Each kind reaches the registry through its pluggy hook (:mod:`kvzoo.hookspecs`: ``kvzoo_policies``,
-``kvzoo_retrievers``, ``kvzoo_namespaces``, ``kvzoo_adapters``, ``kvzoo_executors``), and every kind is discovered
-by the one function :func:`_discover`, with what is particular to a kind (its check, what its key is) in
-:data:`_KINDS`:
-
-* kvzoo's own come from :class:`BuiltinPolicies`, a plugin that reads ``registry.toml`` (names and
-  ``module:Class`` only; summary, paper, layouts and defaults are read from the classes) and
-  imports the classes it lists;
-* third-party packages declare a plugin module in the ``kvzoo`` entry-point group;
-* tests and scripts call :func:`register_plugin`.
-
-Discovery runs on the first lookup and is cached; :func:`reload` re-reads the entry points and
-:func:`reset` also forgets the plugins given to :func:`register_plugin`. A name claimed twice, or a
-plugin handing back something that is not what its hook promises (a named
-:class:`~kvzoo.framework.policy.Policy` subclass, ...), is a :class:`RegistryError` that names the plugins involved.
+Each kind comes through its pluggy hook (:mod:`kvzoo.hookspecs`) and is discovered by the one function
+:func:`_discover` (what is particular to a kind is in :data:`_KINDS`): kvzoo's own from ``registry.toml``
+(:class:`BuiltinPolicies`), third parties' from the ``kvzoo`` entry-point group or :func:`register_plugin`.
+Discovery runs on the first lookup and is cached (:func:`reload`, :func:`reset`); a name claimed twice or a plugin
+returning what its hook does not promise is a :class:`RegistryError` naming the plugins.
 """
 
 from __future__ import annotations

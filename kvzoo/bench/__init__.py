@@ -4,13 +4,6 @@
     rows = run_grid(Grid(models=["smollm2-135m"], tasks=[TaskSpec("niah_single", 2000, 0.5)]), "results/my.jsonl")
     print(render(rows))
 
-Modules: ``tasks`` (the six RULER tasks, sized in tokens),
-``metrics`` (one function per metric), ``planner`` (the grid, its presets, the plan of trials), ``trial`` (one
-trial's measurements), ``runner`` (loading models, the resumable JSONL file), ``executors`` (where trials run: in
-this process, or ``ray_executor`` on a Ray cluster), ``report`` (markdown tables), ``plots`` (PNG heatmap, curves
-and the quality-cost frontier). ``benchmarks/README.md`` documents the results format and the tables. The haystack
-text the tasks hide needles in is :mod:`kvzoo.haystacks` (shared with the reference twins, below both).
-
 The names below are imported on first use (PEP 562): importing ``kvzoo.bench.executors`` or ``kvzoo.bench.tasks``
 (the ``kvzoo`` command's ``--help`` and ``list`` do) must not import torch and transformers through this package.
 """

@@ -1,12 +1,8 @@
 """How long a grid will take, before it starts: a small cost model (:func:`estimate`, :func:`describe`).
 
-A trial's time is its prefill (seconds per 1000 prompt tokens, paid once per (model, task, question position) by
-the policies that continue one shared prefill, :class:`~kvzoo.bench.trial.SharedPrefill`) plus its one-token
-forwards (the held-out continuation's decode steps, the answer's, greedy decoding's) at a per-step cost, plus a
-fixed part (the question's forward, compression, the forks), each per policy (:data:`COSTS`). The constants were
-measured on SmolLM2-135M in float32 on one thread of the 2-core CPU this project is developed on (the numbers and
-the command: ``docs/scaling.md``); on another machine, model or thread count the estimate is only a scale -- it
-says so when it prints.
+A trial's time is its prefill (per 1000 prompt tokens, paid once by the policies that share one), its one-token
+forwards at a per-step cost, and a fixed part, per policy (:data:`COSTS`), measured on SmolLM2-135M in float32 on
+one thread of the 2-core development CPU (``docs/scaling.md``); elsewhere the estimate is only a scale, and says so.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Where a leaderboard's trials run: the seam between planning a grid and running its trials.
 
-:func:`kvzoo.bench.runner.run_grid` plans the grid, skips finished trials, and is the only writer
-of the results file; an *executor* runs what is left and hands each row back as it finishes.
-
-* :class:`LocalExecutor` (the default): the trials one after another in this process, in plan
-  order -- the embedded leaderboard.
-* ``RayExecutor`` (:mod:`kvzoo.bench.ray_executor`, ``pip install 'kvzoo[ray]'``): one actor per
-  worker slot on a Ray cluster, each holding a loaded model; rows stream back to the driver.
-
-Executors are plugins: each reaches :mod:`kvzoo.registry` through the ``kvzoo_executors`` hook (the two
-above are listed in ``registry.toml``) and brings its own command-line options (``add_arguments``), so
-adding one is one file: the class below's shape, and a plugin module returning it.
-
-An executor receives :class:`Work`: the pending trials in :class:`TrialGroup`\\ s (one per model,
-task and question position, in plan order), a factory for the object that runs a trial in a worker
-(``Work.make_runner()`` -> something with ``run(trial, reference) -> row``), and the driver-side
-look-ups it needs. It calls ``emit(trial, row, run_info)`` once per trial, from the driver's
-thread, with ``run_info`` = ``{"worker", "trial_seconds", "model_load_s", "attempts", "attempt_errors"}``.
-
-The runner holds an executor to that (:data:`EMIT_CONTRACT`): each row is matched to the trial it was emitted for
-before anything is written -- one of the trials given, not returned before, its row a kvzoo row keyed as that
-trial -- and a row that is not is refused (:class:`ExecutorError`, naming the executor), as is a run that returns
-without a row for every trial, or raises.
-
-This module imports nothing else of kvzoo: the runner builds the work, the executors only move it.
+:func:`kvzoo.bench.runner.run_grid` plans the grid, skips finished trials and is the only writer of the results
+file; an executor (:class:`LocalExecutor` in this process, or ``RayExecutor``) runs the :class:`Work` left and
+calls ``emit(trial, row, run_info)`` once per trial from the driver's thread. Executors are plugins (the
+``kvzoo_executors`` hook) bringing their own command-line options; the runner checks each row against the trial it
+was emitted for (:data:`EMIT_CONTRACT`). This module imports nothing else of kvzoo.
 """
 
 from __future__ import annotations

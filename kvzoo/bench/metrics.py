@@ -1,31 +1,9 @@
 """The leaderboard's metrics: each one a small function of numbers the runner collects.
 
-Quality
-    :func:`string_match_all` / :func:`string_match_part` -- RULER's scores (fraction of the
-    reference answers found in the output, case-insensitive / 1 if any is found);
-    :func:`delta_nll` and :func:`is_intact` -- VestigeKV's needle intact test: the teacher-forced NLL
-    (nats, summed over the answer tokens) under the compressed cache minus under the full cache,
-    intact when below 1 nat; :func:`intact_rate` over trials;
-    :func:`delta_ce` -- mean per-token cross-entropy of a held-out continuation, compressed minus full.
-
-Cost (from ``cache.stats().totals`` snapshots; rows and bytes summed over layers)
-    :func:`resident_kv_bytes`, :func:`kv_bytes_freed`;
-    :func:`kv_bytes_read_per_step` -- KV-path bytes one decode step reads: the attended tier's
-    bytes at attention time plus what a retrieval tier read that step (index entries scanned, rows
-    fetched), from the cumulative ``kv_bytes_read`` counter;
-    :func:`rows_fetched_per_step`; :func:`bound_violations` (None = "n/a");
-    :func:`peak_rss_bytes` (process-wide high-water mark, VmHWM / ru_maxrss); :class:`Stopwatch` (wall time).
-
-Counters read from ``cache.stats().totals`` (summed over layers), cumulative per layer since the
-cache was created:
-
-* ``kv_bytes_read`` -- KV-path bytes every forward's attention read (attended rows + index
-  entries scanned + rows fetched);
-* ``fetched_rows`` -- archived rows fetched back into a forward's attention;
-* ``bound_violations`` -- archived rows (or pages) whose score exceeded the retriever's bound
-  (counted only with ``TieredCache(..., audit=True)``).
-
-Absent keys count as 0, except ``bound_violations``, which is None (reported "n/a").
+Quality: RULER's string-match scores, VestigeKV's needle-intact test (ΔNLL below 1 nat) and ΔCE on a held-out
+continuation. Cost: from ``cache.stats().totals`` snapshots (summed over layers, cumulative since the cache was
+made; an absent counter counts as 0, but ``bound_violations`` is None, reported "n/a"), the resident and freed KV
+bytes, the KV-path bytes and fetched rows per decode step; and the process's peak RSS and wall time.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The leaderboard's plan: a :class:`Grid` (what to run) becomes trials (:class:`Trial`), reference first.
 
-A grid is models × policies × ratios × tasks × question positions; :func:`plan` expands it, each
-(model, task, position) led by its ``full`` reference trial, and :func:`group_trials` cuts the pending
-trials into the groups an executor hands out (the trials that share a model, a task and a reference
-row). :data:`PRESETS` are the named grids of ``kvzoo leaderboard --preset``. Policies come from
-:func:`kvzoo.registry.available` at plan time, so a newly registered policy joins with no code change.
+:func:`plan` expands models × policies × ratios × tasks × question positions, each (model, task, position) led by
+its ``full`` reference, and :func:`group_trials` cuts the pending trials into the groups an executor hands out.
+:data:`PRESETS` are ``kvzoo leaderboard --preset``'s grids. Policies come from the registry at plan time.
 """
 
 from __future__ import annotations

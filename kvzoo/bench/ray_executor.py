@@ -1,23 +1,10 @@
 """``RayExecutor``: a leaderboard's trials on a Ray cluster (``kvzoo leaderboard --executor ray``).
 
-One actor per worker slot holds a :class:`~kvzoo.bench.runner.TrialRunner` -- so each worker
-loads a model once, not once per trial -- and runs one trial at a time. The driver hands out trials
-as workers free up (:class:`~kvzoo.bench.executors.TrialQueue`: a group's reference trial first,
-then its other trials on any worker), and streams each row back to
-:func:`~kvzoo.bench.runner.run_grid`, the only writer of the results file.
-
-Placement: the cluster's CPUs and GPUs are checked before any worker is started (a worker needing a GPU on a
-cluster without one is refused at once, naming the resource), and a worker that the cluster cannot place within
-``placement_timeout`` seconds (its CPUs or GPUs held by others) is given up, naming what it waits for: the run
-goes on with the workers that started, or stops with :class:`RayUnavailable` when none did.
-
-Faults: a worker process that dies under a trial (killed, out of memory, a node lost) is replaced
-by a new actor, and the trial goes back to the queue for whichever worker is free next; after
-``max_attempts`` lost workers it is recorded as an error naming the cause. A trial that fails in
-Python (a policy's exception) is not a fault: its row says ``error``, as in a local run. Rows carry
-``attempts`` and ``attempt_errors``.
-
-Ray is imported only when a ``RayExecutor`` is made: ``pip install 'kvzoo[ray]'``.
+One actor per worker slot holds a :class:`~kvzoo.bench.runner.TrialRunner` (a model loaded once per worker) and
+runs one trial at a time, handed out by a :class:`~kvzoo.bench.executors.TrialQueue` as workers free up. A worker
+the cluster cannot hold is refused before any starts, one not placed within ``placement_timeout`` is given up
+naming what it waits for, and one that dies under a trial is replaced, the trial retried up to ``max_attempts``
+(rows carry ``attempts`` and ``attempt_errors``). Ray is imported only when a ``RayExecutor`` is made.
 """
 
 from __future__ import annotations

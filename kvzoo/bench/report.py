@@ -1,23 +1,10 @@
 """Markdown tables from results rows (the runner's JSONL rows, or pytest-benchmark ``extra_info``).
 
-The leaderboard table -- stable format, documented in ``benchmarks/README.md``:
-
-* one row per policy, the reference (``full``) first, then policies in registry order;
-* per ratio three columns: ``q after`` -- mean string-match score with the question *after*
-  compression (VestigeKV's setting); ``q before`` -- the same with the question *before*
-  compression, inside the compressed prompt (SnapKV's, ChunkKV's and H2O's papers' setting;
-  ``n/a`` when the grid ran one position only); ``KV bytes/token`` -- mean KV-path bytes read
-  after compression per generated token, the question's forward included (question-after trials);
-* a policy without a ratio (the reference) shows its figures in every ratio column;
-* ``skipped`` / ``error`` where no trial of that cell succeeded; the reasons are listed below.
-
-The detail table has one row per (policy, ratio): trials, needle intact rate, mean ΔNLL, ΔCE,
-ΔCE (one forward), resident KV bytes, bytes freed, rows fetched per step, bound violations,
-prefill+compress time, decode time per step. The intact rate, ΔNLL and ΔCE are teacher-forced one decode
-step per token (the forwards generation runs: a retriever's per-step rule is what they see); "ΔCE (one
-forward)" feeds the continuation in one multi-token forward, which under a retriever's default
-``multi_token="dense"`` rule reads the whole archive (≈ 0 for such a policy by construction). Rows written
-before the decode-step measure existed (no ``teacher_forcing`` field) measured the first three in one forward.
+The leaderboard table (its format is documented in ``benchmarks/README.md``) has one row per policy, ``full``
+first, and per ratio the mean score with the question after and before compression and the KV-path bytes per
+generated token; ``skipped`` / ``error`` cells list their reasons below. The detail table has one row per (policy,
+ratio): intact rate, ΔNLL, ΔCE (one decode step per token; rows without ``teacher_forcing`` measured them in one
+forward), resident and freed bytes, fetched rows, bound violations and times.
 """
 
 from __future__ import annotations

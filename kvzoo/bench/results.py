@@ -1,11 +1,8 @@
 """The results file: one JSON line per trial, append-only, locked while a grid writes it.
 
-A results file is kvzoo's when its lines are kvzoo rows (:func:`row_problem` says what a row must hold);
-reading never writes (a line that is not a row is reported and left where it is), appending never
-rewrites (:func:`append_row` flushes each row to disk, a Ctrl-C waits for the line to be whole, a write that fails
--- a full disk -- leaves no partial line), and
-:func:`results_lock` keeps a second driver off the file. :func:`check_results_target` and
-:func:`check_output_dir` refuse an unusable ``--out`` or ``--plot-dir`` before anything runs.
+Reading never writes (a line that is not a row, :func:`row_problem`, is reported and left), appending never
+rewrites (:func:`append_row` writes whole lines only), :func:`results_lock` keeps a second driver off the file,
+and :func:`check_results_target` / :func:`check_output_dir` refuse an unusable ``--out`` or ``--plot-dir`` first.
 """
 
 from __future__ import annotations

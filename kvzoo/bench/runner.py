@@ -1,58 +1,12 @@
 """The leaderboard runner: (model × policy × ratio × task × question before/after) → one JSONL row per trial.
 
-:func:`run_grid` runs a :class:`Grid` and appends each finished trial to a results file as one JSON
-line (the policy's full config, the package versions, every metric). Rerun with the same file and
-it resumes: trials whose row says ``"status": "ok"`` are not run again (unless the row records another policy
-or retriever configuration than the name builds now: a changed default runs the trial again, said on stderr);
-skipped or failed ones are retried. A progress bar (tqdm, on stderr) shows trials done and the ETA.
-
-Where the trials run is the executor's business (:mod:`kvzoo.bench.executors`): in this process
-(the default) or on a Ray cluster (``executor=make_executor("ray", workers=4)``,
-:mod:`kvzoo.bench.ray_executor`). Either way this module plans, skips finished trials, and is the
-only writer of the results file; the pending trials go out grouped by (model, task, question
-position), each group's ``full`` reference first, since the others' ΔNLL and ΔCE need its row.
-
-Policies come from :func:`kvzoo.registry.available` at run time, so a newly registered policy (a
-built-in or a plugin's) joins the grid with no code change. A policy whose class does not need a
-budget (``full``) runs once per task, without a ratio: it is the reference row, and its answer NLL
-and continuation cross-entropy are what ΔNLL and ΔCE are measured against. A policy that
-``registry.get(name, ratio=r)`` refuses is recorded as skipped with the error; one that fails while
-running is recorded as an error; the grid carries on.
-
-One trial (:func:`run_trial`) is built from ``kvzoo.pipeline``'s steps: it prefills the context into a
-:class:`~kvzoo.TieredCache` and compresses it once, then forks the compressed cache
-(``TieredCache.fork``) for three continuations -- what ``pipeline.score`` / ``pipeline.generate`` do
-from the same point, without paying for the prefill three times:
-
-* the reference answer, teacher-forced after the question and RULER's answer prefix: its NLL (ΔNLL, the
-  needle-intact test), one decode step per answer token after the question's forward -- the forwards greedy
-  decoding runs, so a retriever's per-step rule is what the NLL sees (``pipeline.teacher_forced_nll``,
-  ``mode="decode"``; the question is asked once, on the cache itself, and the answer's fork continues it); and, when the grid asks (``Grid.one_forward``, ``--one-forward``; None otherwise), again in
-  one forward (``answer_nll_one_forward``: under a retriever's default ``multi_token="dense"`` rule that forward
-  reads the whole archive, so it equals ``full``'s by construction);
-* the held-out continuation of the haystack, teacher-forced (question after compression only) the same way(s):
-  ΔCE (decode steps, the VestigeKV paper's measure) and, when asked, ``delta_ce_one_forward``;
-* the question and the answer prefix, then greedy decoding, stopped at EOS, at ``max_new_tokens``,
-  or once every reference answer has appeared (the score cannot change after that): the string-match
-  score, and the per-step KV-path bytes and fetched rows.
-
-Trials of one (model, task, question position) also share one prefill across policies where it is the same
-prefill (:class:`SharedPrefill`): every policy whose own prefill would be one dense forward continues from one
-dense prefill through ``TieredCache.fork_as`` -- the rows, counters and observation-window queries are that
-prefill's, bit for bit, and a policy that acts after each forward (StreamingLLM's default dense prefill, Quest) or
-block (VestigeKV, when the context fits one block) acts once on the fork, as after its own one forward -- so the
-row is the one a prefill of its own gives (``prefill_shared`` says it was reused; ``prefill_s`` is the shared
-prefill's time). H2O, which accumulates the attention every prefill query gives every row (a fused SDPA prefill does
-not compute it), continues a second shared prefill that records it, one for all its ratios; VestigeKV on a context
-longer than its block continues a third, the context's first block, and prefills the rest itself. On their own
-prefill: StreamingLLM's ``prefill="stream"`` (token by token), VestigeKV's later blocks on a
-context longer than its block (each block after the first attends to what the earlier ones kept), and every policy
-of a grid whose ``chunk_size`` cuts the context (a per-step policy acts after each chunk).
-
-The pieces: :mod:`kvzoo.bench.planner` (the grid and its trials), :mod:`kvzoo.bench.trial` (one trial's
-measurements), :mod:`kvzoo.bench.results` (the results file); this module loads models and runs the
-pending trials through an executor, writing each row as it comes back. Their public names are importable
-from here too.
+:func:`run_grid` plans a :class:`Grid`, skips the trials whose ``ok`` row is in the results file (unless it
+records another configuration than the policy name builds now), hands the rest to an executor
+(:mod:`kvzoo.bench.executors`: this process, or Ray) grouped by (model, task, question position) with each group's
+``full`` reference first, and is the only writer of the results file. A policy the registry refuses at a ratio is
+recorded as skipped, one that fails as an error; the grid carries on. One trial's measurements are
+:mod:`kvzoo.bench.trial`'s (docs/evaluation.md says what each field measures); the grid is
+:mod:`kvzoo.bench.planner`'s, the file :mod:`kvzoo.bench.results`'; their public names are importable from here too.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""What one decode step launches, read with a ``TorchDispatchMode``: the trace a CUDA graph would capture.
+"""What one decode step launches and enters: the checks that a step could be a CUDA graph, and its host cost.
 
-A CUDA graph replays the kernels it captured, on the same shapes and the same memory. A decode step can be
-captured once and replayed when every step launches the same ops, with the same non-tensor arguments and the
-same tensor shapes and dtypes, reads and writes the same storage, and never waits for the device. On a CPU
-that can be checked by recording each aten op a step dispatches: :class:`StepTrace` records
-
-* ``ops``: per op, ``(name, non-tensor arguments, (shape, dtype) of each tensor argument)`` -- a length or a
-  position that reaches an op as a Python number shows up here as an argument that changes between steps;
-* ``launches``: the ops that launch work (metadata-only ops -- views, slices, ``t``, ``expand``, ... -- are
-  not counted: they move no data and launch nothing on a GPU);
-* ``syncs``: ops that make the host wait for the device (``item``, ``bool(t)``, and ops whose output shape
-  depends on the data: ``nonzero``, ``masked_select``, ``unique``, ...);
-* ``host_tensors``: tensors built from host data inside the step (``torch.tensor([...])``, or a Python list used as
-  an index): on a GPU each is a host-to-device copy, which a CUDA graph cannot capture (a Python scalar, passed to
-  a kernel by value, is not one).
-
-Used by ``benchmarks/decode_step.py --ops`` (ops per layer-step for every policy against transformers' own caches)
-and by the trace-invariance tests.
-
-:class:`HostCalls` counts the other half of a step's host time: the kvzoo Python functions a step enters (a
-``sys.setprofile`` hook; a generator's every resumption counts, as it costs a frame switch), per file and per
-function -- on a GPU that host work, not the kernels, is a small batch's step time. :func:`count_host_calls` reads
-one steady decode step (``tests/test_host_cost.py`` holds the bounds).
+:class:`StepTrace` records each aten op a step dispatches (a ``TorchDispatchMode``): the ops with their non-tensor
+arguments and tensor shapes, the ones that launch work, the ones that make the host wait (``item``, ``nonzero``,
+...) and tensors built from host data -- what would keep a step from being captured once and replayed.
+:class:`HostCalls` counts the kvzoo Python functions a step enters (``sys.setprofile``), per file and function;
+``tests/test_host_cost.py`` holds the bounds and ``benchmarks/decode_step.py`` reports both.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """RULER-style tasks, generated offline: seeded, deterministic, sized in tokens of the model's tokenizer.
 
-After RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654), with its templates, needles and
-answer prefixes:
-
-=================== ====================================================================== =========
-task                what the context hides / what is asked                                  metric
-=================== ====================================================================== =========
-``niah_single``     one needle "One of the special magic numbers for {key} is: {value}."    all
-``niah_multikey``   that needle plus 3 distractor needles with other keys                   all
-``niah_multivalue`` 4 needles with the same key and different values; asks for all 4        all
-``niah_multiquery`` 4 needles with different keys; asks for all 4 values                    all
-``vt``              a chain "VAR A = 12345." "VAR B = VAR A." ... (5 variables); asks which  all
-                    variables hold the value
-``cwe``             a numbered list of words, 10 of them frequent; asks for the 10           all
-=================== ====================================================================== =========
-
-("all" is RULER's ``string_match_all``: the fraction of reference answers found in the output.)
-
-The prompt is split the way the question-after-compression setting needs it: ``context`` (RULER's
-instruction and the haystack) is prefilled and compressed; ``question`` comes after; the model's
-answer starts after ``answer_prefix`` (RULER's answer prefix, fed as the first words of the reply).
-
-Sizes and positions are measured in tokens of the tokenizer the task is built for:
-
-* ``context`` has ``context_tokens`` tokens (to within 1 %, or one word for short contexts): whole
-  haystack sentences, then words of one more sentence, then stop;
-* needles sit between haystack sentences; the first (the queried one) starts at ``depth`` of the
-  haystack's filler tokens, to within one sentence; other needles at seeded random depths
-  (``vt``: the chain's links at evenly spaced depths from ``depth`` on);
-* ``continuation`` is the haystack text that follows the context (held out, for ΔCE).
-
-:class:`ByteTokenizer` (UTF-8 bytes as ids) stands in for the tiny random models, which ship none.
+After RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654), with its templates, needles, answer prefixes and
+``string_match_all`` metric: ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``niah_multiquery``, ``vt``
+(variable tracking) and ``cwe`` (common words), plus multi-turn needles. The prompt is split for the
+question-after-compression setting: ``context`` (instruction and haystack, prefilled and compressed), then
+``question``, then ``answer_prefix``; ``continuation`` is the haystack text after the context (held out, for ΔCE).
+The context has ``context_tokens`` tokens to within 1 %; the queried needle starts at ``depth`` of the filler to
+within one sentence. :class:`ByteTokenizer` (UTF-8 bytes as ids) stands in for the tiny random models.
 """
 
 from __future__ import annotations

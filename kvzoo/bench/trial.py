@@ -1,13 +1,9 @@
 """One trial: a policy on one task's prompt, measured (:func:`run_trial`, :class:`TrialMeasurements`).
 
-A trial prefills the context into a :class:`~kvzoo.TieredCache` (or continues a dense prefill it shares,
-:class:`SharedPrefill`) and compresses it once, then forks the compressed cache for the held-out continuation's CE
-(one decode step per token), asks the question on the cache itself, forks that for the reference answer's NLL (one
-decode step per token after the question: the question's forward is run once, not once more on the answer's fork),
-and decodes greedily on the cache itself. With ``one_forward=True`` the answer and the continuation are also
-teacher-forced in one forward each, on forks of the compressed cache. What it
-measured is a :class:`TrialMeasurements`; ``to_row()`` is that trial's results row (the module docstring
-of :mod:`kvzoo.bench.runner` and ``benchmarks/README.md`` say what each field means).
+A trial prefills the context (or continues a :class:`SharedPrefill`) and compresses it once, then forks the
+compressed cache for the held-out continuation's CE, asks the question, forks that for the reference answer's NLL
+(one decode step per token) and decodes greedily on the cache itself; ``one_forward=True`` adds the one-forward
+measures. ``to_row()`` is the trial's results row (``benchmarks/README.md`` says what each field means).
 """
 
 from __future__ import annotations

@@ -1,49 +1,13 @@
-"""kvzoo and NVIDIA's kvpress, both ways: kvzoo policies as presses, kvpress presses as kvzoo policies.
+"""kvzoo and NVIDIA's kvpress, both ways: kvzoo policies as presses (:func:`to_press`), kvpress presses as kvzoo
+policies (``registry.get("kvpress:KnormPress", compression_ratio=0.5)``, :func:`policy_class`).
 
-kvpress (https://github.com/NVIDIA/kvpress, 0.5.5) compresses the KV cache in forward hooks on the
-attention layers during the prefill; most of its presses are a ``ScorerPress`` whose ``score()``
-ranks rows for a top-k. It pins ``transformers>=4.56,<5.3``, kvzoo's main environment needs >= 5.18
-(Kimi Linear), so the two meet in an environment of kvpress's: ``make test-kvpress`` builds
-``.venv-kvpress`` (kvpress 0.5.5, transformers 5.2) and installs kvzoo there without its
-dependencies. kvzoo's policy layer needs torch alone, and its runtime runs GQA models (Llama family)
-on transformers 5.2 too; MLA models need >= 5.18. This module imports kvpress only when used.
-
-**kvzoo policies as presses** -- :func:`to_press`::
-
-    from transformers import pipeline
-    press = to_press(registry.get("snapkv", ratio=4))           # a kvpress ScorerPress, compression_ratio 0.75
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    pipe(context, question=question, press=press)["answer"]
-    ChunkKVPress(press=to_press(registry.get("snapkv", ratio=4)), chunk_length=20)   # kvpress's wrappers compose
-
-**kvpress presses as kvzoo policies** -- ``registry.get("kvpress:KnormPress", compression_ratio=0.5)``:
-any kvpress ``ScorerPress`` by class name, with kvpress's parameter names, is a kvzoo selector in
-kvzoo's runtime, leaderboard and CLI (:func:`policy_class`). Its ``score()`` gets what kvpress's
-hook would give it: the attention module, the layer's input hidden states and RoPE (kvzoo's GQA
-adapter records them during the context's prefill: the "inputs" observation), the keys and values.
-
-**The ratio mapping.** kvpress's ``compression_ratio`` c is the fraction of rows *removed*; kvzoo's
-``ratio`` r keeps ``1/r`` of them: ``c = 1 - 1/r``, ``r = 1/(1 - c)``. The kept counts are
-``max(1, floor(n / r))`` (kvzoo, :meth:`Policy.resolve_budget`) and ``max(1, int(n * (1 - c)))``
-(kvpress's ``compute_n_kept``, :func:`kvpress_kept_rows`). In floating point ``1 - c`` can fall just
-below ``1/r``: with r = 3 and n = 300, kvzoo keeps 100 rows and kvpress, given c = 1 - 1/3, keeps
-``int(300 * 0.33333333333333326) = 99``. So the count follows whoever sized the policy:
-
-* :func:`to_press` of a policy with ``ratio`` r sets ``compression_ratio = 1 - 1/r`` and keeps exactly
-  what kvzoo's runtime keeps (``max(1, floor(n / r))``); a ``compression_ratio`` set to anything
-  else -- by :func:`to_press`'s argument or by a kvpress wrapper (``PerLayerCompressionPress``,
-  ``DecodingPress``) -- keeps kvpress's count for it;
-* a ``kvpress:`` policy given ``compression_ratio`` keeps kvpress's count (the rows kvpress keeps);
-  given kvzoo's ``ratio`` (as the leaderboard gives every policy) it keeps kvzoo's count, and its
-  press sees ``compression_ratio = 1 - 1/r``. For r = 2, 4, 8, ... (1/r exact) the two agree.
-
-**What a prefill press cannot do.** A press compresses the context once, at the end of the prefill.
-:func:`to_press` therefore refuses, naming why, a policy with a retriever (``quest``, ``vestige``'s
-default: rows come back from the archive at every decode step) and a policy that evicts at every
-decode step (``h2o``, ``streaming_llm``: schedule ``"step"``) unless ``prefill_only=True``, which runs
-the eviction at the context's end alone -- the rows kvzoo's runtime holds after the context.
-kvpress's ``DecodingPress`` is not a faithful stand-in for H2O (it re-scores from a buffer of recent
-hidden states, not H2O's attention accumulated over every step).
+kvpress 0.5.5 pins ``transformers<5.3``, so the two meet in kvpress's environment (``make test-kvpress``); this
+module imports kvpress only when used. kvpress's ``compression_ratio`` c removes a fraction of the rows, kvzoo's
+``ratio`` r keeps ``1/r``: ``c = 1 - 1/r``. In floating point ``1 - c`` can fall just below ``1/r`` (r = 3,
+n = 300: kvzoo keeps 100 rows, kvpress 99), so the kept count follows whoever sized the policy: a ratio keeps
+kvzoo's ``max(1, floor(n / r))``, a ``compression_ratio`` kvpress's :func:`kvpress_kept_rows`. A press compresses
+once, at the prefill's end, so :func:`to_press` refuses a policy with a retriever or one that evicts at every
+decode step (unless ``prefill_only=True``). docs/kvpress.md has the examples.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """kvzoo policies as kvpress presses: the press classes (imports kvpress; use :func:`kvzoo.integrations.kvpress.to_press`).
 
-A press gets what kvpress's hook hands every press -- the attention module, its input hidden states,
-the layer's keys and values, the forward's keyword arguments -- and builds the :class:`RowsView` a
-kvzoo selector reads: the keys and values as rows, one slot per token (kvpress compresses one
-unpadded prefill, so the slots are ``0 .. n-1`` and every row is valid), and, when the selector asks
-for them, the observation window's attention (the last ``w`` queries recomputed from the hidden
-states and rotated with the forward's RoPE, as kvpress's ``SnapKVPress.compute_window_attention``
-recomputes them, then softmaxed by kvzoo's own kernel) or H2O's accumulated attention (every
-query of the prefill, recomputed the same way, column-summed by kvzoo's reference attention).
-
-**Where a press runs and kvzoo's runtime refuses.** A press runs wherever its kvpress twin runs. Its
-observation window (SnapKV, ChunkKV) is the last ``w`` queries with ``w`` the policy's ``window``
-bounded by what the call can give: the rows the layer holds, the rows it may keep (the window is always
-kept), and the queries kvpress hands over with their RoPE (``DecodingPress``/``CAMPress`` hand a buffer of
-recent hidden states and the current token's RoPE alone, so there the window is the current token). A
-shrunk window is said once per press (a ``UserWarning``); kvzoo's own runtime stays strict (a budget below
-the window is a ``ValueError``, ``policies/snapkv.py``). H2O's accumulated attention is likewise summed over
-the queries the call hands over. Wrappers that score a layer in parts (``ChunkPress``) hand each part the
-whole forward's RoPE; the window queries of a part are rotated with the forward's last positions, as kvpress's
-own ``SnapKVPress`` rotates them.
-
-**Quest as a press** (:func:`quest_priority`). Quest's attended tier is the current page; the rest of a
-context is read back page by page at every decode step, which a prefill press cannot do. With
-``retriever=None`` the press therefore keeps, at the budget ``compression_ratio`` sets, what Quest's
-retriever ranks highest for the context's last query: the sinks, the current page, and the archived pages
-by Quest's bound ``sum_i max(q_i min_i, q_i max_i)``, computed by kvzoo's own page index (``QuestRetriever``).
-A KV head ranks pages by the max of its query heads' bounds (Quest's ``gqa="group"`` rule: the reference's
-per-head page sets have no form as one row set per KV head).
+A press builds, from what kvpress's hook hands it (the attention module, its input hidden states, the layer's keys
+and values, the forward's RoPE), the :class:`RowsView` a kvzoo selector reads: one row per token and, when asked,
+the observation window's attention recomputed as kvpress's ``SnapKVPress`` recomputes it, or H2O's accumulated
+attention. A window larger than the call can give is shrunk, said once per press (a ``UserWarning``). Quest, whose
+retriever a prefill press cannot run, keeps the pages its bound ranks highest for the last query
+(:func:`quest_priority`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Offline data for the reference models: associative recall in noise, a shared-vocabulary variant,
 and RULER-style key-value needles in text from kvzoo's shipped haystack. All token ids, vocab 256.
 
-Every example puts the question *after* the context, so kvzoo's pipeline can compress the context
-before the question exists:
-
-    context  = [BOS, ... k1 v1 ... noise ... k2 v2 ... noise ...]      (length T - 2)
-    question = [QUERY, k_i]                                            -> answer [v_i]
-
-Training sequences append several questions with their answers, ``[context, Q k_a v_a, Q k_b v_b,
-...]`` (loss only on the ``v`` tokens); evaluation uses exactly one question, at total input length
-``T``. Generators are ``random.Random`` seeded by strings, so every stream is the same on every
-machine and a training run can resume at any step.
+The question comes *after* the context (``[BOS, ... k1 v1 ... noise ...]`` then ``[QUERY, k_i]`` -> ``[v_i]``), so
+the pipeline can compress the context first; training sequences append several questions, evaluation asks one.
+Generators are ``random.Random`` seeded by strings: every stream is the same on every machine.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """A tiny Kimi-style MLA model (model_type ``kvzoo_mla``): short causal conv + MLA per block.
 
-kvzoo's stand-in for a trained Kimi Linear. transformers 5.24's ``KimiLinearAttention`` never
-rotates the MLA branch (there is no switch), and its PyTorch KDA path is too slow to train here,
-so the two reference arms are built from this class instead. Each block is
-
-    x = x + ShortConv(RMSNorm(x))     # depthwise causal conv, kernel 4 (plays KDA's role)
-    x = x + MLA(RMSNorm(x))           # DeepSeek-V2 attention module layout, one 144-dim row/token
-    x = x + SwiGLU(RMSNorm(x))
-
-The MLA module uses DeepSeek-V2's attribute names (``q_proj``, ``kv_a_proj_with_mqa``,
-``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``, ``num_heads``, ``qk_nope_head_dim`` ...), caches
-``cache.update(kv_nope, k_rot, layer_idx)`` like DeepSeek, and is taken over by kvzoo's MLA
-adapter like any other MLA model. The only difference between the two arms is
-``config.rope_branch``: ``False`` = NoPE (Kimi Linear: the branch ``r`` is never rotated),
-``True`` = RoPE (DeepSeek: ``q_r`` and ``r`` rotated at the true position before caching).
-
-Conv state at decode time: the conv needs the previous ``kernel - 1`` normed hidden states of
-each layer. They live on the cache object, ``cache.kvzoo_conv_state = {layer_idx: [B, k-1, d]}``,
-created on first use and cleared whenever a forward starts on an empty cache
-(``get_seq_length() == 0``). This works with any transformers ``Cache`` (DynamicCache, kvzoo's
-TieredCache); ``crop``/beam reordering do not touch it (not needed by kvzoo's pipeline).
+kvzoo's stand-in for a trained Kimi Linear (transformers' ``KimiLinearAttention`` cannot rotate the MLA branch,
+and its KDA path is too slow to train here). A block is ``x += ShortConv(norm x)`` (kernel 4, in KDA's role),
+``x += MLA(norm x)`` (DeepSeek-V2's module layout and attribute names, so kvzoo's MLA adapter takes it over) and
+``x += SwiGLU(norm x)``. ``config.rope_branch`` is the one difference between the reference arms: NoPE (Kimi)
+or RoPE (DeepSeek). The conv's last ``kernel - 1`` inputs per layer live on the cache object
+(``cache.kvzoo_conv_state``), cleared when a forward starts on an empty cache.
 """
 
 from __future__ import annotations

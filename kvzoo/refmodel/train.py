@@ -1,16 +1,10 @@
 """Training of the reference twins (the measured recipe, docs/environment.md); CLI in ``benchmarks/refmodels/train.py``.
 
-One arm per process (``torch.set_num_threads(1)`` by default, so two arms train side by side on
-two cores). Same seed -> same initial weights for both arms (``rope_branch`` adds no parameter)
-and the same data stream (the data seed does not depend on the arm). Deterministic: each step's
-batch is generated from ``(seed, step, stage)``; resumable: model, optimizer, step, stage and the
-accuracy curve are saved to ``work_dir/state.pt`` every ``save_every`` steps and on exit.
-
-Curriculum: stages ``(T, pairs)`` from :data:`kvzoo.refmodel.data.CURRICULUM`; every
-``eval_every`` steps the held-out accuracy of the current stage is measured and the run moves
-on at >= ``advance_at``; at the last stage (T = 512, 16 pairs) it stops at >= ``stop_at``.
-AdamW, linear warm-up then cosine to 10 % over ``max_steps``; bf16 autocast; loss on answer
-tokens only.
+One arm per process (one thread by default, so both arms train side by side). The same seed gives both arms the
+same initial weights and data stream; each step's batch is generated from ``(seed, step, stage)`` and the state is
+saved to ``work_dir/state.pt``, so a run resumes. A curriculum of :data:`kvzoo.refmodel.data.CURRICULUM` stages
+advances at ``advance_at`` held-out accuracy and stops at ``stop_at`` on the last; AdamW, warm-up then cosine,
+bf16 autocast, loss on answer tokens only.
 """
 
 from __future__ import annotations
