@@ -65,10 +65,8 @@ class ScoreResult:
 class Progress:
     """Where a run is, phase by phase, on a tqdm bar (stderr): ``phase("decode", total=24)`` then ``advance()``.
 
-    The steps below report to the one set by :func:`reporting` (a context variable: other threads and contexts are
-    not affected); without one they report nothing. ``label`` leads the bar's text (e.g. the trial); ``position``
-    and ``leave`` are tqdm's (a bar under another one: ``position=1, leave=False``); ``disable=None`` (default) shows
-    it only when ``file`` (stderr) is a terminal, so logs and pipes do not fill with redrawn lines.
+    The steps report to the one :func:`reporting` set (a context variable), else to nothing. ``position`` and ``leave``
+    are tqdm's; ``disable=None`` shows it only when ``file`` is a terminal, so logs do not fill with redrawn lines.
     """
 
     def __init__(self, label: str = "", *, position: int | None = None, leave: bool = False,
@@ -254,15 +252,13 @@ def _feed_forward_in_pieces(forward: Callable[..., torch.Tensor], rows: int, hid
 
 @contextlib.contextmanager
 def feed_forward_in_pieces(model: torch.nn.Module, rows: int | None = FEED_FORWARD_ROWS) -> Iterator[int]:
-    """While inside, each decoder layer's feed-forward (its ``mlp``: a dense MLP or a mixture of experts, token-wise
-    both) runs on at most ``rows`` tokens at a time; yields how many layers it wraps (0: ``rows`` 0/None, or none).
+    """While inside, each decoder layer's feed-forward (its ``mlp``, token-wise) runs on at most ``rows`` tokens at a
+    time; yields how many layers it wraps (0: ``rows`` 0/None, or none).
 
-    A long prefill forward's largest activations are the feed-forward's (SmolLM2-135M at 8k tokens: four
-    ``[8k, 1536]`` fp32 tensors, ~190 MiB, against ~12 MiB for the layer's keys and values); in pieces of
-    :data:`FEED_FORWARD_ROWS` they are a few MiB, and the forward's peak is the attention's. Each token's output is
-    what the whole forward computes for it, up to float rounding where the matrix library blocks a shorter product
-    differently (bit for bit on this machine; tests/test_prefill_memory.py holds the rows and tokens). transformers' own ``apply_chunking_to_forward`` is the same
-    idea for the models that configure it."""
+    A long prefill's largest activations are the feed-forward's (SmolLM2-135M at 8k tokens: ~190 MiB against ~12 MiB
+    of keys and values); in pieces the forward's peak is the attention's, and each token's output is the same
+    (tests/test_prefill_memory.py). transformers' ``apply_chunking_to_forward`` is the same idea.
+    """
     wrapped = []
     if rows:
         for layer in _decoder_layers(model):
@@ -280,14 +276,11 @@ def feed_forward_in_pieces(model: torch.nn.Module, rows: int | None = FEED_FORWA
 def prefill_chunk(cache: Cache, tokens: int) -> int:
     """The chunk a prefill of ``tokens`` takes by default: the one that bounds the cache's peak for its policy.
 
-    A policy that closes blocks shorter than the context (VestigeKV past its ``block_size``) is prefilled a block at a
-    time: each block is compressed as it closes, inside the forward, layer by layer. A policy whose prefill is token
-    by token (StreamingLLM's ``prefill="stream"``: :meth:`Policy.multi_token_window`) ends with the same cache whatever
-    the chunking, so it takes chunks of :data:`STREAM_CHUNK` tokens: its peak is the budget and one chunk per layer.
-    Every other policy -- one that scores at the context's end (SnapKV, ChunkKV), or whose cache depends on where a
-    forward ends (StreamingLLM's default dense prefill, where a chunk reads only the rows kept so far; H2O's
-    accumulated attention; Quest) -- takes the whole context in one forward that compresses each layer right after its attention
-    (:meth:`TieredCache.context_end`): one layer at a time holds its whole prefill. ``chunk_size=`` forces a chunk."""
+    A block policy (VestigeKV past its ``block_size``) goes a block at a time, each compressed as it closes; a
+    token-by-token one (:meth:`Policy.multi_token_window`) ends with the same cache whatever the chunking, so it takes
+    :data:`STREAM_CHUNK` tokens; every other policy (its cache depends on where a forward ends) takes the whole context
+    in one forward that compresses each layer right after its attention (:meth:`TieredCache.context_end`).
+    """
     policy = getattr(cache, "policy", None)
     block = getattr(policy, "block_size", None) if getattr(policy, "schedule", None) == "block" else None
     if block and tokens > block:
@@ -304,12 +297,10 @@ def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size:
     """Run ``ids [B, n]`` through the model into ``cache`` (in chunks of ``chunk_size``, by default
     :func:`prefill_chunk`'s); the last position's logits ``[B, V]``.
 
-    ``ends_context``: these tokens end the context, and a :class:`TieredCache` compresses inside the last forward, each
-    layer right after its attention (:meth:`TieredCache.context_end`), keeping the rows :func:`compress` afterwards
-    would keep, at a lower peak. Under ``torch.no_grad()``, as every step here: a cache holds rows, not an autograd
-    graph. ``phase`` names it to the progress reporter (``"prefill chunk k/n"``, or e.g. ``"question chunk 1/1"``).
-    ``feed_forward_rows``: each layer's feed-forward runs on at most this many tokens at a time
-    (:func:`feed_forward_in_pieces`, a lower peak for a long forward; 0 or None: the whole forward at once)."""
+    ``ends_context``: a :class:`TieredCache` compresses inside the last forward, each layer right after its attention,
+    keeping what :func:`compress` would keep at a lower peak. ``phase`` names it to the progress reporter;
+    ``feed_forward_rows``: :func:`feed_forward_in_pieces`'s (0 or None: the whole forward at once).
+    """
     if feed_forward_rows is not None and (isinstance(feed_forward_rows, bool) or not isinstance(
             feed_forward_rows, numbers.Integral) or feed_forward_rows < 0):
         raise ValueError(f"feed_forward_rows must be a whole number of tokens >= 1 (0 or None: the whole forward at "
@@ -412,15 +403,12 @@ def teacher_forced_nll(
     model: torch.nn.Module, cache: Cache, lead: torch.Tensor, target: torch.Tensor, last_logits: torch.Tensor,
     mode: str = "one_forward", *, phase: str = "teacher-forced",
 ) -> list[float]:
-    """Per-token NLL (nats) of ``target [1, n]`` fed after ``lead [1, l]``, teacher-forced into ``cache``.
+    """Per-token NLL (nats) of ``target [1, n]`` fed after ``lead [1, l]``, teacher-forced into ``cache`` (advanced:
+    run it on a fork to keep the original).
 
-    ``mode="one_forward"`` (default): ``lead`` and ``target`` in one forward; position ``-n - 1`` predicts target
-    token 0. ``mode="decode"``: ``lead`` in one forward (as a question is prefilled before generation), then each
-    target token but the last as its own decode step, ``n - 1`` forwards of one token -- the forwards greedy
-    decoding would run had it produced ``target``, so a retriever reads the archive by its per-step rule, not by
-    the multi-token rule. Either way, when ``lead`` is empty, ``last_logits`` (the logits the cache's last forward
-    produced) predict target token 0. The cache is advanced (run it on a fork to keep the original). ``phase``
-    names the step to the progress reporter (e.g. ``"answer NLL"``).
+    ``mode="one_forward"``: ``lead`` and ``target`` in one forward. ``mode="decode"``: ``lead`` in one forward, then
+    each target token but the last as its own decode step -- the forwards greedy decoding runs, so a retriever reads
+    the archive by its per-step rule. With an empty ``lead``, ``last_logits`` predict target token 0.
     """
     mode = check_teacher_forcing(mode)
     n = target.shape[1]
@@ -588,12 +576,9 @@ def generate(
 ) -> GenerationResult:
     """Prefill ``context``, compress it, then prefill ``question`` and decode greedily.
 
-    ``policy``: a Policy, a registered name, or None (``full``). Returns the decoded answer, the
-    new token ids, ``cache.stats()`` and timings (``prefill_s`` context prefill, ``compress_s``
-    the context-end event, ``question_s`` question prefill, ``decode_s`` the decode loop).
-    ``chunk_size`` prefills in chunks (streaming prefill); ``audit=True`` makes the retrieval tier
-    score every archived row exactly too, to count bound violations and recall (slow). ``progress=True`` shows the
-    phase on stderr (prefill chunk k/n, compress, question, decode t/T).
+    ``policy``: a Policy, a registered name, or None (``full``). The result holds the answer, the new token ids,
+    ``cache.stats()`` and the timings of each phase (``prefill_s``, ``compress_s``, ``question_s``, ``decode_s``).
+    ``audit=True`` also scores every archived row exactly, to count bound violations (slow).
     """
     _check(question_position, chunk_size)
     prefix, rest = build_prompt(tokenizer, context, question)
@@ -649,11 +634,8 @@ def score(
 ) -> ScoreResult:
     """Teacher-forced NLL (nats) of ``answer`` given the compressed context and the question.
 
-    The NLL of token i is ``-log p(answer_i | everything before)``. ``mode="one_forward"`` (default) feeds the
-    answer in one forward after the question; ``mode="decode"`` feeds the question in one forward and then each
-    answer token as its own decode step, the forwards greedy decoding runs (:func:`teacher_forced_nll`) -- with a
-    retriever the two differ: a multi-token forward reads the archive by the retriever's ``multi_token`` rule
-    (default ``"dense"``: all of it), a decode step by its per-step rule. ``progress=True`` shows the phase on stderr.
+    ``mode`` is :func:`teacher_forced_nll`'s: with a retriever the two differ, as a multi-token forward reads the
+    archive by the retriever's ``multi_token`` rule (default ``"dense"``: all of it), a decode step by its per-step rule.
     """
     check_teacher_forcing(mode)
     _check(question_position, chunk_size)

@@ -446,15 +446,11 @@ def reset() -> None:
 
 
 def register_plugin(plugin: ModuleType | object, name: str | None = None) -> str:
-    """Register a plugin (a module or object with ``@hookimpl`` functions of :mod:`kvzoo.hookspecs`:
-    ``kvzoo_policies``, ``kvzoo_retrievers``, ``kvzoo_namespaces``, ``kvzoo_adapters``, ``kvzoo_executors``)
-    without installing it.
+    """Register a plugin (a module or object with ``@hookimpl`` functions of :mod:`kvzoo.hookspecs`) without installing
+    it; returns its name (``name``, else the module's ``__name__``, else its type and id).
 
-    Returns the plugin's name: ``name``, else the module's ``__name__``, else its type and id.
-    The registry is rebuilt at once -- every table the plugin adds to, its adapters and executors too -- so a bad
-    plugin (a class that is not what its hook returns, a name or model type another plugin or a built-in claims)
-    fails here with a :class:`RegistryError` naming what was wrong, and is not kept: the registry is left as it
-    was. Registering the same object again is a no-op.
+    The registry is rebuilt at once, so a bad plugin fails here with a :class:`RegistryError` and is not kept (the
+    registry stays as it was). Registering the same object again is a no-op.
     """
     for known, known_name in _registered:
         if known is plugin:

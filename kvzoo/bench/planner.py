@@ -44,16 +44,12 @@ def registered_variants() -> tuple[str, ...]:
 
 @dataclass
 class Grid:
-    """What to run. ``policies=None`` means every registered policy at run time.
+    """What to run. ``policies=None`` means every registered policy at run time, plus ``variants`` (configured specs
+    such as ``quest(gqa=group)``; default :func:`registered_variants`).
 
-    ``max_new_tokens=None`` uses each task's own (:data:`kvzoo.bench.tasks.MAX_NEW_TOKENS`).
-    ``audit=True`` asks the retrieval tier to count bound violations (slow; see ``TieredCache``).
-    ``variants``: configured policies (specs such as ``quest(gqa=group)``) that join every registered policy when
-    ``policies`` is None (default None: :func:`registered_variants` at plan time; the ``demo`` preset runs none).
-    ``one_forward=True`` also teacher-forces the answer and the continuation in one forward each (the
-    ``*_one_forward`` fields; default off: those fields are None, and a trial costs two multi-token forwards less).
-    It is not part of a trial's key (a row holding the one-forward figures holds every other figure too): a grid
-    with ``one_forward=True`` runs again the ok trials whose rows lack them.
+    ``max_new_tokens=None`` uses each task's own; ``audit=True`` counts bound violations (slow); ``one_forward=True``
+    also fills the ``*_one_forward`` fields. ``one_forward`` is not part of a trial's key: a grid asking for it runs
+    again the ok trials whose rows lack those fields.
     """
 
     models: Sequence[str] = ("smollm2-135m",)

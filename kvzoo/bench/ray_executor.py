@@ -155,16 +155,12 @@ class _WorkerPool:
 
 
 class RayExecutor:
-    """Trials on Ray: ``workers`` actors, each ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs.
+    """Trials on Ray: ``workers`` actors (None: as many as the cluster allows), each ``cpus_per_worker`` CPUs and
+    ``gpus_per_worker`` GPUs (a worker with a GPU runs on ``cuda``).
 
-    ``address``: None starts a local Ray instance (or uses the one this process already started
-    with ``ray.init``); ``"auto"`` joins the cluster of this machine (``ray start --head``);
-    ``"ray://host:10001"`` a remote one through Ray Client. Every node needs kvzoo (the same version)
-    and the model files it runs. ``workers=None``: as many as the cluster's CPUs (or GPUs, with
-    ``gpus_per_worker``) allow. A worker with a GPU runs its model on ``cuda``.
-    ``max_attempts``: how many workers a trial may lose before it is recorded as an error.
-    ``placement_timeout``: seconds a worker may wait to be placed (its placement group of one bundle, its CPUs
-    and GPUs, reserved) before it is given up; its process's start-up does not count.
+    ``address``: None starts a local Ray instance (or uses this process's), ``"auto"`` joins this machine's cluster,
+    ``"ray://host:10001"`` a remote one; every node needs kvzoo and the model files. ``max_attempts``: workers a trial
+    may lose before it is an error; ``placement_timeout``: seconds a worker may wait to be placed.
     """
 
     name = "ray"

@@ -310,12 +310,8 @@ def check_results_path(path: str | Path, option: str = "--out") -> Path:
 def check_results_target(path: str | Path, *, force: bool = False, fresh: bool = False) -> ResultsFile:
     """The results file a grid will append to, refused (:class:`ResultsFileError`) when kvzoo may not use it.
 
-    It must be a regular file that can be appended to, or a path where one can be made
-    (:func:`check_results_path`). A file that exists, is not empty and holds no kvzoo row (a README, a markdown
-    table, another program's JSONL) is refused (:class:`NotKvzooResults`) unless ``force``, which lets kvzoo
-    append to it. ``fresh`` (start over) would delete the file: it is refused for a file that is not kvzoo's,
-    ``force`` or not, and for a kvzoo file holding lines that are not kvzoo rows (they would be lost); kvzoo
-    deletes only a file that holds nothing but its own rows.
+    A non-empty file holding no kvzoo row is refused (:class:`NotKvzooResults`) unless ``force``; ``fresh`` (delete
+    and start over) is refused for any file holding anything but kvzoo rows, ``force`` or not.
     """
     path = check_results_path(path)
     found = read_results_file(path)

@@ -364,29 +364,12 @@ def run_grid(
 ) -> list[dict[str, Any]]:
     """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
 
-    ``results`` must be a kvzoo results file or not exist (:func:`check_results_target`; ``force``
-    appends to another file anyway). ``fresh=True`` empties a file holding nothing but kvzoo rows first (any
-    other file is refused, ``force`` or not). The file is locked while the grid runs (:func:`results_lock`:
-    a second driver on it refuses, naming this one's pid). A trial with an ``ok`` row is finished, whatever
-    other rows of it say, unless that row ran another configuration than its policy name builds now
-    (:func:`current_rows`: it runs again). Each
-    finished trial is appended to ``results`` at once, by this process only, whichever ``executor``
-    ran it (default :class:`~kvzoo.bench.executors.LocalExecutor`: in this process, in plan order;
-    see :mod:`kvzoo.bench.executors`). ``on_row`` is called with each new row, after it was written.
-
-    An executor's rows are matched to the trials it was given before anything is written
-    (:data:`~kvzoo.bench.executors.EMIT_CONTRACT`): a row for another trial, a trial returned twice, a row that is
-    not a kvzoo row, trials never returned, or an exception from the executor end the run with an
-    :class:`~kvzoo.bench.executors.ExecutorError` naming it (the rows written before stay, each its trial's own;
-    a rerun resumes). A row that cannot be written (a full disk) leaves no partial line
-    (:func:`append_row`: :class:`ResultsWriteError`).
-
-    Besides the trial's figures every row says where and how it ran: ``worker`` (``host:pid``),
-    ``trial_seconds`` (without ``model_load_s``, the model's loading when this trial came first on its
-    worker), ``attempts`` (more than 1 when a worker died under it) and ``attempt_errors``.
-
-    ``estimate=True`` prints one line to stderr before the first trial: the pending trials' estimated time
-    (:mod:`kvzoo.bench.estimate`: per policy, in all, and on the executor's workers).
+    ``results`` must be a kvzoo results file or not exist (:func:`check_results_target`; ``force`` appends to another
+    anyway, ``fresh`` empties one holding only kvzoo rows); it is locked while the grid runs. A trial with an ``ok``
+    row is finished unless that row ran another configuration than its name builds now (:func:`current_rows`). Each row
+    is checked against its trial (:data:`~kvzoo.bench.executors.EMIT_CONTRACT`, else :class:`ExecutorError`) and
+    appended at once, by this process only, whichever ``executor`` ran it; ``on_row`` then sees it. ``estimate=True``
+    prints the pending trials' estimated time first.
     """
     path = check_results_path(results)
     trials = plan(grid)

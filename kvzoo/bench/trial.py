@@ -70,20 +70,11 @@ class Reference:
 
 
 class SharedPrefill:
-    """The prefills of one (model, task, question position), kept to serve every policy that can continue one
-    (``TieredCache.fork_as``), each made when a policy first asks for it:
-
-    * ``dense``: the context in the trial's chunks, for a policy that acts only at the context's end, and -- when
-      the trial's prefill is one forward (no ``chunk_size`` shorter than the context) -- one that acts after each
-      forward or block of the prefill, which then acts once, after that forward;
-    * ``attention``: the same, recording each row's received attention, for an accumulating policy (H2O), one for
-      all its ratios;
-    * ``block:<size>``: the context's first block, for a policy whose own prefill goes a block at a time (VestigeKV on
-      a context longer than its block): that first forward is a dense one whatever the ratio; the fork fires its
-      block event and prefills the rest of the context itself.
-
-    ``record_window``: the most observation-window queries any of those policies reads (the prefills keep that
-    many)."""
+    """The prefills of one (model, task, question position), made when a policy first asks and continued by every
+    policy that can (``TieredCache.fork_as``): ``dense`` (the context in the trial's chunks), ``attention`` (the same,
+    recording each row's received attention, for H2O) and ``block:<size>`` (the context's first block, for VestigeKV
+    on a context longer than its block). ``record_window``: the most observation-window queries any of them reads.
+    """
 
     def __init__(self, record_window: int = 0) -> None:
         self.record_window = record_window

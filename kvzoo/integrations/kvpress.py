@@ -84,22 +84,12 @@ def exact_compression_ratio(policy: Policy) -> float | None:
 def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_only: bool = False) -> Any:
     """A kvpress press that runs ``policy``'s selector at the end of the prefill, in kvpress's pipeline.
 
-    A ``ScorerPress`` (``KvzooScorerPress``) for a selector that is a score (every policy that evicts writes
-    :meth:`Policy.priority`: ``snapkv``, ``streaming_llm``, ``h2o``, ``vestige``, ``chunkkv`` -- its chunk scores
-    spread to the rows -- and ``quest`` has a press rule, its page bounds), so kvpress's wrappers compose; a
-    ``BasePress`` (``KvzooPress``) otherwise (``full``: it keeps every row, there is nothing to score; kvpress's
-    wrappers refuse a press that is not a ``ScorerPress``). Used alone it keeps exactly the rows
-    ``policy.select`` chooses (``quest``: see ``kvpress_presses.quest_priority``). ``compression_ratio``:
-    kvpress's, fraction removed (default: ``1 - 1/policy.ratio``; see the module docstring for the counts).
-    ``prefill_only=True`` accepts a policy that also evicts at every decode step and runs its context-end
-    eviction alone.
-
-    Where kvzoo's runtime refuses an input the press runs: a press's observation window shrinks to what the
-    call gives (short inputs, a budget below the window, ``DecodingPress``'s buffer) and says so once; see
-    ``kvpress_presses``. Attention-based scores depend on every query the press sees, so compressing a context
-    and compressing it with one more token may keep other rows: ``h2o`` fails kvpress's ``test_generate`` for
-    this reason (the pipeline compresses the context, ``model.generate`` context + "\n"); ``snapkv`` and
-    ``chunkkv`` pass it only because at its 23 tokens their shrunk window is every row they keep.
+    A ``ScorerPress`` (``KvzooScorerPress``) for a selector that is a score (every evicting policy's
+    :meth:`Policy.priority`, and Quest's page bounds), so kvpress's wrappers compose; a ``BasePress``
+    (``KvzooPress``) for ``full``. Alone it keeps exactly the rows ``policy.select`` chooses. ``compression_ratio``:
+    kvpress's fraction removed (default ``1 - 1/policy.ratio``). ``prefill_only=True`` accepts a policy that also
+    evicts at every decode step and runs its context-end eviction alone. Attention-based scores depend on every query
+    the press sees, so ``h2o`` fails kvpress's ``test_generate`` (docs/kvpress.md).
     """
     require_kvpress()
     if not isinstance(policy, Policy):
@@ -183,13 +173,10 @@ def press_names() -> list[str]:
 class KvpressPolicy(Policy):
     """A kvpress ``ScorerPress`` as a kvzoo selector (``registry.get("kvpress:KnormPress", compression_ratio=0.5)``).
 
-    The fields are kvzoo's common ones plus the press's own (kvpress's names and defaults, e.g.
-    ``compression_ratio``, ``window_size``). Exactly one of ``compression_ratio`` (kvpress's: the
-    fraction removed; kvpress's row count) and ``ratio`` (kvzoo's: keep 1/ratio; kvzoo's count) sizes
-    it; ``budget=`` is refused (a press is sized by a fraction). At the context's end the press's
-    ``score()`` ranks the layer's rows with what kvpress's hook would hand it, and the top rows stay
-    (ties to the earlier row; kvpress's ``topk`` leaves tie order open). A retriever may be added
-    (``retriever="vestige"``: does a recall tier rescue the press?).
+    The fields are kvzoo's common ones plus the press's own (kvpress's names and defaults). Exactly one of
+    ``compression_ratio`` (kvpress's count) and ``ratio`` (kvzoo's) sizes it; ``budget=`` is refused. At the context's
+    end ``score()`` ranks the layer's rows with what kvpress's hook would hand it and the top rows stay (ties to the
+    earlier row). A retriever may be added (``retriever="vestige"``).
     """
 
     press_class: ClassVar[type] = object

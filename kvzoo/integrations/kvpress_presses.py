@@ -61,13 +61,9 @@ def queries_available(hidden_states: torch.Tensor, kwargs: dict, n: int) -> int:
 def quest_priority(policy: Policy, rows: RowsView, keep: int) -> torch.Tensor:
     """Quest at the context's end, as a score ``[B, G, n]`` (fp32): the rows its retriever would read first.
 
-    The rows are laid out as kvzoo's runtime lays them out at the context's end: the first ``sinks`` rows,
-    the archived rows paged from there (``page_size`` rows a page, the last one partial), and the current
-    page (the last ``(n - 1) % page_size + 1`` rows, Quest's ``target_rows``). An archived row scores its
-    page's bound for the context's last query -- ``QuestRetriever``'s index, max over the KV head's query
-    heads -- and the sinks and the current page are kept first (``+inf``). When ``keep`` cannot hold them
-    all, the first ``min(sinks, keep)`` and the latest of the rest are (``+inf``); the others score one above
-    the best page.
+    Laid out as kvzoo's runtime lays the rows out then (sinks, archived pages, the current page), an archived row
+    scores its page's bound for the context's last query (max over the KV head's query heads); the sinks and the current
+    page score ``+inf`` (when ``keep`` cannot hold them all, the first sinks and the latest rows do).
     """
     inputs = rows.inputs
     module = inputs.module
@@ -117,12 +113,8 @@ class KvzooPress(BasePress):
     """A kvzoo policy run by kvpress: at the end of the prefill each layer keeps what ``policy.select`` chooses
     (for a policy with a :func:`press_rule`, ``quest``: the top rows of that rule).
 
-    ``compression_ratio`` is kvpress's (the fraction removed). Given the policy's ``ratio`` r it is
-    ``1 - 1/r``, and then the press keeps exactly what kvzoo's runtime keeps at the context's end
-    (``policy.target_rows`` of ``max(1, floor(n / r))`` rows; a press rule keeps the budget itself); set to
-    any other value -- by the caller, or by a kvpress wrapper such as ``PerLayerCompressionPress`` or
-    ``DecodingPress`` -- it keeps kvpress's count for that value, ``max(1, int(n * (1 - compression_ratio)))``
-    (0 at a ratio of 1, as kvpress's).
+    ``compression_ratio`` (kvpress's, the fraction removed) at ``1 - 1/policy.ratio`` keeps exactly kvzoo's count;
+    any other value (the caller's, or a kvpress wrapper's) keeps kvpress's ``max(1, int(n * (1 - c)))`` (0 at c = 1).
     """
 
     def __init__(self, policy: Policy, compression_ratio: float | None = None, *,
@@ -239,15 +231,9 @@ class KvzooPress(BasePress):
 
 
 class KvzooScorerPress(KvzooPress, ScorerPress):
-    """A score-based kvzoo selector as a kvpress ``ScorerPress``: ``score()`` is the selector as a score
-    (``policy.priority``; ChunkKV's chunk scores spread to their rows; Quest's page bounds, :func:`quest_priority`),
-    so kvpress's wrappers that take their own top-k (``ChunkKVPress``, ``KeyRerotationPress``, ``AdaKVPress``,
-    ``DecodingPress``, ...) compose.
-
-    Alone (and under wrappers that call ``compress``) it keeps exactly what the selector keeps, ties to the
-    earlier row; the rows a selector always keeps (SnapKV's window, the sinks, the recent rows) score one above
-    the best other row, as kvpress's own presses pad their windows.
-    """
+    """A score-based kvzoo selector as a kvpress ``ScorerPress``: ``score()`` is the selector as a score, so kvpress's
+    wrappers that take their own top-k compose. Alone it keeps exactly what the selector keeps (ties to the earlier
+    row); rows a selector always keeps score one above the best other row, as kvpress pads its windows."""
 
     def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor, kwargs: dict) -> torch.Tensor:
