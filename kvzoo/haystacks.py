@@ -95,23 +95,7 @@ _TEMPLATES = [
 
 def filler_sentences(seed: int = 0) -> Iterator[str]:
     """An endless, deterministic stream of varied English sentences (no needle-like facts)."""
-    rng = random.Random(seed)
-    previous = None
-    while True:
-        template = rng.choice(_TEMPLATES)
-        if template == previous:  # no sentence shape twice in a row
-            continue
-        previous = template
-        text, rest = "", template
-        while "{" in rest:
-            head, _, tail = rest.partition("{")
-            slot, _, rest = tail.partition("}")
-            text += head + rng.choice(_WORDS[slot])
-        text += rest
-        text = re.sub(r"\b([Aa]) (?=[aeiou])", r"\1n ", text)  # "a old room" -> "an old room"
-        yield text[0].upper() + text[1:]
-
-
+    return _fill_templates(_TEMPLATES, _WORDS, random.Random(seed))
 
 
 def _fill_templates(templates: list[str], words: dict[str, list[str]], rng: random.Random) -> Iterator[str]:
@@ -119,7 +103,7 @@ def _fill_templates(templates: list[str], words: dict[str, list[str]], rng: rand
     previous = None
     while True:
         template = rng.choice(templates)
-        if template == previous:
+        if template == previous:  # no sentence shape twice in a row
             continue
         previous = template
         text, rest = "", template
@@ -128,7 +112,7 @@ def _fill_templates(templates: list[str], words: dict[str, list[str]], rng: rand
             slot, _, rest = tail.partition("}")
             text += head + rng.choice(words[slot])
         text += rest
-        text = re.sub(r"\b([Aa]) (?=[aeiou])", r"\1n ", text)
+        text = re.sub(r"\b([Aa]) (?=[aeiou])", r"\1n ", text)  # "a old room" -> "an old room"
         yield text[0].upper() + text[1:]
 
 

@@ -29,6 +29,20 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _save(fig: Any, path: str | Path, **savefig: Any) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (its folder made) and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, **savefig)
+    _pyplot().close(fig)
+    return path
+
+
+def _tie_offset(k: int, members: int) -> float:
+    """The vertical offset of the ``k``-th of ``members`` points of equal value: spread by up to :data:`TIE_SPREAD`."""
+    return (k - (members - 1) / 2) * min(0.02, TIE_SPREAD / (members - 1)) if members > 1 else 0.0
+
+
 def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
     """One panel per (ratio, policy): mean score by needle depth (rows) and context length (columns).
 
@@ -78,11 +92,7 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position
     fig.suptitle(f"{task} score on {haystack} text, question {position} compression", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="score")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # Each policy its own marker, so lines that coincide still show which policies they are.
@@ -101,19 +111,14 @@ def _spread(values: dict[str, float]) -> dict[str, float]:
     drawn = dict(values)
     for members in groups.values():
         if len(members) > 1:
-            step = min(0.02, TIE_SPREAD / (len(members) - 1))
             for k, policy in enumerate(members):
-                drawn[policy] = values[policy] + (k - (len(members) - 1) / 2) * step
+                drawn[policy] = values[policy] + _tie_offset(k, len(members))
     return drawn
 
 
 def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") -> Any:
-    """The figure :func:`score_vs_ratio` writes: one line per policy, ties at a ratio offset and labelled at the end.
-
-    Policies with equal means at a ratio (five at 0.0 and three at 1.0 in ``make demo``) would otherwise draw
-    one line: each policy has its own marker, equal points are spread by up to :data:`TIE_SPREAD` around their
-    value (the legend says so), and at the last ratio a label names the policies that share a value there.
-    """
+    """The figure :func:`score_vs_ratio` writes: one line per policy, each with its own marker; equal points at a
+    ratio are offset (the legend says so) and labelled at the last ratio, so coinciding lines stay apart."""
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok" and r["question_position"] == position]
     if not ok:
@@ -165,13 +170,7 @@ def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "af
 
 def score_vs_ratio(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
     """Mean score and needle intact rate against the compression ratio, one line per policy (a PNG at ``path``)."""
-    plt = _pyplot()
-    fig = score_vs_ratio_figure(rows, position=position)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(score_vs_ratio_figure(rows, position=position), path, bbox_inches="tight")
 
 
 def frontier_points(rows: Sequence[dict[str, Any]], *, position: str = "after") -> dict[str, list[dict[str, Any]]]:
@@ -232,12 +231,8 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
             xs, ys = [p["mib_per_token"] for p in pts], []
             for p in pts:
                 members = ties[(round(p["mib_per_token"], 2), round(p[key], 9))]
-                offset = 0.0
-                if len(members) > 1:
-                    step = min(0.02, TIE_SPREAD / (len(members) - 1))
-                    offset = (members.index(policy) - (len(members) - 1) / 2) * step
-                    spread_any = True
-                ys.append(p[key] + offset)
+                spread_any = spread_any or len(members) > 1
+                ys.append(p[key] + _tie_offset(members.index(policy), len(members)))
             (line,) = ax.plot(xs, ys, label=policy if reference else f"{policy}", **style)
             if key == "score":
                 handles.append(line)
@@ -262,13 +257,7 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
 
 def frontier(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
     """:func:`frontier_figure` as a PNG at ``path``."""
-    plt = _pyplot()
-    fig = frontier_figure(rows, position=position)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(frontier_figure(rows, position=position), path, bbox_inches="tight")
 
 
 def write_plots(rows: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str = "", *,

@@ -95,12 +95,8 @@ _KEY_NOUNS = [
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0-255: a stand-in tokenizer for the tiny random models.
-
-    Implements the part of the transformers tokenizer interface kvzoo uses: ``__call__`` (with
-    ``add_special_tokens`` and ``return_tensors="pt"``) returning ``.input_ids``, and ``decode``.
-    No chat template and no special tokens.
-    """
+    """UTF-8 bytes as token ids 0-255: a stand-in tokenizer for the tiny random models (the part of the transformers
+    tokenizer interface kvzoo uses; no chat template, no special tokens)."""
 
     chat_template = None
     eos_token_id = None
@@ -134,12 +130,8 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """What identifies one task instance: task, length in tokens, needle depth, seed, haystack.
-
-    ``depth`` is a fraction in [0, 1] (0 = the needle opens the haystack, 1 = it closes it); None
-    for ``cwe``, which has no needle. ``haystack`` None means the task's default
-    (:data:`DEFAULT_HAYSTACK`).
-    """
+    """What identifies one task instance: task, length in tokens, needle depth (a fraction in [0, 1]; None for ``cwe``,
+    which has no needle), seed, haystack (None: the task's :data:`DEFAULT_HAYSTACK`)."""
 
     task: str = "niah_single"
     context_tokens: int = 2000
@@ -427,24 +419,8 @@ def _vt(spec: TaskSpec, tokenizer: Any, continuation_tokens: int) -> Task:
         tokenizer, _VT_INTRO, haystack_sentences(spec.haystack, spec.seed),
         list(zip(depths, chain)), spec.context_tokens, continuation_tokens,
     )
-    return Task(
-        spec=spec,
-        context=built.context,
-        question=_VT_QUESTION.format(value=value),
-        answer_prefix=_VT_ANSWER_PREFIX.format(n=len(names), value=value),
-        answers=tuple(names),
-        metric="string_match_all",
-        continuation=built.continuation,
-        max_new_tokens=MAX_NEW_TOKENS["vt"],
-        needles=tuple(chain[j] for j in built.order),
-        context_token_count=count_tokens(tokenizer, built.context),
-        haystack_token_count=built.haystack_tokens,
-        needle_starts=tuple(built.needle_starts),
-        needle_token_counts=tuple(built.needle_counts),
-        queried_needle=built.order.index(0),
-        sentence_tokens=built.sentence_tokens,
-        extra={"value": value},
-    )
+    first = Turn(_VT_QUESTION.format(value=value), _VT_ANSWER_PREFIX.format(n=len(names), value=value), tuple(names))
+    return _needle_task(spec, tokenizer, built, chain, first, {"value": value})
 
 
 def _cwe_words(seed: int) -> Iterator[str]:
@@ -551,9 +527,8 @@ _BUILDERS = {
 def make_task(spec: TaskSpec | str, tokenizer: Any, *, continuation_tokens: int = 64, **spec_fields: Any) -> Task:
     """Build one task instance for ``tokenizer``: ``make_task("niah_single", tok, context_tokens=2000, depth=0.5)``.
 
-    ``spec`` is a :class:`TaskSpec` or a task name (then ``spec_fields`` are its other fields).
-    Same spec and tokenizer, same text. ``continuation_tokens``: length of the held-out text (an int >= 0;
-    0: none, so no ΔCE is measured).
+    ``spec`` is a :class:`TaskSpec` or a task name (then ``spec_fields`` are its other fields); the same spec and
+    tokenizer give the same text. ``continuation_tokens``: the held-out text's length (0: none, no ΔCE).
     """
     if isinstance(continuation_tokens, bool) or not isinstance(continuation_tokens, int) or continuation_tokens < 0:
         raise ValueError("continuation_tokens must be an int >= 0 (0: no held-out continuation, no ΔCE), got "
@@ -606,12 +581,8 @@ def build_needle_context(
     needle: str = NEEDLE,
     seed: int = 0,
 ) -> NeedleContext:
-    """About ``context_tokens`` tokens of town filler with ``needle`` starting at ``depth`` of the way in.
-
-    Sentences are joined by spaces; a byte-level BPE tokenizer splits at a space-word boundary,
-    so the token count of the text is (to within a token or two) the sum of the sentences' counts,
-    each taken with its leading space. The returned counts are measured on the final text.
-    """
+    """About ``context_tokens`` tokens of town filler with ``needle`` starting at ``depth`` of the way in (sentences
+    counted with their leading space; the returned counts are measured on the final text)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a fraction in [0, 1], got {depth!r}")
     if context_tokens < 1:
