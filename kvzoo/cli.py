@@ -398,12 +398,8 @@ def _groups(layers: list[Any]) -> float:
 
 
 def run_summary(result: Any, *, per_layer: bool = False) -> str:
-    """What ``kvzoo run`` prints after the answer: one summary of the cache, and the per-layer table only when
-    the layers differ or ``per_layer`` asks for it.
-
-    Rows are per layer and KV group (one token's entry), as means over the layers; "per decode step" figures are
-    the last decode step's (the latest forward's when no decode step ran); bytes in MiB, per token in KiB.
-    """
+    """What ``kvzoo run`` prints after the answer: one summary of the cache (rows per layer and KV group as means over
+    the layers; "per decode step": the last step's), and the per-layer table when the layers differ or ``per_layer``."""
     stats, timings = result.stats, result.timings
     layers = stats.layers
     n = max(1, len(layers))

@@ -153,11 +153,8 @@ def book_text_sentences(path: Path = BOOK_FILE) -> tuple[str, ...]:
 
 
 def book_sentences(seed: int = 0) -> Iterator[str]:
-    """The public-domain text sentence by sentence, wrapping around at the end.
-
-    Seed 0 starts at the first sentence ("It is a truth universally acknowledged..."); another seed
-    starts at a seeded sentence, so different seeds see different passages.
-    """
+    """The public-domain text sentence by sentence, wrapping around at the end; seed 0 starts at the first sentence,
+    another seed at a seeded one."""
     sentences = book_text_sentences()
     start = 0 if seed == 0 else random.Random(seed).randrange(len(sentences))
     return itertools.islice(itertools.cycle(sentences), start, None)
@@ -302,10 +299,8 @@ def haystack_sentences(kind: str, seed: int = 0) -> Iterator[str]:
 
 
 def vocabulary() -> tuple[str, ...]:
-    """Distinct lowercase words (letters only, 3+ long) of the shipped text, in first-seen order.
-
-    The common-words task draws its words from here (so they are real English words).
-    """
+    """Distinct lowercase words (letters only, 3+ long) of the shipped text, in first-seen order: the common-words
+    task's real English words."""
     seen: dict[str, None] = {}
     for sentence in book_text_sentences():
         for word in re.findall(r"[A-Za-z]+", sentence):

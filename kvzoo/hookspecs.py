@@ -21,50 +21,30 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 @hookspec
 def kvzoo_policies() -> Sequence[type]:
-    """Return the policy classes this plugin provides.
-
-    Each must be a subclass of :class:`kvzoo.framework.policy.Policy` with a non-empty ``name``
-    that no other plugin (nor a built-in) claims; the registry builds them by that name.
-    """
+    """Return the policy classes this plugin provides: :class:`kvzoo.framework.policy.Policy` subclasses, each with a
+    non-empty ``name`` no other plugin claims."""
 
 
 @hookspec
 def kvzoo_namespaces() -> Mapping[str, Callable[[str], type]]:
-    """Return policy namespaces: a prefix and a resolver, ``{"kvpress": resolve}``.
-
-    ``registry.get("kvpress:KnormPress", ...)`` calls ``resolve("KnormPress")``, which returns a
-    :class:`kvzoo.framework.policy.Policy` subclass named ``"kvpress:KnormPress"``, or raises
-    ImportError (a package it needs is missing: say how to install it) or KeyError (no such name:
-    say which are valid). For families of policies too many or too dynamic to list (another
-    library's presses); a prefix no other plugin claims.
-    """
+    """Return policy namespaces, ``{"kvpress": resolve}``, for families of policies too many to list:
+    ``registry.get("kvpress:KnormPress")`` calls ``resolve("KnormPress")``, which returns a Policy subclass of that
+    full name, or raises ImportError (say how to install what is missing) or KeyError (say which names are valid)."""
 
 
 @hookspec
 def kvzoo_retrievers() -> Sequence[type]:
-    """Return the retriever classes this plugin provides.
-
-    Each must be a subclass of :class:`kvzoo.framework.retriever.Retriever` with a non-empty
-    ``name`` no other plugin claims; policies then name it (``retriever="my_index"``).
-    """
+    """Return the retriever classes this plugin provides: :class:`kvzoo.framework.retriever.Retriever` subclasses, each
+    with a non-empty ``name`` no other plugin claims (policies name it: ``retriever="my_index"``)."""
 
 
 @hookspec
 def kvzoo_adapters() -> Sequence[type]:
-    """Return the model-family adapter classes this plugin provides.
-
-    Each follows :class:`kvzoo.framework.adapters.Adapter`: a non-empty ``name``, the transformers
-    ``model_types`` it serves (a model type no other adapter claims), its ``layout`` (``"gqa"`` or
-    ``"mla"``) and a constructor ``(model, policy)``; ``TieredCache`` builds the one whose model types
-    hold the model's ``config.model_type``.
-    """
+    """Return the model-family adapter classes this plugin provides, each following
+    :class:`kvzoo.framework.adapters.Adapter` (``name``, the ``model_types`` it alone serves, ``layout``)."""
 
 
 @hookspec
 def kvzoo_executors() -> Sequence[type]:
-    """Return the executor classes this plugin provides (where a leaderboard's trials run).
-
-    Each follows :class:`kvzoo.bench.executors.Executor`: a non-empty ``name`` no other plugin claims
-    (``kvzoo leaderboard --executor NAME``), a one-line ``summary``, ``add_arguments(group)`` adding its
-    own command-line options, and a constructor taking those options' values as keywords.
-    """
+    """Return the executor classes this plugin provides (where a leaderboard's trials run), each following
+    :class:`kvzoo.bench.executors.Executor`."""

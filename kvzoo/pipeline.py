@@ -482,10 +482,7 @@ def continuation_nll(
     progress: bool = False,
 ) -> ContinuationResult:
     """Prefill ``context`` under ``policy``, compress, then teacher-force ``continuation`` right after it
-    (:func:`teacher_forced_nll`; ``mode="decode"``: one decode step per token). ``scored``: the positions of
-    ``continuation`` whose NLL the cross-entropy averages (e.g. a recall task's answer tokens; default all).
-    Text needs ``tokenizer`` (the context as given, the continuation without special tokens). ``progress=True``
-    shows the phase on stderr."""
+    (:func:`teacher_forced_nll`). ``scored``: the positions whose NLL the cross-entropy averages (default all)."""
     mode = check_teacher_forcing(mode)
     if isinstance(context, str) or isinstance(continuation, str):
         if tokenizer is None:
@@ -523,11 +520,8 @@ def delta_ce(
     reference: ContinuationResult | None = None,
     **options: Any,
 ) -> DeltaCE:
-    """ΔCE (nats per scored token) of ``policy`` on ``continuation`` after ``context``: its
-    :func:`continuation_nll` minus ``full``'s, both in ``mode`` (default ``"decode"``, the VestigeKV paper's
-    measure: each continuation token a decode step, so a retriever's per-step rule is what the CE sees).
-    ``reference``: full's result from an earlier call (same context, continuation and options), reused.
-    ``options``: :func:`continuation_nll`'s (``tokenizer``, ``mode``, ``scored``, ``chunk_size``, ``progress``)."""
+    """ΔCE (nats per scored token) of ``policy`` on ``continuation`` after ``context``: its :func:`continuation_nll`
+    minus ``full``'s, measured alike (``options``); ``reference``: full's result from an earlier call, reused."""
     result = continuation_nll(model, context, continuation, policy, **options)
     if reference is None:
         reference = continuation_nll(model, context, continuation, "full", **options)

@@ -529,13 +529,9 @@ def _names_policy(exc: Exception, name: str) -> Exception:
 
 
 def get(name: str, **params: Any) -> Policy:
-    """A configured instance of the policy ``name``: ``get("streaming_llm", ratio=4, sinks=8)``.
-
-    ``params`` are the policy's dataclass fields (its hyperparameters plus the common ``ratio``,
-    ``budget``, ``archive``, ``retriever``). Raises :class:`UnknownPolicyError` (a KeyError) for an
-    unknown name, TypeError for an unknown parameter, and the policy's own ValueError/TypeError,
-    prefixed with its name, for a bad value.
-    """
+    """A configured instance of the policy ``name``: ``get("streaming_llm", ratio=4, sinks=8)``; ``params`` are its
+    dataclass fields. An unknown name is an :class:`UnknownPolicyError` (a KeyError), an unknown parameter a
+    TypeError, and the policy's own errors for a bad value are prefixed with its name."""
     cls = policy_class(name)
     valid = [f.name for f in _parameters(cls)]
     unknown = [p for p in params if p not in valid]
@@ -631,12 +627,8 @@ _SPEC = re.compile(r"^\s*([A-Za-z_][\w.:-]*)\s*(?:\((.*)\))?\s*$")
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"quest(gqa=group, page_size=8)"`` -> ``("quest", {"gqa": "group", "page_size": 8})``.
-
-    A policy name, optionally with parameters in parentheses: ``key=value`` pairs separated by
-    commas; values are Python literals (numbers, True/False/None, quoted strings) or, failing that,
-    plain strings. How the leaderboard and the CLI name a configured variant of a policy.
-    """
+    """``"quest(gqa=group, page_size=8)"`` -> ``("quest", {"gqa": "group", "page_size": 8})``: values are Python
+    literals or, failing that, plain strings. How the leaderboard and the CLI name a configured variant."""
     match = _SPEC.match(spec) if isinstance(spec, str) else None
     if match is None:
         raise ValueError(f"policy spec {spec!r} is not 'name' or 'name(key=value, ...)', e.g. 'quest(gqa=group)'")

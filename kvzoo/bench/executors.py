@@ -24,12 +24,8 @@ Emit = Callable[[Any, Row, dict[str, Any]], None]
 
 @dataclass
 class TrialGroup:
-    """Pending trials that share a model, a task and a question position, in plan order.
-
-    ``first_is_reference``: the group's first trial is its reference (``full``) trial, whose row the
-    others are measured against (ΔNLL, ΔCE); they wait for it. When the reference finished in an
-    earlier run, the group has no such trial and every trial is ready at once.
-    """
+    """Pending trials that share a model, a task and a question position, in plan order; with ``first_is_reference``
+    the others wait for the first, the ``full`` reference their ΔNLL and ΔCE are measured against."""
 
     key: str
     model: str
@@ -56,10 +52,8 @@ class Work:
 class Executor(Protocol):
     """Runs :class:`Work`, calling ``emit`` once per trial (from the caller's thread) as each finishes.
 
-    The class is registered by ``name`` (``--executor NAME``) with a one-line ``summary`` (``--help``);
-    ``add_arguments(group)`` adds its own options to ``kvzoo leaderboard`` (unique flags, ``default=None``),
-    whose ``dest`` names are its constructor's keywords: ``kvzoo.bench.runner.make_executor(name, **options)``
-    builds it from the options given (None values left out).
+    Registered by ``name`` (``--executor NAME``) with a one-line ``summary``; ``add_arguments(group)`` adds its own
+    ``kvzoo leaderboard`` options (``default=None``), whose ``dest`` names are its constructor's keywords.
     """
 
     name: ClassVar[str]
@@ -177,13 +171,9 @@ class _GroupState:
 
 
 class TrialQueue:
-    """The pending trials of several groups, handed to workers as they become ready.
-
-    A group's reference trial goes first and the group's other trials wait for its row; after that
-    they are independent, so idle workers share a group's trials. A worker keeps to its group, then
-    to its model (a model switch reloads weights); among the rest it starts a new group (whose
-    reference unblocks more work) before helping with one already started, the fullest first.
-    """
+    """The pending trials of several groups, handed to workers as they become ready: a group's reference first, then its
+    other trials on any worker. A worker keeps to its group, then its model (a switch reloads weights), and starts a
+    new group before helping with a started one."""
 
     def __init__(self, groups: Sequence[TrialGroup]) -> None:
         self._groups = [_GroupState(g, deque(g.trials)) for g in groups if g.trials]

@@ -95,11 +95,8 @@ def resident_kv_bytes(totals: Mapping[str, float]) -> int:
 
 
 def kv_bytes_freed(totals: Mapping[str, float]) -> int:
-    """Attended-tier bytes no longer held compared with keeping every row: (seen − resident) rows × bytes per row.
-
-    Archived rows still take memory in the archive tier (``archived_bytes``); this counts what the
-    attended tier -- the memory every step reads -- no longer holds.
-    """
+    """Attended-tier bytes no longer held compared with keeping every row: (seen − resident) rows × bytes per row
+    (archived rows still take memory in the archive tier)."""
     resident_rows = totals["resident_rows"]
     if resident_rows == 0:
         return 0
@@ -108,12 +105,8 @@ def kv_bytes_freed(totals: Mapping[str, float]) -> int:
 
 
 def kv_bytes_read_per_step(start: Mapping[str, float], end: Mapping[str, float], steps: int) -> float | None:
-    """Mean KV-path bytes read per decode step: the increase of ``kv_bytes_read`` over the decode / steps.
-
-    ``kv_bytes_read`` (``cache.stats()``) counts what each forward's attention read: the attended tier
-    at attention time, the index entries scanned and the rows fetched. ``start``/``end``: totals
-    before the first and after the last decode step. None when there were no steps.
-    """
+    """Mean KV-path bytes read per decode step (attended tier, index scanned, rows fetched): the increase of
+    ``kv_bytes_read`` between the ``start`` and ``end`` totals over ``steps``; None when there were no steps."""
     if steps <= 0:
         return None
     return (end.get(KV_BYTES_KEY, 0) - start.get(KV_BYTES_KEY, 0)) / steps
@@ -141,11 +134,8 @@ def bound_violations(totals: Mapping[str, float]) -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far, in bytes: a process-wide high-water mark.
-
-    Linux's ``VmHWM`` (``/proc/self/status``), elsewhere ``getrusage`` ``ru_maxrss``. It covers
-    everything the process ever held (the model, earlier trials), so it never decreases.
-    """
+    """The process's peak resident memory so far, in bytes (Linux's ``VmHWM``, elsewhere ``ru_maxrss``): a high-water
+    mark of everything the process ever held, so it never decreases."""
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
             for line in fh:

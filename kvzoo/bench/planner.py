@@ -26,11 +26,8 @@ if TYPE_CHECKING:
 
 
 def registered_variants() -> tuple[str, ...]:
-    """Configured variants that the leaderboard runs beside every registered policy (``Grid.variants=None``): for a
-    policy holding a retriever by name, that retriever class's ``variants`` (``quest(rule=kernel)``: Quest's other
-    reference rule, its kernels' page count; ``quest(gqa=group)``: one page set per KV group, so that the
-    equal-bytes comparison with the reference's per-head rule shows). A plugin's policy and retriever join with no
-    code change."""
+    """Configured variants the leaderboard runs beside every registered policy: each retriever-holding policy's retriever
+    class's ``variants`` (``quest(gqa=group)``, ...), so a plugin's join with no code change."""
     from kvzoo import registry
 
     variants = []
@@ -96,11 +93,8 @@ class Grid:
         self.ratios = tuple(float(r) for r in self.ratios)
 
     def settings(self) -> dict[str, Any]:
-        """The run settings that change results (recorded in every row, part of each trial's key).
-
-        ``teacher_forcing`` says how ``answer_nll`` and ``continuation_ce`` were measured (:data:`TEACHER_FORCING`):
-        rows written before it existed measured them in one forward, so their keys differ and they are not taken
-        for finished trials of this measure."""
+        """The run settings that change results (in every row, part of each trial's key); ``teacher_forcing`` keeps rows of
+        the older one-forward measure from counting as finished trials of this one."""
         return {"max_new_tokens": self.max_new_tokens, "chunk_size": self.chunk_size,
                 "continuation_tokens": self.continuation_tokens, "audit": self.audit, "dtype": self.dtype,
                 "teacher_forcing": TEACHER_FORCING}

@@ -44,11 +44,8 @@ def _tie_offset(k: int, members: int) -> float:
 
 
 def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
-    """One panel per (ratio, policy): mean score by needle depth (rows) and context length (columns).
-
-    Plots one task on one haystack: ``niah_single`` (else the first needle task) on the haystack
-    with the most trials, so every cell averages the same kind of trial (over seeds).
-    """
+    """One panel per (ratio, policy): mean score by needle depth (rows) and context length (columns), for one task on
+    one haystack (``niah_single`` on its most-run haystack) so every cell averages the same kind of trial."""
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok" and r.get("depth") is not None and r["question_position"] == position]
     if not ok:

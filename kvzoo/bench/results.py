@@ -42,13 +42,8 @@ def _is_number(value: Any) -> bool:
 
 
 def row_problem(row: Any) -> str | None:
-    """Why the JSON value ``row`` is not a kvzoo results row (None: it is one).
-
-    A row is an object with the fields every trial's row has (``key``, ``status``, ``model``, ``policy``,
-    ``task``, ``question_position``: strings; ``status`` one of :data:`STATUSES`; ``ratio`` a number or null
-    when present), and an ``ok`` row also its ``answer_nll`` and ``score`` (numbers). Another program's JSON
-    lines that happen to carry a ``"key"`` are not kvzoo's.
-    """
+    """Why the JSON value ``row`` is not a kvzoo results row (None: it is one): the fields every row has, of their types,
+    and an ``ok`` row's ``answer_nll`` and ``score``."""
     if not isinstance(row, dict):
         return f"JSON, but not a kvzoo results row (a {type(row).__name__}, not an object)"
     if "key" not in row:
@@ -117,13 +112,8 @@ def _not_a_regular_file(path: Path) -> str | None:
 
 
 def read_results_file(path: str | Path) -> ResultsFile:
-    """Parse a JSONL results file line by line; reading never writes.
-
-    A line that is not UTF-8, not JSON, or not a kvzoo row (:func:`row_problem`) is reported with its line
-    number and skipped -- the tail of a write cut short by an interruption, a line somebody added, another
-    program's JSON -- and the file is left exactly as it was. A path that is not a regular file (a directory,
-    a FIFO) is refused (:class:`ResultsFileError`) without being read.
-    """
+    """Parse a JSONL results file line by line; reading never writes. A line that is not a kvzoo row is reported with its
+    number and skipped; a path that is not a regular file is refused (:class:`ResultsFileError`) unread."""
     path = Path(path)
     found = ResultsFile(path)
     if not path.exists():
@@ -160,14 +150,9 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
 
 def latest_rows(rows: Sequence[dict[str, Any]],
                 stale: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, dict[str, Any]]:
-    """One row per trial key, in the order keys first appear: a finished trial stays finished.
-
-    The latest ``ok`` row of a trial wins over any ``skipped`` or ``error`` row, before or after it (files
-    concatenated in any order, a rerun that failed where an earlier one finished); a trial with no ok row
-    keeps its latest row. ``stale(row)``: true for an ok row that ran another configuration than its trial's name
-    builds now (:func:`kvzoo.bench.runner.current_rows` asks the registry): such a row is never the trial's result,
-    it is passed over as if it were not in the file (where it stays).
-    """
+    """One row per trial key, in the order keys first appear: a trial's latest ``ok`` row wins over any other (a finished
+    trial stays finished), else its latest row. An ok row for which ``stale(row)`` is true (it ran another
+    configuration than its name builds now) is passed over as if it were not in the file."""
     latest: dict[str, dict[str, Any]] = {}
     for row in rows:
         if stale is not None and row["status"] == "ok" and stale(row):
@@ -179,14 +164,8 @@ def latest_rows(rows: Sequence[dict[str, Any]],
 
 
 def append_row(path: str | Path, row: dict[str, Any]) -> None:
-    """Append one row as a JSON line and flush it to disk (an interruption loses at most the trial in flight).
-
-    When the file's last line was cut short (no newline at its end), the row starts on a new line:
-    the file is only ever appended to. The line is all or nothing: written, then flushed to disk, and when either
-    fails (a full disk, a quota, an I/O error) the file is cut back to the length it had, so no partial line is left,
-    and a :class:`ResultsWriteError` names the file (the earlier rows are as they were). The one writer of a results
-    file holds its lock (:func:`results_lock`), so nobody else's bytes follow the line.
-    """
+    """Append one row as a JSON line and flush it to disk, all or nothing: a write that fails (a full disk) is cut back
+    to the file's old length and raises :class:`ResultsWriteError`; after a cut-short last line the row starts anew."""
     path = Path(path)
     lead = b""
     if path.exists() and path.stat().st_size:
@@ -357,12 +336,8 @@ def _lock_holder(path: Path) -> str:
 
 @contextlib.contextmanager
 def results_lock(path: str | Path) -> Iterator[int]:
-    """Hold an advisory lock (``flock``) on the results file while a grid appends to it; yields its descriptor.
-
-    A second driver on the same file gets :class:`ResultsFileLocked` naming the first one's pid, instead of
-    running and writing the same trials again. The file is created (empty) if missing, and removed again on the
-    way out when this call created it and nothing was written. Without ``fcntl`` (Windows) nothing is locked.
-    """
+    """Hold an advisory lock (``flock``) on the results file while a grid appends to it; yields its descriptor. A second
+    driver gets :class:`ResultsFileLocked` naming this one's pid; a file this call created and left empty is removed."""
     path = Path(path)
     existed = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)

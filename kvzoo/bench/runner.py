@@ -162,12 +162,8 @@ def check_grid_positions(grid: Grid) -> None:
 
 
 class TrialRunner:
-    """Runs trials in one process, keeping what they share: the loaded model, built tasks.
-
-    One lives in the driver for the local executor, one in each Ray worker (built there from
-    ``functools.partial(TrialRunner, grid)``): a worker loads a model once, not once per trial.
-    ``device``: where the model runs (None: where it loads, the CPU; a Ray worker holding a GPU: ``cuda``).
-    """
+    """Runs trials in one process, keeping what they share: the loaded model, built tasks. One lives in the driver, one
+    in each Ray worker; ``device``: where the model runs (None: where it loads)."""
 
     def __init__(self, grid: Grid, device: str | None = None, progress: Any = None) -> None:
         self.grid = grid
@@ -264,10 +260,8 @@ def _configuration_now(policy: str, ratio: float | None, built: dict) -> dict[st
 
 
 def stale_configuration(row: dict[str, Any], built: dict | None = None) -> str | None:
-    """What differs between the configuration ``row`` records (``policy_config``, ``retriever_config``) and the one
-    its policy name (at its ratio) builds now -- a changed default, e.g. a retriever's rule -- or None when they agree
-    (or the row records none, or the name no longer builds: that trial is run and recorded as skipped anyway).
-    ``built``: a dict memoising what each (policy, ratio) builds, for a file's worth of rows."""
+    """What differs between the configuration ``row`` records and the one its policy name builds now (a changed default),
+    or None when they agree or it no longer builds. ``built`` memoises what each (policy, ratio) builds."""
     now = _configuration_now(row["policy"], row.get("ratio"), {} if built is None else built)
     if now is None:
         return None
@@ -282,10 +276,8 @@ def stale_configuration(row: dict[str, Any], built: dict | None = None) -> str |
 
 
 def current_rows(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[tuple[dict[str, Any], str]]]:
-    """:func:`latest_rows` of ``rows`` taking no ``ok`` row of another configuration than its policy name builds now
-    (:func:`stale_configuration`: a default changed since it ran) as a trial's result -- resuming runs that trial
-    again, and the table and the plots leave the row out, so the three agree -- and those rows beside, each with
-    what changed. What reads a results file as results reads it through here."""
+    """:func:`latest_rows` passing over ``ok`` rows of a stale configuration (:func:`stale_configuration`), and those rows
+    with what changed: resuming, the table and the plots all read a results file through here, so they agree."""
     built: dict = {}
     stale: list[tuple[dict[str, Any], str]] = []
 
@@ -399,10 +391,8 @@ def describe_executor(executor: Any) -> str:
 
 
 class _Intake:
-    """What an executor hands back, matched to the trials it was given before anything is written: each row must be
-    emitted for one of those trials, once, and be a kvzoo row (:func:`row_problem`) saying it is that trial's (its
-    key, model, policy, ratio, task and question position). Anything else is an :class:`ExecutorError` naming the
-    executor and :data:`EMIT_CONTRACT`; the refusal is kept, so an executor that swallows it still fails."""
+    """What an executor hands back, matched to the trials it was given before anything is written (:data:`EMIT_CONTRACT`);
+    anything else is an :class:`ExecutorError`, kept so an executor that swallows it still fails."""
 
     def __init__(self, executor: Any, trials: list[Trial], path: Path) -> None:
         self.who = describe_executor(executor)

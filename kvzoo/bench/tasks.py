@@ -268,11 +268,8 @@ def _assemble(
     total_tokens: int,
     continuation_tokens: int,
 ) -> _Assembled:
-    """``intro + "\\n" + haystack`` of ``total_tokens`` tokens with each ``(depth, sentence)`` inserted.
-
-    Inserts go to the sentence boundary nearest ``depth`` of the filler tokens; several at one
-    boundary keep their list order. Returns the text and where each insert (in text order) starts.
-    """
+    """``intro + "\\n" + haystack`` of ``total_tokens`` tokens with each ``(depth, sentence)`` inserted at the sentence
+    boundary nearest ``depth`` of the filler (ties in list order); the text and where each insert starts."""
     n_intro = count_tokens(tokenizer, intro + "\n")
     insert_counts = [count_tokens(tokenizer, " " + s) for _, s in inserts]
     budget = total_tokens - n_intro - sum(insert_counts)

@@ -143,11 +143,8 @@ class SharedPrefill:
 
 @dataclass
 class TrialMeasurements:
-    """What one trial measured, as measured: per-token NLLs, the cache's totals at three points, each phase's time.
-
-    ``to_row()`` turns it into the row's figures (sums, means, bytes and rows per step). The three totals are
-    :meth:`TieredCache.stats` ``.totals``: after compression, before greedy decoding (after the question), after it.
-    """
+    """What one trial measured, as measured: per-token NLLs, the cache's totals after compression, after the question and
+    after decoding, each phase's time; ``to_row()`` turns it into the row's figures."""
 
     task: Task
     prompt_tokens: int = 0  # the prefix that was compressed (the context; with the question asked before, it too)
@@ -253,13 +250,8 @@ def run_trial(
     shared_key: tuple | None = None,
     one_forward: bool = True,
 ) -> dict[str, Any]:
-    """Run one trial; its row's figures as a flat dict (:meth:`TrialMeasurements.to_row`, then ΔNLL/ΔCE).
-
-    With ``reference=None`` the ΔNLL/ΔCE fields are None (the runner fills them for the reference row).
-    ``shared`` (with ``shared_key``, naming the model, task and position): a :class:`SharedPrefill` the
-    trial continues from when its policy can. ``one_forward=False`` skips the one-forward figures (the answer and the
-    continuation teacher-forced a second time, in one forward each): their fields are None.
-    """
+    """Run one trial; its row's figures as a flat dict (:meth:`TrialMeasurements.to_row`, then ΔNLL/ΔCE against
+    ``reference``, None without one). ``shared``: a :class:`SharedPrefill` the trial continues from when its policy can."""
     if position not in QUESTION_POSITIONS:
         raise ValueError(f"question position must be one of {QUESTION_POSITIONS}, got {position!r}")
     m = TrialMeasurements(task)

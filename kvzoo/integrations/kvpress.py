@@ -253,11 +253,8 @@ class KvpressPolicy(Policy):
 
 @functools.cache
 def policy_class(press_name: str) -> type[KvpressPolicy]:
-    """The kvzoo policy class of kvpress's ``press_name`` (a ``ScorerPress``): ``kvpress:<press_name>``.
-
-    ImportError naming the install command without kvpress; KeyError naming the valid presses for any
-    other name. The registry calls this for ``kvpress:`` names (the ``kvpress`` namespace).
-    """
+    """The kvzoo policy class ``kvpress:<press_name>`` of kvpress's ``ScorerPress`` ``press_name`` (the ``kvpress``
+    namespace's resolver): ImportError naming the install command without kvpress, KeyError naming the valid presses."""
     kvpress = require_kvpress()
     what = getattr(kvpress, press_name, None)
     if inspect.isclass(what) and issubclass(what, kvpress.ScorerPress) and _unsupported(kvpress, what):

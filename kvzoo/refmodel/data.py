@@ -49,12 +49,8 @@ def _pair_positions(rng: random.Random, body_len: int, n_pairs: int) -> list[int
 def recall_context(
     rng: random.Random, context_len: int, n_pairs: int, shared: bool = False
 ) -> tuple[list[int], list[int], list[int]]:
-    """``(context, keys, values)``: BOS + noise with ``n_pairs`` key-value pairs scattered in it.
-
-    ``shared=False``: keys, values and noise come from three disjoint symbol sets. ``shared=True``
-    (harder): all from one set; keys are distinct and never occur elsewhere in the context, values
-    and filler may coincide with anything else.
-    """
+    """``(context, keys, values)``: BOS + noise with ``n_pairs`` key-value pairs scattered in it; ``shared=True`` (harder)
+    draws keys, values and noise from one symbol set (keys still distinct and nowhere else), else three disjoint ones."""
     body_len = context_len - 1
     if shared:
         keys = rng.sample(SHARED, n_pairs)

@@ -26,12 +26,8 @@ CONV_STATE_ATTR = "kvzoo_conv_state"
 
 
 class KvzooMLAConfig(PretrainedConfig):
-    """Config of :class:`KvzooMLAForCausalLM`; MLA field names as in DeepSeek-V2 / Kimi Linear.
-
-    ``rope_branch``: False = NoPE arm (Kimi Linear's MLA), True = RoPE arm (DeepSeek's MLA).
-    Defaults: the measured recipe (docs/environment.md) (2 layers, d 128, 4 heads, latent 128 + branch 16: the
-    real 512 + 64 row scaled down by 4, same structure).
-    """
+    """Config of :class:`KvzooMLAForCausalLM`; MLA field names as in DeepSeek-V2 / Kimi Linear. ``rope_branch``: False =
+    NoPE arm (Kimi), True = RoPE arm (DeepSeek); the defaults are the measured recipe (docs/environment.md)."""
 
     model_type = "kvzoo_mla"
 
