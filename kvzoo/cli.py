@@ -25,7 +25,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Iterable  # noqa: E402
+from collections.abc import Callable, Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -345,21 +345,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("run", _as_flags(str(err), _parameters_of(args.policy)))
     print(f"policy   : {policy}")
     print(f"context  : {result.context_tokens} tokens; question {args.question_position} compression")
+    metric = "string_match_all"
     if task is not None:
         print(f"task     : {spec.key} ({task.context_token_count} context tokens, needle depth "
               f"{'n/a' if task.needle_depth is None else f'{task.needle_depth:.2f}'})")
         print(f"question : {task.question} / {task.answer_prefix}")
-        print(f"answer   : {result.answer!r}")
-        print(f"expected : {', '.join(task.answers)}")
-        score = metrics.string_match(task.metric, result.answer, task.answers)
-        print(f"score    : {score:.2f} ({task.metric}: the share of the expected answers found in the answer)")
+        expected, metric = task.answers, task.metric
     else:
         print(f"question : {question}")
-        print(f"answer   : {result.answer!r}")
-        if expected:
-            print(f"expected : {', '.join(expected)}")
-            score = metrics.string_match("string_match_all", result.answer, expected)
-            print(f"score    : {score:.2f} (string_match_all: the share of the expected answers found in the answer)")
+    print(f"answer   : {result.answer!r}")
+    if expected:
+        print(f"expected : {', '.join(expected)}")
+        score = metrics.string_match(metric, result.answer, expected)
+        print(f"score    : {score:.2f} ({metric}: the share of the expected answers found in the answer)")
     print(run_summary(result, per_layer=args.per_layer))
     return 0
 
@@ -679,14 +677,23 @@ def cmd_plot(args: argparse.Namespace) -> int:
 # --- parser --------------------------------------------------------------------------------------
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a ratio is a number >= 1 (keep 1/ratio of the rows), got {text!r}") from None
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"a ratio is a number >= 1 (keep 1/ratio of the rows), got {text!r}")
-    return value
+def _number(valid: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: the float ``text`` holds where ``ok`` accepts it, else an error saying what is ``valid``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{valid}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{valid}, got {text!r}")
+        return value
+
+    return parse
+
+
+_ratio = _number("a ratio is a number >= 1 (keep 1/ratio of the rows)", lambda value: value >= 1)
+_depth = _number("a depth is a fraction in [0, 1]", lambda value: 0.0 <= value <= 1.0)
 
 
 def _policy_list(text: str) -> list[str]:
@@ -700,16 +707,6 @@ def _policy_list(text: str) -> list[str]:
             start = i + 1
     names.append(text[start:])
     return [name.strip() for name in names if name.strip()]
-
-
-def _depth(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a depth is a fraction in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a depth is a fraction in [0, 1], got {text!r}")
-    return value
 
 
 _positive = _positive_int("a token count")

@@ -345,7 +345,11 @@ def check_max_new_tokens(value: Any) -> int:
 
 def max_positions(model: torch.nn.Module) -> int | None:
     """The model's ``max_position_embeddings`` (None when its config declares none)."""
-    config = getattr(model, "config", None)
+    return config_max_positions(getattr(model, "config", None))
+
+
+def config_max_positions(config: Any) -> int | None:
+    """A model config's ``max_position_embeddings`` (its text model's, for a multimodal one; None: it declares none)."""
     if config is None:
         return None
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

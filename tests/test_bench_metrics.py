@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -47,17 +45,12 @@ def test_intact_below_one_nat():
     assert metrics.is_intact(2.99, 2.0) is True
     assert metrics.is_intact(3.0, 2.0) is False  # exactly 1 nat is not intact
     assert metrics.is_intact(1.0, 2.0) is True  # better than full is intact
-    assert metrics.intact_rate([True, False, True, True]) == 0.75
-    with pytest.raises(ValueError):
-        metrics.intact_rate([])
 
 
-def test_delta_ce_is_the_difference_of_mean_token_nll():
+def test_mean_token_nll_is_the_cross_entropy():
     assert metrics.mean_token_nll([1.0, 2.0, 3.0]) == 2.0
-    assert metrics.delta_ce([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
-    assert metrics.delta_ce([0.5, 0.5], [0.5, 0.5]) == 0.0
-    with pytest.raises(ValueError, match="same tokens"):
-        metrics.delta_ce([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="no tokens"):
+        metrics.mean_token_nll([])
 
 
 # --- cost ----------------------------------------------------------------------------------------
@@ -115,12 +108,6 @@ def test_peak_rss_is_a_high_water_mark():
     del block
 
 
-def test_stopwatch_measures_wall_time():
-    with metrics.Stopwatch() as watch:
-        time.sleep(0.05)
-    assert 0.045 <= watch.seconds < 1.0
-
-
 # --- on a real cache -----------------------------------------------------------------------------
 
 
@@ -133,7 +120,6 @@ def test_full_is_intact_with_zero_delta_ce_on_any_task(tiny, task_name: str):
     row = run_trial(tiny, BYTES, task, full, reference=reference, max_new_tokens=2)
     assert row["delta_nll"] == 0.0 and row["intact"] is True
     assert row["delta_ce"] == 0.0
-    assert metrics.intact_rate([row["intact"]]) == 1.0
     assert row["bytes_freed"] == 0 and row["archived_bytes"] == 0
 
 

@@ -3,7 +3,7 @@
 Quality: RULER's string-match scores, VestigeKV's needle-intact test (ΔNLL below 1 nat) and ΔCE on a held-out
 continuation. Cost: from ``cache.stats().totals`` snapshots (summed over layers, cumulative since the cache was
 made; an absent counter counts as 0, but ``bound_violations`` is None, reported "n/a"), the resident and freed KV
-bytes, the KV-path bytes and fetched rows per decode step; and the process's peak RSS and wall time.
+bytes, the KV-path bytes and fetched rows per decode step; and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -63,27 +63,11 @@ def is_intact(compressed_nll: float, full_nll: float, threshold: float = INTACT_
     return delta_nll(compressed_nll, full_nll) < threshold
 
 
-def intact_rate(intact: Sequence[bool]) -> float:
-    """The fraction of trials whose needle stayed intact."""
-    if not intact:
-        raise ValueError("intact_rate of no trials is undefined")
-    return sum(bool(x) for x in intact) / len(intact)
-
-
 def mean_token_nll(token_nll: Sequence[float]) -> float:
     """Cross-entropy (nats per token) of a teacher-forced text from its per-token NLLs."""
     if not token_nll:
         raise ValueError("no tokens to average")
     return sum(token_nll) / len(token_nll)
-
-
-def delta_ce(compressed_token_nll: Sequence[float], full_token_nll: Sequence[float]) -> float:
-    """ΔCE (nats/token) of the same continuation: compressed minus full."""
-    if len(compressed_token_nll) != len(full_token_nll):
-        raise ValueError(
-            f"ΔCE compares the same tokens: got {len(compressed_token_nll)} and {len(full_token_nll)} per-token NLLs"
-        )
-    return mean_token_nll(compressed_token_nll) - mean_token_nll(full_token_nll)
 
 
 # --- cost ----------------------------------------------------------------------------------------
@@ -145,21 +129,6 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
-
-
-class Stopwatch:
-    """Wall time of a ``with`` block: ``with Stopwatch() as t: ...; t.seconds``."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
-
-    def __enter__(self) -> Stopwatch:
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self._start
 
 
 def copy_bandwidth(device: str, gib: float = 1.0) -> float:

@@ -128,7 +128,7 @@ def model_max_positions(name: str, dtype: str = "float32") -> int | None:
     trial then says why). A local directory's or hub id's is read from its config alone; kvzoo's named models (tiny,
     SmolLM2-135M, the reference twins) are built, as they load in a second."""
     from kvzoo.models import MODEL_NAMES
-    from kvzoo.pipeline import max_positions
+    from kvzoo.pipeline import config_max_positions, max_positions
 
     if name in MODEL_NAMES:
         if (name, dtype) not in _MAX_POSITIONS:
@@ -145,9 +145,7 @@ def model_max_positions(name: str, dtype: str = "float32") -> int | None:
         config = AutoConfig.from_pretrained(name, local_files_only=Path(name).expanduser().is_dir())
     except Exception:  # noqa: BLE001 - no config to read here (offline, a bad directory): the trial reports it
         return None
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    return config_max_positions(config)
 
 
 def check_grid_positions(grid: Grid) -> None:
