@@ -1,17 +1,8 @@
-"""The ``kvzoo`` command.
+"""The ``kvzoo`` command: ``list``, ``run``, ``leaderboard`` and ``plot`` (:data:`COMMANDS`); ``kvzoo <command> --help``
+lists every option.
 
-    kvzoo list                                   the registry: names, summaries, papers
-    kvzoo run --policy streaming_llm --ratio 4   one policy on one prompt or task; prints the answer and one summary
-                                                 of the cache (--per-layer: the table by layer)
-    kvzoo leaderboard [--preset demo]            runs a grid; prints the markdown leaderboard, writes plots
-    kvzoo leaderboard --executor ray --workers 2 the same grid on Ray (a local instance, or --address auto)
-    kvzoo plot results/demo.jsonl                the needle heatmap, score-vs-ratio curves and the quality-cost
-                                                 frontier (PNG)
-    kvzoo --version
-
-``kvzoo <command> --help`` lists every option. ``kvzoo --help``, ``--version`` and ``list`` import neither
-transformers nor (but for ``list``, whose policies are torch classes) torch: the parser is built from light modules,
-and only the subcommand given gets its full set of options (``leaderboard``'s come from the executor registry).
+``kvzoo --help``, ``--version`` and ``list`` import neither transformers nor (but for ``list``, whose policies are
+torch classes) torch: only the subcommand given gets its full set of options, built from light modules.
 """
 
 from __future__ import annotations

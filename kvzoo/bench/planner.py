@@ -225,9 +225,6 @@ class Trial:
         return dataclasses.replace(self, policy=REFERENCE_POLICY, ratio=None)
 
 
-
-
-
 def needs_ratio(name: str) -> bool:
     """Whether policy ``name`` (a name or a spec such as ``quest(gqa=group)``) takes the grid's ratios: False for a
     policy without a budget, and for a spec that fixes its own (``snapkv(budget=128)``, ``h2o(ratio=4)``), which
@@ -326,6 +323,7 @@ def check_model_name(name: str) -> None:
         f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
         "transformers model, or a hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
     )
+
 
 def group_trials(trials: Sequence[Trial]) -> list[TrialGroup]:
     """``trials`` (in plan order) grouped by model, task and question position: the trials that share a

@@ -240,16 +240,11 @@ def _trial_label(row: dict[str, Any]) -> str:
 
 
 def worker_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Which worker ran what: one row per ``worker`` (``host:pid``) -- trials, trials it took over from
-    a lost worker, busy time, mean seconds per trial, its longest trial, its peak memory. Rows written
-    before workers were recorded are counted under ``(not recorded)``; trials that lost every worker
-    they ran on, under ``(lost)``. Per-trial seconds are each row's ``trial_seconds``."""
+    """Which worker ran what: one row per ``worker`` (``host:pid``; ``(not recorded)`` for rows older than the field,
+    ``(lost)`` for trials that lost every worker) -- trials, retried ones, busy time, its longest trial, peak memory."""
     by_worker: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        if "worker" not in row:
-            name = "(not recorded)"
-        else:
-            name = row["worker"] or "(lost)"
+        name = "(not recorded)" if "worker" not in row else row["worker"] or "(lost)"
         by_worker.setdefault(name, []).append(row)
     lines = ["| worker | trials | retried here | busy s | mean s/trial | longest trial | peak memory |",
              "|---|---:|---:|---:|---:|---|---:|"]

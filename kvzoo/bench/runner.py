@@ -107,7 +107,6 @@ def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
     return model, tokenizer
 
 
-
 def check_context_fits(limit: int | None, context_tokens: int, model: str) -> None:
     """A ValueError, before a context is built, when a context of ``context_tokens`` tokens cannot fit in ``limit``
     positions (model ``model``'s ``max_position_embeddings``; None: it declares none) whatever the trial adds to it:
