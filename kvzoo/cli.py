@@ -375,9 +375,8 @@ def _counter(key: str, value: float) -> str:
 
 
 def _groups(layers: list[Any]) -> float:
-    """KV groups x batch, from the last forward's byte counts: the runtime counts fetched rows over all groups and
-    the tiers' rows per group. A fetch gives the bytes of a row; a layer that attended gives
-    attended bytes = groups * kept rows * row bytes."""
+    """KV groups x batch, from the last forward's byte counts (attended bytes = groups * kept rows * a fetched row's
+    bytes): the runtime counts fetched rows over all groups, the tiers' rows per group."""
     fetching = [s.last_step for s in layers if s.last_step.get("rows_fetched")]
     attending = [s for s in layers if s.resident_rows and s.last_step.get("attended_bytes_read")]
     if not fetching or not attending:

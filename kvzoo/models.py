@@ -82,9 +82,8 @@ def smollm2_cache_dir(dtype: torch.dtype = torch.float32, *, writer: str | None 
 
 
 def gemma3_gguf_path() -> pathlib.Path:
-    """The Gemma-3-270M GGUF file, assembled once from the installed chunk packages into kvzoo's cache folder
-    (``$KVZOO_CACHE_DIR`` or ``~/.cache/kvzoo``) and checked against the package's sha256 (a file that does not match
-    is assembled again)."""
+    """The Gemma-3-270M GGUF file, assembled once from the installed chunk packages into kvzoo's cache folder and
+    checked against the package's sha256 (a file that does not match is assembled again)."""
     try:
         package = importlib.import_module(GEMMA3_PACKAGE)
         package.verify_chunks()

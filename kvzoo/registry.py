@@ -322,9 +322,8 @@ def _plugin_manager() -> pluggy.PluginManager:
 
 
 def _discover(pm: pluggy.PluginManager, kind: _Kind) -> dict[str, _Entry]:
-    """key -> entry from every plugin's ``kind.hook()``: the built-in plugin's in its order (``registry.toml``'s),
-    then the other plugins' sorted by key. Each returned item is checked by ``kind.claims``; a key claimed twice is a
-    RegistryError naming both plugins."""
+    """key -> entry from every plugin's ``kind.hook()`` (the built-in plugin's in ``registry.toml``'s order, then the
+    others' by key), each item checked by ``kind.claims``; a key claimed twice is a RegistryError naming both plugins."""
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     impls = sorted(getattr(pm.hook, kind.hook).get_hookimpls(),
                    key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name))

@@ -80,9 +80,8 @@ def _prompt_tokens(trial: Any) -> int:
 
 
 def trial_seconds(trial: Any, grid: Any, *, prefill: bool = True, prefill_tokens: int | None = None) -> float:
-    """Estimated seconds of ``trial`` (a :class:`~kvzoo.bench.planner.Trial`) of ``grid``; ``prefill=False``: without
-    its prefill (a fork of a shared one); ``prefill_tokens``: with a prefill of that many tokens (the rest of a
-    shared first block)."""
+    """Estimated seconds of ``trial`` of ``grid``; ``prefill=False``: without its prefill (a fork of a shared one);
+    ``prefill_tokens``: with a prefill of that many tokens (the rest of a shared first block)."""
     from kvzoo.bench.tasks import MAX_NEW_TOKENS
 
     cost = cost_of(trial.policy)

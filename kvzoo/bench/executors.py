@@ -117,9 +117,8 @@ def worker_name() -> str:
 
 
 def timed_run(runner: Any, trial: Any, reference: Any) -> tuple[Row, dict[str, Any]]:
-    """``runner.run(trial, reference)`` and the run info a worker adds: who ran it, how long the trial took
-    (``trial_seconds``), and how long of that went to loading a model first (``model_load_s``, 0 for every
-    trial but a worker's first on each model: loading is not the trial's cost, and is not counted in it)."""
+    """``runner.run(trial, reference)`` and the run info a worker adds: ``worker``, ``trial_seconds`` and
+    ``model_load_s``, the part of it spent loading a model first (not the trial's cost, so not counted in it)."""
     loaded_before = getattr(runner, "load_seconds", 0.0)
     started = time.perf_counter()
     row = runner.run(trial, reference)

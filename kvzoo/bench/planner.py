@@ -226,9 +226,8 @@ class Trial:
 
 
 def needs_ratio(name: str) -> bool:
-    """Whether policy ``name`` (a name or a spec such as ``quest(gqa=group)``) takes the grid's ratios: False for a
-    policy without a budget, and for a spec that fixes its own (``snapkv(budget=128)``, ``h2o(ratio=4)``), which
-    runs once per task at that size."""
+    """Whether policy ``name`` (a name or a spec) takes the grid's ratios: not for a policy without a budget, nor for a
+    spec that fixes its own (``snapkv(budget=128)``), which runs once per task at that size."""
     from kvzoo import registry
 
     base, params = registry.parse_spec(name)

@@ -171,9 +171,8 @@ def score_vs_ratio(rows: Sequence[dict[str, Any]], path: str | Path, *, position
 
 
 def frontier_points(rows: Sequence[dict[str, Any]], *, position: str = "after") -> dict[str, list[dict[str, Any]]]:
-    """Per policy, one point per ratio (the reference: one point): ``ratio``, ``mib_per_token`` (mean KV-path MiB read
-    per generated token), ``score`` and ``intact`` (means; None where no trial has it), ``trials``. Trials without
-    ``kv_bytes_per_token`` are left out."""
+    """Per policy, one point per ratio: ``ratio``, ``mib_per_token`` (mean KV-path MiB read per generated token), the
+    means of ``score`` and ``intact`` (None where no trial has it), ``trials``; trials without the bytes are left out."""
     ok = [r for r in rows if r["status"] == "ok" and r["question_position"] == position
           and r.get("kv_bytes_per_token") is not None]
     points: dict[str, list[dict[str, Any]]] = {}
@@ -194,9 +193,8 @@ def _mean_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
 
 
 def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") -> Any:
-    """The quality-cost frontier: mean score (left) and needle intact rate (right) against the mean KV-path bytes
-    read per generated token (log scale), one marker per (policy, ratio), a policy's ratios joined and labelled;
-    the legend sits outside both panels, clear of the data."""
+    """The quality-cost frontier: mean score (left) and needle intact rate (right) against the KV-path bytes read per
+    generated token (log scale), a policy's ratios joined and labelled, the legend outside both panels."""
     plt = _pyplot()
     from matplotlib import ticker
 

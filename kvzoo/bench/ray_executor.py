@@ -86,9 +86,8 @@ def _cause(err: BaseException) -> str:
 
 
 class _WorkerPool:
-    """The workers' side of a run: what one worker asks the cluster for, how many fit, and each worker's actor
-    started in a placement group of its own (so the placement timeout measures placement alone, not the worker
-    process's start-up) and released again. :class:`RayExecutor` schedules trials onto the workers it holds."""
+    """The workers' side of a run (:class:`RayExecutor` schedules trials onto them): what one worker asks for, how many
+    fit, and each worker's actor started in a placement group of its own (the timeout measures placement alone)."""
 
     def __init__(self, ray: Any, work: Work, *, cpus: float, gpus: float, placement_timeout: float) -> None:
         from ray.util.placement_group import placement_group

@@ -231,9 +231,8 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def _cannot_create_in(directory: Path) -> str | None:
-    """Why no file can be created in the existing ``directory`` (None: one can). Tried for real with an unnamed
-    temporary file (nothing appears in the folder), since permission bits do not tell for root or a read-only
-    mount."""
+    """Why no file can be created in the existing ``directory`` (None: one can), tried with an unnamed temporary file:
+    permission bits do not tell for root or a read-only mount."""
     try:
         with tempfile.TemporaryFile(dir=directory):
             pass
@@ -243,9 +242,8 @@ def _cannot_create_in(directory: Path) -> str | None:
 
 
 def check_output_dir(path: str | Path, option: str = "--plot-dir") -> Path:
-    """``path`` as a folder kvzoo may write files into (made later if missing); a :class:`ResultsFileError`
-    naming ``option`` when it is not a folder, or no file can be created in it (or in the folder it would be
-    made in)."""
+    """``path`` as a folder kvzoo may write files into (made later if missing); a :class:`ResultsFileError` naming
+    ``option`` when it is not a folder or no file can be created in it (or where it would be made)."""
     path = Path(path)
     base = _existing_ancestor(path)
     if not base.is_dir():
@@ -260,9 +258,8 @@ def check_output_dir(path: str | Path, option: str = "--plot-dir") -> Path:
 
 
 def check_results_path(path: str | Path, option: str = "--out") -> Path:
-    """``path`` as a results file kvzoo can append to: a regular file that opens for appending, or a path where
-    one can be created. A :class:`ResultsFileError` naming ``option`` otherwise (a directory, a FIFO or device,
-    no permission, a read-only file system); nothing is written, nothing is read."""
+    """``path`` as a results file kvzoo can append to (a regular file, or a path where one can be made); else a
+    :class:`ResultsFileError` naming ``option``. Nothing is written, nothing is read."""
     path = Path(path)
     if path.exists():
         problem = _not_a_regular_file(path)

@@ -108,9 +108,8 @@ def load(name: str, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
 
 
 def check_context_fits(limit: int | None, context_tokens: int, model: str) -> None:
-    """A ValueError, before a context is built, when a context of ``context_tokens`` tokens cannot fit in ``limit``
-    positions (model ``model``'s ``max_position_embeddings``; None: it declares none) whatever the trial adds to it:
-    the refusal a trial's positions check would give once its task is built, without building it."""
+    """A ValueError, before a context is built, when one of ``context_tokens`` tokens cannot fit ``limit`` positions
+    (model ``model``'s ``max_position_embeddings``; None: it declares none) whatever the trial adds to it."""
     fewest = fewest_context_tokens(context_tokens)
     if limit is not None and fewest > limit:
         raise ValueError(
@@ -123,9 +122,8 @@ _MAX_POSITIONS: dict[tuple[str, str], int | None] = {}  # kvzoo's named models, 
 
 
 def model_max_positions(name: str, dtype: str = "float32") -> int | None:
-    """Model ``name``'s ``max_position_embeddings`` (None when it declares none or its config cannot be read here: the
-    trial then says why). A local directory's or hub id's is read from its config alone; kvzoo's named models (tiny,
-    SmolLM2-135M, the reference twins) are built, as they load in a second."""
+    """Model ``name``'s ``max_position_embeddings`` (None when it declares none or its config cannot be read here): read
+    from the config alone, but for kvzoo's named models, which are built (they load in a second)."""
     from kvzoo.models import MODEL_NAMES
     from kvzoo.pipeline import config_max_positions, max_positions
 
@@ -323,9 +321,8 @@ def _execute(trial: Trial, ctx: TrialRunner, reference: Reference | None) -> dic
 
 
 def make_executor(name: str, **options: Any) -> Executor:
-    """The executor registered as ``name`` (:func:`kvzoo.registry.executors`: ``local``, ``ray``, a plugin's), built
-    from ``options`` (its constructor's keywords, None values left out; ``local`` takes none, ``ray`` those of
-    :class:`kvzoo.bench.ray_executor.RayExecutor`). A ValueError names the valid executors, or the valid options."""
+    """The executor registered as ``name`` built from ``options`` (its constructor's keywords, None values left out); a
+    ValueError names the valid executors, or the valid options."""
     from kvzoo import registry
 
     cls = registry.executor_class(name)

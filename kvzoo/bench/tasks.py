@@ -540,9 +540,8 @@ def make_task(spec: TaskSpec | str, tokenizer: Any, *, continuation_tokens: int 
 
 
 def fewest_context_tokens(context_tokens: int) -> int:
-    """A lower bound on the tokens of a context built for ``context_tokens``: a task's is within 1 % of it (or a word
-    of a short one), the default needle's within half a sentence. What a refusal decided before a context is built
-    may count on (building one of a hundred million tokens takes minutes)."""
+    """A lower bound on the tokens of a context built for ``context_tokens`` (a task's is within 1 % of it): what a
+    refusal may count on before a context is built (building one of a hundred million tokens takes minutes)."""
     return context_tokens - max(context_tokens // 100, 64)
 
 

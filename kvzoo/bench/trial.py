@@ -317,9 +317,8 @@ def _answered_rule(tokenizer: Any, eos: set[int], metric: str, answers: tuple[st
 def _later_turns(model: torch.nn.Module, tokenizer: Any, cache: TieredCache, task: Task, first_tokens: list[int],
                  first_prediction: str, eos: set[int], max_new_tokens: int, chunk_size: int | None,
                  stop_when_answered: bool) -> list[str]:
-    """Ask ``task.later_turns`` one after another on ``cache``: each turn's text (the previous answer's end, the
-    question, the answer prefix) is forwarded after what the cache holds -- the context, every earlier question and
-    the model's own answers -- and answered greedily. The predictions, in turn order."""
+    """Ask ``task.later_turns`` one after another on ``cache``, each turn's text forwarded after what the cache holds
+    (the context, the earlier questions and the model's own answers) and answered greedily; the predictions."""
     history = [(task.question, task.answer_prefix, first_prediction)]
     pending = first_tokens[-1:] if first_tokens and first_tokens[-1] not in eos else []  # its forward was not run
     predictions = []
