@@ -509,14 +509,11 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
         if on_row is not None:
             on_row(row)
 
-    def failed_row(trial: Trial, cause: str) -> dict[str, Any]:
-        return trial_row(trial, "error", cause)
-
     work = Work(
         groups=group_trials(pending),
         make_runner=functools.partial(TrialRunner, grid, progress=phases),
         reference=functools.partial(reference_of, latest),
-        failed_row=failed_row,
+        failed_row=lambda trial, cause: trial_row(trial, "error", cause),
         label=lambda trial: trial.label,
         on_start=started,
     )

@@ -78,25 +78,30 @@ def training_batch(
     seed: int, step: int, length: int, n_pairs: int, batch_size: int, n_queries: int | None = None,
     shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, labels)`` ``[B, length]`` for one step; labels are IGNORE except answer tokens.
-
-    ``n_queries`` questions per sequence (default ``min(16, length // 8)``): dense supervision, as
-    in Zoology's MQAR; distinct keys when there are enough pairs, else drawn with replacement.
-    """
+    """``(input_ids, labels)`` ``[B, length]`` for one step; labels are IGNORE except answer tokens. ``n_queries``
+    questions per sequence (default ``min(16, length // 8)``): dense supervision, as in Zoology's MQAR."""
     rng = random.Random(f"train-{seed}-{step}-{length}-{n_pairs}-{shared}")
     n_queries = n_queries or min(16, length // 8)
     ids, labels = [], []
     for _ in range(batch_size):
-        context, keys, values = recall_context(rng, length - 3 * n_queries, n_pairs, shared)
-        seq, lab = list(context), [IGNORE] * len(context)
-        order = rng.sample(range(n_pairs), n_queries) if n_queries <= n_pairs else [
-            rng.randrange(n_pairs) for _ in range(n_queries)]
-        for i in order:
-            seq += [QUERY, keys[i], values[i]]
-            lab += [IGNORE, IGNORE, values[i]]
-        ids.append(seq)
-        labels.append(lab)
+        context, queries, answers = _with_queries(rng, length, n_pairs, n_queries, shared)
+        label = [IGNORE] * (len(context) + len(queries))
+        for i in answers:
+            label[len(context) + i] = queries[i]
+        ids.append(context + queries)
+        labels.append(label)
     return torch.tensor(ids), torch.tensor(labels)
+
+
+def _with_queries(rng: random.Random, length: int, n_pairs: int, n_queries: int,
+                  shared: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """A recall context of ``length - 3 * n_queries`` tokens, its ``[QUERY k v] * n_queries`` questions and answers
+    (distinct keys when there are enough pairs, else drawn with replacement), and the answers' positions in those."""
+    context, keys, values = recall_context(rng, length - 3 * n_queries, n_pairs, shared)
+    order = rng.sample(range(n_pairs), n_queries) if n_queries <= n_pairs else [
+        rng.randrange(n_pairs) for _ in range(n_queries)]
+    queries = [token for i in order for token in (QUERY, keys[i], values[i])]
+    return context, queries, list(range(2, len(queries), 3))
 
 
 def heldout_recall(length: int, n_pairs: int, count: int = 200, shared: bool = False, seed: int = 12345) -> list[Example]:
@@ -122,18 +127,7 @@ def heldout_recall_continuation(length: int = 512, n_pairs: int = 16, n_queries:
     ``length - 3 * n_queries`` tokens, then ``n_queries`` questions with their answers, distinct keys), from a
     stream no training run draws (seeded by ``seed``, not by a training seed)."""
     rng = random.Random(f"heldout-continuation-{seed}-{length}-{n_pairs}-{n_queries}")
-    out = []
-    for _ in range(count):
-        context, keys, values = recall_context(rng, length - 3 * n_queries, n_pairs)
-        order = rng.sample(range(n_pairs), n_queries) if n_queries <= n_pairs else [
-            rng.randrange(n_pairs) for _ in range(n_queries)]
-        continuation: list[int] = []
-        scored: list[int] = []
-        for i in order:
-            continuation += [QUERY, keys[i], values[i]]
-            scored.append(len(continuation) - 1)
-        out.append(ContinuationExample(context, continuation, scored))
-    return out
+    return [ContinuationExample(*_with_queries(rng, length, n_pairs, n_queries)) for _ in range(count)]
 
 
 # --- RULER-style needles in text --------------------------------------------------------------
