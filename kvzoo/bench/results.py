@@ -44,26 +44,27 @@ def _is_number(value: Any) -> bool:
 def row_problem(row: Any) -> str | None:
     """Why the JSON value ``row`` is not a kvzoo results row (None: it is one): the fields every row has, of their types,
     and an ``ok`` row's ``answer_nll`` and ``score``."""
+    why = _row_fault(row)
+    return None if why is None else f"JSON, but not a kvzoo results row ({why})"
+
+
+def _row_fault(row: Any) -> str | None:
     if not isinstance(row, dict):
-        return f"JSON, but not a kvzoo results row (a {type(row).__name__}, not an object)"
+        return f"a {type(row).__name__}, not an object"
     if "key" not in row:
-        return "JSON, but not a kvzoo results row (no 'key')"
+        return "no 'key'"
     missing = [name for name in ROW_FIELDS if name not in row]
     if missing:
-        return f"JSON, but not a kvzoo results row (no {', '.join(map(repr, missing))})"
+        return f"no {', '.join(map(repr, missing))}"
     wrong = [name for name, kind in ROW_FIELDS.items() if not isinstance(row[name], kind)]
     if wrong:
-        return (f"JSON, but not a kvzoo results row ({', '.join(f'{n!r} is {type(row[n]).__name__}' for n in wrong)}, "
-                "not a string)")
+        return f"{', '.join(f'{n!r} is {type(row[n]).__name__}' for n in wrong)}, not a string"
     if row["status"] not in STATUSES:
-        return f"JSON, but not a kvzoo results row (status {row['status']!r} is not one of {', '.join(STATUSES)})"
+        return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
     if row.get("ratio") is not None and not _is_number(row["ratio"]):
-        return f"JSON, but not a kvzoo results row (ratio {row['ratio']!r} is not a number or null)"
-    if row["status"] == "ok":
-        bad = [name for name in OK_ROW_NUMBERS if not _is_number(row.get(name))]
-        if bad:
-            return f"JSON, but not a kvzoo results row (an ok row without a number for {', '.join(map(repr, bad))})"
-    return None
+        return f"ratio {row['ratio']!r} is not a number or null"
+    bad = [name for name in OK_ROW_NUMBERS if not _is_number(row.get(name))] if row["status"] == "ok" else []
+    return f"an ok row without a number for {', '.join(map(repr, bad))}" if bad else None
 
 
 @dataclass
