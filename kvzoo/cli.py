@@ -461,10 +461,9 @@ def _grid_from_args(args: argparse.Namespace) -> Any:
                              f"names or specs (registered: {', '.join(registry.available())}), or leave out --policies "
                              "for every registered policy")
     task_options = ("tasks", "haystacks", "context_tokens", "depths", "seeds")
-    grid_fields = {"models": "models", "policies": "policies", "ratios": "ratios", "positions": "positions",
-                   "max_new_tokens": "max_new_tokens", "chunk_size": "chunk_size",
-                   "continuation_tokens": "continuation_tokens", "dtype": "dtype"}
-    overrides = {field: given[option] for option, field in grid_fields.items() if option in given}
+    grid_options = ("models", "policies", "ratios", "positions", "max_new_tokens", "chunk_size", "continuation_tokens",
+                    "dtype")  # each option sets the Grid field of its name
+    overrides = {option: given[option] for option in grid_options if option in given}
     if args.audit:
         overrides["audit"] = True
     if args.one_forward:

@@ -326,8 +326,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
         return load_smollm2(dtype)
     if name_or_path == "gemma3-270m":
         return load_gemma3_270m(dtype)
-    builders = {"tiny-llama": tiny_llama, "tiny-deepseek-v2": tiny_deepseek_v2, "tiny-kimi-linear": tiny_kimi_linear,
-                "tiny-gemma3": tiny_gemma3}
+    builders = {f"tiny-{family.replace('_', '-')}": build for family, build in TINY_FAMILIES.items()}
     if name_or_path in builders:
         model, tokenizer = builders[name_or_path]()
         return model.to(dtype), tokenizer
