@@ -61,10 +61,6 @@ def smollm2_gguf_path() -> pathlib.Path:
     )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _cache_root() -> pathlib.Path:
     return pathlib.Path(os.environ.get("KVZOO_CACHE_DIR") or pathlib.Path.home() / ".cache" / "kvzoo")
 
@@ -72,7 +68,7 @@ def _cache_root() -> pathlib.Path:
 def _converted_dir(stem: str, dtype: torch.dtype, writer: str | None) -> pathlib.Path:
     root = _cache_root()
     tag = f"-transformers{writer}" if writer else ""
-    return root / f"{stem}-{_dtype_name(dtype)}-{_CACHE_VERSION}{tag}"
+    return root / f"{stem}-{str(dtype).removeprefix('torch.')}-{_CACHE_VERSION}{tag}"
 
 
 def smollm2_cache_dir(dtype: torch.dtype = torch.float32, *, writer: str | None = None) -> pathlib.Path:

@@ -583,18 +583,14 @@ def build_needle_context(
         raise ValueError(f"depth must be a fraction in [0, 1], got {depth!r}")
     if context_tokens < 1:
         raise ValueError(f"context_tokens must be a positive number of tokens, got {context_tokens!r}")
-
-    def count(sentence: str) -> int:
-        return len(tokenizer(" " + sentence, add_special_tokens=False).input_ids)
-
-    needle_count = count(needle)
+    needle_count = count_tokens(tokenizer, " " + needle)
     filler_budget = max(0, context_tokens - needle_count)
     before_budget = round(depth * context_tokens)
     before: list[str] = []
     after: list[str] = []
     used = 0
     for sentence in filler_sentences(seed):
-        n = count(sentence)
+        n = count_tokens(tokenizer, " " + sentence)
         if used + n / 2 > filler_budget:  # stop at the sentence boundary nearest the budget
             break
         (before if used + n / 2 <= before_budget else after).append(sentence)
