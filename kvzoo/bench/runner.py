@@ -35,7 +35,6 @@ from kvzoo.bench.executors import (
 from kvzoo.bench.planner import (  # noqa: F401 - re-exported: the runner's public names
     DTYPES,
     PRESETS,
-    TEACHER_FORCING,
     Grid,
     PolicyRefused,
     Trial,
@@ -50,11 +49,7 @@ from kvzoo.bench.planner import (  # noqa: F401 - re-exported: the runner's publ
 )
 from kvzoo.bench.report import REFERENCE_POLICY
 from kvzoo.bench.results import (  # noqa: F401 - re-exported
-    OK_ROW_NUMBERS,
     RESULTS_DIR,
-    ROW_FIELDS,
-    STATUSES,
-    NotKvzooResults,
     ResultsFile,
     ResultsFileError,
     ResultsFileLocked,
@@ -73,10 +68,8 @@ from kvzoo.bench.results import (  # noqa: F401 - re-exported
 )
 from kvzoo.bench.tasks import ByteTokenizer, Task, TaskSpec, fewest_context_tokens, make_task
 from kvzoo.bench.trial import (  # noqa: F401 - re-exported
-    PromptIds,
     Reference,
     SharedPrefill,
-    TrialMeasurements,
     add_reference,
     encode_prompt,
     run_trial,
