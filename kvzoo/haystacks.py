@@ -155,7 +155,11 @@ def book_text_sentences(path: Path = BOOK_FILE) -> tuple[str, ...]:
 def book_sentences(seed: int = 0) -> Iterator[str]:
     """The public-domain text sentence by sentence, wrapping around at the end; seed 0 starts at the first sentence,
     another seed at a seeded one."""
-    sentences = book_text_sentences()
+    return _cycle_from_seed(book_text_sentences(), seed)
+
+
+def _cycle_from_seed(sentences: tuple[str, ...], seed: int) -> Iterator[str]:
+    """``sentences`` endlessly, from the first (seed 0) or from a seeded one, so seeds see different passages."""
     start = 0 if seed == 0 else random.Random(seed).randrange(len(sentences))
     return itertools.islice(itertools.cycle(sentences), start, None)
 
@@ -281,9 +285,7 @@ def essay_text_sentences() -> tuple[str, ...]:
 def paul_graham_sentences(seed: int = 0) -> Iterator[str]:
     """Paul Graham's essays, sentence by sentence, wrapping around; seed 0 from the first, another seed from a
     seeded sentence."""
-    sentences = essay_text_sentences()
-    start = 0 if seed == 0 else random.Random(seed).randrange(len(sentences))
-    return itertools.islice(itertools.cycle(sentences), start, None)
+    return _cycle_from_seed(essay_text_sentences(), seed)
 
 
 # --- by name -------------------------------------------------------------------------------------
