@@ -32,6 +32,16 @@ needs_compiler = pytest.mark.skipif(cpu_native.toolchain_missing() is not None,
                                     reason=f"{cpu_native.toolchain_missing()}: the CPU kernels are not built here "
                                            "(kvzoo takes the PyTorch references)")
 
+@pytest.fixture
+def threads_at_any_size():
+    """Calls take ``torch.get_num_threads()`` threads whatever their size (the op ``parallel_bytes``: ops.cpp's
+    threshold at 0), restored after."""
+    lib = cpu_native.library()
+    before = lib.parallel_bytes(0)
+    yield
+    lib.parallel_bytes(before)
+
+
 
 # --- VestigeKV's sketch ------------------------------------------------------------------------------------------------
 
@@ -81,9 +91,8 @@ def test_sketch_choose_matches_reference(B, G, hq, dc, dr, rank, rows, spare, j,
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-def test_sketch_choose_over_threads_matches_reference(threads, monkeypatch):
+def test_sketch_choose_over_threads_matches_reference(threads, threads_at_any_size):
     """Runs of rows scanned on several threads (forced at this size), each run's top lists merged in row order."""
-    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
     query, basis, entries, floor, slack = _sketch(1, 1, 8, 64, 16, 16, 3000, 0, torch.float32, seed=3)
     saved = torch.get_num_threads()
     try:
