@@ -55,7 +55,7 @@ MAX_D = 1024  # the longest key (and value) the kernels take
 MAX_J = 64  # rows per query row the top-j rule takes
 LANES = 8  # the int8 scan's head dim must be a multiple of this
 MAX_HPG = 64  # query heads per KV group decode attention takes
-ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # decode attention's rows (and query)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # decode attention's rows (and query), Quest's entries
 INDEX_DTYPES = (torch.int32, torch.int64)
 _BOOL = (torch.bool,)
 
@@ -327,7 +327,6 @@ def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, th
 # ----------------------------------------------------------------------------------------------------------------
 
 MAX_W = 2 * MAX_D + 1  # the widest index entry the float scans take (a Quest page of MLA's 576-dim rows)
-SCAN_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C code's F32, BF16, F16
 
 
 def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
@@ -377,7 +376,7 @@ def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: to
             return False
     tensors = (query, entries, empty, live) + (() if positions is None else (positions,))
     return (_on_cpu(tensors) and query.dtype == torch.float32
-            and entries.dtype in SCAN_DTYPES and entries.shape[3] <= MAX_W and entries.stride(-1) == 1
+            and entries.dtype in FLOAT_DTYPES and entries.shape[3] <= MAX_W and entries.stride(-1) == 1
             and 1 <= query.shape[2] <= MAX_HQ and empty.dtype == torch.bool and live.dtype == torch.int64
             and live.numel() == 1 and (positions is None or positions.dtype == torch.int64)
             and (counter is None or (counter.device.type == "cpu" and counter.dtype == torch.int64
@@ -409,7 +408,7 @@ def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: 
     entries in their dtype, bool flags, int64 position, count and length (one element each), contiguous fp32 running
     min/max, and the library built here."""
     tensors = (keys, valid, position, open_min, open_max, entries, empty, count, length)
-    return (_on_cpu(tensors) and keys.dtype in SCAN_DTYPES and entries.dtype == keys.dtype
+    return (_on_cpu(tensors) and keys.dtype in FLOAT_DTYPES and entries.dtype == keys.dtype
             and keys.stride(-1) == 1 and entries.stride(-1) == 1 and valid.dtype == torch.bool
             and empty.dtype == torch.bool and position.dtype == torch.int64
             and count.dtype == torch.int64 and length.dtype == torch.int64 and count.numel() == 1
@@ -451,7 +450,7 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
         tensors += list(prior)
     if not _on_cpu(tensors):
         return False
-    if query.dim() != 3 or keys.dim() != 4 or query.dtype not in ROW_DTYPES or keys.dtype not in ROW_DTYPES:
+    if query.dim() != 3 or keys.dim() != 4 or query.dtype not in FLOAT_DTYPES or keys.dtype not in FLOAT_DTYPES:
         return False
     H, D, G = query.shape[1], keys.shape[3], keys.shape[1]
     width = source.value_width if values is None else values.shape[-1]
@@ -468,8 +467,8 @@ def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: i
     devices, strides, ``KVZOO_KERNELS``): the sizes the op takes, no autograd, the library built here."""
     H, D = query.shape[1], query.shape[2]
     values = source.values
-    return (H // groups <= MAX_HPG and D <= MAX_D and width <= MAX_D and query.dtype in ROW_DTYPES
-            and source.keys.dtype in ROW_DTYPES and not (query.requires_grad or source.keys.requires_grad
+    return (H // groups <= MAX_HPG and D <= MAX_D and width <= MAX_D and query.dtype in FLOAT_DTYPES
+            and source.keys.dtype in FLOAT_DTYPES and not (query.requires_grad or source.keys.requires_grad
                                                          or (values is not None and values.requires_grad))
             and (_LOADED[0] is not None if _LOADED else available()))
 
