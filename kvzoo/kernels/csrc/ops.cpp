@@ -60,7 +60,8 @@ int dtype_code(const Tensor &t) { /* the C code's F32, BF16, F16; -1 for another
 
 void on_cpu(const char *op, std::initializer_list<const Tensor *> tensors) {
     for (const Tensor *t : tensors)
-        if (t && t->defined()) KV_CHECK(t->device().is_cpu(), "every tensor must be on the CPU, got one on ", t->device());
+        if (t && t->defined())
+            KV_CHECK(t->device().is_cpu(), "every tensor must be on the CPU, got one on ", t->device());
 }
 
 void on_cpu(const char *op, std::initializer_list<const Maybe *> tensors) {
@@ -84,6 +85,7 @@ void rows_contiguous(const char *op, const char *name, const Tensor &t) { /* the
 /* a fetched-rows counter the ops add to in place: an int64 tensor of one element, contiguous */
 int64_t *counter_of(const char *op, const Maybe &counter, bool meta) {
     if (!counter) return nullptr;
+    if (!meta) on_cpu(op, {&*counter});
     KV_CHECK(counter->scalar_type() == at::kLong && counter->numel() == 1 && counter->is_contiguous(),
              "counter must be a contiguous int64 tensor of one element, got ", counter->scalar_type(), " of shape ",
              counter->sizes());
@@ -93,8 +95,8 @@ int64_t *counter_of(const char *op, const Maybe &counter, bool meta) {
 /* length [B] as contiguous int64 (None stays None) */
 Maybe lengths_of(const char *op, const Maybe &length, int64_t B) {
     if (!length) return std::nullopt;
-    KV_CHECK(length->scalar_type() == at::kLong || length->scalar_type() == at::kInt, "length must be int32 or int64, got ",
-             length->scalar_type());
+    KV_CHECK(length->scalar_type() == at::kLong || length->scalar_type() == at::kInt,
+             "length must be int32 or int64, got ", length->scalar_type());
     shape_is(op, "length", *length, {B});
     return length->to(at::kLong).contiguous();
 }
@@ -102,7 +104,9 @@ Maybe lengths_of(const char *op, const Maybe &length, int64_t B) {
 template <typename T>
 T *ptr(const Maybe &t) { return t ? (T *)t->data_ptr() : nullptr; }
 
-void ran(const char *op, int status) { TORCH_CHECK(status == 0, "kvzoo::", op, ": the kernel refused its inputs (status ", status, ")"); }
+void ran(const char *op, int status) { /* the checks above come first: a refusal here is a kernel's own limit */
+    TORCH_CHECK(status == 0, "kvzoo::", op, ": the kernel refused its inputs (status ", status, ")");
+}
 
 Tensor make(at::IntArrayRef shape, at::ScalarType dtype, const Tensor &like) {
     return at::empty(shape, at::TensorOptions().dtype(dtype).device(like.device()));
@@ -135,7 +139,8 @@ Int8 int8_check(const char *op, const Tensor &query, const Tensor &codes, const 
              " a multiple of ", LANES, ", got hq=", hq, ", D=", D);
     KV_CHECK(codes.stride(3) == 1 && (m <= 1 || codes.stride(2) == D) && side.stride(3) == 1 &&
                  (m <= 1 || side.stride(2) == w),
-             "codes and side need each group's rows contiguous, got strides ", codes.strides(), " and ", side.strides());
+             "codes and side need each group's rows contiguous, got strides ", codes.strides(), " and ",
+             side.strides());
     return {B, G, hq, D, m, w, query.contiguous(), lengths_of(op, length, B)};
 }
 
@@ -213,7 +218,8 @@ Staged sketch_choose_any(bool meta, const Tensor &query, const Tensor &basis, co
     const char *op = "sketch_choose";
     if (!meta) on_cpu(op, {&query, &basis, &entries, length ? &*length : nullptr});
     KV_CHECK(query.dim() == 4 && basis.dim() == 4 && entries.dim() == 4, "query must be [B, G, hq, D], basis "
-             "[B, G, dc, r] and entries [B, G, m, W], got ", query.sizes(), ", ", basis.sizes(), " and ", entries.sizes());
+             "[B, G, dc, r] and entries [B, G, m, W], got ", query.sizes(), ", ", basis.sizes(), " and ",
+             entries.sizes());
     int64_t B = query.size(0), G = query.size(1), hq = query.size(2), D = query.size(3);
     int64_t dc = basis.size(2), r = basis.size(3), m = entries.size(2), W = entries.size(3), dr = D - dc;
     KV_CHECK((basis.size(0) == B || basis.size(0) == 1) && basis.size(1) == G, "basis must be [B=", B, " (or 1), G=",
@@ -461,7 +467,8 @@ Chosen decode_attend_any(bool meta, const Tensor &query, const Tensor &keys, con
     int dtype = dtype_code(keys), q_dtype = dtype_code(query);
     KV_CHECK(dtype >= 0 && q_dtype >= 0 && (!values || values->scalar_type() == keys.scalar_type()),
              "query, keys and values must be float32, bfloat16 or float16 (values in the keys' dtype), got ",
-             query.scalar_type(), ", ", keys.scalar_type(), ", ", values ? c10::toString(values->scalar_type()) : "None");
+             query.scalar_type(), ", ", keys.scalar_type(), ", ",
+             values ? c10::toString(values->scalar_type()) : "None");
     KV_CHECK(keys.stride(3) == 1 || D == 1,
              "keys need a contiguous last dimension (stride 1): pass the pool itself, not a transposed view");
     KV_CHECK(!values || values->stride(3) == 1 || Dv == 1, "values need a contiguous last dimension (stride 1)");
