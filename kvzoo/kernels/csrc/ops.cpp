@@ -144,21 +144,18 @@ Int8 int8_check(const char *op, const Tensor &query, const Tensor &codes, const 
     return {B, G, hq, D, m, w, query.contiguous(), lengths_of(op, length, B)};
 }
 
+template <bool meta>
 Tensor int8_estimate(const Tensor &query, const Tensor &codes, const Tensor &side, const Maybe &length,
                      double scaling) {
-    Int8 c = int8_check("int8_estimate", query, codes, side, length, false);
+    Int8 c = int8_check("int8_estimate", query, codes, side, length, meta);
     Tensor out = make({c.B, c.G, c.hq, c.m}, at::kFloat, query);
+    if (meta) return out;
     ran("int8_estimate",
         kvzoo_int8_estimate(c.q.data_ptr<float>(), codes.data_ptr<int8_t>(), (const uint16_t *)side.data_ptr(),
                             ptr<int64_t>(c.length), out.data_ptr<float>(), c.B, c.G, c.hq, c.D, c.m, codes.stride(0),
                             codes.stride(1), side.stride(0), side.stride(1), c.w, (float)scaling,
                             threads_for(c.B * c.G * c.m * (c.D + 2 * c.w))));
     return out;
-}
-
-Tensor int8_estimate_meta(const Tensor &query, const Tensor &codes, const Tensor &side, const Maybe &length, double) {
-    Int8 c = int8_check("int8_estimate", query, codes, side, length, true);
-    return make({c.B, c.G, c.hq, c.m}, at::kFloat, query);
 }
 
 using Staged = std::tuple<Tensor, Tensor, Tensor>; /* (idx, picked) [B, G, K] and the count */
@@ -178,9 +175,10 @@ Tensor top_j_check(const char *op, const char *floor_name, const Tensor &floor, 
     return floor.to(at::kFloat).contiguous();
 }
 
-Staged int8_choose_any(bool meta, const Tensor &query, const Tensor &codes, const Tensor &side, const Maybe &length,
-                       const Tensor &threshold, int64_t j, int64_t archived, double scaling, double slack,
-                       const Maybe &counter) {
+template <bool meta>
+Staged int8_choose(const Tensor &query, const Tensor &codes, const Tensor &side, const Maybe &length,
+                   const Tensor &threshold, int64_t j, int64_t archived, double scaling, double slack,
+                   const Maybe &counter) {
     const char *op = "int8_choose";
     Int8 c = int8_check(op, query, codes, side, length, meta);
     Tensor thr = top_j_check(op, "threshold", threshold, c.B, c.G, c.hq, c.m, j, archived, meta);
@@ -196,25 +194,14 @@ Staged int8_choose_any(bool meta, const Tensor &query, const Tensor &codes, cons
     return out;
 }
 
-Staged int8_choose(const Tensor &query, const Tensor &codes, const Tensor &side, const Maybe &length,
-                   const Tensor &threshold, int64_t j, int64_t archived, double scaling, double slack,
-                   const Maybe &counter) {
-    return int8_choose_any(false, query, codes, side, length, threshold, j, archived, scaling, slack, counter);
-}
-
-Staged int8_choose_meta(const Tensor &query, const Tensor &codes, const Tensor &side, const Maybe &length,
-                        const Tensor &threshold, int64_t j, int64_t archived, double scaling, double slack,
-                        const Maybe &counter) {
-    return int8_choose_any(true, query, codes, side, length, threshold, j, archived, scaling, slack, counter);
-}
-
 /* ------------------------------------------------------------------------------------------------------------
    VestigeKV's top-j rule over its sketch, csrc/sketch_choose.cpp
    ------------------------------------------------------------------------------------------------------------ */
 
-Staged sketch_choose_any(bool meta, const Tensor &query, const Tensor &basis, const Tensor &entries,
-                         const Maybe &length, const Tensor &floor, int64_t j, int64_t archived, double scaling,
-                         double slack, bool rank_by_bound, const Maybe &counter) {
+template <bool meta>
+Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &entries, const Maybe &length,
+                     const Tensor &floor, int64_t j, int64_t archived, double scaling, double slack, bool rank_by_bound,
+                     const Maybe &counter) {
     const char *op = "sketch_choose";
     if (!meta) on_cpu(op, {&query, &basis, &entries, length ? &*length : nullptr});
     KV_CHECK(query.dim() == 4 && basis.dim() == 4 && entries.dim() == 4, "query must be [B, G, hq, D], basis "
@@ -253,31 +240,17 @@ Staged sketch_choose_any(bool meta, const Tensor &query, const Tensor &basis, co
     return out;
 }
 
-Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &entries, const Maybe &length,
-                     const Tensor &floor, int64_t j, int64_t archived, double scaling, double slack, bool rank_by_bound,
-                     const Maybe &counter) {
-    return sketch_choose_any(false, query, basis, entries, length, floor, j, archived, scaling, slack, rank_by_bound,
-                             counter);
-}
-
-Staged sketch_choose_meta(const Tensor &query, const Tensor &basis, const Tensor &entries, const Maybe &length,
-                          const Tensor &floor, int64_t j, int64_t archived, double scaling, double slack,
-                          bool rank_by_bound, const Maybe &counter) {
-    return sketch_choose_any(true, query, basis, entries, length, floor, j, archived, scaling, slack, rank_by_bound,
-                             counter);
-}
-
 /* ------------------------------------------------------------------------------------------------------------
    Quest's page choice and its one-row page add, csrc/quest.cpp
    ------------------------------------------------------------------------------------------------------------ */
 
 using Chosen = std::tuple<Tensor, Tensor, Tensor, Tensor>; /* (rows, positions, valid) [B, G, K] and the count */
 
-Chosen quest_choose_any(bool meta, const Tensor &query, const Tensor &entries, const Tensor &empty_pages,
-                        const Tensor &live, const Maybe &positions, int64_t pages, int64_t size, int64_t archived,
-                        bool per_head, double scaling, double slack, const Maybe &counter, const Maybe &own_keys,
-                        const Maybe &own_valid, const Maybe &own_position, const Maybe &open_min,
-                        const Maybe &open_max) {
+template <bool meta>
+Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &empty_pages, const Tensor &live,
+                    const Maybe &positions, int64_t pages, int64_t size, int64_t archived, bool per_head,
+                    double scaling, double slack, const Maybe &counter, const Maybe &own_keys,
+                    const Maybe &own_valid, const Maybe &own_position, const Maybe &open_min, const Maybe &open_max) {
     const char *op = "quest_choose";
     if (!meta) {
         on_cpu(op, {&query, &entries, &empty_pages, &live});
@@ -353,26 +326,10 @@ Chosen quest_choose_any(bool meta, const Tensor &query, const Tensor &entries, c
     return out;
 }
 
-Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &empty_pages, const Tensor &live,
-                    const Maybe &positions, int64_t pages, int64_t size, int64_t archived, bool per_head,
-                    double scaling, double slack, const Maybe &counter, const Maybe &own_keys, const Maybe &own_valid,
-                    const Maybe &own_position, const Maybe &open_min, const Maybe &open_max) {
-    return quest_choose_any(false, query, entries, empty_pages, live, positions, pages, size, archived, per_head,
-                            scaling, slack, counter, own_keys, own_valid, own_position, open_min, open_max);
-}
-
-Chosen quest_choose_meta(const Tensor &query, const Tensor &entries, const Tensor &empty_pages, const Tensor &live,
-                         const Maybe &positions, int64_t pages, int64_t size, int64_t archived, bool per_head,
-                         double scaling, double slack, const Maybe &counter, const Maybe &own_keys,
-                         const Maybe &own_valid, const Maybe &own_position, const Maybe &open_min,
-                         const Maybe &open_max) {
-    return quest_choose_any(true, query, entries, empty_pages, live, positions, pages, size, archived, per_head,
-                            scaling, slack, counter, own_keys, own_valid, own_position, open_min, open_max);
-}
-
-void quest_page_add_any(bool meta, const Tensor &keys, const Tensor &valid, const Tensor &position,
-                        const Tensor &open_min, const Tensor &open_max, const Tensor &entries,
-                        const Tensor &empty_pages, const Tensor &count, const Tensor &length, int64_t size) {
+template <bool meta>
+void quest_page_add(const Tensor &keys, const Tensor &valid, const Tensor &position, const Tensor &open_min,
+                    const Tensor &open_max, const Tensor &entries, const Tensor &empty_pages, const Tensor &count,
+                    const Tensor &length, int64_t size) {
     const char *op = "quest_page_add";
     if (!meta) on_cpu(op, {&keys, &valid, &position, &open_min, &open_max, &entries, &empty_pages, &count, &length});
     KV_CHECK(keys.dim() == 4 && entries.dim() == 4, "keys must be [B, G, N, D] and entries [B, G, P, 2 D + 1], got ",
@@ -411,26 +368,15 @@ void quest_page_add_any(bool meta, const Tensor &keys, const Tensor &valid, cons
     TORCH_CHECK(status == 0, "kvzoo::quest_page_add: the summary is full (", P, " pages of ", size, " rows)");
 }
 
-void quest_page_add(const Tensor &keys, const Tensor &valid, const Tensor &position, const Tensor &open_min,
-                    const Tensor &open_max, const Tensor &entries, const Tensor &empty_pages, const Tensor &count,
-                    const Tensor &length, int64_t size) {
-    quest_page_add_any(false, keys, valid, position, open_min, open_max, entries, empty_pages, count, length, size);
-}
-
-void quest_page_add_meta(const Tensor &keys, const Tensor &valid, const Tensor &position, const Tensor &open_min,
-                         const Tensor &open_max, const Tensor &entries, const Tensor &empty_pages, const Tensor &count,
-                         const Tensor &length, int64_t size) {
-    quest_page_add_any(true, keys, valid, position, open_min, open_max, entries, empty_pages, count, length, size);
-}
-
 /* ------------------------------------------------------------------------------------------------------------
    decode attention over one source of rows, read where they lie, csrc/decode_attend.cpp
    ------------------------------------------------------------------------------------------------------------ */
 
-Chosen decode_attend_any(bool meta, const Tensor &query, const Tensor &keys, const Maybe &values, int64_t value_width,
-                         const Maybe &indices, const Maybe &length, const Maybe &valid, const Maybe &pool_valid,
-                         const Maybe &head_valid, double scaling, const Maybe &prior_out, const Maybe &prior_lse,
-                         bool best, bool mass) {
+template <bool meta>
+Chosen decode_attend(const Tensor &query, const Tensor &keys, const Maybe &values, int64_t value_width,
+                     const Maybe &indices, const Maybe &length, const Maybe &valid, const Maybe &pool_valid,
+                     const Maybe &head_valid, double scaling, const Maybe &prior_out, const Maybe &prior_lse, bool best,
+                     bool mass) {
     const char *op = "decode_attend";
     if (!meta) {
         on_cpu(op, {&query, &keys});
@@ -516,22 +462,6 @@ Chosen decode_attend_any(bool meta, const Tensor &query, const Tensor &keys, con
     return out;
 }
 
-Chosen decode_attend(const Tensor &query, const Tensor &keys, const Maybe &values, int64_t value_width,
-                     const Maybe &indices, const Maybe &length, const Maybe &valid, const Maybe &pool_valid,
-                     const Maybe &head_valid, double scaling, const Maybe &prior_out, const Maybe &prior_lse, bool best,
-                     bool mass) {
-    return decode_attend_any(false, query, keys, values, value_width, indices, length, valid, pool_valid, head_valid,
-                             scaling, prior_out, prior_lse, best, mass);
-}
-
-Chosen decode_attend_meta(const Tensor &query, const Tensor &keys, const Maybe &values, int64_t value_width,
-                          const Maybe &indices, const Maybe &length, const Maybe &valid, const Maybe &pool_valid,
-                          const Maybe &head_valid, double scaling, const Maybe &prior_out, const Maybe &prior_lse,
-                          bool best, bool mass) {
-    return decode_attend_any(true, query, keys, values, value_width, indices, length, valid, pool_valid, head_valid,
-                             scaling, prior_out, prior_lse, best, mass);
-}
-
 /* the build: OpenMP or not; the threshold of threads_for (returns the one before; None: leaves it) */
 bool openmp() {
 #ifdef _OPENMP
@@ -571,19 +501,19 @@ KV_LIBRARY(KVZOO_NS, m) {
 }
 
 KV_LIBRARY_IMPL(KVZOO_NS, CPU, m) {
-    m.impl("int8_estimate", &int8_estimate);
-    m.impl("int8_choose", &int8_choose);
-    m.impl("sketch_choose", &sketch_choose);
-    m.impl("quest_choose", &quest_choose);
-    m.impl("quest_page_add", &quest_page_add);
-    m.impl("decode_attend", &decode_attend);
+    m.impl("int8_estimate", &int8_estimate<false>);
+    m.impl("int8_choose", &int8_choose<false>);
+    m.impl("sketch_choose", &sketch_choose<false>);
+    m.impl("quest_choose", &quest_choose<false>);
+    m.impl("quest_page_add", &quest_page_add<false>);
+    m.impl("decode_attend", &decode_attend<false>);
 }
 
 KV_LIBRARY_IMPL(KVZOO_NS, Meta, m) {
-    m.impl("int8_estimate", &int8_estimate_meta);
-    m.impl("int8_choose", &int8_choose_meta);
-    m.impl("sketch_choose", &sketch_choose_meta);
-    m.impl("quest_choose", &quest_choose_meta);
-    m.impl("quest_page_add", &quest_page_add_meta);
-    m.impl("decode_attend", &decode_attend_meta);
+    m.impl("int8_estimate", &int8_estimate<true>);
+    m.impl("int8_choose", &int8_choose<true>);
+    m.impl("sketch_choose", &sketch_choose<true>);
+    m.impl("quest_choose", &quest_choose<true>);
+    m.impl("quest_page_add", &quest_page_add<true>);
+    m.impl("decode_attend", &decode_attend<true>);
 }
