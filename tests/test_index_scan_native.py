@@ -22,6 +22,16 @@ needs_compiler = pytest.mark.skipif(cpu_native.toolchain_missing() is not None,
                                     reason=f"{cpu_native.toolchain_missing()}: the CPU kernels are not built here "
                                            "(kvzoo takes the PyTorch references)")
 
+@pytest.fixture
+def threads_at_any_size():
+    """Calls take ``torch.get_num_threads()`` threads whatever their size (the op ``parallel_bytes``: ops.cpp's
+    threshold at 0), restored after."""
+    lib = cpu_native.library()
+    before = lib.parallel_bytes(0)
+    yield
+    lib.parallel_bytes(before)
+
+
 
 def _index(B: int, G: int, rows: int, D: int, spare: int = 0, seed: int = 0):
     """int8 entries of random keys (a few large outliers), as views of buffers with ``spare`` rows more."""
@@ -164,13 +174,12 @@ def test_fused_choose_falls_back_in_torch_mode(monkeypatch):
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_over_threads_matches_reference(threads, monkeypatch):
-    """An index scanned in runs of rows over threads (forced at this size: ``PARALLEL_BYTES = 0``): the estimates are
+def test_kernel_over_threads_matches_reference(threads, threads_at_any_size):
+    """An index scanned in runs of rows over threads (forced at this size: ``threads_at_any_size``): the estimates are
     those of the reference (to rounding) and the top-j choice (each run's top lists merged in row order) is the
     reference's."""
     from kvzoo.kernels.index_scan import int8_choose, int8_choose_reference
 
-    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
     B, G, hq, D, rows = 1, 3, 3, 64, 3000  # 3 runs of 1008 rows per group at 2 threads
     _, codes, side = _index(B, G, rows, D, seed=7)
     q = torch.randn(B, G, hq, D, generator=torch.Generator().manual_seed(8))

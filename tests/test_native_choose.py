@@ -32,6 +32,16 @@ needs_compiler = pytest.mark.skipif(cpu_native.toolchain_missing() is not None,
                                     reason=f"{cpu_native.toolchain_missing()}: the CPU kernels are not built here "
                                            "(kvzoo takes the PyTorch references)")
 
+@pytest.fixture
+def threads_at_any_size():
+    """Calls take ``torch.get_num_threads()`` threads whatever their size (the op ``parallel_bytes``: ops.cpp's
+    threshold at 0), restored after."""
+    lib = cpu_native.library()
+    before = lib.parallel_bytes(0)
+    yield
+    lib.parallel_bytes(before)
+
+
 
 # --- VestigeKV's sketch ------------------------------------------------------------------------------------------------
 
@@ -81,9 +91,8 @@ def test_sketch_choose_matches_reference(B, G, hq, dc, dr, rank, rows, spare, j,
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-def test_sketch_choose_over_threads_matches_reference(threads, monkeypatch):
+def test_sketch_choose_over_threads_matches_reference(threads, threads_at_any_size):
     """Runs of rows scanned on several threads (forced at this size), each run's top lists merged in row order."""
-    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
     query, basis, entries, floor, slack = _sketch(1, 1, 8, 64, 16, 16, 3000, 0, torch.float32, seed=3)
     saved = torch.get_num_threads()
     try:
@@ -262,23 +271,51 @@ def test_quest_page_add_refuses_a_full_summary():
 
 
 @needs_compiler
+def test_the_ops_check_their_inputs_in_cpp():
+    """Each op checks its inputs once, in C++ (``csrc/ops.cpp``): a wrong shape, dtype or size is a ValueError that
+    names what was wrong and what is valid, never a read out of bounds."""
+    from kvzoo.kernels.index_scan import int8_key_entries
+
+    ops = cpu_native.library()
+    query, basis, entries, floor, slack = _sketch(1, 2, 3, 16, 0, 4, 40, 0, torch.float32, seed=5)
+    args = (query, basis, entries, None, floor, 4, 40, 0.3, slack, False, None)
+    bad = [
+        ({5: 41}, r"kvzoo::sketch_choose: 1 <= j <= min\(64, m=40\) and archived >= 1, got j=41"),
+        ({4: floor[..., :2]}, r"floor must have shape \[1, 2, 3\], got \[1, 2, 2\]"),
+        ({2: entries.double()}, "entries must be float32 or float16, got Double"),
+        ({10: torch.zeros(1, dtype=torch.int32)}, "counter must be a contiguous int64 tensor of one element"),
+        ({3: torch.tensor([1, 2])}, r"length must have shape \[1\]"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ops.sketch_choose(*(change.get(i, a) for i, a in enumerate(args)))
+    codes, side = int8_key_entries(torch.randn(1, 2, 40, 16))
+    q = torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match=r"kvzoo::int8_estimate: codes must have shape \[1, 2, 40, 16\]"):
+        ops.int8_estimate(q, codes[:1, :1], side, None, 0.1)
+    with pytest.raises(ValueError, match=r"a multiple of 8, got hq=3, D=12"):
+        ops.int8_estimate(q[..., :12], codes[..., :12], side, None, 0.1)
+
+
+@needs_compiler
 def test_the_ops_are_registered_with_meta_impls_and_declared_mutations():
     """``torch.library.opcheck``: schema (the counter and the summary's buffers declared mutated), FakeTensor (the
     Meta impls), AOT dispatch (what torch.compile does with them)."""
+    ops = cpu_native.library()  # built and loaded: torch.ops.kvzoo's overloads
     query, basis, entries, floor, slack = _sketch(1, 2, 3, 16, 0, 4, 40, 0, torch.float32, seed=5)
     counter = torch.tensor(0)
-    checks = [(torch.ops.kvzoo.sketch_choose.default,
+    checks = [(ops.sketch_choose,
                (query, basis, entries, None, floor, 4, 40, 0.3, slack, False, counter))]
     q, page_rows, empty, live, positions = _pages(1, 2, 3, 16, 10, 37, 4, None, torch.float32, seed=6)
     for per_head, at in ((True, positions), (False, None)):
-        checks.append((torch.ops.kvzoo.quest_choose.default,
+        checks.append((ops.quest_choose,
                        (q, page_rows, empty, live, at, 3, 4, positions.shape[2], per_head, 0.3, SKETCH_SLACK, counter)))
     own = _own_row(1, 2, 16, 10, 37, 4, torch.float32, False, seed=7)  # the step's own row (rule="eval")
-    checks.append((torch.ops.kvzoo.quest_choose.default,
+    checks.append((ops.quest_choose,
                    (q, page_rows, empty, live, positions, 11, 4, positions.shape[2], True, 0.3, SKETCH_SLACK, counter,
                     *own)))
     keys = torch.randn(1, 2, 40, 16)
-    checks.append((torch.ops.kvzoo.quest_page_add.default,
+    checks.append((ops.quest_page_add,
                    (keys, torch.ones(1, 2, 40, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.long),
                     torch.full((1, 2, 16), float("inf")), torch.full((1, 2, 16), float("-inf")),
                     torch.zeros(1, 2, 10, 33), torch.ones(1, 2, 10, dtype=torch.bool), torch.zeros(1, dtype=torch.long),

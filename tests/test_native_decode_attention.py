@@ -22,6 +22,16 @@ from kvzoo.kernels.decode_attention.reference import attend_reference
 needs_compiler = pytest.mark.skipif(cpu_native.toolchain_missing() is not None,
                                     reason=f"{cpu_native.toolchain_missing()}: the CPU kernels are not built here "
                                            "(kvzoo takes the PyTorch references)")
+
+@pytest.fixture
+def threads_at_any_size():
+    """Calls take ``torch.get_num_threads()`` threads whatever their size (the op ``parallel_bytes``: ops.cpp's
+    threshold at 0), restored after."""
+    lib = cpu_native.library()
+    before = lib.parallel_bytes(0)
+    yield
+    lib.parallel_bytes(before)
+
 pytestmark = needs_compiler
 
 SCALE = 0.125
@@ -259,11 +269,10 @@ def test_nothing_readable_is_zero_and_minus_infinity():
 
 @pytest.mark.parametrize("name", ["pool", "gathered-pool-valid-nan", "quest-head-valid", "bfloat16-pool",
                                   "mla-h16-bfloat16"])
-def test_two_threads_split_the_positions_to_the_same_result(name, monkeypatch):
-    """Split over threads (forced at this size: ``PARALLEL_BYTES = 0``; positions repeated for several splits of two
+def test_two_threads_split_the_positions_to_the_same_result(name, threads_at_any_size):
+    """Split over threads (forced at this size: ``threads_at_any_size``; positions repeated for several splits of two
     tiles or more per group): the splits merge exactly (to fp32 rounding); 1 and 2 threads agree with each other and
     with the reference."""
-    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
     case = CASES[name]
     src = case.source
     positions = src.keys.shape[2] if src.indices is None else src.indices.shape[2]
@@ -300,9 +309,8 @@ def test_two_threads_split_the_positions_to_the_same_result(name, monkeypatch):
         _assert_close(got[3], want.mass[0], 2e-5, "mass")
 
 
-def test_one_openmp_runtime_in_the_process(monkeypatch):
+def test_one_openmp_runtime_in_the_process(threads_at_any_size):
     """The kernels use torch's own OpenMP runtime (or none): never a second libgomp beside torch's."""
-    monkeypatch.setattr(cpu_native, "PARALLEL_BYTES", 0)
     lib = cpu_native.library()
     assert lib is not None
     case = CASES["pool"]
@@ -326,7 +334,7 @@ def test_an_openmp_build_that_fails_falls_back_to_one_thread(monkeypatch, recwar
     cpu_native.library.cache_clear()
     try:
         lib = cpu_native.library()
-        assert lib is not None and lib.openmp is None and lib.kvzoo_openmp() == 0
+        assert lib is not None and lib.openmp is None
         assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
         case = CASES["gathered-length-valid"]
         want = _reference_part(case.query, [_as_reference(case)])
@@ -367,9 +375,8 @@ def test_pool_valid_may_come_with_the_source():
 
 
 def test_the_op_is_seen_by_a_dispatch_mode_and_gives_the_same_result():
-    """Unobserved, the wrapper calls the op's CPU function directly (the dispatcher's boxing of 14 arguments costs
-    more than a small call's work); under a dispatch mode -- a trace recorder, FakeTensor -- it goes through
-    ``torch.ops.kvzoo.decode_attend``, which the mode sees."""
+    """The wrapper calls ``torch.ops.kvzoo.decode_attend`` through the dispatcher, so a dispatch mode -- a trace
+    recorder, FakeTensor -- sees it, and it computes what it computes unobserved."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = []
@@ -430,7 +437,7 @@ def test_meta_tensors_give_the_shapes():
     src = case.source
     meta = dataclasses.replace(src, keys=src.keys.to("meta"), values=src.values.to("meta"),
                                indices=src.indices.to("meta"))
-    out, lse, best, mass = torch.ops.kvzoo.decode_attend(case.query.to("meta"), meta.keys, meta.values, 64,
+    out, lse, best, mass = cpu_native.library().decode_attend(case.query.to("meta"), meta.keys, meta.values, 64,
                                                          meta.indices, None, None, None, None, SCALE, None, None,
                                                          True, True)
     assert out.shape == (2, 9, 64) and lse.shape == best.shape == (2, 9) and mass.shape == (2, 9, 60)

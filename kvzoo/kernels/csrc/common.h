@@ -36,7 +36,7 @@
 #define MAX_D  1024
 #define MAX_J  64
 
-/* the functions kvzoo.kernels.cpu_native calls through ctypes: C names, visible */
+/* the entry points ops.cpp calls (kernels.h): C names */
 #ifdef __cplusplus
 #define KV_EXPORT extern "C" __attribute__((visibility("default")))
 #else

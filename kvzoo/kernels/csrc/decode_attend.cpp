@@ -1,5 +1,6 @@
 /* decode attention over one source of rows read where they lie (kvzoo_decode_attend) */
 
+#include "kernels.h"
 #include "common.h"
 #include "rows.h"
 
@@ -8,26 +9,6 @@
    ------------------------------------------------------------------------------------------------------------ */
 
 #define MAX_HPG 64 /* query heads per KV group (a bit each in a position's head mask) */
-
-/* the parameters of kvzoo_decode_attend, in this order: an int64 array (pointers as integers, 0 for an absent
-   tensor; strides in elements) */
-/* clang-format off */
-enum {
-    A_Q, A_Q_SB, A_Q_SH, A_Q_DTYPE,
-    A_K, A_K_SB, A_K_SG, A_K_SN,
-    A_V, A_V_SB, A_V_SG, A_V_SN,
-    A_DTYPE,
-    A_IDX, A_IDX_SB, A_IDX_SG, A_IDX_SK, A_IDX_32,
-    A_LEN, A_LEN_S, A_LEN_32,
-    A_VALID, A_VALID_SB, A_VALID_SG, A_VALID_SK,
-    A_POOL, A_POOL_SB, A_POOL_SG, A_POOL_SN,
-    A_HEAD, A_HEAD_SB, A_HEAD_SH, A_HEAD_SK,
-    A_PRIOR_OUT, A_PRIOR_LSE,
-    A_OUT, A_LSE, A_BEST, A_MASS,
-    A_B, A_H, A_G, A_N, A_P, A_D, A_DV, A_THREADS,
-    A_COUNT
-};
-/* clang-format on */
 
 typedef struct {
     const char *q, *k, *v; /* v: the keys in the absorbed form (a row's value is its first Dv dims) */

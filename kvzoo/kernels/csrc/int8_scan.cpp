@@ -1,5 +1,6 @@
 /* VestigeKV's int8 index scan: estimates (kvzoo_int8_estimate) and the fused top-j rule (kvzoo_int8_choose) */
 
+#include "kernels.h"
 #include "common.h"
 #include "top.h"
 
@@ -217,11 +218,6 @@ static void estimate_item(void *ctx, int64_t item) {
    strides codes_sb, codes_sg for b and g: a view of the first m rows of a larger buffer); side [B, G, m, side_w]
    fp16 bits the same way (strides side_sb, side_sg), the scale its column 0; out [B, G, hq, m] fp32 contiguous.
    `threads`: at most this many threads, over (b, g, a run of rows). */
-KV_EXPORT int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
-                                  float *out, int64_t B, int64_t G, int64_t hq, int64_t D, int64_t m, int64_t codes_sb,
-                                  int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w, float scaling,
-                                  int64_t threads);
-
 KV_EXPORT int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
                                   float *out, int64_t B, int64_t G, int64_t hq, int64_t D, int64_t m, int64_t codes_sb,
                                   int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w, float scaling,

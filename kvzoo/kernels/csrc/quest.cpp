@@ -1,5 +1,6 @@
 /* Quest's pages: the fused page choice (kvzoo_quest_choose) and the one-row page add (kvzoo_quest_page_add) */
 
+#include "kernels.h"
 #include "common.h"
 #include "top.h"
 #include "entries.h"

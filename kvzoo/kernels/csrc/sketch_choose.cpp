@@ -1,5 +1,6 @@
 /* VestigeKV's top-j rule over the certified sketch (kvzoo_sketch_choose) */
 
+#include "kernels.h"
 #include "common.h"
 #include "top.h"
 #include "entries.h"

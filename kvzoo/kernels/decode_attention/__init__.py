@@ -168,17 +168,9 @@ def _native_part(query: torch.Tensor, checked: _Source, scaling: float, *, best:
     rescaled to the whole step, so ``mass`` lists every source of the step, the prior's first."""
     from kvzoo.kernels import cpu_native
 
-    src = checked.rows
     merge_with = None if prior is None else (prior.out.float(), prior.lse)
-    if cpu_native.unobserved():  # checked once (by attend): the C call itself
-        B, H, D = query.shape
-        prior_out, prior_lse = (None, None) if prior is None else merge_with
-        out, lse, top, masses = cpu_native.decode_attend_unchecked(
-            query, src.keys, src.values, src.indices, src.length, src.valid, src.pool_valid, src.head_valid, scaling,
-            prior_out, prior_lse, best, mass, (B, H, D, checked.groups, checked.pool, checked.positions,
-                                               checked.value_width))
-    else:  # the op, which a trace or torch.compile records
-        out, lse, top, masses = cpu_native.decode_attend(query, src, scaling, prior=merge_with, best=best, mass=mass)
+    out, lse, top, masses = cpu_native.decode_attend(query, checked.rows, scaling, prior=merge_with, best=best,
+                                                     mass=mass)  # the op, which checks the inputs again in C++
     mass_list = None
     if mass:
         mass_list = [masses]
