@@ -2,7 +2,7 @@
 
 The index kinds live beside this module, one each: the certified low-rank sketch (``sketch.py``, the default on MLA
 rows), the int8 keys (``int8.py``, the default on GQA rows) and the paged int8 index (``paged.py``); what they share
--- one entry per archived row and the selection rule -- is ``entries.py``. The policy is
+-- one entry per archived row and the selection rule -- is in ``int8.py``. The policy is
 ``kvzoo/policies/vestige.py``.
 """
 
@@ -16,8 +16,7 @@ import torch
 
 from kvzoo.framework.policy import require_int
 from kvzoo.framework.retriever import Retriever, RowGeometry
-from kvzoo.retrievers.entries import EntryIndex
-from kvzoo.retrievers.int8 import Int8KeyIndex
+from kvzoo.retrievers.int8 import EntryIndex, Int8KeyIndex
 from kvzoo.retrievers.paged import PagedKeyIndex
 from kvzoo.retrievers.sketch import SketchIndex
 
