@@ -30,11 +30,8 @@ from kvzoo.framework.buffers import gather_rows
 from kvzoo.framework.names import build_retriever
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
-from kvzoo.kernels.choose import (
-    unique_candidates,  # re-exported: benchmarks/decode_step.py wraps it by this name
-)
 from kvzoo.kernels.decode_attention import Rows
-from kvzoo.kernels.index_scan import exact_scores
+from kvzoo.kernels.index_scan import exact_scores, unique_candidates
 
 if TYPE_CHECKING:  # a type name only: a layer is handed in
     from kvzoo.framework.layer import KVLayer

@@ -324,6 +324,22 @@ def int8_key_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tens
     return int8_key_estimate_reference(query, codes, side, scaling, length=length)
 
 
+def unique_candidates(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag (the form a
+    fused choice returns itself). ``O(K log K)`` in the candidates, independent of the archive."""
+    idx = torch.where(ok, rows, archived).sort(dim=-1).values
+    picked = idx < archived
+    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
+    return idx.clamp_(max=archived - 1), picked
+
+
+def count_picked(picked: torch.Tensor, counter: torch.Tensor | None) -> torch.Tensor:
+    count = picked.sum()
+    if counter is not None:
+        counter.add_(count)
+    return count
+
+
 def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor,
                           j: int, archived: int, scaling: float, *, length: torch.Tensor | None = None,
                           counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -336,13 +352,8 @@ def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.
     w = side.shape[-1]
     picked_side = side[:, :, None].expand(B, G, hq, side.shape[2], w).gather(3, rows[..., None].expand(B, G, hq, j, w))
     ok = int8_bound_from(top, query, picked_side, scaling) > threshold[..., None]
-    candidates = torch.where(ok, rows, archived).view(B, G, hq * j).sort(dim=-1).values
-    picked = candidates < archived
-    picked[..., 1:] &= candidates[..., 1:] != candidates[..., :-1]
-    count = picked.sum()
-    if counter is not None:
-        counter.add_(count)
-    return candidates.clamp(max=archived - 1), picked, count
+    idx, picked = unique_candidates(rows.view(B, G, hq * j), ok.view(B, G, hq * j), archived)
+    return idx, picked, count_picked(picked, counter)
 
 
 def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int,
@@ -467,38 +478,6 @@ def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     if length is not None:
         bound.masked_fill_(_beyond(length, p)[:, :, None], float("-inf"))
     return bound
-
-
-def sketch_bounds(
-    q_content: torch.Tensor,
-    q_branch: torch.Tensor | None,
-    basis: torch.Tensor,
-    z: torch.Tensor,
-    eta: torch.Tensor,
-    branch: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """VestigeKV's certified bound ``[B, H, q, m]`` (paper §4.2, Lemma 2), fp32, from the index parts.
-
-    ``q_content [B,H,q,dc]`` (MLA: the absorbed query ``W_UK^T q_nope``; GQA: the query),
-    ``q_branch [B,H,q,dr]`` or None (GQA has no branch), ``basis [B|1, G, dc, rank]`` (or
-    ``[G, dc, rank]``) orthonormal columns, ``z [B,G,m,rank] = V^T c``,
-    ``eta [B,G,m] = ||(I - V V^T) c||``, ``branch [B,G,m,dr]``.
-
-        bound = scale * (<q_r, r> + <V^T q_c, z> + ||(I - V V^T) q_c|| * eta)  >=  scale * <q, [c; r]>
-
-    by Cauchy-Schwarz on the component of ``q_c`` and ``c`` outside span(V).
-    """
-    B, H, q_len, _ = q_content.shape
-    zf, etaf = z.float(), eta.float()[..., None]
-    c_norm = (zf.pow(2).sum(-1, keepdim=True) + etaf.pow(2)).sqrt()  # ||c|| from the index alone
-    if branch is not None:
-        rf = branch.float()
-        entries = torch.cat([zf, etaf, rf, c_norm, rf.norm(dim=-1, keepdim=True)], dim=-1)
-    else:
-        entries = torch.cat([zf, etaf, c_norm], dim=-1)
-    bound = index_scan(sketch_query(q_content, q_branch, basis), entries, scaling)
-    return bound.view(B, H, q_len, -1)
 
 
 def page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,7 @@ import torch
 
 from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, RowGeometry
-from kvzoo.kernels.choose import unique_candidates
-from kvzoo.kernels.index_scan import int8_choose, int8_key_bounds, int8_key_entries
+from kvzoo.kernels.index_scan import int8_choose, int8_key_bounds, int8_key_entries, unique_candidates
 
 if TYPE_CHECKING:
     from kvzoo.framework.retriever import Retriever

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvzoo.framework.retriever import Choice
-from kvzoo.kernels.choose import unique_candidates
-from kvzoo.kernels.index_scan import int8_page_bounds, int8_page_entries, int8_row_bounds
+from kvzoo.kernels.index_scan import int8_page_bounds, int8_page_entries, int8_row_bounds, unique_candidates
 from kvzoo.retrievers.int8 import Int8KeyIndex
 from kvzoo.retrievers.quest import PageSummary
 

@@ -43,20 +43,15 @@ def check_paging(page_size: Any, gqa: Any, rule: Any) -> None:
 
 @dataclass
 class QuestRetriever(Retriever):
-    """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page.
+    """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page (kept in the keys'
+    dtype: each is one of the page's key values; on MLA rows the "key" is the whole latent row).
 
-    Each decode query picks, per query head (``gqa="head"``) or per KV group by the max over its
-    heads (``gqa="group"``), its top ``pages`` archived pages; by default the count follows ``rule``
-    with the layer's budget ``B`` (see :class:`kvzoo.policies.quest.Quest`): ``"eval"`` ``max(3, B // page_size)``
-    (the current page is the archive's last page, one of the candidates), ``"kernel"``
-    ``B // page_size - 1`` (the current page is attended apart), at most the pages there are. Under
-    ``"eval"``, where the policy archives the step's row next (the ``quest`` policy's eval rule: the view carries
-    the row, ``ArchiveView.own_row``), a decode step scores the current page with the step's own key in its min/max,
-    as the reference does (the key is indexed after the forward; the choice joins it to the open page, or opens one
-    with it); under another selector the archive's last page is not the step's, and no row is joined. The
-    last page may be partial. Page min/max are kept in the keys' dtype (each is one of the page's key
-    values). On MLA rows the "key" is the whole 576-dim latent row and the query the absorbed query.
-    Under the ``quest`` policy these settings are the policy's (it names its retriever).
+    Each decode query picks, per query head (``gqa="head"``) or per KV group by the max over its heads
+    (``gqa="group"``), its top ``pages`` archived pages; by default the count follows ``rule`` and the layer's budget
+    ``B`` (:meth:`archived_pages`; :class:`kvzoo.policies.quest.Quest` says why). Under ``"eval"``, where the policy
+    archives the step's row next (the view's ``own_row``), a decode step scores the current page with the step's own
+    key in its min/max, as the reference does; under another selector no row is joined. Under the ``quest`` policy
+    these settings are the policy's.
     """
 
     page_size: int = 16
