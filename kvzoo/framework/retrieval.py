@@ -1,21 +1,16 @@
 """The retrieval tier's mechanics: what a forward fetches from a layer's archive, and what it read.
 
-A :class:`Retrieval` (one per cache, beside the :class:`~kvzoo.framework.runtime.Runtime` that decides a row's
-fate) holds the retriever's configuration (``framework/retriever.py``: a dataclass that makes one
-:class:`~kvzoo.framework.retriever.RetrievalState` per layer, which indexes the rows as they are archived) and the
-audit flag. Per forward it asks the layer's index which archived rows the forward's queries need and hands them
-to the attention where they lie in the layer's storage (no row is copied on the decode path), and records what
-the forward read:
+A :class:`Retrieval` (one per cache, beside the runtime) holds the retriever's configuration and the audit flag. Per
+forward it asks the layer's index (a :class:`~kvzoo.framework.retriever.RetrievalState`) which archived rows the
+queries need -- one question, ``choose`` -- hands them to the attention where they lie in the layer's storage, and
+records what the forward read:
 
-* a **decode step** (:meth:`Retrieval.fetch_step`): the retriever's choice as one source of the decode op -- the
-  storage at the chosen rows' positions, each row once (a top-j choice staged at a fixed count, or a mask over
-  the archive list), no host synchronisation, and with ``TieredCache(..., capacity=N)`` the same shapes every
-  step;
-* a **multi-token forward** (:meth:`Retrieval.fetch_forward`: a prefill chunk, a question, a teacher-forced answer)
-  follows one rule for every retriever (``Retriever.multi_token``): ``"dense"`` (default, Quest's reference) reads
-  the whole archive; ``"union"`` fetches the union of each query's own choice, scanned in query tiles
-  (:func:`kvzoo.kernels.attention.query_block`) so that no more than one tile of ``heads x queries x rows`` bounds
-  exists at a time.
+* a **decode step** (:meth:`Retrieval.fetch_step`): the choice as one source of the decode op, each row once, no host
+  synchronisation, and with ``TieredCache(..., capacity=N)`` the same shapes every step;
+* a **multi-token forward** (:meth:`Retrieval.fetch_forward`: a prefill chunk, a question, a teacher-forced answer),
+  by one rule for every retriever (``Retriever.multi_token``): ``"dense"`` (default, Quest's reference) reads the
+  whole archive; ``"union"`` fetches the union of each query's own choice, scanned in query tiles
+  (:func:`kvzoo.kernels.attention.query_block`) so that at most one tile of bounds exists at a time.
 """
 
 from __future__ import annotations
@@ -136,7 +131,7 @@ class Retrieval:
         else:
             positions = view.positions.gather(2, choice.rows)
         fetched = choice.count if choice.count is not None else choice.ok.sum()
-        self._account(layer, query, scaling, fetched, scanned=True, view=view, chosen=choice, counted=choice.counted)
+        self._account(layer, query, scaling, fetched, choice, view)
         rows = store.rows
         width = None if "values" in rows.buffers else store.latent_width
         pool_valid = None if store.all_valid else rows.buffers["valid"]  # padding rows are never fetched
@@ -173,20 +168,19 @@ class Retrieval:
             picked = picked & gather_rows(buffers["valid"], positions)  # padding rows are never fetched
             values = gather_rows(buffers["values"], positions) if "values" in buffers else None
             fetched = picked.sum()
-        self._account(layer, query, scaling, fetched, scanned=not dense, view=view,
-                      chosen=None if dense else Choice(None, mask))
+        self._account(layer, query, scaling, fetched, None if dense else Choice(None, mask), view)
         return Fetched(keys, values, torch.where(picked, slots, -1), picked, dense=dense)
 
     # --- accounting --------------------------------------------------------------------------------------
-    def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor, *, scanned: bool,
-                 view: ArchiveView, chosen: Choice | None, counted: bool = False) -> None:
+    def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor,
+                 chosen: Choice | None, view: ArchiveView) -> None:
         """This forward's reads, in rows and entries: a few host numbers and one device count (the rows fetched,
-        already added to the layer's count when ``counted``: the choice's op did it); ``stats()`` derives bytes and
-        figures from them."""
+        already added to the layer's count when the choice's op did it); ``stats()`` derives bytes and figures from
+        them. ``chosen`` None: the dense rule, which reads the archive, not the index."""
         index = layer.store.archive.index
         B, G = layer.store.rows.buffers["keys"].shape[:2]
-        entries, index_bytes = index.scan_cost(query.shape[1] // G * query.shape[2]) if scanned else (0, 0)
-        entries, index_bytes = B * G * entries, B * G * index_bytes  # the dense rule reads the archive, not the index
+        entries, index_bytes = index.scan_cost(query.shape[1] // G * query.shape[2]) if chosen is not None else (0, 0)
+        entries, index_bytes = B * G * entries, B * G * index_bytes
         n = layer.store.n
         counts = layer.counts
         counts.last_read = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": entries,
@@ -195,7 +189,7 @@ class Retrieval:
         counts.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
         counts.retrieval_steps += 1
         counts.rows_scanned += entries
-        if not counted:
+        if chosen is None or not chosen.counted:
             counts.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
         if self.audit and chosen is not None:
             audit = _audit(query, scaling, index, chosen.as_mask(view.rows), view)

@@ -1,53 +1,32 @@
-"""Index scans over the archive: certified sketch bounds and Quest page bounds (PyTorch references and
-fused Triton kernels).
+"""Index scans over the archive: certified sketch bounds, int8 key bounds and Quest page bounds (PyTorch references
+and fused Triton kernels).
 
-Both return *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed
-from a small index instead of the rows themselves; the retrieval tier fetches the rows whose
-bounds say they could matter. Shapes: ``B`` batch, ``G`` KV groups, ``H`` query heads
-(``H % G == 0``), ``q`` queries, ``m`` archived rows, ``p`` pages, ``rank`` sketch rank.
+Each returns *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed from a small index
+instead of the rows; the retrieval tier fetches the rows whose bounds say they could matter. Shapes: ``B`` batch,
+``G`` KV groups, ``H`` query heads (``H % G == 0``), ``q`` queries, ``m`` archived rows, ``p`` pages.
 
-Both bounds are one inner product per (query, entry): each index entry is a row of a matrix
-``E [B, G, m, W]`` and each query becomes a row ``Q [B, G, hpg * q, W]`` (:func:`sketch_query`,
-:func:`page_query`), so a scan is ``scale * Q @ E^T`` (:func:`index_scan`) -- one product, whatever
-the retriever, and the operation the fused Triton scan implements. Every term of the bound,
-including its float slack, is a column of ``E``.
+A bound is one inner product per (query, entry): each index entry is a row of ``E [B, G, m, W]`` and each query a
+row of ``Q [B, G, hpg * q, W]`` (:func:`sketch_query`, :func:`page_query`), every term of the bound -- its float
+slack included -- a column, so a scan is ``scale * Q @ E^T`` whatever the retriever. Two ops, each a reference
+``*_reference`` and a kernel ``*_triton`` with one signature (:mod:`kvzoo.kernels.dispatch` picks: the kernel on CUDA
+tensors, the reference elsewhere, ``KVZOO_KERNELS`` to force either):
 
-The ops (each a reference ``*_reference`` and a kernel ``*_triton`` with the same signature; the public
-name picks one per call through :mod:`kvzoo.kernels.dispatch`: the kernel on CUDA tensors, the
-reference elsewhere, ``KVZOO_KERNELS`` to force either):
-
-* ``index_scan(query_rows [B, G, hq, W], entries [B, G, m, W], scaling, *, length=None)
-  -> [B, G, hq, m]`` fp32: ``scale * Q @ E^T``. Query rows fp32; entries in any float dtype (the kernel
-  takes fp32, fp16 and bf16 and upcasts them per tile in registers, never an fp32 copy of the index),
-  products accumulated in fp32 (IEEE, not TF32: a certified bound needs fp32's ~1e-6 relative
-  accuracy, its slack column is 1e-5). ``length [B]`` int32/int64 on the entries' device (read on the
-  device: graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never read, so a
-  preallocated buffer may be passed whole (rows strided, each row contiguous: entries whose last dim
-  is strided are copied first). Without ``length`` the reference is, bit for bit, the scan
+* ``index_scan(query_rows, entries, scaling, *, length=None) -> [B, G, hq, m]`` fp32. Entries in any float dtype,
+  upcast per tile (never an fp32 copy of the index); products in IEEE fp32 (not TF32: the slack column is 1e-5).
+  ``length [B]`` (on the entries' device, graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never
+  read, so a preallocated buffer may be passed whole. Without ``length`` the reference is, bit for bit, the scan
   kvzoo always computed.
-* ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None)
-  -> margin [B, G, m]`` fp32: ``max over the hq query rows of (scale * Q.E - threshold)`` (``None``: 0),
-  the scan reduced over the heads and queries that share a group's rows; the kernel never holds the
-  ``[B, G, hq, m]`` bounds. Per query row the term is ``bound - threshold`` where both are comparable,
-  with its sign made exact: ``>= 0`` exactly when ``bound >= threshold`` (a tie, or ``-inf >= -inf``
-  and ``inf >= inf``, gives 0 where the subtraction would give 0 or NaN), ``< 0`` when
-  ``bound < threshold``, and ``-inf`` when either is NaN (a NaN bound is never selected: an empty Quest
-  page, whose entries are ``max = -inf, min = +inf``, scans to NaN). So ``margin >= 0`` is exactly
-  ``(index_scan(...) >= threshold[..., None]).any(2)`` at every position ``< length[b]``, infinities
-  included -- a ``-inf`` threshold selects every row, even one whose bound is ``-inf``; positions
-  ``>= length[b]`` are not rows and give ``-inf`` whatever the threshold. Where bound and threshold
-  are finite, the margin is ``(index_scan(...) - threshold[..., None]).amax(2)``. Serves VestigeKV's
-  certified rule (threshold ``s*_h - tau``; a row is chosen iff its margin is ``>= 0``) and Quest's
-  ``gqa="group"`` rule (threshold None: the margin is the group's max bound, then its top pages).
+* ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None) -> margin [B, G, m]``:
+  the max over the ``hq`` query rows of ``scale * Q.E - threshold`` (None: 0), never holding the ``[B, G, hq, m]``
+  bounds. Its sign is exact: ``margin >= 0`` exactly where ``(index_scan(...) >= threshold[..., None]).any(2)``,
+  infinities included (a tie, ``-inf >= -inf`` or ``inf >= inf`` gives 0); a NaN bound (an empty Quest page, ``max =
+  -inf, min = +inf``) and positions ``>= length[b]`` give ``-inf``. Serves VestigeKV's certified rule (threshold ``s* -
+  tau``) and Quest's ``gqa="group"`` rule (None: the group's max bound).
 
-Memory: a scan's output is ``[B, H, q, m]`` fp32 and no intermediate is larger than that or than
-:data:`ROW_BLOCK_ELEMENTS` -- never ``queries x rows x dims``. Callers scan a long forward in query
-tiles (:func:`kvzoo.kernels.attention.query_block`), so a scan's extra memory is one tile of scores
-plus ``O(rows)``, whatever the number of queries. The reduction's kernel needs ``O(rows)``.
-
-The kernel (:func:`launch_config` picks its blocks; ``kvzoo/kernels/shapes.py`` lists the specialisations
-the compile gate builds for sm_90) imports Triton on its first call; this module imports with torch
-alone.
+Memory: no intermediate is larger than a scan's output or :data:`ROW_BLOCK_ELEMENTS` (never ``queries x rows x
+dims``); callers scan a long forward in query tiles (:func:`kvzoo.kernels.attention.query_block`). The kernel
+(:func:`launch_config` picks its blocks; ``kvzoo/kernels/shapes.py`` lists what the compile gate builds) imports
+Triton on its first call; this module imports with torch alone.
 """
 
 from __future__ import annotations
