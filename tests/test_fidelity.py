@@ -15,7 +15,6 @@ from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.policy import RowsView
 from kvzoo.framework.retrieval import ArchiveView
 from kvzoo.kernels.attention import window_attention
-from kvzoo.kernels.index_scan import page_bounds
 from kvzoo.models import tiny_llama
 from kvzoo.policies.h2o import H2O
 from kvzoo.policies.snapkv import SnapKV
@@ -107,7 +106,7 @@ def test_per_query_head_selection_contains_every_heads_own_top_pages(seed):
         keys[0, h // (H // G), planted[h]] = query[0, h, 0] * 4  # head h's best key
     state, view = _page_index(keys, pages=3)
     choice = state.choose(query, None, 1.0, view)
-    bounds = page_bounds(query, state.page_min, state.page_max, 1.0)  # [B, H, 1, p]
+    bounds = state.bounds(query, 1.0)  # [B, H, 1, p]
     mask = choice.as_mask(m)
     assert choice.head_valid is not None  # a decode step: each head's own rows, one segment per head of its group
     hpg = H // G

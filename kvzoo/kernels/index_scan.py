@@ -479,20 +479,6 @@ def page_query(query: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.cat([q.clamp(min=0), q.clamp(max=0), SKETCH_SLACK * q.abs().sum(-1, keepdim=True)], dim=-1)
 
 
-def page_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Quest's bound ``[B, H, q, p]``: ``scale * sum_i max(q_i * min_i, q_i * max_i)`` per page, fp32.
-
-    ``query [B,H,q,D]``, ``page_min``/``page_max [B,G,p,D]`` element-wise over each page's keys
-    (any dtype). For any key k in the page, ``q_i k_i <= max(q_i min_i, q_i max_i)`` for every i,
-    so the sum bounds ``<q, k>`` (Quest, ICML 2024, §3.2). Two products in one (:func:`page_query`),
-    no ``q x p x D`` intermediate; it reads ``2 p D`` values instead of ``16 p D``.
-    """
-    B, H, q_len, _ = query.shape
-    G = page_min.shape[1]
-    bound = index_scan(page_query(query, G), page_entries(page_min, page_max), scaling)
-    return bound.view(B, H, q_len, -1)
-
-
 def exact_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """``scale * <q, k>`` ``[B, H, q, m]`` fp32 for rows ``keys [B, G, m, D]`` (audits and s*).
 

@@ -268,19 +268,6 @@ class PageIndex(RetrievalState):
         entries = self.summary.pages.buffers.get("entries")
         return 0 if entries is None else entries.shape[-1] * entries.element_size()  # 0: not defined yet
 
-    @property
-    def page_min(self) -> torch.Tensor:
-        """Element-wise minimum of each page's keys ``[B, G, p, D]`` (+inf for an empty page)."""
-        entries = self.pages.reading("entries")[:, :, : self.summary.live_pages]
-        D = (entries.shape[-1] - 1) // 2
-        return entries[..., D : 2 * D]
-
-    @property
-    def page_max(self) -> torch.Tensor:
-        """Element-wise maximum of each page's keys ``[B, G, p, D]`` (-inf for an empty page)."""
-        entries = self.pages.reading("entries")[:, :, : self.summary.live_pages]
-        return entries[..., : (entries.shape[-1] - 1) // 2]
-
     def index(self, rows, tier, archive) -> None:
         keys = rows["keys"]
         D = keys.shape[-1]
