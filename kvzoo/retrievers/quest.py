@@ -192,28 +192,6 @@ class PageSummary:
         self.rows += 1
         self.pages.length.copy_(torch.div(self.count + (size - 1), size, rounding_mode="floor"))
 
-    def room_for_one(self) -> bool:
-        """Before one row is summarised by a single op on the device (e.g. Quest's ``quest_page_add``, which writes
-        the page at ``count // page_size``): whether it can be -- the summary defined and, fixed, not full -- with a
-        growing summary given a page slot first when the row opens one. The op's caller then calls
-        :meth:`one_added`."""
-        pages, size = self.pages, self.page_size
-        if not pages.buffers:  # not defined
-            return False
-        if pages.fixed:
-            return self.rows < pages.capacity * size
-        if self.rows % size == 0:  # the row opens a page: a slot for it (the store grows geometrically)
-            pages.n = self.live_pages
-            pages.reserve(1)
-        return True
-
-    def one_added(self) -> None:
-        """The host's side of a row a device op summarised (after :meth:`room_for_one`): the row count, and a growing
-        summary's page count (a fixed one's is brought up to date by the next multi-row add)."""
-        self.rows += 1
-        if not self.pages.fixed:
-            self.pages.n = self.live_pages
-
     def select_batch(self, index: torch.Tensor) -> None:
         if self.pages.buffers:
             self.pages.select_batch(index)
@@ -275,14 +253,21 @@ class PageIndex(RetrievalState):
 
     def index_in_place(self, storage, positions) -> bool:
         """One row a step (``rule="eval"`` archives each decode step's row) joins the summary in one op,
-        :func:`~kvzoo.kernels.choose.quest_page_add`, read where it lies; the host's counts move in the summary."""
-        summary = self.summary
-        if positions.shape[2] != 1 or not summary.room_for_one():
-            return False
+        :func:`~kvzoo.kernels.choose.quest_page_add`, read where it lies and written at page ``count // page_size``:
+        where the summary is defined and, fixed, not full. The host's counts follow: the rows, and a growing summary's
+        page count (a fixed one's is brought up to date by the next multi-row add)."""
+        summary, size = self.summary, self.page_size
         pages = summary.pages
+        if positions.shape[2] != 1 or not pages.buffers or (pages.fixed and summary.rows >= pages.capacity * size):
+            return False
+        if not pages.fixed and summary.rows % size == 0:  # the row opens a page: a slot for it (grown geometrically)
+            pages.n = summary.live_pages
+            pages.reserve(1)
         quest_page_add(storage["keys"], storage["valid"], positions[:, :, 0], summary.open_min, summary.open_max,
-                       pages.buffers["entries"], pages.buffers["empty"], summary.count, pages.length, self.page_size)
-        summary.one_added()
+                       pages.buffers["entries"], pages.buffers["empty"], summary.count, pages.length, size)
+        summary.rows += 1
+        if not pages.fixed:
+            pages.n = summary.live_pages
         return True
 
     def scan_cost(self, query_rows: int) -> tuple[int, int]:
