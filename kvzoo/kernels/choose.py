@@ -113,18 +113,13 @@ def _joined_bounds(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tens
     return torch.where(opens, lo, torch.minimum(open_min, lo)), torch.where(opens, hi, torch.maximum(open_max, hi))
 
 
-def _own_page(own: tuple[torch.Tensor, ...], live: torch.Tensor, size: int, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The current page's entry ``[B, G, 1, 2 D + 1]`` (in ``dtype``) and empty flag ``[B, G, 1]`` with the step's own
-    key in it: ``own = (keys [B, G, N, D], valid [B, G, N], position [B, G], open_min, open_max [B, G, D])`` -- the
-    row gathered and masked as :func:`quest_page_add_reference` does, joined to the open page's running min/max (or
-    alone when it opens a page, ``live % size == 0``); the summary is left as it is."""
-    keys, valid, position, open_min, open_max = own
-    lo, hi = _joined_bounds(keys, valid, position, open_min, open_max, (live % size == 0).view(1, 1, 1))
-    lo, hi = lo[:, :, None], hi[:, :, None]
-    entry = page_entries(lo, hi)
-    entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(lo).all(-1, keepdim=True), 0.0)
-    return entry.to(dtype), torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)  # [B, G, 1]
+def quest_page_entries(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's page entries ``[max, min, max |k|]`` ``[B, G, p, 2 D + 1]`` in ``dtype`` (each one of the page's key
+    values: exact) from the pages' fp32 min/max ``lo``/``hi [B, G, p, D]`` (``+inf``/``-inf`` over padding), and their
+    empty flags ``[B, G, p]`` (a page of padding only: its magnitude 0, never fetched)."""
+    entries = page_entries(lo, hi)
+    entries[..., -1:] = entries[..., -1:].masked_fill(torch.isinf(lo).all(-1, keepdim=True), 0.0)
+    return entries.to(dtype), torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)
 
 
 def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
@@ -133,7 +128,7 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
                            own: tuple[torch.Tensor, ...] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quest_choose` in PyTorch: with ``own``, one page slot more and the current page's entry with the step's
-    key (:func:`_own_page`) written at page ``live // size``; the page bounds (``page_query`` rows,
+    key (the row gathered as :func:`quest_page_add_reference` gathers it) written at page ``live // size``; the page bounds (``page_query`` rows,
     :func:`~kvzoo.kernels.index_scan.index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages
     at ``-inf``, the top pages (each head's in ascending page order), their rows and flags, the union count; the
     storage positions gathered from ``positions``. Apart from that order (``PageIndex.choose`` took ``topk``'s, best
@@ -141,7 +136,8 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
     ran before the op."""
     B, G, hq, D = query.shape
     if own is not None:  # the current page with the step's key, in its slot; one slot more for a page it opens
-        entry, unused = _own_page(own, live, size, entries.dtype)
+        lo, hi = _joined_bounds(*own, (live % size == 0).view(1, 1, 1))  # the summary is left as it is
+        entry, unused = quest_page_entries(lo[:, :, None], hi[:, :, None], entries.dtype)
         page = torch.div(live, size, rounding_mode="floor").view(1)
         entries = torch.cat([entries, torch.zeros_like(entry)], 2).index_copy_(2, page, entry)
         empty = torch.cat([empty, torch.ones_like(unused)], 2).index_copy_(2, page, unused)
@@ -202,15 +198,14 @@ def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: 
                              empty: torch.Tensor, count: torch.Tensor, length: torch.Tensor, size: int) -> None:
     """:func:`quest_page_add` in PyTorch: the row gathered, masked where it is padding, then the running min/max, the
     page's entry and flag written at ``count // size``, ``count`` and ``length`` moved (what ``PageSummary._add_one``
-    does with Quest's encoding, ``retrievers/quest.py``'s ``_quest_entries``)."""
+    does with Quest's encoding, :func:`quest_page_entries`)."""
     page = torch.div(count, size, rounding_mode="floor")  # on the device
     lo, hi = _joined_bounds(keys, valid, position, open_min, open_max, (count % size == 0).view(1, 1, 1))
     open_min.copy_(lo)
     open_max.copy_(hi)
-    entry = page_entries(open_min[:, :, None], open_max[:, :, None])  # [B, G, 1, 2 D + 1]
-    entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(open_min[:, :, None]).all(-1, keepdim=True), 0.0)
-    entries.index_copy_(2, page, entry.to(entries.dtype))
-    empty.index_copy_(2, page, (torch.isinf(open_min).all(-1) & torch.isinf(open_max).all(-1))[:, :, None])
+    entry, unused = quest_page_entries(open_min[:, :, None], open_max[:, :, None], entries.dtype)  # [B, G, 1, ...]
+    entries.index_copy_(2, page, entry)
+    empty.index_copy_(2, page, unused)
     count.add_(1)
     length.copy_(torch.div(count + (size - 1), size, rounding_mode="floor"))
 

@@ -18,8 +18,8 @@ import torch
 from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.policy import require_int
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.kernels.choose import quest_choose, quest_page_add
-from kvzoo.kernels.index_scan import index_scan, page_entries, page_query
+from kvzoo.kernels.choose import quest_choose, quest_page_add, quest_page_entries
+from kvzoo.kernels.index_scan import index_scan, page_query
 
 GQA_RULES = ("head", "group")
 RULES = ("eval", "kernel")
@@ -206,12 +206,7 @@ class PageSummary:
 
 
 def _quest_entries(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Quest's page entries ``[max, min, max |k|]`` (:func:`~kvzoo.kernels.index_scan.page_entries`) in the keys'
-    dtype (each is one of the page's key values: exact); an empty page's magnitude is 0."""
-    empty = torch.isinf(lo).all(-1, keepdim=True)
-    entries = page_entries(lo, hi)
-    entries[..., -1:] = entries[..., -1:].masked_fill(empty, 0.0)
-    return {"entries": entries.to(dtype)}
+    return {"entries": quest_page_entries(lo, hi, dtype)[0]}  # the page summary's encoding for Quest
 
 
 @functools.cache
