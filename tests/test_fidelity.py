@@ -15,7 +15,6 @@ from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.policy import RowsView
 from kvzoo.framework.retrieval import ArchiveView
 from kvzoo.kernels.attention import window_attention
-from kvzoo.kernels.index_scan import page_bounds
 from kvzoo.models import tiny_llama
 from kvzoo.policies.h2o import H2O
 from kvzoo.policies.snapkv import SnapKV
@@ -107,18 +106,15 @@ def test_per_query_head_selection_contains_every_heads_own_top_pages(seed):
         keys[0, h // (H // G), planted[h]] = query[0, h, 0] * 4  # head h's best key
     state, view = _page_index(keys, pages=3)
     choice = state.choose(query, None, 1.0, view)
-    bounds = page_bounds(query, state.page_min, state.page_max, 1.0)  # [B, H, 1, p]
+    bounds = state.bounds(query, 1.0)  # [B, H, 1, p]
     mask = choice.as_mask(m)
-    if choice.segments:  # a decode step: each head's own rows, one segment per head of its group
-        hpg = H // G
-        rows_of = choice.rows.view(B, G, hpg, -1)
-        ok_of = choice.ok.view(B, G, hpg, -1)
-        visible = torch.zeros(B, H, m, dtype=torch.bool)
-        for h in range(H):
-            visible[0, h, rows_of[0, h // hpg, h % hpg][ok_of[0, h // hpg, h % hpg]]] = True
-    else:
-        staged = torch.arange(m).expand(B, G, m)
-        visible = choice.visible(staged)  # [B, H, m]
+    assert choice.head_valid is not None  # a decode step: each head's own rows, one segment per head of its group
+    hpg = H // G
+    rows_of = choice.rows.view(B, G, hpg, -1)
+    ok_of = choice.ok.view(B, G, hpg, -1)
+    visible = torch.zeros(B, H, m, dtype=torch.bool)
+    for h in range(H):
+        visible[0, h, rows_of[0, h // hpg, h % hpg][ok_of[0, h // hpg, h % hpg]]] = True
     for h in range(H):
         own = bounds[0, h, 0].topk(3).indices
         rows = (own[:, None] * 16 + torch.arange(16)).flatten()
@@ -133,7 +129,7 @@ def test_group_rule_fetches_one_page_set_per_kv_group():
     query = torch.randn(1, 4, 1, 16, generator=g)
     state, view = _page_index(keys, gqa="group", pages=2)
     choice = state.choose(query, None, 1.0, view)
-    assert choice.visible is None and (choice.as_mask(160).sum(-1) == 32).all()
+    assert choice.head_valid is None and (choice.as_mask(160).sum(-1) == 32).all()
 
 
 def quest_reference_reads(query, keys, budget, page_size, rule):
@@ -187,7 +183,7 @@ def quest_kvzoo_reads(query, keys, budget, page_size, rule):
     H = query.shape[0]
     if archived:
         choice = state.choose(query[None, :, None], None, 1.0, view)
-        if choice.segments:  # each head's own rows, one segment per head of the group
+        if choice.head_valid is not None:  # each head's own rows, one segment per head of the group
             hpg = H // G
             per_head = choice.rows.view(1, G, hpg, -1)
             ok_head = choice.ok.view(1, G, hpg, -1)
@@ -196,10 +192,8 @@ def quest_kvzoo_reads(query, keys, budget, page_size, rule):
                 rows = per_head[0, h // hpg, h % hpg][ok_head[0, h // hpg, h % hpg]]
                 seen[0, h, rows] = True
         else:
-            staged = torch.arange(archived).expand(1, G, archived)
             ok = choice.as_mask(archived)  # [1, G, m]: the group fetched it
-            seen = choice.visible(staged) if choice.visible is not None else ok.repeat_interleave(H // G, dim=1)
-            seen = seen & ok.repeat_interleave(H // G, dim=1)
+            seen = ok.repeat_interleave(H // G, dim=1)
     else:
         seen = torch.zeros(1, H, 0, dtype=torch.bool)
     return [set(torch.nonzero(seen[0, h]).flatten().tolist()) | set(range(archived, L)) for h in range(H)]

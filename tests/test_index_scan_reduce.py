@@ -124,7 +124,7 @@ def test_vestige_certified_rule_through_the_reduction_is_the_policys(tau):
     state.index({"keys": keys, "valid": valid}, ArchiveView(keys, valid=valid), _archive(keys[:, :, :0]))
     query = torch.randn(B, H, q_len, dc + dr, generator=g)
     best = ix.exact_scores(query, keys, 0.2).amax(-1) - 0.3  # s* per head and query [B, H, q]
-    mask = state.choose(query, best, 0.2, _archive(keys)).mask
+    mask = state.choose(query, best, 0.2, _archive(keys)).as_mask(m)
     rows = ix.sketch_query(query[..., :dc], query[..., dc:], state.basis)
     threshold = (best - tau).reshape(B, G, (H // G) * q_len)
     margin = index_scan_reduce(rows, state.rows.get("entries"), 0.2, threshold)

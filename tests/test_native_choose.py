@@ -25,8 +25,7 @@ from kvzoo.kernels.index_scan import (
     sketch_entries,
 )
 from kvzoo.models import TINY_FAMILIES, tiny_llama
-from kvzoo.retrievers.pages import PageSummary
-from kvzoo.retrievers.quest import _quest_entries
+from kvzoo.retrievers.quest import PageSummary, _quest_entries
 
 needs_compiler = pytest.mark.skipif(cpu_native.toolchain_missing() is not None,
                                     reason=f"{cpu_native.toolchain_missing()}: the CPU kernels are not built here "

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.retrieval import ArchiveView, build_retriever
-from kvzoo.kernels.index_scan import exact_scores, page_bounds
+from kvzoo.kernels.index_scan import exact_scores
 from kvzoo.retrievers.quest import PageIndex, QuestRetriever
 
 
@@ -31,7 +31,7 @@ def test_page_bound_covers_the_best_row_of_each_page(m, d, heads, seed):
     state = PageIndex(QuestRetriever(page_size=16))
     _index(state, keys)
     q = torch.randn(1, heads, 2, d, generator=g) * 3
-    bounds = page_bounds(q, state.page_min, state.page_max, 0.7)  # [1, H, 2, p]
+    bounds = state.bounds(q, 0.7)  # [1, H, 2, p]
     exact = exact_scores(q, keys, 0.7)
     pages = -(-m // 16)
     padded = torch.full((1, heads, 2, pages * 16), float("-inf"))
@@ -46,7 +46,7 @@ def test_incremental_index_equals_one_shot():
     _index(one, keys)
     for a, b in [(0, 5), (5, 21), (21, 22), (22, 53)]:
         _index(parts, keys[:, :, a:b])
-    assert torch.equal(one.page_min, parts.page_min) and torch.equal(one.page_max, parts.page_max)
+    assert torch.equal(one.pages.get("entries"), parts.pages.get("entries"))  # [max, min, max |k|] per page
 
 
 @pytest.mark.parametrize("seed", range(5))

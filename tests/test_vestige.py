@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvzoo import TieredCache, pipeline, registry
 from kvzoo.framework.policy import RowsView
 from kvzoo.framework.retrieval import ArchiveView, RowGeometry, build_retriever
-from kvzoo.kernels.index_scan import exact_scores, sketch_bounds
+from kvzoo.kernels.index_scan import exact_scores, index_scan, sketch_entries, sketch_query
 from kvzoo.models import tiny_kimi_linear
 from kvzoo.policies.vestige import branch_sigma
 from kvzoo.retrievers.sketch import SketchIndex
@@ -108,10 +108,9 @@ def test_sketch_bound_is_sound(m, dc, dr, rank_frac, heads, scale, seed):
     basis = torch.linalg.qr(torch.randn(dc, dc, generator=g, dtype=torch.float64))[0][:, :rank].float()[None]
     c = torch.randn(1, 1, m, dc, generator=g) * torch.rand(1, generator=g) * 10
     r = torch.randn(1, 1, m, dr, generator=g) if dr else None
-    z = torch.einsum("bgkd,gdr->bgkr", c, basis)
-    eta = (c - torch.einsum("bgkr,gdr->bgkd", z, basis)).norm(dim=-1)
     q = torch.randn(1, heads, 3, dc + dr, generator=g) * 5
-    bound = sketch_bounds(q[..., :dc], q[..., dc:] if dr else None, basis, z, eta, r, scale)
+    entries = sketch_entries(c, r, basis)  # [z, eta, r, ||c||, ||r||]: what the index stores
+    bound = index_scan(sketch_query(q[..., :dc], q[..., dc:] if dr else None, basis), entries, scale).view(1, heads, 3, m)
     keys = torch.cat([c, r], dim=-1) if dr else c
     assert (bound >= exact_scores(q, keys, scale)).all()
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvzoo.framework.retrieval import RowGeometry
+from kvzoo.framework.retrieval import ArchiveView, RowGeometry
 from kvzoo.kernels.index_scan import exact_scores, int8_page_bounds, int8_page_entries
 from kvzoo.retrievers.int8 import Int8KeyIndex
 from kvzoo.retrievers.paged import PagedKeyIndex
@@ -111,14 +111,14 @@ def test_choose_finds_a_planted_row_and_reads_fewer_bytes():
     state = _paged()
     _feed(state, keys, valid, [100, 540])
     best = exact_scores(query, keys, 0.125).amax(-1) - 1.0
-    choice = state.choose(query, best, 0.125, None)
+    choice = state.choose(query, best, 0.125, ArchiveView(rows=m))
     chosen = choice.rows[0, 1][choice.ok[0, 1]]
     assert planted in chosen.tolist()
-    assert choice.rows.shape == (1, 3, 3 * 16)  # j per head, the union taken by the runtime
+    assert choice.rows.shape == (1, 3, 3 * 16)  # j per head, each row of the group's union flagged once
     flat = VestigeRetriever(index="int8").new_state(RowGeometry("gqa", 0))
     _feed(flat, keys, valid, [640])
-    assert state.scan_bytes(3) == 40 * (2 * D + 5) + 3 * 4 * 16 * (D + 6)  # 40 pages, then 4 pages per head
-    assert state.scan_bytes(3) < flat.scan_bytes(3) / 2 == m * (D + 6) / 2
+    assert state.scan_cost(3)[1] == 40 * (2 * D + 5) + 3 * 4 * 16 * (D + 6)  # 40 pages, then 4 pages per head
+    assert state.scan_cost(3)[1] < flat.scan_cost(3)[1] / 2 == m * (D + 6) / 2
 
 
 def test_options_and_layouts():
@@ -154,6 +154,6 @@ def test_certified_mode_reads_every_row_as_the_int8_index_does():
     _feed(flat, keys, valid, [90])
     query = torch.randn(1, 4, 1, 16, generator=g)
     best = exact_scores(query, keys, 0.25).amax(-1) - 2.0
-    mask = paged.choose(query, best, 0.25, None).mask
-    assert mask.shape == (1, 2, 90) and torch.equal(mask, flat.choose(query, best, 0.25, None).mask)
-    assert paged.scan_bytes(2) == flat.scan_bytes(2) == 90 * 22
+    mask = paged.choose(query, best, 0.25, ArchiveView(rows=90)).ok
+    assert mask.shape == (1, 2, 90) and torch.equal(mask, flat.choose(query, best, 0.25, ArchiveView(rows=90)).ok)
+    assert paged.scan_cost(2)[1] == flat.scan_cost(2)[1] == 90 * 22

@@ -107,8 +107,8 @@ def test_estimate_rule_keeps_only_rows_whose_bound_beats_s_star():
 
 def test_adaptive_count_a_peaked_head_fetches_fewer(monkeypatch):
     """int8 keys (tight bound), j = 8, margin 2: a head with one dominant archived row fetches only the rows within 2
-    logits of s*; a flat head fetches all 8. (Per head on the PyTorch path; a CPU decode step's fused kernel stages
-    the group's union of the same rows.)"""
+    logits of s*; a flat head fetches all 8 (each head asked alone); the PyTorch path and a CPU decode step's fused
+    kernel stage the group's union of the same rows."""
     g = torch.Generator().manual_seed(9)
     keys = torch.randn(1, 1, 50, 16, generator=g) * 0.1
     query = torch.zeros(1, 2, 1, 16)
@@ -120,8 +120,9 @@ def test_adaptive_count_a_peaked_head_fetches_fewer(monkeypatch):
     fused = state.choose(query, s_star, 1.0, _archive(keys))
     monkeypatch.setenv("KVZOO_KERNELS", "torch")
     choice = state.choose(query, s_star, 1.0, _archive(keys))
-    ok = choice.ok.view(2, 8)
-    assert int(ok[0].sum()) == 1 and int(ok[1].sum()) == 8
+    alone = [state.choose(query[:, h : h + 1], s_star[:, h : h + 1], 1.0, _archive(keys)) for h in range(2)]
+    assert int(alone[0].ok.sum()) == 1 and int(alone[1].ok.sum()) == 8
+    assert torch.equal(choice.as_mask(50), alone[0].as_mask(50) | alone[1].as_mask(50))
     assert torch.equal(fused.as_mask(50), choice.as_mask(50))
 
 

@@ -1,26 +1,20 @@
 """The retrieval tier's mechanics: what a forward fetches from a layer's archive, and what it read.
 
-A :class:`Retrieval` (one per cache, beside the :class:`~kvzoo.framework.runtime.Runtime` that decides a row's
-fate) holds the retriever's configuration (``framework/retriever.py``: a dataclass that makes one
-:class:`~kvzoo.framework.retriever.RetrievalState` per layer, which indexes the rows as they are archived) and the
-audit flag. Per forward it asks the layer's index which archived rows the forward's queries need and hands them
-to the attention where they lie in the layer's storage (no row is copied on the decode path), and records what
-the forward read:
+A :class:`Retrieval` (one per cache, beside the runtime) holds the retriever's configuration and the audit flag. Per
+forward it asks the layer's index (a :class:`~kvzoo.framework.retriever.RetrievalState`) which archived rows the
+queries need -- one question, ``choose`` -- hands them to the attention where they lie in the layer's storage, and
+records what the forward read:
 
-* a **decode step** (:meth:`Retrieval.fetch_step`): the retriever's choice as one source of the decode op -- the
-  storage at the chosen rows' positions, each row once (a top-j choice staged at a fixed count, or a mask over
-  the archive list), no host synchronisation, and with ``TieredCache(..., capacity=N)`` the same shapes every
-  step;
-* a **multi-token forward** (:meth:`Retrieval.fetch_forward`: a prefill chunk, a question, a teacher-forced answer)
-  follows one rule for every retriever (``Retriever.multi_token``): ``"dense"`` (default, Quest's reference) reads
-  the whole archive; ``"union"`` fetches the union of each query's own choice, scanned in query tiles
-  (:func:`kvzoo.kernels.attention.query_block`) so that no more than one tile of ``heads x queries x rows`` bounds
-  exists at a time.
+* a **decode step** (:meth:`Retrieval.fetch_step`): the choice as one source of the decode op, each row once, no host
+  synchronisation, and with ``TieredCache(..., capacity=N)`` the same shapes every step;
+* a **multi-token forward** (:meth:`Retrieval.fetch_forward`: a prefill chunk, a question, a teacher-forced answer),
+  by one rule for every retriever (``Retriever.multi_token``): ``"dense"`` (default, Quest's reference) reads the
+  whole archive; ``"union"`` fetches the union of each query's own choice, scanned in query tiles
+  (:func:`kvzoo.kernels.attention.query_block`) so that at most one tile of bounds exists at a time.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,9 +25,8 @@ from kvzoo.framework.buffers import gather_rows
 from kvzoo.framework.names import build_retriever
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
-from kvzoo.kernels.choose import unique_candidates
 from kvzoo.kernels.decode_attention import Rows
-from kvzoo.kernels.index_scan import exact_scores
+from kvzoo.kernels.index_scan import exact_scores, unique_candidates
 
 if TYPE_CHECKING:  # a type name only: a layer is handed in
     from kvzoo.framework.layer import KVLayer
@@ -131,31 +124,19 @@ class Retrieval:
         index = store.archive.index
         view = store.archive.view(store.budget, whole=True, step=True)  # with the archive list, the fetched count
         choice = index.choose(query, best if index.needs_best else None, scaling, view)
-        positions = view.positions  # [B, G, m]: the archive list (whole when fixed)
-        head_valid = None
-        if choice.mask is not None:  # every archived row within reach: flags over the archive list
-            valid, staged = choice.mask, None
-        elif choice.segments:  # each query head's own rows, one segment each: read as they are, no union
-            staged, valid = choice.rows, choice.ok
-            head_valid = segment_heads(query.shape[1], valid.shape[1], valid.shape[2], query.device).expand(
-                valid.shape[0], -1, -1)
-        elif choice.staged is not None:  # the retriever staged its choice itself (one fused scan)
-            staged, valid = choice.staged
+        if choice.rows is None:  # a mask over the whole archive list
+            positions = view.positions
+        elif choice.positions is not None:  # the choice's op read the rows' storage positions itself
+            positions = choice.positions
         else:
-            staged, valid = unique_candidates(choice.rows, choice.ok, view.rows)
-        if staged is not None:  # the chosen rows where they lie: the op's own positions, or read from the list
-            positions = choice.positions if choice.positions is not None else positions.gather(2, staged)
-        if choice.visible is not None and choice.mask is None and not choice.segments:
-            H = query.shape[1]
-            head_valid = choice.visible(staged) & valid.repeat_interleave(H // valid.shape[1], dim=1)
-        fetched = choice.count if choice.count is not None else valid.sum()
+            positions = view.positions.gather(2, choice.rows)
+        fetched = choice.count if choice.count is not None else choice.ok.sum()
+        self._account(layer, query, scaling, fetched, choice, view)
         rows = store.rows
         width = None if "values" in rows.buffers else store.latent_width
         pool_valid = None if store.all_valid else rows.buffers["valid"]  # padding rows are never fetched
-        self._account(layer, query, scaling, fetched, scanned=True, view=view, chosen=(staged, valid),
-                      counted=choice.counted)
         return Rows(rows.buffers["keys"], rows.buffers.get("values"), value_width=width, indices=positions,
-                    valid=valid, head_valid=head_valid, pool_valid=pool_valid)
+                    valid=choice.ok, head_valid=choice.head_valid, pool_valid=pool_valid)
 
     # --- a multi-token forward ---------------------------------------------------------------------------
     def fetch_forward(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> Fetched:
@@ -187,21 +168,19 @@ class Retrieval:
             picked = picked & gather_rows(buffers["valid"], positions)  # padding rows are never fetched
             values = gather_rows(buffers["values"], positions) if "values" in buffers else None
             fetched = picked.sum()
-        self._account(layer, query, scaling, fetched, scanned=not dense, view=view, chosen=None if dense else
-                      (None, mask))
+        self._account(layer, query, scaling, fetched, None if dense else Choice(None, mask), view)
         return Fetched(keys, values, torch.where(picked, slots, -1), picked, dense=dense)
 
     # --- accounting --------------------------------------------------------------------------------------
-    def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor, *, scanned: bool,
-                 view: ArchiveView, chosen: tuple[torch.Tensor | None, torch.Tensor] | None,
-                 counted: bool = False) -> None:
+    def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor,
+                 chosen: Choice | None, view: ArchiveView) -> None:
         """This forward's reads, in rows and entries: a few host numbers and one device count (the rows fetched,
-        already added to the layer's count when ``counted``: the choice's op did it); ``stats()`` derives bytes and
-        figures from them."""
+        already added to the layer's count when the choice's op did it); ``stats()`` derives bytes and figures from
+        them. ``chosen`` None: the dense rule, which reads the archive, not the index."""
         index = layer.store.archive.index
         B, G = layer.store.rows.buffers["keys"].shape[:2]
-        entries = B * G * index.entries() if scanned else 0  # the dense rule reads the archive, not the index
-        index_bytes = B * G * index.scan_bytes(query.shape[1] // G * query.shape[2]) if scanned else 0
+        entries, index_bytes = index.scan_cost(query.shape[1] // G * query.shape[2]) if chosen is not None else (0, 0)
+        entries, index_bytes = B * G * entries, B * G * index_bytes
         n = layer.store.n
         counts = layer.counts
         counts.last_read = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": entries,
@@ -210,34 +189,14 @@ class Retrieval:
         counts.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
         counts.retrieval_steps += 1
         counts.rows_scanned += entries
-        if not counted:
+        if chosen is None or not chosen.counted:
             counts.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
         if self.audit and chosen is not None:
-            audit = _audit(query, scaling, index, _chosen_mask(chosen, view.rows), view)
+            audit = _audit(query, scaling, index, chosen.as_mask(view.rows), view)
             counts.last_read.update(audit)
             info = counts.policy_info
             for key, value in audit.items():
                 info[key] = info.get(key, 0) + value
-
-
-@functools.cache
-def segment_heads(heads: int, groups: int, positions: int, device: torch.device) -> torch.Tensor:
-    """``[1, H, K]`` bool: query head ``h`` reads segment ``h mod (H / G)`` of its group's ``K`` positions (the
-    layout of a :class:`Choice` with ``segments``), the same tensor for every step of that shape."""
-    per_group = heads // groups
-    segment = torch.arange(positions, device=device) // (positions // per_group)
-    return (segment[None] == (torch.arange(heads, device=device) % per_group)[:, None])[None]
-
-
-def _chosen_mask(chosen: tuple[torch.Tensor | None, torch.Tensor], archived: int) -> torch.Tensor:
-    """What a forward fetched as a mask over the archive list ``[B, G, m]``."""
-    idx, picked = chosen
-    if idx is None:
-        return picked
-    B, G = idx.shape[:2]
-    mask = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=idx.device)
-    mask.scatter_(2, torch.where(picked, idx, archived), True)
-    return mask[..., :archived]
 
 
 def tier_best(layer: KVLayer, query: torch.Tensor, q_slots: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -1,11 +1,10 @@
 """The retriever interface (policy layer): an index over a layer's archive, tensors in, rows out.
 
 A *retriever* is a configuration (a dataclass whose fields are its hyperparameters) that makes one
-*state* per layer. The state indexes rows as they are archived (:meth:`RetrievalState.index`)
-and, given queries, names the archived rows they could need (:meth:`RetrievalState.choose`).
-Everything a state sees arrives as tensors (:class:`ArchiveView`); the runtime
-(``framework/runtime.py``) scans, gathers the named rows, attends and accounts. Importable with
-torch alone.
+*state* per layer. The state indexes rows as they are archived (:meth:`RetrievalState.index`) and answers one
+question, :meth:`RetrievalState.choose`: which archived rows these queries need. Everything a state sees arrives
+as tensors (:class:`ArchiveView`); the retrieval tier (``framework/retrieval.py``) fetches the chosen rows where
+they lie, attends and accounts. Importable with torch alone.
 
 Retrievers reach kvzoo by name through the registry's ``kvzoo_retrievers`` hook, as policies do:
 ``"vestige"`` (certified sketch, ``policies/vestige.py``) and ``"quest"`` (page min/max,
@@ -44,19 +43,17 @@ class ArchiveView:
     """One layer's archive as tensors (what a retriever may read at scan time).
 
     ``keys [B, G, m, D]`` (MLA: latent rows), ``slots [B, G, m]``, ``valid [B, G, m]``, in archive order, and ``budget``
-    (the layer's budget in rows, fixed at its first event). Built from tensors, or from ``read(name)`` (a layer's
-    archive: the rows are gathered from its storage only when read, so a step that never reads them launches
-    nothing for them). ``rows`` (``m``) and ``groups`` (``G``) are known without reading. With a fixed capacity a
-    decode step's view covers the whole archive list: ``m`` is its capacity and the entries past the live ones are
-    not valid.
+    (the layer's budget in rows). Built from tensors, or from ``read(name)`` (a layer's archive: gathered only when
+    read, so a step that never reads them launches nothing for them); ``rows`` (``m``) and ``groups`` (``G``) are
+    known without reading. With a fixed capacity a decode step's view is the whole archive list (``m`` its capacity,
+    the entries past the live ones not valid).
 
-    A decode step's view also carries, for a choice made by one fused op, ``positions [B, G, m]`` (int64: the archive
-    list, each archived row's position in the layer's storage; -1 past the live ones), so the op may return the
-    chosen rows' storage positions itself (:attr:`Choice.positions`), and ``fetched`` (the layer's count of rows
-    fetched, int64 0-dim), to which the op may add its count in place (:attr:`Choice.counted`), and, where the policy
-    archives the step's own row next (``Policy.own_row_archived_next``), ``own_row`` (that row, attended apart and
-    not yet archived: ``(keys [B, G, N, D], valid [B, G, N], position [B, G])``, the layer's storage whole and the
-    row's position in it, read when asked; Quest's eval rule scores the current page with it). None elsewhere.
+    A decode step's view also carries ``positions [B, G, m]`` (int64: each archived row's position in the layer's
+    storage, -1 past the live ones), so a fused choice may return the chosen rows' positions itself; ``fetched`` (the
+    layer's count of rows fetched, int64 0-dim), to which a fused choice may add its count in place; and, where the
+    policy archives the step's own row next (``Policy.own_row_archived_next``), ``own_row``: ``(keys [B, G, N, D],
+    valid [B, G, N], position [B, G])``, the storage whole and the row's position (Quest's eval rule scores the
+    current page with it). None elsewhere.
     """
 
     def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
@@ -100,43 +97,30 @@ class ArchiveView:
 
 @dataclass
 class Choice:
-    """What a retrieval state names for a tile of queries: candidates, or a mask over the archive.
+    """The archived rows a retrieval state names for some queries.
 
-    ``rows``/``ok`` ``[B, G, K]``: candidate archive indices and whether each is chosen (a fixed
-    ``K`` per call, e.g. ``j`` per head and query: the decode step stages them without a host
-    synchronisation). ``mask [B, G, m]``: when the choice has no small bound (certified mode).
+    ``rows``/``ok`` ``[B, G, K]``: archive-list indices and whether each is fetched, a fixed ``K`` per call (a decode
+    step reads them without a host synchronisation). In a decode step's choice each fetched row is flagged once per
+    group, or, with ``head_valid``, once per head segment; a multi-token choice may repeat rows (only its mask is
+    read). ``rows`` None: ``ok [B, G, m]`` is a mask over the whole archive list (the certified rule).
     """
 
-    rows: torch.Tensor | None = None
-    ok: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    # which query heads may read each staged row, ``visible(idx [B, G, K]) -> [B, H, K]`` (None: every
-    # head of the group reads every row the group fetched)
-    visible: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # the choice already staged as the runtime stages ``rows``/``ok``: ``(idx, picked) [B, G, K]``, sorted indices with
-    # each chosen row flagged once (a retriever that does the union in its own scan, e.g. a fused kernel)
-    staged: tuple[torch.Tensor, torch.Tensor] | None = None
-    # ``rows``/``ok`` hold one segment per query head of the group, in head order (head h of a group reads its
-    # segment only, e.g. Quest's own pages per head): nothing to de-duplicate, a decode step reads them as they are;
-    # ``count`` is the rows the group reads at least once (a device count, for the bytes read), None: ``ok.sum()``
-    segments: bool = False
-    count: torch.Tensor | None = None
-    # the chosen rows' storage positions ``[B, G, K]`` (the archive list read at ``rows``, or at ``staged``'s indices),
-    # when the choice's op returned them: the decode step reads them as they are
+    rows: torch.Tensor | None
+    ok: torch.Tensor
+    # ``[B, H, K]``: which query heads read each row (Quest's own pages per head: head h reads its own segment of
+    # its group's rows); None: every head of the group reads every row the group fetched
+    head_valid: torch.Tensor | None = None
+    # the rows' storage positions ``[B, G, K]`` when the choice's op returned them (else read from the archive list)
     positions: torch.Tensor | None = None
-    # ``count`` (the rows this choice fetches) was already added to the layer's count (``ArchiveView.fetched``) by the
-    # choice's own op: the retrieval tier adds nothing
+    # the rows the groups read at least once (int64 0-dim, on the device); None: ``ok.sum()``
+    count: torch.Tensor | None = None
+    # ``count`` was already added to the layer's count (``ArchiveView.fetched``) by the choice's own op
     counted: bool = False
 
     def as_mask(self, archived: int) -> torch.Tensor:
-        if self.mask is not None:
-            return self.mask
-        if self.staged is not None:
-            idx, picked = self.staged
-            B, G = idx.shape[:2]
-            mask = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=idx.device)
-            mask.scatter_(2, torch.where(picked, idx, archived), True)
-            return mask[..., :archived]
+        """The choice as bool ``[B, G, archived]`` over the archive list."""
+        if self.rows is None:
+            return self.ok
         B, G = self.rows.shape[:2]
         mask = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=self.rows.device)
         mask.scatter_(2, torch.where(self.ok, self.rows, archived), True)  # not chosen: a spare column
@@ -146,37 +130,28 @@ class Choice:
 class RetrievalState(ABC):
     """One layer's index over its archive."""
 
-    entry_bytes: int = 0  # bytes of one index entry
     page_size: int = 1  # archived rows one entry covers (Quest's pages; 1 for per-row indexes)
     needs_best: bool = True  # choose() reads s*, the attended tier's best score per head and query
     audit_top: int = 0  # how many true top rows the audit's recall looks at
 
     @abstractmethod
-    def index(
-        self, rows: dict[str, torch.Tensor], block_keys: torch.Tensor, block_valid: torch.Tensor,
-        archive: ArchiveView | None,
-    ) -> None:
-        """Index ``rows`` (``keys [B,G,k,D]``, ``valid``, ...) as they join the end of ``archive``.
+    def index(self, rows: dict[str, torch.Tensor], tier: ArchiveView, archive: ArchiveView | None) -> None:
+        """Index ``rows`` (``keys [B, G, k, D]``, ``valid``, ...) as they join the end of ``archive``.
 
-        ``block_keys``/``block_valid`` are the attended tier before the eviction (the closing block);
+        ``tier`` is the attended tier before the eviction (the closing block; a basis may be fitted to it);
         ``archive`` is the archive before ``rows`` join it (to rebuild an index).
         """
 
     def index_in_place(self, storage: dict[str, torch.Tensor], positions: torch.Tensor) -> bool:
-        """Index the rows at ``positions [B, G, k]`` of the layer's storage (``storage``: its buffers ``keys
-        [B, G, N, D]`` and ``valid [B, G, N]``, whole) as they join the end of the archive, reading them where they lie,
+        """Index the rows at ``positions [B, G, k]`` of the layer's storage (``keys``, ``valid``: whole) where they lie,
         if this index can (True; e.g. one row a step, in one op); False (the default): the layer gathers them and
         calls :meth:`index`."""
         return False
 
     @abstractmethod
-    def entries(self) -> int:
-        """Index entries per (batch, group): what one scan reads."""
-
-    def scan_bytes(self, query_rows: int) -> int:
-        """Index bytes one scan reads per (batch, group) for ``query_rows`` query rows (a group's heads x queries):
-        every entry once (:meth:`entries` x :attr:`entry_bytes`) unless the index reads more per query."""
-        return self.entries() * self.entry_bytes
+    def scan_cost(self, query_rows: int) -> tuple[int, int]:
+        """What one scan reads per (batch, group) for ``query_rows`` query rows (a group's heads x queries): index
+        entries, and index bytes."""
 
     @abstractmethod
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -184,12 +159,8 @@ class RetrievalState(ABC):
 
     @abstractmethod
     def choose(self, query: torch.Tensor, best: torch.Tensor | None, scaling: float, archive: ArchiveView) -> Choice:
-        """The archived rows that some head of a group, for some of ``query [B, H, q, D]``, may need.
-
-        ``best [B, H, q]`` is s* (None when not ``needs_best``). Either a fixed number of candidate
-        row indices per (batch, group) (repeats allowed: the runtime keeps each row once) or a
-        mask over the archive.
-        """
+        """The archived rows that some head of a group, for some of ``query [B, H, q, D]``, may need
+        (``best [B, H, q]``: s*, None when not ``needs_best``)."""
 
     @abstractmethod
     def select_batch(self, index: torch.Tensor) -> None:

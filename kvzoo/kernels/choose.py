@@ -1,23 +1,14 @@
 """A decode step's fused retrieval ops: each a PyTorch reference beside the C op that does its work in one call.
 
-On a CPU decode step (one query per sequence) a retriever's choice was a chain of 20-60 small torch ops per layer:
-build the query rows, scan the index, take each query row's top rows, check their bounds, stage the group's union,
-count it. Each op here does that chain in one call of :mod:`kvzoo.kernels.cpu_native` (a registered torch op with a
-Meta implementation, so a trace counts one launch and ``torch.compile`` takes it whole). Its ``*_reference`` is the
-specification: the torch path kvzoo always ran, op for op, so that the two agree up to fp32 summation order
-(``tests/test_native_choose.py`` holds each op to its reference). The public name picks one per call: the C op on
-CPU tensors it takes (``cpu_native.*_supported``) when ``KVZOO_KERNELS`` is ``auto`` (or unset), the reference
-elsewhere -- a GPU (where the reference's scan is the Triton kernel of :mod:`kvzoo.kernels.index_scan`),
-``KVZOO_KERNELS=torch``, ``KVZOO_KERNELS=triton`` (the scan in Triton, on CPU under its interpreter), or no C
-compiler.
-
-* :func:`sketch_choose` -- VestigeKV's top-j rule over its certified low-rank sketch (``retrievers/sketch.py``);
-* :func:`quest_choose` -- Quest's pages for one decode query: each query head's own (``per_head``), or the group's;
-* :func:`quest_page_add` -- one archived row joins Quest's fixed page summary, read where it lies in the storage;
-* :func:`unique_candidates` -- how the runtime stages a group's candidates (the form the choose ops return).
-
-A choose op counts what it stages (``count``: int64, 0-dim, over the batch and groups) and, given ``counter`` (the
-layer's ``counts.fetched_rows``), adds the count to it in place, so the retrieval tier launches nothing more for it.
+On a CPU decode step a retriever's choice was a chain of 20-60 small torch ops per layer (query rows, scan, each
+query row's top rows, their bounds, the group's union staged, counted). Each op here is one call of
+:mod:`kvzoo.kernels.cpu_native` (a registered torch op, so a trace counts one launch). Its ``*_reference`` is the
+specification, op for op the torch path kvzoo always ran (``tests/test_native_choose.py`` holds each op to it, up to
+fp32 summation order). The public name picks the C op on CPU tensors it takes when ``KVZOO_KERNELS`` is ``auto`` (or
+unset), the reference elsewhere (a GPU, where the reference's scan is the Triton kernel; ``KVZOO_KERNELS=torch`` or
+``triton``; no C compiler). A choose op counts what it stages (int64 0-dim) and adds it in place to ``counter`` (the
+layer's fetched rows) when given. VestigeKV's int8 rule, :func:`~kvzoo.kernels.index_scan.int8_choose`, sits beside
+its scan in ``index_scan.py``.
 """
 
 from __future__ import annotations
@@ -26,25 +17,17 @@ import torch
 
 from kvzoo.kernels import cpu_native
 from kvzoo.kernels.dispatch import mode
-from kvzoo.kernels.index_scan import SKETCH_SLACK, index_scan, index_scan_reduce, page_entries, sketch_query
+from kvzoo.kernels.index_scan import (
+    SKETCH_SLACK,
+    count_picked,
+    index_scan,
+    index_scan_reduce,
+    page_entries,
+    sketch_query,
+    unique_candidates,
+)
 
 RANK_BY = ("estimate", "bound")
-
-
-def unique_candidates(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag (the form a
-    fused choice returns itself). ``O(K log K)`` in the candidates, independent of the archive."""
-    idx = torch.where(ok, rows, archived).sort(dim=-1).values
-    picked = idx < archived
-    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
-    return idx.clamp_(max=archived - 1), picked
-
-
-def _counted(picked: torch.Tensor, counter: torch.Tensor | None) -> torch.Tensor:
-    count = picked.sum()
-    if counter is not None:
-        counter.add_(count)
-    return count
 
 
 # --- VestigeKV's sketch --------------------------------------------------------------------------------------------
@@ -78,7 +61,7 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
         top, rows = bounds.topk(j, dim=-1)
         ok = top > floor[..., None]
     idx, picked = unique_candidates(rows.view(B, G, -1), ok.view(B, G, -1), archived)
-    return idx, picked, _counted(picked, counter)
+    return idx, picked, count_picked(picked, counter)
 
 
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor, j: int,
@@ -130,18 +113,13 @@ def _joined_bounds(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tens
     return torch.where(opens, lo, torch.minimum(open_min, lo)), torch.where(opens, hi, torch.maximum(open_max, hi))
 
 
-def _own_page(own: tuple[torch.Tensor, ...], live: torch.Tensor, size: int, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The current page's entry ``[B, G, 1, 2 D + 1]`` (in ``dtype``) and empty flag ``[B, G, 1]`` with the step's own
-    key in it: ``own = (keys [B, G, N, D], valid [B, G, N], position [B, G], open_min, open_max [B, G, D])`` -- the
-    row gathered and masked as :func:`quest_page_add_reference` does, joined to the open page's running min/max (or
-    alone when it opens a page, ``live % size == 0``); the summary is left as it is."""
-    keys, valid, position, open_min, open_max = own
-    lo, hi = _joined_bounds(keys, valid, position, open_min, open_max, (live % size == 0).view(1, 1, 1))
-    lo, hi = lo[:, :, None], hi[:, :, None]
-    entry = page_entries(lo, hi)
-    entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(lo).all(-1, keepdim=True), 0.0)
-    return entry.to(dtype), torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)  # [B, G, 1]
+def quest_page_entries(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's page entries ``[max, min, max |k|]`` ``[B, G, p, 2 D + 1]`` in ``dtype`` (each one of the page's key
+    values: exact) from the pages' fp32 min/max ``lo``/``hi [B, G, p, D]`` (``+inf``/``-inf`` over padding), and their
+    empty flags ``[B, G, p]`` (a page of padding only: its magnitude 0, never fetched)."""
+    entries = page_entries(lo, hi)
+    entries[..., -1:] = entries[..., -1:].masked_fill(torch.isinf(lo).all(-1, keepdim=True), 0.0)
+    return entries.to(dtype), torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)
 
 
 def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
@@ -150,7 +128,7 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
                            own: tuple[torch.Tensor, ...] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quest_choose` in PyTorch: with ``own``, one page slot more and the current page's entry with the step's
-    key (:func:`_own_page`) written at page ``live // size``; the page bounds (``page_query`` rows,
+    key (the row gathered as :func:`quest_page_add_reference` gathers it) written at page ``live // size``; the page bounds (``page_query`` rows,
     :func:`~kvzoo.kernels.index_scan.index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages
     at ``-inf``, the top pages (each head's in ascending page order), their rows and flags, the union count; the
     storage positions gathered from ``positions``. Apart from that order (``PageIndex.choose`` took ``topk``'s, best
@@ -158,7 +136,8 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
     ran before the op."""
     B, G, hq, D = query.shape
     if own is not None:  # the current page with the step's key, in its slot; one slot more for a page it opens
-        entry, unused = _own_page(own, live, size, entries.dtype)
+        lo, hi = _joined_bounds(*own, (live % size == 0).view(1, 1, 1))  # the summary is left as it is
+        entry, unused = quest_page_entries(lo[:, :, None], hi[:, :, None], entries.dtype)
         page = torch.div(live, size, rounding_mode="floor").view(1)
         entries = torch.cat([entries, torch.zeros_like(entry)], 2).index_copy_(2, page, entry)
         empty = torch.cat([empty, torch.ones_like(unused)], 2).index_copy_(2, page, unused)
@@ -179,7 +158,7 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
         group_max = index_scan_reduce(qrows, entries, scaling, None).masked_fill(empty, float("-inf"))  # [B, G, P]
         rows = _page_rows(group_max.topk(pages, dim=-1).indices, size)
         rows, valid = unique_candidates(torch.minimum(rows, live - 1), rows < live, archived)
-        count = _counted(valid, counter)
+        count = count_picked(valid, counter)
     return rows, None if positions is None else positions.gather(2, rows), valid, count
 
 
@@ -190,31 +169,22 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Quest's choice for grouped decode queries: ``(rows, positions, valid) [B, G, K]`` and ``count``.
 
-    ``query [B, G, hq, D]`` fp32 (a group's query heads), ``entries [B, G, P, 2 D + 1]`` (``[max, min, max |k|]`` per
-    page, in the keys' dtype), ``empty [B, G, P]`` (a page never fetched), ``live`` (int64, one element: the rows
-    indexed), ``positions [B, G, M]`` the archive list (each archived row's storage position) or None, ``pages``
-    (``1 <= pages <= P``, ``P + 1`` with ``own``) per head or group, ``size`` rows a page, ``archived`` the archive
-    list's size.
+    ``query [B, G, hq, D]`` fp32, ``entries [B, G, P, 2 D + 1]`` (``[max, min, max |k|]`` per page, in the keys'
+    dtype), ``empty [B, G, P]`` (a page never fetched), ``live`` (int64, one element: the rows indexed), ``positions
+    [B, G, M]`` the archive list (each archived row's storage position) or None, ``pages`` per head or group (``1 <=
+    pages <= P``, ``P + 1`` with ``own``), ``size`` rows a page, ``archived`` the archive list's size.
 
-    ``own`` (Quest's ``rule="eval"``): the step's own row, not yet indexed, ``(keys [B, G, N, D], valid [B, G, N],
-    position [B, G], open_min, open_max [B, G, D])`` -- the layer's storage whole, the row's position in it, and the
-    summary's open page's running min/max (fp32). The reference evaluation code writes the step's key into the key
-    states before it scores any page, so the current page's min/max include it: here page ``live // size`` is
-    scored by its min/max joined with that key (the key alone when it opens the page, ``live % size == 0``; a padding
-    row joins nothing), read from one page slot more (``P + 1``: a page the key opens past the summary's slots); the
-    summary is left as it is. A chosen page's rows past ``live`` are not valid (the step's own row is attended apart).
+    ``own`` (Quest's ``rule="eval"``): ``(keys [B, G, N, D], valid [B, G, N], position [B, G], open_min, open_max
+    [B, G, D])``, the step's own row (not yet indexed) where it lies and the open page's running min/max: page ``live
+    // size`` is scored with that key joined to its min/max (alone when it opens the page), as the reference scores it
+    (its new key joins the key states before any page is scored), from one page slot more; the summary is left as is.
 
     Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack), ``-inf`` for an empty page; the top
-    ``pages`` (an earlier page first among equal bounds):
-
-    * ``per_head`` (Quest's ``gqa="head"``): of each query head: ``K = hq x pages x size``, head after head (the
-      segment head ``h`` reads), its pages in ascending order, rows ``page * size + offset`` clamped below ``live``,
-      ``valid`` = ``row < live``; ``count``: the rows of the group's union, once;
-    * else (``gqa="group"``): of the group by the max over its heads; ``K = pages x size`` rows staged as
-      :func:`unique_candidates` stages them (``valid``: picked); ``count``: the rows picked.
-
-    ``positions`` (out): the storage positions of ``rows`` (None when the archive list is not given); ``count`` is
-    over the batch and groups, added to ``counter`` in place when given. One C call on CPU tensors
+    ``pages`` (an earlier page first among equal bounds). ``per_head`` (``gqa="head"``): each head's, ``K = hq x
+    pages x size`` rows head after head (the segment head ``h`` reads), pages in ascending order, rows clamped below
+    ``live``, ``valid = row < live``, ``count`` the group's union once; else (``gqa="group"``) the group's by the max
+    over its heads, ``K = pages x size`` staged as :func:`unique_candidates` stages them. ``positions`` (out): the
+    rows' storage positions (None without the archive list). One C call on CPU tensors
     (``cpu_native.quest_choose_supported``), :func:`quest_choose_reference` elsewhere."""
     if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
@@ -228,15 +198,14 @@ def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: 
                              empty: torch.Tensor, count: torch.Tensor, length: torch.Tensor, size: int) -> None:
     """:func:`quest_page_add` in PyTorch: the row gathered, masked where it is padding, then the running min/max, the
     page's entry and flag written at ``count // size``, ``count`` and ``length`` moved (what ``PageSummary._add_one``
-    does with Quest's encoding, ``retrievers/quest.py``'s ``_quest_entries``)."""
+    does with Quest's encoding, :func:`quest_page_entries`)."""
     page = torch.div(count, size, rounding_mode="floor")  # on the device
     lo, hi = _joined_bounds(keys, valid, position, open_min, open_max, (count % size == 0).view(1, 1, 1))
     open_min.copy_(lo)
     open_max.copy_(hi)
-    entry = page_entries(open_min[:, :, None], open_max[:, :, None])  # [B, G, 1, 2 D + 1]
-    entry[..., -1:] = entry[..., -1:].masked_fill(torch.isinf(open_min[:, :, None]).all(-1, keepdim=True), 0.0)
-    entries.index_copy_(2, page, entry.to(entries.dtype))
-    empty.index_copy_(2, page, (torch.isinf(open_min).all(-1) & torch.isinf(open_max).all(-1))[:, :, None])
+    entry, unused = quest_page_entries(open_min[:, :, None], open_max[:, :, None], entries.dtype)  # [B, G, 1, ...]
+    entries.index_copy_(2, page, entry)
+    empty.index_copy_(2, page, unused)
     count.add_(1)
     length.copy_(torch.div(count + (size - 1), size, rounding_mode="floor"))
 

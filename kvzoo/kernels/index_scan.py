@@ -1,53 +1,32 @@
-"""Index scans over the archive: certified sketch bounds and Quest page bounds (PyTorch references and
-fused Triton kernels).
+"""Index scans over the archive: certified sketch bounds, int8 key bounds and Quest page bounds (PyTorch references
+and fused Triton kernels).
 
-Both return *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed
-from a small index instead of the rows themselves; the retrieval tier fetches the rows whose
-bounds say they could matter. Shapes: ``B`` batch, ``G`` KV groups, ``H`` query heads
-(``H % G == 0``), ``q`` queries, ``m`` archived rows, ``p`` pages, ``rank`` sketch rank.
+Each returns *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed from a small index
+instead of the rows; the retrieval tier fetches the rows whose bounds say they could matter. Shapes: ``B`` batch,
+``G`` KV groups, ``H`` query heads (``H % G == 0``), ``q`` queries, ``m`` archived rows, ``p`` pages.
 
-Both bounds are one inner product per (query, entry): each index entry is a row of a matrix
-``E [B, G, m, W]`` and each query becomes a row ``Q [B, G, hpg * q, W]`` (:func:`sketch_query`,
-:func:`page_query`), so a scan is ``scale * Q @ E^T`` (:func:`index_scan`) -- one product, whatever
-the retriever, and the operation the fused Triton scan implements. Every term of the bound,
-including its float slack, is a column of ``E``.
+A bound is one inner product per (query, entry): each index entry is a row of ``E [B, G, m, W]`` and each query a
+row of ``Q [B, G, hpg * q, W]`` (:func:`sketch_query`, :func:`page_query`), every term of the bound -- its float
+slack included -- a column, so a scan is ``scale * Q @ E^T`` whatever the retriever. Two ops, each a reference
+``*_reference`` and a kernel ``*_triton`` with one signature (:mod:`kvzoo.kernels.dispatch` picks: the kernel on CUDA
+tensors, the reference elsewhere, ``KVZOO_KERNELS`` to force either):
 
-The ops (each a reference ``*_reference`` and a kernel ``*_triton`` with the same signature; the public
-name picks one per call through :mod:`kvzoo.kernels.dispatch`: the kernel on CUDA tensors, the
-reference elsewhere, ``KVZOO_KERNELS`` to force either):
-
-* ``index_scan(query_rows [B, G, hq, W], entries [B, G, m, W], scaling, *, length=None)
-  -> [B, G, hq, m]`` fp32: ``scale * Q @ E^T``. Query rows fp32; entries in any float dtype (the kernel
-  takes fp32, fp16 and bf16 and upcasts them per tile in registers, never an fp32 copy of the index),
-  products accumulated in fp32 (IEEE, not TF32: a certified bound needs fp32's ~1e-6 relative
-  accuracy, its slack column is 1e-5). ``length [B]`` int32/int64 on the entries' device (read on the
-  device: graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never read, so a
-  preallocated buffer may be passed whole (rows strided, each row contiguous: entries whose last dim
-  is strided are copied first). Without ``length`` the reference is, bit for bit, the scan
+* ``index_scan(query_rows, entries, scaling, *, length=None) -> [B, G, hq, m]`` fp32. Entries in any float dtype,
+  upcast per tile (never an fp32 copy of the index); products in IEEE fp32 (not TF32: the slack column is 1e-5).
+  ``length [B]`` (on the entries' device, graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never
+  read, so a preallocated buffer may be passed whole. Without ``length`` the reference is, bit for bit, the scan
   kvzoo always computed.
-* ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None)
-  -> margin [B, G, m]`` fp32: ``max over the hq query rows of (scale * Q.E - threshold)`` (``None``: 0),
-  the scan reduced over the heads and queries that share a group's rows; the kernel never holds the
-  ``[B, G, hq, m]`` bounds. Per query row the term is ``bound - threshold`` where both are comparable,
-  with its sign made exact: ``>= 0`` exactly when ``bound >= threshold`` (a tie, or ``-inf >= -inf``
-  and ``inf >= inf``, gives 0 where the subtraction would give 0 or NaN), ``< 0`` when
-  ``bound < threshold``, and ``-inf`` when either is NaN (a NaN bound is never selected: an empty Quest
-  page, whose entries are ``max = -inf, min = +inf``, scans to NaN). So ``margin >= 0`` is exactly
-  ``(index_scan(...) >= threshold[..., None]).any(2)`` at every position ``< length[b]``, infinities
-  included -- a ``-inf`` threshold selects every row, even one whose bound is ``-inf``; positions
-  ``>= length[b]`` are not rows and give ``-inf`` whatever the threshold. Where bound and threshold
-  are finite, the margin is ``(index_scan(...) - threshold[..., None]).amax(2)``. Serves VestigeKV's
-  certified rule (threshold ``s*_h - tau``; a row is chosen iff its margin is ``>= 0``) and Quest's
-  ``gqa="group"`` rule (threshold None: the margin is the group's max bound, then its top pages).
+* ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None) -> margin [B, G, m]``:
+  the max over the ``hq`` query rows of ``scale * Q.E - threshold`` (None: 0), never holding the ``[B, G, hq, m]``
+  bounds. Its sign is exact: ``margin >= 0`` exactly where ``(index_scan(...) >= threshold[..., None]).any(2)``,
+  infinities included (a tie, ``-inf >= -inf`` or ``inf >= inf`` gives 0); a NaN bound (an empty Quest page, ``max =
+  -inf, min = +inf``) and positions ``>= length[b]`` give ``-inf``. Serves VestigeKV's certified rule (threshold ``s* -
+  tau``) and Quest's ``gqa="group"`` rule (None: the group's max bound).
 
-Memory: a scan's output is ``[B, H, q, m]`` fp32 and no intermediate is larger than that or than
-:data:`ROW_BLOCK_ELEMENTS` -- never ``queries x rows x dims``. Callers scan a long forward in query
-tiles (:func:`kvzoo.kernels.attention.query_block`), so a scan's extra memory is one tile of scores
-plus ``O(rows)``, whatever the number of queries. The reduction's kernel needs ``O(rows)``.
-
-The kernel (:func:`launch_config` picks its blocks; ``kvzoo/kernels/shapes.py`` lists the specialisations
-the compile gate builds for sm_90) imports Triton on its first call; this module imports with torch
-alone.
+Memory: no intermediate is larger than a scan's output or :data:`ROW_BLOCK_ELEMENTS` (never ``queries x rows x
+dims``); callers scan a long forward in query tiles (:func:`kvzoo.kernels.attention.query_block`). The kernel
+(:func:`launch_config` picks its blocks; ``kvzoo/kernels/shapes.py`` lists what the compile gate builds) imports
+Triton on its first call; this module imports with torch alone.
 """
 
 from __future__ import annotations
@@ -324,6 +303,22 @@ def int8_key_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tens
     return int8_key_estimate_reference(query, codes, side, scaling, length=length)
 
 
+def unique_candidates(rows: torch.Tensor, ok: torch.Tensor, archived: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates ``[B, G, K]`` with each chosen row kept once: sorted indices and a picked flag (the form a
+    fused choice returns itself). ``O(K log K)`` in the candidates, independent of the archive."""
+    idx = torch.where(ok, rows, archived).sort(dim=-1).values
+    picked = idx < archived
+    picked[..., 1:] &= idx[..., 1:] != idx[..., :-1]
+    return idx.clamp_(max=archived - 1), picked
+
+
+def count_picked(picked: torch.Tensor, counter: torch.Tensor | None) -> torch.Tensor:
+    count = picked.sum()
+    if counter is not None:
+        counter.add_(count)
+    return count
+
+
 def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor,
                           j: int, archived: int, scaling: float, *, length: torch.Tensor | None = None,
                           counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -336,13 +331,8 @@ def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.
     w = side.shape[-1]
     picked_side = side[:, :, None].expand(B, G, hq, side.shape[2], w).gather(3, rows[..., None].expand(B, G, hq, j, w))
     ok = int8_bound_from(top, query, picked_side, scaling) > threshold[..., None]
-    candidates = torch.where(ok, rows, archived).view(B, G, hq * j).sort(dim=-1).values
-    picked = candidates < archived
-    picked[..., 1:] &= candidates[..., 1:] != candidates[..., :-1]
-    count = picked.sum()
-    if counter is not None:
-        counter.add_(count)
-    return candidates.clamp(max=archived - 1), picked, count
+    idx, picked = unique_candidates(rows.view(B, G, hq * j), ok.view(B, G, hq * j), archived)
+    return idx, picked, count_picked(picked, counter)
 
 
 def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int,
@@ -469,38 +459,6 @@ def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     return bound
 
 
-def sketch_bounds(
-    q_content: torch.Tensor,
-    q_branch: torch.Tensor | None,
-    basis: torch.Tensor,
-    z: torch.Tensor,
-    eta: torch.Tensor,
-    branch: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """VestigeKV's certified bound ``[B, H, q, m]`` (paper §4.2, Lemma 2), fp32, from the index parts.
-
-    ``q_content [B,H,q,dc]`` (MLA: the absorbed query ``W_UK^T q_nope``; GQA: the query),
-    ``q_branch [B,H,q,dr]`` or None (GQA has no branch), ``basis [B|1, G, dc, rank]`` (or
-    ``[G, dc, rank]``) orthonormal columns, ``z [B,G,m,rank] = V^T c``,
-    ``eta [B,G,m] = ||(I - V V^T) c||``, ``branch [B,G,m,dr]``.
-
-        bound = scale * (<q_r, r> + <V^T q_c, z> + ||(I - V V^T) q_c|| * eta)  >=  scale * <q, [c; r]>
-
-    by Cauchy-Schwarz on the component of ``q_c`` and ``c`` outside span(V).
-    """
-    B, H, q_len, _ = q_content.shape
-    zf, etaf = z.float(), eta.float()[..., None]
-    c_norm = (zf.pow(2).sum(-1, keepdim=True) + etaf.pow(2)).sqrt()  # ||c|| from the index alone
-    if branch is not None:
-        rf = branch.float()
-        entries = torch.cat([zf, etaf, rf, c_norm, rf.norm(dim=-1, keepdim=True)], dim=-1)
-    else:
-        entries = torch.cat([zf, etaf, c_norm], dim=-1)
-    bound = index_scan(sketch_query(q_content, q_branch, basis), entries, scaling)
-    return bound.view(B, H, q_len, -1)
-
-
 def page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
     """Index rows ``E = [max, min, max_i max(|min_i|, |max_i|)]`` ``[B, G, p, 2 D + 1]`` (input dtype).
 
@@ -519,20 +477,6 @@ def page_query(query: torch.Tensor, groups: int) -> torch.Tensor:
     """
     q = _grouped(query, groups)
     return torch.cat([q.clamp(min=0), q.clamp(max=0), SKETCH_SLACK * q.abs().sum(-1, keepdim=True)], dim=-1)
-
-
-def page_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Quest's bound ``[B, H, q, p]``: ``scale * sum_i max(q_i * min_i, q_i * max_i)`` per page, fp32.
-
-    ``query [B,H,q,D]``, ``page_min``/``page_max [B,G,p,D]`` element-wise over each page's keys
-    (any dtype). For any key k in the page, ``q_i k_i <= max(q_i min_i, q_i max_i)`` for every i,
-    so the sum bounds ``<q, k>`` (Quest, ICML 2024, §3.2). Two products in one (:func:`page_query`),
-    no ``q x p x D`` intermediate; it reads ``2 p D`` values instead of ``16 p D``.
-    """
-    B, H, q_len, _ = query.shape
-    G = page_min.shape[1]
-    bound = index_scan(page_query(query, G), page_entries(page_min, page_max), scaling)
-    return bound.view(B, H, q_len, -1)
 
 
 def exact_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -17,51 +17,30 @@ from kvzoo.retrievers.quest import check_paging
 class Quest(SinksAndRecentPolicy):
     """Read the pages whose key bound says they could matter, each decode step; nothing is deleted.
 
-    Quest keeps the whole KV cache in pages of ``page_size`` consecutive tokens, aligned to the sequence
-    start. At each decode step every query head scores each page with the upper bound
-    ``sum_i max(q_i min_i, q_i max_i)`` (element-wise key min/max over the page) and reads its top pages.
-    How many, and whether the current page (the one the step's own token is in) is forced, the reference
-    says two ways, and both are here by name (``rule``; ``B`` is the token budget, ``floor(context /
-    ratio)`` or ``budget``):
+    Quest keeps the whole KV cache in pages of ``page_size`` consecutive tokens, aligned to the sequence start. At each
+    decode step every query head scores each page with the upper bound ``sum_i max(q_i min_i, q_i max_i)``
+    (element-wise key min/max over the page) and reads its top pages. How many, and whether the current page is
+    forced, the reference says two ways, both here by name (``rule``; ``B`` the token budget):
 
-    * ``rule="eval"`` (default) -- the reference's evaluation code, ``evaluation/quest_attention.py``
-      (``local_heavy_hitter_mask``), which produced the paper's accuracy figures (LongBench, passkey,
-      PG19): ``min(max(3, B // page_size), pages)`` pages chosen over *all* pages, the current page among
-      them like any other -- read when its bound ranks, not forced. In kvzoo every row but the sinks moves to
-      the archive after each forward, so the current page is the archive's last (partial) page and competes
-      there; the step's own row is the one row the runtime attends apart (its attended tier).
-    * ``rule="kernel"`` -- the reference's kernels and model code (``quest/utils/controller.py``,
-      ``quest/models/llama.py``), which produced its latency figures: ``page_budget = B // page_size``, the
-      current (last) page always read, and the top ``min(page_budget, pages) - 1`` of the other pages; no
-      ``max(3, .)`` (``B < 2 * page_size`` reads the current page only). In kvzoo the attended tier holds
-      exactly the current page (when a page completes it moves to the archive whole).
+    * ``rule="eval"`` (default) -- its evaluation code (``evaluation/quest_attention.py``, the paper's accuracy
+      figures): ``min(max(3, B // page_size), pages)`` pages over *all* pages, the current page competing like any
+      other. In kvzoo every row but the sinks is archived after its forward, so the current page is the archive's last
+      (partial) page, scored with the step's own key in its min/max as the reference scores it
+      (:func:`kvzoo.kernels.choose.quest_choose`'s ``own``); the step's own row is attended apart.
+    * ``rule="kernel"`` -- its kernels (``quest/utils/controller.py``, the latency figures): the current page always
+      read (it stays attended until it completes) plus the top ``B // page_size - 1`` others; no ``max(3, .)``.
 
-    The default is ``"eval"``: kvzoo's leaderboard measures quality, and the paper's quality figures come
-    from the evaluation code; the kernel rule is what its speed figures ran (both rows are on the leaderboard).
-    Both read multi-token forwards (the prefill, a question, a teacher-forced answer) densely, as both the
-    reference's paths do, and the first ``dense_layers`` layers always densely.
+    Both read multi-token forwards (prefill, a question, a teacher-forced answer) densely, as the reference does, and
+    the first ``dense_layers`` layers always densely. Known deviations: under ``rule="eval"`` every head reads the
+    step's own row; on MLA rows the "key" is the 576-dim latent row and the query the absorbed query; a padded batch's
+    pages count padding slots; the bound carries a float slack (``kernels/index_scan.py``) so that fp32 rounding never
+    undercuts an exact score.
 
-    The current page is scored as the reference scores it, with the step's own key in its min/max (the reference
-    writes the new key into its key states before it scores a page): the step's row is indexed only after its
-    forward, so the choice joins its key to the open page's running min/max for the scoring
-    (:func:`kvzoo.kernels.choose.quest_choose`'s ``own``); at a step that opens a page the 1-row current page is a
-    candidate like any other, chosen, it reads no archived row.
-
-    Known deviations: ``rule="eval"`` -- the step's own row is always read by every head (the reference reads
-    it only when the current page ranks among a head's pages). On MLA rows the "key" is the
-    576-dim latent row and the query the absorbed query (the bound holds for any vectors; the reference has
-    no MLA); a padded batch's pages count padding slots; the bound carries a float slack
-    (``kernels/index_scan.py``: ``1e-5 * ||q||_1 * max|k|`` per page, so that fp32 rounding never makes it
-    undercut an exact score; the reference has none).
-
-    The ``"quest"`` retriever (``kvzoo/retrievers/quest.py``) indexes the archive by page (min/max in the model's
-    dtype) and fetches each head's pages (``gqa="head"``: on GQA models the group fetches the union of its heads' pages, each head
-    attends only to its own, and the bytes read count the union once); ``retriever="quest"`` takes
-    ``page_size``, ``gqa`` and ``rule`` from here. Defaults are Quest's: ``page_size=16``,
-    ``dense_layers=2``, per-head selection, no sink kept apart from the pages. kvzoo's options:
-    ``gqa="group"`` scores a page per KV group by the max over its heads (one page set for the group, fewer
-    bytes); ``sinks=n`` keeps the first ``n`` rows attended besides the pages (then archived pages start
-    after them).
+    The ``"quest"`` retriever (``kvzoo/retrievers/quest.py``) takes ``page_size``, ``gqa`` and ``rule`` from here.
+    Defaults are Quest's: ``page_size=16``, ``dense_layers=2``, per-head selection (``gqa="head"``: a GQA group
+    fetches the union of its heads' pages, each head attends only to its own, the bytes count the union once), no
+    sinks. kvzoo's options: ``gqa="group"`` (one page set per KV group by the max over its heads, fewer bytes);
+    ``sinks=n`` keeps the first ``n`` rows attended besides the pages.
     """
 
     sinks: int = 0

@@ -54,29 +54,21 @@ class SelectorReads(Counters):
 class Vestige(Policy):
     """Keep, per closed block, the top-m rows by branch σ plus 4 sinks and a recent window.
 
-    Schedule ``"block"``: a block closes when ``block_size`` rows have arrived since the last one
-    closed, or at the end of the context (``cache.compress()``: the pipeline's compression point,
-    before the question). Blocks are ``block_size`` rows however the context is fed: a forward
-    that adds more (a one-shot prefill, a chunk larger than a block) closes each full block in
-    turn, as if it had been chunked at ``block_size``, and the rest stays open
-    (``closes_each_block``). Only the closing block's rows are candidates; rows kept by earlier
-    blocks stay (decisions are final). Per block the kept count is ``floor(block_rows / ratio)``
-    (or ``budget`` rows per block): the 4 sinks (first block only), the last ``recent`` rows of
-    the block -- capped at half the block's keep so that σ always chooses at least half -- and the
-    top rows by σ (ties toward earlier rows).
+    Schedule ``"block"``: a block closes when ``block_size`` rows have arrived since the last one closed, or at the end
+    of the context (``cache.compress()``, before the question); a forward that adds more closes each full block in
+    turn, as if chunked at ``block_size`` (``closes_each_block``). Only the closing block's rows are candidates;
+    earlier decisions are final. Per block the kept count is ``floor(block_rows / ratio)`` (or ``budget``): the 4 sinks
+    (first block only), the block's last ``recent`` rows (at most half the block's keep, so σ always chooses at least
+    half) and the top rows by σ (ties toward earlier rows).
 
-    What σ reads (``branch``): ``"auto"`` = the 64-dim branch ``r`` on MLA rows (the last
-    ``qk_rope_head_dim`` dims) and the whole key on GQA rows (no branch there: the operator can
-    still be measured on RoPE models, where the paper predicts it fails); ``"rope"`` the branch,
-    ``"content"`` the 512-dim latent ``c``, ``"row"`` the whole 576-dim row (MLA only);
-    ``"key"`` the key (GQA). ``cache.stats()`` reports ``selector_bytes_read`` and
-    ``selector_rows_read``: the bytes of the rows the selector read.
+    ``branch`` says what σ reads: ``"auto"`` = the 64-dim branch ``r`` on MLA rows and the whole key on GQA rows (no
+    branch there: the operator can still be measured on RoPE models, where the paper predicts it fails); ``"rope"``,
+    ``"content"`` (the 512-dim latent), ``"row"`` (MLA only); ``"key"`` (GQA). ``cache.stats()`` reports the bytes
+    the selector read (``selector_bytes_read``, ``selector_rows_read``).
 
-    Defaults and where they come from: ``block_size=8192`` (VestigeKV's blocks of
-    T tokens); ``sinks=4`` (StreamingLLM's sink count, as the paper keeps 4 sinks); ``kappa=8``
-    low-frequency bins removed and ``recent=32`` are kvzoo's choices (no value is fixed in the
-    design we follow); ``retriever="vestige"`` (the certified sketch; ``retriever=None`` is
-    eviction only).
+    Defaults: ``block_size=8192`` (VestigeKV's blocks of T tokens); ``sinks=4`` (StreamingLLM's count, as the paper
+    keeps 4); ``kappa=8`` and ``recent=32`` are kvzoo's choices (the design fixes none); ``retriever="vestige"``
+    (``retriever=None`` is eviction only).
     """
 
     kappa: int = 8

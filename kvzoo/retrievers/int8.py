@@ -1,26 +1,108 @@
-"""VestigeKV's int8 key index: the default on GQA rows (no branch there, and a per-row code beats a low-rank sketch).
+"""VestigeKV's per-row index entries (what its index kinds share) and the int8 key index, the default on GQA rows.
 
-Per archived row: the key's int8 codes, an fp16 scale, an error norm and a norm (``D + 6`` bytes,
+An :class:`EntryIndex` keeps one entry per archived row (in archive order) in a
+:class:`~kvzoo.framework.buffers.RowStore` (named buffers ``[B, G, m, ...]``, preallocated for every row with
+``TieredCache(..., capacity=N)`` and then scanned whole with the live count on the device), and chooses rows by the
+retriever's rule (:class:`~kvzoo.retrievers.vestige.VestigeRetriever`): top-``j`` per query head ranked by the bound's
+estimate (or by the bound), each kept where its bound is above ``s* - j_margin``; or, certified, every row whose
+bound is ``>= s* - tau``. An index kind says how it scans (:meth:`EntryIndex.bounds_and_estimates`); a kind whose
+decode step is one fused op overrides :meth:`EntryIndex.choose` for it. The kinds: :class:`Int8KeyIndex` here,
+``sketch.py`` (the certified low-rank sketch, MLA's default) and ``paged.py`` (int8 keys under a page summary).
+
+:class:`Int8KeyIndex` (GQA's default: no branch there, and a per-row code beats a low-rank sketch): per archived
+row the key's int8 codes, an fp16 scale, an error norm and a norm (``D + 6`` bytes,
 :func:`~kvzoo.kernels.index_scan.int8_key_entries`); bound ``s <q, codes> + ||q|| err + slack >= <q, k>`` and
 estimate ``s <q, codes>`` (the score of the row's int8 reconstruction). A decode step's top-j rule -- the scan,
 each query row's top j, the chosen rows' bounds, the group's union and its count -- is one call
-(:func:`~kvzoo.kernels.index_scan.int8_choose`: one C loop on CPU tensors, PyTorch elsewhere).
+(:func:`~kvzoo.kernels.index_scan.int8_choose`: one C loop on CPU tensors, its PyTorch reference elsewhere).
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvzoo.framework.retriever import ArchiveView, Choice
-from kvzoo.kernels.index_scan import (
-    fused_choose_applies,
-    int8_bound_from,
-    int8_choose,
-    int8_key_bounds,
-    int8_key_entries,
-    int8_key_estimate,
-)
-from kvzoo.retrievers.entries import EntryIndex
+from kvzoo.framework.buffers import RowStore
+from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, RowGeometry
+from kvzoo.kernels.index_scan import int8_choose, int8_key_bounds, int8_key_entries, unique_candidates
+
+if TYPE_CHECKING:
+    from kvzoo.framework.retriever import Retriever
+
+
+class EntryIndex(RetrievalState):
+    """Per-row entries over a layer's archive and VestigeKV's selection rule (module docstring)."""
+
+    def __init__(self, config: Retriever, geometry: RowGeometry) -> None:  # a VestigeRetriever (its j, tau, ...)
+        self.config = config
+        self.geometry = geometry
+        self.rows = RowStore()  # the entries, [B, G, m, ...] per buffer, in archive order
+        self.audit_top = config.j
+
+    @property
+    def entry_bytes(self) -> int:
+        total = 0
+        for b in self.rows.buffers.values():  # a loop, not a generator: read per layer per step
+            total += b.shape[-1] * b.element_size()
+        return total
+
+    @property
+    def groups(self) -> int:
+        return next(iter(self.rows.buffers.values())).shape[1]
+
+    def scan_cost(self, query_rows: int) -> tuple[int, int]:
+        """Every entry once."""
+        return self.rows.n, self.rows.n * self.entry_bytes
+
+    def _append(self, entries: dict[str, torch.Tensor]) -> None:
+        if not self.rows.buffers:  # with a fixed capacity: preallocated for every row, scanned with its length
+            first = next(iter(entries.values()))
+            B, G = first.shape[:2]
+            capacity = self.geometry.capacity
+            self.rows.define(B, G, {k: ((v.shape[-1],), v.dtype) for k, v in entries.items()}, first.device,
+                             capacity=capacity or 0, fixed=capacity is not None)
+        self.rows.append(entries)
+
+    def _length(self, batch: int) -> torch.Tensor | None:
+        """The live entries per sequence, ``[batch]``, when a scan reads a fixed index's whole buffers (else None)."""
+        return self.rows.length.expand(batch) if self.rows.fixed else None
+
+    @abstractmethod
+    def bounds_and_estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entry's bound ``[B, H, q, m]`` and its estimate (the ranking score)."""
+
+    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return self.bounds_and_estimates(query, scaling)[0]
+
+    def within(self, query: torch.Tensor, threshold: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Bool ``[B, G, m]``: the rows whose bound is ``>= threshold [B, H, q]`` for some query row of the group."""
+        bounds = self.bounds_and_estimates(query, scaling)[0]  # [B, H, q, m]: every row's own bound
+        B, H, q_len, m = bounds.shape
+        G = self.groups
+        return (bounds >= threshold[..., None]).view(B, G, (H // G) * q_len, m).any(2)
+
+    def choose(self, query: torch.Tensor, best: torch.Tensor, scaling: float, archive: ArchiveView) -> Choice:
+        config = self.config
+        if config.certified:  # every row within tau of s*, for some head and query of the group
+            return Choice(None, self.within(query, best - config.tau, scaling))
+        # each head's top j rows by estimate (or by bound), kept where their bound > s* - j_margin
+        if config.rank_by == "estimate":
+            bounds, ranking = self.bounds_and_estimates(query, scaling)
+        else:
+            bounds = ranking = self.bounds(query, scaling)
+        m = bounds.shape[-1]
+        rows = ranking.topk(min(config.j, m), dim=-1).indices  # [B, H, q, j]
+        ok = bounds.gather(-1, rows) > best[..., None] - config.j_margin
+        B, G = query.shape[0], self.groups
+        return Choice(*unique_candidates(rows.view(B, G, -1), ok.view(B, G, -1), archive.rows or m))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.rows.select_batch(index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        self.rows.repeat_batch(repeats)
 
 
 class Int8KeyIndex(EntryIndex):
@@ -37,35 +119,24 @@ class Int8KeyIndex(EntryIndex):
 
     def bounds_and_estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, q_len, _ = query.shape
-        codes, length = self._scanned(B, "codes")
-        side, _ = self._scanned(B, "side")
-        bound, estimate = int8_key_bounds(self._grouped(query), codes, side, scaling, length=length)
+        bound, estimate = int8_key_bounds(self._grouped(query), self.rows.reading("codes"), self.rows.reading("side"),
+                                          scaling, length=self._length(B))
         return bound.view(B, H, q_len, -1), estimate.view(B, H, q_len, -1)
 
-    def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return self.bounds_and_estimates(query, scaling)[0]
-
-    def top_j(self, query: torch.Tensor, floor: torch.Tensor, scaling: float, archive: ArchiveView) -> Choice:
-        """Top-j by estimate over the int8 entries: one pass over the codes, then the certified bound of the ``j``
-        chosen rows per query row only (the same numbers the whole ``[B, H, q, m]`` bounds would hold there), kept
-        where it is above ``floor``. A decode step on CPU does all of it, and the group's union, in one call."""
-        B, H, q_len, D = query.shape
-        codes, length = self._scanned(B, "codes")
-        side, _ = self._scanned(B, "side")
-        G = codes.shape[1]
-        hq = (H // G) * q_len
-        q = self._grouped(query)
-        j = min(self.config.j, codes.shape[2])
-        counter = archive.fetched if archive is not None else None
-        if q_len == 1 and fused_choose_applies(q, codes, side, j, counter):  # a decode step: one call does it all
-            archived = archive.rows if archive is not None and archive.rows else codes.shape[2]
-            idx, picked, count = int8_choose(q, codes, side, floor.reshape(B, G, hq), j, archived, scaling,
-                                             length=length, counter=counter)
-            return Choice(staged=(idx, picked), count=count, counted=counter is not None)
-        estimate = int8_key_estimate(q, codes, side, scaling, length=length)  # [B, G, hq, m]
-        top, rows = estimate.topk(j, dim=-1)  # [B, G, hq, j]
-        w = side.shape[-1]
-        picked_side = side[:, :, None].expand(B, G, hq, side.shape[2], w).gather(
-            3, rows[..., None].expand(B, G, hq, j, w))  # [B, G, hq, j, 3]
-        ok = int8_bound_from(top, q, picked_side, scaling) > floor.reshape(B, G, hq, 1)
-        return Choice(rows=rows.view(B, G, -1), ok=ok.view(B, G, -1))
+    def choose(self, query, best, scaling, archive) -> Choice:
+        """A decode step's top-j rule by estimate is one op, :func:`~kvzoo.kernels.index_scan.int8_choose` (the scan,
+        each head's top ``j``, their bounds against ``s* - j_margin``, the group's union staged and counted). Every
+        other case: the shared rule."""
+        config = self.config
+        if config.certified or config.rank_by != "estimate" or query.shape[2] != 1:
+            return super().choose(query, best, scaling, archive)
+        B, H, _, D = query.shape
+        rows = self.rows
+        codes = rows.reading("codes")  # a fixed index: the whole buffer, scanned with its length
+        G, m = codes.shape[1], codes.shape[2]
+        counter = archive.fetched
+        idx, picked, count = int8_choose(query.float().reshape(B, G, H // G, D), codes, rows.reading("side"),
+                                         (best - config.j_margin).reshape(B, G, H // G), min(config.j, m),
+                                         archive.rows or m, scaling,
+                                         length=rows.length.expand(B) if rows.fixed else None, counter=counter)
+        return Choice(idx, picked, count=count, counted=counter is not None)

@@ -2,7 +2,7 @@
 
 Per ``page_rows`` archived rows (in archive order) one summary -- the element-wise key min and max as int8 codes
 with one scale (``2 D + 4`` bytes, :func:`~kvzoo.kernels.index_scan.int8_page_entries`) and an empty flag -- kept in
-the :class:`~kvzoo.retrievers.pages.PageSummary` Quest's index uses too. A decode step scans every summary (Quest's
+the :class:`~kvzoo.retrievers.quest.PageSummary` Quest's index uses too. A decode step scans every summary (Quest's
 bound, certified: :func:`~kvzoo.kernels.index_scan.int8_page_bounds`), takes each query head's top ``fine_pages``
 pages, and scores only their rows' int8 entries; of those, each head keeps its top ``j`` by estimate whose bounds --
 the row's and its page's -- are both above ``s* - j_margin``. A step reads ``pages x (2 D + 5)`` plus ``heads x
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from kvzoo.framework.retriever import Choice
-from kvzoo.kernels.index_scan import int8_page_bounds, int8_page_entries, int8_row_bounds
+from kvzoo.kernels.index_scan import int8_page_bounds, int8_page_entries, int8_row_bounds, unique_candidates
 from kvzoo.retrievers.int8 import Int8KeyIndex
-from kvzoo.retrievers.pages import PageSummary
+from kvzoo.retrievers.quest import PageSummary
 
 
 def _int8_pages(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -47,36 +47,28 @@ class PagedKeyIndex(Int8KeyIndex):
         D = rows["keys"].shape[-1]
         self.summary.add(rows["keys"], rows["valid"], {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)})
 
-    def entries(self) -> int:
-        """Page summaries one scan reads (a fixed index: every page slot, the unused ones empty)."""
-        return self.summary.entries()
-
-    def scan_bytes(self, query_rows: int) -> int:
-        """Index bytes one scan reads per (batch, group) for ``query_rows`` query rows: every page summary, then
-        ``fine_pages x page_rows`` rows' int8 entries per query row (the certified mode: every row's entry)."""
+    def scan_cost(self, query_rows: int) -> tuple[int, int]:
+        """Every page summary (a fixed index: every page slot, the unused ones empty), then ``fine_pages x page_rows``
+        rows' int8 entries per query row (the certified mode: every row's entry)."""
+        pages = self.summary.entries()
         if self.config.certified:
-            return self.rows.n * self.entry_bytes
-        fine = query_rows * min(self.config.fine_pages, self.entries()) * self.page_size * self.entry_bytes
-        return self.entries() * self.page_bytes + fine
+            return pages, self.rows.n * self.entry_bytes
+        fine = query_rows * min(self.config.fine_pages, pages) * self.page_size * self.entry_bytes
+        return pages, pages * self.page_bytes + fine
 
     def _page_bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Page bounds ``[B, G, hq, p]`` for the grouped queries (``-inf`` for empty and unused pages)."""
         B = query.shape[0]
         length = self.pages.length.expand(B) if self.pages.fixed else None
-        bounds = int8_page_bounds(self._grouped(query), self.summary.reading("codes"), self.summary.reading("scale"),
-                                  scaling, length=length)
-        return bounds.masked_fill_(self.summary.reading("empty")[:, :, None], float("-inf"))
+        pages = self.pages
+        bounds = int8_page_bounds(self._grouped(query), pages.reading("codes"), pages.reading("scale"), scaling,
+                                  length=length)
+        return bounds.masked_fill_(pages.reading("empty")[:, :, None], float("-inf"))
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The page bounds ``[B, H, q, p]`` (what :meth:`choose` scans first; each covers its page's rows)."""
         B, H, q_len, _ = query.shape
         return self._page_bounds(query, scaling).view(B, H, q_len, -1)
-
-    def within(self, query: torch.Tensor, threshold: torch.Tensor, scaling: float) -> torch.Tensor:
-        bounds = super().bounds_and_estimates(query, scaling)[0]  # every row's own bound
-        B, H, q_len, m = bounds.shape
-        G = self.groups
-        return (bounds >= threshold[..., None]).view(B, G, (H // G) * q_len, m).any(2)
 
     def choose(self, query, best, scaling, archive) -> Choice:
         if self.config.certified:
@@ -101,7 +93,8 @@ class PagedKeyIndex(Int8KeyIndex):
         s_star = (best - self.config.j_margin).reshape(B, G, hq, 1)
         ok = (bound.gather(-1, picked) > s_star) & (page_of_row.gather(-1, picked) > s_star) \
             & usable.gather(-1, picked)
-        return Choice(rows=staged.gather(-1, picked).view(B, G, -1), ok=ok.view(B, G, -1))
+        return Choice(*unique_candidates(staged.gather(-1, picked).view(B, G, -1), ok.view(B, G, -1),
+                                         archive.rows or self.rows.capacity))
 
     def select_batch(self, index: torch.Tensor) -> None:
         super().select_batch(index)

@@ -2,21 +2,24 @@
 
 Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024,
 https://arxiv.org/abs/2406.10774 (reference code: github.com/mit-han-lab/Quest). The policy is
-``kvzoo/policies/quest.py``; this is its index, usable under any selector (``retriever="quest"``).
+``kvzoo/policies/quest.py``; this is its index, usable under any selector (``retriever="quest"``). The page
+summary here (:class:`PageSummary`) is also the coarse level of VestigeKV's paged int8 index (``paged.py``).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.policy import require_int
 from kvzoo.framework.retriever import Choice, RetrievalState, Retriever, RowGeometry
-from kvzoo.kernels.choose import quest_choose, quest_page_add
-from kvzoo.kernels.index_scan import index_scan, page_entries, page_query
-from kvzoo.retrievers.pages import PageSummary
+from kvzoo.kernels.choose import quest_choose, quest_page_add, quest_page_entries
+from kvzoo.kernels.index_scan import index_scan, page_query
 
 GQA_RULES = ("head", "group")
 RULES = ("eval", "kernel")
@@ -40,20 +43,15 @@ def check_paging(page_size: Any, gqa: Any, rule: Any) -> None:
 
 @dataclass
 class QuestRetriever(Retriever):
-    """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page.
+    """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page (kept in the keys'
+    dtype: each is one of the page's key values; on MLA rows the "key" is the whole latent row).
 
-    Each decode query picks, per query head (``gqa="head"``) or per KV group by the max over its
-    heads (``gqa="group"``), its top ``pages`` archived pages; by default the count follows ``rule``
-    with the layer's budget ``B`` (see :class:`kvzoo.policies.quest.Quest`): ``"eval"`` ``max(3, B // page_size)``
-    (the current page is the archive's last page, one of the candidates), ``"kernel"``
-    ``B // page_size - 1`` (the current page is attended apart), at most the pages there are. Under
-    ``"eval"``, where the policy archives the step's row next (the ``quest`` policy's eval rule: the view carries
-    the row, ``ArchiveView.own_row``), a decode step scores the current page with the step's own key in its min/max,
-    as the reference does (the key is indexed after the forward; the choice joins it to the open page, or opens one
-    with it); under another selector the archive's last page is not the step's, and no row is joined. The
-    last page may be partial. Page min/max are kept in the keys' dtype (each is one of the page's key
-    values). On MLA rows the "key" is the whole 576-dim latent row and the query the absorbed query.
-    Under the ``quest`` policy these settings are the policy's (it names its retriever).
+    Each decode query picks, per query head (``gqa="head"``) or per KV group by the max over its heads
+    (``gqa="group"``), its top ``pages`` archived pages; by default the count follows ``rule`` and the layer's budget
+    ``B`` (:meth:`archived_pages`; :class:`kvzoo.policies.quest.Quest` says why). Under ``"eval"``, where the policy
+    archives the step's row next (the view's ``own_row``), a decode step scores the current page with the step's own
+    key in its min/max, as the reference does; under another selector no row is joined. Under the ``quest`` policy
+    these settings are the policy's.
     """
 
     page_size: int = 16
@@ -84,21 +82,146 @@ class QuestRetriever(Retriever):
         return PageIndex(self, geometry.capacity)
 
 
+# --- the page summary ------------------------------------------------------------------------------------------------
+# Pages are ``page_size`` consecutive archived rows (in archive order); per page the summary keeps each key dimension's
+# minimum and maximum over the page's valid rows, encoded by its user (Quest stores ``[max, min, max |k|]`` in the
+# keys' dtype, exact; the paged int8 index int8 codes with one scale), and an ``empty`` flag (a page of padding rows
+# only: never fetched). The last page may be open (partial): its running min/max are kept in fp32 beside the encoded
+# pages, so a row joining it re-encodes it from exact numbers. One row joining a fixed-capacity summary (a per-step
+# archive, e.g. Quest's ``rule="eval"``) is written with the same ops whether it opens a page or joins the open one,
+# its page found from the device count, so that a captured decode step replays it; the host's page count is brought
+# up to date by the next multi-row add.
+
+Encode = Callable[[torch.Tensor, torch.Tensor, torch.dtype], dict[str, torch.Tensor]]  # (lo, hi, keys' dtype)
+
+
+class PageSummary:
+    """The encoded pages ``[B, G, p, ...]`` of a layer's archive, their ``empty`` flags, and the open page's running
+    min/max (above). ``fields`` names the encoded buffers (``name -> (trailing shape, dtype)``)."""
+
+    def __init__(self, page_size: int, encode: Encode, capacity: int | None = None) -> None:
+        self.page_size = page_size
+        self.encode = encode
+        self.capacity = capacity  # archived rows a fixed summary is preallocated for (None: it grows)
+        self.pages = RowStore()
+        self.rows = 0  # archived rows summarised (host)
+        self.count: torch.Tensor | None = None  # the same on the device, int64 [1]
+        self.open_min: torch.Tensor | None = None  # [B, G, D] fp32, +inf while the open page is empty
+        self.open_max: torch.Tensor | None = None  # [B, G, D] fp32, -inf while empty
+        self.dtype: torch.dtype | None = None  # the summarised keys' dtype
+
+    @property
+    def live_pages(self) -> int:
+        """Pages holding some summarised row (the last may be open)."""
+        return -(-self.rows // self.page_size)
+
+    def entries(self) -> int:
+        """Pages one scan reads: the live ones, or every page slot of a fixed summary (scanned whole, the unused
+        ones empty)."""
+        return self.pages.capacity if self.pages.fixed else self.pages.n
+
+    def _define(self, keys: torch.Tensor, fields: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        B, G, _, D = keys.shape
+        pages = -(-self.capacity // self.page_size) if self.capacity is not None else 0
+        self.pages.define(B, G, {**fields, "empty": ((), torch.bool)}, keys.device, capacity=pages,
+                          fixed=self.capacity is not None, empty={"empty": True})
+        self.count = torch.zeros(1, dtype=torch.long, device=keys.device)
+        self.dtype = keys.dtype
+        self.open_min = torch.full((B, G, D), float("inf"), device=keys.device)
+        self.open_max = torch.full((B, G, D), float("-inf"), device=keys.device)
+
+    def add(self, keys: torch.Tensor, valid: torch.Tensor,
+            fields: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Summarise archived rows ``keys [B, G, k, D]`` (``valid`` False: padding, which never widens a page) as
+        they join the end of the archive. ``fields`` (the encoded buffers' shapes and dtypes) define the summary
+        on its first call."""
+        B, G, k, D = keys.shape
+        if k == 0:
+            return
+        if not self.pages.buffers:
+            self._define(keys, fields)
+        x = keys.float()
+        lo = x.masked_fill(~valid[..., None], float("inf"))
+        hi = x.masked_fill(~valid[..., None], float("-inf"))
+        size = self.page_size
+        if k == 1 and self.pages.fixed and self.rows < self.pages.capacity * size:
+            self._add_one(lo[:, :, 0], hi[:, :, 0])
+            return
+        live = self.live_pages
+        if self.pages.n != live:  # after single rows (_add_one leaves the host's page count)
+            self.pages.n = live
+            self.pages.length.fill_(live)
+        filled = self.rows % size  # rows already in the open page
+        pages = -(-(filled + k) // size)
+        pad = pages * size - filled - k
+        lo = torch.cat([lo.new_full((B, G, filled, D), float("inf")), lo, lo.new_full((B, G, pad, D), float("inf"))], 2)
+        hi = torch.cat([hi.new_full((B, G, filled, D), float("-inf")), hi,
+                        hi.new_full((B, G, pad, D), float("-inf"))], 2)
+        lo = lo.view(B, G, pages, size, D).amin(3)
+        hi = hi.view(B, G, pages, size, D).amax(3)
+        if filled:  # the open page's earlier rows
+            lo[:, :, 0] = torch.minimum(lo[:, :, 0], self.open_min)
+            hi[:, :, 0] = torch.maximum(hi[:, :, 0], self.open_max)
+        encoded = self.encode(lo, hi, self.dtype)
+        encoded["empty"] = torch.isinf(lo).all(-1) & torch.isinf(hi).all(-1)
+        if filled:  # rewrite the open page in place, append the rest
+            for name, value in encoded.items():
+                self.pages.get(name)[:, :, -1] = value[:, :, 0]
+            encoded = {name: value[:, :, 1:] for name, value in encoded.items()}
+        if next(iter(encoded.values())).shape[2]:
+            self.pages.append(encoded)
+        self.open_min.copy_(lo[:, :, -1])
+        self.open_max.copy_(hi[:, :, -1])
+        self.rows += k
+        self.count.fill_(self.rows)
+
+    def _add_one(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """One row (``[B, G, D]``) joins a fixed summary, the same ops whether it opens a page or joins the open
+        one (its page found from the device count); the host's page count is left as it is (a replayed CUDA graph
+        carries only host numbers that move linearly) and brought up to date by the next multi-row add."""
+        size = self.page_size
+        page = torch.div(self.count, size, rounding_mode="floor")  # [1], on the device
+        opens = (self.count % size == 0).view(1, 1, 1)
+        self.open_min.copy_(torch.where(opens, lo, torch.minimum(self.open_min, lo)))
+        self.open_max.copy_(torch.where(opens, hi, torch.maximum(self.open_max, hi)))
+        encoded = self.encode(self.open_min[:, :, None], self.open_max[:, :, None], self.dtype)
+        encoded["empty"] = (torch.isinf(self.open_min).all(-1) & torch.isinf(self.open_max).all(-1))[:, :, None]
+        for name, value in encoded.items():
+            self.pages.buffers[name].index_copy_(2, page, value)
+        self.count.add_(1)
+        self.rows += 1
+        self.pages.length.copy_(torch.div(self.count + (size - 1), size, rounding_mode="floor"))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.pages.buffers:
+            self.pages.select_batch(index)
+            self.open_min = self.open_min.index_select(0, index)
+            self.open_max = self.open_max.index_select(0, index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        if self.pages.buffers:
+            self.pages.repeat_batch(repeats)
+            self.open_min = self.open_min.repeat_interleave(repeats, dim=0)
+            self.open_max = self.open_max.repeat_interleave(repeats, dim=0)
+
+
 def _quest_entries(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Quest's page entries ``[max, min, max |k|]`` (:func:`~kvzoo.kernels.index_scan.page_entries`) in the keys'
-    dtype (each is one of the page's key values: exact); an empty page's magnitude is 0."""
-    empty = torch.isinf(lo).all(-1, keepdim=True)
-    entries = page_entries(lo, hi)
-    entries[..., -1:] = entries[..., -1:].masked_fill(empty, 0.0)
-    return {"entries": entries.to(dtype)}
+    return {"entries": quest_page_entries(lo, hi, dtype)[0]}  # the page summary's encoding for Quest
+
+
+@functools.cache
+def segment_heads(heads: int, groups: int, positions: int, device: torch.device) -> torch.Tensor:
+    """``[1, H, K]`` bool: query head ``h`` reads segment ``h mod (H / G)`` of its group's ``K`` rows (a per-head
+    choice's layout), the same tensor for every step of that shape."""
+    per_group = heads // groups
+    segment = torch.arange(positions, device=device) // (positions // per_group)
+    return (segment[None] == (torch.arange(heads, device=device) % per_group)[:, None])[None]
 
 
 class PageIndex(RetrievalState):
     """One index row per page of ``page_size`` archived rows, ``[max, min, max|k|]`` (``kernels/index_scan.py``), in
-    a :class:`~kvzoo.retrievers.pages.PageSummary`.
-
-    The last page may be partial: its row is rewritten as rows join it. A page of padding rows only keeps
-    ``max = -inf``, ``min = +inf`` and is flagged empty (never fetched).
+    a :class:`PageSummary`. The last page may be partial: its row is rewritten as rows join it. A page of padding
+    rows only keeps ``max = -inf``, ``min = +inf`` and is flagged empty (never fetched).
     """
 
     needs_best = False
@@ -109,41 +232,14 @@ class PageIndex(RetrievalState):
         self.summary = PageSummary(config.page_size, _quest_entries, capacity)
 
     @property
-    def pages(self):
-        """The encoded pages (a :class:`~kvzoo.framework.buffers.RowStore`: ``entries``, ``empty``)."""
+    def pages(self) -> RowStore:
+        """The encoded pages: ``entries``, ``empty``."""
         return self.summary.pages
 
     @property
-    def rows(self) -> int:
-        return self.summary.rows
-
-    @property
-    def count(self) -> torch.Tensor | None:
-        return self.summary.count
-
-    @property
-    def entry_bytes(self) -> int:  # type: ignore[override]
+    def entry_bytes(self) -> int:
         entries = self.summary.pages.buffers.get("entries")
-        if entries is None:  # not defined yet
-            return 0
-        return entries.shape[-1] * entries.element_size()
-
-    def _live_entries(self) -> torch.Tensor:
-        return self.summary.reading("entries")[:, :, : self.summary.live_pages]
-
-    @property
-    def page_min(self) -> torch.Tensor:
-        """Element-wise minimum of each page's keys ``[B, G, p, D]`` (+inf for an empty page)."""
-        entries = self._live_entries()
-        D = (entries.shape[-1] - 1) // 2
-        return entries[..., D : 2 * D]
-
-    @property
-    def page_max(self) -> torch.Tensor:
-        """Element-wise maximum of each page's keys ``[B, G, p, D]`` (-inf for an empty page)."""
-        entries = self._live_entries()
-        D = (entries.shape[-1] - 1) // 2
-        return entries[..., :D]
+        return 0 if entries is None else entries.shape[-1] * entries.element_size()  # 0: not defined yet
 
     def index(self, rows, tier, archive) -> None:
         keys = rows["keys"]
@@ -152,101 +248,73 @@ class PageIndex(RetrievalState):
 
     def index_in_place(self, storage, positions) -> bool:
         """One row a step (``rule="eval"`` archives each decode step's row) joins the summary in one op,
-        :func:`~kvzoo.kernels.choose.quest_page_add`, read where it lies; the host's counts move in the summary
-        (:meth:`~kvzoo.retrievers.pages.PageSummary.one_added`)."""
-        summary = self.summary
-        if positions.shape[2] != 1 or not summary.room_for_one():
-            return False
+        :func:`~kvzoo.kernels.choose.quest_page_add`, read where it lies and written at page ``count // page_size``:
+        where the summary is defined and, fixed, not full. The host's counts follow: the rows, and a growing summary's
+        page count (a fixed one's is brought up to date by the next multi-row add)."""
+        summary, size = self.summary, self.page_size
         pages = summary.pages
+        if positions.shape[2] != 1 or not pages.buffers or (pages.fixed and summary.rows >= pages.capacity * size):
+            return False
+        if not pages.fixed and summary.rows % size == 0:  # the row opens a page: a slot for it (grown geometrically)
+            pages.n = summary.live_pages
+            pages.reserve(1)
         quest_page_add(storage["keys"], storage["valid"], positions[:, :, 0], summary.open_min, summary.open_max,
-                       pages.buffers["entries"], pages.buffers["empty"], summary.count, pages.length, self.page_size)
-        summary.one_added()
+                       pages.buffers["entries"], pages.buffers["empty"], summary.count, pages.length, size)
+        summary.rows += 1
+        if not pages.fixed:
+            pages.n = summary.live_pages
         return True
 
-    def entries(self) -> int:
-        """Index entries one scan reads: the live pages, or every page slot of a fixed index."""
+    def scan_cost(self, query_rows: int) -> tuple[int, int]:
+        """Every page once: the live pages, or every page slot of a fixed index."""
         pages = self.summary.pages
-        return pages.capacity if pages.fixed else pages.n
+        n = pages.capacity if pages.fixed else pages.n
+        return n, n * self.entry_bytes
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         B, H, q_len, _ = query.shape
-        entries = self.summary.reading("entries")  # a fixed index: every page, the unused ones empty
-        G = entries.shape[1]
-        bounds = index_scan(page_query(query, G), entries, scaling)  # [B, G, hpg * q, p]
-        bounds = bounds.masked_fill(self.summary.reading("empty")[:, :, None], float("-inf"))  # empty: never
+        pages = self.summary.pages
+        entries = pages.reading("entries")  # a fixed index: every page, the unused ones empty
+        bounds = index_scan(page_query(query, entries.shape[1]), entries, scaling)  # [B, G, hpg * q, p]
+        bounds = bounds.masked_fill(pages.reading("empty")[:, :, None], float("-inf"))  # empty: never
         return bounds.view(B, H, q_len, -1)
 
-    def n_pages(self, budget: int | None, own: bool = False) -> int:
-        """Archived pages one query head reads (:meth:`QuestRetriever.archived_pages`), at most the index's pages
-        (with a fixed capacity: its page slots; those past the archive are empty and never fetched), one more when
-        the step's own row is scored with the current page (``own``: the page it opens may be past them)."""
-        return min(self.summary.entries() + own, self.config.archived_pages(budget))
-
-    def _own(self, archive) -> tuple[torch.Tensor, ...] | None:
-        """``rule="eval"``: the step's own row and the open page's running min/max, for the choice to score the
-        current page with the step's key in it, as the reference evaluation code does (its new key joins the key
-        states before any page is scored); None elsewhere (``rule="kernel"`` attends the current page apart; a view
-        without the row: the policy does not archive it next)."""
-        row = archive.own_row if self.config.rule == "eval" else None
-        if row is None or not self.summary.pages.buffers:  # the summary not defined yet
-            return None
-        return (*row, self.summary.open_min, self.summary.open_max)
-
     def choose(self, query, best, scaling, archive) -> Choice:
-        G = archive.groups
-        size = self.page_size
-        own = self._own(archive) if query.shape[2] == 1 else None
-        n = self.n_pages(archive.budget, own is not None)
-        B = query.shape[0]
+        B, H, q_len, D = query.shape
+        G, size = archive.groups, self.page_size
+        summary, pages = self.summary, self.summary.pages
+        # rule="eval", a decode step: the step's own row (when the policy archives it next) and the open page's
+        # running min/max, so that the current page is scored with the step's key in it, as the reference evaluation
+        # code scores it (its new key joins the key states before any page is scored); rule="kernel" attends the
+        # current page apart
+        own = None
+        if q_len == 1 and self.config.rule == "eval" and pages.buffers:
+            row = archive.own_row
+            own = None if row is None else (*row, summary.open_min, summary.open_max)
+        # pages one head reads, at most the index's page slots (one more when the step's row may open a page)
+        n = min((pages.capacity if pages.fixed else pages.n) + (own is not None),
+                self.config.archived_pages(archive.budget))
         if n == 0:  # the kernel rule with B < 2 pages: the current page only, no archived page read
             none = torch.zeros(B, G, 1, dtype=torch.long, device=query.device)
-            return Choice(rows=none, ok=torch.zeros_like(none, dtype=torch.bool))
-
-        def page_rows(pages: torch.Tensor) -> torch.Tensor:  # [B, *, q, n] page indices -> [B, G, K] rows
-            return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
-
+            return Choice(none, torch.zeros_like(none, dtype=torch.bool))
         per_head = self.config.gqa == "head"
-        if query.shape[2] == 1:  # a decode step: one op (kernels/choose.py) from the query to the rows and their count
-            H, D = query.shape[1], query.shape[3]
+        if q_len == 1:  # a decode step: one op (kernels/choose.py) from the query to the rows and their count
             counter = archive.fetched
             rows, positions, ok, count = quest_choose(
-                query.float().reshape(B, G, H // G, D), self.summary.pages.reading("entries"),
-                self.summary.pages.reading("empty"),
-                self.summary.count, archive.positions, n, size, archive.rows, scaling, per_head=per_head,
+                query.float().reshape(B, G, H // G, D), pages.reading("entries"), pages.reading("empty"),
+                summary.count, archive.positions, n, size, archive.rows, scaling, per_head=per_head,
                 counter=counter, own=own)
-            if per_head:  # each head reads its own segment (no union to stage); the group's union counted once
-                return Choice(rows=rows, ok=ok, segments=True, count=count, positions=positions,
-                              counted=counter is not None)
-            return Choice(staged=(rows, ok), count=count, positions=positions, counted=counter is not None)
-        if not per_head:  # one page set per KV group: the max over its heads
-            bounds = self.bounds(query, scaling)  # [B, H, q, p]
-            H, q_len, p = bounds.shape[1:]
-            pages = bounds.view(B, G, H // G, q_len, p).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
-            rows = page_rows(pages)
-            return Choice(rows=self._clamped(rows), ok=rows < self._live())
+            # per head: each head reads its own segment (no union to stage), the group's union counted once
+            head_valid = segment_heads(H, G, rows.shape[2], query.device).expand(B, -1, -1) if per_head else None
+            return Choice(rows, ok, head_valid=head_valid, positions=positions, count=count,
+                          counted=counter is not None)
         bounds = self.bounds(query, scaling)  # [B, H, q, p]
-        H, q_len, p = bounds.shape[1:]
-        pages = bounds.topk(n, dim=-1).indices  # [B, H, q, n]: each head's own pages
-        rows = page_rows(pages)  # [B, G, heads x queries x n x size]: each head's rows, head after head
-
-        def visible(staged: torch.Tensor) -> torch.Tensor:
-            """Head h reads a staged row when the row's page is among head h's pages: ``[B, H, K]``."""
-            own = torch.zeros(B, H, p, dtype=torch.bool, device=pages.device)
-            own.scatter_(2, pages.view(B, H, q_len * n), True)
-            # a staged row past the pages (an unchosen candidate clamped to the archive list's end, which may have
-            # grown past a fixed index) is never picked: any page will do
-            return own.gather(2, (staged // size).clamp_(max=p - 1).repeat_interleave(H // G, dim=1))
-
-        return Choice(rows=self._clamped(rows), ok=rows < self._live(), visible=visible)
-
-    def _live(self) -> int | torch.Tensor:
-        """Rows indexed: the device count for a fixed index (a decode step's ops do not depend on it), else the
-        host's."""
-        return self.summary.count if self.summary.fixed else self.summary.rows
-
-    def _clamped(self, rows: torch.Tensor) -> torch.Tensor:
-        live = self._live()
-        return torch.minimum(rows, live - 1) if isinstance(live, torch.Tensor) else rows.clamp(max=live - 1)
+        if per_head:  # each head's own pages
+            top = bounds.topk(n, dim=-1).indices  # [B, H, q, n]
+        else:  # one page set per KV group: the max over its heads
+            top = bounds.view(B, G, H // G, q_len, -1).amax(dim=2).topk(n, dim=-1).indices  # [B, G, q, n]
+        rows = (top[..., None] * size + torch.arange(size, device=top.device)).view(B, G, -1)
+        return Choice(rows, rows < summary.rows)  # a multi-token choice: only its mask is read
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.summary.select_batch(index)

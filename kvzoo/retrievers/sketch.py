@@ -24,7 +24,7 @@ from kvzoo.kernels.index_scan import (
     sketch_entries,
     sketch_query,
 )
-from kvzoo.retrievers.entries import EntryIndex
+from kvzoo.retrievers.int8 import EntryIndex
 
 
 class SketchIndex(EntryIndex):
@@ -83,21 +83,22 @@ class SketchIndex(EntryIndex):
 
     def bounds(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         B, H, q_len, _ = query.shape
-        entries, length = self._scanned(B, "entries")
-        return index_scan(self._query_rows(query), entries, scaling, length=length).view(B, H, q_len, -1)
+        scan = index_scan(self._query_rows(query), self.rows.reading("entries"), scaling, length=self._length(B))
+        return scan.view(B, H, q_len, -1)
 
     def bounds_and_estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The bounds ``[B, H, q, m]`` and their estimates ``scale (<q_r, r> + <V^T q_c, z>)`` -- each bound less its
         Cauchy-Schwarz term ``scale ||(I - V V^T) q_c|| eta`` and its slack -- in one scan (the columns read are
         the same entries)."""
         B, H, q_len, _ = query.shape
-        entries, length = self._scanned(B, "entries")
         qrows = self._query_rows(query)  # [B, G, hq, W]
-        W, r, hq = qrows.shape[-1], self._rank, qrows.shape[2]
+        W, hq = qrows.shape[-1], qrows.shape[2]
         slack_cols = 2 if self.geometry.layout == "mla" else 1  # eps ||q_c|| ||c|| (+ eps ||q_r|| ||r||)
-        in_span = qrows.clone()
-        in_span[..., [r, *range(W - slack_cols, W)]] = 0  # eta's column and the slack's: the estimate's query rows
-        both = index_scan(torch.cat([qrows, in_span], dim=2), entries, scaling, length=length)  # one scan
+        in_span = qrows.clone()  # the estimate's query rows: eta's column and the slack's zeroed
+        in_span[..., self._rank] = 0
+        in_span[..., W - slack_cols :] = 0
+        both = index_scan(torch.cat([qrows, in_span], dim=2), self.rows.reading("entries"), scaling,
+                          length=self._length(B))  # one scan
         return both[:, :, :hq].reshape(B, H, q_len, -1), both[:, :, hq:].reshape(B, H, q_len, -1)
 
     def choose(self, query, best, scaling, archive) -> Choice:
@@ -108,23 +109,21 @@ class SketchIndex(EntryIndex):
         if config.certified or query.shape[2] != 1:
             return super().choose(query, best, scaling, archive)
         B, H, _, D = query.shape
-        entries, length = self._scanned(B, "entries")
+        entries = self.rows.reading("entries")  # a fixed index: the whole buffer, scanned with its length
         G, m = entries.shape[1], entries.shape[2]
         floor = (best - config.j_margin).reshape(B, G, H // G)  # [B, G, hq]: s* - j_margin
-        archived = archive.rows if archive is not None and archive.rows else m
-        counter = archive.fetched if archive is not None else None
+        counter = archive.fetched
         idx, picked, count = sketch_choose(query.float().reshape(B, G, H // G, D), self.basis, entries, floor,
-                                           min(config.j, m), archived, scaling, slack=self._slack,
-                                           rank_by=config.rank_by, length=length, counter=counter)
-        return Choice(staged=(idx, picked), count=count, counted=counter is not None)
+                                           min(config.j, m), archive.rows or m, scaling, slack=self._slack,
+                                           rank_by=config.rank_by, length=self._length(B), counter=counter)
+        return Choice(idx, picked, count=count, counted=counter is not None)
 
     def within(self, query: torch.Tensor, threshold: torch.Tensor, scaling: float) -> torch.Tensor:
         """One fused scan reduced over the group's heads and queries (the ``[B, H, q, m]`` bounds never exist):
         ``margin >= 0`` exactly where some bound ``>= threshold`` (``kernels/index_scan.py``)."""
         B, G = threshold.shape[0], self.basis.shape[1]
-        entries, length = self._scanned(B, "entries")
-        margin = index_scan_reduce(self._query_rows(query), entries, scaling, threshold.reshape(B, G, -1),
-                                   length=length)
+        margin = index_scan_reduce(self._query_rows(query), self.rows.reading("entries"), scaling,
+                                   threshold.reshape(B, G, -1), length=self._length(B))
         return margin >= 0
 
     def select_batch(self, index: torch.Tensor) -> None:

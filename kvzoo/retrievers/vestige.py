@@ -2,7 +2,7 @@
 
 The index kinds live beside this module, one each: the certified low-rank sketch (``sketch.py``, the default on MLA
 rows), the int8 keys (``int8.py``, the default on GQA rows) and the paged int8 index (``paged.py``); what they share
--- one entry per archived row and the selection rule -- is ``entries.py``. The policy is
+-- one entry per archived row and the selection rule -- is in ``int8.py``. The policy is
 ``kvzoo/policies/vestige.py``.
 """
 
@@ -16,8 +16,7 @@ import torch
 
 from kvzoo.framework.policy import require_int
 from kvzoo.framework.retriever import Retriever, RowGeometry
-from kvzoo.retrievers.entries import EntryIndex
-from kvzoo.retrievers.int8 import Int8KeyIndex
+from kvzoo.retrievers.int8 import EntryIndex, Int8KeyIndex
 from kvzoo.retrievers.paged import PagedKeyIndex
 from kvzoo.retrievers.sketch import SketchIndex
 
@@ -30,45 +29,25 @@ ENTRY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 @dataclass
 class VestigeRetriever(Retriever):
-    """The certified sketch index over archived rows (paper §4.2; docs/fidelity.md).
+    """VestigeKV's recall index over archived rows (paper §4.2; docs/fidelity.md): per-row bounds on each row's
+    score, and the rows that could matter fetched back each step.
 
-    Per archived row u: ``(r_u, z_u = V_r^T c_u, eta_u = ||(I - V_r V_r^T) c_u||)`` with V_r an
-    orthonormal rank-``rank`` basis of the content latents, fitted per sequence and layer (per KV
-    head on GQA) from the valid rows of the layer's first closed block (top eigenvectors of their
-    Gram matrix), so a sequence's index never depends on what else shares its batch; with
-    ``refit=True`` it is refitted at every closed block and the index is rebuilt. Per query and
-    head, ``bound = scale (<q_r, r_u> + <V^T q_c', z_u> + ||(I - V V^T) q_c'|| eta_u) >= s(u)``.
-    Default mode: each head fetches its top ``j`` rows among those whose bound beats s* (that query's
-    best exact score over the attended tier); ``certified=True`` fetches every row with
-    bound >= s* - ``tau``, so the softmax mass left out is at most ``(T - |F|) e^-tau`` relative to
-    the attended tier (Lemma 3). A forward fetches the union over a group's query heads and over
-    its queries (``framework/runtime.py``), at most ``j x heads x queries`` rows in top-j mode.
+    Top-j mode (default): each head ranks the rows by the bound's *estimate* (``rank_by="estimate"``: the bound less
+    its Cauchy-Schwarz term and slack) and fetches its top ``j`` whose *bound* is above ``s* - j_margin`` (s*: the
+    query's best exact score over the attended tier; a row that cannot come within 8 logits of it is left out, so a
+    peaked head fetches fewer than ``j``). ``rank_by="bound", j_margin=0, index="sketch"`` is the earlier rule. On
+    SmolLM2 the bound's ranking found 24 % of the exact top-16 archived rows per head, the rank-16 estimate 39 %, int8
+    keys 97 % (CHANGELOG.md, "Retrieval tier on SmolLM2"). ``certified=True`` fetches every row with bound >= s* -
+    ``tau``, so the softmax mass left out is at most ``(T - |F|) e^-tau`` relative to the attended tier (Lemma 3). A
+    forward fetches the union over a group's query heads and queries.
 
-    Top-j mode (since issue 25) ranks rows by the bound's *estimate* (``rank_by="estimate"``: the bound less its
-    Cauchy-Schwarz term and slack, i.e. the score of the row's in-span part or int8 reconstruction) and keeps those
-    whose *bound* is above ``s* - j_margin`` (8 logits: a row that cannot come within 8 logits of the tier's best
-    is left out, so a peaked head fetches fewer than ``j``); ``rank_by="bound", j_margin=0, index="sketch"`` is the
-    earlier rule (rank by the bound, keep what beats s*). With a tight bound (int8 keys) the earlier "beats s*"
-    test keeps almost nothing: an archived row rarely scores above the attended tier's best. On SmolLM2 (RoPE/GQA) the bound's
-    ranking found 24 % of the exact top-16 archived rows per head, the rank-16 estimate 39 %
-    (CHANGELOG.md, "Retrieval tier on SmolLM2"; the probe that measured it was retired: benchmarks/README.md).
-
-    On GQA rows there is no branch: the whole key is the "content". ``index="auto"`` (default) gives GQA rows
-    **int8 key entries** (``index="int8"``, since issue 25): per row the key's int8 codes, an fp16 scale, an error
-    norm and a norm (``D + 6`` bytes), bound ``s <q, codes> + ||q|| err + slack >= <q, k>`` and estimate
-    ``s <q, codes>`` (97 % recall@16 of the exact top rows on SmolLM2); ``index="sketch"`` keeps the low-rank
-    sketch there, ``rank`` defaulting to a quarter of the head dim. MLA rows always take the sketch. Sketch entries
-    are fp32 (``(64 + rank + 1 + 2) * 4`` bytes on MLA) or, with ``entry_dtype="float16"``, fp16 with a widened
-    slack (still certified; the design's 258 B figure is for 16-bit entries). The int8 scan runs as one C call on
-    CPU (``kvzoo.kernels.cpu_native.int8_choose``: scan, top-j, bounds and union fused) and in PyTorch elsewhere
-    (the fused Triton scan takes the float sketch entries).
-
-    ``index="paged"`` (GQA; :class:`~kvzoo.retrievers.paged.PagedKeyIndex`) puts a coarse summary over the int8 entries: per ``page_rows``
-    archived rows the element-wise key min/max in int8 with one scale (``2 D + 5`` bytes with its empty flag),
-    scanned first with Quest's certified bound; each head then scores the int8 entries of its top ``fine_pages``
-    pages only. At 16 rows a page and 4 pages a step it reads about a fifth of the int8 index's bytes, but on
-    SmolLM2 its page ranking finds half of the exact top-16 rows the int8 entries find (README, "Retrieval tier on
-    SmolLM2"): an option for the bytes, not the default.
+    The index kind (``index``; ``"auto"``: int8 on GQA rows, the sketch on MLA rows): ``"sketch"`` -- the certified
+    low-rank sketch (``sketch.py``; ``rank`` defaults to 64 on MLA, a quarter of the head dim on GQA; fp32 entries or,
+    with ``entry_dtype="float16"``, fp16 with a widened slack; ``refit=True`` refits the basis at every closed block);
+    ``"int8"`` -- per-row int8 keys (``int8.py``, ``D + 6`` bytes a row); ``"paged"`` (GQA) -- a page summary (``page_rows``
+    rows a page, min/max in int8) scanned first with Quest's bound, then the int8 entries of each head's top
+    ``fine_pages`` pages: about a fifth of the int8 index's bytes at 16 rows and 4 pages, but its page ranking finds
+    half the rows the int8 entries find on SmolLM2 -- an option for the bytes, not the default.
     """
 
     rank: int | None = None  # None: 64 on MLA rows, head_dim // 4 on GQA rows
