@@ -147,9 +147,8 @@ class PartTimer:
         self.patches.clear()
 
 
-PARTS = ("tier: attention", "retrieval: index scan and choice", "retrieval: selection (de-duplication)",
-         "fetched rows: attention", "retrieval: staging and accounting", "bookkeeping: append",
-         "bookkeeping: schedule", "bookkeeping: accumulate")
+PARTS = ("tier: attention", "retrieval: index scan and choice", "fetched rows: attention",
+         "retrieval: staging and accounting", "bookkeeping: append", "bookkeeping: schedule", "bookkeeping: accumulate")
 
 
 @contextmanager
@@ -168,12 +167,11 @@ def profiled():
 
     timer.wrap(step_mod, "attend", pick=attend_part)
     timer.wrap(retrieval_mod.Retrieval, "fetch_step", "retrieval: staging and accounting")
-    timer.wrap(retrieval_mod, "unique_candidates", "retrieval: selection (de-duplication)")
     timer.wrap(Runtime, "after_forward", "bookkeeping: schedule")
     timer.wrap(KVLayer, "update", "bookkeeping: append")
     timer.wrap(KVLayer, "accumulate", "bookkeeping: accumulate")
     for cls in _index_classes():
-        for method in ("choose", "top_j", "within"):
+        for method in ("choose", "within"):
             if method in cls.__dict__:
                 timer.wrap(cls, method, "retrieval: index scan and choice")
     try:

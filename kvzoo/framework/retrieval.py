@@ -26,7 +26,7 @@ from kvzoo.framework.names import build_retriever
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, Retriever, RowGeometry
 from kvzoo.kernels.attention import query_block, row_mask
 from kvzoo.kernels.decode_attention import Rows
-from kvzoo.kernels.index_scan import exact_scores, unique_candidates
+from kvzoo.kernels.index_scan import exact_scores
 
 if TYPE_CHECKING:  # a type name only: a layer is handed in
     from kvzoo.framework.layer import KVLayer
@@ -246,4 +246,4 @@ def _audit(query, scaling, index, mask, view) -> dict[str, float]:
 
 
 __all__ = ["ArchiveView", "Choice", "Fetched", "RetrievalState", "Retrieval", "Retriever", "RowGeometry",
-           "build_retriever", "read_figures", "scan", "tier_best", "unique_candidates"]
+           "build_retriever", "read_figures", "scan", "tier_best"]
