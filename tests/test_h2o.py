@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kvzoo.framework.attention as attention
-import kvzoo.framework.step as step
 from kvzoo import TieredCache, registry
 from kvzoo.framework.policy import RowsView
 from kvzoo.framework.runtime import Runtime
@@ -85,13 +84,13 @@ class AttentionLog:
     """Logs, per layer and forward, what the attention saw (in slot order) and the tier the step left behind.
 
     The prefill goes through the multi-token reference (``attention_reference``), a decode step through
-    ``framework/step.py``'s ``decode_step``: both are spied on."""
+    ``framework/attention.py``'s ``decode_step``: both are spied on."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entries: list[dict] = []
         self._pending: dict | None = None
         real_attention = attention.attention_reference
-        real_decode = step.decode_step
+        real_decode = attention.decode_step
         real_after_forward = Runtime.after_forward
 
         def attention_spy(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs):

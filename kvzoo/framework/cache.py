@@ -32,6 +32,7 @@ from kvzoo.framework.attention import attach
 from kvzoo.framework.layer import KVLayer
 from kvzoo.framework.names import policy_retriever, resolve_policy
 from kvzoo.framework.policy import Policy
+from kvzoo.framework.report import cache_stats
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
 from kvzoo.framework.runtime import Runtime, RuntimeConfig
@@ -192,7 +193,7 @@ class TieredCache(Cache):
         for i in tiered:  # bound to this model's attention modules: another model's forward is refused
             layers[i].owner = weakref.ref(modules[i])
         super().__init__(layers=layers)
-        self._untiered_read: dict[int, int] = {}  # layer -> bytes the forwards' attention read from it
+        self.untiered_read: dict[int, int] = {}  # layer -> bytes the forwards' attention read from it
         self.graph = None
         if cuda_graph:
             from kvzoo.framework.graphs import install
@@ -261,7 +262,7 @@ class TieredCache(Cache):
             )
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if not isinstance(layer, KVLayer):  # a sliding-window layer: its attention reads what update returned
-            self._untiered_read[layer_idx] = self._untiered_read.get(layer_idx, 0) + sum(
+            self.untiered_read[layer_idx] = self.untiered_read.get(layer_idx, 0) + sum(
                 t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor))
         return out
 
@@ -309,27 +310,7 @@ class TieredCache(Cache):
 
     def stats(self) -> CacheStats:
         self._settle()
-        untiered = [self._untiered_stats(i, layer) for i, layer in enumerate(self.layers)
-                    if not isinstance(layer, KVLayer)]
-        notes = self.runtime.notes(self.tiered_layers)
-        if untiered:
-            notes.append(f"the figures count the {len(self.tiered_layers)} layers the policy acts on "
-                         f"({[la.layer_idx for la in self.tiered_layers]}); the {len(untiered)} others keep their own "
-                         f"state ({', '.join(sorted({u['kind'] for u in untiered}))}), counted apart as untiered_*")
-        return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers],
-                          notes=notes, peak_cache_rows=self.runtime.peak_resident, untiered=untiered)
-
-    def _untiered_stats(self, layer_idx: int, layer: Any) -> dict[str, Any]:
-        """A layer the policy does not act on: its kind, the rows (a sliding window's) and bytes it holds."""
-        tensors = [t for v in vars(layer).values()
-                   for t in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v])
-                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        window = getattr(layer, "sliding_window", None)
-        keys = getattr(layer, "keys", None)
-        rows = int(keys.shape[-2]) if window is not None and isinstance(keys, torch.Tensor) and keys.dim() == 4 else -1
-        return {"layer": layer_idx, "kind": f"sliding window {window}" if window is not None else type(layer).__name__,
-                "resident_rows": rows, "resident_bytes": sum(t.numel() * t.element_size() for t in tensors),
-                "kv_bytes_read": self._untiered_read.get(layer_idx, 0)}
+        return cache_stats(self)
 
     def fork(self) -> TieredCache:
         """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
@@ -364,7 +345,7 @@ class TieredCache(Cache):
             ) from None
         clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
         clone.runtime, clone.graph, clone.layers = runtime, None, layers
-        clone._untiered_read = dict(self._untiered_read)
+        clone.untiered_read = dict(self.untiered_read)
         runtime.resident = runtime.peak_resident = sum(layer.store.n for layer in clone.tiered_layers
                                                        if layer.is_initialized)
         return clone

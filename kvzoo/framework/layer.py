@@ -20,22 +20,36 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvzoo.framework.stats import LayerCounters, LayerStats
+from kvzoo.framework.stats import LayerCounters
 from kvzoo.framework.storage import EMPTY, LayerStorage, StorageHost
 
 
 class Host(StorageHost, Protocol):
     """What a layer asks of the cache runtime that holds it (``kvzoo.framework.runtime.Runtime``, which imports this
     module: the layer names only this interface, so no import runs back up). The policy and geometry it reads, the
-    forward's pending layer, the cache-wide resident count, and four calls: the rows it holds changed, an event to
-    fire, a new retrieval index, its statistics (its storage's part: :class:`StorageHost`)."""
+    forward's pending layer, the cache-wide resident count, and three calls: the rows it holds changed, an event to
+    fire, a new retrieval index (its storage's part: :class:`StorageHost`)."""
 
     num_layers: int
     pending: int | None
 
     def fire(self, layer: KVLayer, event: Any) -> None: ...
 
-    def layer_stats(self, layer: KVLayer) -> LayerStats: ...
+class RuntimeLayer(Protocol):
+    """What the runtime may read and write of a layer (``Runtime`` names nothing else of it): who the layer is, whether
+    it holds rows and whether its context ended, its storage (rows and their moves) and counters, and what it observed
+    for its policy (the window's queries, the recorded inputs, the softmax scale)."""
+
+    layer_idx: int
+    rank: int
+    is_initialized: bool
+    context_ended: bool
+    store: LayerStorage
+    counts: LayerCounters
+    window_queries: torch.Tensor | None
+    inputs: dict[str, Any]
+    scaling: float | None
+
 
 # transformers < 5.3 (the kvpress environment's) does not hand a layer's ``update`` the attention call's keyword
 # arguments: there the layer whose ``update`` ran last in this context is kept here for kvzoo's attention to find.
@@ -74,7 +88,7 @@ class KVLayer(CacheLayerMixin):
         self.refused: str | None = None  # why the cache stopped taking forwards (another model's reached it)
         # the keys update() handed the model (identity-checked by the attention), held weakly: a buffer the layer
         # reallocates (a compression that shrinks it) must not stay alive here
-        self._returned: weakref.ref | None = None
+        self.returned: weakref.ref | None = None
         self.counts = LayerCounters()
         self.store = LayerStorage(runtime, self.counts)
         self.context_ended = False  # the context_end event fired (compress(), or the prompt's end in generate)
@@ -138,13 +152,8 @@ class KVLayer(CacheLayerMixin):
         else:  # transformers < 5.3 (kvpress's): the attention finds the layer in this context
             ACTIVE_LAYER.set(self)
         keys = store.rows.buffers["keys"]
-        self._returned = weakref.ref(keys)
+        self.returned = weakref.ref(keys)
         return keys, (store.rows.buffers["values"] if value_states is not None else None)
-
-    @property
-    def returned_keys(self) -> torch.Tensor | None:
-        """The keys the last :meth:`update` handed the model, while they are alive."""
-        return self._returned() if self._returned is not None else None
 
     def _check_rows(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
         layout = self.runtime.geometry.layout
@@ -225,9 +234,6 @@ class KVLayer(CacheLayerMixin):
     def fire(self, event: str) -> None:
         self.runtime.fire(self, event)
 
-    def stats(self) -> LayerStats:
-        return self.runtime.layer_stats(self)
-
     # --- snapshots of the tier, in sequence order ---------------------------------------------------------
     def _ordered(self, name: str) -> torch.Tensor | None:
         """A copy of the tier's rows of ``name`` in sequence order (None before the first row, or no such field)."""
@@ -266,4 +272,4 @@ class KVLayer(CacheLayerMixin):
         return self.store.archive.index
 
 
-__all__ = ["Host", "KVLayer"]
+__all__ = ["Host", "KVLayer", "RuntimeLayer"]

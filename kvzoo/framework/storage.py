@@ -59,6 +59,7 @@ class StorageHost(Protocol):
     policy: Any
     geometry: Any
     resident: int
+    peak_resident: int
 
     @property
     def accumulates(self) -> bool: ...
@@ -134,9 +135,35 @@ class LayerStorage:
         return sum(buf.shape[-1] * buf.element_size() for name, buf in self.rows.buffers.items()
                    if name in ("keys", "values"))
 
+    def bytes_of(self, rows: int) -> int:
+        """Bytes of ``rows`` rows of every (batch, group) (0 before the first row)."""
+        if not self.rows.buffers:
+            return 0
+        B, G = self.batch_groups
+        return rows * self.row_bytes() * B * G
+
     @property
     def batch_groups(self) -> tuple[int, int]:
         return tuple(self.rows.buffers["keys"].shape[:2])  # type: ignore[return-value]
+
+    def outgrows(self, tier_rows: int, appended: int, archived: int) -> bool:
+        """Whether the storage must grow (an event) for ``tier_rows`` rows in the tier after ``appended`` more rows
+        are written, ``archived`` more of them evicted to the archive."""
+        tier_storage = self.tier if self.gathered else self.rows
+        if tier_rows > tier_storage.capacity:
+            return True
+        if not self.retains:
+            return False
+        archive = self.archive.positions
+        return self.rows.n + appended > self.rows.capacity or (archived > 0 and archive.n + archived > archive.capacity)
+
+    def fit(self, rows: int) -> None:
+        """A fixed capacity's tier storage resized to ``rows`` (never below the rows it holds). The storage of a
+        layer with an archive keeps every row: there the tier's position list is sized, once it is one."""
+        if self.retains and not self.gathered:
+            return
+        storage = self.tier if self.gathered else self.rows
+        storage.resize(max(rows, storage.n))
 
     # --- appending -----------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
@@ -168,8 +195,11 @@ class LayerStorage:
             counts.seen_dev.fill_(counts.seen)
         counts.since_event += q
         counts.new_rows = q
-        counts.peak_rows = max(counts.peak_rows, self.n)
-        self.runtime.held(q)
+        counts.peak_rows = max(counts.peak_rows, self.tier.n if self.gathered else self.rows.n)
+        runtime = self.runtime  # Runtime.held(q), in place: a decode step appends per layer
+        runtime.resident += q
+        if runtime.resident > runtime.peak_resident:
+            runtime.peak_resident = runtime.resident
 
     def mark_padding(self, padding_mask: torch.Tensor | None) -> None:
         """Set the validity of the rows the forward in flight appended, from the 2-D padding mask ``[B, seen]``
@@ -266,7 +296,8 @@ class LayerStorage:
             self.rows.keep(keep)
             self.counts.dropped_rows += n - k
         else:
-            self._gather_tier()
+            if not self.gathered:
+                self._gather_tier()
             leaving = self.tier.gather(self.tier.complement(keep), ("pos",))["pos"]  # [B, G, n - k], in tier order
             self.archive.add(leaving, self.tier_view, self.budget)
             self.tier.keep(keep)
@@ -280,15 +311,14 @@ class LayerStorage:
             self.rows.vacate(victim)
             self.counts.dropped_rows += 1
             return
-        self._gather_tier()
+        if not self.gathered:
+            self._gather_tier()
         # an index out of range fails here
         self.archive.add(self.tier.buffers["pos"].gather(2, victim[..., None]), self.tier_view, self.budget)
         self.tier.vacate(victim)
 
     def _gather_tier(self) -> None:
         """The first eviction of a layer with an archive: the tier becomes the list of its positions (all so far)."""
-        if self.gathered:
-            return
         B, G = self.batch_groups
         n = self.rows.n
         if self.tier.fixed:
