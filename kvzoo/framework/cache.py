@@ -19,8 +19,6 @@ retriever configuration; no object refers to the cache.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import weakref
 from typing import Any
 
@@ -29,53 +27,22 @@ from transformers.cache_utils import Cache
 
 from kvzoo.framework.adapters import adapter_for
 from kvzoo.framework.attention import attach
+from kvzoo.framework.forks import (
+    clone,
+    compressed,
+    continue_as,
+    dense_prefill_problem,
+    prefill_problem,
+    retriever_of,
+)
 from kvzoo.framework.layer import KVLayer
-from kvzoo.framework.names import policy_retriever, resolve_policy
+from kvzoo.framework.names import resolve_policy
 from kvzoo.framework.policy import Policy
 from kvzoo.framework.report import cache_stats
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
 from kvzoo.framework.runtime import Runtime, RuntimeConfig
 from kvzoo.framework.stats import CacheStats, LayerStats
-
-
-def _retriever_of(policy: Policy):
-    """``policy``'s retriever (or None); a ValueError when it has one but keeps no archive to fetch from."""
-    retriever = policy_retriever(policy)
-    if retriever is not None and not policy.archive:
-        raise ValueError(
-            f"policy {policy.name!r} has retriever={retriever.name!r} but archive=False: a retriever "
-            "fetches from the archive; use archive=True or retriever=None"
-        )
-    return retriever
-
-
-def dense_prefill_problem(policy: Policy, *, one_forward: int | None = None,
-                          attention_recorded: bool = False) -> str | None:
-    """Why ``policy``'s prefill is not a plain dense prefill another policy could share (None: it is): it
-    accumulates attention or records inputs there, prefills token by token, or acts during the prefill.
-
-    ``one_forward``: the context's length, when ``policy``'s own prefill of it would be one forward ending the
-    context. A policy with a ``step`` or ``block`` schedule then acts only after that forward, layer by layer, on
-    the dense rows of each layer -- what a fork of a dense prefill replays (``TieredCache.fork_as(...,
-    ends_context=True)``) -- unless its blocks are shorter than the context (a block prefill attends, from the
-    second block on, to what the earlier blocks kept). ``attention_recorded``: the shared prefill accumulates each
-    row's received attention (``TieredCache(..., record_attention=True)``), so a policy observing ``accumulate``
-    (H2O) can share it."""
-    observed = policy.observes & ({"inputs"} if attention_recorded else {"accumulate", "inputs"})
-    if observed:
-        return f"{policy.name!r} observes {sorted(observed)} during the prefill"
-    if policy.multi_token_window(1 << 30) is not None:
-        return f"{policy.name!r} prefills with a window (token by token), not densely"
-    if policy.schedule == "context_end":
-        return None
-    if one_forward is None:
-        return f"{policy.name!r} acts during the prefill (schedule {policy.schedule!r})"
-    block = policy.block_size if policy.schedule == "block" else None
-    if block and one_forward > block:
-        return (f"{policy.name!r} prefills in blocks of {block} rows and the context has {one_forward}: each block "
-                "after the first attends to the rows the earlier ones kept, not to a dense prefill")
-    return None
 
 
 class TieredCache(Cache):
@@ -151,7 +118,7 @@ class TieredCache(Cache):
             from kvzoo.framework.graphs import check_cuda_graph
 
             check_cuda_graph(model, capacity)
-        retriever = _retriever_of(policy)
+        retriever = retriever_of(policy)
         if decompress_min_queries is not None and (
             isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
             or decompress_min_queries < 2
@@ -321,72 +288,13 @@ class TieredCache(Cache):
         belongs to its cache's buffers).
         """
         self._settle()
-        runtime = Runtime(self.runtime.config, self.runtime.context_length)
-        return self._clone(runtime, shared=True)
-
-    def _clone(self, runtime: Runtime, *, shared: bool) -> TieredCache:
-        """A cache on the same model and adapter whose layers are deep copies of this one's (tensors, counters),
-        running with ``runtime`` (``shared``: with a copy of the policy's cross-layer scratch). The configuration
-        objects the layers point to -- the policy, the retrieval tier, its retriever -- are shared, not copied."""
-        old = self.runtime
-        memo = {id(obj): obj for obj in (old.policy, old.retrieval, old.retriever) if obj is not None}
-        memo[id(old)] = runtime
-        try:
-            if shared:
-                runtime.shared = copy.deepcopy(old.shared, memo)
-            layers = copy.deepcopy(self.layers, memo)
-        except RuntimeError as err:
-            if "graph leaves" not in str(err):
-                raise
-            raise RuntimeError(
-                "TieredCache.fork(): this cache holds tensors of an autograd graph -- it was filled with gradients "
-                "enabled (model(ids, cache=cache) outside torch.no_grad()) -- and such tensors cannot be copied. A "
-                "cache needs no graph: fill it under torch.no_grad() (or torch.inference_mode()), then fork it"
-            ) from None
-        clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
-        clone.runtime, clone.graph, clone.layers = runtime, None, layers
-        clone.untiered_read = dict(self.untiered_read)
-        runtime.resident = runtime.peak_resident = sum(layer.store.n for layer in clone.tiered_layers
-                                                       if layer.is_initialized)
-        return clone
+        return clone(self, Runtime(self.runtime.config, self.runtime.context_length), shared=True)
 
     def prefill_shared_with(self, policy: Policy | str, *, ends_context: bool = False,
                             one_forward: bool = False) -> str | None:
-        """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can.
-
-        It can when nothing so far depended on the policy: no event has fired (nothing compressed, nothing
-        archived), this cache's policy prefills densely and acts only at the context's end, the new one would
-        have prefilled the same rows (:func:`dense_prefill_problem`: densely, without recording the attention modules'
-        inputs, accumulating attention only if this cache recorded it (``record_attention``, and then only such a
-        policy), and -- unless ``ends_context``, where its prefill is one forward -- acting only at the context's
-        end), and the queries kept cover ``policy``'s observation window.
-        """
-        policy = resolve_policy(policy)
-        if any(la.context_ended or la.store.budget is not None or la.store.archive.positions.n or la.counts.events
-               for la in self.tiered_layers):
-            return "this cache has compressed already (an event fired)"
-        problem = dense_prefill_problem(self.policy)
-        if problem is not None:
-            return f"this cache's policy {problem}"
-        rows = max((la.counts.seen for la in self.tiered_layers), default=0)
-        recorded = self.runtime.config.record_attention
-        problem = dense_prefill_problem(policy, one_forward=rows if ends_context or one_forward else None,
-                                        attention_recorded=recorded)
-        if problem is not None:
-            hint = (" (create this cache with record_attention=True)"
-                    if "accumulate" in policy.observes and not recorded else "")
-            return f"the new policy {problem}{hint}"
-        if recorded and "accumulate" not in policy.observes:
-            return (f"this cache recorded each row's attention (record_attention=True) through the reference attention, "
-                    f"not the fused one policy {policy.name!r} prefills with: its rows differ in rounding")
-        layout = self.adapter.geometry.layout
-        if layout not in policy.layouts:
-            return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {layout!r}"
-        needed = policy.observation_window if "window" in policy.observes else 0
-        if needed > self.runtime.observation_window:
-            return (f"policy {policy.name!r} reads the last {needed} queries, this cache kept "
-                    f"{self.runtime.observation_window} (create it with record_window={needed})")
-        return None
+        """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can
+        (:func:`~kvzoo.framework.forks.prefill_problem` states the rules)."""
+        return prefill_problem(self, resolve_policy(policy), ends_context=ends_context, one_forward=one_forward)
 
     def fork_as(self, policy: Policy | str, *, ends_context: bool = False, one_forward: bool = False) -> TieredCache:
         """A new cache that continues this prefilled, not yet compressed one as ``policy``: a constructor.
@@ -409,7 +317,8 @@ class TieredCache(Cache):
         problem = self.prefill_shared_with(policy, ends_context=ends_context, one_forward=one_forward)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
-        clone = self._continue_as(policy)
+        self._settle()
+        clone = continue_as(self, policy)
         if ends_context or one_forward:
             runtime = clone.runtime
             runtime.ending = ends_context
@@ -435,38 +344,18 @@ class TieredCache(Cache):
                 raise ValueError("transplant(cuda_graph=True) needs model=, the model the cache belongs to (its forward "
                                  "is routed through the graph)")
             check_cuda_graph(model, capacity)
-        if any(la.context_ended or la.store.budget is not None or la.store.archive.positions.n or la.counts.events
-               for la in self.tiered_layers):
+        if compressed(self):
             raise ValueError("transplant(): this cache has compressed already (an event fired)")
         layout = self.adapter.geometry.layout
         if layout not in policy.layouts:
             raise ValueError(f"transplant(): policy {policy.name!r} supports layouts {policy.layouts}, this model is "
                              f"{layout!r}")
-        clone = self._continue_as(policy, capacity=capacity, context_length=context_length)
+        self._settle()
+        clone = continue_as(self, policy, capacity=capacity, context_length=context_length)
         if cuda_graph:
             from kvzoo.framework.graphs import install
 
             clone.graph = install(model, clone)
-        return clone
-
-    def _continue_as(self, policy: Policy, *, capacity: int | None = None,
-                     context_length: int | None = None) -> TieredCache:
-        """This cache's rows, counters and kept queries (cut to ``policy``'s window), continued by ``policy`` with a
-        runtime of its own (its retriever with an empty index)."""
-        self._settle()
-        retriever = _retriever_of(policy)
-        old = self.runtime
-        retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
-        geometry = old.geometry if capacity is None else dataclasses.replace(old.geometry, capacity=capacity)
-        runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, old.num_layers, old.record_window),  # attention: the policy's
-                          context_length=context_length or old.context_length)
-        clone = self._clone(runtime, shared=False)
-        window = runtime.observation_window
-        for layer in clone.tiered_layers:
-            layer.continue_as(capacity=capacity)
-            queries = layer.window_queries
-            if queries is not None:
-                layer.window_queries = queries[:, :, -window:].clone() if window > 0 else None
         return clone
 
     def close(self) -> None:
