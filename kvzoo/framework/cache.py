@@ -45,6 +45,54 @@ from kvzoo.framework.runtime import Runtime, RuntimeConfig
 from kvzoo.framework.stats import CacheStats, LayerStats
 
 
+def _check_settings(model: torch.nn.Module, record_window: Any, record_attention: Any, capacity: Any, cuda_graph: Any,
+                    decompress_min_queries: Any) -> None:
+    """``TieredCache``'s settings, checked before anything is attached (a ValueError says what is valid)."""
+    if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
+        raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
+    if not isinstance(record_attention, bool):
+        raise ValueError(f"record_attention must be True or False, got {record_attention!r}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"capacity must be None (buffers grow as rows arrive) or an int >= 1 (the most tokens "
+                         f"the sequence will hold, prompt and generated), got {capacity!r}")
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if capacity is not None and isinstance(limit, int) and capacity > limit:
+        raise ValueError(f"capacity={capacity} is more tokens than {type(model).__name__} has positions for "
+                         f"(max_position_embeddings={limit}): use capacity <= {limit}")
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+    if cuda_graph:
+        from kvzoo.framework.graphs import check_cuda_graph
+
+        check_cuda_graph(model, capacity)
+    if decompress_min_queries is not None and (
+        isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
+        or decompress_min_queries < 2
+    ):
+        raise ValueError(
+            "decompress_min_queries must be None (the model's FLOP break-even) or an int >= 2 (a decode step "
+            f"of one query always attends in absorbed form), got {decompress_min_queries!r}"
+        )
+
+
+def _bind(adapter: Any, layers: list, tiered: list[int]) -> None:
+    """Bind each tiered layer to its attention module in the adapter's model, so that another model's forward is
+    refused."""
+    modules = adapter.attention_modules()
+    missing = [i for i in tiered if not isinstance(modules.get(i) if isinstance(modules, dict) else None,
+                                                    torch.nn.Module)]
+    if missing:
+        cls = type(adapter)
+        raise ValueError(
+            f"model-family adapter {cls.__module__}.{cls.__qualname__} ({adapter.name!r}): "
+            f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
+            f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
+            f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
+        )
+    for i in tiered:  # bound to this model's attention modules: another model's forward is refused
+        layers[i].owner = weakref.ref(modules[i])
+
+
 class TieredCache(Cache):
     """A two-tier KV cache driven by a kvzoo policy. Drop-in for ``model.generate``.
 
@@ -101,32 +149,8 @@ class TieredCache(Cache):
         cuda_graph: bool = False,
     ) -> None:
         policy = resolve_policy(policy)
-        if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
-            raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
-        if not isinstance(record_attention, bool):
-            raise ValueError(f"record_attention must be True or False, got {record_attention!r}")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity must be None (buffers grow as rows arrive) or an int >= 1 (the most tokens "
-                             f"the sequence will hold, prompt and generated), got {capacity!r}")
-        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        if capacity is not None and isinstance(limit, int) and capacity > limit:
-            raise ValueError(f"capacity={capacity} is more tokens than {type(model).__name__} has positions for "
-                             f"(max_position_embeddings={limit}): use capacity <= {limit}")
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
-        if cuda_graph:
-            from kvzoo.framework.graphs import check_cuda_graph
-
-            check_cuda_graph(model, capacity)
+        _check_settings(model, record_window, record_attention, capacity, cuda_graph, decompress_min_queries)
         retriever = retriever_of(policy)
-        if decompress_min_queries is not None and (
-            isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
-            or decompress_min_queries < 2
-        ):
-            raise ValueError(
-                "decompress_min_queries must be None (the model's FLOP break-even) or an int >= 2 (a decode step "
-                f"of one query always attends in absorbed form), got {decompress_min_queries!r}"
-            )
         adapter = adapter_for(model, policy)
         adapter.attach()
         attach(model)
@@ -146,19 +170,7 @@ class TieredCache(Cache):
             if i in tiered else adapter.untiered_layer(i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
             for i in range(shape.num_layers)
         ]
-        modules = adapter.attention_modules()
-        missing = [i for i in tiered if not isinstance(modules.get(i) if isinstance(modules, dict) else None,
-                                                        torch.nn.Module)]
-        if missing:
-            cls = type(adapter)
-            raise ValueError(
-                f"model-family adapter {cls.__module__}.{cls.__qualname__} ({adapter.name!r}): "
-                f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
-                f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
-                f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
-            )
-        for i in tiered:  # bound to this model's attention modules: another model's forward is refused
-            layers[i].owner = weakref.ref(modules[i])
+        _bind(adapter, layers, tiered)
         super().__init__(layers=layers)
         self.untiered_read: dict[int, int] = {}  # layer -> bytes the forwards' attention read from it
         self.graph = None
