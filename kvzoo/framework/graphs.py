@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step: ``TieredCache(model, policy, capacity=N, cuda_graph=True)``.
 
 With a fixed capacity a decode step between two events launches the same kernels on the same shapes and
-storage every step (``framework/step.py``; ``tests/test_static_step.py`` records it on CPU), so it can be
+storage every step (``framework/attention.py``'s ``decode_step``; ``tests/test_static_step.py`` records it on CPU), so it can be
 captured once and replayed, as vLLM, SGLang and gpt-fast do: the host then launches one graph per step instead
 of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
 
