@@ -159,7 +159,7 @@ def _windowed_attention(query, key, value, slots, valid, q_slots, scaling, windo
 
 def _begin(layer: KVLayer, attention_mask: torch.Tensor | None, scaling: float) -> None:
     layer.runtime.pending = None  # this layer's attention runs through kvzoo
-    layer.scaling = scaling
+    layer.observed.scaling = scaling
     layer.store.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
 
 
@@ -292,7 +292,9 @@ def tiered_attention(layer: KVLayer, query: torch.Tensor, attention_mask: torch.
     """
     rt = layer.runtime
     _begin(layer, attention_mask, scaling)
-    rt.record_queries(layer, query)
+    window = rt.observation_window
+    if window > 0 and not layer.context_ended:  # after the context's end no event reads them
+        layer.observed.record_queries(query, window)
     if query.shape[2] == 1:
         out = decode_step(layer, query, scaling)
     else:
@@ -360,7 +362,8 @@ def mla_attention(layer: KVLayer, mq: MLAQuery, attention_mask: torch.Tensor | N
     _begin(layer, attention_mask, mq.scaling)
     q_len = mq.q_nope.shape[2]
     window = rt.observation_window
-    rt.record_queries(layer, mq.absorbed(last=min(window, q_len)) if window > 0 else None)
+    if window > 0 and not layer.context_ended:  # after the context's end no event reads them
+        layer.observed.record_queries(mq.absorbed(last=min(window, q_len)), window)
     if q_len == 1:
         latent = decode_step(layer, mq.absorbed(), mq.scaling)
         out = mq.output(latent)

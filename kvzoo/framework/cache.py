@@ -99,37 +99,28 @@ class TieredCache(Cache):
     >>> cache = TieredCache(model, registry.get("streaming_llm", ratio=4))
     >>> out = model.generate(**inputs, cache=cache, max_new_tokens=32)
 
-    Creating the cache attaches kvzoo's attention to ``model`` (``kvzoo.framework.attention.attach``);
-    with any other cache that attention behaves exactly like SDPA. Policies with a ``step`` or
-    ``block`` schedule compress by themselves during ``generate``; a ``context_end`` compression
-    happens when you call :meth:`compress` (``kvzoo.pipeline`` does it after the context).
+    Creating the cache attaches kvzoo's attention to ``model`` (with any other cache it behaves exactly like SDPA).
+    ``step`` and ``block`` policies compress by themselves; a ``context_end`` compression happens at :meth:`compress`
+    (``kvzoo.pipeline`` calls it after the context) or, with ``auto_compress`` (default), at the first single-token
+    forward -- the prompt's end inside ``model.generate``.
 
-    ``policy``: a Policy, a registered name or spec (``"quest(gqa=group)"``), or None (``full``).
-    ``context_length``: the prompt's length when known, so a ratio budget counts the whole context
-    even when a chunked prefill fires the first event early. ``audit=True``: every retrieval also
-    scores all archived rows exactly (bound violations, recall; slow). ``decompress_min_queries``:
-    MLA forwards with at least this many queries attend in decompressed per-head form (None: the
-    FLOP break-even of the model's geometry; a decode step is always absorbed).
+    ``policy``: a Policy, a registered name or spec (``"quest(gqa=group)"``), or None (``full``). ``context_length``:
+    the prompt's length when known, so a ratio budget counts the whole context even when a chunked prefill fires the
+    first event early. ``audit=True``: every retrieval also scores all archived rows exactly (bound violations,
+    recall; slow). ``decompress_min_queries``: MLA forwards with at least this many queries attend in decompressed
+    per-head form (None: the FLOP break-even of the model's geometry; a decode step is always absorbed).
 
-    ``auto_compress`` (default True): a layer whose context was not compressed yet (no
-    :meth:`compress`) compresses at the first single-token forward -- the end of the prompt's
-    prefill inside ``model.generate`` -- so policies that compress at the context's end (SnapKV,
-    ChunkKV, VestigeKV's open block) do so there too.
+    ``capacity=N`` (the most tokens the sequence will hold): each layer's storage is preallocated for ``N`` rows and
+    a decode step reads whole buffers with the live counts on the device, so steps between events launch the same
+    ops on the same shapes and storage (what a CUDA graph replays); after each event the tier's storage is sized to
+    the most rows it can reach before the next. A longer sequence still works (the storage grows: an event). The
+    price: the PyTorch path reads the spare rows too (masked), as ``StaticCache`` does; the Triton kernel skips them.
+    ``cuda_graph=True`` (needs ``capacity`` and CUDA): decode steps are captured after each event and replayed
+    (``framework/graphs.py``; off by default: it has not run on a GPU yet).
 
-    ``capacity=N`` (the most tokens the sequence will hold, prompt and generated): each layer's attended tier,
-    archive and index are preallocated for ``N`` rows, and a decode step reads the whole buffers with the live
-    counts, positions and validity on the device, so consecutive steps between events launch the same ops on the
-    same shapes and storage (what a CUDA graph replays; ``tests/test_static_step.py`` records it). After each
-    event the tier's storage is resized to the most rows it can reach before the next one. A sequence longer
-    than ``N`` still works (the storage grows: an event). The price: on the PyTorch path a step reads the spare
-    rows too (masked), as transformers' ``StaticCache`` does; the Triton kernel skips them.
-
-    ``record_window=w`` and ``record_attention=True`` make a prefill that other policies continue (:meth:`fork_as`): it
-    keeps the last ``w`` queries of each layer, and accumulates each row's received attention (H2O's observation;
-    the attention then runs through the reference path that computes the probabilities, as H2O's own does).
-
-    ``cuda_graph=True`` (needs ``capacity`` and CUDA): decode steps are captured once in a CUDA graph after each
-    event and replayed (``framework/graphs.py``). Off by default: it has not run on a GPU yet.
+    ``record_window=w`` and ``record_attention=True`` make a prefill that other policies continue (:meth:`fork_as`):
+    it keeps each layer's last ``w`` queries and accumulates each row's received attention (through the reference
+    attention, as H2O's own prefill does).
 
     Use it as a context manager, or call :meth:`close`, to free its rows at a known point.
     """
@@ -205,24 +196,6 @@ class TieredCache(Cache):
         """The layers kvzoo compresses, in order (all layers on GQA; the MLA layers on Kimi Linear)."""
         return [layer for layer in self.layers if isinstance(layer, KVLayer)]
 
-    # --- what a CUDA graph of the decode step asks (framework/graphs.py) ----------------------------------
-    def next_step_kind(self) -> tuple[tuple[str, bool], ...] | None:
-        """What the next decode step does in each tiered layer, as the runtime states it
-        (:meth:`~kvzoo.framework.runtime.Runtime.next_step`, host counters only), and whether it retrieves; None
-        when any layer will run an event."""
-        kinds = []
-        for layer in self.tiered_layers:
-            kind = self.runtime.next_step(layer)
-            if kind == "event":
-                return None
-            kinds.append((kind, layer.store.archive.index is not None and layer.store.archive.positions.n > 0))
-        return tuple(kinds)
-
-    def steady_run(self, limit: int) -> int:
-        """How many decode steps from the next one on are of its kind in every tiered layer, at most ``limit``
-        (:meth:`~kvzoo.framework.runtime.Runtime.run_of`; 0: the next is an event)."""
-        return min((self.runtime.run_of(layer, limit) for layer in self.tiered_layers), default=0)
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, layer_idx: int, *args: Any,
                **kwargs: Any):
         if not 0 <= layer_idx < len(self.layers):
@@ -272,17 +245,14 @@ class TieredCache(Cache):
         super().batch_repeat_interleave(repeats)
 
     def context_end(self) -> None:
-        """The next forward ends the context: each layer compresses right after its own attention in that forward
-        (the ``context_end`` event, layer by layer, as kvpress's forward hook compresses), before the next layer runs,
-        so that one layer at a time holds its whole prefill. The rows kept are those :meth:`compress` after the
-        forward would keep. Call it before the context's last forward (``kvzoo.pipeline`` does); with
-        ``model.generate``, before the call (its first forward is the prompt's)."""
+        """The next forward ends the context: each layer compresses right after its own attention in it (as kvpress's
+        forward hook does), so one layer at a time holds its whole prefill; the rows kept are those :meth:`compress`
+        would keep. Call it before the context's last forward (``kvzoo.pipeline`` does), or before ``generate``."""
         self._settle()
         self.runtime.ending = True
 
     def compress(self) -> None:
-        """The context ended: fire the ``context_end`` event on every layer (after :meth:`context_end`'s forward
-        the layers have compressed already, and this changes nothing)."""
+        """The context ended: every layer's ``context_end`` event (a no-op after :meth:`context_end`'s forward)."""
         self._settle()
         for layer in self.tiered_layers:
             layer.fire("context_end")
@@ -292,13 +262,9 @@ class TieredCache(Cache):
         return cache_stats(self)
 
     def fork(self) -> TieredCache:
-        """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
-
-        What a benchmark needs to prefill and compress once and then continue several ways (answer,
-        continuation, question): the copy's tensors are new; its adapter and :class:`RuntimeConfig` (policy,
-        retrieval tier, geometry) are this cache's, its per-cache state copied. A fork decodes eagerly (a CUDA graph
-        belongs to its cache's buffers).
-        """
+        """An independent copy of this cache's rows, archive, indexes and counters, to prefill and compress once and
+        continue several ways: its tensors are new; its model, adapter and :class:`RuntimeConfig` are this cache's.
+        A fork decodes eagerly (a CUDA graph belongs to its cache's buffers)."""
         self._settle()
         return clone(self, Runtime(self.runtime.config, self.runtime.context_length), shared=True)
 
@@ -309,21 +275,16 @@ class TieredCache(Cache):
         return prefill_problem(self, resolve_policy(policy), ends_context=ends_context, one_forward=one_forward)
 
     def fork_as(self, policy: Policy | str, *, ends_context: bool = False, one_forward: bool = False) -> TieredCache:
-        """A new cache that continues this prefilled, not yet compressed one as ``policy``: a constructor.
+        """A new cache that continues this prefilled, not yet compressed one as ``policy``: one dense prefill serves
+        several policies that would have computed the very same one (a benchmark's grid). The new cache's rows,
+        counters and kept queries are this cache's, bit for bit; it runs with a runtime of its own (``policy``, an
+        empty index, its budget still to be fixed). A ValueError says why when the prefill is not ``policy``'s to
+        share (:meth:`prefill_shared_with`).
 
-        One dense prefill then serves several policies that would have computed the very same prefill
-        (a benchmark's grid): the new cache's rows, counters and kept queries are this cache's, bit for bit
-        (its queries cut to ``policy``'s window); it runs with a runtime of its own -- ``policy``, its
-        retriever with an empty index, its budget still to be fixed -- on this cache's model, adapter and
-        geometry. A ValueError says why when the prefill is not ``policy``'s to share
-        (:meth:`prefill_shared_with`).
-
-        ``ends_context=True``: the prefill was the context, and ``policy``'s own prefill of it would have been one
-        forward that ends it (:meth:`context_end`): the fork ends it as that forward would have, layer by layer --
-        the policy's scheduled event (a ``step`` or a ``block`` policy's), then ``context_end``. So a policy that
-        acts during its prefill, when that prefill is one forward, shares a dense one too. ``one_forward=True``: the
-        prefill so far was the first forward of ``policy``'s own prefill, not the context's end (VestigeKV's first
-        block of a longer context): the fork fires that forward's scheduled event, and the prefill goes on on the fork.
+        ``ends_context=True``: ``policy``'s own prefill would have been one forward that ends the context: the fork
+        ends it as that forward would have, layer by layer (the policy's scheduled event, then ``context_end``), so a
+        policy that acts during its prefill shares a dense one too. ``one_forward=True``: the prefill so far was the
+        first forward of ``policy``'s own (VestigeKV's first block): the fork fires that forward's scheduled event.
         """
         policy = resolve_policy(policy)
         problem = self.prefill_shared_with(policy, ends_context=ends_context, one_forward=one_forward)
@@ -341,13 +302,10 @@ class TieredCache(Cache):
 
     def transplant(self, policy: Policy | str, *, capacity: int | None = None, context_length: int | None = None,
                    cuda_graph: bool = False, model: torch.nn.Module | None = None) -> TieredCache:
-        """A new cache of ``policy`` that holds this cache's rows as they are -- whatever policy prefilled them --
-        with its retriever's index empty and its budget still to be fixed: a benchmark's way to hand every arm the
-        same rows (what follows them is the policy's own; a policy that would have acted during the prefill did
-        not). ``capacity``: the new cache's storage is preallocated for that many rows (``TieredCache(...,
-        capacity=N)``); ``cuda_graph=True`` (with ``capacity``, on CUDA, and the ``model`` the cache belongs to): its
-        decode steps are captured and replayed, as ``TieredCache(..., cuda_graph=True)``'s. Refused once this cache
-        has compressed (its rows are no longer the prefill's)."""
+        """A new cache of ``policy`` holding this cache's rows as they are, whatever policy prefilled them (its index
+        empty, its budget to be fixed): a benchmark's way to hand every arm the same rows. ``capacity`` and
+        ``cuda_graph`` (with the ``model`` the cache belongs to) as ``TieredCache``'s. Refused once this cache has
+        compressed (its rows are no longer the prefill's)."""
         policy = resolve_policy(policy)
         if cuda_graph:
             from kvzoo.framework.graphs import check_cuda_graph

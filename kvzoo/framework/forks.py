@@ -135,7 +135,7 @@ def continue_as(cache: Any, policy: Policy, *, capacity: int | None = None, cont
     window = runtime.observation_window
     for layer in new.tiered_layers:
         layer.continue_as(capacity=capacity)
-        queries = layer.window_queries
+        queries = layer.observed.queries
         if queries is not None:
-            layer.window_queries = queries[:, :, -window:].clone() if window > 0 else None
+            layer.observed.queries = queries[:, :, -window:].clone() if window > 0 else None
     return new

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvzoo.framework.observed import Observed
 from kvzoo.framework.stats import LayerCounters
 from kvzoo.framework.storage import EMPTY, LayerStorage, StorageHost
 
@@ -38,7 +39,7 @@ class Host(StorageHost, Protocol):
 class RuntimeLayer(Protocol):
     """What the runtime may read and write of a layer (``Runtime`` names nothing else of it): who the layer is, whether
     it holds rows and whether its context ended, its storage (rows and their moves) and counters, and what it observed
-    for its policy (the window's queries, the recorded inputs, the softmax scale)."""
+    for its policy (``observed``)."""
 
     layer_idx: int
     rank: int
@@ -46,9 +47,7 @@ class RuntimeLayer(Protocol):
     context_ended: bool
     store: LayerStorage
     counts: LayerCounters
-    window_queries: torch.Tensor | None
-    inputs: dict[str, Any]
-    scaling: float | None
+    observed: Observed
 
 
 # transformers < 5.3 (the kvpress environment's) does not hand a layer's ``update`` the attention call's keyword
@@ -92,10 +91,7 @@ class KVLayer(CacheLayerMixin):
         self.counts = LayerCounters()
         self.store = LayerStorage(runtime, self.counts)
         self.context_ended = False  # the context_end event fired (compress(), or the prompt's end in generate)
-        self.scaling: float | None = None  # the attention's softmax scale (for the observation window)
-        self.window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries (until the context ends)
-        # the "inputs" observation since the last event: the attention module (a weak reference) and its inputs
-        self.inputs: dict[str, Any] = {}
+        self.observed = Observed()  # the window's queries, the recorded inputs, the softmax scale
 
     def continue_as(self, *, capacity: int | None = None) -> None:
         """This layer -- a copy whose policy changed (``TieredCache.fork_as``, ``transplant``), before any event --
@@ -195,15 +191,13 @@ class KVLayer(CacheLayerMixin):
             return
         idx = indices.to(self.device)
         self.store.select_batch(idx)
-        if self.window_queries is not None:
-            self.window_queries = self.window_queries.index_select(0, idx)
+        self.observed.select_batch(idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if not self.is_initialized:
             return
         self.store.repeat_batch(repeats)
-        if self.window_queries is not None:
-            self.window_queries = self.window_queries.repeat_interleave(repeats, dim=0)
+        self.observed.repeat_batch(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError(

@@ -13,7 +13,6 @@ The runtime reaches a layer only through :class:`~kvzoo.framework.layer.RuntimeL
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,12 +21,10 @@ import torch
 from kvzoo.framework.layer import RuntimeLayer
 from kvzoo.framework.memory import release_freed
 from kvzoo.framework.policy import (
-    AttentionInputs,
     Event,
     Observation,
     Policy,
     RowsView,
-    WindowQueries,
     observed_rows,
 )
 from kvzoo.framework.retrieval import Retrieval
@@ -65,11 +62,10 @@ class RuntimeConfig:
 
 @dataclass
 class Runtime:
-    """A cache's :class:`RuntimeConfig` and its per-cache state: the context's length (when the pipeline knows it, a
-    ratio budget counts the whole context), the policy's cross-layer scratch (``shared``: ChunkKV's reuse) and the
-    layer whose rows went in and whose attention has not run yet (``pending``, its index: a forward of a model that
-    does not run kvzoo's attention is refused at its next layer). The configuration's fields read as the runtime's
-    own."""
+    """A cache's :class:`RuntimeConfig` (its fields read as the runtime's own) and its per-cache state: the context's
+    length (a ratio budget counts the whole context), the policy's cross-layer scratch (``shared``: ChunkKV's reuse),
+    and the layer whose rows went in and whose attention has not run yet (``pending``: a forward of a model that does
+    not run kvzoo's attention is refused at its next layer)."""
 
     config: RuntimeConfig
     context_length: int | None = None
@@ -119,10 +115,6 @@ class Runtime:
         (:meth:`_close_block`); its rows are ``[first_new, end)``."""
         if ordered:
             layer.store.ensure_order()
-        window = None
-        if layer.window_queries is not None:
-            queries = layer.window_queries[:, :, -self.policy.observation_window:]
-            window = WindowQueries(queries.shape[2], layer.counts.seen, layer.scaling, lambda: queries)
         first_new = max(0, layer.store.n - layer.counts.since_event)
 
         def read(name: str) -> torch.Tensor | None:
@@ -137,7 +129,7 @@ class Runtime:
             self.policy,
             None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
             read=read,
-            window=window,
+            window=layer.observed.window(self.policy.observation_window, layer.counts.seen),
             layer_idx=layer.layer_idx,
             num_layers=self.num_layers,
             layout=self.geometry.layout,
@@ -148,49 +140,8 @@ class Runtime:
             row_stats=row_stats,
             shared=self.shared,
             info=layer.counts.policy_info,
-            inputs=self._inputs(layer, None if end is None else end - first_new) if layer.inputs else None,
+            inputs=layer.observed.attention_inputs(layer.counts.since_event if end is None else end - first_new),
         )
-
-    def record_inputs(self, layer: RuntimeLayer, module: torch.nn.Module, hidden_states: torch.Tensor,
-                      position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Keep what the attention layer was given (``[B, q, d]`` and its RoPE), for a policy observing "inputs".
-
-        Kept from the layer's last event until the next, and only until the context ends (a policy that runs the
-        model's own code on the layer -- a kvpress press -- compresses the context once).
-        """
-        if Observation.INPUTS not in self.policy.observes or layer.context_ended:
-            return
-        inputs = layer.inputs
-        inputs["module"] = weakref.ref(module)
-        inputs.setdefault("hidden_states", []).append(hidden_states.detach())
-        if position_embeddings is not None:
-            inputs.setdefault("position_embeddings", []).append(tuple(t.detach() for t in position_embeddings))
-
-    def _inputs(self, layer: RuntimeLayer, rows: int | None = None) -> AttentionInputs:
-        """The "inputs" observation as :class:`RowsView` gives it: the module and the forwards' inputs joined, for the
-        first ``rows`` rows since the layer's last event (None: all of them). The layer recorded some."""
-        recorded = layer.inputs
-        # the rows appended since the last event; a forward still in flight (generate's first decode step, which
-        # ends the context before its own row is appended) recorded its input already: left out
-        rows = layer.counts.since_event if rows is None else rows
-        hidden_states = torch.cat(recorded["hidden_states"], dim=1)[:, :rows]
-        position_embeddings = None
-        if "position_embeddings" in recorded:
-            cos, sin = zip(*recorded["position_embeddings"])
-            position_embeddings = (torch.cat(cos, dim=1)[:, :rows], torch.cat(sin, dim=1)[:, :rows])
-        return AttentionInputs(recorded["module"](), hidden_states, position_embeddings)
-
-    def record_queries(self, layer: RuntimeLayer, query: torch.Tensor | None) -> None:
-        """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention), until the context
-        ends (after it, no event reads them: a decode step records nothing)."""
-        window = self.observation_window
-        if window <= 0 or query is None or layer.context_ended:
-            return
-        query = query[:, :, -window:]
-        joined = query if layer.window_queries is None else torch.cat([layer.window_queries, query], dim=2)
-        # a copy: a view would keep the forward's whole query tensor [B, H, n, D] alive with the layer (30 x 9 MiB
-        # for SmolLM2 at 4k: a prefill's peak grew by a layer's queries per layer)
-        layer.window_queries = joined[:, :, -window:].detach().clone()
 
     # --- a row's fate -----------------------------------------------------------------------------
     def resolve_budget(self, layer: RuntimeLayer) -> int | None:
@@ -212,10 +163,8 @@ class Runtime:
         return layer.store.budget
 
     def next_step(self, layer: RuntimeLayer, ahead: int = 1) -> StepKind:
-        """What the layer's decode step ``ahead`` steps from now does (1: the next one), the steps before it taken
-        to be of the next step's kind, from host counters alone (no device work): ``"steady"`` (rows in, nothing
-        leaves), ``"one_in_one_out"`` (one row leaves, an index moves) or ``"event"`` (a selection over the tier, a
-        block closing, the prompt's end, storage growing)."""
+        """What the layer's decode step ``ahead`` steps from now does, the steps before it of the next step's kind, from
+        host counters alone: ``"steady"`` (nothing leaves), ``"one_in_one_out"`` (one index moves) or ``"event"``."""
         if not layer.is_initialized or not layer.context_ended:
             return "event"  # the prompt's end (generate's first decode step) compresses
         kind = self._kind(layer, 0, "steady") if ahead == 1 else self.next_step(layer)
@@ -245,9 +194,8 @@ class Runtime:
         return "steady"
 
     def run_of(self, layer: RuntimeLayer, limit: int) -> int:
-        """How many of the layer's next decode steps (at most ``limit``) are of the next step's kind, without an
-        event in between: what a captured step may be replayed for without asking again (0: the next is an
-        event)."""
+        """How many of the layer's next decode steps (at most ``limit``) are of the next step's kind: what a captured
+        step may be replayed for without asking again (0: the next is an event)."""
         kind = self.next_step(layer)
         if kind == "event":
             return 0
@@ -277,51 +225,48 @@ class Runtime:
     def fire(self, layer: RuntimeLayer, event: Event) -> None:
         """Run the policy's selector for ``event`` and move the rows it does not keep."""
         try:
-            self._fire(layer, event)
-        finally:
-            layer.inputs = {}  # the "inputs" observation covers the rows since the layer's last event
-
-    def _fire(self, layer: RuntimeLayer, event: Event) -> None:
-        policy, counts, store = self.policy, layer.counts, layer.store
-        if event == "context_end":
-            layer.context_ended = True
-        if not layer.is_initialized or layer.rank < policy.dense_layers:
+            policy, counts, store = self.policy, layer.counts, layer.store
             if event == "context_end":
-                self._fit(layer)
-            return
-        if event != "step" and policy.schedule == "block" and policy.closes_each_block and policy.block_size:
-            while counts.since_event > policy.block_size:  # a forward added more than a block: each closes alone
-                self._close_block(layer, event, policy.block_size)
-            if event == "block" and counts.since_event < policy.block_size:  # the rest stays open
-                self._fit(layer)
+                layer.context_ended = True
+            if not layer.is_initialized or layer.rank < policy.dense_layers:
+                if event == "context_end":
+                    self._fit(layer)
                 return
-        n = store.n
-        budget = store.budget if store.budget is not None else self.resolve_budget(layer)
-        target = policy.target_rows(event, budget=budget, resident=n, block_rows=min(counts.since_event, n),
-                                    seen=counts.seen)
-        if target is None or target >= n:
-            counts.since_event = 0
-            if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
-                self._fit(layer)
-            return
-        if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
-            victim = policy.step_victim(self.view(layer, ordered=False))
-            if victim is not None:
+            if event != "step" and policy.schedule == "block" and policy.closes_each_block and policy.block_size:
+                while counts.since_event > policy.block_size:  # a forward added more than a block: each closes alone
+                    self._close_block(layer, event, policy.block_size)
+                if event == "block" and counts.since_event < policy.block_size:  # the rest stays open
+                    self._fit(layer)
+                    return
+            n = store.n
+            budget = store.budget if store.budget is not None else self.resolve_budget(layer)
+            target = policy.target_rows(event, budget=budget, resident=n, block_rows=min(counts.since_event, n),
+                                        seen=counts.seen)
+            if target is None or target >= n:
                 counts.since_event = 0
-                B, G = store.batch_groups
-                if victim.shape != (B, G) or victim.dtype != torch.long:
-                    raise RuntimeError(f"policy {policy.name!r} step_victim() must return int64 indices of shape "
-                                       f"{(B, G)}, got {victim.dtype} {tuple(victim.shape)}")
-                store.evict_one(victim)
-                counts.events += 1
+                if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
+                    self._fit(layer)
                 return
-        rows = self.view(layer)  # before since_event resets: the view marks where the closed block starts
-        counts.since_event = 0
-        keep = policy.select(rows, target)
-        self._check_keep(layer, keep, target, n)
-        store.keep(keep)
-        counts.events += 1
-        self._fit(layer)
+            if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
+                victim = policy.step_victim(self.view(layer, ordered=False))
+                if victim is not None:
+                    counts.since_event = 0
+                    B, G = store.batch_groups
+                    if victim.shape != (B, G) or victim.dtype != torch.long:
+                        raise RuntimeError(f"policy {policy.name!r} step_victim() must return int64 indices of shape "
+                                           f"{(B, G)}, got {victim.dtype} {tuple(victim.shape)}")
+                    store.evict_one(victim)
+                    counts.events += 1
+                    return
+            rows = self.view(layer)  # before since_event resets: the view marks where the closed block starts
+            counts.since_event = 0
+            keep = policy.select(rows, target)
+            self._check_keep(layer, keep, target, n)
+            store.keep(keep)
+            counts.events += 1
+            self._fit(layer)
+        finally:
+            layer.observed.inputs = {}  # the "inputs" observation covers the rows since the layer's last event
 
     def _close_block(self, layer: RuntimeLayer, event: Event, block: int) -> None:
         """Close the first ``block`` of the rows since the layer's last event, as if the forward had ended there: the
@@ -341,12 +286,7 @@ class Runtime:
             store.keep(torch.cat([keep, later], dim=2))
             counts.events += 1
         counts.since_event -= block
-        recorded = layer.inputs  # the "inputs" observation covers the rows still open
-        if recorded:
-            recorded["hidden_states"] = [torch.cat(recorded["hidden_states"], dim=1)[:, block:]]
-            if "position_embeddings" in recorded:
-                cos, sin = zip(*recorded["position_embeddings"])
-                recorded["position_embeddings"] = [(torch.cat(cos, dim=1)[:, block:], torch.cat(sin, dim=1)[:, block:])]
+        layer.observed.drop_inputs(block)  # the "inputs" observation covers the rows still open
 
     def _fit(self, layer: RuntimeLayer) -> None:
         """Fixed capacity, once the context has ended: the tier's storage holds the rows it has plus the most it
