@@ -147,11 +147,11 @@ def test_200_decode_steps_hold_the_budget_and_accumulators_match_brute_force(tin
     cache = TieredCache(tiny, policy)
     assert tiny.config._attn_implementation == "kvzoo"  # observed attention without eager mode
     tiny(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-    assert [layer.store.num_rows for layer in cache.layers] == [budget] * 3  # evicted right after the prefill
+    assert [layer.store.n for layer in cache.layers] == [budget] * 3  # evicted right after the prefill
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
         tiny(input_ids=torch.randint(1, 256, (B, 1), generator=g), attention_mask=mask, cache=cache, use_cache=True)
-        assert [layer.store.num_rows for layer in cache.layers] == [budget] * 3  # one in, one out, every step
+        assert [layer.store.n for layer in cache.layers] == [budget] * 3  # one in, one out, every step
     cache.compress()  # the context_end event finds the tier at budget: nothing moves
     assert len(log.entries) == 3 * (1 + steps)
 

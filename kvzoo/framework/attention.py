@@ -36,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
 from kvzoo.framework.policy import sinks_and_recent
 from kvzoo.framework.retrieval import Fetched
-from kvzoo.kernels.attention import attention_reference, attention_sdpa, received_attention
+from kvzoo.kernels.attention import attention_reference, attention_sdpa
 from kvzoo.kernels.decode_attention import attend
 
 ATTN_NAME = "kvzoo"
@@ -242,8 +242,7 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
     if layer.runtime.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                         column_sums=True, extra_mask=extra, bottom_right=rows.plain_causal)
-        store = layer.store  # MLA: its heads into the one group
-        store.accumulate_rows(received_attention(sums[..., rows.tier], store.batch_groups[1]))
+        layer.store.accumulate(sums[..., rows.tier], step=False)
         return out
     if sdpa:
         return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,

@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvzoo.framework.observed import Observed
+from kvzoo.framework.policy import RowsView, observed_rows
 from kvzoo.framework.stats import LayerCounters
 from kvzoo.framework.storage import EMPTY, LayerStorage, StorageHost
 
@@ -33,21 +34,24 @@ class Host(StorageHost, Protocol):
 
     num_layers: int
     pending: int | None
+    shared: dict[str, Any]
 
     def fire(self, layer: KVLayer, event: Any) -> None: ...
 
 class RuntimeLayer(Protocol):
-    """What the runtime may read and write of a layer (``Runtime`` names nothing else of it): who the layer is, whether
-    it holds rows and whether its context ended, its storage (rows and their moves) and counters, and what it observed
-    for its policy (``observed``)."""
+    """What the runtime may read and call of a layer (``Runtime`` names nothing else of it): where the layer stands
+    (its rank among the tiered layers, whether it holds rows, whether its context ended), its storage (the rows and
+    their moves: ``n``, ``budget``, ``keep``, ``evict_one``, ``fit``, ``outgrows``), its counters, what it observed
+    for its policy, and the rows as the policy's selector sees them (``rows_view``)."""
 
-    layer_idx: int
     rank: int
     is_initialized: bool
     context_ended: bool
     store: LayerStorage
     counts: LayerCounters
     observed: Observed
+
+    def rows_view(self, ordered: bool = True, end: int | None = None) -> RowsView: ...
 
 
 # transformers < 5.3 (the kvpress environment's) does not hand a layer's ``update`` the attention call's keyword
@@ -227,6 +231,41 @@ class KVLayer(CacheLayerMixin):
 
     def fire(self, event: str) -> None:
         self.runtime.fire(self, event)
+
+    def rows_view(self, ordered: bool = True, end: int | None = None) -> RowsView:
+        """The attended tier as the policy's selector sees it (``ordered=False``: in tier order, for ``step_victim``);
+        ``end``: the tier's first ``end`` rows only (in slot order), a block that closes before the rows after it."""
+        runtime, store, counts = self.runtime, self.store, self.counts
+        if ordered:
+            store.ensure_order()
+        first_new = max(0, store.n - counts.since_event)  # where the rows since the last event (or the block) start
+
+        def read(name: str) -> torch.Tensor | None:
+            if name == "values" and store.latent_width is not None:  # MLA rows: no value of their own
+                return None
+            return store.get(name) if end is None else store.get(name)[:, :, :end]
+
+        row_stats = store.row_statistics()
+        if end is not None:
+            row_stats = {name: stat[:, :, :end] for name, stat in row_stats.items()}
+        policy, geometry = runtime.policy, runtime.geometry
+        return observed_rows(
+            policy,
+            None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
+            read=read,
+            window=self.observed.window(policy.observation_window, counts.seen),
+            layer_idx=self.layer_idx,
+            num_layers=runtime.num_layers,
+            layout=geometry.layout,
+            layer_rank=self.rank,
+            branch_dim=geometry.branch_dim,
+            first_new=first_new,
+            all_valid=store.all_valid,
+            row_stats=row_stats,
+            shared=runtime.shared,
+            info=counts.policy_info,
+            inputs=self.observed.attention_inputs(counts.since_event if end is None else end - first_new),
+        )
 
     # --- snapshots of the tier, in sequence order ---------------------------------------------------------
     def _ordered(self, name: str) -> torch.Tensor | None:

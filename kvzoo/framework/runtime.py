@@ -24,8 +24,6 @@ from kvzoo.framework.policy import (
     Event,
     Observation,
     Policy,
-    RowsView,
-    observed_rows,
 )
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RetrievalState, RowGeometry
@@ -107,42 +105,6 @@ class Runtime:
     def new_index(self) -> RetrievalState | None:
         return self.retrieval.new_state(self.geometry) if self.retrieval is not None else None
 
-    # --- the rows the selector sees ---------------------------------------------------------------
-    def view(self, layer: RuntimeLayer, ordered: bool = True, end: int | None = None) -> RowsView:
-        """The attended tier as a :class:`RowsView` (``ordered=False``: in tier order, for ``step_victim``).
-
-        ``end``: the tier's first ``end`` rows only (in slot order) -- a block that closes before the rows after it
-        (:meth:`_close_block`); its rows are ``[first_new, end)``."""
-        if ordered:
-            layer.store.ensure_order()
-        first_new = max(0, layer.store.n - layer.counts.since_event)
-
-        def read(name: str) -> torch.Tensor | None:
-            if name == "values" and layer.store.latent_width is not None:  # MLA rows: no value of their own
-                return None
-            return layer.store.get(name) if end is None else layer.store.get(name)[:, :, :end]
-
-        row_stats = layer.store.row_statistics()
-        if end is not None:
-            row_stats = {name: stat[:, :, :end] for name, stat in row_stats.items()}
-        return observed_rows(
-            self.policy,
-            None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
-            read=read,
-            window=layer.observed.window(self.policy.observation_window, layer.counts.seen),
-            layer_idx=layer.layer_idx,
-            num_layers=self.num_layers,
-            layout=self.geometry.layout,
-            layer_rank=layer.rank,
-            branch_dim=self.geometry.branch_dim,
-            first_new=first_new,
-            all_valid=layer.store.all_valid,
-            row_stats=row_stats,
-            shared=self.shared,
-            info=layer.counts.policy_info,
-            inputs=layer.observed.attention_inputs(layer.counts.since_event if end is None else end - first_new),
-        )
-
     # --- a row's fate -----------------------------------------------------------------------------
     def resolve_budget(self, layer: RuntimeLayer) -> int | None:
         """The layer's budget: resolved once, from the whole context when the cache knows its length.
@@ -209,16 +171,15 @@ class Runtime:
         context (:meth:`TieredCache.context_end`), the ``context_end`` event right after, before the next layer runs
         (so only one layer holds its whole prefill at a time)."""
         policy, counts = self.policy, layer.counts
-        counts.new_rows = 0
         if policy.schedule == "step":
             self.fire(layer, "step")
         elif policy.schedule == "block" and policy.block_size and counts.since_event >= policy.block_size:
             self.fire(layer, "block")
         if self.ending:
-            dropped = counts.dropped_rows
+            dropped = layer.store.dropped_bytes()
             self.fire(layer, "context_end")
             # the rows just dropped (most of the layer's prefill): give their pages back before the next layer runs
-            release_freed(layer.store.bytes_of(counts.dropped_rows - dropped))
+            release_freed(layer.store.dropped_bytes() - dropped)
             if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
                 self.ending = False
 
@@ -248,7 +209,7 @@ class Runtime:
                     self._fit(layer)
                 return
             if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
-                victim = policy.step_victim(self.view(layer, ordered=False))
+                victim = policy.step_victim(layer.rows_view(ordered=False))
                 if victim is not None:
                     counts.since_event = 0
                     B, G = store.batch_groups
@@ -256,14 +217,12 @@ class Runtime:
                         raise RuntimeError(f"policy {policy.name!r} step_victim() must return int64 indices of shape "
                                            f"{(B, G)}, got {victim.dtype} {tuple(victim.shape)}")
                     store.evict_one(victim)
-                    counts.events += 1
                     return
-            rows = self.view(layer)  # before since_event resets: the view marks where the closed block starts
+            rows = layer.rows_view()  # before since_event resets: the view marks where the closed block starts
             counts.since_event = 0
             keep = policy.select(rows, target)
             self._check_keep(layer, keep, target, n)
             store.keep(keep)
-            counts.events += 1
             self._fit(layer)
         finally:
             layer.observed.inputs = {}  # the "inputs" observation covers the rows since the layer's last event
@@ -278,13 +237,12 @@ class Runtime:
         target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=end, block_rows=block,
                                     seen=counts.seen - open_rows + block)
         if target is not None and target < end:
-            rows = self.view(layer, end=end)  # before since_event moves on: the view marks where the block starts
+            rows = layer.rows_view(end=end)  # before since_event moves on: the view marks where the block starts
             keep = policy.select(rows, target)
             self._check_keep(layer, keep, target, end)
             B, G = store.batch_groups
             later = torch.arange(end, n, device=keep.device).expand(B, G, n - end)
             store.keep(torch.cat([keep, later], dim=2))
-            counts.events += 1
         counts.since_event -= block
         layer.observed.drop_inputs(block)  # the "inputs" observation covers the rows still open
 
