@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step: ``TieredCache(model, policy, capacity=N, cuda_graph=True)``.
 
 With a fixed capacity a decode step between two events launches the same kernels on the same shapes and
-storage every step (``framework/attention.py``'s ``decode_step``; ``tests/test_static_step.py`` records it on CPU), so it can be
+storage every step (``attention.decode_step``; ``tests/test_static_step.py`` records it on CPU), so it can be
 captured once and replayed, as vLLM, SGLang and gpt-fast do: the host then launches one graph per step instead
 of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
 
@@ -9,8 +9,8 @@ of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
   single-token forward with this cache goes through :meth:`DecodeGraph.forward`, anything else runs as before;
 * a step is *steady* when no layer will run an event (a selection over its tier, a block closing, Quest's page
   move, the prompt's end) and no buffer has to grow: the runtime states it per layer from the host's counters,
-  before the step (:func:`next_step_kind`, from the runtime's ``next_step``, no
-  device work), and also how many steps in a row will be of that kind (:func:`steady_run`);
+  before the step (:func:`next_step_kind`, from the runtime's ``next_step``, no device work), and also how many
+  steps in a row will be of that kind (:func:`steady_run`);
 * an unsteady step runs eagerly, and so does the first steady step after it (it warms the new shapes up, on the
   stream the capture will use); the second is captured (``torch.cuda.CUDAGraph``) into static inputs (token ids
   and positions) and outputs (logits) and replayed; later steady steps copy the new token's id and position in and

@@ -248,12 +248,17 @@ class KVLayer(CacheLayerMixin):
         row_stats = store.row_statistics()
         if end is not None:
             row_stats = {name: stat[:, :, :end] for name, stat in row_stats.items()}
-        policy, geometry = runtime.policy, runtime.geometry
+        policy, geometry, observed = runtime.policy, runtime.geometry, self.observed
+        # the observations, only where there are some (a per-step victim's view: none, and no call)
+        window = observed.window(policy.observation_window, counts.seen) if observed.queries is not None else None
+        inputs = None
+        if observed.inputs:
+            inputs = observed.attention_inputs(counts.since_event if end is None else end - first_new)
         return observed_rows(
             policy,
             None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
             read=read,
-            window=self.observed.window(policy.observation_window, counts.seen),
+            window=window,
             layer_idx=self.layer_idx,
             num_layers=runtime.num_layers,
             layout=geometry.layout,
@@ -264,7 +269,7 @@ class KVLayer(CacheLayerMixin):
             row_stats=row_stats,
             shared=runtime.shared,
             info=counts.policy_info,
-            inputs=self.observed.attention_inputs(counts.since_event if end is None else end - first_new),
+            inputs=inputs,
         )
 
     # --- snapshots of the tier, in sequence order ---------------------------------------------------------

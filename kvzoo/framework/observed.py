@@ -37,10 +37,8 @@ class Observed:
         if position_embeddings is not None:
             inputs.setdefault("position_embeddings", []).append(tuple(t.detach() for t in position_embeddings))
 
-    def window(self, size: int, seen: int) -> WindowQueries | None:
-        """The latest ``size`` queries as :class:`RowsView` reads them (None: none kept)."""
-        if self.queries is None:
-            return None
+    def window(self, size: int, seen: int) -> WindowQueries:
+        """The latest ``size`` queries as :class:`RowsView` reads them (some were kept)."""
         queries = self.queries[:, :, -size:]
         return WindowQueries(queries.shape[2], seen, self.scaling, lambda: queries)
 
@@ -54,12 +52,10 @@ class Observed:
             position_embeddings = (torch.cat(cos, dim=1)[:, start:stop], torch.cat(sin, dim=1)[:, start:stop])
         return hidden_states, position_embeddings
 
-    def attention_inputs(self, rows: int) -> AttentionInputs | None:
-        """The "inputs" observation of the first ``rows`` rows since the last event (None: none recorded). A forward
+    def attention_inputs(self, rows: int) -> AttentionInputs:
+        """The "inputs" observation of the first ``rows`` rows since the last event (some were recorded). A forward
         still in flight (generate's first decode step, which ends the context before its own row is appended)
         recorded its input already: left out by ``rows``."""
-        if not self.inputs:
-            return None
         return AttentionInputs(self.inputs["module"](), *self._joined(0, rows))
 
     def drop_inputs(self, rows: int) -> None:

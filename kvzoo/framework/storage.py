@@ -106,7 +106,6 @@ class LayerStorage:
             elif refix:
                 view.fix(view.capacity, NO_ROW)
 
-    # --- sizes ------------------------------------------------------------------------------------------
     @property
     def capacity(self) -> int | None:
         """``TieredCache(..., capacity=N)``: storage preallocated for N rows, read whole by a decode step."""
