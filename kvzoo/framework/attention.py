@@ -160,7 +160,8 @@ def _windowed_attention(query, key, value, slots, valid, q_slots, scaling, windo
 def _begin(layer: KVLayer, attention_mask: torch.Tensor | None, scaling: float) -> None:
     layer.runtime.pending = None  # this layer's attention runs through kvzoo
     layer.observed.scaling = scaling
-    layer.store.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
+    if attention_mask is not None and attention_mask.dim() == 2:  # a padding mask: which of the new rows are real
+        layer.store.mark_padding(attention_mask)
 
 
 def _query_slots(layer: KVLayer, q_len: int, device: torch.device) -> torch.Tensor:

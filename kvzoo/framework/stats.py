@@ -21,7 +21,7 @@ class LayerCounters:
     seen: int = 0  # rows appended: the true sequence length
     seen_dev: torch.Tensor | None = None  # the same on the device, int64 [1]: a decode row's slot
     since_event: int = 0  # rows appended since the last compression event
-    new_rows: int = 0  # rows appended by the forward in flight
+    new_rows: int = 0  # rows appended by the latest forward (its attention reads which are padding)
     dropped_rows: int = 0
     events: int = 0
     selections: int = 0  # events that ran the selector over the tier (all but a one-in-one-out step)

@@ -186,11 +186,10 @@ class LayerStorage:
         if runtime.resident > runtime.peak_resident:
             runtime.peak_resident = runtime.resident
 
-    def mark_padding(self, padding_mask: torch.Tensor | None) -> None:
+    def mark_padding(self, padding_mask: torch.Tensor) -> None:
         """The validity of the forward's new rows from the padding mask ``[B, seen]`` (a decode step: no host sync)."""
         q = self.counts.new_rows
-        self.counts.new_rows = 0  # read once per forward, at its attention's start
-        if padding_mask is None or q == 0:
+        if q == 0:
             return
         valid = self.rows.buffers["valid"]
         if q == 1:  # written where the row went (found on the device)
