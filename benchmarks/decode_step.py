@@ -154,8 +154,8 @@ PARTS = ("tier: attention", "retrieval: index scan and choice", "fetched rows: a
 @contextmanager
 def profiled():
     """Wrap the parts of kvzoo's decode step (their names are the profile table's rows)."""
+    import kvzoo.framework.attention as step_mod
     import kvzoo.framework.retrieval as retrieval_mod
-    import kvzoo.framework.step as step_mod
     from kvzoo.framework.layer import KVLayer
     from kvzoo.framework.runtime import Runtime
 

@@ -9,6 +9,7 @@ import torch
 from kvzoo import TieredCache, registry
 from kvzoo.framework.layer import KVLayer
 from kvzoo.framework.policy import Policy, RowsView
+from kvzoo.framework.report import layer_stats
 from kvzoo.policies.full import Full
 from kvzoo.policies.streaming_llm import StreamingLLM
 from tests.greedy import assert_same_greedy, generated_logits
@@ -175,7 +176,7 @@ def test_an_eviction_only_policy_frees_its_storage_and_one_with_a_retriever_keep
         cache.compress()
         layer = cache.tiered_layers[0]
         sizes[retriever] = layer.store.rows.capacity
-        s = layer.stats()
+        s = layer_stats(layer)
         assert s.resident_rows == 75 and s.archived_rows + s.dropped_rows == 525
         assert (s.archived_rows == 525) == (retriever is not None)
     assert sizes[None] < 200 <= 600 <= sizes["vestige"]

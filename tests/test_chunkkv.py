@@ -211,7 +211,7 @@ def test_reuse_calls_the_scorer_on_ceil_layers_over_reuse(tiny, tiny4, monkeypat
     totals = cache.stats().totals
     assert totals["chunkkv_scored"] == len(scorers) and totals["chunkkv_reused"] == layers - len(scorers)
     for layer in cache.layers:
-        assert layer.store.num_rows == 50
+        assert layer.store.n == 50
         leader = cache.layers[layer.layer_idx - layer.layer_idx % reuse]
         assert torch.equal(layer.slots, leader.slots)  # the same positions as the group's first layer
 

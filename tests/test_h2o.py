@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kvzoo.framework.attention as attention
-import kvzoo.framework.step as step
 from kvzoo import TieredCache, registry
 from kvzoo.framework.policy import RowsView
 from kvzoo.framework.runtime import Runtime
@@ -85,13 +84,13 @@ class AttentionLog:
     """Logs, per layer and forward, what the attention saw (in slot order) and the tier the step left behind.
 
     The prefill goes through the multi-token reference (``attention_reference``), a decode step through
-    ``framework/step.py``'s ``decode_step``: both are spied on."""
+    ``framework/attention.py``'s ``decode_step``: both are spied on."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entries: list[dict] = []
         self._pending: dict | None = None
         real_attention = attention.attention_reference
-        real_decode = step.decode_step
+        real_decode = attention.decode_step
         real_after_forward = Runtime.after_forward
 
         def attention_spy(query, keys, values, key_slots, key_valid, query_slots, scaling, **kwargs):
@@ -148,11 +147,11 @@ def test_200_decode_steps_hold_the_budget_and_accumulators_match_brute_force(tin
     cache = TieredCache(tiny, policy)
     assert tiny.config._attn_implementation == "kvzoo"  # observed attention without eager mode
     tiny(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-    assert [layer.store.num_rows for layer in cache.layers] == [budget] * 3  # evicted right after the prefill
+    assert [layer.store.n for layer in cache.layers] == [budget] * 3  # evicted right after the prefill
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
         tiny(input_ids=torch.randint(1, 256, (B, 1), generator=g), attention_mask=mask, cache=cache, use_cache=True)
-        assert [layer.store.num_rows for layer in cache.layers] == [budget] * 3  # one in, one out, every step
+        assert [layer.store.n for layer in cache.layers] == [budget] * 3  # one in, one out, every step
     cache.compress()  # the context_end event finds the tier at budget: nothing moves
     assert len(log.entries) == 3 * (1 + steps)
 

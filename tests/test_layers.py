@@ -304,3 +304,49 @@ def test_a_policy_writes_one_method_and_the_readme_example_writes_only_that():
     assert len(classes) == 1
     methods = [node.name for node in classes[0].body if isinstance(node, ast.FunctionDef)]
     assert methods == ["priority"]
+
+
+PARTS = ("store", "counts", "observed")  # a layer's parts: what the runtime reads of them counts too
+
+
+def _layer_names_read_by_runtime() -> tuple[set[str], set[str]]:
+    """The names ``framework/runtime.py`` reads of a layer: its own (``layer.X``), and those of its storage and
+    counters (``layer.store.X``, ``layer.counts.X``, also through a local ``store = layer.store``)."""
+    tree = ast.parse((PACKAGE / "framework" / "runtime.py").read_text())
+    own: set[str] = set()
+    parts: set[str] = set()
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        aliases = {}
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assign):
+                targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+                values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                for target, value in zip(targets, values):
+                    if (isinstance(target, ast.Name) and isinstance(value, ast.Attribute)
+                            and isinstance(value.value, ast.Name) and value.value.id == "layer"):
+                        aliases[target.id] = value.attr
+        for node in ast.walk(function):
+            if not isinstance(node, ast.Attribute):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id == "layer":
+                own.add(node.attr)
+            elif isinstance(node.value, ast.Name) and aliases.get(node.value.id) in PARTS:
+                own.add(aliases[node.value.id])
+                parts.add(f"{aliases[node.value.id]}.{node.attr}")
+            elif (isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name)
+                  and node.value.value.id == "layer"):
+                if node.value.attr in PARTS:
+                    parts.add(f"{node.value.attr}.{node.attr}")
+    return own, parts
+
+
+def test_the_runtime_reaches_a_layer_through_a_small_named_interface():
+    """Issue 46: the runtime reads a layer only through ``RuntimeLayer`` (at most 12 names), and of the layer's parts
+    (storage, counters, observations) only the few operations it decides with: 33 names before the issue."""
+    from kvzoo.framework.layer import RuntimeLayer
+
+    members = {name for name in vars(RuntimeLayer) if not name.startswith("_")} | set(RuntimeLayer.__annotations__)
+    own, parts = _layer_names_read_by_runtime()
+    assert len(members) <= 12, sorted(members)
+    assert own <= members, f"the runtime reads {sorted(own - members)} of a layer, outside RuntimeLayer"
+    assert len(own | parts) <= 19, sorted(own | parts)

@@ -87,7 +87,7 @@ def test_streaming_prefill_peak_and_equivalence(deepseek):
 
     def update(layer, *a, **kw):
         out = original(layer, *a, **kw)
-        seen_peaks.append(layer.store.num_rows)
+        seen_peaks.append(layer.store.n)
         return out
 
     KVLayer.update = update

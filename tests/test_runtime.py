@@ -109,7 +109,7 @@ def test_store_grows_geometrically_and_keeps_rows_in_order():
     assert sum(grown) <= 6 and torch.equal(store.get("keys")[:, :, :100], keys)
 
 
-def test_store_keep_shrinks_and_remove_one_moves_one_row():
+def test_store_keep_shrinks_and_a_vacated_row_settles_by_moving_one_row():
     store = _store(500)
     keys = store.get("keys").clone()
     keep = torch.arange(0, 500, 10).expand(2, 3, 50).contiguous()
@@ -117,7 +117,8 @@ def test_store_keep_shrinks_and_remove_one_moves_one_row():
     assert store.n == 50 and store.capacity < 200  # memory given back
     assert torch.equal(store.get("keys"), keys[:, :, ::10])
     victim = torch.tensor([[0, 5, 49], [7, 7, 3]])
-    store.remove_one(victim)
+    store.vacate(victim)
+    store.settle()
     assert store.n == 49 and not store.ordered
     store.ensure_order()
     for b in range(2):
@@ -186,7 +187,7 @@ def test_per_step_eviction_moves_rows_in_place_and_keeps_the_partition(tiny_llam
         moves, rows = 0, layer.store.rows.buffers["keys"].data_ptr()
         for step in range(40):
             model(input_ids=ids[:, step : step + 1], cache=cache, use_cache=True)
-            assert layer.store.tier.buffers["pos"].data_ptr() == positions and layer.store.num_rows == 48
+            assert layer.store.tier.buffers["pos"].data_ptr() == positions and layer.store.n == 48
             moves += layer.store.rows.buffers["keys"].data_ptr() != rows
             rows = layer.store.rows.buffers["keys"].data_ptr()
         assert moves <= 2

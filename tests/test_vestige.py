@@ -92,7 +92,7 @@ def test_blocks_are_final_and_each_keeps_its_share():
         first = [layer.slots.clone() for layer in cache.tiered_layers]
         model(input_ids=ids[:, 64:], cache=cache, use_cache=True)
     for layer, before in zip(cache.tiered_layers, first):
-        assert before.shape[-1] == 8 and layer.store.num_rows == 16
+        assert before.shape[-1] == 8 and layer.store.n == 16
         assert torch.equal(layer.slots[..., :8], before) and (layer.slots[..., 8:] >= 64).all()
 
 

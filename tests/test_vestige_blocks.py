@@ -61,7 +61,7 @@ def test_a_one_shot_prefill_closes_blocks_of_block_size(model, retriever):
     policy = cache.policy
     for layer, full in zip(cache.tiered_layers, whole.tiered_layers):
         B, G = layer.store.batch_groups
-        assert layer.counts.events == 2 and layer.store.num_rows == 2 * BLOCK // RATIO + CONTEXT - 2 * BLOCK
+        assert layer.counts.events == 2 and layer.store.n == 2 * BLOCK // RATIO + CONTEXT - 2 * BLOCK
         assert layer.counts.policy_info["selector_rows_read"] == B * G * 2 * BLOCK  # blocks of 256 read, not one of 600
         keys = full.keys
         want = [[_blockwise(policy, keys[b, g], cache.runtime.geometry.layout, cache.runtime.geometry.branch_dim)
@@ -92,7 +92,7 @@ def test_the_context_end_closes_the_open_rest(model):
     later = _prefill(model, ids, CONTEXT)
     later.compress()
     for layer in ended.tiered_layers:
-        assert layer.counts.events == 3 and layer.store.num_rows == 2 * BLOCK // RATIO + (CONTEXT - 2 * BLOCK) // RATIO
+        assert layer.counts.events == 3 and layer.store.n == 2 * BLOCK // RATIO + (CONTEXT - 2 * BLOCK) // RATIO
     assert _kept_slots(ended)[0] == _kept_slots(by_256)[0]
     assert _kept_slots(later) == _kept_slots(ended)
 
@@ -115,5 +115,5 @@ def test_padded_batch_closes_the_same_blocks():
         caches.append(cache)
     one_shot, by_256 = caches
     layer = one_shot.tiered_layers[0]
-    assert layer.counts.events == 2 and layer.store.num_rows == 2 * BLOCK // RATIO + CONTEXT - 2 * BLOCK
+    assert layer.counts.events == 2 and layer.store.n == 2 * BLOCK // RATIO + CONTEXT - 2 * BLOCK
     assert _kept_slots(one_shot)[0] == _kept_slots(by_256)[0]

@@ -9,7 +9,7 @@ monkey-patching of modules, and :func:`detach` switches back). MLA layers hand t
 2. the attention marks which new rows are padding (from the 2-D padding mask, indexed by slot),
    records the observation window's queries if the policy wants them, and attends:
 
-   * **a decode step** (one query): ``framework/step.py`` (the tier read in place, one call of the
+   * **a decode step** (one query): :func:`decode_step` (the tier read in place, one call of the
      decode-attention op, the retriever's rows in the same softmax; no host synchronisation);
    * **a multi-token forward** (a prefill chunk, a question): through SDPA's fused kernels with the
      bottom-right causal mask when the rows allow it; MLA decompresses the rows to per-head K/V
@@ -36,8 +36,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
 from kvzoo.framework.policy import sinks_and_recent
 from kvzoo.framework.retrieval import Fetched
-from kvzoo.framework.step import decode_step
-from kvzoo.kernels.attention import attention_reference, attention_sdpa, received_attention
+from kvzoo.kernels.attention import attention_reference, attention_sdpa
+from kvzoo.kernels.decode_attention import attend
 
 ATTN_NAME = "kvzoo"
 
@@ -93,7 +93,7 @@ def kvzoo_attention(
     if layer is None and ACTIVE_LAYER.get() is not None:  # transformers < 5.3
         layer = ACTIVE_LAYER.get()
         ACTIVE_LAYER.set(None)
-    returned = layer.returned_keys if layer is not None else None
+    returned = layer.returned() if layer is not None and layer.returned is not None else None
     if layer is None or key is not returned:
         if (layer is not None and layer.layer_idx == getattr(module, "layer_idx", None)
                 and returned is not None and key.shape == returned.shape):
@@ -159,8 +159,9 @@ def _windowed_attention(query, key, value, slots, valid, q_slots, scaling, windo
 
 def _begin(layer: KVLayer, attention_mask: torch.Tensor | None, scaling: float) -> None:
     layer.runtime.pending = None  # this layer's attention runs through kvzoo
-    layer.scaling = scaling
-    layer.store.mark_padding(attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None)
+    layer.observed.scaling = scaling
+    if attention_mask is not None and attention_mask.dim() == 2:  # a padding mask: which of the new rows are real
+        layer.store.mark_padding(attention_mask)
 
 
 def _query_slots(layer: KVLayer, q_len: int, device: torch.device) -> torch.Tensor:
@@ -199,7 +200,7 @@ def _multi_rows(layer: KVLayer, index_query: Callable[[], torch.Tensor], scaling
     if store.archive.index is not None and store.archive.positions.n > 0:
         fetched = rt.retrieval.fetch_forward(layer, index_query(), scaling)
     else:
-        rt.account_attended(layer)
+        layer.counts.attended(store.n)
     n = store.n
     if fetched is None:
         return MultiTokenRows(keys, values, slots, valid, slice(0, n), store.all_valid)
@@ -242,8 +243,7 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
     if layer.runtime.accumulates:
         out, sums = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                         column_sums=True, extra_mask=extra, bottom_right=rows.plain_causal)
-        store = layer.store  # MLA: its heads into the one group
-        store.accumulate_rows(received_attention(sums[..., rows.tier], store.batch_groups[1]))
+        layer.store.accumulate(sums[..., rows.tier], step=False)
         return out
     if sdpa:
         return attention_sdpa(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
@@ -251,6 +251,36 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
     out, _ = attention_reference(query, rows.keys, rows.values, rows.slots, rows.valid, q_slots, scaling,
                                  extra_mask=extra)
     return out
+
+
+def decode_step(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of one query per sequence ``[B, H, 1, D]`` over the layer's rows: ``[B, H, 1, Dv]``.
+
+    The tier is one source read where its rows lie (``store.source()``); with archived rows and a retriever, the
+    op over the tier first gives its best score (s*), the retriever names rows to fetch
+    (:meth:`~kvzoo.framework.retrieval.Retrieval.fetch_step`: a fixed count, no host synchronisation) and the op
+    over them joins the tier's part in one softmax (merged by log-sum-exp). H2O's accumulator then gets each tier
+    row's probability. No Python number that changes from step to step reaches an op: between events a step's
+    ops, shapes and storages repeat, as a CUDA graph needs (``tests/test_static_step.py``).
+    """
+    rt = layer.runtime
+    q = query[:, :, 0]
+    store = layer.store
+    tier = store.source()
+    accumulate = rt.accumulates
+    archive = store.archive
+    index = archive.index if archive.index is not None and archive.positions.n else None
+    if index is None:
+        part = attend(q, [tier], scaling, mass=accumulate)
+        layer.counts.attended(store.n)
+    else:  # the tier's scores first (s*: its best), then the rows the retriever names, in one softmax with them
+        part = attend(q, [tier], scaling, best=index.needs_best, defer=True, mass=accumulate)
+        best = part.best[..., None] if part.best is not None else None  # [B, H, 1]
+        fetched = rt.retrieval.fetch_step(layer, query, best, scaling)
+        part = attend(q, [fetched], scaling, prior=part, mass=accumulate)
+    if accumulate:  # each tier row's probability in the step (the step's first source), over its group's heads
+        store.accumulate(part.mass[0])
+    return part.out.to(query.dtype)[:, :, None]
 
 
 def tiered_attention(layer: KVLayer, query: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -262,7 +292,9 @@ def tiered_attention(layer: KVLayer, query: torch.Tensor, attention_mask: torch.
     """
     rt = layer.runtime
     _begin(layer, attention_mask, scaling)
-    rt.record_queries(layer, query)
+    window = rt.observation_window
+    if window > 0 and not layer.context_ended:  # after the context's end no event reads them
+        layer.observed.record_queries(query, window)
     if query.shape[2] == 1:
         out = decode_step(layer, query, scaling)
     else:
@@ -330,7 +362,8 @@ def mla_attention(layer: KVLayer, mq: MLAQuery, attention_mask: torch.Tensor | N
     _begin(layer, attention_mask, mq.scaling)
     q_len = mq.q_nope.shape[2]
     window = rt.observation_window
-    rt.record_queries(layer, mq.absorbed(last=min(window, q_len)) if window > 0 else None)
+    if window > 0 and not layer.context_ended:  # after the context's end no event reads them
+        layer.observed.record_queries(mq.absorbed(last=min(window, q_len)), window)
     if q_len == 1:
         latent = decode_step(layer, mq.absorbed(), mq.scaling)
         out = mq.output(latent)

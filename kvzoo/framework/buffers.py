@@ -19,7 +19,7 @@ Two capacity regimes:
   value (valid flags False, slots -1), so that they are never read. The storage pointers stay put.
 
 Two ways rows leave: :meth:`keep` (the rows named by sorted indices, in that order: a compression event) and
-:meth:`remove_one` (one row per ``(batch, group)``; the last live row moves into the hole: the per-step
+:meth:`vacate` (one row per ``(batch, group)``, filled by the next row appended or by the last live row: the per-step
 "one in, one out" of StreamingLLM and H2O, ``O(1)`` rows moved, after which the rows are no longer in slot order
 and :meth:`ensure_order` sorts them back before anything that reads order).
 
@@ -43,11 +43,19 @@ def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.gather(2, idx.view(*idx.shape, *([1] * (t.dim() - 3))).expand(*idx.shape, *t.shape[3:]))
 
 
+def complement(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices ``[B, G, n - k]`` (ascending) of the rows ``[0, n)`` that ``idx [B, G, k]`` does not name."""
+    kept = torch.zeros(*idx.shape[:2], n, dtype=torch.bool, device=idx.device).scatter_(2, idx, True)
+    # a stable sort of the 0/1 mask puts the rows not kept first, in order
+    return torch.sort(kept.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - idx.shape[2]]
+
+
 class RowStore:
     """Named tensors ``[B, G, capacity, ...]`` sharing a row axis; rows ``[:n]`` are live (``length`` on device)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self.capacity = 0  # rows each buffer has room for (kept by _refresh)
         self.n = 0  # live rows (host)
         self.length: torch.Tensor | None = None  # the same count on the buffers' device, int64 [1]
         self.ordered = True  # live rows are in the order they were appended (slot order)
@@ -55,18 +63,12 @@ class RowStore:
         self.empty: dict[str, Fill] = {}  # what a row past n holds, per buffer that must never read as live
         self.growths = 0  # appends that overflowed a fixed capacity (each reallocated the buffers)
         self._offsets: torch.Tensor | None = None  # [B, G, 1] (b * G + g) * capacity, kept with the buffers
-        # one in, one out (vacate): the row a step gave up stays where it is until the next appended row takes its
-        # place (hole [B, G] on the device); the live rows are then every row but the hole, and `settle` compacts
-        # them back to [:n] before anything reads them that way
+        # one in, one out (vacate): the row given up stays until the next row appended takes its place (hole [B, G])
         self.hole: torch.Tensor | None = None
         self.holed = False
         self.into_hole = False  # the latest single-row append filled the hole (rather than writing at length)
 
     # --- reading -----------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return next(iter(self.buffers.values())).shape[2] if self.buffers else 0
-
     def __contains__(self, name: str) -> bool:
         return name in self.buffers
 
@@ -85,34 +87,12 @@ class RowStore:
             self.settle()
         return self.buffers[name][:, :, : self.n]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every buffer's live rows ``[B, G, n, ...]`` (views); an empty dict when no row is live."""
-        return {name: self.get(name) for name in self.buffers} if self.n else {}
-
-    def nbytes(self, names: tuple[str, ...] | None = None) -> int:
-        """Bytes of the live rows of ``names`` (all buffers when None)."""
-        total = 0
-        for name, buf in self.buffers.items():
-            if names is None or name in names:
-                total += buf[:, :, : self.n].numel() * buf.element_size()
-        return total
-
     # --- writing -----------------------------------------------------------------------------
-    def define(
-        self,
-        batch: int,
-        groups: int,
-        fields: dict[str, tuple[tuple[int, ...], torch.dtype]],
-        device: torch.device,
-        capacity: int = 0,
-        *,
-        fixed: bool = False,
-        empty: dict[str, Fill] | None = None,
-    ) -> None:
-        """Create the buffers: ``name -> (trailing shape, dtype)``, each ``[batch, groups, capacity, *shape]``.
-
-        ``empty``: the value of rows past ``n`` for the buffers named (written now and whenever rows leave).
-        """
+    def define(self, batch: int, groups: int, fields: dict[str, tuple[tuple[int, ...], torch.dtype]],
+               device: torch.device, capacity: int = 0, *, fixed: bool = False,
+               empty: dict[str, Fill] | None = None) -> None:
+        """Create the buffers ``name -> (trailing shape, dtype)``, each ``[batch, groups, capacity, *shape]``; ``empty``:
+        the value of rows past ``n`` for the buffers named (written now and whenever rows leave)."""
         make = torch.zeros if fixed else torch.empty  # a fixed store's spare rows are read (masked): never NaN
         self.buffers = {
             name: make(batch, groups, capacity, *shape, dtype=dtype, device=device)
@@ -128,11 +108,8 @@ class RowStore:
         self._refresh()
 
     def append(self, rows: dict[str, torch.Tensor | Fill], count: int | None = None) -> None:
-        """Write ``count`` rows after the live rows: per buffer a tensor ``[B, G, count, ...]`` or a scalar.
-
-        Every buffer must be named. One row (a decode step) is written at the device's ``length``
-        (``index_copy_`` / ``index_fill_``), so the ops' arguments do not depend on the row count.
-        """
+        """Write ``count`` rows after the live rows: for every buffer a tensor ``[B, G, count, ...]`` or a scalar. One row
+        (a decode step) is written at the device's ``length``: the ops' arguments do not depend on the row count."""
         if set(rows) != set(self.buffers):
             raise ValueError(f"append needs every buffer {sorted(self.buffers)}, got {sorted(rows)}")
         if count is None:
@@ -152,7 +129,8 @@ class RowStore:
         self.into_hole = False
         if self.holed:
             self.settle()
-        self.reserve(count)
+        if self.n + count > self.capacity:
+            self.reserve(count)
         if count == 1:
             for name, value in rows.items():
                 if isinstance(value, torch.Tensor):
@@ -173,18 +151,15 @@ class RowStore:
     def reserve(self, extra: int) -> None:
         """Make room for ``extra`` more rows: a growing store grows geometrically; a fixed one grows to fit
         (counted in ``growths``: the storage moves, so a captured step must be captured again)."""
-        need = self.n + extra
-        cap = next(iter(self.buffers.values())).shape[2] if self.buffers else 0  # self.capacity, in place
+        need, cap = self.n + extra, self.capacity
         if need > cap:
-            if self.holed:
-                self.settle()
+            self.settle()
             self.growths += self.fixed
             self.resize(max(need, cap + max(MIN_GROWTH, int(cap * GROWTH))))
 
     def resize(self, capacity: int) -> None:
         """Reallocate every buffer for ``capacity`` rows (>= ``n``), the live rows copied, the rest ``empty``."""
-        if self.holed:  # a hole left by vacate() is filled first: the live rows are then [:n]
-            self.settle()
+        self.settle()  # a hole left by vacate() is filled first: the live rows are then [:n]
         capacity = max(capacity, self.n)
         if capacity == self.capacity:
             return
@@ -197,10 +172,8 @@ class RowStore:
         self._refresh()
 
     def fix(self, capacity: int, empty: dict[str, Fill]) -> None:
-        """Make the store fixed-capacity (decode-step readers see whole buffers) with ``capacity`` rows (>= ``n``),
-        the rows past the live ones holding ``empty`` (e.g. a prefilled cache handed to a ``capacity`` cache)."""
-        if self.holed:
-            self.settle()
+        """Fix the capacity at ``capacity`` rows (>= ``n``), the spare rows holding ``empty`` (a prefilled cache handed on)."""
+        self.settle()
         self.fixed = True
         self.empty = dict(empty)
         old = self.capacity
@@ -215,40 +188,24 @@ class RowStore:
         like = next(iter(self.buffers.values()))
         self.buffers[name] = torch.full((*like.shape[:3], *shape), fill, dtype=dtype, device=like.device)
 
-    def _shrunk_capacity(self, n: int) -> int:
-        """After an eviction, a growing store gives memory back when it would be mostly empty."""
-        cap = self.capacity
-        if not self.fixed and cap > 2 * n + MIN_GROWTH:
-            return n + max(MIN_GROWTH, int(n * GROWTH))
-        return cap
-
     def _clear(self, start: int, stop: int) -> None:
         """Rows ``[start, stop)`` no longer live: their ``empty`` values written."""
         if stop > start:
             for name, value in self.empty.items():
                 self.buffers[name][:, :, start:stop].fill_(value)
 
-    def complement(self, idx: torch.Tensor) -> torch.Tensor:
-        """Indices ``[B, G, n - k]`` (ascending) of the live rows that ``idx [B, G, k]`` does not name."""
-        n, k = self.n, idx.shape[2]
-        kept = torch.zeros(*idx.shape[:2], n, dtype=torch.bool, device=idx.device).scatter_(2, idx, True)
-        # a stable sort of the 0/1 mask puts the rows not kept first, in order
-        return torch.sort(kept.to(torch.uint8), dim=2, stable=True).indices[:, :, : n - k]
-
     def _refresh(self) -> None:
         """The buffers were (re)allocated: where each ``(batch, group)``'s rows start in the flattened buffers
         (``[B, G, 1]`` int64), computed now, so that no step computes it."""
         buf = next(iter(self.buffers.values()), None)
+        self.capacity = buf.shape[2] if buf is not None else 0
         if buf is not None:
             B, G, cap = buf.shape[:3]
             self._offsets = torch.arange(B * G, device=buf.device).view(B, G, 1) * cap
 
     def gather(self, idx: torch.Tensor, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-        """Copies of the rows ``idx [B, G, k]`` (indices into the buffers) of every buffer (or of ``names``).
-
-        One ``index_select`` per buffer over its rows flattened with ``(batch, group)`` offsets
-        (the buffers are contiguous), which is a few times faster than ``gather`` on small rows.
-        """
+        """Copies of the rows ``idx [B, G, k]`` of every buffer (or of ``names``): one ``index_select`` per buffer over
+        its rows flattened with ``(batch, group)`` offsets, a few times faster than ``gather`` on small rows."""
         B, G, k = idx.shape
         flat = (idx + self._offsets).view(-1)
         out = {}
@@ -259,15 +216,13 @@ class RowStore:
         return out
 
     def keep(self, idx: torch.Tensor) -> None:
-        """Keep rows ``idx [B, G, k]`` (int64, ascending) as the new live rows, in that order.
-
-        A growing store's buffers shrink when they would be mostly empty (see :meth:`_shrunk_capacity`);
-        a fixed store keeps its storage and clears the rows it no longer holds.
-        """
-        if self.holed:
-            self.settle()
+        """Keep rows ``idx [B, G, k]`` (int64, ascending) as the live rows, in that order: a growing store's buffers
+        shrink when they would be mostly empty; a fixed store keeps its storage and clears the rows left."""
+        self.settle()
         n, k = self.n, idx.shape[2]
-        old, cap = self.capacity, self._shrunk_capacity(k)
+        old = cap = self.capacity
+        if not self.fixed and cap > 2 * k + MIN_GROWTH:  # a growing store gives memory back when mostly empty
+            cap = k + max(MIN_GROWTH, int(k * GROWTH))
         for name, buf in self.buffers.items():
             rows = gather_rows(buf[:, :, :n], idx)
             new = buf if cap == buf.shape[2] else buf.new_empty(*buf.shape[:2], cap, *buf.shape[3:])
@@ -288,9 +243,8 @@ class RowStore:
         return (self.length - 1).view(1, 1, 1).expand(B, G, 1)
 
     def vacate(self, victim: torch.Tensor) -> None:
-        """Take row ``victim[b, g]`` (int64 ``[B, G]``) out of every ``(b, g)`` without moving any row: the next
-        appended row takes its place (``O(1)``, no copy). Until then the live rows are all but that one, and
-        :meth:`settle` compacts them on the first read."""
+        """Take row ``victim[b, g]`` (int64 ``[B, G]``) out of every ``(b, g)``, no row moved: the next row appended
+        takes its place; until then the live rows are all but that one (:meth:`settle` compacts them if read)."""
         if self.holed:
             self.settle()
         if self.hole is None or self.hole.shape != victim.shape:
@@ -302,39 +256,25 @@ class RowStore:
         self.ordered = False
 
     def settle(self) -> None:
-        """After :meth:`vacate`, before anything reads the live rows as ``[:n]``: the last row moves into the hole.
-        (Callers test ``self.holed`` first: this runs per layer per step.)"""
+        """After :meth:`vacate`, before the live rows are read as ``[:n]``: the last live row moves into the hole (the
+        rows are then out of append order). A hot path tests ``self.holed`` before calling this."""
         if not self.holed:
             return
         self.holed = False
-        self.n += 1
-        self.remove_one(self.hole)
-
-    def remove_one(self, victim: torch.Tensor) -> None:
-        """Take row ``victim[b, g]`` out of every ``(b, g)``; the last live row moves into its place.
-
-        ``victim`` is int64 ``[B, G]`` (read the row first with :meth:`gather` to keep it). ``O(1)``
-        rows move; the live rows are no longer in append order afterwards. Between two such steps the
-        row count is the same, so the slices here take the same arguments every step.
-        """
-        if self.holed:
-            self.settle()
-        n = self.n
-        idx = victim[..., None]  # [B, G, 1]
+        n = self.n + 1
+        idx = self.hole[..., None]  # [B, G, 1]
         for buf in self.buffers.values():
             live = buf[:, :, :n]
             last = live[:, :, n - 1 : n].clone()
             index = idx if buf.dim() == 3 else idx.view(*idx.shape, *([1] * (buf.dim() - 3))).expand_as(last)
             live.scatter_(2, index, last)
         self._clear(n - 1, n)
-        self.n = n - 1
         self.length.sub_(1)
         self.ordered = False
 
     def ensure_order(self, key: str = "slots") -> None:
-        """Sort the live rows by ``key`` (ascending) if :meth:`remove_one` disturbed their order."""
-        if self.holed:
-            self.settle()
+        """Sort the live rows by ``key`` (ascending) if :meth:`settle` disturbed their order."""
+        self.settle()
         if not self.ordered and self.n:
             order = self.get(key).argsort(dim=2, stable=True)
             for buf in self.buffers.values():
@@ -343,8 +283,7 @@ class RowStore:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep batch elements ``index`` (beam reordering, batch selection); in place when the batch size stays."""
-        if self.holed:
-            self.settle()
+        self.settle()
         resized = False
         for name, buf in self.buffers.items():
             picked = buf.index_select(0, index)
@@ -357,7 +296,6 @@ class RowStore:
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every batch element ``repeats`` times (``generate``'s expansion for beams)."""
-        if self.holed:
-            self.settle()
+        self.settle()
         self.buffers = {name: buf.repeat_interleave(repeats, dim=0) for name, buf in self.buffers.items()}
         self._refresh()

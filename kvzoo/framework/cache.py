@@ -19,8 +19,6 @@ retriever configuration; no object refers to the cache.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import weakref
 from typing import Any
 
@@ -29,52 +27,70 @@ from transformers.cache_utils import Cache
 
 from kvzoo.framework.adapters import adapter_for
 from kvzoo.framework.attention import attach
+from kvzoo.framework.forks import (
+    clone,
+    compressed,
+    continue_as,
+    dense_prefill_problem,
+    prefill_problem,
+    retriever_of,
+)
 from kvzoo.framework.layer import KVLayer
-from kvzoo.framework.names import policy_retriever, resolve_policy
+from kvzoo.framework.names import resolve_policy
 from kvzoo.framework.policy import Policy
+from kvzoo.framework.report import cache_stats
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RowGeometry
 from kvzoo.framework.runtime import Runtime, RuntimeConfig
 from kvzoo.framework.stats import CacheStats, LayerStats
 
 
-def _retriever_of(policy: Policy):
-    """``policy``'s retriever (or None); a ValueError when it has one but keeps no archive to fetch from."""
-    retriever = policy_retriever(policy)
-    if retriever is not None and not policy.archive:
+def _check_settings(model: torch.nn.Module, record_window: Any, record_attention: Any, capacity: Any, cuda_graph: Any,
+                    decompress_min_queries: Any) -> None:
+    """``TieredCache``'s settings, checked before anything is attached (a ValueError says what is valid)."""
+    if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
+        raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
+    if not isinstance(record_attention, bool):
+        raise ValueError(f"record_attention must be True or False, got {record_attention!r}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"capacity must be None (buffers grow as rows arrive) or an int >= 1 (the most tokens "
+                         f"the sequence will hold, prompt and generated), got {capacity!r}")
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if capacity is not None and isinstance(limit, int) and capacity > limit:
+        raise ValueError(f"capacity={capacity} is more tokens than {type(model).__name__} has positions for "
+                         f"(max_position_embeddings={limit}): use capacity <= {limit}")
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+    if cuda_graph:
+        from kvzoo.framework.graphs import check_cuda_graph
+
+        check_cuda_graph(model, capacity)
+    if decompress_min_queries is not None and (
+        isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
+        or decompress_min_queries < 2
+    ):
         raise ValueError(
-            f"policy {policy.name!r} has retriever={retriever.name!r} but archive=False: a retriever "
-            "fetches from the archive; use archive=True or retriever=None"
+            "decompress_min_queries must be None (the model's FLOP break-even) or an int >= 2 (a decode step "
+            f"of one query always attends in absorbed form), got {decompress_min_queries!r}"
         )
-    return retriever
 
 
-def dense_prefill_problem(policy: Policy, *, one_forward: int | None = None,
-                          attention_recorded: bool = False) -> str | None:
-    """Why ``policy``'s prefill is not a plain dense prefill another policy could share (None: it is): it
-    accumulates attention or records inputs there, prefills token by token, or acts during the prefill.
-
-    ``one_forward``: the context's length, when ``policy``'s own prefill of it would be one forward ending the
-    context. A policy with a ``step`` or ``block`` schedule then acts only after that forward, layer by layer, on
-    the dense rows of each layer -- what a fork of a dense prefill replays (``TieredCache.fork_as(...,
-    ends_context=True)``) -- unless its blocks are shorter than the context (a block prefill attends, from the
-    second block on, to what the earlier blocks kept). ``attention_recorded``: the shared prefill accumulates each
-    row's received attention (``TieredCache(..., record_attention=True)``), so a policy observing ``accumulate``
-    (H2O) can share it."""
-    observed = policy.observes & ({"inputs"} if attention_recorded else {"accumulate", "inputs"})
-    if observed:
-        return f"{policy.name!r} observes {sorted(observed)} during the prefill"
-    if policy.multi_token_window(1 << 30) is not None:
-        return f"{policy.name!r} prefills with a window (token by token), not densely"
-    if policy.schedule == "context_end":
-        return None
-    if one_forward is None:
-        return f"{policy.name!r} acts during the prefill (schedule {policy.schedule!r})"
-    block = policy.block_size if policy.schedule == "block" else None
-    if block and one_forward > block:
-        return (f"{policy.name!r} prefills in blocks of {block} rows and the context has {one_forward}: each block "
-                "after the first attends to the rows the earlier ones kept, not to a dense prefill")
-    return None
+def _bind(adapter: Any, layers: list, tiered: list[int]) -> None:
+    """Bind each tiered layer to its attention module in the adapter's model, so that another model's forward is
+    refused."""
+    modules = adapter.attention_modules()
+    missing = [i for i in tiered if not isinstance(modules.get(i) if isinstance(modules, dict) else None,
+                                                    torch.nn.Module)]
+    if missing:
+        cls = type(adapter)
+        raise ValueError(
+            f"model-family adapter {cls.__module__}.{cls.__qualname__} ({adapter.name!r}): "
+            f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
+            f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
+            f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
+        )
+    for i in tiered:  # bound to this model's attention modules: another model's forward is refused
+        layers[i].owner = weakref.ref(modules[i])
 
 
 class TieredCache(Cache):
@@ -83,37 +99,28 @@ class TieredCache(Cache):
     >>> cache = TieredCache(model, registry.get("streaming_llm", ratio=4))
     >>> out = model.generate(**inputs, cache=cache, max_new_tokens=32)
 
-    Creating the cache attaches kvzoo's attention to ``model`` (``kvzoo.framework.attention.attach``);
-    with any other cache that attention behaves exactly like SDPA. Policies with a ``step`` or
-    ``block`` schedule compress by themselves during ``generate``; a ``context_end`` compression
-    happens when you call :meth:`compress` (``kvzoo.pipeline`` does it after the context).
+    Creating the cache attaches kvzoo's attention to ``model`` (with any other cache it behaves exactly like SDPA).
+    ``step`` and ``block`` policies compress by themselves; a ``context_end`` compression happens at :meth:`compress`
+    (``kvzoo.pipeline`` calls it after the context) or, with ``auto_compress`` (default), at the first single-token
+    forward -- the prompt's end inside ``model.generate``.
 
-    ``policy``: a Policy, a registered name or spec (``"quest(gqa=group)"``), or None (``full``).
-    ``context_length``: the prompt's length when known, so a ratio budget counts the whole context
-    even when a chunked prefill fires the first event early. ``audit=True``: every retrieval also
-    scores all archived rows exactly (bound violations, recall; slow). ``decompress_min_queries``:
-    MLA forwards with at least this many queries attend in decompressed per-head form (None: the
-    FLOP break-even of the model's geometry; a decode step is always absorbed).
+    ``policy``: a Policy, a registered name or spec (``"quest(gqa=group)"``), or None (``full``). ``context_length``:
+    the prompt's length when known, so a ratio budget counts the whole context even when a chunked prefill fires the
+    first event early. ``audit=True``: every retrieval also scores all archived rows exactly (bound violations,
+    recall; slow). ``decompress_min_queries``: MLA forwards with at least this many queries attend in decompressed
+    per-head form (None: the FLOP break-even of the model's geometry; a decode step is always absorbed).
 
-    ``auto_compress`` (default True): a layer whose context was not compressed yet (no
-    :meth:`compress`) compresses at the first single-token forward -- the end of the prompt's
-    prefill inside ``model.generate`` -- so policies that compress at the context's end (SnapKV,
-    ChunkKV, VestigeKV's open block) do so there too.
+    ``capacity=N`` (the most tokens the sequence will hold): each layer's storage is preallocated for ``N`` rows and
+    a decode step reads whole buffers with the live counts on the device, so steps between events launch the same
+    ops on the same shapes and storage (what a CUDA graph replays); after each event the tier's storage is sized to
+    the most rows it can reach before the next. A longer sequence still works (the storage grows: an event). The
+    price: the PyTorch path reads the spare rows too (masked), as ``StaticCache`` does; the Triton kernel skips them.
+    ``cuda_graph=True`` (needs ``capacity`` and CUDA): decode steps are captured after each event and replayed
+    (``framework/graphs.py``; off by default: it has not run on a GPU yet).
 
-    ``capacity=N`` (the most tokens the sequence will hold, prompt and generated): each layer's attended tier,
-    archive and index are preallocated for ``N`` rows, and a decode step reads the whole buffers with the live
-    counts, positions and validity on the device, so consecutive steps between events launch the same ops on the
-    same shapes and storage (what a CUDA graph replays; ``tests/test_static_step.py`` records it). After each
-    event the tier's storage is resized to the most rows it can reach before the next one. A sequence longer
-    than ``N`` still works (the storage grows: an event). The price: on the PyTorch path a step reads the spare
-    rows too (masked), as transformers' ``StaticCache`` does; the Triton kernel skips them.
-
-    ``record_window=w`` and ``record_attention=True`` make a prefill that other policies continue (:meth:`fork_as`): it
-    keeps the last ``w`` queries of each layer, and accumulates each row's received attention (H2O's observation;
-    the attention then runs through the reference path that computes the probabilities, as H2O's own does).
-
-    ``cuda_graph=True`` (needs ``capacity`` and CUDA): decode steps are captured once in a CUDA graph after each
-    event and replayed (``framework/graphs.py``). Off by default: it has not run on a GPU yet.
+    ``record_window=w`` and ``record_attention=True`` make a prefill that other policies continue (:meth:`fork_as`):
+    it keeps each layer's last ``w`` queries and accumulates each row's received attention (through the reference
+    attention, as H2O's own prefill does).
 
     Use it as a context manager, or call :meth:`close`, to free its rows at a known point.
     """
@@ -133,32 +140,8 @@ class TieredCache(Cache):
         cuda_graph: bool = False,
     ) -> None:
         policy = resolve_policy(policy)
-        if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 0:
-            raise ValueError(f"record_window must be an int >= 0 (queries kept for fork_as), got {record_window!r}")
-        if not isinstance(record_attention, bool):
-            raise ValueError(f"record_attention must be True or False, got {record_attention!r}")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity must be None (buffers grow as rows arrive) or an int >= 1 (the most tokens "
-                             f"the sequence will hold, prompt and generated), got {capacity!r}")
-        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        if capacity is not None and isinstance(limit, int) and capacity > limit:
-            raise ValueError(f"capacity={capacity} is more tokens than {type(model).__name__} has positions for "
-                             f"(max_position_embeddings={limit}): use capacity <= {limit}")
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
-        if cuda_graph:
-            from kvzoo.framework.graphs import check_cuda_graph
-
-            check_cuda_graph(model, capacity)
-        retriever = _retriever_of(policy)
-        if decompress_min_queries is not None and (
-            isinstance(decompress_min_queries, bool) or not isinstance(decompress_min_queries, int)
-            or decompress_min_queries < 2
-        ):
-            raise ValueError(
-                "decompress_min_queries must be None (the model's FLOP break-even) or an int >= 2 (a decode step "
-                f"of one query always attends in absorbed form), got {decompress_min_queries!r}"
-            )
+        _check_settings(model, record_window, record_attention, capacity, cuda_graph, decompress_min_queries)
+        retriever = retriever_of(policy)
         adapter = adapter_for(model, policy)
         adapter.attach()
         attach(model)
@@ -178,21 +161,9 @@ class TieredCache(Cache):
             if i in tiered else adapter.untiered_layer(i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
             for i in range(shape.num_layers)
         ]
-        modules = adapter.attention_modules()
-        missing = [i for i in tiered if not isinstance(modules.get(i) if isinstance(modules, dict) else None,
-                                                        torch.nn.Module)]
-        if missing:
-            cls = type(adapter)
-            raise ValueError(
-                f"model-family adapter {cls.__module__}.{cls.__qualname__} ({adapter.name!r}): "
-                f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
-                f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
-                f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
-            )
-        for i in tiered:  # bound to this model's attention modules: another model's forward is refused
-            layers[i].owner = weakref.ref(modules[i])
+        _bind(adapter, layers, tiered)
         super().__init__(layers=layers)
-        self._untiered_read: dict[int, int] = {}  # layer -> bytes the forwards' attention read from it
+        self.untiered_read: dict[int, int] = {}  # layer -> bytes the forwards' attention read from it
         self.graph = None
         if cuda_graph:
             from kvzoo.framework.graphs import install
@@ -225,24 +196,6 @@ class TieredCache(Cache):
         """The layers kvzoo compresses, in order (all layers on GQA; the MLA layers on Kimi Linear)."""
         return [layer for layer in self.layers if isinstance(layer, KVLayer)]
 
-    # --- what a CUDA graph of the decode step asks (framework/graphs.py) ----------------------------------
-    def next_step_kind(self) -> tuple[tuple[str, bool], ...] | None:
-        """What the next decode step does in each tiered layer, as the runtime states it
-        (:meth:`~kvzoo.framework.runtime.Runtime.next_step`, host counters only), and whether it retrieves; None
-        when any layer will run an event."""
-        kinds = []
-        for layer in self.tiered_layers:
-            kind = self.runtime.next_step(layer)
-            if kind == "event":
-                return None
-            kinds.append((kind, layer.store.archive.index is not None and layer.store.archive.positions.n > 0))
-        return tuple(kinds)
-
-    def steady_run(self, limit: int) -> int:
-        """How many decode steps from the next one on are of its kind in every tiered layer, at most ``limit``
-        (:meth:`~kvzoo.framework.runtime.Runtime.run_of`; 0: the next is an event)."""
-        return min((self.runtime.run_of(layer, limit) for layer in self.tiered_layers), default=0)
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None, layer_idx: int, *args: Any,
                **kwargs: Any):
         if not 0 <= layer_idx < len(self.layers):
@@ -261,7 +214,7 @@ class TieredCache(Cache):
             )
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if not isinstance(layer, KVLayer):  # a sliding-window layer: its attention reads what update returned
-            self._untiered_read[layer_idx] = self._untiered_read.get(layer_idx, 0) + sum(
+            self.untiered_read[layer_idx] = self.untiered_read.get(layer_idx, 0) + sum(
                 t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor))
         return out
 
@@ -292,143 +245,53 @@ class TieredCache(Cache):
         super().batch_repeat_interleave(repeats)
 
     def context_end(self) -> None:
-        """The next forward ends the context: each layer compresses right after its own attention in that forward
-        (the ``context_end`` event, layer by layer, as kvpress's forward hook compresses), before the next layer runs,
-        so that one layer at a time holds its whole prefill. The rows kept are those :meth:`compress` after the
-        forward would keep. Call it before the context's last forward (``kvzoo.pipeline`` does); with
-        ``model.generate``, before the call (its first forward is the prompt's)."""
+        """The next forward ends the context: each layer compresses right after its own attention in it (as kvpress's
+        forward hook does), so one layer at a time holds its whole prefill; the rows kept are those :meth:`compress`
+        would keep. Call it before the context's last forward (``kvzoo.pipeline`` does), or before ``generate``."""
         self._settle()
         self.runtime.ending = True
 
     def compress(self) -> None:
-        """The context ended: fire the ``context_end`` event on every layer (after :meth:`context_end`'s forward
-        the layers have compressed already, and this changes nothing)."""
+        """The context ended: every layer's ``context_end`` event (a no-op after :meth:`context_end`'s forward)."""
         self._settle()
         for layer in self.tiered_layers:
             layer.fire("context_end")
 
     def stats(self) -> CacheStats:
         self._settle()
-        untiered = [self._untiered_stats(i, layer) for i, layer in enumerate(self.layers)
-                    if not isinstance(layer, KVLayer)]
-        notes = self.runtime.notes(self.tiered_layers)
-        if untiered:
-            notes.append(f"the figures count the {len(self.tiered_layers)} layers the policy acts on "
-                         f"({[la.layer_idx for la in self.tiered_layers]}); the {len(untiered)} others keep their own "
-                         f"state ({', '.join(sorted({u['kind'] for u in untiered}))}), counted apart as untiered_*")
-        return CacheStats(policy=self.policy.config(), layers=[layer.stats() for layer in self.tiered_layers],
-                          notes=notes, peak_cache_rows=self.runtime.peak_resident, untiered=untiered)
-
-    def _untiered_stats(self, layer_idx: int, layer: Any) -> dict[str, Any]:
-        """A layer the policy does not act on: its kind, the rows (a sliding window's) and bytes it holds."""
-        tensors = [t for v in vars(layer).values()
-                   for t in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v])
-                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        window = getattr(layer, "sliding_window", None)
-        keys = getattr(layer, "keys", None)
-        rows = int(keys.shape[-2]) if window is not None and isinstance(keys, torch.Tensor) and keys.dim() == 4 else -1
-        return {"layer": layer_idx, "kind": f"sliding window {window}" if window is not None else type(layer).__name__,
-                "resident_rows": rows, "resident_bytes": sum(t.numel() * t.element_size() for t in tensors),
-                "kv_bytes_read": self._untiered_read.get(layer_idx, 0)}
+        return cache_stats(self)
 
     def fork(self) -> TieredCache:
-        """An independent copy of this cache's rows, archive, indexes and counters (the model shared).
-
-        What a benchmark needs to prefill and compress once and then continue several ways (answer,
-        continuation, question): the copy's tensors are new; its adapter and :class:`RuntimeConfig` (policy,
-        retrieval tier, geometry) are this cache's, its per-cache state copied. A fork decodes eagerly (a CUDA graph
-        belongs to its cache's buffers).
-        """
+        """An independent copy of this cache's rows, archive, indexes and counters, to prefill and compress once and
+        continue several ways: its tensors are new; its model, adapter and :class:`RuntimeConfig` are this cache's.
+        A fork decodes eagerly (a CUDA graph belongs to its cache's buffers)."""
         self._settle()
-        runtime = Runtime(self.runtime.config, self.runtime.context_length)
-        return self._clone(runtime, shared=True)
-
-    def _clone(self, runtime: Runtime, *, shared: bool) -> TieredCache:
-        """A cache on the same model and adapter whose layers are deep copies of this one's (tensors, counters),
-        running with ``runtime`` (``shared``: with a copy of the policy's cross-layer scratch). The configuration
-        objects the layers point to -- the policy, the retrieval tier, its retriever -- are shared, not copied."""
-        old = self.runtime
-        memo = {id(obj): obj for obj in (old.policy, old.retrieval, old.retriever) if obj is not None}
-        memo[id(old)] = runtime
-        try:
-            if shared:
-                runtime.shared = copy.deepcopy(old.shared, memo)
-            layers = copy.deepcopy(self.layers, memo)
-        except RuntimeError as err:
-            if "graph leaves" not in str(err):
-                raise
-            raise RuntimeError(
-                "TieredCache.fork(): this cache holds tensors of an autograd graph -- it was filled with gradients "
-                "enabled (model(ids, cache=cache) outside torch.no_grad()) -- and such tensors cannot be copied. A "
-                "cache needs no graph: fill it under torch.no_grad() (or torch.inference_mode()), then fork it"
-            ) from None
-        clone = copy.copy(self)  # the Cache's own settings, the adapter: shared
-        clone.runtime, clone.graph, clone.layers = runtime, None, layers
-        clone._untiered_read = dict(self._untiered_read)
-        runtime.resident = runtime.peak_resident = sum(layer.store.n for layer in clone.tiered_layers
-                                                       if layer.is_initialized)
-        return clone
+        return clone(self, Runtime(self.runtime.config, self.runtime.context_length), shared=True)
 
     def prefill_shared_with(self, policy: Policy | str, *, ends_context: bool = False,
                             one_forward: bool = False) -> str | None:
-        """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can.
-
-        It can when nothing so far depended on the policy: no event has fired (nothing compressed, nothing
-        archived), this cache's policy prefills densely and acts only at the context's end, the new one would
-        have prefilled the same rows (:func:`dense_prefill_problem`: densely, without recording the attention modules'
-        inputs, accumulating attention only if this cache recorded it (``record_attention``, and then only such a
-        policy), and -- unless ``ends_context``, where its prefill is one forward -- acting only at the context's
-        end), and the queries kept cover ``policy``'s observation window.
-        """
-        policy = resolve_policy(policy)
-        if any(la.context_ended or la.store.budget is not None or la.store.archive.positions.n or la.counts.events
-               for la in self.tiered_layers):
-            return "this cache has compressed already (an event fired)"
-        problem = dense_prefill_problem(self.policy)
-        if problem is not None:
-            return f"this cache's policy {problem}"
-        rows = max((la.counts.seen for la in self.tiered_layers), default=0)
-        recorded = self.runtime.config.record_attention
-        problem = dense_prefill_problem(policy, one_forward=rows if ends_context or one_forward else None,
-                                        attention_recorded=recorded)
-        if problem is not None:
-            hint = (" (create this cache with record_attention=True)"
-                    if "accumulate" in policy.observes and not recorded else "")
-            return f"the new policy {problem}{hint}"
-        if recorded and "accumulate" not in policy.observes:
-            return (f"this cache recorded each row's attention (record_attention=True) through the reference attention, "
-                    f"not the fused one policy {policy.name!r} prefills with: its rows differ in rounding")
-        layout = self.adapter.geometry.layout
-        if layout not in policy.layouts:
-            return f"policy {policy.name!r} supports layouts {policy.layouts}, this model is {layout!r}"
-        needed = policy.observation_window if "window" in policy.observes else 0
-        if needed > self.runtime.observation_window:
-            return (f"policy {policy.name!r} reads the last {needed} queries, this cache kept "
-                    f"{self.runtime.observation_window} (create it with record_window={needed})")
-        return None
+        """Why a fork of this cache cannot continue as ``policy`` (:meth:`fork_as`); None when it can
+        (:func:`~kvzoo.framework.forks.prefill_problem` states the rules)."""
+        return prefill_problem(self, resolve_policy(policy), ends_context=ends_context, one_forward=one_forward)
 
     def fork_as(self, policy: Policy | str, *, ends_context: bool = False, one_forward: bool = False) -> TieredCache:
-        """A new cache that continues this prefilled, not yet compressed one as ``policy``: a constructor.
+        """A new cache that continues this prefilled, not yet compressed one as ``policy``: one dense prefill serves
+        several policies that would have computed the very same one (a benchmark's grid). The new cache's rows,
+        counters and kept queries are this cache's, bit for bit; it runs with a runtime of its own (``policy``, an
+        empty index, its budget still to be fixed). A ValueError says why when the prefill is not ``policy``'s to
+        share (:meth:`prefill_shared_with`).
 
-        One dense prefill then serves several policies that would have computed the very same prefill
-        (a benchmark's grid): the new cache's rows, counters and kept queries are this cache's, bit for bit
-        (its queries cut to ``policy``'s window); it runs with a runtime of its own -- ``policy``, its
-        retriever with an empty index, its budget still to be fixed -- on this cache's model, adapter and
-        geometry. A ValueError says why when the prefill is not ``policy``'s to share
-        (:meth:`prefill_shared_with`).
-
-        ``ends_context=True``: the prefill was the context, and ``policy``'s own prefill of it would have been one
-        forward that ends it (:meth:`context_end`): the fork ends it as that forward would have, layer by layer --
-        the policy's scheduled event (a ``step`` or a ``block`` policy's), then ``context_end``. So a policy that
-        acts during its prefill, when that prefill is one forward, shares a dense one too. ``one_forward=True``: the
-        prefill so far was the first forward of ``policy``'s own prefill, not the context's end (VestigeKV's first
-        block of a longer context): the fork fires that forward's scheduled event, and the prefill goes on on the fork.
+        ``ends_context=True``: ``policy``'s own prefill would have been one forward that ends the context: the fork
+        ends it as that forward would have, layer by layer (the policy's scheduled event, then ``context_end``), so a
+        policy that acts during its prefill shares a dense one too. ``one_forward=True``: the prefill so far was the
+        first forward of ``policy``'s own (VestigeKV's first block): the fork fires that forward's scheduled event.
         """
         policy = resolve_policy(policy)
         problem = self.prefill_shared_with(policy, ends_context=ends_context, one_forward=one_forward)
         if problem is not None:
             raise ValueError(f"fork_as({policy.name!r}): {problem}")
-        clone = self._continue_as(policy)
+        self._settle()
+        clone = continue_as(self, policy)
         if ends_context or one_forward:
             runtime = clone.runtime
             runtime.ending = ends_context
@@ -439,13 +302,10 @@ class TieredCache(Cache):
 
     def transplant(self, policy: Policy | str, *, capacity: int | None = None, context_length: int | None = None,
                    cuda_graph: bool = False, model: torch.nn.Module | None = None) -> TieredCache:
-        """A new cache of ``policy`` that holds this cache's rows as they are -- whatever policy prefilled them --
-        with its retriever's index empty and its budget still to be fixed: a benchmark's way to hand every arm the
-        same rows (what follows them is the policy's own; a policy that would have acted during the prefill did
-        not). ``capacity``: the new cache's storage is preallocated for that many rows (``TieredCache(...,
-        capacity=N)``); ``cuda_graph=True`` (with ``capacity``, on CUDA, and the ``model`` the cache belongs to): its
-        decode steps are captured and replayed, as ``TieredCache(..., cuda_graph=True)``'s. Refused once this cache
-        has compressed (its rows are no longer the prefill's)."""
+        """A new cache of ``policy`` holding this cache's rows as they are, whatever policy prefilled them (its index
+        empty, its budget to be fixed): a benchmark's way to hand every arm the same rows. ``capacity`` and
+        ``cuda_graph`` (with the ``model`` the cache belongs to) as ``TieredCache``'s. Refused once this cache has
+        compressed (its rows are no longer the prefill's)."""
         policy = resolve_policy(policy)
         if cuda_graph:
             from kvzoo.framework.graphs import check_cuda_graph
@@ -454,38 +314,18 @@ class TieredCache(Cache):
                 raise ValueError("transplant(cuda_graph=True) needs model=, the model the cache belongs to (its forward "
                                  "is routed through the graph)")
             check_cuda_graph(model, capacity)
-        if any(la.context_ended or la.store.budget is not None or la.store.archive.positions.n or la.counts.events
-               for la in self.tiered_layers):
+        if compressed(self):
             raise ValueError("transplant(): this cache has compressed already (an event fired)")
         layout = self.adapter.geometry.layout
         if layout not in policy.layouts:
             raise ValueError(f"transplant(): policy {policy.name!r} supports layouts {policy.layouts}, this model is "
                              f"{layout!r}")
-        clone = self._continue_as(policy, capacity=capacity, context_length=context_length)
+        self._settle()
+        clone = continue_as(self, policy, capacity=capacity, context_length=context_length)
         if cuda_graph:
             from kvzoo.framework.graphs import install
 
             clone.graph = install(model, clone)
-        return clone
-
-    def _continue_as(self, policy: Policy, *, capacity: int | None = None,
-                     context_length: int | None = None) -> TieredCache:
-        """This cache's rows, counters and kept queries (cut to ``policy``'s window), continued by ``policy`` with a
-        runtime of its own (its retriever with an empty index)."""
-        self._settle()
-        retriever = _retriever_of(policy)
-        old = self.runtime
-        retrieval = Retrieval(retriever, audit=old.audit) if retriever is not None else None
-        geometry = old.geometry if capacity is None else dataclasses.replace(old.geometry, capacity=capacity)
-        runtime = Runtime(RuntimeConfig(policy, retrieval, geometry, old.num_layers, old.record_window),  # attention: the policy's
-                          context_length=context_length or old.context_length)
-        clone = self._clone(runtime, shared=False)
-        window = runtime.observation_window
-        for layer in clone.tiered_layers:
-            layer.continue_as(capacity=capacity)
-            queries = layer.window_queries
-            if queries is not None:
-                layer.window_queries = queries[:, :, -window:].clone() if window > 0 else None
         return clone
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step: ``TieredCache(model, policy, capacity=N, cuda_graph=True)``.
 
 With a fixed capacity a decode step between two events launches the same kernels on the same shapes and
-storage every step (``framework/step.py``; ``tests/test_static_step.py`` records it on CPU), so it can be
+storage every step (``attention.decode_step``; ``tests/test_static_step.py`` records it on CPU), so it can be
 captured once and replayed, as vLLM, SGLang and gpt-fast do: the host then launches one graph per step instead
 of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
 
@@ -9,8 +9,8 @@ of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
   single-token forward with this cache goes through :meth:`DecodeGraph.forward`, anything else runs as before;
 * a step is *steady* when no layer will run an event (a selection over its tier, a block closing, Quest's page
   move, the prompt's end) and no buffer has to grow: the runtime states it per layer from the host's counters,
-  before the step (:meth:`~kvzoo.framework.cache.TieredCache.next_step_kind`, from the runtime's ``next_step``, no
-  device work), and also how many steps in a row will be of that kind (``TieredCache.steady_run``);
+  before the step (:func:`next_step_kind`, from the runtime's ``next_step``, no device work), and also how many
+  steps in a row will be of that kind (:func:`steady_run`);
 * an unsteady step runs eagerly, and so does the first steady step after it (it warms the new shapes up, on the
   stream the capture will use); the second is captured (``torch.cuda.CUDAGraph``) into static inputs (token ids
   and positions) and outputs (logits) and replayed; later steady steps copy the new token's id and position in and
@@ -196,6 +196,25 @@ class _Captured:
     output: Any
 
 
+def next_step_kind(cache: Any) -> tuple[tuple[str, bool], ...] | None:
+    """What the next decode step does in each of ``cache``'s tiered layers, as the runtime states it
+    (:meth:`~kvzoo.framework.runtime.Runtime.next_step`, host counters only), and whether it retrieves; None when
+    any layer will run an event."""
+    kinds = []
+    for layer in cache.tiered_layers:
+        kind = cache.runtime.next_step(layer)
+        if kind == "event":
+            return None
+        kinds.append((kind, layer.store.archive.index is not None and layer.store.archive.positions.n > 0))
+    return tuple(kinds)
+
+
+def steady_run(cache: Any, limit: int) -> int:
+    """How many decode steps from the next one on are of its kind in every tiered layer, at most ``limit``
+    (:meth:`~kvzoo.framework.runtime.Runtime.run_of`; 0: the next is an event)."""
+    return min((cache.runtime.run_of(layer, limit) for layer in cache.tiered_layers), default=0)
+
+
 # How many steps ahead the runtime is asked whether they will all be of the captured kind (the replays allowed before
 # it is asked again).
 RUN_LIMIT = 256
@@ -243,10 +262,10 @@ class DecodeGraph:
             self.left -= 1  # the runtime said so at the last ask: no layer is asked again (O(1) in the layers)
             return self._replay(input_ids, position_ids)
         self.settle()
-        kind = self.cache.next_step_kind()
+        kind = next_step_kind(self.cache)
         if kind is not None and self.captured is not None and self.captured.kind == kind \
                 and self.ids.shape == input_ids.shape:
-            self.left = self.cache.steady_run(RUN_LIMIT) - 1
+            self.left = steady_run(self.cache, RUN_LIMIT) - 1
             return self._replay(input_ids, position_ids)
         self.captured = None
         shape = tuple(input_ids.shape)
@@ -283,7 +302,7 @@ class DecodeGraph:
         self.ids, self.positions = input_ids.clone(), position_ids.clone()
         kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # a graphed token is a real token
         _, _, first, second, runner = self.warm
-        left = self.cache.steady_run(RUN_LIMIT) - 1  # asked before the capture: the captured step is the first of the run
+        left = steady_run(self.cache, RUN_LIMIT) - 1  # asked before the capture: the captured step is the first of the run
         output = runner.capture(lambda: call(input_ids=self.ids, position_ids=self.positions, **kwargs))
         third = HostNumbers.snapshot(self.host_state())
         runner.replay()  # capturing records the kernels; this runs them for the step being captured

@@ -20,22 +20,39 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvzoo.framework.stats import LayerCounters, LayerStats
+from kvzoo.framework.observed import Observed
+from kvzoo.framework.policy import RowsView, observed_rows
+from kvzoo.framework.stats import LayerCounters
 from kvzoo.framework.storage import EMPTY, LayerStorage, StorageHost
 
 
 class Host(StorageHost, Protocol):
     """What a layer asks of the cache runtime that holds it (``kvzoo.framework.runtime.Runtime``, which imports this
     module: the layer names only this interface, so no import runs back up). The policy and geometry it reads, the
-    forward's pending layer, the cache-wide resident count, and four calls: the rows it holds changed, an event to
-    fire, a new retrieval index, its statistics (its storage's part: :class:`StorageHost`)."""
+    forward's pending layer, the cache-wide resident count, and three calls: the rows it holds changed, an event to
+    fire, a new retrieval index (its storage's part: :class:`StorageHost`)."""
 
     num_layers: int
     pending: int | None
+    shared: dict[str, Any]
 
     def fire(self, layer: KVLayer, event: Any) -> None: ...
 
-    def layer_stats(self, layer: KVLayer) -> LayerStats: ...
+class RuntimeLayer(Protocol):
+    """What the runtime may read and call of a layer (``Runtime`` names nothing else of it): where the layer stands
+    (its rank among the tiered layers, whether it holds rows, whether its context ended), its storage (the rows and
+    their moves: ``n``, ``budget``, ``keep``, ``evict_one``, ``fit``, ``outgrows``), its counters, what it observed
+    for its policy, and the rows as the policy's selector sees them (``rows_view``)."""
+
+    rank: int
+    is_initialized: bool
+    context_ended: bool
+    store: LayerStorage
+    counts: LayerCounters
+    observed: Observed
+
+    def rows_view(self, ordered: bool = True, end: int | None = None) -> RowsView: ...
+
 
 # transformers < 5.3 (the kvpress environment's) does not hand a layer's ``update`` the attention call's keyword
 # arguments: there the layer whose ``update`` ran last in this context is kept here for kvzoo's attention to find.
@@ -74,14 +91,11 @@ class KVLayer(CacheLayerMixin):
         self.refused: str | None = None  # why the cache stopped taking forwards (another model's reached it)
         # the keys update() handed the model (identity-checked by the attention), held weakly: a buffer the layer
         # reallocates (a compression that shrinks it) must not stay alive here
-        self._returned: weakref.ref | None = None
+        self.returned: weakref.ref | None = None
         self.counts = LayerCounters()
         self.store = LayerStorage(runtime, self.counts)
         self.context_ended = False  # the context_end event fired (compress(), or the prompt's end in generate)
-        self.scaling: float | None = None  # the attention's softmax scale (for the observation window)
-        self.window_queries: torch.Tensor | None = None  # [B, H, w, D], the latest queries (until the context ends)
-        # the "inputs" observation since the last event: the attention module (a weak reference) and its inputs
-        self.inputs: dict[str, Any] = {}
+        self.observed = Observed()  # the window's queries, the recorded inputs, the softmax scale
 
     def continue_as(self, *, capacity: int | None = None) -> None:
         """This layer -- a copy whose policy changed (``TieredCache.fork_as``, ``transplant``), before any event --
@@ -138,13 +152,8 @@ class KVLayer(CacheLayerMixin):
         else:  # transformers < 5.3 (kvpress's): the attention finds the layer in this context
             ACTIVE_LAYER.set(self)
         keys = store.rows.buffers["keys"]
-        self._returned = weakref.ref(keys)
+        self.returned = weakref.ref(keys)
         return keys, (store.rows.buffers["values"] if value_states is not None else None)
-
-    @property
-    def returned_keys(self) -> torch.Tensor | None:
-        """The keys the last :meth:`update` handed the model, while they are alive."""
-        return self._returned() if self._returned is not None else None
 
     def _check_rows(self, key_states: torch.Tensor, value_states: torch.Tensor | None) -> None:
         layout = self.runtime.geometry.layout
@@ -186,15 +195,13 @@ class KVLayer(CacheLayerMixin):
             return
         idx = indices.to(self.device)
         self.store.select_batch(idx)
-        if self.window_queries is not None:
-            self.window_queries = self.window_queries.index_select(0, idx)
+        self.observed.select_batch(idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if not self.is_initialized:
             return
         self.store.repeat_batch(repeats)
-        if self.window_queries is not None:
-            self.window_queries = self.window_queries.repeat_interleave(repeats, dim=0)
+        self.observed.repeat_batch(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError(
@@ -225,8 +232,45 @@ class KVLayer(CacheLayerMixin):
     def fire(self, event: str) -> None:
         self.runtime.fire(self, event)
 
-    def stats(self) -> LayerStats:
-        return self.runtime.layer_stats(self)
+    def rows_view(self, ordered: bool = True, end: int | None = None) -> RowsView:
+        """The attended tier as the policy's selector sees it (``ordered=False``: in tier order, for ``step_victim``);
+        ``end``: the tier's first ``end`` rows only (in slot order), a block that closes before the rows after it."""
+        runtime, store, counts = self.runtime, self.store, self.counts
+        if ordered:
+            store.ensure_order()
+        first_new = max(0, store.n - counts.since_event)  # where the rows since the last event (or the block) start
+
+        def read(name: str) -> torch.Tensor | None:
+            if name == "values" and store.latent_width is not None:  # MLA rows: no value of their own
+                return None
+            return store.get(name) if end is None else store.get(name)[:, :, :end]
+
+        row_stats = store.row_statistics()
+        if end is not None:
+            row_stats = {name: stat[:, :, :end] for name, stat in row_stats.items()}
+        policy, geometry, observed = runtime.policy, runtime.geometry, self.observed
+        # the observations, only where there are some (a per-step victim's view: none, and no call)
+        window = observed.window(policy.observation_window, counts.seen) if observed.queries is not None else None
+        inputs = None
+        if observed.inputs:
+            inputs = observed.attention_inputs(counts.since_event if end is None else end - first_new)
+        return observed_rows(
+            policy,
+            None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
+            read=read,
+            window=window,
+            layer_idx=self.layer_idx,
+            num_layers=runtime.num_layers,
+            layout=geometry.layout,
+            layer_rank=self.rank,
+            branch_dim=geometry.branch_dim,
+            first_new=first_new,
+            all_valid=store.all_valid,
+            row_stats=row_stats,
+            shared=runtime.shared,
+            info=counts.policy_info,
+            inputs=inputs,
+        )
 
     # --- snapshots of the tier, in sequence order ---------------------------------------------------------
     def _ordered(self, name: str) -> torch.Tensor | None:
@@ -266,4 +310,4 @@ class KVLayer(CacheLayerMixin):
         return self.store.archive.index
 
 
-__all__ = ["Host", "KVLayer"]
+__all__ = ["Host", "KVLayer", "RuntimeLayer"]

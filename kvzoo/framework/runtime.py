@@ -1,53 +1,34 @@
 """The runtime: the one place a row's fate is decided, and where the next decode step's kind is stated.
 
-A :class:`Runtime` (one per cache) holds the policy, the retrieval tier (:class:`~kvzoo.framework.retrieval.
-Retrieval`, or None) and what the model's geometry says; each layer is one :class:`~kvzoo.framework.layer.KVLayer`.
-After a forward's attention the runtime fires the policy's schedule for the layer (:meth:`Runtime.after_forward`):
-it resolves the layer's budget once (from the whole context when the cache knows its length), asks the policy how
-many rows stay, calls the selector and has the layer move the index of the rows it does not keep (to the archive,
-indexed for the retriever, or dropped), and counts. A per-step "one in, one out" moves ``O(1)`` indices
-(:meth:`~kvzoo.framework.policy.Policy.step_victim`). With a fixed capacity (``TieredCache(..., capacity=N)``) it
-also sizes the tier's storage after each event to the most rows the tier can reach before the next one, so a
-decode step reads no more than it may need.
+A :class:`Runtime` (one per cache) holds the policy, the retrieval tier (or None) and the model's geometry. After a
+forward's attention it fires the policy's schedule for the layer (:meth:`Runtime.after_forward`): it resolves the
+layer's budget once, asks the policy how many rows stay, calls the selector, has the layer's storage move the rows it
+does not keep (to the archive, or dropped), and, with a fixed capacity, sizes the tier's storage to the most rows it
+can reach before the next event. :meth:`Runtime.next_step` says from host counters alone what a layer's next decode
+step will do, for the schedule and the CUDA-graph runner (``framework/graphs.py``) alike.
 
-:meth:`Runtime.next_step` says, from host counters alone, what a layer's next decode step will do -- a steady step,
-a one-in-one-out step, or an event -- so that the schedule (:meth:`after_forward`) and the CUDA-graph runner
-(``framework/graphs.py``) read one statement of it.
-
-How a decode step reads the rows is ``framework/step.py``; a multi-token forward, ``framework/attention.py``.
+The runtime reaches a layer only through :class:`~kvzoo.framework.layer.RuntimeLayer`
+(``tests/test_layers.py`` holds it small).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from kvzoo.framework.layer import KVLayer
+from kvzoo.framework.layer import RuntimeLayer
 from kvzoo.framework.memory import release_freed
 from kvzoo.framework.policy import (
-    AttentionInputs,
     Event,
     Observation,
     Policy,
-    RowsView,
-    WindowQueries,
-    observed_rows,
 )
-from kvzoo.framework.retrieval import Retrieval, read_figures
+from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RetrievalState, RowGeometry
-from kvzoo.framework.stats import LayerStats
 
 StepKind = Literal["steady", "one_in_one_out", "event"]
-
-
-def _number(value: Any) -> float:
-    """A counter as a Python number (device tensors are read here, outside the decode step)."""
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    return int(value) if float(value).is_integer() else float(value)
 
 
 def rows_between_events(policy: Policy) -> int | None:
@@ -79,11 +60,10 @@ class RuntimeConfig:
 
 @dataclass
 class Runtime:
-    """A cache's :class:`RuntimeConfig` and its per-cache state: the context's length (when the pipeline knows it, a
-    ratio budget counts the whole context), the policy's cross-layer scratch (``shared``: ChunkKV's reuse) and the
-    layer whose rows went in and whose attention has not run yet (``pending``, its index: a forward of a model that
-    does not run kvzoo's attention is refused at its next layer). The configuration's fields read as the runtime's
-    own."""
+    """A cache's :class:`RuntimeConfig` (its fields read as the runtime's own) and its per-cache state: the context's
+    length (a ratio budget counts the whole context), the policy's cross-layer scratch (``shared``: ChunkKV's reuse),
+    and the layer whose rows went in and whose attention has not run yet (``pending``: a forward of a model that does
+    not run kvzoo's attention is refused at its next layer)."""
 
     config: RuntimeConfig
     context_length: int | None = None
@@ -100,127 +80,33 @@ class Runtime:
         if self.resident > self.peak_resident:
             self.peak_resident = self.resident
 
-    # the configuration's fields, copied once (read per layer per step: a property is a call each time)
+    # the configuration's fields and what follows from them, copied once (read per layer per step: a property is a
+    # call each time)
     policy: Policy = field(init=False, repr=False)
     retrieval: Retrieval | None = field(init=False, repr=False)
     geometry: RowGeometry = field(init=False, repr=False)
     num_layers: int = field(init=False, repr=False)
     record_window: int = field(init=False, repr=False)
     retriever: Any = field(init=False, repr=False)
+    audit: bool = field(init=False, repr=False)
+    # the policy observes each row's accumulated attention, or the cache records it: the attention adds to it
+    accumulates: bool = field(init=False, repr=False)
+    observation_window: int = field(init=False, repr=False)  # the latest queries each layer keeps
 
     def __post_init__(self) -> None:
         config = self.config
         self.policy, self.retrieval, self.geometry = config.policy, config.retrieval, config.geometry
         self.num_layers, self.record_window = config.num_layers, config.record_window
         self.retriever = config.retrieval.retriever if config.retrieval is not None else None
-
-    @property
-    def audit(self) -> bool:
-        return self.retrieval is not None and self.retrieval.audit
-
-    @property
-    def capacity(self) -> int | None:
-        return self.geometry.capacity
-
-    @property
-    def accumulates(self) -> bool:
-        """The policy observes each row's accumulated attention, or the cache records it (``record_attention``): the
-        attention path adds to ``stat:attention``."""
-        return self.config.record_attention or Observation.ACCUMULATE in self.policy.observes
-
-    @property
-    def observation_window(self) -> int:
-        """How many of the latest queries each layer keeps: the policy's window, or ``record_window`` if wider."""
-        return max(self.policy.observation_window, self.record_window)
+        self.audit = config.retrieval is not None and config.retrieval.audit
+        self.accumulates = config.record_attention or Observation.ACCUMULATE in self.policy.observes
+        self.observation_window = max(self.policy.observation_window, self.record_window)
 
     def new_index(self) -> RetrievalState | None:
         return self.retrieval.new_state(self.geometry) if self.retrieval is not None else None
 
-    # --- the rows the selector sees ---------------------------------------------------------------
-    def view(self, layer: KVLayer, ordered: bool = True, end: int | None = None) -> RowsView:
-        """The attended tier as a :class:`RowsView` (``ordered=False``: in tier order, for ``step_victim``).
-
-        ``end``: the tier's first ``end`` rows only (in slot order) -- a block that closes before the rows after it
-        (:meth:`_close_block`); its rows are ``[first_new, end)``."""
-        if ordered:
-            layer.store.ensure_order()
-        window = None
-        if layer.window_queries is not None:
-            queries = layer.window_queries[:, :, -self.policy.observation_window:]
-            window = WindowQueries(queries.shape[2], layer.counts.seen, layer.scaling, lambda: queries)
-        first_new = max(0, layer.store.n - layer.counts.since_event)
-
-        def read(name: str) -> torch.Tensor | None:
-            if name == "values" and "values" not in layer.store.rows.buffers:
-                return None
-            return layer.store.get(name) if end is None else layer.store.get(name)[:, :, :end]
-
-        row_stats = layer.store.row_statistics()
-        if end is not None:
-            row_stats = {name: stat[:, :, :end] for name, stat in row_stats.items()}
-        return observed_rows(
-            self.policy,
-            None, None, None, None,  # read on first use (a per-step victim reads the slots alone)
-            read=read,
-            window=window,
-            layer_idx=layer.layer_idx,
-            num_layers=self.num_layers,
-            layout=self.geometry.layout,
-            layer_rank=layer.rank,
-            branch_dim=self.geometry.branch_dim,
-            first_new=first_new,
-            all_valid=layer.store.all_valid,
-            row_stats=row_stats,
-            shared=self.shared,
-            info=layer.counts.policy_info,
-            inputs=self._inputs(layer, None if end is None else end - first_new),
-        )
-
-    def record_inputs(self, layer: KVLayer, module: torch.nn.Module, hidden_states: torch.Tensor,
-                      position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Keep what the attention layer was given (``[B, q, d]`` and its RoPE), for a policy observing "inputs".
-
-        Kept from the layer's last event until the next, and only until the context ends (a policy that runs the
-        model's own code on the layer -- a kvpress press -- compresses the context once).
-        """
-        if Observation.INPUTS not in self.policy.observes or layer.context_ended:
-            return
-        inputs = layer.inputs
-        inputs["module"] = weakref.ref(module)
-        inputs.setdefault("hidden_states", []).append(hidden_states.detach())
-        if position_embeddings is not None:
-            inputs.setdefault("position_embeddings", []).append(tuple(t.detach() for t in position_embeddings))
-
-    def _inputs(self, layer: KVLayer, rows: int | None = None) -> AttentionInputs | None:
-        """The "inputs" observation as :class:`RowsView` gives it: the module and the forwards' inputs joined, for the
-        first ``rows`` rows since the layer's last event (None: all of them)."""
-        recorded = layer.inputs
-        if not recorded:
-            return None
-        # the rows appended since the last event; a forward still in flight (generate's first decode step, which
-        # ends the context before its own row is appended) recorded its input already: left out
-        rows = layer.counts.since_event if rows is None else rows
-        hidden_states = torch.cat(recorded["hidden_states"], dim=1)[:, :rows]
-        position_embeddings = None
-        if "position_embeddings" in recorded:
-            cos, sin = zip(*recorded["position_embeddings"])
-            position_embeddings = (torch.cat(cos, dim=1)[:, :rows], torch.cat(sin, dim=1)[:, :rows])
-        return AttentionInputs(recorded["module"](), hidden_states, position_embeddings)
-
-    def record_queries(self, layer: KVLayer, query: torch.Tensor | None) -> None:
-        """Keep the latest ``observation_window`` queries ``[B, H, w, D]`` (for window attention), until the context
-        ends (after it, no event reads them: a decode step records nothing)."""
-        window = self.observation_window
-        if window <= 0 or query is None or layer.context_ended:
-            return
-        query = query[:, :, -window:]
-        joined = query if layer.window_queries is None else torch.cat([layer.window_queries, query], dim=2)
-        # a copy: a view would keep the forward's whole query tensor [B, H, n, D] alive with the layer (30 x 9 MiB
-        # for SmolLM2 at 4k: a prefill's peak grew by a layer's queries per layer)
-        layer.window_queries = joined[:, :, -window:].detach().clone()
-
     # --- a row's fate -----------------------------------------------------------------------------
-    def resolve_budget(self, layer: KVLayer) -> int | None:
+    def resolve_budget(self, layer: RuntimeLayer) -> int | None:
         """The layer's budget: resolved once, from the whole context when the cache knows its length.
 
         The policy checks the resolved number as it checks a ``budget=`` it is given
@@ -238,47 +124,40 @@ class Runtime:
             layer.store.budget = budget
         return layer.store.budget
 
-    def next_step(self, layer: KVLayer, ahead: int = 1) -> StepKind:
-        """What the layer's decode step ``ahead`` steps from now does (1: the next one), the steps before it taken
-        to be of the next step's kind, from host counters alone (no device work): ``"steady"`` (rows in, nothing
-        leaves), ``"one_in_one_out"`` (one row leaves, an index moves) or ``"event"`` (a selection over the tier, a
-        block closing, the prompt's end, storage growing)."""
+    def next_step(self, layer: RuntimeLayer, ahead: int = 1) -> StepKind:
+        """What the layer's decode step ``ahead`` steps from now does, the steps before it of the next step's kind, from
+        host counters alone: ``"steady"`` (nothing leaves), ``"one_in_one_out"`` (one index moves) or ``"event"``."""
         if not layer.is_initialized or not layer.context_ended:
             return "event"  # the prompt's end (generate's first decode step) compresses
         kind = self._kind(layer, 0, "steady") if ahead == 1 else self.next_step(layer)
         return kind if ahead == 1 or kind == "event" else self._kind(layer, ahead - 1, kind)
 
-    def _kind(self, layer: KVLayer, before: int, kind: StepKind) -> StepKind:
+    def _kind(self, layer: RuntimeLayer, before: int, kind: StepKind) -> StepKind:
         """The kind of the step that follows ``before`` steps of ``kind`` (:meth:`next_step`)."""
-        policy = self.policy
-        store, counts = layer.store, layer.counts
+        policy, counts = self.policy, layer.counts
         one = kind == "one_in_one_out"
-        n = store.n + (1 if one or before == 0 else before + 1)  # the tier as the step sees it, its own row in
+        n = layer.store.n + (1 if one or before == 0 else before + 1)  # the tier as the step sees it, its own row in
         seen = counts.seen + before + 1
         since = (1 if before else counts.since_event + 1) if one else counts.since_event + before + 1
-        tier_storage = store.tier if store.gathered else store.rows
-        if n > tier_storage.capacity or (store.retains and store.rows.n + before + 1 > store.rows.capacity):
+        if layer.store.outgrows(n, before + 1, 0):
             return "event"  # the storage grows
         if layer.rank < policy.dense_layers:
             return "steady"
         if policy.schedule == "step":
-            target = policy.target_rows("step", budget=store.budget, resident=n, block_rows=min(since, n), seen=seen)
+            budget = layer.store.budget
+            target = policy.target_rows("step", budget=budget, resident=n, block_rows=min(since, n), seen=seen)
             if target is None or target >= n:
                 return "steady"
-            if target != n - 1:
-                return "event"
-            archived = store.archive.positions
-            if store.retains and archived.n + (before if one else 0) + 1 > archived.capacity:
-                return "event"  # the archive grows
+            if target != n - 1 or layer.store.outgrows(n, before + 1, (before if one else 0) + 1):
+                return "event"  # a selection, or the archive grows
             return "one_in_one_out"
         if policy.schedule == "block" and since >= (policy.block_size or 0):
             return "event"
         return "steady"
 
-    def run_of(self, layer: KVLayer, limit: int) -> int:
-        """How many of the layer's next decode steps (at most ``limit``) are of the next step's kind, without an
-        event in between: what a captured step may be replayed for without asking again (0: the next is an
-        event)."""
+    def run_of(self, layer: RuntimeLayer, limit: int) -> int:
+        """How many of the layer's next decode steps (at most ``limit``) are of the next step's kind: what a captured
+        step may be replayed for without asking again (0: the next is an event)."""
         kind = self.next_step(layer)
         if kind == "event":
             return 0
@@ -287,112 +166,98 @@ class Runtime:
             steps += 1
         return steps
 
-    def after_forward(self, layer: KVLayer) -> None:
+    def after_forward(self, layer: RuntimeLayer) -> None:
         """Fire this forward's scheduled event for the layer, if the policy has one; and, when the forward ends the
         context (:meth:`TieredCache.context_end`), the ``context_end`` event right after, before the next layer runs
         (so only one layer holds its whole prefill at a time)."""
-        policy = self.policy
-        layer.counts.new_rows = 0
+        policy, counts = self.policy, layer.counts
         if policy.schedule == "step":
             self.fire(layer, "step")
-        elif policy.schedule == "block" and policy.block_size and layer.counts.since_event >= policy.block_size:
+        elif policy.schedule == "block" and policy.block_size and counts.since_event >= policy.block_size:
             self.fire(layer, "block")
         if self.ending:
-            dropped = layer.counts.dropped_rows
+            dropped = layer.store.dropped_bytes()
             self.fire(layer, "context_end")
-            batch, groups = layer.store.batch_groups if layer.is_initialized else (0, 0)
             # the rows just dropped (most of the layer's prefill): give their pages back before the next layer runs
-            freed = (layer.counts.dropped_rows - dropped) * layer.store.row_bytes() * batch * groups if groups else 0
-            release_freed(freed)
+            release_freed(layer.store.dropped_bytes() - dropped)
             if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
                 self.ending = False
 
-    def fire(self, layer: KVLayer, event: Event) -> None:
+    def fire(self, layer: RuntimeLayer, event: Event) -> None:
         """Run the policy's selector for ``event`` and move the rows it does not keep."""
         try:
-            self._fire(layer, event)
-        finally:
-            layer.inputs = {}  # the "inputs" observation covers the rows since the layer's last event
-
-    def _fire(self, layer: KVLayer, event: Event) -> None:
-        policy = self.policy
-        if event == "context_end":
-            layer.context_ended = True
-        if not layer.is_initialized or layer.rank < policy.dense_layers:
+            policy, counts, store = self.policy, layer.counts, layer.store
             if event == "context_end":
-                self._fit(layer)
-            return
-        if event != "step" and policy.schedule == "block" and policy.closes_each_block and policy.block_size:
-            while layer.counts.since_event > policy.block_size:  # a forward added more than a block: each closes alone
-                self._close_block(layer, event, policy.block_size)
-            if event == "block" and layer.counts.since_event < policy.block_size:  # the rest stays open
-                self._fit(layer)
+                layer.context_ended = True
+            if not layer.is_initialized or layer.rank < policy.dense_layers:
+                if event == "context_end":
+                    self._fit(layer)
                 return
-        n = layer.store.n
-        target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=n,
-                                    block_rows=min(layer.counts.since_event, n), seen=layer.counts.seen)
-        if target is None or target >= n:
-            layer.counts.since_event = 0
-            if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
-                self._fit(layer)
-            return
-        if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
-            victim = policy.step_victim(self.view(layer, ordered=False))
-            if victim is not None:
-                layer.counts.since_event = 0
-                self._check_victim(layer, victim)
-                layer.store.evict_one(victim)
-                layer.counts.events += 1
+            if event != "step" and policy.schedule == "block" and policy.closes_each_block and policy.block_size:
+                while counts.since_event > policy.block_size:  # a forward added more than a block: each closes alone
+                    self._close_block(layer, event, policy.block_size)
+                if event == "block" and counts.since_event < policy.block_size:  # the rest stays open
+                    self._fit(layer)
+                    return
+            n = store.n
+            budget = store.budget if store.budget is not None else self.resolve_budget(layer)
+            target = policy.target_rows(event, budget=budget, resident=n, block_rows=min(counts.since_event, n),
+                                        seen=counts.seen)
+            if target is None or target >= n:
+                counts.since_event = 0
+                if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
+                    self._fit(layer)
                 return
-        rows = self.view(layer)  # before since_event resets: the view marks where the closed block starts
-        layer.counts.since_event = 0
-        keep = policy.select(rows, target)
-        self._check_keep(layer, keep, target, n)
-        layer.store.keep(keep)
-        layer.counts.events += 1
-        self._fit(layer)
+            if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
+                victim = policy.step_victim(layer.rows_view(ordered=False))
+                if victim is not None:
+                    counts.since_event = 0
+                    B, G = store.batch_groups
+                    if victim.shape != (B, G) or victim.dtype != torch.long:
+                        raise RuntimeError(f"policy {policy.name!r} step_victim() must return int64 indices of shape "
+                                           f"{(B, G)}, got {victim.dtype} {tuple(victim.shape)}")
+                    store.evict_one(victim)
+                    return
+            rows = layer.rows_view()  # before since_event resets: the view marks where the closed block starts
+            counts.since_event = 0
+            keep = policy.select(rows, target)
+            self._check_keep(layer, keep, target, n)
+            store.keep(keep)
+            self._fit(layer)
+        finally:
+            layer.observed.inputs = {}  # the "inputs" observation covers the rows since the layer's last event
 
-    def _close_block(self, layer: KVLayer, event: Event, block: int) -> None:
+    def _close_block(self, layer: RuntimeLayer, event: Event, block: int) -> None:
         """Close the first ``block`` of the rows since the layer's last event, as if the forward had ended there: the
         selector sees the tier up to the block's end, chooses among the block's rows, and every later row stays
         (they open the next block). The kept rows are those of a forward chunked at ``block`` rows."""
-        policy = self.policy
-        n, open_rows = layer.store.n, min(layer.counts.since_event, layer.store.n)
+        policy, counts, store = self.policy, layer.counts, layer.store
+        n, open_rows = store.n, min(counts.since_event, store.n)
         end = n - open_rows + block  # the block is tier rows [n - open_rows, end)
         target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=end, block_rows=block,
-                                    seen=layer.counts.seen - open_rows + block)
+                                    seen=counts.seen - open_rows + block)
         if target is not None and target < end:
-            rows = self.view(layer, end=end)  # before since_event moves on: the view marks where the block starts
+            rows = layer.rows_view(end=end)  # before since_event moves on: the view marks where the block starts
             keep = policy.select(rows, target)
             self._check_keep(layer, keep, target, end)
-            B, G = layer.store.batch_groups
+            B, G = store.batch_groups
             later = torch.arange(end, n, device=keep.device).expand(B, G, n - end)
-            layer.store.keep(torch.cat([keep, later], dim=2))
-            layer.counts.events += 1
-        layer.counts.since_event -= block
-        recorded = layer.inputs  # the "inputs" observation covers the rows still open
-        if recorded:
-            recorded["hidden_states"] = [torch.cat(recorded["hidden_states"], dim=1)[:, block:]]
-            if "position_embeddings" in recorded:
-                cos, sin = zip(*recorded["position_embeddings"])
-                recorded["position_embeddings"] = [(torch.cat(cos, dim=1)[:, block:], torch.cat(sin, dim=1)[:, block:])]
+            store.keep(torch.cat([keep, later], dim=2))
+        counts.since_event -= block
+        layer.observed.drop_inputs(block)  # the "inputs" observation covers the rows still open
 
-    def _fit(self, layer: KVLayer) -> None:
+    def _fit(self, layer: RuntimeLayer) -> None:
         """Fixed capacity, once the context has ended: the tier's storage holds the rows it has plus the most it
         can gain before the policy's next event (:func:`rows_between_events`), never more than the rows still
-        to come. The storage of a layer with an archive keeps every row: there the tier's position list is sized."""
-        capacity = layer.store.capacity
+        to come."""
+        capacity = self.geometry.capacity
         if capacity is None or not layer.context_ended or not layer.is_initialized:
-            return
-        if layer.store.retains and not layer.store.gathered:
             return
         remaining = max(0, capacity - layer.counts.seen)
         gain = None if layer.rank < self.policy.dense_layers else rows_between_events(self.policy)
-        rows = layer.store.n + (remaining if gain is None else min(gain, remaining))
-        storage = layer.store.tier if layer.store.gathered else layer.store.rows
-        storage.resize(max(rows, storage.n))
+        layer.store.fit(layer.store.n + (remaining if gain is None else min(gain, remaining)))
 
-    def _check_keep(self, layer: KVLayer, keep: torch.Tensor, target: int, n: int) -> None:
+    def _check_keep(self, layer: RuntimeLayer, keep: torch.Tensor, target: int, n: int) -> None:
         B, G = layer.store.batch_groups
         name = self.policy.name
         if keep.shape != (B, G, target) or keep.dtype != torch.long:
@@ -403,59 +268,3 @@ class Runtime:
         if target:  # checked on the device: no host synchronisation
             ok = (keep.min() >= 0) & (keep.max() < n) & (keep.diff(dim=-1) > 0).all()
             torch._assert_async(ok, f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")
-
-    def _check_victim(self, layer: KVLayer, victim: torch.Tensor) -> None:
-        B, G = layer.store.rows.buffers["keys"].shape[:2]
-        if victim.shape != (B, G) or victim.dtype != torch.long:
-            raise RuntimeError(
-                f"policy {self.policy.name!r} step_victim() must return int64 indices of shape {(B, G)}, "
-                f"got {victim.dtype} {tuple(victim.shape)}"
-            )
-
-    # --- accounting ------------------------------------------------------------------------------------
-    def account_attended(self, layer: KVLayer, queries: int = 1) -> None:
-        """A forward that reads the attended tier only: host numbers (the bytes are derived by ``stats()``)."""
-        n = layer.store.n
-        layer.counts.tier_rows_read += n
-        layer.counts.last_read = {"tier_rows": n}
-
-    # --- reporting -----------------------------------------------------------------------------------
-    def notes(self, layers: list[KVLayer]) -> list[str]:
-        """What the figures alone would not tell: a block policy whose first block has not closed yet."""
-        policy = self.policy
-        open_rows = [la.counts.since_event for la in layers
-                     if la.counts.events == 0 and la.rank >= policy.dense_layers]
-        if policy.schedule == "block" and open_rows and max(open_rows) and not any(la.context_ended for la in layers):
-            return [f"{policy.name}: no block has closed yet ({max(open_rows)} rows wait in an open block of "
-                    f"{policy.block_size}): nothing is compressed until a block fills or compress() is called "
-                    "(kvzoo.pipeline calls it after the context; model.generate compresses at the prompt's end)"]
-        return []
-
-    def layer_stats(self, layer: KVLayer) -> LayerStats:
-        initialized = layer.is_initialized
-        store, counts = layer.store, layer.counts
-        B, G = store.batch_groups if initialized else (0, 0)
-        per_row = store.row_bytes() if initialized else 0
-        fetched = _number(counts.fetched_rows)
-        info = {k: _number(v) for k, v in counts.policy_info.items()}
-        fetched_bytes = fetched * per_row
-        attended_bytes = B * G * per_row * counts.tier_rows_read
-        if counts.retrieval_steps:  # cumulative reads of the retrieval tier, derived here from the counts
-            info.update(retrieval_steps=counts.retrieval_steps, rows_scanned=counts.rows_scanned, rows_fetched=fetched,
-                        fetched_bytes=fetched_bytes, attended_bytes_read=attended_bytes,
-                        index_bytes_scanned=counts.index_bytes_scanned)
-        return LayerStats(
-            layer=layer.layer_idx,
-            seen_rows=counts.seen,
-            resident_rows=store.n,
-            peak_resident_rows=counts.peak_rows,
-            resident_bytes=B * G * store.n * per_row,
-            archived_rows=store.archive.positions.n,
-            archived_bytes=store.archive.nbytes() if initialized else 0,
-            dropped_rows=counts.dropped_rows,
-            events=counts.events,
-            fetched_rows=fetched,
-            kv_bytes_read=attended_bytes + counts.index_bytes_scanned + fetched_bytes,
-            policy_info=info,
-            last_step={k: _number(v) for k, v in read_figures(counts.last_read, B * G, per_row).items()},
-        )

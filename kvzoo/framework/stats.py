@@ -21,12 +21,12 @@ class LayerCounters:
     seen: int = 0  # rows appended: the true sequence length
     seen_dev: torch.Tensor | None = None  # the same on the device, int64 [1]: a decode row's slot
     since_event: int = 0  # rows appended since the last compression event
-    new_rows: int = 0  # rows appended by the forward in flight
+    new_rows: int = 0  # rows appended by the latest forward (its attention reads which are padding)
     dropped_rows: int = 0
     events: int = 0
     selections: int = 0  # events that ran the selector over the tier (all but a one-in-one-out step)
     peak_rows: int = 0  # most rows the tier held (right after an append)
-    # what the forwards read (host numbers, one add each per forward; bytes are derived by Runtime.layer_stats)
+    # what the forwards read (host numbers, one add each per forward; bytes are derived by stats())
     tier_rows_read: int = 0  # tier rows attended, summed over forwards
     index_bytes_scanned: int = 0  # index bytes scanned, summed over forwards
     retrieval_steps: int = 0  # forwards that read the retrieval tier
@@ -35,6 +35,11 @@ class LayerCounters:
     fetched_rows: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     last_read: dict[str, Any] = field(default_factory=dict)  # the latest forward's reads (stats derives its bytes)
     policy_info: dict[str, Any] = field(default_factory=dict)  # the policy's and the retriever's counters
+
+    def attended(self, rows: int) -> None:
+        """A forward read ``rows`` tier rows and no archived row (host numbers; ``stats()`` derives the bytes)."""
+        self.tier_rows_read += rows
+        self.last_read = {"tier_rows": rows}
 
 
 @dataclass

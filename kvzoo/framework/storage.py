@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvzoo.framework.buffers import RowStore, gather_rows
+from kvzoo.framework.buffers import RowStore, complement, gather_rows
 from kvzoo.framework.retriever import ArchiveView
 from kvzoo.framework.stats import LayerCounters
 from kvzoo.kernels.attention import received_attention
@@ -59,6 +59,7 @@ class StorageHost(Protocol):
     policy: Any
     geometry: Any
     resident: int
+    peak_resident: int
 
     @property
     def accumulates(self) -> bool: ...
@@ -69,8 +70,7 @@ class StorageHost(Protocol):
 
 
 class LayerStorage:
-    """One layer's rows, the attended tier over them and (``archive``) the archive (module docstring); ``counts``: the
-    layer's counters it keeps."""
+    """One layer's rows, the attended tier and the archive over them (module docstring), and the counters it keeps."""
 
     def __init__(self, runtime: StorageHost, counts: LayerCounters) -> None:
         self.runtime = runtime
@@ -81,11 +81,8 @@ class LayerStorage:
         self.gathered = False  # the tier is the position list (else the storage's live rows)
         self.archive = LayerArchive(runtime, counts, self.rows)  # the archived rows' positions and their index
         self.budget: int | None = None  # the tier's rows, fixed at the first event
-        # every row appended is known to be valid (no padding); a decode step's mask cannot be checked without a host
-        # sync, so a forward that carries one clears this
-        self.all_valid = True
+        self.all_valid = True  # no row appended is padding (a forward with a padding mask clears it: no host sync)
         self.device: torch.device | None = None
-        self.dtype: torch.dtype | None = None
 
     def define(self, key_states: torch.Tensor, value_states: torch.Tensor | None, reserve_rows: int | None) -> None:
         """Lay out the buffers for rows like ``key_states`` (``[B, G, q, D]``) and ``value_states`` (GQA)."""
@@ -99,18 +96,16 @@ class LayerStorage:
         counts = self.counts
         counts.seen_dev = torch.zeros(1, dtype=torch.long, device=device)
         counts.fetched_rows = counts.fetched_rows.to(device)
-        self.device, self.dtype = device, key_states.dtype
+        self.device = device
 
     def define_lists(self, B: int, G: int, device: torch.device, fixed: bool, *, refix: bool = False) -> None:
-        """Lay out the tier's and the archive's position lists (with an archive); ``refix``: those laid out already
-        are fixed at their capacity."""
+        """Lay out the tier's and the archive's position lists; ``refix``: fix those laid out already."""
         for view in (self.tier, self.archive.positions):
             if not view.buffers:
                 view.define(B, G, {"pos": ((), torch.long)}, device, fixed=fixed, empty=NO_ROW)
             elif refix:
                 view.fix(view.capacity, NO_ROW)
 
-    # --- what the runtime states once ----------------------------------------------------------------
     @property
     def capacity(self) -> int | None:
         """``TieredCache(..., capacity=N)``: storage preallocated for N rows, read whole by a decode step."""
@@ -127,24 +122,41 @@ class LayerStorage:
         """Rows in the attended tier, per (batch, group)."""
         return self.tier.n if self.gathered else self.rows.n
 
-    num_rows = n
-
     def row_bytes(self) -> int:
         """Bytes of one row of one (batch, group): its key (the latent row on MLA) and its value (GQA)."""
         return sum(buf.shape[-1] * buf.element_size() for name, buf in self.rows.buffers.items()
                    if name in ("keys", "values"))
 
+    def dropped_bytes(self) -> int:
+        """Bytes of the rows dropped so far (without an archive), over the batch (0 before the first row)."""
+        if not self.rows.buffers:
+            return 0
+        B, G = self.batch_groups
+        return self.counts.dropped_rows * self.row_bytes() * B * G
+
     @property
     def batch_groups(self) -> tuple[int, int]:
         return tuple(self.rows.buffers["keys"].shape[:2])  # type: ignore[return-value]
 
+    def outgrows(self, tier_rows: int, appended: int, archived: int) -> bool:
+        """Whether the storage must grow for a tier of ``tier_rows`` rows, ``appended`` more rows, ``archived`` more."""
+        if tier_rows > (self.tier if self.gathered else self.rows).capacity:
+            return True
+        archive = self.archive.positions  # with an archive the storage keeps every row
+        return self.retains and (self.rows.n + appended > self.rows.capacity
+                                 or archived > 0 and archive.n + archived > archive.capacity)
+
+    def fit(self, rows: int) -> None:
+        """A fixed capacity's tier storage sized to ``rows`` (with an archive: the tier's position list, once there is one)."""
+        if self.retains and not self.gathered:
+            return
+        storage = self.tier if self.gathered else self.rows
+        storage.resize(max(rows, storage.n))
+
     # --- appending -----------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
-        """Write one forward's rows ``[B, G, q, D]`` where they land, valid until marked padding.
-
-        A decode step's row takes its slot (and, in the position list, its position) from ``counts.seen_dev``: no
-        Python number that changes from step to step reaches an op.
-        """
+        """Write one forward's rows ``[B, G, q, D]`` where they land, valid until marked padding. A decode step's row
+        takes its slot from ``counts.seen_dev``: no Python number that changes from step to step reaches an op."""
         B, G, q = keys.shape[:3]
         counts = self.counts
         rows: dict[str, Any] = {"keys": keys, "valid": True}
@@ -168,15 +180,16 @@ class LayerStorage:
             counts.seen_dev.fill_(counts.seen)
         counts.since_event += q
         counts.new_rows = q
-        counts.peak_rows = max(counts.peak_rows, self.n)
-        self.runtime.held(q)
+        counts.peak_rows = max(counts.peak_rows, self.tier.n if self.gathered else self.rows.n)
+        runtime = self.runtime  # Runtime.held(q), in place: a decode step appends per layer
+        runtime.resident += q
+        if runtime.resident > runtime.peak_resident:
+            runtime.peak_resident = runtime.resident
 
-    def mark_padding(self, padding_mask: torch.Tensor | None) -> None:
-        """Set the validity of the rows the forward in flight appended, from the 2-D padding mask ``[B, seen]``
-        (True = real token). A multi-token forward checks the new rows on the host; a decode step only writes the
-        flag (no host sync), and its attention honours it."""
+    def mark_padding(self, padding_mask: torch.Tensor) -> None:
+        """The validity of the forward's new rows from the padding mask ``[B, seen]`` (a decode step: no host sync)."""
         q = self.counts.new_rows
-        if padding_mask is None or q == 0:
+        if q == 0:
             return
         valid = self.rows.buffers["valid"]
         if q == 1:  # written where the row went (found on the device)
@@ -193,8 +206,8 @@ class LayerStorage:
 
     # --- the attended tier -----------------------------------------------------------------------------
     def get(self, name: str) -> torch.Tensor:
-        """The tier's live rows of ``name`` ``[B, G, n, ...]`` in tier order: a view of the storage, or (a gathered
-        tier) a copy. ``"values"`` on MLA rows is the latent part of each row."""
+        """The tier's rows of ``name`` ``[B, G, n, ...]`` in tier order (a view, or a gathered tier's copy); MLA's
+        ``"values"`` are the rows' latent part."""
         if name == "values" and "values" not in self.rows.buffers:
             return self.get("keys")[..., : self.latent_width]
         if not self.gathered:
@@ -217,8 +230,8 @@ class LayerStorage:
             self.rows.ensure_order("slots")
 
     def source(self) -> Rows:
-        """The attended tier as one source of the decode op, read in place: the storage's live rows (with a fixed
-        capacity its whole buffers and the live count on the device), or the storage at the tier's positions."""
+        """The tier as one source of the decode op, read in place: the storage's live rows (with a fixed capacity,
+        whole buffers and the live count on the device), or the storage at the tier's positions."""
         rows = self.rows
         keys = rows.reading("keys")
         values = rows.reading("values") if "values" in rows.buffers else None
@@ -237,58 +250,51 @@ class LayerStorage:
         return Rows(rows.buffers["keys"], rows.buffers.get("values"), value_width=width, indices=positions,
                     length=length, pool_valid=valid if valid is not None else None)
 
-    def accumulate(self, mass: torch.Tensor) -> None:
-        """Add each tier row's probability in this decode step (``mass [B, H, N']`` over the positions of
-        :meth:`source`), summed over its group's query heads, to its ``stat:attention`` (H2O's accumulator)."""
+    def accumulate(self, mass: torch.Tensor, *, step: bool = True) -> None:
+        """Add each tier row's attention ``mass [B, H, N]``, summed over its group's heads, to its ``stat:attention``:
+        a decode step's over the positions :meth:`source` read (spare ones, -1, carry none), else in tier order."""
         stat = self.rows.buffers["stat:attention"]
-        per_group = received_attention(mass, stat.shape[1])  # [B, G, N']
+        per_group = received_attention(mass, stat.shape[1])  # [B, G, N]
         if self.gathered:
-            positions = self.tier.reading("pos")  # spare entries (-1) carry no mass
+            positions = self.tier.reading("pos") if step else self.tier.get("pos")
             stat.scatter_add_(2, positions.clamp(min=0), per_group)
         else:
             stat[:, :, : per_group.shape[-1]] += per_group
 
-    def accumulate_rows(self, per_group: torch.Tensor) -> None:
-        """Add ``per_group [B, G, n]`` (one number per tier row, in tier order) to the rows' ``stat:attention``."""
-        stat = self.rows.buffers["stat:attention"]
-        if self.gathered:
-            stat.scatter_add_(2, self.tier.get("pos"), per_group)
-        else:
-            stat[:, :, : self.n] += per_group
-
     # --- eviction -------------------------------------------------------------------------------------
     def keep(self, keep: torch.Tensor) -> None:
-        """A compression event: the tier keeps rows ``keep [B, G, k]`` (sorted tier indices); the others leave --
-        to the archive (indexed first) or dropped."""
+        """A compression event: the tier keeps rows ``keep [B, G, k]`` (sorted tier indices); the others leave, to the
+        archive (indexed first) or dropped."""
         n, k = self.n, keep.shape[2]
         self.runtime.held(k - n)
         if not self.retains:
             self.rows.keep(keep)
             self.counts.dropped_rows += n - k
         else:
-            self._gather_tier()
-            leaving = self.tier.gather(self.tier.complement(keep), ("pos",))["pos"]  # [B, G, n - k], in tier order
+            if not self.gathered:
+                self._gather_tier()
+            leaving = self.tier.gather(complement(keep, n), ("pos",))["pos"]  # [B, G, n - k], in tier order
             self.archive.add(leaving, self.tier_view, self.budget)
             self.tier.keep(keep)
         self.counts.selections += 1
+        self.counts.events += 1
 
     def evict_one(self, victim: torch.Tensor) -> None:
-        """One in, one out: tier row ``victim[b, g]`` (int64 ``[B, G]``) leaves; the next appended row takes its place
-        in the tier (no row moves)."""
+        """One in, one out: tier row ``victim [B, G]`` leaves; the next row appended takes its place (no row moves)."""
         self.runtime.resident -= 1  # Runtime.held(-1): one row less can raise no peak
+        self.counts.events += 1
         if not self.retains:
             self.rows.vacate(victim)
             self.counts.dropped_rows += 1
             return
-        self._gather_tier()
+        if not self.gathered:
+            self._gather_tier()
         # an index out of range fails here
         self.archive.add(self.tier.buffers["pos"].gather(2, victim[..., None]), self.tier_view, self.budget)
         self.tier.vacate(victim)
 
     def _gather_tier(self) -> None:
         """The first eviction of a layer with an archive: the tier becomes the list of its positions (all so far)."""
-        if self.gathered:
-            return
         B, G = self.batch_groups
         n = self.rows.n
         if self.tier.fixed:

@@ -13,6 +13,7 @@ from kvzoo import TieredCache, registry
 from kvzoo.bench.planner import registered_variants
 from kvzoo.framework.attention import detach
 from kvzoo.framework.layer import KVLayer
+from kvzoo.framework.report import layer_stats
 from tests.greedy import assert_same_greedy
 
 from .conftest import MODELS, model
@@ -121,7 +122,7 @@ def test_partition_invariant_and_budget(name, family, lengths, budget, block, ch
         assert slots.shape[2] == T == layer.counts.seen
         assert torch.equal(slots.sort(dim=2).values, torch.arange(T).expand(B, G, T))
         assert torch.equal(keys, appended.gather(2, slots[..., None].expand(B, G, T, D)))
-        s = layer.stats()
+        s = layer_stats(layer)
         if name in ("streaming_llm", "snapkv", "h2o", "chunkkv") and T > budget:
             assert s.resident_rows == budget + (0 if name in ("streaming_llm", "h2o") else steps)
         if name == "quest":  # rule="eval": every row archived after its forward

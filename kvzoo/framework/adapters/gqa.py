@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvzoo.framework.adapters.base import Geometry
-from kvzoo.framework.policy import Policy
+from kvzoo.framework.policy import Observation, Policy
 
 GQA_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
@@ -35,8 +35,12 @@ def _record_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     layer = cache.kvzoo_layer(module.layer_idx) if hasattr(cache, "kvzoo_layer") else None
     if layer is None:
         return
+    # kept from the layer's last event until the next, and only until the context ends (a policy that runs the model's
+    # own code on the layer -- a kvpress press -- compresses the context once)
+    if Observation.INPUTS not in layer.runtime.policy.observes or layer.context_ended:
+        return
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    layer.runtime.record_inputs(layer, module, hidden_states, kwargs.get("position_embeddings"))
+    layer.observed.record_inputs(module, hidden_states, kwargs.get("position_embeddings"))
 
 
 class GQAAdapter:
