@@ -18,7 +18,7 @@ Each arm's bytes per step are stated beside its time: the weights a step reads (
 embedding's table, of which it reads one row; a tied LM head is read whole), the KV path of the layers the policy acts
 on, and -- on a hybrid model (``--model gemma3-270m``: 3 global layers, 15 sliding-window ones) -- the sliding
 layers' windows, which no policy compresses; their ratio to the first arm's is the bound a step's time can reach.
-``--profile`` times the parts of each arm's step (tier attention, index scan, selection, fetched-row gather and
+``--profile`` times the parts of each arm's step (tier attention, index scan and choice, fetched-row gather and
 attention, bookkeeping) with their bytes, beside the machine's measured read bandwidth.
 
 OpenMP's idle threads spin by default, which makes many-small-op steps 4-12x slower at 2 threads beside another
@@ -158,6 +158,7 @@ def profiled():
     import kvzoo.framework.retrieval as retrieval_mod
     from kvzoo.framework.layer import KVLayer
     from kvzoo.framework.runtime import Runtime
+    from kvzoo.framework.storage import LayerStorage
 
     timer = PartTimer()
     calls = {"attend": 0}
@@ -169,7 +170,7 @@ def profiled():
     timer.wrap(retrieval_mod.Retrieval, "fetch_step", "retrieval: staging and accounting")
     timer.wrap(Runtime, "after_forward", "bookkeeping: schedule")
     timer.wrap(KVLayer, "update", "bookkeeping: append")
-    timer.wrap(KVLayer, "accumulate", "bookkeeping: accumulate")
+    timer.wrap(LayerStorage, "accumulate", "bookkeeping: accumulate")
     for cls in _index_classes():
         for method in ("choose", "within"):
             if method in cls.__dict__:
