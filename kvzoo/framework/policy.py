@@ -1,44 +1,10 @@
 """The policy interface: a selector, an optional retriever, and a schedule (the policy layer).
 
-A *policy* decides which cache rows live in the attended tier; the runtime
-(``framework/runtime.py``) owns the decision's execution -- it fires the schedule, fixes the
-budget, calls the selector, moves rows and indexes them. Everything a policy sees arrives as
-tensors in a :class:`RowsView`, so a selector can be called from any runtime -- kvzoo's own, or
-kvpress's pipeline in an environment that pins an older transformers -- without touching a cache
-object. This module imports torch alone.
-
-Vocabulary (docs/architecture.md):
-
-* a *row* is one token's entry for one KV group: on GQA models the key and value of one KV head,
-  on MLA models the 576-dim latent ``[c ; r]`` shared by all heads (one group per layer);
-* a *slot* is the index of the row's token in the sequence as fed to the model (padding
-  included); it is what causality and padding are decided by, and it never changes;
-* the *attended tier* is what every decode step attends to; the *archive* holds evicted rows
-  bit-exact (or they are dropped and counted when ``archive=False``).
-
-Events (when :meth:`Policy.select` is called), per layer:
-
-* ``"context_end"`` -- ``cache.compress()``, i.e. the pipeline's compression point after the
-  context and before the question. Fires for every policy.
-* ``"step"`` -- after the attention of every forward pass (one decode step, or one prefill
-  chunk), for policies whose ``schedule`` is ``"step"``.
-* ``"block"`` -- when ``block_size`` rows have been appended since the layer's last event, for
-  policies whose ``schedule`` is ``"block"`` (checked after the attention of each forward).
-
-Budget: ``ratio`` keeps ``floor(rows / ratio)`` rows (``ratio=32`` is the paper's 32x) and
-``budget`` keeps an absolute number of rows (:meth:`Policy.resolve_budget`, the one formula).
-Sinks and the recent window count *inside* the budget. The runtime resolves a layer's budget once,
-at its first event, from the whole context when the cache knows its length, and hands it to
-:meth:`Policy.target_rows`, which says how many rows stay after an event (default: the budget;
-VestigeKV applies the formula to each closed block on its own, Quest keeps the current page).
-
-What the framework reads of a policy as data (class attributes, which a policy may turn into dataclass fields to make
-them settable): the schedule -- ``schedule`` (``"context_end"``, ``"step"`` or ``"block"``), ``block_size`` (rows
-per block), ``closes_each_block`` (a forward longer than a block closes each full block on its own), ``dense_layers``
-(the first layers the policy never compresses), ``rows_between_events`` (where the schedule does not say it) --,
-``observes`` (what the runtime records: an ``accumulate`` policy's rows carry ``row_stats["attention"]``),
-``retriever_fields`` (what the retriever it names takes from it), and ``own_row_archived_next`` (a decode step's own
-row is the archive's next row: its archive view carries that row).
+A *policy* decides which cache rows live in the attended tier; the runtime (``framework/runtime.py``) fires the
+schedule, fixes the budget, calls the selector, moves rows and indexes them. Everything a policy sees arrives as
+tensors in a :class:`RowsView`, so a selector runs in kvzoo's runtime or in kvpress's pipeline without a cache
+object. This module imports torch alone. The vocabulary (row, slot, tier, archive), the events and the class
+attributes the framework reads are in docs/architecture.md and docs/extending.md ("The policy surface").
 """
 
 from __future__ import annotations
@@ -265,25 +231,15 @@ class Policy(ABC):
     """Base class of every kvzoo policy: a dataclass whose fields are its hyperparameters.
 
     Subclasses set the class attributes below and write one method, :meth:`priority` (a score per row, as a
-    kvpress ``ScorerPress`` writes ``score()``); :meth:`select` and :meth:`step_victim` derive from it. Fields
-    shared by all:
-
-    * ``ratio`` / ``budget`` -- how many rows stay attended (exactly one may be set; ``full``
-      sets neither);
-    * ``archive`` -- True: evicted rows stay, bit-exact, in the archive; False: they are dropped and
-      counted (their memory freed at the event); None (default): an archive exactly when there is a retriever to
-      read it (an eviction-only policy frees what it evicts). Resolved to True or False at construction; ask
-      ``archive=True`` to keep evicted rows anyway (an audit of what was evicted, a retriever added later);
-
-    * ``retriever`` -- the retriever over the archive (docs/row-life.md): a registered name, a
-      ``Retriever`` object, or None. Names are resolved by the registry (an unknown one is refused
-      there, with the valid names).
+    kvpress ``ScorerPress`` writes ``score()``); :meth:`select` and :meth:`step_victim` derive from it.
     """
 
-    ratio: float | None = None
-    budget: int | None = None
-    archive: bool | None = None  # None: keep an archive exactly when a retriever reads it
-    retriever: Any = None  # a retriever name, a Retriever object, or None
+    ratio: float | None = None  # keep floor(rows / ratio) rows; exactly one of ratio / budget (full: neither)
+    budget: int | None = None  # rows kept per layer and KV group
+    # True: evicted rows stay, bit-exact, in the archive; False: dropped and counted; None: an archive exactly when a
+    # retriever reads it (resolved to True or False at construction)
+    archive: bool | None = None
+    retriever: Any = None  # a registered retriever name (resolved by the registry), a Retriever object, or None
 
     # --- class attributes a subclass sets -------------------------------------------------
     name: ClassVar[str] = ""
@@ -294,7 +250,7 @@ class Policy(ABC):
     # refuses any other name
     observes: ClassVar[frozenset[Observation]] = frozenset()
     requires_budget: ClassVar[bool] = True
-    # The schedule (see the module docstring): when the selector fires besides "context_end"
+    # The schedule: when the selector fires besides "context_end"
     schedule: ClassVar[str] = "context_end"
     block_size: ClassVar[int | None] = None  # rows per block, for schedule "block"
     # schedule "block": a forward that adds more than ``block_size`` rows (a one-shot prefill) closes each full block
@@ -396,30 +352,18 @@ class Policy(ABC):
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:
         """The policy's rule, as a score: fp32 ``[B, G, N]``, the ``keep`` highest rows stay (ties to the earlier row).
 
-        Rows the rule always keeps score ``+inf``, padding ``-inf`` (:func:`forced_priority`). A rule of groups scores
-        each row as its group (ChunkKV: a chunk's score, spread to its rows). A policy with a ``step`` schedule is
-        also asked for its per-step victim from this score on the tier as stored, in any row order: it must then
-        read ``slots``, never positions (H2O: :meth:`RowsView.recent`), or write its own :meth:`step_victim`.
-
-        What a kvpress ``ScorerPress`` computes in ``score()``: ``kvzoo.integrations.kvpress`` hands it to
-        kvpress's wrappers (``ChunkKVPress``, ``KeyRerotationPress``, ...), which take their own top-k of it.
+        Rows the rule always keeps score ``+inf``, padding ``-inf`` (:func:`forced_priority`). A ``step`` policy's
+        per-step victim is the lowest score on the tier as stored, in any row order: read ``slots``, never positions.
         """
 
     def select(self, rows: RowsView, keep: int) -> torch.Tensor:
-        """Indices of the rows to keep: int64 ``[B, G, keep]``, each row sorted ascending; by default the top
-        ``keep`` rows of :meth:`priority`. Override only for a rule that is not a top-k of a score.
-
-        ``keep < rows.num_rows`` always holds when the runtime calls this. Rows not named move to
-        the archive (or are dropped). Must be a function of the tensors in ``rows`` only.
-        """
+        """Indices of the rows to keep (``keep < rows.num_rows``): int64 ``[B, G, keep]``, sorted ascending; by default
+        the top ``keep`` rows of :meth:`priority`. Override only for a rule that is not a top-k of a score."""
         return top_rows(self.checked_priority(rows, keep, event=True), keep, None if rows.all_valid else rows.valid)
 
     def checked_priority(self, rows: RowsView, keep: int, *, event: bool = False) -> torch.Tensor:
-        """:meth:`priority` held to its contract where the framework receives it: a float tensor ``[B, G, N]`` (a
-        TypeError or ValueError naming the policy and the contract otherwise); ``event``: at a compression event, also
-        no NaN (checked on the device, no host synchronisation; a per-step victim's scores are not checked for NaN:
-        that would cost every decode step a device check). Whatever the scores, padding is never kept while a valid
-        row is left out: :func:`top_rows` and the per-step victim rank valid rows first."""
+        """:meth:`priority` held to its contract: a float tensor ``[B, G, N]``; ``event``: at a compression event, also
+        no NaN (checked on the device; a per-step victim is not checked: that would cost every decode step)."""
         scores = self.priority(rows, keep)
         expected = tuple(rows.slots.shape)
         contract = ("priority() must return a float tensor [B, G, N] = " + str(list(expected)) + ": one score per row "
@@ -445,11 +389,8 @@ class Policy(ABC):
         """For a ``step`` event that evicts exactly one row: int64 ``[B, G]``, the row each gives up -- by default
         the one ``select(rows, rows.num_rows - 1)`` leaves out, the lowest :meth:`priority` (ties to the latest slot).
 
-        The per-step "one in, one out" of StreamingLLM and H2O runs every decode step, so the runtime
-        offers this cheaper path: the named row leaves and the tier's last row takes its place
-        (``O(1)`` rows move, no gather of the tier). The rows of ``rows`` may therefore be in any
-        order (``tests/test_runtime.py`` holds every built-in to ``select`` on shuffled rows). An override
-        returning None makes the runtime sort the tier and call :meth:`select`.
+        The named row leaves and the tier's last row takes its place (no gather of the tier), so the rows may be in
+        any order. An override returning None makes the runtime sort the tier and call :meth:`select`.
         """
         return _lowest_priority_victim(self.checked_priority(rows, rows.num_rows - 1), rows.slots,
                                        None if rows.all_valid else rows.valid)
@@ -483,9 +424,7 @@ def _valid_by_slot(slots: torch.Tensor, valid: torch.Tensor, count: int, all_val
 def sinks_and_recent(slots: torch.Tensor, valid: torch.Tensor, sinks: int, recent: int, *,
                      query_slots: torch.Tensor | None = None) -> torch.Tensor:
     """StreamingLLM's rule, the one statement of it in kvzoo: bool ``[B, G, N]``, each sequence's ``sinks`` earliest
-    and ``recent`` latest valid rows, by slot (the rows in any order). Its selector (:class:`SinksAndRecentPolicy`,
-    also Quest's attended tier) ranks by it, its per-step victim is the row it leaves out of ``N - 1``
-    (:func:`_sinks_and_recent_victim`), and its token-by-token prefill applies it per query.
+    and ``recent`` latest valid rows, by slot (the rows in any order).
 
     ``query_slots [q]``: the rule for each query of a multi-token forward, ``[B, G, q, N]``: the sinks, and the
     ``recent`` latest valid rows up to the query's own slot, as if the tokens came one at a time (and the query's own
@@ -510,10 +449,8 @@ def sinks_and_recent(slots: torch.Tensor, valid: torch.Tensor, sinks: int, recen
 def _sinks_and_recent_victim(slots: torch.Tensor, valid: torch.Tensor, sinks: int,
                              all_valid: bool = False) -> torch.Tensor:
     """The row ``sinks_and_recent(slots, valid, sinks, N - 1 - sinks)`` leaves out, ``[B, G]`` (rows in any order):
-    the oldest valid row past the sinks, or, where a sequence has padding, its earliest padding row (which the
-    selector's ranking, :meth:`SinksAndRecentPolicy.priority`, leaves out first). One top-k over the slots: the
-    few ops a decode step may launch (``tests/test_static_step.py`` bounds them); ``tests/test_policy_surface.py``
-    holds it to the rule."""
+    the oldest valid row past the sinks, or, where a sequence has padding, its earliest padding row. One top-k over
+    the slots: the few ops a decode step may launch (``tests/test_static_step.py`` bounds them)."""
     n = slots.shape[-1]
     sinks = min(sinks, n - 1)
     if all_valid:
@@ -582,11 +519,7 @@ def top_rows(priority: torch.Tensor, keep: int, valid: torch.Tensor | None = Non
 
 
 def window_rows_mask(rows: RowsView) -> torch.Tensor:
-    """Bool ``[B, G, N]``: the rows of the observation window's own tokens (the last ``w`` valid rows).
-
-    The window queries are the latest ``w`` tokens and their rows were appended last, so they are
-    the last ``w`` rows of the tier (sequence order); padding rows are never counted as window rows.
-    """
+    """Bool ``[B, G, N]``: the rows of the observation window's own tokens (the last ``w`` valid rows)."""
     w = rows.window_size()
     if not w:
         raise RuntimeError(
@@ -603,11 +536,9 @@ WINDOW_AGGREGATES = ("sum", "mean", "max")
 def window_votes(rows: RowsView, kernel_size: int = 1, pooling: str = "maxpool", aggregate: str = "sum") -> torch.Tensor:
     """Each row's votes from the observation window, ``[B, G, N]`` fp32 (SnapKV's scores; ChunkKV's before chunking).
 
-    The window queries' attention summed over the window; the window rows' own votes zeroed (the
-    reference slices them off before pooling: a zero there is its padding); pooled along the rows
-    per query head (``kernel_size``, stride 1, padding ``kernel_size // 2``; ``avgpool`` counts the
-    zero padding, as ``F.avg_pool1d`` does by default; 1 = no pooling); then the query heads of each
-    KV group combined by ``aggregate`` (``sum``, ``mean`` or ``max``).
+    The window queries' attention summed over the window, the window rows' own votes zeroed (the reference slices
+    them off before pooling: a zero there is its padding), pooled along the rows per query head (stride 1, padding
+    ``kernel_size // 2``), then the query heads of each KV group combined by ``aggregate``.
     """
     attn = rows.observed_window()  # [B, H, w, N]
     window = window_rows_mask(rows)  # [B, G, N]

@@ -39,80 +39,20 @@ class ReuseCounts(Counters):
 class ChunkKV(WindowPolicy):
     """At the end of the context, keep the chunks of ``chunk_size`` tokens the last window attends to most.
 
-    The algorithm (Algorithm 1 of the paper): the last ``window`` queries attend to all rows
-    (softmax, causal); a row's score is that attention summed over the window queries and over
-    *all* query heads of the layer, so one selection serves every KV head of the layer, made per
-    batch element. The rows outside the window are cut into chunks of ``chunk_size`` consecutive
-    tokens, from each sequence's first token on; the last chunk is partial when the count does not
-    divide (``ceil(P / c)`` chunks for ``P`` non-window rows). A chunk's score is the *sum* of its
-    rows' scores. Chunks are ranked by score and their rows concatenated best chunk first; the first
-    ``keep - w`` of those rows are kept, plus the ``w`` window rows. Algorithm 1 takes the top
-    ``floor(L_max / c)`` chunks and keeps ``concat(K'[0 : L_max - w], K[T - w : T])`` without saying
-    in which order ``K'`` holds the chosen chunks; kvzoo reads it as best chunk first, so the
-    budget is met exactly with whole chunks, except that the lowest-ranked chunk taken may be cut
-    (its leading rows are kept) when ``keep - w`` is not a multiple of ``chunk_size``.
+    Algorithm 1 of the paper: a row's score is the last ``window`` queries' attention summed over those queries and
+    over *all* query heads of the layer (one selection for every KV head, per batch element). The rows before the
+    window are cut into chunks of ``chunk_size`` tokens from each sequence's first token; a chunk scores the sum of
+    its rows. Rows are taken best chunk first until ``keep - w`` rows (the last chunk taken may be cut), plus the
+    ``w`` window rows. Layer-wise index reuse: in each group of ``reuse`` consecutive layers that hold rows
+    (``RowsView.layer_rank``: on Kimi Linear, MLA layers only) the first scores and the others keep its slots,
+    computing no window attention; ``cache.stats()`` reports ``chunkkv_scored`` and ``chunkkv_reused``.
 
-    Layer-wise index reuse: layers are taken in groups of ``reuse`` consecutive layers
-    (0..N-1, N..2N-1, ...); the first layer of each group scores and selects, the others keep
-    the same token positions (slots) without scoring. ``ceil(num_layers / reuse)`` layers score.
-    Groups count the layers that hold rows (``RowsView.layer_rank``): on a hybrid model (Kimi
-    Linear: MLA layers hold rows, KDA layers none) a group is ``reuse`` consecutive MLA layers.
-    ``cache.stats()`` reports ``chunkkv_scored`` and ``chunkkv_reused``: how many layers did each.
-
-    Defaults and where they come from:
-
-    * ``chunk_size=10`` -- the paper's default (its chunk-size ablation finds 10 the most robust);
-      kvpress's ``ChunkKVPress`` uses ``chunk_length=20``.
-    * ``reuse=2`` -- the paper's ``N_reuse = 2`` (every other layer reuses its predecessor's
-      indices); ``reuse=1`` switches reuse off.
-    * ``window=32`` -- Algorithm 1 takes the observation window ``w`` as an input without fixing
-      it in the algorithm; ChunkKV builds on SnapKV's observation window, so kvzoo uses SnapKV's
-      ``w = 32`` and the two policies compare at equal windows. Set ``window=`` to match a
-      particular experiment's script.
-    * ``kernel_size=1`` (no pooling), ``aggregate="sum"`` -- the paper's scorer: the window attention
-      summed over the window queries and all heads. ``kernel_size > 1`` pools each query head's votes
-      along the rows (``pooling``: ``avgpool`` or ``maxpool``) as SnapKV does; ``aggregate`` combines a
-      KV group's query heads (``mean`` ranks rows like ``sum``; ``max`` differs).
-    * ``tiling="paper"`` -- the window kept apart, chunks before it (below); ``"kvpress"`` is
-      kvpress's tiling (next paragraph).
-
-    Deviations, all known:
-
-    * the window is left out of the chunking: Algorithm 1 chunks all ``T`` rows and then appends
-      the window, which can take a window row twice; here the window is kept once and chunks tile
-      the rows before it (chunk boundaries are the same as the paper's, counted from the first
-      token);
-    * in a left-padded batch chunks start at each sequence's first real token (padding is never
-      chunked or kept while valid rows remain), so a padded sequence keeps what it would alone;
-    * ties between chunks go to the earlier chunk (``topk`` leaves tie order unspecified);
-    * the window scores are the window queries' *softmax* attention (fp32, causal, per query head), as SnapKV's
-      and kvpress's scorers take them; the paper's Algorithm 1 writes the score as the plain product
-      ``A = Q[T - w : T] K^T`` summed over the window and the heads, with no softmax. Both rank chunks by how
-      much the window attends to them; they can rank differently (a softmax normalises each query's row, so a
-      query with one sharp peak counts as much as one with a flat row). kvzoo keeps the softmax so that
-      ``tiling="kvpress"`` reproduces kvpress's port exactly (``tests/kvpress/test_fidelity.py``);
-    * scores and softmax are fp32; no pooling by default (Algorithm 1 has none).
-
-    kvpress's port, ``ChunkKVPress(press=SnapKVPress(...))`` (kvpress 0.5.5), differs from the paper
-    defaults here in: its scorer is SnapKV's (the window's mean attention, pooled per query head with
-    ``kernel_size=5`` ``avgpool``, averaged over each KV group, summed over the groups), its
-    ``chunk_length=20``, its 64-query window, no index reuse, and its tiling -- chunks tile every row
-    from the first token, the window included, a window row scoring one above the best other row (per
-    KV head, before the groups are summed), and a chunk's score is the *mean* of its rows. The fields
-    ``kernel_size``, ``pooling``, ``aggregate``, ``chunk_size``, ``window``, ``reuse=1`` and
-    ``tiling="kvpress"`` set every one of those, and then kvzoo keeps kvpress's rows exactly
-    (``tests/kvpress/test_fidelity.py``, SmolLM2 and a tiny Llama) when the context and the kept rows
-    are whole numbers of chunks. What stays different: kvpress keeps ``max(1, int(chunks * (1 -
-    compression_ratio)))`` whole chunks, so its row count is not the runtime's budget otherwise (kvzoo
-    keeps the budget exactly, cutting the last chunk taken), and it takes batch element 0's chunks for
-    the whole batch (kvzoo chooses per sequence).
-
-    A reusing layer reads nothing it does not need: the row scores its group's first layer stored with their slots,
-    and its own slots (which must be the same). It computes no window attention -- the runtime computes a layer's window attention
-    only when the selector asks for it, and the check that the window fits in the budget reads lengths alone
-    (:meth:`~kvzoo.framework.policy.RowsView.window_size`); ``tests/test_chunkkv.py`` counts the calls
-    (``ceil(num_layers / reuse)``). Measured on SmolLM2-135M (CHANGELOG.md, "ChunkKV's layer-wise index reuse"):
-    ``python benchmarks/probe.py chunkkv-reuse``.
+    Defaults: ``chunk_size=10`` and ``reuse=2`` are the paper's (its ablation finds chunks of 10 the most robust;
+    ``reuse=1`` switches reuse off); ``window=32`` is SnapKV's (Algorithm 1 fixes none), so the two compare at equal
+    windows; ``kernel_size=1``, ``aggregate="sum"`` are the paper's scorer (no pooling). ``tiling="kvpress"`` with
+    kvpress's settings reproduces ``ChunkKVPress`` exactly (``tests/kvpress/test_fidelity.py``). The deviations from
+    the paper (softmax window scores, the window not chunked, per-sequence chunks, ties to the earlier chunk) are
+    listed in docs/fidelity.md.
     """
 
     chunk_size: int = 10
@@ -136,10 +76,7 @@ class ChunkKV(WindowPolicy):
                              f"before it; 'kvpress': chunks tile every row, as kvpress's ChunkKVPress), got {self.tiling!r}")
 
     def row_scores(self, rows: RowsView) -> torch.Tensor:
-        """The scorer, ``[B, N]`` fp32: each row's window attention summed over the window queries, pooled along
-        the rows per query head (``kernel_size``; 1 = none, the paper), combined over each KV group's query
-        heads (``aggregate``) and summed over the KV groups. The window rows' own votes are zeroed (they are
-        never chunked). With the defaults: the window attention summed over window queries and all heads."""
+        """The scorer, ``[B, N]`` fp32: :func:`window_votes` summed over the KV groups (the window rows' own zeroed)."""
         return window_votes(rows, self.kernel_size, self.pooling, self.aggregate).sum(dim=1)
 
     def priority(self, rows: RowsView, keep: int) -> torch.Tensor:

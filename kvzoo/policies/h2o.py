@@ -20,41 +20,15 @@ from kvzoo.framework.policy import Observation, Policy, RowsView, forced_priorit
 class H2O(Policy):
     """Keep the ``budget - recent`` rows with the most accumulated attention, plus the ``recent`` latest rows.
 
-    Every forward pass adds the attention each resident row received -- summed over all of that
-    pass's queries -- to the row's accumulator (the reference's ``hh_score``, updated by
-    ``_update_hh_score``), then the selector runs (event ``step``): after the prefill forward it
-    evicts down to the budget; after each decode step one row came in, so exactly one row goes
-    out, and the attended tier never holds more than the budget between steps. Heavy hitters are
-    chosen among the rows outside the recent window (the reference's
-    ``hh_score[:, :seq_len - recent_size]``). The accumulators are ``row_stats["attention"]``: the
-    runtime computes them inside kvzoo's attention path (no eager attention, no ``T x T`` matrix
-    kept: queries are processed in chunks) and gathers them with the rows when rows move.
+    Every forward adds the attention each resident row received, summed over that pass's queries (and, on GQA, over
+    the query heads of its KV head), to ``row_stats["attention"]`` (the reference's ``hh_score``); then the selector
+    runs (event ``step``): after the prefill it evicts down to the budget, after each decode step exactly one row
+    goes. Heavy hitters are chosen among the rows outside the recent window.
 
-    Defaults and where they come from:
-
-    * ``heavy_fraction=0.5`` -- the share of the budget given to heavy hitters; the recent window
-      gets the rest. The paper splits its KV budget equally between heavy hitters and recent
-      tokens (the reference scripts pass ``heavy_ratio`` = ``recent_ratio``, e.g. 0.1 + 0.1 for a
-      20 % cache). Rounding: ``heavy = floor(budget * heavy_fraction)``, ``recent = budget - heavy``
-      (the reference floors both sizes separately and can hold one row fewer than its budget).
-
-    GQA: the reference scores each attention head of an MHA model (OPT, LLaMA-1). On GQA models a
-    KV head serves several query heads; its accumulator is the *sum* over its query heads (the
-    runtime's ``column_sums``), and each KV head keeps its own rows.
-
-    Deviations from the reference, all known:
-
-    * accumulators are per batch element; the reference sums them over the batch (``sum(0)``), so
-      its sequences in one batch share one selection;
-    * eviction after the prefill uses the prefill's accumulated attention once, as the reference's
-      real-drop implementation (``utils_real_drop``) does; its lm-eval simulation
-      (``utils_lm_eval``) instead masks token by token inside the prefill;
-    * ties go to the earlier row; padding rows are never kept while valid rows are available;
-    * with a chunked prefill the step event fires after every chunk, so the tier is held at the
-      budget during the prefill too (the reference prefills in one pass). A ``ratio`` budget is
-      fixed at a layer's first event: it counts the whole context when the cache is told the
-      context length (``kvzoo.pipeline`` does), otherwise only the first chunk -- pass ``budget=``
-      when driving a chunked prefill yourself.
+    Defaults: ``heavy_fraction=0.5`` -- the paper splits its budget equally between heavy hitters and recent tokens
+    (its scripts pass ``heavy_ratio = recent_ratio``); ``heavy = floor(budget * heavy_fraction)``, ``recent = budget
+    - heavy``. The deviations from the reference (per-batch-element accumulators, ties, a chunked prefill firing
+    per chunk: pass ``budget=`` when driving one yourself) are listed in docs/fidelity.md.
     """
 
     heavy_fraction: float = 0.5

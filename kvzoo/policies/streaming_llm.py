@@ -19,39 +19,18 @@ PREFILLS = ("dense", "stream")
 class StreamingLLM(SinksAndRecentPolicy):
     """Keep the first ``sinks`` rows and the most recent rows; the budget counts both.
 
-    Defaults and where they come from:
+    Defaults: ``sinks=4`` -- the paper's (§3.2, "four initial tokens as attention sinks suffice"), the reference's
+    ``start_size``; the recent window is what the budget leaves (the reference's ``recent_size``).
+    ``schedule="step"`` -- the reference's rolling cache: each new row pushes out the oldest non-sink row;
+    ``"block"`` evicts only when ``block_size`` rows have arrived since the last eviction (amortised).
+    ``prefill="dense"`` -- a multi-token forward attends to every row the tier holds, then evicts, as the
+    reference's ``examples/run_streaming_llama.py`` prefills; ``"stream"`` (kvzoo's option) lets each token of a
+    forward read only the sinks and the ``budget - sinks`` latest rows up to its own, as if fed one at a time (the
+    paper's streaming setting, ``examples/eval_long_ppl.py``).
 
-    * ``sinks=4`` -- the paper's choice (§3.2: "four initial tokens as attention sinks suffice"),
-      also the reference code's ``start_size=4``.
-    * the recent window is whatever the budget leaves after the sinks (the reference code's
-      ``recent_size``; the paper's cache sizes are sinks + window).
-    * ``schedule="step"`` -- the reference evicts at every decode step (a rolling cache): after
-      the context is compressed, each new row pushes out the oldest non-sink row.
-      ``schedule="block"`` evicts only when ``block_size`` rows have been appended since the last
-      eviction, then drops back to the budget (amortised eviction; same rows kept at block ends).
-
-    * ``prefill="dense"`` (default) -- a multi-token forward (the context's prefill, a question)
-      attends to every row the tier holds, and the eviction follows the forward. This is what the
-      reference's example script does (``examples/run_streaming_llama.py``): each prompt is prefilled
-      whole and densely, over the rows the cache holds and the prompt's own. ``prefill="stream"`` is
-      kvzoo's option, not the reference's prefill: inside a multi-token forward each token reads only
-      the ``sinks`` first rows and the ``budget - sinks`` latest rows up to and including its own, as if
-      the tokens had been fed one at a time with the cache at ``budget`` rows before each (the paper's
-      streaming setting, which the reference's perplexity script ``examples/eval_long_ppl.py`` runs by
-      feeding tokens one at a time).
-
-    Deviations, all known:
-
-    * the reference re-assigns positions inside the cache (it rotates keys at their cache index);
-      kvzoo keeps every key rotated at its original position and decodes at the true sequence
-      length, as docs/architecture.md requires of all policies;
-    * when eviction happens: the reference's example script evicts *before* a prompt's forward
-      (``evict_for_space(past_key_values, prompt_len + max_gen_len)`` makes room for the prompt and the
-      whole generation at once, so no decode step reads more than ``budget`` rows); kvzoo evicts *after*
-      each forward -- the context is prefilled densely and then evicted, a question after compression
-      attends to budget + its own rows, and a decode step evicts after its attention (one in, one out),
-      so a step reads ``budget + 1`` rows, its own included (the perplexity script, which evicts after
-      each token's forward, reads the same ``budget + 1``).
+    Deviations (docs/fidelity.md): keys stay rotated at their original positions (the reference re-rotates at the
+    cache index), and eviction follows each forward, so a decode step reads ``budget + 1`` rows, its own included
+    (as the perplexity script does; the example script evicts room for the whole generation before the prompt).
     """
 
     schedule: str = "step"
