@@ -1,25 +1,11 @@
 """kvzoo's attention path: how a forward pass reads a ``TieredCache``.
 
-transformers lets a model use a registered attention function by name. kvzoo registers one,
-``"kvzoo"``, plus a matching mask function, and :func:`attach` switches a model to them (no
-monkey-patching of modules, and :func:`detach` switches back). MLA layers hand their queries to
-:func:`mla_attention` from the adapter's forward. Per attention call:
-
-1. the layer's ``update`` has just appended this forward's rows to the attended tier;
-2. the attention marks which new rows are padding (from the 2-D padding mask, indexed by slot),
-   records the observation window's queries if the policy wants them, and attends:
-
-   * **a decode step** (one query): :func:`decode_step` (the tier read in place, one call of the
-     decode-attention op, the retriever's rows in the same softmax; no host synchronisation);
-   * **a multi-token forward** (a prefill chunk, a question): through SDPA's fused kernels with the
-     bottom-right causal mask when the rows allow it; MLA decompresses the rows to per-head K/V
-     first (``k = [W_UK c ; r]``, ``v = W_UV c``), as FlashMLA, vLLM and SGLang prefill, when the
-     forward has at least ``decompress_min_queries`` queries;
-3. the step's attention goes to the policy's accumulators when the policy asked for that;
-4. the runtime fires the policy's scheduled event (``step`` / ``block``) for the layer.
-
-Handed any other cache (or none), the same function computes ordinary causal SDPA, so attaching
-kvzoo to a model changes nothing for code that does not use a ``TieredCache``.
+kvzoo registers an attention function and a mask function named ``"kvzoo"`` with transformers, and :func:`attach`
+switches a model to them (no monkey-patching; :func:`detach` switches back); MLA layers call :func:`mla_attention`
+from the adapter's forward. A decode step reads the tier in place through one decode-attention op with the
+retriever's rows in the same softmax (:func:`decode_step`); a multi-token forward goes through SDPA (MLA
+decompressing the rows to per-head K/V first, as FlashMLA and vLLM prefill); then the runtime fires the policy's
+scheduled event. Handed any other cache, the function is ordinary causal SDPA (docs/runtime-and-kernels.md).
 """
 
 from __future__ import annotations
@@ -35,12 +21,10 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
 from kvzoo.framework.policy import sinks_and_recent
-from kvzoo.framework.retrieval import Fetched
 from kvzoo.kernels.attention import attention_reference, attention_sdpa
 from kvzoo.kernels.decode_attention import attend
 
 ATTN_NAME = "kvzoo"
-
 
 
 def padding_mask(
@@ -52,14 +36,11 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """kvzoo's mask function: only the 2-D padding mask ``[B, kv_length]`` (True = real token).
+    """kvzoo's mask function: only the 2-D padding mask ``[B, kv_length]`` (True = real token); transformers < 5.3
+    passes ``cache_position`` instead of ``q_length``.
 
-    transformers < 5.3 (kvpress's) passes ``cache_position`` instead of ``q_length``; either works.
-
-    Causality is not encoded here: the attention function decides it per row from the row's slot,
-    which stays right after rows are evicted (a 4-D mask indexed by tier position would not). A
-    multi-token forward returns None when nothing is padding (one host check per forward); a
-    decode step returns the mask unchecked, so the step never waits for the device.
+    Causality is decided by the attention from each row's slot, which stays right after rows are evicted (a 4-D mask
+    indexed by tier position would not). A decode step gets the mask unchecked, so it never waits for the device.
     """
     if q_length is None:
         q_length = kwargs["cache_position"].shape[0]
@@ -168,18 +149,11 @@ def _query_slots(layer: KVLayer, q_len: int, device: torch.device) -> torch.Tens
     return torch.arange(layer.counts.seen - q_len, layer.counts.seen, device=device)
 
 
-def _fetched_values(fetched: Fetched, width: int) -> torch.Tensor:
-    return fetched.values if fetched.values is not None else fetched.keys[..., :width]
-
-
 @dataclass
 class MultiTokenRows:
-    """The rows a multi-token forward attends over: the ordered tier and the fetched rows (if any).
-
-    Fetched rows come after the tier, except the whole archive under the ``"dense"`` rule, which
-    comes before it (every archived row is older than the forward's own rows, so the
-    bottom-right causal mask still holds when nothing is padding).
-    """
+    """The rows a multi-token forward attends over: the ordered tier and the fetched rows (if any), after the tier
+    -- or before it for the whole archive (``"dense"``: all older than the forward's rows, so bottom-right causal
+    still holds)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -204,7 +178,7 @@ def _multi_rows(layer: KVLayer, index_query: Callable[[], torch.Tensor], scaling
     n = store.n
     if fetched is None:
         return MultiTokenRows(keys, values, slots, valid, slice(0, n), store.all_valid)
-    f_values = _fetched_values(fetched, values.shape[-1])
+    f_values = fetched.values if fetched.values is not None else fetched.keys[..., :values.shape[-1]]
     if fetched.dense:
         m = fetched.keys.shape[2]
         return MultiTokenRows(
@@ -256,12 +230,9 @@ def _multi(layer: KVLayer, query: torch.Tensor, rows: MultiTokenRows, scaling: f
 def decode_step(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention of one query per sequence ``[B, H, 1, D]`` over the layer's rows: ``[B, H, 1, Dv]``.
 
-    The tier is one source read where its rows lie (``store.source()``); with archived rows and a retriever, the
-    op over the tier first gives its best score (s*), the retriever names rows to fetch
-    (:meth:`~kvzoo.framework.retrieval.Retrieval.fetch_step`: a fixed count, no host synchronisation) and the op
-    over them joins the tier's part in one softmax (merged by log-sum-exp). H2O's accumulator then gets each tier
-    row's probability. No Python number that changes from step to step reaches an op: between events a step's
-    ops, shapes and storages repeat, as a CUDA graph needs (``tests/test_static_step.py``).
+    The tier is read where its rows lie; with an index, the op over the tier gives its best score (s*), the
+    retriever names a fixed count of rows and the op over them joins the tier's part in one softmax. No Python
+    number that changes from step to step reaches an op, so a CUDA graph can capture it (``tests/test_static_step.py``).
     """
     rt = layer.runtime
     q = query[:, :, 0]
@@ -285,11 +256,8 @@ def decode_step(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Te
 
 def tiered_attention(layer: KVLayer, query: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float) -> torch.Tensor:
-    """GQA/MHA attention of ``query [B, H, q, D]`` over one layer's tiers; returns ``[B, H, q, Dv]``.
-
-    The rows of this forward must already be appended. Fires the policy's scheduled event for the
-    layer afterwards.
-    """
+    """GQA/MHA attention of ``query [B, H, q, D]`` over one layer's tiers (this forward's rows already appended);
+    returns ``[B, H, q, Dv]`` and fires the policy's scheduled event."""
     rt = layer.runtime
     _begin(layer, attention_mask, scaling)
     window = rt.observation_window
@@ -352,12 +320,8 @@ class MLAQuery:
 
 
 def mla_attention(layer: KVLayer, mq: MLAQuery, attention_mask: torch.Tensor | None, threshold: int) -> torch.Tensor:
-    """MLA attention over one layer's latent rows; returns ``[B, H, q, v]`` (before ``o_proj``).
-
-    A forward with fewer than ``threshold`` queries attends in absorbed form (scores over the
-    576-dim rows, output latent then ``W_UV``); one with more decompresses the rows to per-head
-    K/V and runs SDPA -- the same numbers either way, at the cheaper cost for its size.
-    """
+    """MLA attention over one layer's latent rows; returns ``[B, H, q, v]`` (before ``o_proj``): absorbed below
+    ``threshold`` queries, decompressed to per-head K/V through SDPA above -- the same numbers, the cheaper way."""
     rt = layer.runtime
     _begin(layer, attention_mask, mq.scaling)
     q_len = mq.q_nope.shape[2]
@@ -391,12 +355,7 @@ def register() -> None:
 
 
 def attach(model: torch.nn.Module) -> None:
-    """Make ``model`` use kvzoo's attention; remembers the previous implementation for :func:`detach`.
-
-    Every model switches to the registered ``"kvzoo"`` attention and mask functions; an MLA
-    adapter additionally runs its layers' forward itself (``MLAAdapter.attach``, which
-    ``TieredCache`` calls).
-    """
+    """Make ``model`` use kvzoo's attention; remembers the previous implementation for :func:`detach`."""
     register()
     config = model.config
     if config._attn_implementation == ATTN_NAME:

@@ -1,20 +1,10 @@
 """``TieredCache``: a transformers ``Cache`` that wires the layers, a model adapter and the runtime.
 
-Per layer and sequence, every row ever appended is in exactly one place (docs/architecture.md): the
-**attended tier** -- what every step attends to -- or the **archive** (evicted rows, bit-exact,
-left where they were written; or dropped and counted with ``archive=False``, which frees their
-memory at the event). Each layer is one :class:`~kvzoo.framework.layer.KVLayer` (its storage:
-rows, views, index; its counters), a row's fate is decided by the
-:class:`~kvzoo.framework.runtime.Runtime`, and the model adapter attaches kvzoo's attention
-(``framework/adapters``).
-
-The cache honours transformers' narrow cache contract (``update``, ``get_seq_length``,
-``get_mask_sizes``), so ``model.generate(..., cache=cache)`` works unchanged.
-``get_seq_length`` reports the *true* sequence length (rows ever seen), so positions and masks
-keep counting real tokens after eviction, and decoding continues at the true position.
-
-Nothing points back up: a layer holds its rows and the runtime; the runtime holds the policy and the
-retriever configuration; no object refers to the cache.
+Each layer is one :class:`~kvzoo.framework.layer.KVLayer` (its rows, views, index and counters), a row's fate is
+decided by the :class:`~kvzoo.framework.runtime.Runtime`, and the model adapter attaches kvzoo's attention. The
+cache honours transformers' cache contract, so ``model.generate(..., cache=cache)`` works unchanged;
+``get_seq_length`` reports the *true* sequence length, so positions keep counting real tokens after eviction.
+Nothing points back up: no object refers to the cache.
 """
 
 from __future__ import annotations
@@ -275,16 +265,13 @@ class TieredCache(Cache):
         return prefill_problem(self, resolve_policy(policy), ends_context=ends_context, one_forward=one_forward)
 
     def fork_as(self, policy: Policy | str, *, ends_context: bool = False, one_forward: bool = False) -> TieredCache:
-        """A new cache that continues this prefilled, not yet compressed one as ``policy``: one dense prefill serves
-        several policies that would have computed the very same one (a benchmark's grid). The new cache's rows,
-        counters and kept queries are this cache's, bit for bit; it runs with a runtime of its own (``policy``, an
-        empty index, its budget still to be fixed). A ValueError says why when the prefill is not ``policy``'s to
-        share (:meth:`prefill_shared_with`).
+        """A new cache that continues this prefilled, not yet compressed one as ``policy`` (one dense prefill serves
+        a benchmark's grid): its rows, counters and kept queries are this cache's, bit for bit, with a runtime of its
+        own. A ValueError says why when the prefill is not ``policy``'s to share (:meth:`prefill_shared_with`).
 
-        ``ends_context=True``: ``policy``'s own prefill would have been one forward that ends the context: the fork
-        ends it as that forward would have, layer by layer (the policy's scheduled event, then ``context_end``), so a
-        policy that acts during its prefill shares a dense one too. ``one_forward=True``: the prefill so far was the
-        first forward of ``policy``'s own (VestigeKV's first block): the fork fires that forward's scheduled event.
+        ``ends_context=True``: ``policy``'s own prefill would have been one forward that ends the context, so the
+        fork fires each layer's scheduled event, then ``context_end``. ``one_forward=True``: the prefill so far was
+        the first forward of ``policy``'s own (VestigeKV's first block): the fork fires its scheduled event.
         """
         policy = resolve_policy(policy)
         problem = self.prefill_shared_with(policy, ends_context=ends_context, one_forward=one_forward)

@@ -1,31 +1,14 @@
 """CUDA graphs of the decode step: ``TieredCache(model, policy, capacity=N, cuda_graph=True)``.
 
-With a fixed capacity a decode step between two events launches the same kernels on the same shapes and
-storage every step (``attention.decode_step``; ``tests/test_static_step.py`` records it on CPU), so it can be
-captured once and replayed, as vLLM, SGLang and gpt-fast do: the host then launches one graph per step instead
-of hundreds of kernels. :class:`DecodeGraph` does that for one cache:
-
-* the model's forward is wrapped (``model.forward``; :func:`kvzoo.framework.attention.detach` restores it): a
-  single-token forward with this cache goes through :meth:`DecodeGraph.forward`, anything else runs as before;
-* a step is *steady* when no layer will run an event (a selection over its tier, a block closing, Quest's page
-  move, the prompt's end) and no buffer has to grow: the runtime states it per layer from the host's counters,
-  before the step (:func:`next_step_kind`, from the runtime's ``next_step``, no device work), and also how many
-  steps in a row will be of that kind (:func:`steady_run`);
-* an unsteady step runs eagerly, and so does the first steady step after it (it warms the new shapes up, on the
-  stream the capture will use); the second is captured (``torch.cuda.CUDAGraph``) into static inputs (token ids
-  and positions) and outputs (logits) and replayed; later steady steps copy the new token's id and position in and
-  replay, for as many steps as the runtime said were of the captured kind, without asking again: a replay costs
-  the host O(1) whatever the number of layers;
-* what a steady step does to the host's counters (rows seen, live rows, bytes read, ...) is recorded at capture as
-  a delta (:class:`HostNumbers`) and applied for all the replays at once when something next reads them
-  (:meth:`DecodeGraph.settle`: an eager step, ``cache.stats()``, ``fork``, ``close``, ...; the sequence length
-  transformers asks for every step is the one number kept current, by the cache). The step before the capture was
-  steady as well, so a per-step figure changes by 0 and a running count by the same amount every step.
-
-Attention masks are not replayed: a graphed step's token is a real token (``generate`` marks it so); the
-padding of earlier rows is in the tier's valid flags already. This path has not run on a GPU yet (no GPU was
-available where it was written); on CPU its logic is tested with a stand-in graph that re-runs the captured step
-(``tests/test_static_step.py``). It is off by default.
+With a fixed capacity a decode step between two events launches the same kernels on the same shapes and storage
+(``tests/test_static_step.py``), so :class:`DecodeGraph` captures it once and replays it, as vLLM and gpt-fast do.
+The model's forward is wrapped; a step is *steady* when the runtime, from the host's counters, says no layer will
+run an event or grow (:func:`next_step_kind`, :func:`steady_run`). An unsteady step runs eagerly, the first steady
+step after it warms up, the second is captured and later ones replay with the token id and position copied in.
+What a steady step does to the host's counters is recorded at capture (:class:`HostNumbers`) and applied for all
+the replays at once when something next reads them (:meth:`DecodeGraph.settle`). Attention masks are not
+replayed: a graphed step's token is real. Off by default; not yet run on a GPU (tested on CPU with a stand-in
+graph; docs/runtime-and-kernels.md).
 """
 
 from __future__ import annotations
@@ -54,13 +37,10 @@ def check_cuda_graph(model: torch.nn.Module, capacity: int | None) -> None:
 class HostNumbers:
     """The Python numbers an object graph holds (ints, floats, bools in attributes, dicts and lists), by path.
 
-    A replayed step does the device's work only; what a steady step does to the host's numbers is extrapolated
-    from the two steady steps before the capture: in a steady run every such number is at most quadratic in the
-    step count (a running sum of a per-step figure that grows by a fixed amount -- bytes read over one more row
-    each step), so ``value += delta`` with ``delta`` growing by the same second difference every step is exact.
-    Bools take their value after the capture. Tensors are left out: they live on the device, where the graph
-    updates them. ``tests/test_static_step.py`` holds ``cache.stats()`` after replays to the eager run's
-    for a policy of each schedule (none, one in one out, with and without a retriever, blocks)."""
+    A replayed step does the device's work only, so its host effects are extrapolated from the two steady steps
+    before the capture: in a steady run each number is at most quadratic in the step count (a running sum of a
+    figure that grows by a fixed amount), so a delta growing by a fixed second difference is exact. Bools take
+    their value after the capture; tensors are left out (the graph updates them)."""
 
     # the objects walked into: kvzoo's (layers, their states and stores, row buffers, indexes) and transformers'
     # cache layers (Kimi's KDA layers count their tokens on the host too)

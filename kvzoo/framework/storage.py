@@ -1,24 +1,13 @@
 """One layer's storage (:class:`LayerStorage`, ``KVLayer.store``): its rows, the two views over them -- the attended
-tier and the archive (:class:`LayerArchive`, ``store.archive``: the archived rows' positions and the retriever's index
-over them) --, and the operations that write, move and read them.
+tier and the archive (:class:`LayerArchive`: the archived rows' positions and the retriever's index over them) --,
+and the operations that write, move and read them.
 
-A row is written once, where it lands in the storage (``rows``: the key, the value on GQA, the slot, the valid flag
-and the policy's per-row statistics), and never moves afterwards:
-
-* **with an archive** (``policy.archive``: by default whenever the policy names a retriever, which reads it) the
-  storage keeps every row the layer has seen, in the order they came (a row's position is its slot). The attended
-  tier is the whole storage until the first eviction; from then on it is a list of positions (``tier``), and the
-  archive is the list of the positions evicted (``archive.positions``), in eviction order -- the order of the
-  retriever's index entries. Evicting edits the lists; a decode step reads the tier and the fetched rows where they
-  lie (the decode op takes positions);
-* **without an archive** (an eviction-only policy, or ``archive=False``: evicted rows are dropped and counted) the
-  storage holds the attended tier alone: a compression event keeps the selected rows at the front (memory is given
-  back then), and a per-step "one in, one out" leaves a hole that the next row is written into.
-
-Which rows go where is decided by the runtime (``framework/runtime.py``); the storage carries it out, counting what
-it appends and lets go in the layer's :class:`~kvzoo.framework.stats.LayerCounters`. It reaches the runtime only
-through :class:`StorageHost` (the policy's and geometry's settings it reads, the resident-row count it keeps up to
-date, a new index) and names no concrete policy.
+A row is written once and never moves. With an archive the storage keeps every row in arrival order (a row's
+position is its slot); after the first eviction the tier is a list of positions, and the archive the positions
+evicted, in eviction order (the order of the index entries). Without one the storage holds the tier alone: an event
+keeps the selected rows at the front, and a "one in, one out" step leaves a hole the next row fills
+(docs/row-life.md). The runtime decides which rows go where; the storage reaches it only through
+:class:`StorageHost` and names no concrete policy.
 """
 
 from __future__ import annotations
@@ -361,14 +350,10 @@ class LayerArchive:
         archived.append({"pos": positions})
 
     def view(self, budget: int | None, *, whole: bool = False, step: bool = False) -> ArchiveView:
-        """The archived rows, in archive order, as an :class:`ArchiveView` (gathered from the storage when read), for a
-        tier of ``budget`` rows.
-
-        ``whole``: a fixed-capacity archive's whole list (a decode step's fixed shapes; positions past the live
-        ones are not rows and read as padding). ``step``: a decode step's view, with the archive list
-        (``positions``), the layer's fetched-rows counter (``fetched``) for a choice made by one op, and, where the
-        policy archives the step's own row next (``Policy.own_row_archived_next``), that row where it lies
-        (``own_row``: the storage and the latest append's position)."""
+        """The archived rows, in archive order, as an :class:`ArchiveView` (gathered when read), for a tier of
+        ``budget`` rows. ``whole``: a fixed-capacity archive's whole list (spare positions read as padding).
+        ``step``: a decode step's view, with the position list, the fetched-rows counter and, where the policy
+        archives the step's own row next, that row where it lies (``own_row``)."""
         archived = self.positions
         rows = archived.capacity if (whole and archived.fixed) else archived.n
         extra = {}
