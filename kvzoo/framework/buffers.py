@@ -1,29 +1,13 @@
 """Row buffers: named tensors that share a row axis, preallocated, with the live row count on the device too.
 
-The storage under a layer's rows and views (``framework/layer.py``) and under the retrievers' indexes
-(``retrievers/``);
-torch only. A :class:`RowStore` holds named tensors ``[B, G, capacity, ...]`` (keys, values, slots, valid
-flags, per-row statistics) of which the first ``n`` rows along dim 2 are live. ``n`` is kept twice: as a
-Python int (``n``: the host's bookkeeping, what events and selectors slice by) and as a device tensor
-(``length``, int64 ``[1]``): a single-row append -- a decode step -- writes at ``length`` and adds one to it,
-so the step launches the same ops with the same arguments whatever the row count (what a CUDA graph needs).
-
-Two capacity regimes:
-
-* **growing** (the default): the capacity grows by a quarter (at least ``MIN_GROWTH`` rows) when it runs out,
-  so a decode of ``T`` steps costs ``O(T)`` row copies in all, and it shrinks when an eviction leaves it mostly
-  empty, so that compressing really frees memory; readers see the live rows ``[:n]``;
-* **fixed** (``fixed=True``; ``TieredCache(..., capacity=N)``): the capacity changes only when asked
-  (:meth:`resize`, an event) or when an append would overflow it (a growth, counted in ``growths``); readers of
-  a decode step see the whole buffer (:meth:`reading`), and the rows past ``n`` hold each buffer's ``empty``
-  value (valid flags False, slots -1), so that they are never read. The storage pointers stay put.
-
-Two ways rows leave: :meth:`keep` (the rows named by sorted indices, in that order: a compression event) and
-:meth:`vacate` (one row per ``(batch, group)``, filled by the next row appended or by the last live row: the per-step
-"one in, one out" of StreamingLLM and H2O, ``O(1)`` rows moved, after which the rows are no longer in slot order
-and :meth:`ensure_order` sorts them back before anything that reads order).
-
-It knows no policy, no model and no cache: tensors in, tensors out.
+The storage under a layer's rows and views and under the retrievers' indexes; torch only, no policy, model or
+cache. A :class:`RowStore` holds tensors ``[B, G, capacity, ...]`` of which the first ``n`` rows are live; ``n`` is
+kept on the host and on the device (``length``), so a decode step's single-row append launches the same ops
+whatever the row count (what a CUDA graph needs). A *growing* store grows by a quarter when full and shrinks when
+an eviction leaves it mostly empty; a *fixed* one (``TieredCache(..., capacity=N)``) changes only when asked or on
+overflow, and its decode-step readers see whole buffers, the rows past ``n`` holding ``empty`` values. Rows leave
+by :meth:`keep` (an event) or :meth:`vacate` (one in, one out: the next row appended fills the hole, after which
+:meth:`ensure_order` sorts the rows back before anything reads their order).
 """
 
 from __future__ import annotations

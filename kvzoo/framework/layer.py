@@ -1,14 +1,7 @@
-"""One attention layer of a ``TieredCache`` (:class:`KVLayer`): the part transformers calls, wiring two parts of its
-own -- its storage (``store``, :class:`~kvzoo.framework.storage.LayerStorage`: the rows, the attended tier and the
-archive over them, the retriever's index, and the operations that write, move and read them) and its counters
-(``counts``, :class:`~kvzoo.framework.stats.LayerCounters`) -- plus the event state the runtime keeps per layer (the
-context's end, the observation window's queries, the recorded inputs).
-
-The layer honours transformers' cache-layer contract (``update``, ``get_seq_length``, ``get_mask_sizes``, beam
-reordering) and refuses forwards of a model it was not built for. Which rows go where is decided by the runtime
-(``framework/runtime.py``), which the layer reaches only through the :class:`Host` protocol (the policy's settings
-it reads, four calls); the runtime and the attention reach the rows through ``layer.store`` and the counters through
-``layer.counts`` (attribute access: no call on the hot path). It names no concrete policy.
+"""One attention layer of a ``TieredCache`` (:class:`KVLayer`): the part transformers calls, wiring its storage
+(``store``, :class:`~kvzoo.framework.storage.LayerStorage`) and counters (``counts``) with the event state the
+runtime keeps per layer. It honours transformers' cache-layer contract, refuses forwards of a model it was not
+built for, and reaches the runtime only through the :class:`Host` protocol (no import runs back up).
 """
 
 from __future__ import annotations
@@ -27,10 +20,8 @@ from kvzoo.framework.storage import EMPTY, LayerStorage, StorageHost
 
 
 class Host(StorageHost, Protocol):
-    """What a layer asks of the cache runtime that holds it (``kvzoo.framework.runtime.Runtime``, which imports this
-    module: the layer names only this interface, so no import runs back up). The policy and geometry it reads, the
-    forward's pending layer, the cache-wide resident count, and three calls: the rows it holds changed, an event to
-    fire, a new retrieval index (its storage's part: :class:`StorageHost`)."""
+    """What a layer asks of the cache runtime that holds it (``kvzoo.framework.runtime.Runtime``): its storage's part
+    (:class:`StorageHost`), the forward's pending layer, and an event to fire."""
 
     num_layers: int
     pending: int | None
@@ -39,10 +30,7 @@ class Host(StorageHost, Protocol):
     def fire(self, layer: KVLayer, event: Any) -> None: ...
 
 class RuntimeLayer(Protocol):
-    """What the runtime may read and call of a layer (``Runtime`` names nothing else of it): where the layer stands
-    (its rank among the tiered layers, whether it holds rows, whether its context ended), its storage (the rows and
-    their moves: ``n``, ``budget``, ``keep``, ``evict_one``, ``fit``, ``outgrows``), its counters, what it observed
-    for its policy, and the rows as the policy's selector sees them (``rows_view``)."""
+    """What the runtime may read and call of a layer (``Runtime`` names nothing else of it)."""
 
     rank: int
     is_initialized: bool
@@ -60,12 +48,8 @@ ACTIVE_LAYER: contextvars.ContextVar[Any] = contextvars.ContextVar("kvzoo_active
 
 
 class KVLayer(CacheLayerMixin):
-    """One layer of a ``TieredCache``: transformers' side of it, its storage (``store``) and counters (``counts``)
-    (module docstring).
-
-    ``keys``, ``values``, ``slots``, ``valid`` and ``row_stats`` are snapshots of the attended tier in sequence order
-    (copies, safe to keep); ``store.archive`` reads the archived rows (:class:`~kvzoo.framework.storage.LayerArchive`).
-    """
+    """One layer of a ``TieredCache`` (module docstring). ``keys``, ``values``, ``slots``, ``valid`` and
+    ``row_stats`` are snapshots of the attended tier in sequence order (copies, safe to keep)."""
 
     is_compileable = False
     is_croppable = False
@@ -98,10 +82,9 @@ class KVLayer(CacheLayerMixin):
         self.observed = Observed()  # the window's queries, the recorded inputs, the softmax scale
 
     def continue_as(self, *, capacity: int | None = None) -> None:
-        """This layer -- a copy whose policy changed (``TieredCache.fork_as``, ``transplant``), before any event --
-        continues under its runtime's policy: an empty index of the new retriever, the per-row statistics the new
-        policy keeps, the archive's position lists if it keeps one, and (``capacity``) storage preallocated for that
-        many rows."""
+        """This layer -- a copy whose policy changed before any event (``fork_as``, ``transplant``) -- continues under
+        its runtime's policy: a new empty index, the new policy's per-row statistics and position lists, and
+        (``capacity``) storage preallocated for that many rows."""
         runtime, store = self.runtime, self.store
         store.archive.index = runtime.new_index()
         store.retains = bool(runtime.policy.archive)

@@ -1,16 +1,10 @@
 """The retrieval tier's mechanics: what a forward fetches from a layer's archive, and what it read.
 
-A :class:`Retrieval` (one per cache, beside the runtime) holds the retriever's configuration and the audit flag. Per
-forward it asks the layer's index (a :class:`~kvzoo.framework.retriever.RetrievalState`) which archived rows the
-queries need -- one question, ``choose`` -- hands them to the attention where they lie in the layer's storage, and
-records what the forward read:
-
-* a **decode step** (:meth:`Retrieval.fetch_step`): the choice as one source of the decode op, each row once, no host
-  synchronisation, and with ``TieredCache(..., capacity=N)`` the same shapes every step;
-* a **multi-token forward** (:meth:`Retrieval.fetch_forward`: a prefill chunk, a question, a teacher-forced answer),
-  by one rule for every retriever (``Retriever.multi_token``): ``"dense"`` (default, Quest's reference) reads the
-  whole archive; ``"union"`` fetches the union of each query's own choice, scanned in query tiles
-  (:func:`kvzoo.kernels.attention.query_block`) so that at most one tile of bounds exists at a time.
+A :class:`Retrieval` (one per cache) asks the layer's index which archived rows the queries need (``choose``),
+hands them to the attention where they lie, and records what the forward read. A decode step
+(:meth:`Retrieval.fetch_step`) gets one source of the decode op, no host synchronisation; a multi-token forward
+(:meth:`Retrieval.fetch_forward`) reads by ``Retriever.multi_token``: the whole archive (``"dense"``) or the union
+of each query's choice, scanned in query tiles (``"union"``).
 """
 
 from __future__ import annotations
@@ -44,10 +38,8 @@ class Fetched:
 
 
 def _compact(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``capacity`` set positions of ``mask [B, G, m]`` in order: indices and a picked flag.
-
-    A prefix count places each set position; no sort.
-    """
+    """The first ``capacity`` set positions of ``mask [B, G, m]`` in order (placed by a prefix count, no sort):
+    indices and a picked flag."""
     B, G, m = mask.shape
     position = mask.long().cumsum(-1) - 1
     target = torch.where(mask & (position < capacity), position, capacity)  # overflow goes to a spare slot
@@ -66,13 +58,8 @@ def scan(
     *,
     tile: int | None = None,
 ) -> torch.Tensor:
-    """The rows some query of ``query [B, H, q, D]`` names: bool ``[B, G, m]``, padding excluded.
-
-    The queries are scanned ``tile`` at a time (default: as many as fit one score block,
-    :func:`~kvzoo.kernels.attention.query_block`), so no more than one tile of bounds exists at
-    once, and the tiles' choices are OR-ed into one bool per archived row. ``best(start, stop)``
-    returns s* ``[B, H, stop - start]`` for those queries (None when the state does not read it).
-    """
+    """The rows some query of ``query [B, H, q, D]`` names: bool ``[B, G, m]``, padding excluded. The queries are
+    scanned ``tile`` at a time (one tile of bounds at once); ``best(start, stop)`` gives their s*."""
     B, H, q_len, _ = query.shape
     m = archive.rows
     tile = tile or query_block(B * H, m)
@@ -113,13 +100,9 @@ class Retrieval:
 
     # --- a decode step --------------------------------------------------------------------------------
     def fetch_step(self, layer: KVLayer, query: torch.Tensor, best: torch.Tensor | None, scaling: float) -> Rows:
-        """The archived rows the retriever names for one decode query per sequence (``query [B, H, 1, D]``), as a
-        source of the decode op: the layer's storage at their positions, each row once.
-
-        ``best [B, H, 1]`` is s* (the attended tier's best score), None when the index does not read it. No host
-        synchronisation; with a fixed capacity the same shapes from step to step (the archive list is read whole,
-        its live count on the device).
-        """
+        """The archived rows the retriever names for one decode query per sequence (``query [B, H, 1, D]``; ``best
+        [B, H, 1]`` its s*), as a source of the decode op: the layer's storage at their positions, each row once. No
+        host synchronisation; with a fixed capacity the same shapes every step (the archive list read whole)."""
         store = layer.store
         index = store.archive.index
         view = store.archive.view(store.budget, whole=True, step=True)  # with the archive list, the fetched count

@@ -1,15 +1,9 @@
 """The retriever interface (policy layer): an index over a layer's archive, tensors in, rows out.
 
-A *retriever* is a configuration (a dataclass whose fields are its hyperparameters) that makes one
-*state* per layer. The state indexes rows as they are archived (:meth:`RetrievalState.index`) and answers one
-question, :meth:`RetrievalState.choose`: which archived rows these queries need. Everything a state sees arrives
-as tensors (:class:`ArchiveView`); the retrieval tier (``framework/retrieval.py``) fetches the chosen rows where
-they lie, attends and accounts. Importable with torch alone.
-
-Retrievers reach kvzoo by name through the registry's ``kvzoo_retrievers`` hook, as policies do:
-``"vestige"`` (certified sketch, ``policies/vestige.py``) and ``"quest"`` (page min/max,
-``policies/quest.py``) are built in; any selector combines with any retriever
-(``registry.get("snapkv", retriever="vestige")``).
+A *retriever* is a configuration (a dataclass of its hyperparameters) that makes one *state* per layer; the state
+indexes rows as they are archived (:meth:`RetrievalState.index`) and answers :meth:`RetrievalState.choose`: which
+archived rows these queries need. The retrieval tier (``framework/retrieval.py``) fetches them, attends and
+accounts. Retrievers reach kvzoo by name through the registry, as policies do. Importable with torch alone.
 """
 
 from __future__ import annotations
@@ -42,18 +36,12 @@ class RowGeometry:
 class ArchiveView:
     """One layer's archive as tensors (what a retriever may read at scan time).
 
-    ``keys [B, G, m, D]`` (MLA: latent rows), ``slots [B, G, m]``, ``valid [B, G, m]``, in archive order, and ``budget``
-    (the layer's budget in rows). Built from tensors, or from ``read(name)`` (a layer's archive: gathered only when
-    read, so a step that never reads them launches nothing for them); ``rows`` (``m``) and ``groups`` (``G``) are
-    known without reading. With a fixed capacity a decode step's view is the whole archive list (``m`` its capacity,
-    the entries past the live ones not valid).
-
-    A decode step's view also carries ``positions [B, G, m]`` (int64: each archived row's position in the layer's
-    storage, -1 past the live ones), so a fused choice may return the chosen rows' positions itself; ``fetched`` (the
-    layer's count of rows fetched, int64 0-dim), to which a fused choice may add its count in place; and, where the
-    policy archives the step's own row next (``Policy.own_row_archived_next``), ``own_row``: ``(keys [B, G, N, D],
-    valid [B, G, N], position [B, G])``, the storage whole and the row's position (Quest's eval rule scores the
-    current page with it). None elsewhere.
+    ``keys [B, G, m, D]`` (MLA: latent rows), ``slots [B, G, m]``, ``valid [B, G, m]``, in archive order (given, or
+    gathered through ``read(name)`` when first read), ``budget`` (the layer's, in rows); ``rows`` (``m``) and
+    ``groups`` (``G``) are known without reading. A decode step's view also carries ``positions [B, G, m]`` (each
+    row's storage position, -1 past the live ones), ``fetched`` (the layer's fetched-rows count, which a fused choice
+    may add to in place) and, where the policy archives the step's own row next, ``own_row``: ``(keys [B, G, N, D],
+    valid [B, G, N], position [B, G])`` (Quest's eval rule scores the current page with it).
     """
 
     def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
@@ -175,12 +163,9 @@ class RetrievalState(ABC):
 class Retriever(ABC):
     """Configuration of a retriever; its fields are its hyperparameters.
 
-    ``multi_token`` is the rule for forwards of more than one query (a prefill chunk, a question, a
-    teacher-forced answer), the same for every retriever: ``"dense"`` (default, the reference's --
-    Quest attends densely whenever a forward has more than one query) reads the whole archive
-    beside the attended tier; ``"union"`` scans the index with every query and attends over the
-    union of each query's own choice (tiled, bounded memory). Decode steps (one query) always use
-    the retriever's own rule.
+    ``multi_token``: how a forward of several queries reads the archive -- ``"dense"`` (default; Quest's reference
+    attends densely then) the whole archive beside the tier, ``"union"`` the union of each query's own choice
+    (tiled). Decode steps always use the retriever's own rule.
     """
 
     multi_token: str = "dense"

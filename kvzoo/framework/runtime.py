@@ -1,14 +1,10 @@
 """The runtime: the one place a row's fate is decided, and where the next decode step's kind is stated.
 
-A :class:`Runtime` (one per cache) holds the policy, the retrieval tier (or None) and the model's geometry. After a
-forward's attention it fires the policy's schedule for the layer (:meth:`Runtime.after_forward`): it resolves the
-layer's budget once, asks the policy how many rows stay, calls the selector, has the layer's storage move the rows it
-does not keep (to the archive, or dropped), and, with a fixed capacity, sizes the tier's storage to the most rows it
-can reach before the next event. :meth:`Runtime.next_step` says from host counters alone what a layer's next decode
-step will do, for the schedule and the CUDA-graph runner (``framework/graphs.py``) alike.
-
-The runtime reaches a layer only through :class:`~kvzoo.framework.layer.RuntimeLayer`
-(``tests/test_layers.py`` holds it small).
+After a forward's attention, :meth:`Runtime.after_forward` fires the policy's schedule for the layer: the budget is
+resolved once, the policy says how many rows stay, the selector chooses, the layer's storage moves the rest, and with
+a fixed capacity the tier is sized for the next event. :meth:`Runtime.next_step` says from host counters alone what
+a layer's next decode step does (for the CUDA-graph runner too). A layer is reached only through
+:class:`~kvzoo.framework.layer.RuntimeLayer`.
 """
 
 from __future__ import annotations
@@ -20,11 +16,7 @@ import torch
 
 from kvzoo.framework.layer import RuntimeLayer
 from kvzoo.framework.memory import release_freed
-from kvzoo.framework.policy import (
-    Event,
-    Observation,
-    Policy,
-)
+from kvzoo.framework.policy import Event, Observation, Policy
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RetrievalState, RowGeometry
 
@@ -39,21 +31,17 @@ def rows_between_events(policy: Policy) -> int | None:
         return policy.rows_between_events
     return {"step": 1, "block": policy.block_size}.get(policy.schedule)
 
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """What a cache runs with, fixed when it is made (a fork shares it; ``fork_as`` makes another).
-
-    ``geometry`` describes the rows (layout, latent and branch widths, the fixed capacity if any);
-    ``num_layers`` counts the layers kvzoo compresses; ``record_window``: queries kept beyond the policy's own
-    window, for a prefill that policies with wider windows continue from (``TieredCache(..., record_window=w)``
-    and ``fork_as``; the policy itself sees only its own window's); ``record_attention``: each row's received
-    attention is accumulated whatever the policy (for a prefill that an accumulating policy -- H2O -- continues).
-    """
+    """What a cache runs with, fixed when it is made (a fork shares it; ``fork_as`` makes another)."""
 
     policy: Policy
     retrieval: Retrieval | None
-    geometry: RowGeometry
-    num_layers: int
+    geometry: RowGeometry  # layout, latent and branch widths, the fixed capacity if any
+    num_layers: int  # the layers kvzoo compresses
+    # queries kept beyond the policy's own window and each row's attention accumulated whatever the policy: for a
+    # prefill that other policies continue (TieredCache(..., record_window=w, record_attention=True), fork_as)
     record_window: int = 0
     record_attention: bool = False
 
@@ -107,12 +95,8 @@ class Runtime:
 
     # --- a row's fate -----------------------------------------------------------------------------
     def resolve_budget(self, layer: RuntimeLayer) -> int | None:
-        """The layer's budget: resolved once, from the whole context when the cache knows its length.
-
-        The policy checks the resolved number as it checks a ``budget=`` it is given
-        (:meth:`~kvzoo.framework.policy.Policy.check_budget`): a ratio that leaves too few rows fails the same way
-        a too-small budget does.
-        """
+        """The layer's budget: resolved once, from the whole context when the cache knows its length, and checked as a
+        ``budget=`` given is (:meth:`~kvzoo.framework.policy.Policy.check_budget`)."""
         if layer.store.budget is None:
             rows = max(layer.counts.seen, self.context_length or 0)
             budget = self.policy.resolve_budget(rows)
