@@ -32,12 +32,9 @@ def dense_prefill_problem(policy: Policy, *, one_forward: int | None = None,
     accumulates attention or records inputs there, prefills token by token, or acts during the prefill.
 
     ``one_forward``: the context's length, when ``policy``'s own prefill of it would be one forward ending the
-    context. A policy with a ``step`` or ``block`` schedule then acts only after that forward, layer by layer, on
-    the dense rows of each layer -- what a fork of a dense prefill replays (``TieredCache.fork_as(...,
-    ends_context=True)``) -- unless its blocks are shorter than the context (a block prefill attends, from the
-    second block on, to what the earlier blocks kept). ``attention_recorded``: the shared prefill accumulates each
-    row's received attention (``TieredCache(..., record_attention=True)``), so a policy observing ``accumulate``
-    (H2O) can share it."""
+    context: a ``step`` or ``block`` policy then acts only after it, layer by layer, on dense rows (what
+    ``fork_as(..., ends_context=True)`` replays), unless its blocks are shorter than the context.
+    ``attention_recorded``: the shared prefill accumulated each row's attention, so H2O can share it."""
     observed = policy.observes & ({"inputs"} if attention_recorded else {"accumulate", "inputs"})
     if observed:
         return f"{policy.name!r} observes {sorted(observed)} during the prefill"
@@ -87,15 +84,9 @@ def clone(cache: Any, runtime: Runtime, *, shared: bool) -> Any:
 
 
 def prefill_problem(cache: Any, policy: Policy, *, ends_context: bool = False, one_forward: bool = False) -> str | None:
-    """Why a fork of ``cache`` cannot continue as ``policy`` (``TieredCache.fork_as``); None when it can.
-
-    It can when nothing so far depended on the policy: no event has fired (nothing compressed, nothing
-    archived), this cache's policy prefills densely and acts only at the context's end, the new one would
-    have prefilled the same rows (:func:`dense_prefill_problem`: densely, without recording the attention modules'
-    inputs, accumulating attention only if this cache recorded it (``record_attention``, and then only such a
-    policy), and -- unless ``ends_context``, where its prefill is one forward -- acting only at the context's
-    end), and the queries kept cover ``policy``'s observation window.
-    """
+    """Why a fork of ``cache`` cannot continue as ``policy`` (``TieredCache.fork_as``); None when it can: no event
+    has fired, both policies would have prefilled the same dense rows (:func:`dense_prefill_problem`), and the
+    queries kept cover ``policy``'s observation window."""
     if compressed(cache):
         return "this cache has compressed already (an event fired)"
     problem = dense_prefill_problem(cache.policy)
