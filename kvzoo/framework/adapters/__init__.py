@@ -1,12 +1,8 @@
 """Model adapters: what kvzoo needs to know about a model family to run its attention.
 
-A family is a plugin: an :class:`Adapter` class registered through the ``kvzoo_adapters`` hook
-(:mod:`kvzoo.hookspecs`), naming the transformers ``model_types`` it serves; ``registry.toml`` lists the
-built-in ones -- GQA/MHA (Llama family, ``gqa.py``), DeepSeek-V2/V3 and Kimi Linear's MLA (``mla.py``) --
-and kvzoo's reference twins register theirs from ``kvzoo.refmodel.adapter``. An adapter states the
-family's :class:`Geometry` (row layout, groups, widths, whether the branch is rotated); ``TieredCache``
-asks it, and nothing else, about the model. ``adapter_for(model, policy)`` builds the adapter of
-``model``'s model type or raises a ValueError naming the supported ones.
+A family is a plugin: an :class:`Adapter` class registered through the ``kvzoo_adapters`` hook, naming the
+transformers ``model_types`` it serves (built in: GQA/MHA, ``gqa.py``; DeepSeek-V2/V3 and Kimi Linear's MLA,
+``mla.py``). It states the family's :class:`Geometry`; ``TieredCache`` asks it, and nothing else, about the model.
 """
 
 from __future__ import annotations
