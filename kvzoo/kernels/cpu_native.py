@@ -1,36 +1,18 @@
 """Small C++ kernels for CPU tensors, as torch ops (``torch.ops.kvzoo.*``), built on first use.
 
-Why: a decode step on CPU should cost what its bytes cost, and two of its ops do not in PyTorch.
+Why: a decode step on CPU should cost what its bytes cost, and some of its ops do not in PyTorch. The int8 index
+scan (VestigeKV) is a handful of query rows against many int8 rows, a matrix product BLAS runs at a fraction of its
+speed: the C loop converts each row's codes in registers and reads the int8 bytes once (:func:`int8_estimate`,
+:func:`int8_choose`). Decode attention over gathered rows costs PyTorch an ``index_select`` copy and reads a row once
+per query head: :func:`decode_attend` reads each readable row once per KV group, where it lies.
 
-* The **int8 index scan** (VestigeKV) is ``hq`` query rows (a group's heads, 3 on SmolLM2) against ``m`` int8 rows:
-  in PyTorch an fp32 upcast of the codes and a matrix product whose short side is ``hq``, which BLAS runs at a small
-  fraction of its speed. The C loop converts each row's codes in registers and multiplies them with every query row
-  at once (AVX-512: 16 rows per pass, their sixteen 16-lane dot products reduced together), so the scan reads the
-  int8 bytes once: :func:`int8_estimate`, and VestigeKV's whole top-j rule in one call, :func:`int8_choose`.
-* **Decode attention over gathered rows**: a layer's rows stay in one pool ``[B, G, capacity, D]`` and a step
-  attends over index lists into it. In PyTorch a gathered source costs an ``index_select`` copy and several small
-  ops, and SDPA with ``enable_gqa`` reads a row once per query head; :func:`decode_attend` reads each readable row
-  once per KV group, where it lies, for all the group's heads (one pass, online softmax), and merges a prior part
-  (the runtime's tier) into the same softmax (``kvzoo.kernels.decode_attention``'s specification, one source).
-
-The sources are ``kvzoo/kernels/csrc/``: the kernels (one file per op family, C-style C++ with C names, warning-free
-under ``-Wall -Wextra``) and ``ops.cpp``, which registers each op with ``TORCH_LIBRARY`` (a schema, CPU and Meta
-functions), checks its inputs once, in C++ (device, dtype, strides, shapes: a ValueError saying what is wrong), and
-calls the kernel with the data pointers. :func:`torch.utils.cpp_extension.load` (ninja, its dependency tracking and
-its lock between processes) builds them once per machine, checkout and source version into the user's cache
-directory (``$KVZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvzoo`` or ``~/.cache/kvzoo``) with ``$CXX`` (default
-``c++``), ``-O3 -march=native``, and loads the library, whose ops then appear in ``torch.ops``. Threads: where torch
-runs on GNU OpenMP (its wheel ships ``libgomp``) the kernels are built with ``-fopenmp`` and linked against that very
-library, found in the process's memory map, so one OpenMP runtime (and one thread pool) serves torch and these
-kernels; a call takes ``torch.get_num_threads()`` threads when its rows are large enough to pay for waking them (the
-threshold is ``ops.cpp``'s, after ``OMP_WAIT_POLICY``). Elsewhere, or if that build fails, they run on one thread.
-Where no compiler (or no ninja) works, :func:`library` returns None once and says why in a RuntimeWarning, and
-callers take the PyTorch references (``tests/test_index_scan_native.py``, ``tests/test_native_choose.py`` and
-``tests/test_native_decode_attention.py`` hold the kernels to them). ``KVZOO_KERNELS=torch`` takes the references
-everywhere.
-
-The wrappers here call the ops through the dispatcher (so traces, FakeTensor and ``torch.compile`` see them); the
-``*_supported`` predicates say which inputs take the op (else the reference). Imports with torch alone.
+The sources are ``kvzoo/kernels/csrc/`` (``ops.cpp`` registers each op with ``TORCH_LIBRARY`` and checks its inputs);
+:func:`torch.utils.cpp_extension.load` builds them once per machine, checkout and source version into
+:func:`cache_dir` with ``$CXX`` (default ``c++``) and ``-O3 -march=native``, with ``-fopenmp`` linked against torch's
+own ``libgomp`` where torch runs on GNU OpenMP (one thread pool for both). Where no compiler or ninja works,
+:func:`library` returns None once with a RuntimeWarning and callers take the PyTorch references (the tests hold the
+kernels to them); ``KVZOO_KERNELS=torch`` takes the references everywhere. The ``*_supported`` predicates say which
+inputs take an op. Imports with torch alone.
 """
 
 from __future__ import annotations
@@ -284,21 +266,27 @@ def _of_dtype(tensors: tuple, dtypes: tuple) -> bool:
     return True
 
 
-def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor) -> bool:
-    """Whether :func:`int8_estimate` takes these tensors (CPU, the dtypes and a geometry the loop handles)."""
+def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int | None = None,
+                            counter: torch.Tensor | None = None) -> bool:
+    """Whether :func:`int8_estimate` takes these tensors (CPU, the dtypes and a geometry the loop handles, the
+    library built here); with ``j``, whether :func:`int8_choose` does (``1 <= j <= min(MAX_J, m)``, the counter
+    :func:`counter_ok`, checked in place: one call per decode step)."""
     hq, D = query.shape[2], query.shape[3]
     return (query.device.type == "cpu" and codes.device.type == "cpu" and side.device.type == "cpu"
             and query.dtype == torch.float32 and codes.dtype == torch.int8 and side.dtype == torch.float16
             and hq <= MAX_HQ and D <= MAX_D and D % LANES == 0 and not query.requires_grad
             and codes.stride(-1) == 1 and (codes.shape[2] <= 1 or codes.stride(2) == codes.shape[3])
-            and side.stride(-1) == 1 and (side.shape[2] <= 1 or side.stride(2) == side.shape[3]))  # rows contiguous
+            and side.stride(-1) == 1 and (side.shape[2] <= 1 or side.stride(2) == side.shape[3])  # rows contiguous
+            and (j is None or (1 <= j <= min(MAX_J, codes.shape[2])
+                           and (counter is None or (counter.device.type == "cpu" and counter.dtype == torch.int64
+                                                    and counter.numel() == 1 and counter.is_contiguous()))))
+            and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def int8_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float,
                   length: torch.Tensor | None) -> torch.Tensor:
     """The C loop's ``estimate [B, G, hq, m]`` (``csrc/int8_scan.cpp``) for ``codes [B, G, m, D]`` and
-    ``side [B, G, m, w]``: the torch op ``kvzoo::int8_estimate``. The caller checked :func:`int8_estimate_supported`
-    and that :func:`library` is not None."""
+    ``side [B, G, m, w]``: the torch op ``kvzoo::int8_estimate``. The caller checked :func:`int8_estimate_supported`."""
     return (_LOADED[0] if _LOADED else library()).int8_estimate(query, codes, side, length, float(scaling))
 
 
@@ -311,13 +299,10 @@ def counter_ok(counter: torch.Tensor | None) -> bool:
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
                 archived: int, scaling: float, slack: float, length: torch.Tensor | None,
                 counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted: ``(idx, picked) [B, G, hq * j]``
-    and ``count`` (int64, 0-dim: the rows picked over every group, also added in place to ``counter``, the layer's
-    fetched rows, when given) -- see ``kvzoo_int8_choose`` in ``csrc/int8_scan.cpp``; ``threshold [B, G, hq]`` is
-    ``s* - j_margin``. One call for what the PyTorch path does in ~30 ops (scan, top-j, the chosen rows' bounds, the
-    group's union, the count): the torch op ``kvzoo::int8_choose``. The caller checked
-    :func:`int8_estimate_supported`, ``1 <= j <= min(MAX_J, m)``, the counter (:func:`counter_ok`) and that
-    :func:`library` is not None."""
+    """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted (the torch op
+    ``kvzoo::int8_choose``, ``csrc/int8_scan.cpp``; its specification
+    :func:`kvzoo.kernels.index_scan.int8_choose_reference`): one call for ~30 PyTorch ops. The caller checked
+    :func:`int8_estimate_supported` with ``j`` and ``counter``."""
     return (_LOADED[0] if _LOADED else library()).int8_choose(query, codes, side, length, threshold, j, archived,
                                                               float(scaling), float(slack), counter)
 
@@ -476,28 +461,12 @@ def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: i
 def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_valid: torch.Tensor | None = None,
                   prior: tuple[torch.Tensor, torch.Tensor] | None = None, best: bool = False,
                   mass: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Decode attention of ``query [B, H, D]`` over one source of rows (:class:`~kvzoo.kernels.decode_attention.Rows`,
-    whose docstring and module give the semantics), read where they lie, merged with ``prior`` into one softmax:
-    ``(out [B, H, Dv] fp32, lse [B, H] fp32, best [B, H] fp32 or None, mass [B, H, P] fp32 or None)``.
-
-    * ``source``: ``keys [B, G, N, D]`` (a pool may be passed whole: any strides, last dim contiguous) and
-      ``values [B, G, N, Dv]``, or ``values=None`` with ``value_width=Dv`` (MLA: the value is ``keys[..., :Dv]``);
-      ``indices [B, G, K]`` (gathered form: position ``i`` is pool row ``indices[b, g, i]``, one outside ``[0, N)``
-      unreadable; None: positions are pool rows ``0..N-1``), ``length [B]`` (readable positions ``[0, length)``),
-      ``valid [B, G, P]`` per position, ``head_valid [B, H, P]`` per query head (``P``: ``K``, or ``N``).
-    * ``pool_valid [B, G, N]`` bool: a flag per *pool row*, read through ``indices`` (as
-      ``valid = pool_valid.gather(2, indices)`` would, with no gather): a pool's padding flags, as they are. Taken
-      from ``source.pool_valid`` where the ``Rows`` has that field (then not also as the keyword).
-    * ``prior = (out [B, H, Dv], lse [B, H])``: an earlier part over other rows (the runtime's tier); ``out`` and
-      ``lse`` are then the one softmax over both (a part with ``lse = -inf`` weighs nothing).
-    * ``best``: the best scaled score over this source's readable positions (VestigeKV's s*; ``-inf`` if none).
-    * ``mass``: each position's probability in the whole softmax (prior included); 0 where unreadable.
-
-    Numerics as the specification: the query rounded to the rows' dtype, products accumulated in fp32 (bf16 rows:
-    ``vdpbf16ps`` where the CPU has it), fp32 online softmax. A ``(b, h)`` with nothing readable gets ``out = 0`` and
-    ``lse = -inf``. A row no head may read is never loaded (it may hold NaN). The caller checked
-    :func:`decode_attend_supported`; the torch op ``kvzoo::decode_attend`` checks the shapes (a ValueError naming the
-    shape expected)."""
+    """Decode attention of ``query [B, H, D]`` over one source of rows (:class:`~kvzoo.kernels.decode_attention.Rows`;
+    the semantics and numerics are that package's docstring), read where they lie, merged with ``prior = (out, lse)``
+    into one softmax: ``(out [B, H, Dv] fp32, lse [B, H] fp32, best [B, H] fp32 or None, mass [B, H, P] fp32 or
+    None)``. ``pool_valid [B, G, N]``: a flag per pool row, read through ``indices`` (no gather); taken from
+    ``source.pool_valid`` where the ``Rows`` has it. The caller checked :func:`decode_attend_supported`; the torch op
+    ``kvzoo::decode_attend`` checks the shapes (a ValueError naming the shape expected)."""
     values = source.values
     width = values.shape[-1] if values is not None else source.value_width
     if width is None:

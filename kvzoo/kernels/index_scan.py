@@ -2,31 +2,12 @@
 and fused Triton kernels).
 
 Each returns *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed from a small index
-instead of the rows; the retrieval tier fetches the rows whose bounds say they could matter. Shapes: ``B`` batch,
-``G`` KV groups, ``H`` query heads (``H % G == 0``), ``q`` queries, ``m`` archived rows, ``p`` pages.
-
-A bound is one inner product per (query, entry): each index entry is a row of ``E [B, G, m, W]`` and each query a
-row of ``Q [B, G, hpg * q, W]`` (:func:`sketch_query`, :func:`page_query`), every term of the bound -- its float
-slack included -- a column, so a scan is ``scale * Q @ E^T`` whatever the retriever. Two ops, each a reference
-``*_reference`` and a kernel ``*_triton`` with one signature (:mod:`kvzoo.kernels.dispatch` picks: the kernel on CUDA
-tensors, the reference elsewhere, ``KVZOO_KERNELS`` to force either):
-
-* ``index_scan(query_rows, entries, scaling, *, length=None) -> [B, G, hq, m]`` fp32. Entries in any float dtype,
-  upcast per tile (never an fp32 copy of the index); products in IEEE fp32 (not TF32: the slack column is 1e-5).
-  ``length [B]`` (on the entries' device, graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never
-  read, so a preallocated buffer may be passed whole. Without ``length`` the reference is, bit for bit, the scan
-  kvzoo always computed.
-* ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None) -> margin [B, G, m]``:
-  the max over the ``hq`` query rows of ``scale * Q.E - threshold`` (None: 0), never holding the ``[B, G, hq, m]``
-  bounds. Its sign is exact: ``margin >= 0`` exactly where ``(index_scan(...) >= threshold[..., None]).any(2)``,
-  infinities included (a tie, ``-inf >= -inf`` or ``inf >= inf`` gives 0); a NaN bound (an empty Quest page, ``max =
-  -inf, min = +inf``) and positions ``>= length[b]`` give ``-inf``. Serves VestigeKV's certified rule (threshold ``s* -
-  tau``) and Quest's ``gqa="group"`` rule (None: the group's max bound).
-
-Memory: no intermediate is larger than a scan's output or :data:`ROW_BLOCK_ELEMENTS` (never ``queries x rows x
-dims``); callers scan a long forward in query tiles (:func:`kvzoo.kernels.attention.query_block`). The kernel
-(:func:`launch_config` picks its blocks; ``kvzoo/kernels/shapes.py`` lists what the compile gate builds) imports
-Triton on its first call; this module imports with torch alone.
+instead of the rows; the retrieval tier fetches the rows whose bounds say they could matter. Every bound is one inner
+product per (query, entry) -- its float slack included as a column -- so a scan is ``scale * Q @ E^T`` for query rows
+``Q [B, G, hq, W]`` (:func:`sketch_query`, :func:`page_query`) and entries ``E [B, G, m, W]`` (``B`` batch, ``G`` KV
+groups, ``m`` archived rows). Two ops, :func:`index_scan` and :func:`index_scan_reduce`, each a ``*_reference`` and a
+``*_triton`` of one signature (:mod:`kvzoo.kernels.dispatch` picks). No intermediate is larger than a scan's output or
+:data:`ROW_BLOCK_ELEMENTS`; Triton is imported on the first kernel call, so this module imports with torch alone.
 """
 
 from __future__ import annotations
@@ -128,7 +109,7 @@ def index_scan(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, 
 
 
 def _margin(bound: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """``bound - threshold`` with the sign of ``bound >= threshold`` made exact (see the module docstring)."""
+    """``bound - threshold`` with the sign of ``bound >= threshold`` made exact (see :func:`index_scan_reduce`)."""
     diff = bound - threshold
     return torch.where(bound >= threshold, torch.where(diff > 0, diff, 0.0),
                        torch.where(bound < threshold, diff, float("-inf")))
@@ -161,8 +142,7 @@ def index_scan_reduce(query_rows: torch.Tensor, entries: torch.Tensor, scaling: 
     without the ``[B, G, hq, m]`` bounds ever existing. ``threshold [B, G, hq]`` (fp32), or None for 0
     (then the margin is the group's max bound). A row's margin is ``>= 0`` exactly when
     ``bound >= threshold`` for some query row -- including infinities -- and ``-inf`` when no query row
-    can be compared with it (a NaN bound, e.g. an empty Quest page) and at positions ``>= length[b]``;
-    see the module docstring. Takes the Triton kernel or the reference (:mod:`kvzoo.kernels.dispatch`).
+    can be compared with it (a NaN bound, e.g. an empty Quest page) and at positions ``>= length[b]``. Takes the Triton kernel or the reference (:mod:`kvzoo.kernels.dispatch`).
     """
     _check("index_scan_reduce", query_rows, entries, length, threshold)
     if use_triton(entries):
@@ -288,17 +268,13 @@ def int8_key_estimate_reference(query: torch.Tensor, codes: torch.Tensor, side: 
 def int8_key_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
                       length: torch.Tensor | None = None) -> torch.Tensor:
     """``estimate [B, G, hq, m]`` fp32 ``= scaling * s <q, codes>`` (the score of each row's int8 reconstruction
-    ``k_hat``) for grouped queries ``query [B, G, hq, D]`` over int8 key entries (:func:`int8_key_entries`:
-    ``codes [B, G, m, D]``, ``side [B, G, m, 3]``); ``length [B]``: positions ``>= length[b]`` give ``-inf``.
-
-    One op, one read of the codes: on CPU tensors the C loop of :mod:`kvzoo.kernels.cpu_native` (the codes
-    converted in registers, every query row of a group at once), elsewhere -- or with ``KVZOO_KERNELS=torch``, or
-    where no C compiler is found -- :func:`int8_key_estimate_reference`. The two agree to fp32 rounding (their sums
-    run in another order), which the bound's slack covers (:func:`int8_bound_from`)."""
+    ``k_hat``) for grouped queries ``query [B, G, hq, D]`` over int8 key entries (:func:`int8_key_entries`);
+    ``length [B]``: positions ``>= length[b]`` give ``-inf``. On CPU tensors the C loop of
+    :mod:`kvzoo.kernels.cpu_native` (one read of the codes), elsewhere :func:`int8_key_estimate_reference`; the two
+    agree to fp32 rounding, which the bound's slack covers (:func:`int8_bound_from`)."""
     from kvzoo.kernels import cpu_native
 
-    if (mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side)
-            and cpu_native.available()):
+    if mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side):
         return cpu_native.int8_estimate(query, codes, side, scaling, length)
     return int8_key_estimate_reference(query, codes, side, scaling, length=length)
 
@@ -337,14 +313,11 @@ def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.
 
 def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int,
                          counter: torch.Tensor | None = None) -> bool:
-    """Whether :func:`int8_choose` runs as one kernel call for these tensors (CPU, a C compiler found,
-    ``KVZOO_KERNELS`` not ``torch``, the geometry the loop takes, a CPU counter); elsewhere callers keep the PyTorch
-    ops."""
+    """Whether :func:`int8_choose` runs as one kernel call for these tensors (``KVZOO_KERNELS`` not ``torch``, and
+    :func:`kvzoo.kernels.cpu_native.int8_estimate_supported` with ``j`` and the counter: one predicate per step)."""
     from kvzoo.kernels import cpu_native
 
-    return (mode() != "torch" and 1 <= j <= min(cpu_native.MAX_J, codes.shape[2])
-            and cpu_native.int8_estimate_supported(query, codes, side) and cpu_native.counter_ok(counter)
-            and cpu_native.available())
+    return mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side, j, counter)
 
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
@@ -356,9 +329,9 @@ def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, th
     certified bound (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's
     ``hq * j`` candidates sorted (unchosen ones as ``archived``, the archive's row count), ``idx`` clamped below
     ``archived`` and ``picked`` True on the first copy of each chosen row; ``count`` (int64, 0-dim) the rows picked
-    over the batch and groups, added in place to ``counter`` (the layer's fetched rows) when given. On CPU one call
-    of the C loop (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32
-    rounding of the estimates (a bound within rounding of its threshold may go either way)."""
+    over the batch and groups, added in place to ``counter`` when given. On CPU one call of the C loop
+    (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32 rounding of the
+    estimates (a bound within rounding of its threshold may go either way)."""
     from kvzoo.kernels import cpu_native
 
     if fused_choose_applies(query, codes, side, j, counter):
