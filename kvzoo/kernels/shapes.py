@@ -11,8 +11,6 @@ import the gate. Imports no Triton itself (the kernels are jitted when :func:`sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvzoo.kernels import index_scan
@@ -105,28 +103,6 @@ def merge_specialisation(mcfg: MergeConfig, out_dtype: torch.dtype, prior_dtype:
     return signature, constexprs
 
 
-@dataclass(frozen=True)
-class ShippedSplit:
-    """What the compile gate holds one shipped split configuration to (besides the compiled code's limits)."""
-
-    shape: str
-    heads_per_group: int
-    dtype: torch.dtype
-    variant: str
-    config: SplitConfig
-
-
-def shipped_splits() -> list[ShippedSplit]:
-    """The split kernel's shipped configurations, with the launch configuration each is built for."""
-    out = []
-    for name, hpg, width, value_width, separate in SHIPPED_SHAPES:
-        for dtype in SHIPPED_DTYPES:
-            for variant in SHIPPED_VARIANTS:
-                cfg = split_config(hpg, width, value_width, separate, torch.empty((), dtype=dtype).element_size())
-                out.append(ShippedSplit(name, hpg, dtype, variant, cfg))
-    return out
-
-
 def grid_table(sms: int = DEFAULT_SMS) -> list[dict[str, object]]:
     """The grid the splits heuristic gives each shipped shape (bf16, its pool variant) for :data:`GRID_CASES` on
     ``sms`` SMs: splits, programs, the programs the chip holds at once (``sms x ctas_per_sm``), and the merge's
@@ -150,23 +126,20 @@ def decode_configs() -> list[KernelConfig]:
     splits the heuristic gives for :func:`grid_table`."""
     kernels = decode.kernels()
     configs = []
-    for shipped in shipped_splits():
-        cfg = shipped.config
-        value_width = next(v for n, _, _, v, _ in SHIPPED_SHAPES if n == shipped.shape)
-        separate = next(sep for n, _, _, _, sep in SHIPPED_SHAPES if n == shipped.shape)
-        signature, constexprs = split_specialisation(cfg, shipped.dtype, value_width, separate,
-                                                     SHIPPED_VARIANTS[shipped.variant],
-                                                     heads_per_group=shipped.heads_per_group)
-        label = f"decode_split-{shipped.shape}-{_TRITON_TYPE[shipped.dtype]}-{shipped.variant}"
-        elem = _TRITON_TYPE[shipped.dtype]
-        tiles = [(cfg.BLOCK_N, cfg.BLOCK_D1, elem)]
-        tiles.append((cfg.BLOCK_N, cfg.BLOCK_DV, elem) if separate else (cfg.BLOCK_N, cfg.BLOCK_D2, elem))
+    shipped = [(name, hpg, width, value_width, separate, dtype, variant)
+               for name, hpg, width, value_width, separate in SHIPPED_SHAPES
+               for dtype in SHIPPED_DTYPES for variant in SHIPPED_VARIANTS]
+    for name, hpg, width, value_width, separate, dtype, variant in shipped:
+        cfg = split_config(hpg, width, value_width, separate, torch.empty((), dtype=dtype).element_size())
+        signature, constexprs = split_specialisation(cfg, dtype, value_width, separate, SHIPPED_VARIANTS[variant],
+                                                     heads_per_group=hpg)
+        elem = _TRITON_TYPE[dtype]
+        tiles = [(cfg.BLOCK_N, cfg.BLOCK_D1, elem), (cfg.BLOCK_N, cfg.BLOCK_DV if separate else cfg.BLOCK_D2, elem)]
         expect = {"mma": "mma.sync.m16n8k16", "row_tiles": tiles, "row_buffers": cfg.row_buffers,
                   "ctas_per_sm": cfg.ctas_per_sm, "score_tile": (cfg.BLOCK_H, cfg.BLOCK_N),
-                  "score_copies": cfg.score_copies}
-        expect["max_registers"] = cfg.max_registers
-        configs.append(KernelConfig(label, kernels.split, signature, constexprs, cfg.num_warps, cfg.num_stages,
-                                    expect=expect))
+                  "score_copies": cfg.score_copies, "max_registers": cfg.max_registers}
+        configs.append(KernelConfig(f"decode_split-{name}-{elem}-{variant}", kernels.split, signature, constexprs,
+                                    cfg.num_warps, cfg.num_stages, expect=expect))
     block_s = sorted({row["merge_block_s"] for row in grid_table()})
     for dtype in SHIPPED_DTYPES:  # the output dtype changes one cast: one dtype at every block of splits
         for variant, flags in SHIPPED_MERGES.items():

@@ -1,33 +1,18 @@
 """Decode attention as Triton kernels: a split-K kernel per source and a one-pass log-sum-exp merge kernel, and the
-launch heuristics (block sizes, warps, stages, splits) the launcher and the compile gate share
-(``kvzoo/kernels/shapes.py`` lists what ships; ``tests/test_compile_gate.py`` compiles it for sm_90).
+launch heuristics the launcher and the compile gate share (``kvzoo/kernels/shapes.py`` lists what ships;
+``tests/test_compile_gate.py`` compiles it for sm_90).
 
-Per source one program per ``(batch x KV group, split)`` holds *all* the query heads of its group (``BLOCK_H =
-max(16, next_pow2(H / G))``, masked), so each row is loaded once per group, and runs an online softmax over its
-share of the positions in ``BLOCK_N`` tiles, with the scale folded into ``exp2``. Each split with positions writes a
-partial ``(out, lse)`` (and, asked for ``best``, its maximum score: s* with no second read of the rows); a split
-with none writes nothing. Then one merge kernel per source combines its splits exactly (log-sum-exp weights) in one
-pass -- every split's lse in one tile, their outputs in one load -- and folds in what came before: the previous
-source's result, or a part computed earlier (``attend(..., prior=part)``: the runtime's tier, deferred for its best
-score, then the fetched rows). ``splits`` sets the splits per source (any count gives the same result up to
-rounding; more splits than tiles leaves some empty); ``None`` fills one wave of the chip, ``SMs x ctas_per_sm``
-programs, at most one split per tile (:func:`default_splits`). Block sizes, warps, stages and the occupancy they
-give come from :func:`split_config` / :func:`merge_config`.
+Per source one program per ``(batch x KV group, split)`` holds all the query heads of its group, so each row is loaded
+once per group, and runs an online softmax over its share of the positions (cut from ``length`` in the program, so a
+captured launch follows the true length) in ``BLOCK_N`` tiles; each split with positions writes a partial ``(out,
+lse)`` and, asked, its best score (s* with no second read of the rows). One merge kernel per source combines the
+splits exactly in one pass and folds in what came before (the previous source, or a ``prior`` part). ``valid`` and
+``head_valid`` are packed on the host into int32 words per position (:func:`_flag_words`); a tile's indices and flag
+words are loaded one iteration ahead, so no row load waits on a load of its own iteration. Products are in the rows'
+dtype with fp32 accumulation (fp32 rows: IEEE), as the reference's scores.
 
-Kernel details: the split of a sequence is computed in the program from ``length`` (so a captured launch follows the
-true length: the positions ``[0, length)`` are cut into ``splits`` runs of whole tiles; the merge recomputes which
-splits hold positions). ``valid`` and ``head_valid`` are packed on the host into ``ceil(hpg / 32)`` int32 words per
-position (:func:`_flag_words`; the kernel reads exactly those). A tile's indices and flag words are loaded one
-iteration ahead and folded into one row number per position (-1: past ``length``, outside the pool or readable by no
-head of the group: never loaded), so no row load waits on a load of its own iteration and two row tiles are in
-flight in every variant. The query is cast to the rows' dtype for ``tl.dot`` (bf16/fp16 products on ``mma.sync``,
-fp32 accumulation: the scores are fp32, as the reference's; fp32 rows use ``input_precision="ieee"``), the
-probabilities to the values' dtype for the second product. When the pools are 16-byte aligned with row strides that
-are multiples of 16 elements (the shipped shapes), the kernel tells the compiler so (``ALIGNED``), which vectorises
-the loads into asynchronous copies.
-
-The kernels run on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1`` (``tests/interpreter``). Triton is imported
-only when a kernel is first launched (:func:`kernels`): this module imports with torch alone.
+The kernels run on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1`` (``tests/interpreter``); Triton is imported
+only when a kernel is first launched (:func:`kernels`).
 """
 
 from __future__ import annotations
@@ -92,24 +77,12 @@ def split_config(heads_per_group: int, key_width: int, value_width: int, separat
     """What the launcher picks for a source (and ``kvzoo/kernels/shapes.py`` compiles), from the sm_90 code the
     compiler makes (``tests/test_compile_gate.py`` prints it and holds every shipped configuration to it).
 
-    A key row is split into a main part (``D1``: the value width in the absorbed form, whose tile is
-    also the value tile, else the whole key) and a tail (``D2``, e.g. MLA's 64-dim rope branch), each
-    in a masked power-of-two block of at least 16 (every ``tl.dot`` dimension >= 16).
-
-    * Tensor cores: ``mma.sync`` m16n8k16. Triton lays the warps of chained products (``S = Q K^T``, then
-      ``P V``) side by side along the tile's rows, 8 score columns each, so a tile of ``8 x num_warps`` rows
-      gives each warp its own scores: 4 warps over 32 latent rows (1,152 B each in bf16) or 64 narrower rows.
-      With 32 heads the fp32 accumulator (32 x 512) is 128 registers per thread at 4 warps: 255 registers and
-      8-16 B of spills; 8 warps over 64 rows spill 16-96 B; so 8 warps over 32 rows, every score computed by
-      two warps (``score_copies``), 1 program per SM, no spills. wgmma (M a multiple of 64: 16 or 32 heads
-      padded to 64) holds a 64 x 512 fp32 accumulator: 255 registers and 624-1,728 B of spills at 4, 8 or 16
-      warps, so it is not used.
-    * Two row tiles in flight in every variant (``num_stages`` 3): the indices and flag words of a tile are
-      loaded one iteration ahead, so no row load waits on a load of its own iteration.
-    * Occupancy: as many programs per SM as shared memory (two row buffers and the query) allows, capped by a
-      register budget the compiled code is held to: 2 programs of 4 warps for latent rows, 3 for 128-dim GQA
-      rows (168 registers), 4 for 64-dim ones (128). (Giving ptxas that budget as ``maxnreg`` made it spill
-      24-56 B where it needs no cap to stay under it.)
+    A key row is split into a main part (``D1``: the value width in the absorbed form, whose tile is also the value
+    tile, else the whole key) and a tail (``D2``, e.g. MLA's rope branch), each a masked power-of-two block >= 16.
+    Measured on sm_90: a tile of ``8 x num_warps`` rows gives each warp its own ``mma.sync`` scores; with 32 latent
+    heads 4 warps spill, so 8 warps over 32 rows with every score computed twice (``score_copies``); wgmma spills at
+    every warp count and is not used. Two row tiles in flight (``num_stages`` 3). Programs per SM: as many as shared
+    memory allows, capped by a register budget the compiled code is held to (a ``maxnreg`` cap made ptxas spill).
     """
     d1 = key_width if separate_values else value_width
     d2 = key_width - d1
