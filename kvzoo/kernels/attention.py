@@ -1,13 +1,9 @@
 """Attention of a forward of several queries over rows that carry their own sequence slots (PyTorch).
 
-A decode step (one query per sequence) goes through the decode-attention op instead
-(``kvzoo/kernels/decode_attention/``: its reference, SDPA and Triton forms). Rows are not
-contiguous positions: after eviction, a tier holds an arbitrary subset of the sequence, so
-causality and padding are decided per row from its *slot* (its index in the sequence) and its
-``valid`` flag, never from its index in the tensor.
-
-Shapes: ``B`` batch, ``H`` query heads, ``G`` KV groups (``H % G == 0``), ``q`` queries,
-``n`` rows, ``D`` key width, ``Dv`` value width.
+A decode step goes through the decode-attention op instead (``kvzoo/kernels/decode_attention/``). After eviction a
+tier holds an arbitrary subset of the sequence, so causality and padding are decided per row from its *slot* (its
+index in the sequence) and its ``valid`` flag, never from its index in the tensor. Shapes: ``B`` batch, ``H`` query
+heads, ``G`` KV groups, ``q`` queries, ``n`` rows, ``D`` key width, ``Dv`` value width.
 """
 
 from __future__ import annotations
@@ -50,16 +46,6 @@ def received_attention(probs: torch.Tensor, groups: int) -> torch.Tensor:
     return probs.reshape(B, groups, -1, n).sum(dim=2)
 
 
-def masked_probs(
-    query: torch.Tensor, keys: torch.Tensor, key_slots: torch.Tensor, key_valid: torch.Tensor,
-    query_slots: torch.Tensor, scaling: float,
-) -> torch.Tensor:
-    """Softmax ``[B, G, H/G, q, n]`` (fp32) of ``query [B,G,H/G,q,D]`` (fp32) over ``keys [B,G,n,D]``."""
-    scores = torch.einsum("bghqd,bgnd->bghqn", query, keys.float()) * scaling
-    allowed = row_mask(key_slots, key_valid, query_slots)[:, :, None]  # [B,G,1,q,n]
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-
-
 def attention_reference(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -74,19 +60,14 @@ def attention_reference(
     extra_mask: torch.Tensor | None = None,
     bottom_right: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``.
+    """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``: ``[B, H, q, Dv]``
+    in the query's dtype, and with ``column_sums=True`` each row's received probability ``[B, G, n]`` fp32 (H2O's
+    accumulator, :func:`received_attention`).
 
-    ``extra_mask [B, G, q, n]`` (bool), when given, further restricts what each query reads. ``bottom_right=True``
-    promises the rows are the bottom-right causal case (no padding, in slot order, the queries' own rows last): a
-    block of queries then scores only the rows its last query reaches (a causal prefill: half the products); the
-    rows past them, unreadable, get no probability either way.
-
-    Scores are the rows' dtype's product (fp32 accumulation) upcast to fp32, the softmax is fp32
-    (:func:`row_scores`, :func:`attend_scores`); the output has the query's dtype, ``[B, H, q, Dv]``.
-    With ``column_sums=True`` also returns ``[B, G, n]`` fp32: the attention probability each row
-    received, summed over the queries and over the query heads of its group (H2O's accumulator).
-    Queries are processed ``query_chunk`` at a time (default: as many as fit in
-    :data:`SCORE_BLOCK_ELEMENTS`), so the score matrix never exceeds ``B * H * query_chunk * n`` floats.
+    ``extra_mask [B, G, q, n]`` further restricts what each query reads. ``bottom_right=True`` promises the
+    bottom-right causal case (no padding, slot order, the queries' own rows last): a block of queries then scores only
+    the rows its last query reaches (a causal prefill: half the products). Scores and softmax as :func:`row_scores`
+    and :func:`attend_scores`; queries go ``query_chunk`` at a time (default: :func:`query_block`).
     """
     B, H, q_len, D = query.shape
     G, n = keys.shape[1], keys.shape[2]
@@ -120,14 +101,10 @@ def attention_sdpa(
 ) -> torch.Tensor:
     """Same output as :func:`attention_reference` through torch's fused SDPA (no probabilities).
 
-    ``all_valid=True`` promises no padding row, rows in slot order, and this forward's own rows
-    last (true for an ordered tier: new rows are appended at the end, every older row is visible
-    to every new query). The mask is then the bottom-right-aligned causal one: plain ``is_causal`` when
-    ``q == n`` (a context's one forward: the fused causal kernel, nothing materialised -- on CPU a ``CausalBias``
-    there cost 137 MiB more at 4,096 tokens); for ``q < n`` on CUDA
-    ``torch.nn.attention.bias.causal_lower_right``, which its flash / memory-efficient kernels take without
-    materialising, and on CPU a ``[q, n]`` bool mask (which the op takes at less memory than the bias it would
-    materialise). Otherwise the slot mask is built.
+    ``all_valid=True`` promises no padding row, rows in slot order, and this forward's own rows last (an ordered
+    tier). The mask is then the bottom-right causal one, never materialised where avoidable: ``is_causal`` when ``q ==
+    n`` (on CPU a ``CausalBias`` there cost 137 MiB more at 4,096 tokens), ``causal_lower_right`` on CUDA, a ``[q,
+    n]`` bool mask on CPU. Otherwise the slot mask is built.
     """
     B, H, q_len, _ = query.shape
     G, n = keys.shape[1], keys.shape[2]
@@ -213,4 +190,6 @@ def window_attention(
     B, H, w, D = queries.shape
     G = keys.shape[1]
     q = queries.float().view(B, G, H // G, w, D)
-    return masked_probs(q, keys, key_slots, key_valid, query_slots, scaling).view(B, H, w, -1)
+    scores = torch.einsum("bghqd,bgnd->bghqn", q, keys.float()) * scaling
+    allowed = row_mask(key_slots, key_valid, query_slots)[:, :, None]  # [B, G, 1, w, n]
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).view(B, H, w, -1)

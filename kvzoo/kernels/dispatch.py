@@ -1,19 +1,10 @@
 """Which implementation a kernel call takes: Triton for CUDA tensors, the PyTorch reference otherwise.
 
-Every op in ``kvzoo/kernels/`` has a PyTorch reference and a Triton kernel with the same signature;
-:func:`use_triton` decides per call from the tensors' device and ``KVZOO_KERNELS``:
-
-* unset or ``auto``: CUDA tensors take Triton when it is importable, every other device the reference;
-* ``torch``: the reference everywhere (on a GPU too);
-* ``triton``: Triton everywhere; CPU tensors then need Triton's interpreter (``TRITON_INTERPRET=1``
-  set before ``triton`` is imported), which is how CI tests the kernels without a GPU.
-
-Decode attention has three implementations (``reference``, ``sdpa``, ``triton``); :func:`decode_impl` says
-which a step takes: ``triton`` where Triton is taken, else ``sdpa`` (the reference is the specification the
-tests hold the others to).
-
-The variable is read at each call (a dict lookup), so a test or a benchmark may switch it between
-steps. Triton is imported only when a Triton path is taken: the policy layer imports with torch alone.
+Every op in ``kvzoo/kernels/`` has a PyTorch reference and a Triton kernel with the same signature; :func:`use_triton`
+decides per call from the tensors' device and ``KVZOO_KERNELS``: unset or ``auto`` (CUDA tensors take Triton when it
+imports), ``torch`` (the reference everywhere) or ``triton`` (Triton everywhere; CPU tensors then need
+``TRITON_INTERPRET=1``, how CI tests the kernels without a GPU). The variable is read at each call, so a test may
+switch it between steps; Triton is imported only when a Triton path is taken.
 """
 
 from __future__ import annotations

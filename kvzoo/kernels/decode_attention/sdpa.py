@@ -71,16 +71,12 @@ def _scores(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor
 def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, lse: bool = False,
                 best: bool = False, mass: bool = False, defer: bool = False,
                 prior: Attended | None = None) -> Attended:
-    """One source without extras through ``F.scaled_dot_product_attention`` (``enable_gqa``: the rows are read
-    in place, the kernels transformers' own SDPA path takes); otherwise per source fp32 scores (:func:`_scores`,
-    the query rounded to the rows' dtype as the reference does), one fp32 softmax over every source (``prior``'s
-    deferred scores included), and the probabilities in the values' dtype times the values. ``defer``: stop after
-    the scores (and the best one), for a later part to join. A prior with no scores (a kernel's or the native op's
-    part: ``out`` and ``lse``) joins the softmax as one term of score ``lse`` and value ``out``, as in the reference.
+    """One source without extras through :func:`fused`; otherwise per source fp32 scores (:func:`_scores`), one fp32
+    softmax over every source (``prior``'s deferred scores included, or a prior's ``(out, lse)`` as one term, as in
+    the reference), the probabilities in the values' dtype times the values. ``defer``: stop after the scores.
 
     Unlike the reference and the kernel, this path multiplies an unreadable row's value by its zero probability:
-    unreadable rows must hold finite values (the runtime's always do: zeros past the live rows, real rows
-    otherwise); a NaN there would reach the output."""
+    unreadable rows must hold finite values (the runtime's always do); a NaN there would reach the output."""
     B, H, D = query.shape
     if len(checked) == 1 and prior is None and not (lse or best or mass or defer) \
             and checked[0].pool == checked[0].positions:
