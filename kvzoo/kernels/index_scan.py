@@ -96,12 +96,9 @@ def index_scan(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, 
                length: torch.Tensor | None = None) -> torch.Tensor:
     """``scale * Q @ E^T`` ``[B, G, hq, m]`` fp32 for ``Q [B, G, hq, W]`` (fp32) and ``E [B, G, m, W]``.
 
-    ``E`` may be stored in any float dtype (a preallocated buffer may be passed whole, with
-    ``length``); it is upcast in blocks of rows (the kernel: per tile, in registers), so the product
-    is fp32's and the extra memory is one block. ``length [B]`` (int32/int64, on the entries' device):
-    positions ``>= length[b]`` give ``-inf``. Takes the Triton kernel or the reference
-    (:mod:`kvzoo.kernels.dispatch`).
-    """
+    ``E`` in any float dtype is upcast in blocks of rows (the kernel: per tile, in registers), so the product is
+    IEEE fp32's (not TF32: the slack column is 1e-5). ``length [B]`` (int32/int64, on the entries' device): positions
+    ``>= length[b]`` give ``-inf`` and are never read, so a preallocated buffer may be passed whole."""
     _check("index_scan", query_rows, entries, length)
     if use_triton(entries):
         return run("index_scan", index_scan_triton, index_scan_reference, query_rows, entries, scaling, length=length)
@@ -136,14 +133,12 @@ def index_scan_reduce_reference(query_rows: torch.Tensor, entries: torch.Tensor,
 
 def index_scan_reduce(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float,
                       threshold: torch.Tensor | None, *, length: torch.Tensor | None = None) -> torch.Tensor:
-    """``margin [B, G, m]`` fp32: the max over the ``hq`` query rows of ``scale * Q.E - threshold``.
+    """``margin [B, G, m]`` fp32: the max over the ``hq`` query rows of ``scale * Q.E - threshold``, without the
+    ``[B, G, hq, m]`` bounds ever existing (VestigeKV's certified rule, Quest's ``gqa="group"``).
 
-    The scan of :func:`index_scan` reduced over the heads (and queries) that share a KV group's rows,
-    without the ``[B, G, hq, m]`` bounds ever existing. ``threshold [B, G, hq]`` (fp32), or None for 0
-    (then the margin is the group's max bound). A row's margin is ``>= 0`` exactly when
-    ``bound >= threshold`` for some query row -- including infinities -- and ``-inf`` when no query row
-    can be compared with it (a NaN bound, e.g. an empty Quest page) and at positions ``>= length[b]``. Takes the Triton kernel or the reference (:mod:`kvzoo.kernels.dispatch`).
-    """
+    ``threshold [B, G, hq]``, or None for 0 (the group's max bound). A margin is ``>= 0`` exactly when ``bound >=
+    threshold`` for some query row, infinities included, and ``-inf`` when no query row can be compared with it (a
+    NaN bound: an empty Quest page) and at positions ``>= length[b]``."""
     _check("index_scan_reduce", query_rows, entries, length, threshold)
     if use_triton(entries):
         return run("index_scan_reduce", index_scan_reduce_triton, index_scan_reduce_reference, query_rows, entries,
@@ -158,12 +153,9 @@ def _grouped(query: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def sketch_entries(content: torch.Tensor, branch: torch.Tensor | None, basis: torch.Tensor) -> torch.Tensor:
-    """Index rows ``E = [z, eta, r, ||c||, ||r||]`` ``[B, G, m, rank + 1 + dr + 2]`` fp32.
-
-    ``content [B,G,m,dc]`` (MLA: the latent c; GQA: the key), ``branch [B,G,m,dr]`` or None
-    (then ``E = [z, eta, ||c||]``), ``basis [B|1, G, dc, rank]`` orthonormal columns.
-    ``z = V^T c``, ``eta = ||(I - V V^T) c||``.
-    """
+    """Index rows ``E = [z, eta, r, ||c||, ||r||]`` ``[B, G, m, rank + 1 + dr + 2]`` fp32 (``branch`` None: ``[z,
+    eta, ||c||]``) for ``content [B,G,m,dc]`` (MLA's latent, GQA's key) and ``basis [B|1, G, dc, rank]`` orthonormal:
+    ``z = V^T c``, ``eta = ||(I - V V^T) c||``."""
     V = basis.float() if basis.dim() == 4 else basis.float()[None]
     c = content.float()
     z = torch.matmul(c, V)
@@ -181,11 +173,9 @@ def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: 
                  slack: float = SKETCH_SLACK) -> torch.Tensor:
     """Query rows ``Q = [V^T q_c, ||(I - V V^T) q_c||, q_r, eps ||q_c||, eps ||q_r||]`` ``[B, G, hpg*q, W]``.
 
-    ``Q . E = <q_r, r> + <V^T q_c, z> + ||q_perp|| eta + eps (||q_c|| ||c|| + ||q_r|| ||r||)``: the
-    certified bound (Cauchy-Schwarz on the part of ``q_c`` and ``c`` outside span(V)) plus the slack
-    that keeps fp32 rounding from undercutting the exact score (``slack``: eps; entries stored in fp16 need
-    :data:`SKETCH_SLACK_FP16`, see :func:`round_entries_fp16`).
-    """
+    ``Q . E = <q_r, r> + <V^T q_c, z> + ||q_perp|| eta + eps (||q_c|| ||c|| + ||q_r|| ||r||)``: the certified bound
+    (Cauchy-Schwarz outside span(V)) plus the slack ``eps`` that covers fp32 rounding (fp16 entries:
+    :data:`SKETCH_SLACK_FP16`)."""
     V = basis.float() if basis.dim() == 4 else basis.float()[None]
     G = V.shape[1]
     qc = _grouped(q_content, G)
@@ -352,10 +342,8 @@ def int8_bound_from(estimate: torch.Tensor, query: torch.Tensor, side: torch.Ten
 
 def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
                     length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bound, estimate)`` ``[B, G, hq, m]`` fp32 for grouped queries ``query [B, G, hq, D]`` (fp32) over int8 key
-    entries (:func:`int8_key_entries`): ``estimate = scale s <q, codes>`` (the score of ``k_hat``,
-    :func:`int8_key_estimate`) and ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``
-    (:func:`int8_bound_from`). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
+    """``(bound, estimate)`` ``[B, G, hq, m]`` fp32 for grouped queries ``query [B, G, hq, D]`` over int8 key entries:
+    :func:`int8_key_estimate` and :func:`int8_bound_from`. ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
     estimate = int8_key_estimate(query, codes, side, scaling, length=length)
     bound = int8_bound_from(estimate, query, side[:, :, None], scaling)
     if length is not None:  # past length the side columns are anything (an fp16 norm's inf): -inf + inf is NaN
@@ -365,10 +353,8 @@ def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor
 
 def int8_row_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`int8_key_bounds` for rows gathered per query row: ``query [B, G, hq, D]`` against its own rows
-    ``codes [B, G, hq, K, D]`` int8 and ``side [B, G, hq, K, 3]`` -> ``(bound, estimate) [B, G, hq, K]`` fp32, the
-    same bound (``estimate + scale (||q|| err + eps ||q|| norm)``). The second stage of a paged scan
-    (:func:`int8_page_bounds` picks the pages, this scores their rows)."""
+    """:func:`int8_key_bounds` for rows gathered per query row (``codes [B, G, hq, K, D]``, ``side [B, G, hq, K, 3]``
+    -> ``[B, G, hq, K]``): the second stage of a paged scan (:func:`int8_page_bounds` picks the pages)."""
     q = query.float()
     estimate = torch.matmul(codes.float(), q[..., None])[..., 0].mul_(side[..., 0].float()).mul_(scaling)
     return int8_bound_from(estimate, q, side, scaling), estimate  # [B, G, hq, K]
@@ -414,12 +400,10 @@ def int8_page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> tuple[t
 
 def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, scaling: float, *,
                      length: torch.Tensor | None = None) -> torch.Tensor:
-    """Quest's page bound on an int8 page summary (:func:`int8_page_entries`): ``[B, G, hq, p]`` fp32 for grouped
-    queries ``query [B, G, hq, D]``, ``scale (sum_i max(q_i, 0) hi_i + min(q_i, 0) lo_i + slack)`` with
-    ``hi = codes[:D]``, ``lo = codes[D:]`` -- ``>= <q, k>`` for every key of the page, since
-    ``scale lo_i <= k_i <= scale hi_i``. One product over the ``2 D`` codes; the slack
-    (:data:`PAGE_SLACK` ``* 128 ||q||_1``) covers fp32's rounding. ``length [B]``: pages ``>= length[b]`` give
-    ``-inf``; a page whose scale is infinite gives ``+inf``."""
+    """Quest's page bound on an int8 page summary (:func:`int8_page_entries`): ``[B, G, hq, p]`` fp32, ``scale (sum_i
+    max(q_i, 0) hi_i + min(q_i, 0) lo_i + slack) >= <q, k>`` for every key of the page (``scale lo_i <= k_i <= scale
+    hi_i``); the slack (:data:`PAGE_SLACK` ``* 128 ||q||_1``) covers fp32's rounding. Pages ``>= length[b]`` give
+    ``-inf``, a page of infinite scale ``+inf``."""
     p = codes.shape[2]
     q = query.float()
     dot = _upcast_matmul(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1), codes)  # [q+, q-] . [hi, lo]
@@ -433,30 +417,22 @@ def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 
 
 def page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
-    """Index rows ``E = [max, min, max_i max(|min_i|, |max_i|)]`` ``[B, G, p, 2 D + 1]`` (input dtype).
-
-    Every entry is one of the page's key values, so storing them in the keys' dtype is exact.
-    """
+    """Index rows ``E = [max, min, max_i max(|min_i|, |max_i|)]`` ``[B, G, p, 2 D + 1]`` in the input dtype (each
+    one of the page's key values: exact)."""
     magnitude = torch.maximum(page_min.abs(), page_max.abs()).amax(dim=-1, keepdim=True)
     return torch.cat([page_max, page_min, magnitude], dim=-1)
 
 
 def page_query(query: torch.Tensor, groups: int) -> torch.Tensor:
-    """Query rows ``Q = [max(q, 0), min(q, 0), eps ||q||_1]`` ``[B, G, hpg * q, 2 D + 1]`` fp32.
-
-    Since ``min <= max``, ``max(q_i min_i, q_i max_i) = max(q_i, 0) max_i + min(q_i, 0) min_i``, so
-    ``Q . E`` is Quest's bound ``sum_i max(q_i min_i, q_i max_i)`` plus a slack that covers fp32
-    rounding (``eps ||q||_1 max |k_i| >= eps sum_i |q_i k_i|`` for every key k of the page).
-    """
+    """Query rows ``Q = [max(q, 0), min(q, 0), eps ||q||_1]`` ``[B, G, hpg * q, 2 D + 1]`` fp32: ``Q . E`` is Quest's
+    bound ``sum_i max(q_i min_i, q_i max_i)`` (``min <= max``) plus a slack covering fp32 rounding."""
     q = _grouped(query, groups)
     return torch.cat([q.clamp(min=0), q.clamp(max=0), SKETCH_SLACK * q.abs().sum(-1, keepdim=True)], dim=-1)
 
 
 def exact_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``scale * <q, k>`` ``[B, H, q, m]`` fp32 for rows ``keys [B, G, m, D]`` (audits and s*).
-
-    The rows are upcast to fp32 in blocks, so the product is fp32's whatever the cache dtype.
-    """
+    """``scale * <q, k>`` ``[B, H, q, m]`` fp32 for rows ``keys [B, G, m, D]`` (audits and s*), the rows upcast in
+    blocks so the product is fp32's whatever the cache dtype."""
     B, H, q_len, D = query.shape
     G, m = keys.shape[1], keys.shape[2]
     out = _upcast_matmul(_grouped(query, G), keys)
