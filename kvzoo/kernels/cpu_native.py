@@ -57,10 +57,8 @@ _CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU arch
 
 
 def _cpu_signature() -> str:
-    """What ``-march=native`` / ``-mcpu=native`` depends on: the processor's model and instruction sets, so that a
-    cache folder shared by machines never hands one a library built for another (an illegal instruction). Linux reads
-    ``/proc/cpuinfo``, macOS ``sysctl``; where neither names the processor, the machine's own name stands in (the
-    library is then built per machine)."""
+    """What ``-march=native`` depends on: the processor's model and instruction sets (``/proc/cpuinfo``, macOS
+    ``sysctl``; else the machine's name), so that a shared cache never hands one machine a library built for another."""
     found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -146,10 +144,8 @@ def toolchain_missing() -> str | None:
 
 
 class Native:
-    """A loaded build of the kernels: each op of :data:`OPS` as an attribute (its ``torch.ops`` overload, called
-    through the dispatcher), the namespace its ops are registered in, and ``openmp``: the OpenMP runtime its threads
-    come from (None: one thread). ``parallel_bytes(n)`` sets the bytes of rows from which a call takes
-    ``torch.get_num_threads()`` threads, and returns the threshold it replaces (``None``: leaves it)."""
+    """A loaded build of the kernels: each op of :data:`OPS` as an attribute (its ``torch.ops`` overload), its
+    namespace, and ``openmp``: the OpenMP runtime its threads come from (None: one thread)."""
 
     def __init__(self, namespace: str, runtime: str | None):
         ops = getattr(torch.ops, namespace)
@@ -166,11 +162,9 @@ _HOLDER: list[str] = []
 
 
 def compile_library(march: str = "native", runtime: str | None = None) -> Native:
-    """Build (once per source, flags, compiler and processor: ninja rebuilds what changed) and load the kernels for
-    ``-march=march``, with OpenMP linked against ``runtime`` (None: without OpenMP), by
-    :func:`torch.utils.cpp_extension.load` into :func:`cache_dir`. The ops are registered in ``torch.ops.kvzoo``, or,
-    where another build holds that namespace in this process, in one named after the build's key. :func:`library` is
-    the one the ops use; tests build the portable C (``march='x86-64'``) with this."""
+    """Build (ninja rebuilds what changed) and load the kernels for ``-march=march``, with OpenMP linked against
+    ``runtime`` (None: without), into :func:`cache_dir`; registered in ``torch.ops.kvzoo``, or in a namespace named
+    after the build where another build holds that one in this process (tests build the portable C this way)."""
     from torch.utils import cpp_extension
 
     missing = toolchain_missing()
@@ -212,9 +206,8 @@ _LOADED: list[Native | None] = []
 
 
 def library() -> Native | None:
-    """The compiled kernels (built on the first call), or None -- with one RuntimeWarning saying why -- where they
-    cannot be built or loaded here. Built with OpenMP on torch's own runtime where there is one (else, or if that
-    build fails, without). After the first call, a lookup."""
+    """The compiled kernels (built on the first call, with OpenMP on torch's own runtime where there is one), or
+    None -- with one RuntimeWarning saying why -- where they cannot be built or loaded here. Then a lookup."""
     if not _LOADED:
         _LOADED.append(_load())
     return _LOADED[0]
@@ -224,9 +217,8 @@ library.cache_clear = _LOADED.clear  # type: ignore[attr-defined]  # forget it (
 
 
 def available() -> bool:
-    """Whether the kernels are built and loaded here (:func:`library` is not None): a constant once the first eager
-    call has loaded them. Inside ``torch.compile`` before any eager call it is False (the traced step then takes the
-    PyTorch references; nothing is built or read from the filesystem while tracing)."""
+    """Whether the kernels are built and loaded here. Inside ``torch.compile`` before any eager call it is False
+    (the traced step takes the PyTorch references; nothing is built while tracing)."""
     if not _LOADED:
         return not torch.compiler.is_compiling() and library() is not None
     return _LOADED[0] is not None
@@ -316,9 +308,8 @@ MAX_W = 2 * MAX_D + 1  # the widest index entry the float scans take (a Quest pa
 
 def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
                             j: int, counter: torch.Tensor | None = None) -> bool:
-    """Whether :func:`sketch_choose` takes these tensors: CPU, fp32 query, basis and floor, entries fp32 or fp16 with
-    contiguous rows, the basis' ``[dc, r]`` contiguous, ``hq <= MAX_HQ``, ``D <= MAX_D``, ``1 <= j <= min(MAX_J, m)``,
-    no autograd, and the library built here (widths are checked by the op: a wrong one is an error, not a fallback)."""
+    """Whether :func:`sketch_choose` takes these tensors (CPU, the dtypes and strides the op takes, ``1 <= j <=
+    min(MAX_J, m)``, no autograd, the library built here; a wrong width is the op's error, not a fallback)."""
     if query.dim() != 4 or basis.dim() != 4 or entries.dim() != 4:
         return False
     return (_on_cpu((query, basis, entries, floor)) and query.dtype == torch.float32
@@ -333,10 +324,9 @@ def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: t
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
                   floor: torch.Tensor, j: int, archived: int, scaling: float, slack: float, rank_by_bound: bool,
                   counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over its sketch for a decode step, in one call: ``(idx, picked) [B, G, hq * j]`` staged
-    and ``count`` (added to ``counter`` in place when given); ``kvzoo_sketch_choose`` in
-    ``csrc/sketch_choose.cpp``, whose specification is :func:`kvzoo.kernels.choose.sketch_choose_reference`. The
-    caller checked :func:`sketch_choose_supported`. The torch op ``kvzoo::sketch_choose``."""
+    """VestigeKV's sketch top-j rule in one call, the torch op ``kvzoo::sketch_choose`` (``csrc/sketch_choose.cpp``;
+    specification :func:`kvzoo.kernels.choose.sketch_choose_reference`). The caller checked
+    :func:`sketch_choose_supported`."""
     return (_LOADED[0] if _LOADED else library()).sketch_choose(query, basis, entries, length, floor, j, archived,
                                                                 float(scaling), float(slack), bool(rank_by_bound),
                                                                 counter)
@@ -345,10 +335,8 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
 def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                            positions: torch.Tensor | None, counter: torch.Tensor | None = None,
                            own: tuple[torch.Tensor, ...] | None = None) -> bool:
-    """Whether :func:`quest_choose` takes these tensors: CPU, an fp32 query of at most ``MAX_HQ`` rows per group,
-    entries fp32, bf16 or fp16 with contiguous rows at most :data:`MAX_W` wide, bool flags, int64 ``live`` (one
-    element) and positions, no autograd, and the library built here; ``own`` (or None): keys in the entries' dtype
-    with contiguous rows, bool valid, int64 position, contiguous fp32 running min/max."""
+    """Whether :func:`quest_choose` takes these tensors (CPU, the dtypes, strides and sizes the op takes, no autograd,
+    the library built here; ``own`` as :func:`kvzoo.kernels.choose.quest_choose` passes it)."""
     if query.dim() != 4 or entries.dim() != 4:
         return False
     if own is not None:
@@ -374,11 +362,9 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, per_head: bool, scaling: float,
                  slack: float, counter: torch.Tensor | None = None, own: tuple[torch.Tensor, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Quest's choice for a decode step in one call: ``(rows, positions, valid) [B, G, K]`` and ``count`` (added to
-    ``counter`` in place when given); ``positions`` None when the archive list is not given; ``own``: the step's own
-    row and the open page's min/max (:func:`kvzoo.kernels.choose.quest_choose`). ``kvzoo_quest_choose`` in
-    ``csrc/quest.cpp``, whose specification is :func:`kvzoo.kernels.choose.quest_choose_reference`. The caller checked
-    :func:`quest_choose_supported`. The torch op ``kvzoo::quest_choose``."""
+    """Quest's choice in one call, the torch op ``kvzoo::quest_choose`` (``csrc/quest.cpp``; specification
+    :func:`kvzoo.kernels.choose.quest_choose_reference`): ``positions`` out is None when the archive list is not
+    given. The caller checked :func:`quest_choose_supported`."""
     own_keys, own_valid, own_position, open_min, open_max = (None,) * 5 if own is None else own
     rows, at, valid, count = (_LOADED[0] if _LOADED else library()).quest_choose(
         query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling), float(slack),
@@ -389,9 +375,8 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
 def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,
                              open_min: torch.Tensor, open_max: torch.Tensor, entries: torch.Tensor,
                              empty: torch.Tensor, count: torch.Tensor, length: torch.Tensor) -> bool:
-    """Whether :func:`quest_page_add` takes these tensors: CPU, keys fp32, bf16 or fp16 with contiguous rows and the
-    entries in their dtype, bool flags, int64 position, count and length (one element each), contiguous fp32 running
-    min/max, and the library built here."""
+    """Whether :func:`quest_page_add` takes these tensors (CPU, the dtypes and strides the op takes, no autograd,
+    the library built here)."""
     tensors = (keys, valid, position, open_min, open_max, entries, empty, count, length)
     return (_on_cpu(tensors) and keys.dtype in FLOAT_DTYPES and entries.dtype == keys.dtype
             and keys.stride(-1) == 1 and entries.stride(-1) == 1 and valid.dtype == torch.bool
@@ -405,9 +390,8 @@ def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: 
 def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
                    open_max: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, count: torch.Tensor,
                    length: torch.Tensor, size: int) -> None:
-    """One archived row joins Quest's fixed page summary, read where it lies, all in place (``kvzoo_quest_page_add`` in
-    ``csrc/quest.cpp``; the specification is :func:`kvzoo.kernels.choose.quest_page_add_reference`). The caller checked
-    :func:`quest_page_add_supported`. The torch op ``kvzoo::quest_page_add``."""
+    """One archived row joins Quest's page summary in place, the torch op ``kvzoo::quest_page_add`` (specification
+    :func:`kvzoo.kernels.choose.quest_page_add_reference`). The caller checked :func:`quest_page_add_supported`."""
     (_LOADED[0] if _LOADED else library()).quest_page_add(keys, valid, position, open_min, open_max, entries, empty,
                                                           count, length, size)
 
@@ -419,11 +403,9 @@ def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tens
 
 def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: torch.Tensor | None = None,
                             prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-    """Whether :func:`decode_attend` takes these inputs: CPU tensors, rows (and query) in fp32, bf16 or fp16 with a
-    contiguous last dimension, values in the keys' dtype, int32/int64 indices and length, bool flags, at most
-    :data:`MAX_HPG` query heads per group, ``D`` and ``Dv`` at most :data:`MAX_D`, no autograd, ``KVZOO_KERNELS`` not
-    ``torch``, and the library built here. (Shapes are checked by the op itself: a wrong one is a ValueError, not a
-    fallback.)"""
+    """Whether :func:`decode_attend` takes these inputs: CPU tensors in the dtypes and strides the op takes, the
+    sizes :func:`decode_attend_takes` checks, ``KVZOO_KERNELS`` not ``torch`` (a wrong shape is the op's ValueError,
+    not a fallback)."""
     from kvzoo.kernels import dispatch
 
     if dispatch.mode() == "torch":

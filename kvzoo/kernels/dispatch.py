@@ -76,13 +76,7 @@ _failed: set[str] = set()
 # what each op's calls took: (op, "triton") or (op, "fallback: <error>"), counted; read by benchmarks that must say
 # which path they timed (make gpu-check)
 calls: Counter = Counter()
-STRICT_ENV = "KVZOO_KERNELS_STRICT"
-
-
-def strict() -> bool:
-    """``KVZOO_KERNELS_STRICT=1``: a kernel that fails raises, even in ``auto`` mode (no silent fallback: what a
-    benchmark of the kernels needs)."""
-    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
+STRICT_ENV = "KVZOO_KERNELS_STRICT"  # =1: a kernel that fails raises even in auto mode (what a benchmark needs)
 
 
 def run(name: str, triton_fn, reference_fn, *args, **kwargs):
@@ -97,7 +91,7 @@ def run(name: str, triton_fn, reference_fn, *args, **kwargs):
         calls[(name, "triton")] += 1
         return out
     except Exception as err:
-        if mode() == "triton" or strict():
+        if mode() == "triton" or os.environ.get(STRICT_ENV, "0") not in ("", "0"):  # no silent fallback
             raise
         _failed.add(name)
         warnings.warn(f"kvzoo: the Triton kernel {name!r} failed ({type(err).__name__}: {err}); using the PyTorch "

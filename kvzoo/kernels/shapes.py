@@ -1,12 +1,8 @@
 """What ships: the Triton specialisations the launchers pick for the shipped models, for the sm_90 compile gate
-(``kvzoo/kernels/compile_gate.py``; ``tests/test_compile_gate.py`` compiles each one and holds it to ``expect``;
-``python -m kvzoo.kernels.shapes`` prints the tables).
-
-Each configuration is built from the launcher's own heuristics (:func:`~kvzoo.kernels.decode_attention.triton.
-split_config`, :func:`~kvzoo.kernels.decode_attention.triton.merge_config`,
-:func:`~kvzoo.kernels.index_scan.launch_config`), so the binary a GPU runs is the one the gate checks. The imports
-go one way: this module imports the gate and the kernel modules; neither imports it, and the kernel modules never
-import the gate. Imports no Triton itself (the kernels are jitted when :func:`shipped` asks for them).
+(``tests/test_compile_gate.py`` compiles each one and holds it to ``expect``; ``python -m kvzoo.kernels.shapes``
+prints the tables). Each is built from the launchers' own heuristics (``split_config``, ``merge_config``,
+``index_scan.launch_config``), so the binary a GPU runs is the one the gate checks. This module imports the gate and
+the kernel modules; neither imports it.
 """
 
 from __future__ import annotations

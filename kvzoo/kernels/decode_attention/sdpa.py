@@ -43,9 +43,7 @@ def _sdpa_rows(s: _Source, value: bool) -> torch.Tensor:
 def fused(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
           mask: torch.Tensor | None = None) -> torch.Tensor:
     """Torch's fused SDPA of one query per sequence ``[B, H, D]`` over ``keys [B, G, N, D]``, ``values [B, G, N, Dv]``
-    (read in place, ``enable_gqa``) under ``mask [B, H, 1, N]`` (None: every row): ``[B, H, Dv]``. The one place a
-    single query takes the fused kernel (the decode op's plain source, a one-token forward of
-    :func:`kvzoo.kernels.attention.attention_sdpa`)."""
+    (read in place, ``enable_gqa``: transformers' own decode) under ``mask [B, H, 1, N]`` (None: every row)."""
     q = query.to(keys.dtype)[:, :, None]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] > keys.shape[1])
@@ -53,9 +51,8 @@ def fused(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``scaling * q k^T`` ``[B, G, hpg, N']`` in fp32 for ``q [B, G, hpg, D]`` (already in the rows' dtype): fp32
-    rows multiply as they are; half-precision rows are upcast a block at a time (the product is then fp32's, never
-    rounded to the rows' dtype: the score precision of every path that computes s*)."""
+    """``scaling * q k^T`` ``[B, G, hpg, N']`` fp32 for ``q [B, G, hpg, D]`` in the rows' dtype; half-precision rows
+    are upcast a block at a time, so the product is fp32's (the score precision of every path that computes s*)."""
     if keys.dtype == torch.float32:
         return torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)
     B, G, hpg, D = q.shape

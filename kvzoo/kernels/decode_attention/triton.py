@@ -107,10 +107,9 @@ def split_config(heads_per_group: int, key_width: int, value_width: int, separat
 
 
 def merge_config(splits: int) -> MergeConfig:
-    """The merge kernel's blocks for a source of ``splits`` splits: every split's log-sum-exp in one tile
-    (``BLOCK_S``, up to :data:`MAX_MERGE_BLOCK_S`; more splits are taken in chunks with an online maximum) and a
-    slice of ``BLOCK_DV`` output columns, so one program loads one tile of partial outputs (at most 4,096
-    floats) at once: one round trip to L2, no loop."""
+    """The merge kernel's blocks for ``splits`` splits: every split's log-sum-exp in one tile (``BLOCK_S``, up to
+    :data:`MAX_MERGE_BLOCK_S`; more are taken in chunks) and ``BLOCK_DV`` output columns, so one program loads at most
+    4,096 partial outputs at once: one round trip to L2, no loop."""
     block_s = min(MAX_MERGE_BLOCK_S, _pow2(splits, 16))
     return MergeConfig(BLOCK_S=block_s, BLOCK_DV=max(4, min(128, 4096 // block_s)), num_warps=4, num_stages=1)
 
@@ -124,9 +123,8 @@ def _sm_count(device: torch.device) -> int:
 
 def default_splits(batch_groups: int, positions: int, block_n: int, sms: int = DEFAULT_SMS,
                    ctas_per_sm: int = 2) -> int:
-    """Splits per source when ``splits=None``: ``batch_groups x splits`` fills the ``sms x ctas_per_sm`` programs
-    the chip holds at once (one wave, never a second, partial one), at most one split per tile of ``block_n``
-    positions, at least one. No floor of rows per split: a split's partial output stays in L2 for the merge."""
+    """Splits per source when ``splits=None``: ``batch_groups x splits`` fills one wave of the ``sms x
+    ctas_per_sm`` programs the chip holds at once, at most one split per tile of ``block_n`` positions, at least one."""
     tiles = -(-positions // block_n)
     return max(1, min(tiles, (sms * ctas_per_sm) // max(1, batch_groups), MAX_SPLITS))
 
@@ -396,8 +394,8 @@ def decode_merge_kernel(
 
 @functools.cache
 def kernels() -> SimpleNamespace:
-    """The jitted split and merge kernels (imports Triton). The kernels' helpers are jitted too, in place: the
-    kernels call them through this module's globals."""
+    """The jitted split and merge kernels (imports Triton); their helpers are jitted in place (the kernels call
+    them through this module's globals)."""
     global tl, _tile_rows, _flag_word, _heads_allowed
     import triton
     import triton.language
@@ -413,11 +411,10 @@ def kernels() -> SimpleNamespace:
 
 
 def _flag_words(valid: torch.Tensor | None, head_valid: torch.Tensor | None, hpg: int) -> torch.Tensor:
-    """``valid [B, G, N']`` and ``head_valid [B, H, N']`` as the kernel reads them: int32 words
-    ``[B, G, W, N']`` (``W = ceil(hpg / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when
-    head ``32 w + j`` of the group may read the position. One 4-byte word per position instead of a flag
-    per head: it is copied asynchronously like an index, so the kernel knows in time which rows not to
-    load at all. The kernel reads exactly these ``W`` words (``FLAG_WORDS``), whatever its block of heads."""
+    """``valid [B, G, N']`` and ``head_valid [B, H, N']`` as the kernel reads them: int32 words ``[B, G, W, N']``
+    (``W = ceil(hpg / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when head ``32 w + j`` of the
+    group may read the position: one word per position, copied asynchronously like an index, so the kernel knows in
+    time which rows not to load at all."""
     if head_valid is None:  # valid alone: every bit (-1) or none
         B, G, P = valid.shape
         word = valid.to(torch.int32).neg_().contiguous()
@@ -445,8 +442,8 @@ def _aligned(*pools: torch.Tensor) -> bool:
 
 def _split_launch(query: torch.Tensor, s: _Source, splits: int | None,
                   tune: dict | None = None) -> tuple[SplitConfig, int]:
-    """The configuration and the split count the launcher takes for one source (``tune``: fields of the
-    :class:`SplitConfig` replaced, for ``benchmarks/gpu_kernels.py``'s sweep)."""
+    """The configuration and split count for one source (``tune``: :class:`SplitConfig` fields replaced, for
+    ``benchmarks/gpu_kernels.py``'s sweep)."""
     src = s.rows
     H = query.shape[1]
     cfg = split_config(H // s.groups, query.shape[2], s.value_width, src.values is not None,
@@ -471,10 +468,8 @@ def launch(query: torch.Tensor, checked: list[_Source], scaling: float, splits: 
            best: bool = False, prior: tuple | None = None, out_dtype: torch.dtype | None = None,
            tune: dict | None = None, merge: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(out [B, H, Dv] in out_dtype (default: the query's), lse [B, H], best [B, H] or None)``: per source the
-    split kernel, then the merge kernel, which folds in what came before (the previous source's result, or
-    ``prior = (out, lse)``, a part computed earlier) -- one softmax over every source. For the benchmark:
-    ``tune`` replaces fields of each source's :class:`SplitConfig`; ``merge=False`` launches the split kernels
-    alone and returns the last source's partials ``(out, lse, best)`` per split."""
+    split kernel, then the merge kernel, which folds in the previous source's result or ``prior = (out, lse)``. For
+    the benchmark: ``tune`` (see :func:`_split_launch`); ``merge=False`` returns the last source's partials."""
     B, H, D = query.shape
     if query.device.type == "cpu" and dispatch.interpreting():
         half = [t.dtype for t in [query] + [s.rows.keys for s in checked] if t.dtype == torch.bfloat16]
@@ -565,10 +560,8 @@ def decode_attention_triton(
 
 def attend_triton(query: torch.Tensor, checked: list[_Source], scaling: float, splits: int | None, *, best: bool,
                   prior: Attended | None = None, defer: bool = False) -> Attended:
-    """A part of a step on the kernels. Its best score (s*) comes from the split kernel (each split's maximum,
-    reduced by the merge: no second read of the rows); a deferred part keeps its output in fp32 for the merge that
-    ends the step; ``prior`` (a part with ``out`` and ``lse``) is folded into this part's merge kernel: one softmax
-    over both."""
+    """A part of a step on the kernels: s* from the split kernel's per-split maxima (no second read of the rows); a
+    deferred part keeps its output in fp32; ``prior`` is folded into this part's merge: one softmax over both."""
     if prior is not None:
         out, lse, _ = launch(query, checked, scaling, splits, prior=(prior.out, prior.lse))
         return Attended(out, lse, prior.best)
