@@ -35,13 +35,9 @@ def row_mask(key_slots: torch.Tensor, key_valid: torch.Tensor, query_slots: torc
 
 
 def received_attention(probs: torch.Tensor, groups: int) -> torch.Tensor:
-    """H2O's accumulation, the one statement of it in kvzoo: what each row gains, ``[B, groups, n]`` fp32 -- the
-    probability it received, summed over the queries and over the query heads of its group.
-
-    ``probs [B, H, ..., n]``: the attention probabilities of ``H`` query heads (a group's heads consecutive, as
-    transformers' GQA lays them out), any query dims between; or per-group sums ``[B, G', n]`` to fold into fewer
-    groups (an MLA layer attended per head: its ``H`` heads into the latent row's one group).
-    """
+    """H2O's accumulation, the one statement of it in kvzoo: ``[B, groups, n]`` fp32, the probability each row
+    received summed over the queries and the query heads of its group, from ``probs [B, H, ..., n]`` (a group's heads
+    consecutive, as transformers lays them out) or per-group sums ``[B, G', n]`` folded into fewer groups (MLA)."""
     B, n = probs.shape[0], probs.shape[-1]
     return probs.reshape(B, groups, -1, n).sum(dim=2)
 
@@ -124,11 +120,10 @@ def attention_sdpa(
         # imported here: the module costs ~2 s of torch._dynamo to import
         from torch.nn.attention.bias import causal_lower_right
 
-        bias = causal_lower_right(q_len, n)
-        if hpg > 1 and query.device.type == "cuda":  # the lower-right kernels take equal head counts
+        if hpg > 1:  # the lower-right kernels take equal head counts
             keys, values = keys.repeat_interleave(hpg, dim=1), values.repeat_interleave(hpg, dim=1)
-            return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling, enable_gqa=hpg > 1)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(q_len, n),
+                                              scale=scaling)
     allowed = row_mask(key_slots, key_valid, query_slots)  # [B, G, q, n]
     if extra_mask is not None:
         allowed = allowed & extra_mask
@@ -137,11 +132,8 @@ def attention_sdpa(
 
 
 def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """``scale * <q, k>`` ``[B, H, q, n]`` in fp32, ``-inf`` where ``allowed [B, G, q|1, n]`` is False.
-
-    The product runs in the rows' dtype (as transformers' attention does; the matmul accumulates in
-    fp32) and only the ``[B, H, q, n]`` scores are upcast: the rows are never copied to fp32.
-    """
+    """``scale * <q, k>`` ``[B, H, q, n]`` in fp32, ``-inf`` where ``allowed [B, G, q|1, n]`` is False: the product
+    in the rows' dtype (fp32 accumulation, as transformers' attention), only the scores upcast."""
     B, H, q_len, D = query.shape
     G, n = keys.shape[1], keys.shape[2]
     hpg = H // G
@@ -155,13 +147,9 @@ def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed:
 def attend_scores(
     scores: list[torch.Tensor], values: list[torch.Tensor], out_dtype: torch.dtype, *, with_lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """One softmax over several row sources, merged exactly.
-
-    ``scores[i] [B, H, q, n_i]`` (fp32, ``-inf`` for rows a query may not read) and ``values[i]
-    [B, G, n_i, Dv]``. Returns the output ``[B, H, q, Dv]`` (``out_dtype``), the log-sum-exp
-    ``[B, H, q]`` (when ``with_lse``, else None) and each source's probabilities (fp32). The
-    probabilities are cast to the values' dtype for the products, as transformers' attention does.
-    """
+    """One softmax over several row sources, merged exactly: ``scores[i] [B, H, q, n_i]`` (fp32, ``-inf`` where
+    unreadable), ``values[i] [B, G, n_i, Dv]`` -> ``(out [B, H, q, Dv] in out_dtype, lse [B, H, q] or None, each
+    source's probabilities)``; the probabilities cast to the values' dtype for the products, as transformers does."""
     joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
     probs = torch.softmax(joined, dim=-1)
     lse = torch.logsumexp(joined, dim=-1) if with_lse else None

@@ -32,10 +32,9 @@ SM90_BLOCKS = 32  # blocks per SM
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One compiled specialisation: the kernel, its argument types and constexprs, warps, stages, and what the gate holds the compiled code to (``expect``: ``mma`` the
-    instruction, ``row_tiles`` the row-tile operands as ``(rows, cols, dtype)``, ``row_buffers`` the fewest
-    buffers in flight, ``ctas_per_sm`` the fewest programs per SM, ``max_registers``, ``score_tile`` ``(heads, rows)`` and
-    ``score_copies`` the warps per score)."""
+    """One compiled specialisation: the kernel, its argument types and constexprs, warps, stages, and what the
+    gate holds the compiled code to (``expect``: see :func:`problems`; ``row_tiles`` ``(rows, cols, dtype)`` and
+    ``score_tile`` ``(heads, rows)`` name the operands)."""
 
     name: str
     fn: Any  # a triton.JITFunction

@@ -204,10 +204,9 @@ def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_entries_fp16(entries: torch.Tensor, rank: int, branch_dim: int) -> torch.Tensor:
-    """Sketch entries (:func:`sketch_entries`, fp32) stored in fp16 so that bounds with :data:`SKETCH_SLACK_FP16`
-    stay certified: ``z`` and ``r`` to nearest, ``eta`` rounded up, ``||c||`` and ``||r||`` rounded up after adding
-    ``sqrt(width) 2^-14``. Raises if a value overflows fp16 (then store the index in fp32); the check reads the
-    device once per call (an index of fp16 entries indexed inside decode steps synchronises there)."""
+    """Sketch entries stored in fp16 so that bounds with :data:`SKETCH_SLACK_FP16` stay certified: ``z`` and ``r`` to
+    nearest, ``eta`` and the norms rounded up (the norms after adding ``sqrt(width) 2^-14``). Raises if a value
+    overflows fp16; the check reads the device once per call."""
     out = entries.half()
     out[..., rank] = _round_up_fp16(entries[..., rank])  # eta
     norms = [(rank + 1 + branch_dim, rank)]  # ||c||: its column and the width whose rounding it covers
@@ -224,14 +223,10 @@ INT8_NORM_MARGIN = 1e-3  # relative margin on the stored error and norm columns 
 
 
 def int8_key_entries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row int8 keys for a certified bound: ``(codes [B, G, m, D] int8, side [B, G, m, 3] fp16)``.
-
-    ``side = [s, err, norm]``: the row's scale ``s`` (fp16, rounded up from ``max|k| / 127``, at least 2^-14), so
-    ``k_hat = s * codes`` is exact in fp32 (``s`` at most fp16's largest value); ``err >= ||k - k_hat||`` and ``norm >= max(||k||, ||k_hat||)``, both
-    computed in fp32, widened by :data:`INT8_NORM_MARGIN` and rounded up to fp16. Then for any query
-    ``<q, k> <= s <q, codes> + ||q|| err`` (Cauchy-Schwarz on ``k - k_hat``); :func:`int8_key_bounds` adds the fp32
-    slack ``eps ||q|| norm``. ``D + 6`` bytes per row.
-    """
+    """Per-row int8 keys for a certified bound: ``(codes [B, G, m, D] int8, side [B, G, m, 3] fp16)``, ``D + 6``
+    bytes per row. ``side = [s, err, norm]``: the scale ``s`` (fp16, rounded up from ``max|k| / 127``), so ``k_hat = s *
+    codes`` is exact in fp32; ``err >= ||k - k_hat||`` and ``norm >= max(||k||, ||k_hat||)``, widened by
+    :data:`INT8_NORM_MARGIN` and rounded up. Then ``<q, k> <= s <q, codes> + ||q|| err`` (Cauchy-Schwarz)."""
     k = keys.float()
     scale = _round_up_fp16((k.abs().amax(-1) / 127).clamp(min=2.0 ** -14, max=65504.0))  # finite: codes stay finite
     codes = (k / scale.float()[..., None]).round().clamp(-127, 127)
@@ -315,13 +310,11 @@ def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, th
                 counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over int8 key entries, staged and counted: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
-    Per query row of ``query [B, G, hq, D]``: its top ``j`` rows by :func:`int8_key_estimate`, each kept where its
-    certified bound (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's
-    ``hq * j`` candidates sorted (unchosen ones as ``archived``, the archive's row count), ``idx`` clamped below
-    ``archived`` and ``picked`` True on the first copy of each chosen row; ``count`` (int64, 0-dim) the rows picked
-    over the batch and groups, added in place to ``counter`` when given. On CPU one call of the C loop
-    (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32 rounding of the
-    estimates (a bound within rounding of its threshold may go either way)."""
+    Per query row its top ``j`` rows by :func:`int8_key_estimate`, each kept where its certified bound
+    (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's candidates staged as
+    :func:`unique_candidates` stages them; ``count`` added to ``counter`` in place when given. On CPU one call of the C
+    loop (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32 rounding of
+    the estimates (a bound within rounding of its threshold may go either way)."""
     from kvzoo.kernels import cpu_native
 
     if fused_choose_applies(query, codes, side, j, counter):
@@ -374,15 +367,13 @@ def _round_up_16_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A coarse page summary in int8: ``(codes [B, G, p, 2 D] int8, scale [B, G, p] fp32)`` from each page's
-    element-wise key minimum and maximum ``[B, G, p, D]`` (fp32; an empty page's are ``+inf`` / ``-inf``).
+    """A coarse page summary in int8, ``2 D + 4`` bytes a page: ``(codes [B, G, p, 2 D] int8, scale [B, G, p]
+    fp32)`` from each page's key minimum and maximum ``[B, G, p, D]`` (an empty page's ``+inf`` / ``-inf``).
 
-    ``scale`` is ``max_i max(|min_i|, |max_i|) / 127`` widened by ``2^-20`` (so ``127 scale`` covers the page, at
-    least 2^-14) and rounded up to 16 significant bits, so that a code times the scale is exact in fp32;
-    ``codes = [ceil(max / scale), floor(min / scale)]``, each corrected by one step where fp32's division rounded it
-    inward, so ``scale * codes[:D] >= max`` and ``scale * codes[D:] <= min`` exactly, every code in ``[-128, 127]``. An empty page gets codes 0 (its bound is set to ``-inf`` by the caller's flag); a page with
-    an infinite key gets an infinite scale (:func:`int8_page_bounds` gives it ``+inf``). ``2 D + 4`` bytes a page.
-    """
+    ``scale`` (``max |k| / 127``, widened, rounded up to 16 significant bits so a code times it is exact in fp32) and
+    ``codes = [ceil(max / scale), floor(min / scale)]`` corrected where fp32's division rounded inward, so ``scale *
+    codes[:D] >= max`` and ``scale * codes[D:] <= min`` exactly. An empty page gets codes 0; a page with an infinite
+    key an infinite scale (its bound ``+inf``)."""
     empty = torch.isinf(page_min).all(-1, keepdim=True) & torch.isinf(page_max).all(-1, keepdim=True)
     lo = page_min.float().masked_fill(empty, 0.0)
     hi = page_max.float().masked_fill(empty, 0.0)

@@ -102,11 +102,8 @@ def _check_call(query: torch.Tensor, sources, scaling, splits) -> None:
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
                                or not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"splits must be None or an int in [1, {MAX_SPLITS}], got {splits!r}")
-    if not isinstance(sources, (list, tuple)) or not sources:
+    if not isinstance(sources, (list, tuple)) or not sources:  # (a source that is no Rows: _validate says so)
         raise ValueError("sources must be a non-empty list of Rows")
-    for s in sources:
-        if not isinstance(s, Rows):
-            raise ValueError("sources must be a non-empty list of Rows")
 
 
 def _check_keys(name: str, k, query: torch.Tensor) -> None:
