@@ -24,11 +24,8 @@ def query_block(batch_heads: int, rows: int, budget: int = SCORE_BLOCK_ELEMENTS)
 
 
 def row_mask(key_slots: torch.Tensor, key_valid: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
-    """Bool ``[B, G, q, n]``: query at slot s may read a row iff the row is valid and its slot <= s.
-
-    A query always reads its own row (slot == s) even when it is padding, so a padding query has
-    a defined (ignored) output instead of NaN.
-    """
+    """Bool ``[B, G, q, n]``: query at slot s may read a row iff the row is valid and its slot <= s, and always
+    its own row (slot == s), so a padding query has a defined (ignored) output instead of NaN."""
     ks = key_slots[:, :, None, :]  # [B, G, 1, n]
     qs = query_slots.view(1, 1, -1, 1)  # [1, 1, q, 1]
     return (key_valid[:, :, None, :] & (ks <= qs)) | (ks == qs)
@@ -171,10 +168,8 @@ def window_attention(
     key_valid: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """Probabilities ``[B, H, w, n]`` (fp32) of ``w`` observation-window queries over the rows.
-
-    Costs ``w x n``, never ``n x n``: SnapKV/ChunkKV only need the last window's attention.
-    """
+    """Probabilities ``[B, H, w, n]`` (fp32) of ``w`` observation-window queries over the rows: ``w x n``, never
+    ``n x n`` (SnapKV/ChunkKV only need the last window's attention)."""
     B, H, w, D = queries.shape
     G = keys.shape[1]
     q = queries.float().view(B, G, H // G, w, D)

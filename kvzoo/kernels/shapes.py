@@ -153,11 +153,9 @@ def decode_configs() -> list[KernelConfig]:
 # index scan
 # ----------------------------------------------------------------------------------------------------
 
-# Shapes the shipped retrievers scan: (label, query rows hq, width W, entries dtype, op, threshold given).
-# VestigeKV MLA: W = rank 64 + eta + rope 64 + 2 norms = 131, entries fp32 (sketch_entries), hq = heads
-# per group (DeepSeek-V2-Lite 16, Kimi Linear 32); its certified rule reduces with s* - tau, its top-j
-# rule scans. Quest MLA: W = 2 x 576 + 1, hq 16; Quest GQA head_dim 64: W = 129, hq 3 / 4 / 8; entries in
-# the keys' dtype; gqa="head" scans, gqa="group" reduces with threshold 0 (None).
+# Shapes the shipped retrievers scan: (label, query rows hq, width W, entries dtype, op, threshold given). VestigeKV
+# MLA: W = rank 64 + eta + rope 64 + 2 norms = 131, fp32, hq 16 / 32 (its certified rule reduces with s* - tau, its
+# top-j rule scans); Quest MLA: W = 2 x 576 + 1, hq 16; Quest GQA: W = 129, hq 3 / 4 / 8 (gqa="group" reduces).
 INDEX_SCAN_SHAPES = (
     [(f"vestige_mla_h{h}", h, 131, torch.float32, op, op == "reduce") for h in (16, 32) for op in ("scan", "reduce")]
     + [(f"quest_mla_h16_{_TRITON_TYPE[d]}", 16, 1153, d, op, False)

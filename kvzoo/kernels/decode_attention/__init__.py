@@ -1,32 +1,22 @@
 """Gathered decode attention over several row sources, one softmax: the op, one specification, four forms.
 
-One decode step: one query per sequence, ``query [B, H, D]``, reads rows from one or more
-:class:`Rows` sources (the attended pool, the rows a retriever fetched, ...). Every readable row of
-every source joins **one** softmax; the result is the output ``[B, H, Dv]`` (the query's dtype) and
-the natural-log log-sum-exp ``[B, H]`` (fp32) of the scaled scores over all those rows.
+One decode step, ``query [B, H, D]`` (one query per sequence), reads rows from one or more :class:`Rows` sources
+(the attended pool, the rows a retriever fetched, ...). Every readable row of every source joins **one** softmax;
+the result is the output ``[B, H, Dv]`` (the query's dtype) and the natural-log log-sum-exp ``[B, H]`` (fp32).
 
-A source holds ``keys [B, G, N, D]`` (``G`` KV groups, ``H % G == 0``: query head ``h`` reads group
-``h // (H // G)``) and its values in one of two forms:
+A source holds ``keys [B, G, N, D]`` (query head ``h`` reads group ``h // (H // G)``) and either ``values [B, G, N,
+Dv]`` (GQA) or ``values=None`` with ``value_width=Dv`` (MLA absorbed: a row's value is its first ``Dv`` dims, so a
+576-dim latent row is loaded once for both products). A query head reads a position (a pool row ``n``, or in the
+gathered form an entry ``i`` of ``indices``) when all of these allow it:
 
-* GQA: ``values [B, G, N, Dv]``, separate rows;
-* MLA absorbed: ``values=None`` and ``value_width=Dv``: the value of a row is its first ``Dv``
-  dims (DeepSeek / Kimi latent rows of 512 + 64: the key is the whole 576-dim row, the value its
-  512-dim latent). The kernel loads such a row once for both products.
+* ``length [B]`` (a device tensor, so a launch can be graph-captured): positions ``[0, length[b])`` only;
+* ``indices [B, G, K]`` (gathered form): position ``i`` is the row ``keys[b, g, indices[b, g, i]]`` (a duplicate
+  is read twice); an index outside ``[0, N)`` is unreadable (``-1`` may pad; nothing reads outside the pool);
+* ``valid [B, G, N']`` (``N' = N``, or ``K`` in the gathered form) per position, ``head_valid [B, H, N']`` per
+  query head and position (Quest picks pages per head).
 
-Which rows a query head reads (a *readable* row) is the conjunction of:
-
-* ``length [B]`` (a device tensor, so a launch can be graph-captured): positions ``[0, length[b])``
-  only (``None``: every position). A position is a row index ``n`` of the pool, or in the gathered
-  form an entry ``i`` of ``indices``;
-* ``indices [B, G, K]`` (gathered form): position ``i`` is the row ``keys[b, g, indices[b, g, i]]``;
-  a duplicate index is read twice, like a gather. An index outside ``[0, N)`` makes its entry
-  unreadable (so ``-1`` may pad; neither implementation reads outside the pool);
-* ``valid [B, G, N']`` (``N' = N``, or ``K`` in the gathered form), per position;
-* ``head_valid [B, H, N']`` per query head and position (Quest picks pages per head).
-
-What a row that is not readable by any head of its group holds never matters (a preallocated pool
-may hold NaN past ``length`` or in invalid rows). A preallocated pool may be passed whole (any
-strides, last dim contiguous) with ``length`` marking its filled prefix.
+What a row no head of its group may read holds never matters (a preallocated pool, passed whole with ``length``
+marking its filled prefix, may hold NaN there).
 
 Scores are ``scaling * <q, k>`` in fp32: the query rounded to the rows' dtype, the products accumulated in fp32 and
 kept in fp32 (never rounded back: the best score s*, ``best=True``, is VestigeKV's retrieval floor, compared with
@@ -112,10 +102,8 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
 
 def _choose(query: torch.Tensor, checked: list[_Source], prior: Attended | None, mass: bool) -> str:
     """The implementation :func:`attend` takes when none is named: :func:`kvzoo.kernels.dispatch.decode_impl`'s
-    choice (Triton on CUDA tensors, else SDPA), and on CPU the native op where it takes the part (unless
-    ``KVZOO_KERNELS=torch``): one source of CPU tensors read where it lies (gathered, or a pool with flags or a
-    length), a prior part it can merge (one the op or a kernel computed: no kept scores), sizes the op takes, and
-    the library built here."""
+    (Triton on CUDA tensors, else SDPA), and on CPU the native op where it takes the part: one source read where it
+    lies, a prior it can merge (no kept scores), sizes the op takes, the library built here."""
     chosen = dispatch.mode()
     if query.is_cuda or chosen == "triton":
         impl = dispatch.decode_impl(query, mass=mass)

@@ -435,8 +435,8 @@ def _flag_words(valid: torch.Tensor | None, head_valid: torch.Tensor | None, hpg
 
 
 def _aligned(*pools: torch.Tensor) -> bool:
-    """Whether every pool starts 16-byte aligned with (batch, group, row) strides that are multiples of 16
-    elements: the kernel may then tell the compiler so (vectorised, asynchronously pipelined row loads)."""
+    """Every pool 16-byte aligned with (batch, group, row) strides multiples of 16 elements: the kernel may tell
+    the compiler so (vectorised, asynchronously pipelined row loads)."""
     return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:3]) for t in pools)
 
 
@@ -472,8 +472,7 @@ def launch(query: torch.Tensor, checked: list[_Source], scaling: float, splits: 
     the benchmark: ``tune`` (see :func:`_split_launch`); ``merge=False`` returns the last source's partials."""
     B, H, D = query.shape
     if query.device.type == "cpu" and dispatch.interpreting():
-        half = [t.dtype for t in [query] + [s.rows.keys for s in checked] if t.dtype == torch.bfloat16]
-        if half:
+        if any(t.dtype == torch.bfloat16 for t in [query] + [s.rows.keys for s in checked]):
             raise ValueError("decode_attention's kernels in Triton's CPU interpreter: bfloat16 is computed "
                              "wrong there (float16 and float32 are right); test bfloat16 on a GPU or use "
                              "KVZOO_KERNELS=torch")
