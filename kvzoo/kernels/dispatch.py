@@ -65,13 +65,6 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
-def decode_impl(tensor: torch.Tensor, *, mass: bool = False) -> str:
-    """The implementation decode attention takes on ``tensor``'s device (``kvzoo.kernels.decode_attention``):
-    ``triton`` where :func:`use_triton` says so (except when the per-position probabilities are asked for,
-    which the kernels do not compute: ``sdpa``), ``sdpa`` elsewhere."""
-    return "triton" if use_triton(tensor) and not mass else "sdpa"
-
-
 _failed: set[str] = set()
 # what each op's calls took: (op, "triton") or (op, "fallback: <error>"), counted; read by benchmarks that must say
 # which path they timed (make gpu-check)

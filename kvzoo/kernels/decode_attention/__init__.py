@@ -101,14 +101,13 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
 
 
 def _choose(query: torch.Tensor, checked: list[_Source], prior: Attended | None, mass: bool) -> str:
-    """The implementation :func:`attend` takes when none is named: :func:`kvzoo.kernels.dispatch.decode_impl`'s
-    (Triton on CUDA tensors, else SDPA), and on CPU the native op where it takes the part: one source read where it
-    lies, a prior it can merge (no kept scores), sizes the op takes, the library built here."""
+    """The implementation :func:`attend` takes when none is named: Triton where
+    :func:`kvzoo.kernels.dispatch.use_triton` says so (not for ``mass``: the kernels compute no per-position
+    probabilities), on CPU the native op where it takes the part (one source read where it lies, a prior it can
+    merge, sizes the op takes, the library built here), else SDPA."""
     chosen = dispatch.mode()
-    if query.is_cuda or chosen == "triton":
-        impl = dispatch.decode_impl(query, mass=mass)
-        if impl == "triton":
-            return impl
+    if (query.is_cuda or chosen == "triton") and dispatch.use_triton(query) and not mass:
+        return "triton"
     if chosen == "torch" or query.device.type != "cpu" or len(checked) != 1 or (prior is not None
                                                                               and prior.scores is not None):
         return "sdpa"

@@ -10,9 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvzoo.kernels.decode_attention.rows import Attended, _group_readable, _readable, _Source
-
-# Most fp32 elements of one block of half-precision rows upcast at once for their scores.
-SCORE_ROW_BLOCK_ELEMENTS = 1 << 22
+from kvzoo.kernels.index_scan import _upcast_matmul
 
 
 def sdpa_mask(query: torch.Tensor, s: _Source) -> torch.Tensor | None:
@@ -55,14 +53,7 @@ def _scores(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor
     are upcast a block at a time, so the product is fp32's (the score precision of every path that computes s*)."""
     if keys.dtype == torch.float32:
         return torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)
-    B, G, hpg, D = q.shape
-    n = keys.shape[2]
-    qf = q.float()
-    out = qf.new_empty(B, G, hpg, n)
-    step = max(1, SCORE_ROW_BLOCK_ELEMENTS // max(1, B * G * D))
-    for a in range(0, n, step):
-        out[..., a:a + step] = torch.matmul(qf, keys[:, :, a:a + step].float().transpose(-1, -2))
-    return out.mul_(scaling)
+    return _upcast_matmul(q.float(), keys).mul_(scaling)
 
 
 def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, lse: bool = False,
