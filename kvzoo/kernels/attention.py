@@ -54,14 +54,10 @@ def attention_reference(
     bottom_right: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``: ``[B, H, q, Dv]``
-    in the query's dtype, and with ``column_sums=True`` each row's received probability ``[B, G, n]`` fp32 (H2O's
-    accumulator, :func:`received_attention`).
-
-    ``extra_mask [B, G, q, n]`` further restricts what each query reads. ``bottom_right=True`` promises the
-    bottom-right causal case (no padding, slot order, the queries' own rows last): a block of queries then scores only
-    the rows its last query reaches (a causal prefill: half the products). Scores and softmax as :func:`row_scores`
-    and :func:`attend_scores`; queries go ``query_chunk`` at a time (default: :func:`query_block`).
-    """
+    in the query's dtype, and with ``column_sums`` each row's received probability ``[B, G, n]`` (H2O's accumulator).
+    ``extra_mask [B, G, q, n]`` restricts it further. ``bottom_right=True`` promises the bottom-right causal case (no
+    padding, slot order, the queries' own rows last): a block of queries scores only the rows its last query reaches.
+    Queries go ``query_chunk`` at a time (default: :func:`query_block`)."""
     B, H, q_len, D = query.shape
     G, n = keys.shape[1], keys.shape[2]
     out = torch.empty(B, H, q_len, values.shape[-1], dtype=query.dtype, device=query.device)

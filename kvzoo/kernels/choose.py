@@ -155,17 +155,14 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
                  per_head: bool = True, counter: torch.Tensor | None = None,
                  own: tuple[torch.Tensor, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Quest's choice for grouped decode queries: ``(rows, positions, valid) [B, G, K]`` and ``count``.
-
-    ``query [B, G, hq, D]`` fp32, ``entries [B, G, P, 2 D + 1]`` (:func:`quest_page_entries`), ``empty [B, G, P]``,
-    ``live`` (int64, one element: the rows indexed), ``positions [B, G, M]`` the archive list or None, ``pages`` per
-    head or group, ``size`` rows a page, ``archived`` the archive list's size. ``own`` (Quest's ``rule="eval"``):
-    ``(keys [B, G, N, D], valid [B, G, N], position [B, G], open_min, open_max [B, G, D])``, the step's own row where
-    it lies and the open page's running min/max: page ``live // size`` is scored with that key joined (the summary is
-    left as is). Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack), ``-inf`` for an empty page;
-    the top ``pages`` (an earlier page first among equals). ``per_head`` (``gqa="head"``): ``K = hq x pages x size``
-    rows head after head, pages ascending, rows clamped below ``live``, ``valid = row < live``, ``count`` the group's
-    union; else the group's pages by the max over its heads, ``K = pages x size`` staged (:func:`unique_candidates`)."""
+    """Quest's choice for grouped decode queries ``query [B, G, hq, D]`` (fp32): ``(rows, positions, valid) [B, G,
+    K]`` and ``count``, from the page entries (:func:`quest_page_entries`), ``empty``, ``live`` (the rows indexed) and
+    the archive list ``positions`` (or None). Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack),
+    ``-inf`` when empty; the top ``pages`` (an earlier page first among equals). ``per_head``: ``K = hq x pages x
+    size`` rows head after head, pages ascending, clamped below ``live``, ``valid = row < live``; else the group's
+    pages by the max over its heads, staged (:func:`unique_candidates`). ``own`` (``rule="eval"``): ``(keys, valid,
+    position, open_min, open_max)``, the step's own row and the open page's min/max, joined for page ``live // size``
+    (the summary is left as is)."""
     if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
                                        scaling, SKETCH_SLACK, counter, own)
@@ -193,14 +190,10 @@ def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: 
 def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
                    open_max: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, count: torch.Tensor,
                    length: torch.Tensor, size: int) -> None:
-    """One archived row joins Quest's fixed page summary, read where it lies, everything in place.
-
-    ``keys [B, G, N, D]``, ``valid [B, G, N]``: the layer's storage; ``position [B, G]`` int64: the row's position;
-    ``open_min``/``open_max [B, G, D]`` fp32: the open page's running min/max; ``entries``/``empty``: the summary's
-    pages; ``count``/``length`` (int64, one element): the rows summarised, the pages in use; ``size``: rows a page.
-    The row joins the open page (opening it when ``count % size == 0``), the page's entry and flag are written at
-    ``count // size``, then ``count += 1`` and ``length = ceil(count / size)``: the same ops whatever the count (a
-    captured step replays it); the caller checks there is room."""
+    """One archived row (``keys [B, G, N, D]`` at ``position [B, G]``, its ``valid`` flag) joins Quest's fixed page
+    summary in place: the open page's running ``open_min``/``open_max`` (opened when ``count % size == 0``), the
+    page's entry and ``empty`` flag written at ``count // size``, then ``count += 1``, ``length = ceil(count / size)``:
+    the same ops whatever the count (a captured step replays it); the caller checks there is room."""
     if mode() == "auto" and cpu_native.quest_page_add_supported(keys, valid, position, open_min, open_max, entries,
                                                                   empty, count, length):
         cpu_native.quest_page_add(keys, valid, position, open_min, open_max, entries, empty, count, length, size)

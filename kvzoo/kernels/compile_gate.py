@@ -1,16 +1,10 @@
 """Compile a Triton kernel for sm_90 without a GPU and read what the compiler made (the compile gate).
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` builds the H100/H200 binary on any machine.
-:func:`compile_sm90` reads from it the shared memory a program needs; registers, local memory and stack (spills) from
-``cuobjdump --dump-resource-usage``; the matrix instruction from the PTX (``mma.sync``, ``wgmma`` or FMA); the row
-buffers in flight from the TTGIR (:func:`row_buffers`: the ``S`` of each pipelined operand's ``ttg.local_alloc <S x
-rows x cols>``, the fewest over the row tiles, 1 for an operand loaded synchronously -- what the code has, whatever
-``num_stages`` asked for); the warps per score from the score product's ``#ttg.nvidia_mma`` layout; and the programs
-one SM holds (:func:`ctas_per_sm`).
-
-``kvzoo/kernels/shapes.py`` lists the configurations the kernels ship, each with what it is built for in ``expect``;
-``tests/test_compile_gate.py`` compiles every one and holds it to that. Imports Triton when it compiles: never
-imported by the runtime, and it imports no kernel module.
+:func:`compile_sm90` reads its shared memory, registers and spills (``cuobjdump``), the matrix instruction (PTX), the
+row buffers in flight (:func:`row_buffers`, from the TTGIR), the warps per score and the programs one SM holds.
+``kvzoo/kernels/shapes.py`` lists the configurations that ship, ``tests/test_compile_gate.py`` holds each to its
+``expect``. Imports Triton when it compiles; never imported by the runtime.
 """
 
 from __future__ import annotations

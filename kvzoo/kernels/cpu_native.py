@@ -1,18 +1,15 @@
 """Small C++ kernels for CPU tensors, as torch ops (``torch.ops.kvzoo.*``), built on first use.
 
-Why: a decode step on CPU should cost what its bytes cost, and some of its ops do not in PyTorch. The int8 index
-scan (VestigeKV) is a handful of query rows against many int8 rows, a matrix product BLAS runs at a fraction of its
-speed: the C loop converts each row's codes in registers and reads the int8 bytes once (:func:`int8_estimate`,
-:func:`int8_choose`). Decode attention over gathered rows costs PyTorch an ``index_select`` copy and reads a row once
-per query head: :func:`decode_attend` reads each readable row once per KV group, where it lies.
+Why: a decode step on CPU should cost what its bytes cost. The int8 index scan (VestigeKV) is a few query rows
+against many int8 rows, a product BLAS runs at a fraction of its speed: the C loop reads the int8 bytes once
+(:func:`int8_estimate`, :func:`int8_choose`). Decode attention over gathered rows (:func:`decode_attend`) reads each
+readable row once per KV group, where it lies, with no ``index_select`` copy.
 
-The sources are ``kvzoo/kernels/csrc/`` (``ops.cpp`` registers each op with ``TORCH_LIBRARY`` and checks its inputs);
-:func:`torch.utils.cpp_extension.load` builds them once per machine, checkout and source version into
-:func:`cache_dir` with ``$CXX`` (default ``c++``) and ``-O3 -march=native``, with ``-fopenmp`` linked against torch's
-own ``libgomp`` where torch runs on GNU OpenMP (one thread pool for both). Where no compiler or ninja works,
-:func:`library` returns None once with a RuntimeWarning and callers take the PyTorch references (the tests hold the
-kernels to them); ``KVZOO_KERNELS=torch`` takes the references everywhere. The ``*_supported`` predicates say which
-inputs take an op. Imports with torch alone.
+The sources are ``kvzoo/kernels/csrc/`` (``ops.cpp`` registers each op with ``TORCH_LIBRARY`` and checks its inputs),
+built by :func:`torch.utils.cpp_extension.load` once per machine, checkout and source version into :func:`cache_dir`
+(``$CXX``, ``-O3 -march=native``, OpenMP on torch's own ``libgomp`` where torch has one). Where no compiler or ninja
+works, :func:`library` warns once and callers take the PyTorch references (``KVZOO_KERNELS=torch`` takes them
+everywhere); the ``*_supported`` predicates say which inputs take an op.
 """
 
 from __future__ import annotations
@@ -443,12 +440,10 @@ def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: i
 def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_valid: torch.Tensor | None = None,
                   prior: tuple[torch.Tensor, torch.Tensor] | None = None, best: bool = False,
                   mass: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Decode attention of ``query [B, H, D]`` over one source of rows (:class:`~kvzoo.kernels.decode_attention.Rows`;
-    the semantics and numerics are that package's docstring), read where they lie, merged with ``prior = (out, lse)``
-    into one softmax: ``(out [B, H, Dv] fp32, lse [B, H] fp32, best [B, H] fp32 or None, mass [B, H, P] fp32 or
-    None)``. ``pool_valid [B, G, N]``: a flag per pool row, read through ``indices`` (no gather); taken from
-    ``source.pool_valid`` where the ``Rows`` has it. The caller checked :func:`decode_attend_supported`; the torch op
-    ``kvzoo::decode_attend`` checks the shapes (a ValueError naming the shape expected)."""
+    """Decode attention of ``query [B, H, D]`` over one source (:class:`~kvzoo.kernels.decode_attention.Rows`, whose
+    package gives the semantics), read where it lies and merged with ``prior = (out, lse)``: ``(out, lse, best or None,
+    mass or None)`` fp32. ``pool_valid [B, G, N]`` (or ``source.pool_valid``): a flag per pool row, read through
+    ``indices``. The caller checked :func:`decode_attend_supported`; the op checks the shapes (a ValueError)."""
     values = source.values
     width = values.shape[-1] if values is not None else source.value_width
     if width is None:

@@ -1,13 +1,9 @@
-"""Index scans over the archive: certified sketch bounds, int8 key bounds and Quest page bounds (PyTorch references
-and fused Triton kernels).
-
-Each returns *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed from a small index
-instead of the rows; the retrieval tier fetches the rows whose bounds say they could matter. Every bound is one inner
-product per (query, entry) -- its float slack included as a column -- so a scan is ``scale * Q @ E^T`` for query rows
-``Q [B, G, hq, W]`` (:func:`sketch_query`, :func:`page_query`) and entries ``E [B, G, m, W]`` (``B`` batch, ``G`` KV
-groups, ``m`` archived rows). Two ops, :func:`index_scan` and :func:`index_scan_reduce`, each a ``*_reference`` and a
-``*_triton`` of one signature (:mod:`kvzoo.kernels.dispatch` picks). No intermediate is larger than a scan's output or
-:data:`ROW_BLOCK_ELEMENTS`; Triton is imported on the first kernel call, so this module imports with torch alone.
+"""Index scans over the archive (PyTorch references and fused Triton kernels): *upper bounds* on the attention
+score ``scale * <q, k>`` of archived rows from a small index (certified sketch bounds, int8 key bounds, Quest page
+bounds), so the retrieval tier fetches only the rows that could matter. A bound is one inner product per (query,
+entry), its float slack a column: a scan is ``scale * Q @ E^T`` for query rows ``Q [B, G, hq, W]`` and entries ``E
+[B, G, m, W]``. :func:`index_scan` and :func:`index_scan_reduce` are each a ``*_reference`` and a ``*_triton``
+(:mod:`kvzoo.kernels.dispatch` picks); no intermediate exceeds a scan's output or :data:`ROW_BLOCK_ELEMENTS`.
 """
 
 from __future__ import annotations
@@ -368,12 +364,10 @@ def _round_up_16_bits(x: torch.Tensor) -> torch.Tensor:
 
 def int8_page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A coarse page summary in int8, ``2 D + 4`` bytes a page: ``(codes [B, G, p, 2 D] int8, scale [B, G, p]
-    fp32)`` from each page's key minimum and maximum ``[B, G, p, D]`` (an empty page's ``+inf`` / ``-inf``).
-
-    ``scale`` (``max |k| / 127``, widened, rounded up to 16 significant bits so a code times it is exact in fp32) and
-    ``codes = [ceil(max / scale), floor(min / scale)]`` corrected where fp32's division rounded inward, so ``scale *
-    codes[:D] >= max`` and ``scale * codes[D:] <= min`` exactly. An empty page gets codes 0; a page with an infinite
-    key an infinite scale (its bound ``+inf``)."""
+    fp32)`` from each page's key min and max ``[B, G, p, D]`` (an empty page's ``+inf`` / ``-inf``: codes 0). ``scale``
+    (``max |k| / 127``, widened, rounded up to 16 significant bits: a code times it is exact in fp32) and ``codes =
+    [ceil(max / scale), floor(min / scale)]`` corrected where fp32 rounded inward, so ``scale * codes[:D] >= max`` and
+    ``scale * codes[D:] <= min`` exactly; a page with an infinite key gets an infinite scale (its bound ``+inf``)."""
     empty = torch.isinf(page_min).all(-1, keepdim=True) & torch.isinf(page_max).all(-1, keepdim=True)
     lo = page_min.float().masked_fill(empty, 0.0)
     hi = page_max.float().masked_fill(empty, 0.0)

@@ -71,13 +71,9 @@ __all__ = ["DEFAULT_SMS", "FLOAT_DTYPES", "IMPLEMENTATIONS", "INDEX_DTYPES", "MA
 def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: bool = False, best: bool = False,
            mass: bool = False, defer: bool = False, prior: Attended | None = None, impl: str | None = None,
            splits: int | None = None) -> Attended:
-    """Decode attention of ``query [B, H, D]`` over ``sources`` as one part of a step (:class:`Attended`).
-
-    ``lse``/``best``/``mass`` ask for the log-sum-exp, the best score (VestigeKV's s*) and the per-position
-    probabilities; ``defer``/``prior``: the parts protocol (the package's docstring). ``impl`` is one of
-    :data:`IMPLEMENTATIONS`, or None for :func:`_choose`'s pick (the Triton kernels compute no per-position
-    probabilities, so ``mass`` takes ``sdpa``). Inputs are checked first.
-    """
+    """Decode attention of ``query [B, H, D]`` over ``sources`` as one part of a step (:class:`Attended`): ``lse``,
+    ``best`` (s*) and ``mass`` (per-position probabilities) asked for; ``defer``/``prior``: the parts protocol;
+    ``impl`` one of :data:`IMPLEMENTATIONS` or None (:func:`_choose`). Inputs are checked first."""
     checked = _validate(query, sources, scaling, splits, fold=False)
     if impl is None:
         impl = _choose(query, checked, prior, mass)

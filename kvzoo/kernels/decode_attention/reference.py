@@ -1,12 +1,8 @@
-"""The specification of decode attention in plain PyTorch, fp32 math (fla's ``naive.py``): every case the other
-implementations run, the parts protocol included.
-
-A two-part step (the runtime's tier first, deferred for its best score; then the fetched rows with that part as
-``prior``) is run as what it means: one softmax over the rows of both parts (the deferred part keeps its sources, and
-the part that ends the step reads them again). A prior it cannot read again (a kernel's or the native op's: ``out``
-and ``lse``) joins as one more term: a part normalised over its rows with log-sum-exp ``lse`` is exactly what a single
-row of score ``lse`` and value ``out`` adds to a softmax. Rows are upcast a block of at most
-:data:`REFERENCE_ROW_BLOCK_ELEMENTS` fp32 elements at a time.
+"""The specification of decode attention in plain PyTorch, fp32 math (fla's ``naive.py``), the parts protocol
+included: a two-part step is one softmax over the rows of both parts (a deferred part keeps its sources, read again by
+the part that ends the step). A prior it cannot read again (a kernel's or the native op's ``(out, lse)``) joins as
+one more term: a part normalised with log-sum-exp ``lse`` is exactly what one row of score ``lse`` and value ``out``
+adds to a softmax. Rows are upcast :data:`REFERENCE_ROW_BLOCK_ELEMENTS` fp32 elements at a time.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Decode attention as Triton kernels: a split-K kernel per source and a one-pass log-sum-exp merge kernel, and the
-launch heuristics the launcher and the compile gate share (``kvzoo/kernels/shapes.py`` lists what ships;
-``tests/test_compile_gate.py`` compiles it for sm_90).
+launch heuristics the launcher and the compile gate share (``kvzoo/kernels/shapes.py`` lists what ships).
 
 Per source one program per ``(batch x KV group, split)`` holds all the query heads of its group, so each row is loaded
 once per group, and runs an online softmax over its share of the positions (cut from ``length`` in the program, so a
-captured launch follows the true length) in ``BLOCK_N`` tiles; each split with positions writes a partial ``(out,
-lse)`` and, asked, its best score (s* with no second read of the rows). One merge kernel per source combines the
-splits exactly in one pass and folds in what came before (the previous source, or a ``prior`` part). ``valid`` and
-``head_valid`` are packed on the host into int32 words per position (:func:`_flag_words`); a tile's indices and flag
-words are loaded one iteration ahead, so no row load waits on a load of its own iteration. Products are in the rows'
-dtype with fp32 accumulation (fp32 rows: IEEE), as the reference's scores.
-
-The kernels run on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1`` (``tests/interpreter``); Triton is imported
-only when a kernel is first launched (:func:`kernels`).
+captured launch follows the true length); each split writes a partial ``(out, lse)`` and, asked, its best score (s*
+with no second read of the rows). One merge kernel per source combines the splits exactly and folds in what came
+before (the previous source, or a ``prior`` part). Flags are packed into int32 words per position
+(:func:`_flag_words`) and, with the indices, loaded a tile ahead, so no row load waits on a load of its own
+iteration. The kernels run on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``; Triton is imported on the first
+launch (:func:`kernels`).
 """
 
 from __future__ import annotations
@@ -74,16 +70,12 @@ MAX_MERGE_BLOCK_S = 1024
 
 def split_config(heads_per_group: int, key_width: int, value_width: int, separate_values: bool,
                  itemsize: int) -> SplitConfig:
-    """What the launcher picks for a source (and ``kvzoo/kernels/shapes.py`` compiles), from the sm_90 code the
-    compiler makes (``tests/test_compile_gate.py`` prints it and holds every shipped configuration to it).
-
-    A key row is split into a main part (``D1``: the value width in the absorbed form, whose tile is also the value
-    tile, else the whole key) and a tail (``D2``, e.g. MLA's rope branch), each a masked power-of-two block >= 16.
-    Measured on sm_90: a tile of ``8 x num_warps`` rows gives each warp its own ``mma.sync`` scores; with 32 latent
-    heads 4 warps spill, so 8 warps over 32 rows with every score computed twice (``score_copies``); wgmma spills at
-    every warp count and is not used. Two row tiles in flight (``num_stages`` 3). Programs per SM: as many as shared
-    memory allows, capped by a register budget the compiled code is held to (a ``maxnreg`` cap made ptxas spill).
-    """
+    """What the launcher picks for a source (and ``kvzoo/kernels/shapes.py`` compiles), measured on the sm_90 code
+    (``tests/test_compile_gate.py`` holds every shipped configuration to it). A key row is a main part ``D1`` (the
+    value width in the absorbed form, else the whole key) and a tail ``D2``, each a power-of-two block >= 16. A tile of
+    ``8 x num_warps`` rows gives each warp its own ``mma.sync`` scores; 32 latent heads spill at 4 warps, so 8 warps
+    with each score computed twice (``score_copies``); wgmma spills and is not used. Programs per SM: as many as shared
+    memory allows, capped by a register budget the compiled code is held to (a ``maxnreg`` cap made ptxas spill)."""
     d1 = key_width if separate_values else value_width
     d2 = key_width - d1
     block_d1, block_d2 = _pow2(d1), _pow2(d2) if d2 else 16
