@@ -1,13 +1,9 @@
 """Attention of a forward of several queries over rows that carry their own sequence slots (PyTorch).
 
-A decode step (one query per sequence) goes through the decode-attention op instead
-(``kvzoo/kernels/decode_attention/``: its reference, SDPA and Triton forms). Rows are not
-contiguous positions: after eviction, a tier holds an arbitrary subset of the sequence, so
-causality and padding are decided per row from its *slot* (its index in the sequence) and its
-``valid`` flag, never from its index in the tensor.
-
-Shapes: ``B`` batch, ``H`` query heads, ``G`` KV groups (``H % G == 0``), ``q`` queries,
-``n`` rows, ``D`` key width, ``Dv`` value width.
+A decode step goes through the decode-attention op instead (``kvzoo/kernels/decode_attention/``). After eviction a
+tier holds an arbitrary subset of the sequence, so causality and padding are decided per row from its *slot* (its
+index in the sequence) and its ``valid`` flag, never from its index in the tensor. Shapes: ``B`` batch, ``H`` query
+heads, ``G`` KV groups, ``q`` queries, ``n`` rows, ``D`` key width, ``Dv`` value width.
 """
 
 from __future__ import annotations
@@ -28,36 +24,19 @@ def query_block(batch_heads: int, rows: int, budget: int = SCORE_BLOCK_ELEMENTS)
 
 
 def row_mask(key_slots: torch.Tensor, key_valid: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
-    """Bool ``[B, G, q, n]``: query at slot s may read a row iff the row is valid and its slot <= s.
-
-    A query always reads its own row (slot == s) even when it is padding, so a padding query has
-    a defined (ignored) output instead of NaN.
-    """
+    """Bool ``[B, G, q, n]``: query at slot s may read a row iff the row is valid and its slot <= s, and always
+    its own row (slot == s), so a padding query has a defined (ignored) output instead of NaN."""
     ks = key_slots[:, :, None, :]  # [B, G, 1, n]
     qs = query_slots.view(1, 1, -1, 1)  # [1, 1, q, 1]
     return (key_valid[:, :, None, :] & (ks <= qs)) | (ks == qs)
 
 
 def received_attention(probs: torch.Tensor, groups: int) -> torch.Tensor:
-    """H2O's accumulation, the one statement of it in kvzoo: what each row gains, ``[B, groups, n]`` fp32 -- the
-    probability it received, summed over the queries and over the query heads of its group.
-
-    ``probs [B, H, ..., n]``: the attention probabilities of ``H`` query heads (a group's heads consecutive, as
-    transformers' GQA lays them out), any query dims between; or per-group sums ``[B, G', n]`` to fold into fewer
-    groups (an MLA layer attended per head: its ``H`` heads into the latent row's one group).
-    """
+    """H2O's accumulation, the one statement of it in kvzoo: ``[B, groups, n]`` fp32, the probability each row
+    received summed over the queries and the query heads of its group, from ``probs [B, H, ..., n]`` (a group's heads
+    consecutive, as transformers lays them out) or per-group sums ``[B, G', n]`` folded into fewer groups (MLA)."""
     B, n = probs.shape[0], probs.shape[-1]
     return probs.reshape(B, groups, -1, n).sum(dim=2)
-
-
-def masked_probs(
-    query: torch.Tensor, keys: torch.Tensor, key_slots: torch.Tensor, key_valid: torch.Tensor,
-    query_slots: torch.Tensor, scaling: float,
-) -> torch.Tensor:
-    """Softmax ``[B, G, H/G, q, n]`` (fp32) of ``query [B,G,H/G,q,D]`` (fp32) over ``keys [B,G,n,D]``."""
-    scores = torch.einsum("bghqd,bgnd->bghqn", query, keys.float()) * scaling
-    allowed = row_mask(key_slots, key_valid, query_slots)[:, :, None]  # [B,G,1,q,n]
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 def attention_reference(
@@ -74,20 +53,11 @@ def attention_reference(
     extra_mask: torch.Tensor | None = None,
     bottom_right: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``.
-
-    ``extra_mask [B, G, q, n]`` (bool), when given, further restricts what each query reads. ``bottom_right=True``
-    promises the rows are the bottom-right causal case (no padding, in slot order, the queries' own rows last): a
-    block of queries then scores only the rows its last query reaches (a causal prefill: half the products); the
-    rows past them, unreadable, get no probability either way.
-
-    Scores are the rows' dtype's product (fp32 accumulation) upcast to fp32, the softmax is fp32
-    (:func:`row_scores`, :func:`attend_scores`); the output has the query's dtype, ``[B, H, q, Dv]``.
-    With ``column_sums=True`` also returns ``[B, G, n]`` fp32: the attention probability each row
-    received, summed over the queries and over the query heads of its group (H2O's accumulator).
-    Queries are processed ``query_chunk`` at a time (default: as many as fit in
-    :data:`SCORE_BLOCK_ELEMENTS`), so the score matrix never exceeds ``B * H * query_chunk * n`` floats.
-    """
+    """Softmax attention of ``query [B,H,q,D]`` over rows ``keys [B,G,n,D]``, ``values [B,G,n,Dv]``: ``[B, H, q, Dv]``
+    in the query's dtype, and with ``column_sums`` each row's received probability ``[B, G, n]`` (H2O's accumulator).
+    ``extra_mask [B, G, q, n]`` restricts it further. ``bottom_right=True`` promises the bottom-right causal case (no
+    padding, slot order, the queries' own rows last): a block of queries scores only the rows its last query reaches.
+    Queries go ``query_chunk`` at a time (default: :func:`query_block`)."""
     B, H, q_len, D = query.shape
     G, n = keys.shape[1], keys.shape[2]
     out = torch.empty(B, H, q_len, values.shape[-1], dtype=query.dtype, device=query.device)
@@ -120,14 +90,10 @@ def attention_sdpa(
 ) -> torch.Tensor:
     """Same output as :func:`attention_reference` through torch's fused SDPA (no probabilities).
 
-    ``all_valid=True`` promises no padding row, rows in slot order, and this forward's own rows
-    last (true for an ordered tier: new rows are appended at the end, every older row is visible
-    to every new query). The mask is then the bottom-right-aligned causal one: plain ``is_causal`` when
-    ``q == n`` (a context's one forward: the fused causal kernel, nothing materialised -- on CPU a ``CausalBias``
-    there cost 137 MiB more at 4,096 tokens); for ``q < n`` on CUDA
-    ``torch.nn.attention.bias.causal_lower_right``, which its flash / memory-efficient kernels take without
-    materialising, and on CPU a ``[q, n]`` bool mask (which the op takes at less memory than the bias it would
-    materialise). Otherwise the slot mask is built.
+    ``all_valid=True`` promises no padding row, rows in slot order, and this forward's own rows last (an ordered
+    tier). The mask is then the bottom-right causal one, never materialised where avoidable: ``is_causal`` when ``q ==
+    n`` (on CPU a ``CausalBias`` there cost 137 MiB more at 4,096 tokens), ``causal_lower_right`` on CUDA, a ``[q,
+    n]`` bool mask on CPU. Otherwise the slot mask is built.
     """
     B, H, q_len, _ = query.shape
     G, n = keys.shape[1], keys.shape[2]
@@ -147,11 +113,10 @@ def attention_sdpa(
         # imported here: the module costs ~2 s of torch._dynamo to import
         from torch.nn.attention.bias import causal_lower_right
 
-        bias = causal_lower_right(q_len, n)
-        if hpg > 1 and query.device.type == "cuda":  # the lower-right kernels take equal head counts
+        if hpg > 1:  # the lower-right kernels take equal head counts
             keys, values = keys.repeat_interleave(hpg, dim=1), values.repeat_interleave(hpg, dim=1)
-            return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling, enable_gqa=hpg > 1)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(q_len, n),
+                                              scale=scaling)
     allowed = row_mask(key_slots, key_valid, query_slots)  # [B, G, q, n]
     if extra_mask is not None:
         allowed = allowed & extra_mask
@@ -160,11 +125,8 @@ def attention_sdpa(
 
 
 def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """``scale * <q, k>`` ``[B, H, q, n]`` in fp32, ``-inf`` where ``allowed [B, G, q|1, n]`` is False.
-
-    The product runs in the rows' dtype (as transformers' attention does; the matmul accumulates in
-    fp32) and only the ``[B, H, q, n]`` scores are upcast: the rows are never copied to fp32.
-    """
+    """``scale * <q, k>`` ``[B, H, q, n]`` in fp32, ``-inf`` where ``allowed [B, G, q|1, n]`` is False: the product
+    in the rows' dtype (fp32 accumulation, as transformers' attention), only the scores upcast."""
     B, H, q_len, D = query.shape
     G, n = keys.shape[1], keys.shape[2]
     hpg = H // G
@@ -178,13 +140,9 @@ def row_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, allowed:
 def attend_scores(
     scores: list[torch.Tensor], values: list[torch.Tensor], out_dtype: torch.dtype, *, with_lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """One softmax over several row sources, merged exactly.
-
-    ``scores[i] [B, H, q, n_i]`` (fp32, ``-inf`` for rows a query may not read) and ``values[i]
-    [B, G, n_i, Dv]``. Returns the output ``[B, H, q, Dv]`` (``out_dtype``), the log-sum-exp
-    ``[B, H, q]`` (when ``with_lse``, else None) and each source's probabilities (fp32). The
-    probabilities are cast to the values' dtype for the products, as transformers' attention does.
-    """
+    """One softmax over several row sources, merged exactly: ``scores[i] [B, H, q, n_i]`` (fp32, ``-inf`` where
+    unreadable), ``values[i] [B, G, n_i, Dv]`` -> ``(out [B, H, q, Dv] in out_dtype, lse [B, H, q] or None, each
+    source's probabilities)``; the probabilities cast to the values' dtype for the products, as transformers does."""
     joined = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
     probs = torch.softmax(joined, dim=-1)
     lse = torch.logsumexp(joined, dim=-1) if with_lse else None
@@ -206,11 +164,11 @@ def window_attention(
     key_valid: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """Probabilities ``[B, H, w, n]`` (fp32) of ``w`` observation-window queries over the rows.
-
-    Costs ``w x n``, never ``n x n``: SnapKV/ChunkKV only need the last window's attention.
-    """
+    """Probabilities ``[B, H, w, n]`` (fp32) of ``w`` observation-window queries over the rows: ``w x n``, never
+    ``n x n`` (SnapKV/ChunkKV only need the last window's attention)."""
     B, H, w, D = queries.shape
     G = keys.shape[1]
     q = queries.float().view(B, G, H // G, w, D)
-    return masked_probs(q, keys, key_slots, key_valid, query_slots, scaling).view(B, H, w, -1)
+    scores = torch.einsum("bghqd,bgnd->bghqn", q, keys.float()) * scaling
+    allowed = row_mask(key_slots, key_valid, query_slots)[:, :, None]  # [B, G, 1, w, n]
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).view(B, H, w, -1)

@@ -1,14 +1,11 @@
 """A decode step's fused retrieval ops: each a PyTorch reference beside the C op that does its work in one call.
 
-On a CPU decode step a retriever's choice was a chain of 20-60 small torch ops per layer (query rows, scan, each
-query row's top rows, their bounds, the group's union staged, counted). Each op here is one call of
-:mod:`kvzoo.kernels.cpu_native` (a registered torch op, so a trace counts one launch). Its ``*_reference`` is the
-specification, op for op the torch path kvzoo always ran (``tests/test_native_choose.py`` holds each op to it, up to
-fp32 summation order). The public name picks the C op on CPU tensors it takes when ``KVZOO_KERNELS`` is ``auto`` (or
-unset), the reference elsewhere (a GPU, where the reference's scan is the Triton kernel; ``KVZOO_KERNELS=torch`` or
-``triton``; no C compiler). A choose op counts what it stages (int64 0-dim) and adds it in place to ``counter`` (the
-layer's fetched rows) when given. VestigeKV's int8 rule, :func:`~kvzoo.kernels.index_scan.int8_choose`, sits beside
-its scan in ``index_scan.py``.
+On a CPU decode step a retriever's choice was a chain of 20-60 small torch ops per layer; each op here is one call of
+:mod:`kvzoo.kernels.cpu_native` (a registered torch op). Its ``*_reference`` is the specification, op for op the
+torch path kvzoo always ran (``tests/test_native_choose.py`` holds each op to it, up to fp32 summation order). The
+public name takes the C op on the CPU tensors it takes when ``KVZOO_KERNELS`` is ``auto``, the reference elsewhere. A
+choose op counts what it stages (int64 0-dim), added in place to ``counter`` when given. VestigeKV's int8 rule,
+:func:`~kvzoo.kernels.index_scan.int8_choose`, sits beside its scan.
 """
 
 from __future__ import annotations
@@ -68,20 +65,14 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
                   archived: int, scaling: float, *, slack: float = SKETCH_SLACK, rank_by: str = "estimate",
                   length: torch.Tensor | None = None,
                   counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over its sketch for grouped decode queries: ``(idx, picked) [B, G, hq * j]`` and
-    ``count``.
+    """VestigeKV's top-j rule over its sketch for grouped decode queries: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
-    ``query [B, G, hq, D]`` fp32 (MLA: ``D = dc + dr``, the absorbed content part first; GQA: the key's width, no
-    branch), ``basis [B, G, dc, r]`` orthonormal columns, ``entries [B, G, m, W]`` fp32 or fp16 (``[z, eta, r, ||c||,
-    ||r||]``: ``W = r + 1 + dr + 2``, or ``r + 2`` on GQA; a preallocated buffer may be passed whole with
-    ``length [B]``), ``floor [B, G, hq]`` (``s* - j_margin``), ``j <= m``, ``archived`` (the archive list's size: the
-    staging's sentinel, as :func:`unique_candidates`), ``slack`` (``SKETCH_SLACK``, or ``SKETCH_SLACK_FP16`` for fp16
-    entries), ``rank_by`` ``"estimate"`` (the bound less its Cauchy-Schwarz term and slack) or ``"bound"``.
-
-    Per query row: the estimate (or bound) of every entry, its top ``j`` (an earlier row first among equal values),
-    each kept where its bound is above ``floor``; the group's ``hq * j`` candidates staged (sorted, each kept row
-    flagged once); ``count`` the rows picked, added to ``counter`` in place when given. One C call on CPU tensors
-    (``cpu_native.sketch_choose_supported``), :func:`sketch_choose_reference` elsewhere."""
+    ``query [B, G, hq, D]`` fp32 (MLA: the absorbed content part first, then the rope branch), ``basis [B, G, dc,
+    r]``, ``entries [B, G, m, W]`` fp32 or fp16 (:func:`~kvzoo.kernels.index_scan.sketch_entries`; a preallocated
+    buffer may be passed whole with ``length [B]``), ``floor [B, G, hq]`` (``s* - j_margin``), ``archived`` the
+    staging's sentinel (:func:`unique_candidates`), ``slack`` ``SKETCH_SLACK`` (``SKETCH_SLACK_FP16`` for fp16
+    entries), ``rank_by`` ``"estimate"`` (the bound less its Cauchy-Schwarz term and slack) or ``"bound"``. Per query
+    row its top ``j`` by the ranking (an earlier row first among equals), kept where its bound is above ``floor``."""
     if rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
     if mode() == "auto" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter):
@@ -127,13 +118,10 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
                            per_head: bool = True, counter: torch.Tensor | None = None,
                            own: tuple[torch.Tensor, ...] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """:func:`quest_choose` in PyTorch: with ``own``, one page slot more and the current page's entry with the step's
-    key (the row gathered as :func:`quest_page_add_reference` gathers it) written at page ``live // size``; the page bounds (``page_query`` rows,
-    :func:`~kvzoo.kernels.index_scan.index_scan`; ``index_scan_reduce`` over the heads for the group's), empty pages
-    at ``-inf``, the top pages (each head's in ascending page order), their rows and flags, the union count; the
-    storage positions gathered from ``positions``. Apart from that order (``PageIndex.choose`` took ``topk``'s, best
-    first: a head reads the same rows, its attention sums them in another order) and ``own`` the torch path kvzoo
-    ran before the op."""
+    """:func:`quest_choose` in PyTorch: with ``own``, one page slot more holding the current page's entry with the
+    step's key; the page bounds (``page_query`` rows, :func:`~kvzoo.kernels.index_scan.index_scan`, or
+    ``index_scan_reduce`` over the group's heads), empty pages at ``-inf``, the top pages (each head's in ascending
+    page order), their rows and flags, the union count, the storage positions gathered from ``positions``."""
     B, G, hq, D = query.shape
     if own is not None:  # the current page with the step's key, in its slot; one slot more for a page it opens
         lo, hi = _joined_bounds(*own, (live % size == 0).view(1, 1, 1))  # the summary is left as it is
@@ -167,25 +155,14 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
                  per_head: bool = True, counter: torch.Tensor | None = None,
                  own: tuple[torch.Tensor, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Quest's choice for grouped decode queries: ``(rows, positions, valid) [B, G, K]`` and ``count``.
-
-    ``query [B, G, hq, D]`` fp32, ``entries [B, G, P, 2 D + 1]`` (``[max, min, max |k|]`` per page, in the keys'
-    dtype), ``empty [B, G, P]`` (a page never fetched), ``live`` (int64, one element: the rows indexed), ``positions
-    [B, G, M]`` the archive list (each archived row's storage position) or None, ``pages`` per head or group (``1 <=
-    pages <= P``, ``P + 1`` with ``own``), ``size`` rows a page, ``archived`` the archive list's size.
-
-    ``own`` (Quest's ``rule="eval"``): ``(keys [B, G, N, D], valid [B, G, N], position [B, G], open_min, open_max
-    [B, G, D])``, the step's own row (not yet indexed) where it lies and the open page's running min/max: page ``live
-    // size`` is scored with that key joined to its min/max (alone when it opens the page), as the reference scores it
-    (its new key joins the key states before any page is scored), from one page slot more; the summary is left as is.
-
-    Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack), ``-inf`` for an empty page; the top
-    ``pages`` (an earlier page first among equal bounds). ``per_head`` (``gqa="head"``): each head's, ``K = hq x
-    pages x size`` rows head after head (the segment head ``h`` reads), pages in ascending order, rows clamped below
-    ``live``, ``valid = row < live``, ``count`` the group's union once; else (``gqa="group"``) the group's by the max
-    over its heads, ``K = pages x size`` staged as :func:`unique_candidates` stages them. ``positions`` (out): the
-    rows' storage positions (None without the archive list). One C call on CPU tensors
-    (``cpu_native.quest_choose_supported``), :func:`quest_choose_reference` elsewhere."""
+    """Quest's choice for grouped decode queries ``query [B, G, hq, D]`` (fp32): ``(rows, positions, valid) [B, G,
+    K]`` and ``count``, from the page entries (:func:`quest_page_entries`), ``empty``, ``live`` (the rows indexed) and
+    the archive list ``positions`` (or None). Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack),
+    ``-inf`` when empty; the top ``pages`` (an earlier page first among equals). ``per_head``: ``K = hq x pages x
+    size`` rows head after head, pages ascending, clamped below ``live``, ``valid = row < live``; else the group's
+    pages by the max over its heads, staged (:func:`unique_candidates`). ``own`` (``rule="eval"``): ``(keys, valid,
+    position, open_min, open_max)``, the step's own row and the open page's min/max, joined for page ``live // size``
+    (the summary is left as is)."""
     if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
                                        scaling, SKETCH_SLACK, counter, own)
@@ -213,18 +190,10 @@ def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: 
 def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
                    open_max: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, count: torch.Tensor,
                    length: torch.Tensor, size: int) -> None:
-    """One archived row joins Quest's fixed page summary, read where it lies, everything in place.
-
-    ``keys [B, G, N, D]`` and ``valid [B, G, N]``: the layer's storage, whole; ``position [B, G]`` int64: the row's
-    storage position; ``open_min``/``open_max [B, G, D]`` fp32: the open page's running min/max over its valid rows;
-    ``entries [B, G, P, 2 D + 1]`` in the keys' dtype and ``empty [B, G, P]``: the summary's pages; ``count`` (int64,
-    one element): the rows summarised; ``length`` (int64, one element): the pages in use; ``size``: rows a page.
-
-    The row (``+inf``/``-inf`` where it is padding) joins the open page -- which it opens when ``count % size == 0``
-    --, the page's entry ``[max, min, max |k|]`` (the magnitude 0 for an empty page) and its empty flag (every bound
-    infinite) are written at page ``count // size``, then ``count += 1`` and ``length = ceil(count / size)``. The same
-    ops whatever the count (a captured step replays it); the caller keeps the host's count and checks there is room.
-    One C call on CPU tensors (``cpu_native.quest_page_add_supported``), :func:`quest_page_add_reference` elsewhere."""
+    """One archived row (``keys [B, G, N, D]`` at ``position [B, G]``, its ``valid`` flag) joins Quest's fixed page
+    summary in place: the open page's running ``open_min``/``open_max`` (opened when ``count % size == 0``), the
+    page's entry and ``empty`` flag written at ``count // size``, then ``count += 1``, ``length = ceil(count / size)``:
+    the same ops whatever the count (a captured step replays it); the caller checks there is room."""
     if mode() == "auto" and cpu_native.quest_page_add_supported(keys, valid, position, open_min, open_max, entries,
                                                                   empty, count, length):
         cpu_native.quest_page_add(keys, valid, position, open_min, open_max, entries, empty, count, length, size)

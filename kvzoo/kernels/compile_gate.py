@@ -1,31 +1,10 @@
 """Compile a Triton kernel for sm_90 without a GPU and read what the compiler made (the compile gate).
 
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` builds the H100/H200 binary on
-any machine. From it, :func:`compile_sm90` reads:
-
-* the shared memory a program needs (metadata; limit 232,448 B per block on sm_90) and, from
-  ``cuobjdump --dump-resource-usage`` of the cubin, registers per thread, local memory and stack
-  (spills);
-* the matrix instruction the products became, from the PTX: ``mma.sync`` (``m16n8k16``, MMAv2),
-  ``wgmma.mma_async`` (MMAv3) or neither (FMA);
-* the *row buffers in flight*, from the TTGIR: Triton's pipeliner turns a pipelined load into
-  ``ttg.async_copy_global_to_local`` into one slice of a multi-buffered allocation
-  ``ttg.local_alloc : () -> !ttg.memdesc<S x rows x cols x dtype>``; ``S`` is how many tiles of that
-  operand are in flight at the wait for the current one (the loop waits for tile ``i`` while tiles
-  ``i+1 .. i+S-1`` are still being copied, and refills tile ``i``'s slot after its last use). The count
-  of a kernel is the smallest ``S`` over the row-tile operands it names (keys, tail, values); an operand
-  with no such allocation is loaded synchronously: 1 (its latency exposed every tile). This counts the
-  buffers the code really has, whatever ``num_stages`` asked for (which it does not honour where a load
-  waits on another load of the same iteration);
-* how many warps compute each score: the ``#ttg.nvidia_mma`` layout of the score product (``warpsPerCTA``
-  x ``instrShape``) against its tile;
-* the programs one SM holds at once, from registers (64K per SM, allocated per warp in units of 256),
-  shared memory (228 KiB per SM, 1 KiB reserved per block) and threads (2,048).
-
-``kvzoo/kernels/shapes.py`` lists the configurations the kernels ship (the ones their launchers pick on a
-GPU, each with what it is built for in ``expect``); ``tests/test_compile_gate.py`` compiles every one, prints
-the table and holds each to its expectations. Results are cached per process. Imports Triton when it
-compiles: never imported by the runtime, and it imports no kernel module (``shapes.py`` imports both).
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` builds the H100/H200 binary on any machine.
+:func:`compile_sm90` reads its shared memory, registers and spills (``cuobjdump``), the matrix instruction (PTX), the
+row buffers in flight (:func:`row_buffers`, from the TTGIR), the warps per score and the programs one SM holds.
+``kvzoo/kernels/shapes.py`` lists the configurations that ship, ``tests/test_compile_gate.py`` holds each to its
+``expect``. Imports Triton when it compiles; never imported by the runtime.
 """
 
 from __future__ import annotations
@@ -47,11 +26,9 @@ SM90_BLOCKS = 32  # blocks per SM
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One compiled specialisation: the kernel, its argument types and constexprs, warps, stages, the register
-    cap given to the compiler, and what the gate holds the compiled code to (``expect``: ``mma`` the
-    instruction, ``row_tiles`` the row-tile operands as ``(rows, cols, dtype)``, ``row_buffers`` the fewest
-    buffers in flight, ``ctas_per_sm`` the fewest programs per SM, ``max_registers``, ``score_tile`` ``(heads, rows)`` and
-    ``score_copies`` the warps per score)."""
+    """One compiled specialisation: the kernel, its argument types and constexprs, warps, stages, and what the
+    gate holds the compiled code to (``expect``: see :func:`problems`; ``row_tiles`` ``(rows, cols, dtype)`` and
+    ``score_tile`` ``(heads, rows)`` name the operands)."""
 
     name: str
     fn: Any  # a triton.JITFunction
@@ -59,7 +36,6 @@ class KernelConfig:
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 2
-    maxnreg: int | None = None
     expect: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,10 +51,6 @@ class Usage:
     row_buffers: int | None = None  # row tiles in flight (None: the kernel names no row tiles)
     score_copies: int | None = None  # warps computing each score (None: no score tile named)
     ctas_per_sm: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.shared_bytes <= SM90_SHARED_LIMIT and self.local_bytes == 0 and self.stack_bytes == 0
 
     def __str__(self) -> str:
         return (f"{self.name}: {self.registers} registers/thread, {self.shared_bytes:,} B shared "
@@ -117,7 +89,9 @@ def mma_kind(ptx: str) -> str:
 
 
 def row_buffers(ttgir: str, tiles: list[tuple[int, int, str]]) -> int:
-    """The fewest buffers in flight over the row-tile operands ``(rows, cols, dtype)`` (module docstring)."""
+    """The fewest buffers in flight over the row-tile operands ``(rows, cols, dtype)``: Triton's pipeliner copies a
+    pipelined load into one slice of ``ttg.local_alloc : () -> !ttg.memdesc<S x rows x cols x dtype>``, ``S`` tiles
+    in flight at the wait for the current one; an operand with no such allocation is loaded synchronously (1)."""
     allocs = re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x(\d+)x(\d+)x(\w+),", ttgir)
     pool = sorted(((int(r), int(c), d), int(s)) for s, r, c, d in allocs)
     counts = []
@@ -151,12 +125,10 @@ def compile_sm90(config: KernelConfig) -> Usage:
     from triton.compiler import ASTSource
 
     key = (config.name, config.fn, tuple(sorted(config.signature.items())), tuple(sorted(config.constexprs.items())),
-           config.num_warps, config.num_stages, config.maxnreg)
+           config.num_warps, config.num_stages)
     if key in _CACHE:
         return _CACHE[key]
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if config.maxnreg is not None:
-        options["maxnreg"] = config.maxnreg
     source = ASTSource(fn=config.fn, signature=config.signature, constexprs=config.constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,36 +1,15 @@
 """Small C++ kernels for CPU tensors, as torch ops (``torch.ops.kvzoo.*``), built on first use.
 
-Why: a decode step on CPU should cost what its bytes cost, and two of its ops do not in PyTorch.
+Why: a decode step on CPU should cost what its bytes cost. The int8 index scan (VestigeKV) is a few query rows
+against many int8 rows, a product BLAS runs at a fraction of its speed: the C loop reads the int8 bytes once
+(:func:`int8_estimate`, :func:`int8_choose`). Decode attention over gathered rows (:func:`decode_attend`) reads each
+readable row once per KV group, where it lies, with no ``index_select`` copy.
 
-* The **int8 index scan** (VestigeKV) is ``hq`` query rows (a group's heads, 3 on SmolLM2) against ``m`` int8 rows:
-  in PyTorch an fp32 upcast of the codes and a matrix product whose short side is ``hq``, which BLAS runs at a small
-  fraction of its speed. The C loop converts each row's codes in registers and multiplies them with every query row
-  at once (AVX-512: 16 rows per pass, their sixteen 16-lane dot products reduced together), so the scan reads the
-  int8 bytes once: :func:`int8_estimate`, and VestigeKV's whole top-j rule in one call, :func:`int8_choose`.
-* **Decode attention over gathered rows**: a layer's rows stay in one pool ``[B, G, capacity, D]`` and a step
-  attends over index lists into it. In PyTorch a gathered source costs an ``index_select`` copy and several small
-  ops, and SDPA with ``enable_gqa`` reads a row once per query head; :func:`decode_attend` reads each readable row
-  once per KV group, where it lies, for all the group's heads (one pass, online softmax), and merges a prior part
-  (the runtime's tier) into the same softmax (``kvzoo.kernels.decode_attention``'s specification, one source).
-
-The sources are ``kvzoo/kernels/csrc/``: the kernels (one file per op family, C-style C++ with C names, warning-free
-under ``-Wall -Wextra``) and ``ops.cpp``, which registers each op with ``TORCH_LIBRARY`` (a schema, CPU and Meta
-functions), checks its inputs once, in C++ (device, dtype, strides, shapes: a ValueError saying what is wrong), and
-calls the kernel with the data pointers. :func:`torch.utils.cpp_extension.load` (ninja, its dependency tracking and
-its lock between processes) builds them once per machine, checkout and source version into the user's cache
-directory (``$KVZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvzoo`` or ``~/.cache/kvzoo``) with ``$CXX`` (default
-``c++``), ``-O3 -march=native``, and loads the library, whose ops then appear in ``torch.ops``. Threads: where torch
-runs on GNU OpenMP (its wheel ships ``libgomp``) the kernels are built with ``-fopenmp`` and linked against that very
-library, found in the process's memory map, so one OpenMP runtime (and one thread pool) serves torch and these
-kernels; a call takes ``torch.get_num_threads()`` threads when its rows are large enough to pay for waking them (the
-threshold is ``ops.cpp``'s, after ``OMP_WAIT_POLICY``). Elsewhere, or if that build fails, they run on one thread.
-Where no compiler (or no ninja) works, :func:`library` returns None once and says why in a RuntimeWarning, and
-callers take the PyTorch references (``tests/test_index_scan_native.py``, ``tests/test_native_choose.py`` and
-``tests/test_native_decode_attention.py`` hold the kernels to them). ``KVZOO_KERNELS=torch`` takes the references
-everywhere.
-
-The wrappers here call the ops through the dispatcher (so traces, FakeTensor and ``torch.compile`` see them); the
-``*_supported`` predicates say which inputs take the op (else the reference). Imports with torch alone.
+The sources are ``kvzoo/kernels/csrc/`` (``ops.cpp`` registers each op with ``TORCH_LIBRARY`` and checks its inputs),
+built by :func:`torch.utils.cpp_extension.load` once per machine, checkout and source version into :func:`cache_dir`
+(``$CXX``, ``-O3 -march=native``, OpenMP on torch's own ``libgomp`` where torch has one). Where no compiler or ninja
+works, :func:`library` warns once and callers take the PyTorch references (``KVZOO_KERNELS=torch`` takes them
+everywhere); the ``*_supported`` predicates say which inputs take an op.
 """
 
 from __future__ import annotations
@@ -75,10 +54,8 @@ _CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU arch
 
 
 def _cpu_signature() -> str:
-    """What ``-march=native`` / ``-mcpu=native`` depends on: the processor's model and instruction sets, so that a
-    cache folder shared by machines never hands one a library built for another (an illegal instruction). Linux reads
-    ``/proc/cpuinfo``, macOS ``sysctl``; where neither names the processor, the machine's own name stands in (the
-    library is then built per machine)."""
+    """What ``-march=native`` depends on: the processor's model and instruction sets (``/proc/cpuinfo``, macOS
+    ``sysctl``; else the machine's name), so that a shared cache never hands one machine a library built for another."""
     found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -164,10 +141,8 @@ def toolchain_missing() -> str | None:
 
 
 class Native:
-    """A loaded build of the kernels: each op of :data:`OPS` as an attribute (its ``torch.ops`` overload, called
-    through the dispatcher), the namespace its ops are registered in, and ``openmp``: the OpenMP runtime its threads
-    come from (None: one thread). ``parallel_bytes(n)`` sets the bytes of rows from which a call takes
-    ``torch.get_num_threads()`` threads, and returns the threshold it replaces (``None``: leaves it)."""
+    """A loaded build of the kernels: each op of :data:`OPS` as an attribute (its ``torch.ops`` overload), its
+    namespace, and ``openmp``: the OpenMP runtime its threads come from (None: one thread)."""
 
     def __init__(self, namespace: str, runtime: str | None):
         ops = getattr(torch.ops, namespace)
@@ -184,11 +159,9 @@ _HOLDER: list[str] = []
 
 
 def compile_library(march: str = "native", runtime: str | None = None) -> Native:
-    """Build (once per source, flags, compiler and processor: ninja rebuilds what changed) and load the kernels for
-    ``-march=march``, with OpenMP linked against ``runtime`` (None: without OpenMP), by
-    :func:`torch.utils.cpp_extension.load` into :func:`cache_dir`. The ops are registered in ``torch.ops.kvzoo``, or,
-    where another build holds that namespace in this process, in one named after the build's key. :func:`library` is
-    the one the ops use; tests build the portable C (``march='x86-64'``) with this."""
+    """Build (ninja rebuilds what changed) and load the kernels for ``-march=march``, with OpenMP linked against
+    ``runtime`` (None: without), into :func:`cache_dir`; registered in ``torch.ops.kvzoo``, or in a namespace named
+    after the build where another build holds that one in this process (tests build the portable C this way)."""
     from torch.utils import cpp_extension
 
     missing = toolchain_missing()
@@ -230,9 +203,8 @@ _LOADED: list[Native | None] = []
 
 
 def library() -> Native | None:
-    """The compiled kernels (built on the first call), or None -- with one RuntimeWarning saying why -- where they
-    cannot be built or loaded here. Built with OpenMP on torch's own runtime where there is one (else, or if that
-    build fails, without). After the first call, a lookup."""
+    """The compiled kernels (built on the first call, with OpenMP on torch's own runtime where there is one), or
+    None -- with one RuntimeWarning saying why -- where they cannot be built or loaded here. Then a lookup."""
     if not _LOADED:
         _LOADED.append(_load())
     return _LOADED[0]
@@ -242,9 +214,8 @@ library.cache_clear = _LOADED.clear  # type: ignore[attr-defined]  # forget it (
 
 
 def available() -> bool:
-    """Whether the kernels are built and loaded here (:func:`library` is not None): a constant once the first eager
-    call has loaded them. Inside ``torch.compile`` before any eager call it is False (the traced step then takes the
-    PyTorch references; nothing is built or read from the filesystem while tracing)."""
+    """Whether the kernels are built and loaded here. Inside ``torch.compile`` before any eager call it is False
+    (the traced step takes the PyTorch references; nothing is built while tracing)."""
     if not _LOADED:
         return not torch.compiler.is_compiling() and library() is not None
     return _LOADED[0] is not None
@@ -284,21 +255,27 @@ def _of_dtype(tensors: tuple, dtypes: tuple) -> bool:
     return True
 
 
-def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor) -> bool:
-    """Whether :func:`int8_estimate` takes these tensors (CPU, the dtypes and a geometry the loop handles)."""
+def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int | None = None,
+                            counter: torch.Tensor | None = None) -> bool:
+    """Whether :func:`int8_estimate` takes these tensors (CPU, the dtypes and a geometry the loop handles, the
+    library built here); with ``j``, whether :func:`int8_choose` does (``1 <= j <= min(MAX_J, m)``, the counter
+    :func:`counter_ok`, checked in place: one call per decode step)."""
     hq, D = query.shape[2], query.shape[3]
     return (query.device.type == "cpu" and codes.device.type == "cpu" and side.device.type == "cpu"
             and query.dtype == torch.float32 and codes.dtype == torch.int8 and side.dtype == torch.float16
             and hq <= MAX_HQ and D <= MAX_D and D % LANES == 0 and not query.requires_grad
             and codes.stride(-1) == 1 and (codes.shape[2] <= 1 or codes.stride(2) == codes.shape[3])
-            and side.stride(-1) == 1 and (side.shape[2] <= 1 or side.stride(2) == side.shape[3]))  # rows contiguous
+            and side.stride(-1) == 1 and (side.shape[2] <= 1 or side.stride(2) == side.shape[3])  # rows contiguous
+            and (j is None or (1 <= j <= min(MAX_J, codes.shape[2])
+                           and (counter is None or (counter.device.type == "cpu" and counter.dtype == torch.int64
+                                                    and counter.numel() == 1 and counter.is_contiguous()))))
+            and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def int8_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float,
                   length: torch.Tensor | None) -> torch.Tensor:
     """The C loop's ``estimate [B, G, hq, m]`` (``csrc/int8_scan.cpp``) for ``codes [B, G, m, D]`` and
-    ``side [B, G, m, w]``: the torch op ``kvzoo::int8_estimate``. The caller checked :func:`int8_estimate_supported`
-    and that :func:`library` is not None."""
+    ``side [B, G, m, w]``: the torch op ``kvzoo::int8_estimate``. The caller checked :func:`int8_estimate_supported`."""
     return (_LOADED[0] if _LOADED else library()).int8_estimate(query, codes, side, length, float(scaling))
 
 
@@ -311,13 +288,10 @@ def counter_ok(counter: torch.Tensor | None) -> bool:
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
                 archived: int, scaling: float, slack: float, length: torch.Tensor | None,
                 counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted: ``(idx, picked) [B, G, hq * j]``
-    and ``count`` (int64, 0-dim: the rows picked over every group, also added in place to ``counter``, the layer's
-    fetched rows, when given) -- see ``kvzoo_int8_choose`` in ``csrc/int8_scan.cpp``; ``threshold [B, G, hq]`` is
-    ``s* - j_margin``. One call for what the PyTorch path does in ~30 ops (scan, top-j, the chosen rows' bounds, the
-    group's union, the count): the torch op ``kvzoo::int8_choose``. The caller checked
-    :func:`int8_estimate_supported`, ``1 <= j <= min(MAX_J, m)``, the counter (:func:`counter_ok`) and that
-    :func:`library` is not None."""
+    """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted (the torch op
+    ``kvzoo::int8_choose``, ``csrc/int8_scan.cpp``; its specification
+    :func:`kvzoo.kernels.index_scan.int8_choose_reference`): one call for ~30 PyTorch ops. The caller checked
+    :func:`int8_estimate_supported` with ``j`` and ``counter``."""
     return (_LOADED[0] if _LOADED else library()).int8_choose(query, codes, side, length, threshold, j, archived,
                                                               float(scaling), float(slack), counter)
 
@@ -331,9 +305,8 @@ MAX_W = 2 * MAX_D + 1  # the widest index entry the float scans take (a Quest pa
 
 def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
                             j: int, counter: torch.Tensor | None = None) -> bool:
-    """Whether :func:`sketch_choose` takes these tensors: CPU, fp32 query, basis and floor, entries fp32 or fp16 with
-    contiguous rows, the basis' ``[dc, r]`` contiguous, ``hq <= MAX_HQ``, ``D <= MAX_D``, ``1 <= j <= min(MAX_J, m)``,
-    no autograd, and the library built here (widths are checked by the op: a wrong one is an error, not a fallback)."""
+    """Whether :func:`sketch_choose` takes these tensors (CPU, the dtypes and strides the op takes, ``1 <= j <=
+    min(MAX_J, m)``, no autograd, the library built here; a wrong width is the op's error, not a fallback)."""
     if query.dim() != 4 or basis.dim() != 4 or entries.dim() != 4:
         return False
     return (_on_cpu((query, basis, entries, floor)) and query.dtype == torch.float32
@@ -348,10 +321,9 @@ def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: t
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
                   floor: torch.Tensor, j: int, archived: int, scaling: float, slack: float, rank_by_bound: bool,
                   counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VestigeKV's top-j rule over its sketch for a decode step, in one call: ``(idx, picked) [B, G, hq * j]`` staged
-    and ``count`` (added to ``counter`` in place when given); ``kvzoo_sketch_choose`` in
-    ``csrc/sketch_choose.cpp``, whose specification is :func:`kvzoo.kernels.choose.sketch_choose_reference`. The
-    caller checked :func:`sketch_choose_supported`. The torch op ``kvzoo::sketch_choose``."""
+    """VestigeKV's sketch top-j rule in one call, the torch op ``kvzoo::sketch_choose`` (``csrc/sketch_choose.cpp``;
+    specification :func:`kvzoo.kernels.choose.sketch_choose_reference`). The caller checked
+    :func:`sketch_choose_supported`."""
     return (_LOADED[0] if _LOADED else library()).sketch_choose(query, basis, entries, length, floor, j, archived,
                                                                 float(scaling), float(slack), bool(rank_by_bound),
                                                                 counter)
@@ -360,10 +332,8 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
 def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                            positions: torch.Tensor | None, counter: torch.Tensor | None = None,
                            own: tuple[torch.Tensor, ...] | None = None) -> bool:
-    """Whether :func:`quest_choose` takes these tensors: CPU, an fp32 query of at most ``MAX_HQ`` rows per group,
-    entries fp32, bf16 or fp16 with contiguous rows at most :data:`MAX_W` wide, bool flags, int64 ``live`` (one
-    element) and positions, no autograd, and the library built here; ``own`` (or None): keys in the entries' dtype
-    with contiguous rows, bool valid, int64 position, contiguous fp32 running min/max."""
+    """Whether :func:`quest_choose` takes these tensors (CPU, the dtypes, strides and sizes the op takes, no autograd,
+    the library built here; ``own`` as :func:`kvzoo.kernels.choose.quest_choose` passes it)."""
     if query.dim() != 4 or entries.dim() != 4:
         return False
     if own is not None:
@@ -389,11 +359,9 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, per_head: bool, scaling: float,
                  slack: float, counter: torch.Tensor | None = None, own: tuple[torch.Tensor, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Quest's choice for a decode step in one call: ``(rows, positions, valid) [B, G, K]`` and ``count`` (added to
-    ``counter`` in place when given); ``positions`` None when the archive list is not given; ``own``: the step's own
-    row and the open page's min/max (:func:`kvzoo.kernels.choose.quest_choose`). ``kvzoo_quest_choose`` in
-    ``csrc/quest.cpp``, whose specification is :func:`kvzoo.kernels.choose.quest_choose_reference`. The caller checked
-    :func:`quest_choose_supported`. The torch op ``kvzoo::quest_choose``."""
+    """Quest's choice in one call, the torch op ``kvzoo::quest_choose`` (``csrc/quest.cpp``; specification
+    :func:`kvzoo.kernels.choose.quest_choose_reference`): ``positions`` out is None when the archive list is not
+    given. The caller checked :func:`quest_choose_supported`."""
     own_keys, own_valid, own_position, open_min, open_max = (None,) * 5 if own is None else own
     rows, at, valid, count = (_LOADED[0] if _LOADED else library()).quest_choose(
         query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling), float(slack),
@@ -404,9 +372,8 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
 def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,
                              open_min: torch.Tensor, open_max: torch.Tensor, entries: torch.Tensor,
                              empty: torch.Tensor, count: torch.Tensor, length: torch.Tensor) -> bool:
-    """Whether :func:`quest_page_add` takes these tensors: CPU, keys fp32, bf16 or fp16 with contiguous rows and the
-    entries in their dtype, bool flags, int64 position, count and length (one element each), contiguous fp32 running
-    min/max, and the library built here."""
+    """Whether :func:`quest_page_add` takes these tensors (CPU, the dtypes and strides the op takes, no autograd,
+    the library built here)."""
     tensors = (keys, valid, position, open_min, open_max, entries, empty, count, length)
     return (_on_cpu(tensors) and keys.dtype in FLOAT_DTYPES and entries.dtype == keys.dtype
             and keys.stride(-1) == 1 and entries.stride(-1) == 1 and valid.dtype == torch.bool
@@ -420,9 +387,8 @@ def quest_page_add_supported(keys: torch.Tensor, valid: torch.Tensor, position: 
 def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
                    open_max: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, count: torch.Tensor,
                    length: torch.Tensor, size: int) -> None:
-    """One archived row joins Quest's fixed page summary, read where it lies, all in place (``kvzoo_quest_page_add`` in
-    ``csrc/quest.cpp``; the specification is :func:`kvzoo.kernels.choose.quest_page_add_reference`). The caller checked
-    :func:`quest_page_add_supported`. The torch op ``kvzoo::quest_page_add``."""
+    """One archived row joins Quest's page summary in place, the torch op ``kvzoo::quest_page_add`` (specification
+    :func:`kvzoo.kernels.choose.quest_page_add_reference`). The caller checked :func:`quest_page_add_supported`."""
     (_LOADED[0] if _LOADED else library()).quest_page_add(keys, valid, position, open_min, open_max, entries, empty,
                                                           count, length, size)
 
@@ -434,11 +400,9 @@ def quest_page_add(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tens
 
 def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: torch.Tensor | None = None,
                             prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-    """Whether :func:`decode_attend` takes these inputs: CPU tensors, rows (and query) in fp32, bf16 or fp16 with a
-    contiguous last dimension, values in the keys' dtype, int32/int64 indices and length, bool flags, at most
-    :data:`MAX_HPG` query heads per group, ``D`` and ``Dv`` at most :data:`MAX_D`, no autograd, ``KVZOO_KERNELS`` not
-    ``torch``, and the library built here. (Shapes are checked by the op itself: a wrong one is a ValueError, not a
-    fallback.)"""
+    """Whether :func:`decode_attend` takes these inputs: CPU tensors in the dtypes and strides the op takes, the
+    sizes :func:`decode_attend_takes` checks, ``KVZOO_KERNELS`` not ``torch`` (a wrong shape is the op's ValueError,
+    not a fallback)."""
     from kvzoo.kernels import dispatch
 
     if dispatch.mode() == "torch":
@@ -476,28 +440,10 @@ def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: i
 def decode_attend(query: torch.Tensor, source: Rows, scaling: float, *, pool_valid: torch.Tensor | None = None,
                   prior: tuple[torch.Tensor, torch.Tensor] | None = None, best: bool = False,
                   mass: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Decode attention of ``query [B, H, D]`` over one source of rows (:class:`~kvzoo.kernels.decode_attention.Rows`,
-    whose docstring and module give the semantics), read where they lie, merged with ``prior`` into one softmax:
-    ``(out [B, H, Dv] fp32, lse [B, H] fp32, best [B, H] fp32 or None, mass [B, H, P] fp32 or None)``.
-
-    * ``source``: ``keys [B, G, N, D]`` (a pool may be passed whole: any strides, last dim contiguous) and
-      ``values [B, G, N, Dv]``, or ``values=None`` with ``value_width=Dv`` (MLA: the value is ``keys[..., :Dv]``);
-      ``indices [B, G, K]`` (gathered form: position ``i`` is pool row ``indices[b, g, i]``, one outside ``[0, N)``
-      unreadable; None: positions are pool rows ``0..N-1``), ``length [B]`` (readable positions ``[0, length)``),
-      ``valid [B, G, P]`` per position, ``head_valid [B, H, P]`` per query head (``P``: ``K``, or ``N``).
-    * ``pool_valid [B, G, N]`` bool: a flag per *pool row*, read through ``indices`` (as
-      ``valid = pool_valid.gather(2, indices)`` would, with no gather): a pool's padding flags, as they are. Taken
-      from ``source.pool_valid`` where the ``Rows`` has that field (then not also as the keyword).
-    * ``prior = (out [B, H, Dv], lse [B, H])``: an earlier part over other rows (the runtime's tier); ``out`` and
-      ``lse`` are then the one softmax over both (a part with ``lse = -inf`` weighs nothing).
-    * ``best``: the best scaled score over this source's readable positions (VestigeKV's s*; ``-inf`` if none).
-    * ``mass``: each position's probability in the whole softmax (prior included); 0 where unreadable.
-
-    Numerics as the specification: the query rounded to the rows' dtype, products accumulated in fp32 (bf16 rows:
-    ``vdpbf16ps`` where the CPU has it), fp32 online softmax. A ``(b, h)`` with nothing readable gets ``out = 0`` and
-    ``lse = -inf``. A row no head may read is never loaded (it may hold NaN). The caller checked
-    :func:`decode_attend_supported`; the torch op ``kvzoo::decode_attend`` checks the shapes (a ValueError naming the
-    shape expected)."""
+    """Decode attention of ``query [B, H, D]`` over one source (:class:`~kvzoo.kernels.decode_attention.Rows`, whose
+    package gives the semantics), read where it lies and merged with ``prior = (out, lse)``: ``(out, lse, best or None,
+    mass or None)`` fp32. ``pool_valid [B, G, N]`` (or ``source.pool_valid``): a flag per pool row, read through
+    ``indices``. The caller checked :func:`decode_attend_supported`; the op checks the shapes (a ValueError)."""
     values = source.values
     width = values.shape[-1] if values is not None else source.value_width
     if width is None:

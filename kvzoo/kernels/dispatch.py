@@ -1,19 +1,10 @@
 """Which implementation a kernel call takes: Triton for CUDA tensors, the PyTorch reference otherwise.
 
-Every op in ``kvzoo/kernels/`` has a PyTorch reference and a Triton kernel with the same signature;
-:func:`use_triton` decides per call from the tensors' device and ``KVZOO_KERNELS``:
-
-* unset or ``auto``: CUDA tensors take Triton when it is importable, every other device the reference;
-* ``torch``: the reference everywhere (on a GPU too);
-* ``triton``: Triton everywhere; CPU tensors then need Triton's interpreter (``TRITON_INTERPRET=1``
-  set before ``triton`` is imported), which is how CI tests the kernels without a GPU.
-
-Decode attention has three implementations (``reference``, ``sdpa``, ``triton``); :func:`decode_impl` says
-which a step takes: ``triton`` where Triton is taken, else ``sdpa`` (the reference is the specification the
-tests hold the others to).
-
-The variable is read at each call (a dict lookup), so a test or a benchmark may switch it between
-steps. Triton is imported only when a Triton path is taken: the policy layer imports with torch alone.
+Every op in ``kvzoo/kernels/`` has a PyTorch reference and a Triton kernel with the same signature; :func:`use_triton`
+decides per call from the tensors' device and ``KVZOO_KERNELS``: unset or ``auto`` (CUDA tensors take Triton when it
+imports), ``torch`` (the reference everywhere) or ``triton`` (Triton everywhere; CPU tensors then need
+``TRITON_INTERPRET=1``, how CI tests the kernels without a GPU). The variable is read at each call, so a test may
+switch it between steps; Triton is imported only when a Triton path is taken.
 """
 
 from __future__ import annotations
@@ -74,24 +65,11 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
-def decode_impl(tensor: torch.Tensor, *, mass: bool = False) -> str:
-    """The implementation decode attention takes on ``tensor``'s device (``kvzoo.kernels.decode_attention``):
-    ``triton`` where :func:`use_triton` says so (except when the per-position probabilities are asked for,
-    which the kernels do not compute: ``sdpa``), ``sdpa`` elsewhere."""
-    return "triton" if use_triton(tensor) and not mass else "sdpa"
-
-
 _failed: set[str] = set()
 # what each op's calls took: (op, "triton") or (op, "fallback: <error>"), counted; read by benchmarks that must say
 # which path they timed (make gpu-check)
 calls: Counter = Counter()
-STRICT_ENV = "KVZOO_KERNELS_STRICT"
-
-
-def strict() -> bool:
-    """``KVZOO_KERNELS_STRICT=1``: a kernel that fails raises, even in ``auto`` mode (no silent fallback: what a
-    benchmark of the kernels needs)."""
-    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
+STRICT_ENV = "KVZOO_KERNELS_STRICT"  # =1: a kernel that fails raises even in auto mode (what a benchmark needs)
 
 
 def run(name: str, triton_fn, reference_fn, *args, **kwargs):
@@ -106,7 +84,7 @@ def run(name: str, triton_fn, reference_fn, *args, **kwargs):
         calls[(name, "triton")] += 1
         return out
     except Exception as err:
-        if mode() == "triton" or strict():
+        if mode() == "triton" or os.environ.get(STRICT_ENV, "0") not in ("", "0"):  # no silent fallback
             raise
         _failed.add(name)
         warnings.warn(f"kvzoo: the Triton kernel {name!r} failed ({type(err).__name__}: {err}); using the PyTorch "

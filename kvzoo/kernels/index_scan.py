@@ -1,32 +1,9 @@
-"""Index scans over the archive: certified sketch bounds, int8 key bounds and Quest page bounds (PyTorch references
-and fused Triton kernels).
-
-Each returns *upper bounds* on the attention score ``scale * <q, k>`` of archived rows, computed from a small index
-instead of the rows; the retrieval tier fetches the rows whose bounds say they could matter. Shapes: ``B`` batch,
-``G`` KV groups, ``H`` query heads (``H % G == 0``), ``q`` queries, ``m`` archived rows, ``p`` pages.
-
-A bound is one inner product per (query, entry): each index entry is a row of ``E [B, G, m, W]`` and each query a
-row of ``Q [B, G, hpg * q, W]`` (:func:`sketch_query`, :func:`page_query`), every term of the bound -- its float
-slack included -- a column, so a scan is ``scale * Q @ E^T`` whatever the retriever. Two ops, each a reference
-``*_reference`` and a kernel ``*_triton`` with one signature (:mod:`kvzoo.kernels.dispatch` picks: the kernel on CUDA
-tensors, the reference elsewhere, ``KVZOO_KERNELS`` to force either):
-
-* ``index_scan(query_rows, entries, scaling, *, length=None) -> [B, G, hq, m]`` fp32. Entries in any float dtype,
-  upcast per tile (never an fp32 copy of the index); products in IEEE fp32 (not TF32: the slack column is 1e-5).
-  ``length [B]`` (on the entries' device, graph-capturable): positions ``>= length[b]`` give ``-inf`` and are never
-  read, so a preallocated buffer may be passed whole. Without ``length`` the reference is, bit for bit, the scan
-  kvzoo always computed.
-* ``index_scan_reduce(query_rows, entries, scaling, threshold [B, G, hq] | None, *, length=None) -> margin [B, G, m]``:
-  the max over the ``hq`` query rows of ``scale * Q.E - threshold`` (None: 0), never holding the ``[B, G, hq, m]``
-  bounds. Its sign is exact: ``margin >= 0`` exactly where ``(index_scan(...) >= threshold[..., None]).any(2)``,
-  infinities included (a tie, ``-inf >= -inf`` or ``inf >= inf`` gives 0); a NaN bound (an empty Quest page, ``max =
-  -inf, min = +inf``) and positions ``>= length[b]`` give ``-inf``. Serves VestigeKV's certified rule (threshold ``s* -
-  tau``) and Quest's ``gqa="group"`` rule (None: the group's max bound).
-
-Memory: no intermediate is larger than a scan's output or :data:`ROW_BLOCK_ELEMENTS` (never ``queries x rows x
-dims``); callers scan a long forward in query tiles (:func:`kvzoo.kernels.attention.query_block`). The kernel
-(:func:`launch_config` picks its blocks; ``kvzoo/kernels/shapes.py`` lists what the compile gate builds) imports
-Triton on its first call; this module imports with torch alone.
+"""Index scans over the archive (PyTorch references and fused Triton kernels): *upper bounds* on the attention
+score ``scale * <q, k>`` of archived rows from a small index (certified sketch bounds, int8 key bounds, Quest page
+bounds), so the retrieval tier fetches only the rows that could matter. A bound is one inner product per (query,
+entry), its float slack a column: a scan is ``scale * Q @ E^T`` for query rows ``Q [B, G, hq, W]`` and entries ``E
+[B, G, m, W]``. :func:`index_scan` and :func:`index_scan_reduce` are each a ``*_reference`` and a ``*_triton``
+(:mod:`kvzoo.kernels.dispatch` picks); no intermediate exceeds a scan's output or :data:`ROW_BLOCK_ELEMENTS`.
 """
 
 from __future__ import annotations
@@ -115,12 +92,9 @@ def index_scan(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, 
                length: torch.Tensor | None = None) -> torch.Tensor:
     """``scale * Q @ E^T`` ``[B, G, hq, m]`` fp32 for ``Q [B, G, hq, W]`` (fp32) and ``E [B, G, m, W]``.
 
-    ``E`` may be stored in any float dtype (a preallocated buffer may be passed whole, with
-    ``length``); it is upcast in blocks of rows (the kernel: per tile, in registers), so the product
-    is fp32's and the extra memory is one block. ``length [B]`` (int32/int64, on the entries' device):
-    positions ``>= length[b]`` give ``-inf``. Takes the Triton kernel or the reference
-    (:mod:`kvzoo.kernels.dispatch`).
-    """
+    ``E`` in any float dtype is upcast in blocks of rows (the kernel: per tile, in registers), so the product is
+    IEEE fp32's (not TF32: the slack column is 1e-5). ``length [B]`` (int32/int64, on the entries' device): positions
+    ``>= length[b]`` give ``-inf`` and are never read, so a preallocated buffer may be passed whole."""
     _check("index_scan", query_rows, entries, length)
     if use_triton(entries):
         return run("index_scan", index_scan_triton, index_scan_reference, query_rows, entries, scaling, length=length)
@@ -128,7 +102,7 @@ def index_scan(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float, 
 
 
 def _margin(bound: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """``bound - threshold`` with the sign of ``bound >= threshold`` made exact (see the module docstring)."""
+    """``bound - threshold`` with the sign of ``bound >= threshold`` made exact (see :func:`index_scan_reduce`)."""
     diff = bound - threshold
     return torch.where(bound >= threshold, torch.where(diff > 0, diff, 0.0),
                        torch.where(bound < threshold, diff, float("-inf")))
@@ -155,15 +129,12 @@ def index_scan_reduce_reference(query_rows: torch.Tensor, entries: torch.Tensor,
 
 def index_scan_reduce(query_rows: torch.Tensor, entries: torch.Tensor, scaling: float,
                       threshold: torch.Tensor | None, *, length: torch.Tensor | None = None) -> torch.Tensor:
-    """``margin [B, G, m]`` fp32: the max over the ``hq`` query rows of ``scale * Q.E - threshold``.
+    """``margin [B, G, m]`` fp32: the max over the ``hq`` query rows of ``scale * Q.E - threshold``, without the
+    ``[B, G, hq, m]`` bounds ever existing (VestigeKV's certified rule, Quest's ``gqa="group"``).
 
-    The scan of :func:`index_scan` reduced over the heads (and queries) that share a KV group's rows,
-    without the ``[B, G, hq, m]`` bounds ever existing. ``threshold [B, G, hq]`` (fp32), or None for 0
-    (then the margin is the group's max bound). A row's margin is ``>= 0`` exactly when
-    ``bound >= threshold`` for some query row -- including infinities -- and ``-inf`` when no query row
-    can be compared with it (a NaN bound, e.g. an empty Quest page) and at positions ``>= length[b]``;
-    see the module docstring. Takes the Triton kernel or the reference (:mod:`kvzoo.kernels.dispatch`).
-    """
+    ``threshold [B, G, hq]``, or None for 0 (the group's max bound). A margin is ``>= 0`` exactly when ``bound >=
+    threshold`` for some query row, infinities included, and ``-inf`` when no query row can be compared with it (a
+    NaN bound: an empty Quest page) and at positions ``>= length[b]``."""
     _check("index_scan_reduce", query_rows, entries, length, threshold)
     if use_triton(entries):
         return run("index_scan_reduce", index_scan_reduce_triton, index_scan_reduce_reference, query_rows, entries,
@@ -178,12 +149,9 @@ def _grouped(query: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def sketch_entries(content: torch.Tensor, branch: torch.Tensor | None, basis: torch.Tensor) -> torch.Tensor:
-    """Index rows ``E = [z, eta, r, ||c||, ||r||]`` ``[B, G, m, rank + 1 + dr + 2]`` fp32.
-
-    ``content [B,G,m,dc]`` (MLA: the latent c; GQA: the key), ``branch [B,G,m,dr]`` or None
-    (then ``E = [z, eta, ||c||]``), ``basis [B|1, G, dc, rank]`` orthonormal columns.
-    ``z = V^T c``, ``eta = ||(I - V V^T) c||``.
-    """
+    """Index rows ``E = [z, eta, r, ||c||, ||r||]`` ``[B, G, m, rank + 1 + dr + 2]`` fp32 (``branch`` None: ``[z,
+    eta, ||c||]``) for ``content [B,G,m,dc]`` (MLA's latent, GQA's key) and ``basis [B|1, G, dc, rank]`` orthonormal:
+    ``z = V^T c``, ``eta = ||(I - V V^T) c||``."""
     V = basis.float() if basis.dim() == 4 else basis.float()[None]
     c = content.float()
     z = torch.matmul(c, V)
@@ -201,11 +169,9 @@ def sketch_query(q_content: torch.Tensor, q_branch: torch.Tensor | None, basis: 
                  slack: float = SKETCH_SLACK) -> torch.Tensor:
     """Query rows ``Q = [V^T q_c, ||(I - V V^T) q_c||, q_r, eps ||q_c||, eps ||q_r||]`` ``[B, G, hpg*q, W]``.
 
-    ``Q . E = <q_r, r> + <V^T q_c, z> + ||q_perp|| eta + eps (||q_c|| ||c|| + ||q_r|| ||r||)``: the
-    certified bound (Cauchy-Schwarz on the part of ``q_c`` and ``c`` outside span(V)) plus the slack
-    that keeps fp32 rounding from undercutting the exact score (``slack``: eps; entries stored in fp16 need
-    :data:`SKETCH_SLACK_FP16`, see :func:`round_entries_fp16`).
-    """
+    ``Q . E = <q_r, r> + <V^T q_c, z> + ||q_perp|| eta + eps (||q_c|| ||c|| + ||q_r|| ||r||)``: the certified bound
+    (Cauchy-Schwarz outside span(V)) plus the slack ``eps`` that covers fp32 rounding (fp16 entries:
+    :data:`SKETCH_SLACK_FP16`)."""
     V = basis.float() if basis.dim() == 4 else basis.float()[None]
     G = V.shape[1]
     qc = _grouped(q_content, G)
@@ -234,10 +200,9 @@ def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_entries_fp16(entries: torch.Tensor, rank: int, branch_dim: int) -> torch.Tensor:
-    """Sketch entries (:func:`sketch_entries`, fp32) stored in fp16 so that bounds with :data:`SKETCH_SLACK_FP16`
-    stay certified: ``z`` and ``r`` to nearest, ``eta`` rounded up, ``||c||`` and ``||r||`` rounded up after adding
-    ``sqrt(width) 2^-14``. Raises if a value overflows fp16 (then store the index in fp32); the check reads the
-    device once per call (an index of fp16 entries indexed inside decode steps synchronises there)."""
+    """Sketch entries stored in fp16 so that bounds with :data:`SKETCH_SLACK_FP16` stay certified: ``z`` and ``r`` to
+    nearest, ``eta`` and the norms rounded up (the norms after adding ``sqrt(width) 2^-14``). Raises if a value
+    overflows fp16; the check reads the device once per call."""
     out = entries.half()
     out[..., rank] = _round_up_fp16(entries[..., rank])  # eta
     norms = [(rank + 1 + branch_dim, rank)]  # ||c||: its column and the width whose rounding it covers
@@ -254,14 +219,10 @@ INT8_NORM_MARGIN = 1e-3  # relative margin on the stored error and norm columns 
 
 
 def int8_key_entries(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row int8 keys for a certified bound: ``(codes [B, G, m, D] int8, side [B, G, m, 3] fp16)``.
-
-    ``side = [s, err, norm]``: the row's scale ``s`` (fp16, rounded up from ``max|k| / 127``, at least 2^-14), so
-    ``k_hat = s * codes`` is exact in fp32 (``s`` at most fp16's largest value); ``err >= ||k - k_hat||`` and ``norm >= max(||k||, ||k_hat||)``, both
-    computed in fp32, widened by :data:`INT8_NORM_MARGIN` and rounded up to fp16. Then for any query
-    ``<q, k> <= s <q, codes> + ||q|| err`` (Cauchy-Schwarz on ``k - k_hat``); :func:`int8_key_bounds` adds the fp32
-    slack ``eps ||q|| norm``. ``D + 6`` bytes per row.
-    """
+    """Per-row int8 keys for a certified bound: ``(codes [B, G, m, D] int8, side [B, G, m, 3] fp16)``, ``D + 6``
+    bytes per row. ``side = [s, err, norm]``: the scale ``s`` (fp16, rounded up from ``max|k| / 127``), so ``k_hat = s *
+    codes`` is exact in fp32; ``err >= ||k - k_hat||`` and ``norm >= max(||k||, ||k_hat||)``, widened by
+    :data:`INT8_NORM_MARGIN` and rounded up. Then ``<q, k> <= s <q, codes> + ||q|| err`` (Cauchy-Schwarz)."""
     k = keys.float()
     scale = _round_up_fp16((k.abs().amax(-1) / 127).clamp(min=2.0 ** -14, max=65504.0))  # finite: codes stay finite
     codes = (k / scale.float()[..., None]).round().clamp(-127, 127)
@@ -288,17 +249,13 @@ def int8_key_estimate_reference(query: torch.Tensor, codes: torch.Tensor, side: 
 def int8_key_estimate(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
                       length: torch.Tensor | None = None) -> torch.Tensor:
     """``estimate [B, G, hq, m]`` fp32 ``= scaling * s <q, codes>`` (the score of each row's int8 reconstruction
-    ``k_hat``) for grouped queries ``query [B, G, hq, D]`` over int8 key entries (:func:`int8_key_entries`:
-    ``codes [B, G, m, D]``, ``side [B, G, m, 3]``); ``length [B]``: positions ``>= length[b]`` give ``-inf``.
-
-    One op, one read of the codes: on CPU tensors the C loop of :mod:`kvzoo.kernels.cpu_native` (the codes
-    converted in registers, every query row of a group at once), elsewhere -- or with ``KVZOO_KERNELS=torch``, or
-    where no C compiler is found -- :func:`int8_key_estimate_reference`. The two agree to fp32 rounding (their sums
-    run in another order), which the bound's slack covers (:func:`int8_bound_from`)."""
+    ``k_hat``) for grouped queries ``query [B, G, hq, D]`` over int8 key entries (:func:`int8_key_entries`);
+    ``length [B]``: positions ``>= length[b]`` give ``-inf``. On CPU tensors the C loop of
+    :mod:`kvzoo.kernels.cpu_native` (one read of the codes), elsewhere :func:`int8_key_estimate_reference`; the two
+    agree to fp32 rounding, which the bound's slack covers (:func:`int8_bound_from`)."""
     from kvzoo.kernels import cpu_native
 
-    if (mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side)
-            and cpu_native.available()):
+    if mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side):
         return cpu_native.int8_estimate(query, codes, side, scaling, length)
     return int8_key_estimate_reference(query, codes, side, scaling, length=length)
 
@@ -337,14 +294,11 @@ def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.
 
 def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int,
                          counter: torch.Tensor | None = None) -> bool:
-    """Whether :func:`int8_choose` runs as one kernel call for these tensors (CPU, a C compiler found,
-    ``KVZOO_KERNELS`` not ``torch``, the geometry the loop takes, a CPU counter); elsewhere callers keep the PyTorch
-    ops."""
+    """Whether :func:`int8_choose` runs as one kernel call for these tensors (``KVZOO_KERNELS`` not ``torch``, and
+    :func:`kvzoo.kernels.cpu_native.int8_estimate_supported` with ``j`` and the counter: one predicate per step)."""
     from kvzoo.kernels import cpu_native
 
-    return (mode() != "torch" and 1 <= j <= min(cpu_native.MAX_J, codes.shape[2])
-            and cpu_native.int8_estimate_supported(query, codes, side) and cpu_native.counter_ok(counter)
-            and cpu_native.available())
+    return mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side, j, counter)
 
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
@@ -352,13 +306,11 @@ def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, th
                 counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over int8 key entries, staged and counted: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
-    Per query row of ``query [B, G, hq, D]``: its top ``j`` rows by :func:`int8_key_estimate`, each kept where its
-    certified bound (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's
-    ``hq * j`` candidates sorted (unchosen ones as ``archived``, the archive's row count), ``idx`` clamped below
-    ``archived`` and ``picked`` True on the first copy of each chosen row; ``count`` (int64, 0-dim) the rows picked
-    over the batch and groups, added in place to ``counter`` (the layer's fetched rows) when given. On CPU one call
-    of the C loop (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32
-    rounding of the estimates (a bound within rounding of its threshold may go either way)."""
+    Per query row its top ``j`` rows by :func:`int8_key_estimate`, each kept where its certified bound
+    (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's candidates staged as
+    :func:`unique_candidates` stages them; ``count`` added to ``counter`` in place when given. On CPU one call of the C
+    loop (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32 rounding of
+    the estimates (a bound within rounding of its threshold may go either way)."""
     from kvzoo.kernels import cpu_native
 
     if fused_choose_applies(query, codes, side, j, counter):
@@ -379,10 +331,8 @@ def int8_bound_from(estimate: torch.Tensor, query: torch.Tensor, side: torch.Ten
 
 def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, scaling: float, *,
                     length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bound, estimate)`` ``[B, G, hq, m]`` fp32 for grouped queries ``query [B, G, hq, D]`` (fp32) over int8 key
-    entries (:func:`int8_key_entries`): ``estimate = scale s <q, codes>`` (the score of ``k_hat``,
-    :func:`int8_key_estimate`) and ``bound = estimate + scale (||q|| err + eps ||q|| norm) >= scale <q, k>``
-    (:func:`int8_bound_from`). ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
+    """``(bound, estimate)`` ``[B, G, hq, m]`` fp32 for grouped queries ``query [B, G, hq, D]`` over int8 key entries:
+    :func:`int8_key_estimate` and :func:`int8_bound_from`. ``length [B]``: positions ``>= length[b]`` give ``-inf``."""
     estimate = int8_key_estimate(query, codes, side, scaling, length=length)
     bound = int8_bound_from(estimate, query, side[:, :, None], scaling)
     if length is not None:  # past length the side columns are anything (an fp16 norm's inf): -inf + inf is NaN
@@ -392,10 +342,8 @@ def int8_key_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor
 
 def int8_row_bounds(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`int8_key_bounds` for rows gathered per query row: ``query [B, G, hq, D]`` against its own rows
-    ``codes [B, G, hq, K, D]`` int8 and ``side [B, G, hq, K, 3]`` -> ``(bound, estimate) [B, G, hq, K]`` fp32, the
-    same bound (``estimate + scale (||q|| err + eps ||q|| norm)``). The second stage of a paged scan
-    (:func:`int8_page_bounds` picks the pages, this scores their rows)."""
+    """:func:`int8_key_bounds` for rows gathered per query row (``codes [B, G, hq, K, D]``, ``side [B, G, hq, K, 3]``
+    -> ``[B, G, hq, K]``): the second stage of a paged scan (:func:`int8_page_bounds` picks the pages)."""
     q = query.float()
     estimate = torch.matmul(codes.float(), q[..., None])[..., 0].mul_(side[..., 0].float()).mul_(scaling)
     return int8_bound_from(estimate, q, side, scaling), estimate  # [B, G, hq, K]
@@ -415,15 +363,11 @@ def _round_up_16_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A coarse page summary in int8: ``(codes [B, G, p, 2 D] int8, scale [B, G, p] fp32)`` from each page's
-    element-wise key minimum and maximum ``[B, G, p, D]`` (fp32; an empty page's are ``+inf`` / ``-inf``).
-
-    ``scale`` is ``max_i max(|min_i|, |max_i|) / 127`` widened by ``2^-20`` (so ``127 scale`` covers the page, at
-    least 2^-14) and rounded up to 16 significant bits, so that a code times the scale is exact in fp32;
-    ``codes = [ceil(max / scale), floor(min / scale)]``, each corrected by one step where fp32's division rounded it
-    inward, so ``scale * codes[:D] >= max`` and ``scale * codes[D:] <= min`` exactly, every code in ``[-128, 127]``. An empty page gets codes 0 (its bound is set to ``-inf`` by the caller's flag); a page with
-    an infinite key gets an infinite scale (:func:`int8_page_bounds` gives it ``+inf``). ``2 D + 4`` bytes a page.
-    """
+    """A coarse page summary in int8, ``2 D + 4`` bytes a page: ``(codes [B, G, p, 2 D] int8, scale [B, G, p]
+    fp32)`` from each page's key min and max ``[B, G, p, D]`` (an empty page's ``+inf`` / ``-inf``: codes 0). ``scale``
+    (``max |k| / 127``, widened, rounded up to 16 significant bits: a code times it is exact in fp32) and ``codes =
+    [ceil(max / scale), floor(min / scale)]`` corrected where fp32 rounded inward, so ``scale * codes[:D] >= max`` and
+    ``scale * codes[D:] <= min`` exactly; a page with an infinite key gets an infinite scale (its bound ``+inf``)."""
     empty = torch.isinf(page_min).all(-1, keepdim=True) & torch.isinf(page_max).all(-1, keepdim=True)
     lo = page_min.float().masked_fill(empty, 0.0)
     hi = page_max.float().masked_fill(empty, 0.0)
@@ -441,12 +385,10 @@ def int8_page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> tuple[t
 
 def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, scaling: float, *,
                      length: torch.Tensor | None = None) -> torch.Tensor:
-    """Quest's page bound on an int8 page summary (:func:`int8_page_entries`): ``[B, G, hq, p]`` fp32 for grouped
-    queries ``query [B, G, hq, D]``, ``scale (sum_i max(q_i, 0) hi_i + min(q_i, 0) lo_i + slack)`` with
-    ``hi = codes[:D]``, ``lo = codes[D:]`` -- ``>= <q, k>`` for every key of the page, since
-    ``scale lo_i <= k_i <= scale hi_i``. One product over the ``2 D`` codes; the slack
-    (:data:`PAGE_SLACK` ``* 128 ||q||_1``) covers fp32's rounding. ``length [B]``: pages ``>= length[b]`` give
-    ``-inf``; a page whose scale is infinite gives ``+inf``."""
+    """Quest's page bound on an int8 page summary (:func:`int8_page_entries`): ``[B, G, hq, p]`` fp32, ``scale (sum_i
+    max(q_i, 0) hi_i + min(q_i, 0) lo_i + slack) >= <q, k>`` for every key of the page (``scale lo_i <= k_i <= scale
+    hi_i``); the slack (:data:`PAGE_SLACK` ``* 128 ||q||_1``) covers fp32's rounding. Pages ``>= length[b]`` give
+    ``-inf``, a page of infinite scale ``+inf``."""
     p = codes.shape[2]
     q = query.float()
     dot = _upcast_matmul(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1), codes)  # [q+, q-] . [hi, lo]
@@ -460,30 +402,22 @@ def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 
 
 def page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
-    """Index rows ``E = [max, min, max_i max(|min_i|, |max_i|)]`` ``[B, G, p, 2 D + 1]`` (input dtype).
-
-    Every entry is one of the page's key values, so storing them in the keys' dtype is exact.
-    """
+    """Index rows ``E = [max, min, max_i max(|min_i|, |max_i|)]`` ``[B, G, p, 2 D + 1]`` in the input dtype (each
+    one of the page's key values: exact)."""
     magnitude = torch.maximum(page_min.abs(), page_max.abs()).amax(dim=-1, keepdim=True)
     return torch.cat([page_max, page_min, magnitude], dim=-1)
 
 
 def page_query(query: torch.Tensor, groups: int) -> torch.Tensor:
-    """Query rows ``Q = [max(q, 0), min(q, 0), eps ||q||_1]`` ``[B, G, hpg * q, 2 D + 1]`` fp32.
-
-    Since ``min <= max``, ``max(q_i min_i, q_i max_i) = max(q_i, 0) max_i + min(q_i, 0) min_i``, so
-    ``Q . E`` is Quest's bound ``sum_i max(q_i min_i, q_i max_i)`` plus a slack that covers fp32
-    rounding (``eps ||q||_1 max |k_i| >= eps sum_i |q_i k_i|`` for every key k of the page).
-    """
+    """Query rows ``Q = [max(q, 0), min(q, 0), eps ||q||_1]`` ``[B, G, hpg * q, 2 D + 1]`` fp32: ``Q . E`` is Quest's
+    bound ``sum_i max(q_i min_i, q_i max_i)`` (``min <= max``) plus a slack covering fp32 rounding."""
     q = _grouped(query, groups)
     return torch.cat([q.clamp(min=0), q.clamp(max=0), SKETCH_SLACK * q.abs().sum(-1, keepdim=True)], dim=-1)
 
 
 def exact_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``scale * <q, k>`` ``[B, H, q, m]`` fp32 for rows ``keys [B, G, m, D]`` (audits and s*).
-
-    The rows are upcast to fp32 in blocks, so the product is fp32's whatever the cache dtype.
-    """
+    """``scale * <q, k>`` ``[B, H, q, m]`` fp32 for rows ``keys [B, G, m, D]`` (audits and s*), the rows upcast in
+    blocks so the product is fp32's whatever the cache dtype."""
     B, H, q_len, D = query.shape
     G, m = keys.shape[1], keys.shape[2]
     out = _upcast_matmul(_grouped(query, G), keys)

@@ -1,17 +1,11 @@
 """What ships: the Triton specialisations the launchers pick for the shipped models, for the sm_90 compile gate
-(``kvzoo/kernels/compile_gate.py``; ``tests/test_compile_gate.py`` compiles each one and holds it to ``expect``;
-``python -m kvzoo.kernels.shapes`` prints the tables).
-
-Each configuration is built from the launcher's own heuristics (:func:`~kvzoo.kernels.decode_attention.triton.
-split_config`, :func:`~kvzoo.kernels.decode_attention.triton.merge_config`,
-:func:`~kvzoo.kernels.index_scan.launch_config`), so the binary a GPU runs is the one the gate checks. The imports
-go one way: this module imports the gate and the kernel modules; neither imports it, and the kernel modules never
-import the gate. Imports no Triton itself (the kernels are jitted when :func:`shipped` asks for them).
+(``tests/test_compile_gate.py`` compiles each one and holds it to ``expect``; ``python -m kvzoo.kernels.shapes``
+prints the tables). Each is built from the launchers' own heuristics (``split_config``, ``merge_config``,
+``index_scan.launch_config``), so the binary a GPU runs is the one the gate checks. This module imports the gate and
+the kernel modules; neither imports it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -105,28 +99,6 @@ def merge_specialisation(mcfg: MergeConfig, out_dtype: torch.dtype, prior_dtype:
     return signature, constexprs
 
 
-@dataclass(frozen=True)
-class ShippedSplit:
-    """What the compile gate holds one shipped split configuration to (besides the compiled code's limits)."""
-
-    shape: str
-    heads_per_group: int
-    dtype: torch.dtype
-    variant: str
-    config: SplitConfig
-
-
-def shipped_splits() -> list[ShippedSplit]:
-    """The split kernel's shipped configurations, with the launch configuration each is built for."""
-    out = []
-    for name, hpg, width, value_width, separate in SHIPPED_SHAPES:
-        for dtype in SHIPPED_DTYPES:
-            for variant in SHIPPED_VARIANTS:
-                cfg = split_config(hpg, width, value_width, separate, torch.empty((), dtype=dtype).element_size())
-                out.append(ShippedSplit(name, hpg, dtype, variant, cfg))
-    return out
-
-
 def grid_table(sms: int = DEFAULT_SMS) -> list[dict[str, object]]:
     """The grid the splits heuristic gives each shipped shape (bf16, its pool variant) for :data:`GRID_CASES` on
     ``sms`` SMs: splits, programs, the programs the chip holds at once (``sms x ctas_per_sm``), and the merge's
@@ -150,23 +122,20 @@ def decode_configs() -> list[KernelConfig]:
     splits the heuristic gives for :func:`grid_table`."""
     kernels = decode.kernels()
     configs = []
-    for shipped in shipped_splits():
-        cfg = shipped.config
-        value_width = next(v for n, _, _, v, _ in SHIPPED_SHAPES if n == shipped.shape)
-        separate = next(sep for n, _, _, _, sep in SHIPPED_SHAPES if n == shipped.shape)
-        signature, constexprs = split_specialisation(cfg, shipped.dtype, value_width, separate,
-                                                     SHIPPED_VARIANTS[shipped.variant],
-                                                     heads_per_group=shipped.heads_per_group)
-        label = f"decode_split-{shipped.shape}-{_TRITON_TYPE[shipped.dtype]}-{shipped.variant}"
-        elem = _TRITON_TYPE[shipped.dtype]
-        tiles = [(cfg.BLOCK_N, cfg.BLOCK_D1, elem)]
-        tiles.append((cfg.BLOCK_N, cfg.BLOCK_DV, elem) if separate else (cfg.BLOCK_N, cfg.BLOCK_D2, elem))
+    shipped = [(name, hpg, width, value_width, separate, dtype, variant)
+               for name, hpg, width, value_width, separate in SHIPPED_SHAPES
+               for dtype in SHIPPED_DTYPES for variant in SHIPPED_VARIANTS]
+    for name, hpg, width, value_width, separate, dtype, variant in shipped:
+        cfg = split_config(hpg, width, value_width, separate, torch.empty((), dtype=dtype).element_size())
+        signature, constexprs = split_specialisation(cfg, dtype, value_width, separate, SHIPPED_VARIANTS[variant],
+                                                     heads_per_group=hpg)
+        elem = _TRITON_TYPE[dtype]
+        tiles = [(cfg.BLOCK_N, cfg.BLOCK_D1, elem), (cfg.BLOCK_N, cfg.BLOCK_DV if separate else cfg.BLOCK_D2, elem)]
         expect = {"mma": "mma.sync.m16n8k16", "row_tiles": tiles, "row_buffers": cfg.row_buffers,
                   "ctas_per_sm": cfg.ctas_per_sm, "score_tile": (cfg.BLOCK_H, cfg.BLOCK_N),
-                  "score_copies": cfg.score_copies}
-        expect["max_registers"] = cfg.max_registers
-        configs.append(KernelConfig(label, kernels.split, signature, constexprs, cfg.num_warps, cfg.num_stages,
-                                    expect=expect))
+                  "score_copies": cfg.score_copies, "max_registers": cfg.max_registers}
+        configs.append(KernelConfig(f"decode_split-{name}-{elem}-{variant}", kernels.split, signature, constexprs,
+                                    cfg.num_warps, cfg.num_stages, expect=expect))
     block_s = sorted({row["merge_block_s"] for row in grid_table()})
     for dtype in SHIPPED_DTYPES:  # the output dtype changes one cast: one dtype at every block of splits
         for variant, flags in SHIPPED_MERGES.items():
@@ -184,11 +153,9 @@ def decode_configs() -> list[KernelConfig]:
 # index scan
 # ----------------------------------------------------------------------------------------------------
 
-# Shapes the shipped retrievers scan: (label, query rows hq, width W, entries dtype, op, threshold given).
-# VestigeKV MLA: W = rank 64 + eta + rope 64 + 2 norms = 131, entries fp32 (sketch_entries), hq = heads
-# per group (DeepSeek-V2-Lite 16, Kimi Linear 32); its certified rule reduces with s* - tau, its top-j
-# rule scans. Quest MLA: W = 2 x 576 + 1, hq 16; Quest GQA head_dim 64: W = 129, hq 3 / 4 / 8; entries in
-# the keys' dtype; gqa="head" scans, gqa="group" reduces with threshold 0 (None).
+# Shapes the shipped retrievers scan: (label, query rows hq, width W, entries dtype, op, threshold given). VestigeKV
+# MLA: W = rank 64 + eta + rope 64 + 2 norms = 131, fp32, hq 16 / 32 (its certified rule reduces with s* - tau, its
+# top-j rule scans); Quest MLA: W = 2 x 576 + 1, hq 16; Quest GQA: W = 129, hq 3 / 4 / 8 (gqa="group" reduces).
 INDEX_SCAN_SHAPES = (
     [(f"vestige_mla_h{h}", h, 131, torch.float32, op, op == "reduce") for h in (16, 32) for op in ("scan", "reduce")]
     + [(f"quest_mla_h16_{_TRITON_TYPE[d]}", 16, 1153, d, op, False)

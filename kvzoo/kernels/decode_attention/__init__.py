@@ -1,64 +1,36 @@
 """Gathered decode attention over several row sources, one softmax: the op, one specification, four forms.
 
-One decode step: one query per sequence, ``query [B, H, D]``, reads rows from one or more
-:class:`Rows` sources (the attended pool, the rows a retriever fetched, ...). Every readable row of
-every source joins **one** softmax; the result is the output ``[B, H, Dv]`` (the query's dtype) and
-the natural-log log-sum-exp ``[B, H]`` (fp32) of the scaled scores over all those rows.
+One decode step, ``query [B, H, D]`` (one query per sequence), reads rows from one or more :class:`Rows` sources
+(the attended pool, the rows a retriever fetched, ...). Every readable row of every source joins **one** softmax;
+the result is the output ``[B, H, Dv]`` (the query's dtype) and the natural-log log-sum-exp ``[B, H]`` (fp32).
 
-A source holds ``keys [B, G, N, D]`` (``G`` KV groups, ``H % G == 0``: query head ``h`` reads group
-``h // (H // G)``) and its values in one of two forms:
+A source holds ``keys [B, G, N, D]`` (query head ``h`` reads group ``h // (H // G)``) and either ``values [B, G, N,
+Dv]`` (GQA) or ``values=None`` with ``value_width=Dv`` (MLA absorbed: a row's value is its first ``Dv`` dims, so a
+576-dim latent row is loaded once for both products). A query head reads a position (a pool row ``n``, or in the
+gathered form an entry ``i`` of ``indices``) when all of these allow it:
 
-* GQA: ``values [B, G, N, Dv]``, separate rows;
-* MLA absorbed: ``values=None`` and ``value_width=Dv``: the value of a row is its first ``Dv``
-  dims (DeepSeek / Kimi latent rows of 512 + 64: the key is the whole 576-dim row, the value its
-  512-dim latent). The kernel loads such a row once for both products.
+* ``length [B]`` (a device tensor, so a launch can be graph-captured): positions ``[0, length[b])`` only;
+* ``indices [B, G, K]`` (gathered form): position ``i`` is the row ``keys[b, g, indices[b, g, i]]`` (a duplicate
+  is read twice); an index outside ``[0, N)`` is unreadable (``-1`` may pad; nothing reads outside the pool);
+* ``valid [B, G, N']`` (``N' = N``, or ``K`` in the gathered form) per position, ``head_valid [B, H, N']`` per
+  query head and position (Quest picks pages per head).
 
-Which rows a query head reads (a *readable* row) is the conjunction of:
+What a row no head of its group may read holds never matters (a preallocated pool, passed whole with ``length``
+marking its filled prefix, may hold NaN there).
 
-* ``length [B]`` (a device tensor, so a launch can be graph-captured): positions ``[0, length[b])``
-  only (``None``: every position). A position is a row index ``n`` of the pool, or in the gathered
-  form an entry ``i`` of ``indices``;
-* ``indices [B, G, K]`` (gathered form): position ``i`` is the row ``keys[b, g, indices[b, g, i]]``;
-  a duplicate index is read twice, like a gather. An index outside ``[0, N)`` makes its entry
-  unreadable (so ``-1`` may pad; neither implementation reads outside the pool);
-* ``valid [B, G, N']`` (``N' = N``, or ``K`` in the gathered form), per position;
-* ``head_valid [B, H, N']`` per query head and position (Quest picks pages per head).
-
-What a row that is not readable by any head of its group holds never matters (a preallocated pool
-may hold NaN past ``length`` or in invalid rows). A preallocated pool may be passed whole (any
-strides, last dim contiguous) with ``length`` marking its filled prefix.
-
-Scores are ``scaling * <q, k>`` in fp32: the query first rounded to the rows' dtype (the product the model's own
-attention takes), the products accumulated in fp32 and *kept* in fp32 -- never rounded back to the rows' dtype. The
-softmax and the output's accumulation are fp32 and the output is cast to the query's dtype. A ``(b, h)`` with no
-readable row gets ``out = 0`` and ``lse = -inf`` (never NaN). With one source and no ``length`` / ``indices`` /
-``head_valid`` this is plain softmax attention of one query over the rows.
-
-Why fp32 scores: the best score s* (``best=True``) is VestigeKV's retrieval floor, compared with certified fp32
-bounds, and it is computed by every form of this op (the tier of a decode step) and by the multi-token path
-(:func:`kvzoo.framework.retrieval.tier_best`). A bf16 score keeps 8 bits: rounded, s* moves by up to 2^-9 of its
-size, enough to change which archived rows clear the floor between the decode and the multi-token path. The kernels
-accumulate in fp32 on the tensor cores anyway, so fp32 scores cost them nothing; the SDPA form upcasts a block of
-half-precision rows at a time for its products; fp32 rows compute exactly as before (nothing is rounded there).
+Scores are ``scaling * <q, k>`` in fp32: the query rounded to the rows' dtype, the products accumulated in fp32 and
+kept in fp32 (never rounded back: the best score s*, ``best=True``, is VestigeKV's retrieval floor, compared with
+certified fp32 bounds, and a bf16 s* would move which archived rows clear it between the decode and the multi-token
+path). The softmax is fp32 and the output is cast to the query's dtype. A ``(b, h)`` with no readable row gets ``out =
+0`` and ``lse = -inf`` (never NaN).
 
 A step comes in one or two *parts* (:func:`attend`): a step that must see the tier's best score before it knows which
-other rows to read asks the tier for it with ``defer=True`` and passes that part as ``prior`` when it attends over the
-rest; the two parts make one softmax over both (the kernels and the native op merge them by their log-sum-exp, the
-reference and SDPA forms join their scores). Every form runs single-part and two-part steps, and is held to the
-reference on both.
-
-The forms (``attend(..., impl=...)``; :func:`kvzoo.kernels.dispatch.decode_impl` picks one, and on CPU the native op
-where it applies):
-
-* ``reference`` (:mod:`.reference`): the specification, plain PyTorch, fp32 math, the whole parts protocol;
-* ``sdpa`` (:mod:`.sdpa`): torch's fused ``scaled_dot_product_attention`` for one plain source, per-source fp32
-  scores and one fp32 softmax otherwise;
-* ``triton`` (:mod:`.triton`): split-K kernels and a one-pass log-sum-exp merge kernel, launch heuristics beside them
-  (what ships for the sm_90 compile gate: ``kvzoo/kernels/shapes.py``);
-* ``native``: ``kvzoo.kernels.cpu_native.decode_attend``, rows read where they lie, once per KV group.
-
-``tests/test_decode_attention_reference.py``, ``tests/test_native_decode_attention.py`` and
-``tests/interpreter/test_decode_attention.py`` hold the others to the reference on one list of cases.
+other rows to read asks for it with ``defer=True`` and passes that part as ``prior`` when it attends over the rest;
+the two make one softmax. The forms (``impl``): ``reference`` (:mod:`.reference`, the specification), ``sdpa``
+(:mod:`.sdpa`, torch's fused SDPA where it applies), ``triton`` (:mod:`.triton`, split-K kernels) and ``native``
+(``kvzoo.kernels.cpu_native.decode_attend``); ``tests/test_decode_attention_reference.py``,
+``tests/test_native_decode_attention.py`` and ``tests/interpreter/test_decode_attention.py`` hold the others to the
+reference on one list of cases.
 """
 
 from __future__ import annotations
@@ -99,16 +71,9 @@ __all__ = ["DEFAULT_SMS", "FLOAT_DTYPES", "IMPLEMENTATIONS", "INDEX_DTYPES", "MA
 def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: bool = False, best: bool = False,
            mass: bool = False, defer: bool = False, prior: Attended | None = None, impl: str | None = None,
            splits: int | None = None) -> Attended:
-    """Decode attention of ``query [B, H, D]`` over ``sources`` as one part of a step (:class:`Attended`).
-
-    ``lse``/``best``/``mass`` ask for the log-sum-exp, the best score (VestigeKV's s*) and the per-position
-    probabilities. A step that must see the tier's best score before it knows which other rows to read asks the
-    tier for it with ``defer=True`` and passes that part as ``prior`` when it attends over the rest: one softmax
-    over both. ``impl`` is one of :data:`IMPLEMENTATIONS` (None: what :func:`kvzoo.kernels.dispatch.decode_impl`
-    picks for the query's device, and the native op on CPU where it applies): ``reference`` (the specification),
-    ``sdpa`` (torch's fused SDPA where it applies, two matmuls elsewhere), ``triton`` (the split-K kernels; they
-    compute no per-position probabilities, so ``mass`` takes ``sdpa``) or ``native``. Inputs are checked first.
-    """
+    """Decode attention of ``query [B, H, D]`` over ``sources`` as one part of a step (:class:`Attended`): ``lse``,
+    ``best`` (s*) and ``mass`` (per-position probabilities) asked for; ``defer``/``prior``: the parts protocol;
+    ``impl`` one of :data:`IMPLEMENTATIONS` or None (:func:`_choose`). Inputs are checked first."""
     checked = _validate(query, sources, scaling, splits, fold=False)
     if impl is None:
         impl = _choose(query, checked, prior, mass)
@@ -131,29 +96,23 @@ def attend(query: torch.Tensor, sources: list[Rows], scaling: float, *, lse: boo
     return sdpa.attend_sdpa(query, checked, scaling, lse=lse, best=best, mass=mass, defer=defer, prior=prior)
 
 
-# A plain source (a contiguous pool read whole: `full`, a tier compacted at its events) goes to torch's fused SDPA
-# -- transformers' own attention -- rather than the native op, so that kvzoo's `full` is the model's own decode.
-NATIVE_PLAIN = False
-
-
 def _choose(query: torch.Tensor, checked: list[_Source], prior: Attended | None, mass: bool) -> str:
-    """The implementation :func:`attend` takes when none is named: :func:`kvzoo.kernels.dispatch.decode_impl`'s
-    choice (Triton on CUDA tensors, else SDPA), and on CPU the native op where it takes the part (unless
-    ``KVZOO_KERNELS=torch``): one source of CPU tensors read where it lies (gathered, or a pool with flags or a
-    length), a prior part it can merge (one the op or a kernel computed: no kept scores), sizes the op takes, and
-    the library built here."""
+    """The implementation :func:`attend` takes when none is named: Triton where
+    :func:`kvzoo.kernels.dispatch.use_triton` says so (not for ``mass``: the kernels compute no per-position
+    probabilities), on CPU the native op where it takes the part (one source read where it lies, a prior it can
+    merge, sizes the op takes, the library built here), else SDPA."""
     chosen = dispatch.mode()
-    if query.is_cuda or chosen == "triton":
-        impl = dispatch.decode_impl(query, mass=mass)
-        if impl == "triton":
-            return impl
+    if (query.is_cuda or chosen == "triton") and dispatch.use_triton(query) and not mass:
+        return "triton"
     if chosen == "torch" or query.device.type != "cpu" or len(checked) != 1 or (prior is not None
                                                                               and prior.scores is not None):
         return "sdpa"
-    src = checked[0].rows  # the native op takes one source read where it lies (a plain pool goes to SDPA)
+    src = checked[0].rows
+    # a plain source (a contiguous pool read whole: `full`, a tier compacted at its events) goes to torch's fused
+    # SDPA -- transformers' own attention -- rather than the native op, so that kvzoo's `full` is the model's decode
     plain = src.indices is None and src.length is None and src.valid is None and src.head_valid is None \
         and src.pool_valid is None
-    if plain and prior is None and not NATIVE_PLAIN:
+    if plain and prior is None:
         return "sdpa"
     from kvzoo.kernels import cpu_native
 
@@ -191,12 +150,8 @@ def _fallback(query, checked, scaling, **kwargs):
 def decode_attention(
     query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None, impl: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of ``query [B, H, D]`` over ``sources``: ``(out [B, H, Dv], lse [B, H] fp32)``.
-
-    One softmax over every readable row of every source (the package's docstring), by the implementation
-    ``impl`` names or :func:`kvzoo.kernels.dispatch.decode_impl` picks (:func:`attend`). Inputs are checked
-    first, so a bad input raises a ValueError on every path (never a kernel fallback).
-    """
+    """Decode attention of ``query [B, H, D]`` over ``sources``: ``(out [B, H, Dv], lse [B, H] fp32)``, one softmax
+    over every readable row of every source by :func:`attend` (a bad input raises a ValueError on every path)."""
     part = attend(query, sources, scaling, lse=True, impl=impl, splits=splits)
     return part.out.to(query.dtype), part.lse
 

@@ -1,17 +1,8 @@
-"""The specification of decode attention in plain PyTorch, fp32 math (fla's ``naive.py``): every case the other
-implementations run, the parts protocol included.
-
-A step may come in two parts (the runtime's retrieving step: the tier first, deferred, for its best score s*; then
-the fetched rows with that part as ``prior``). The reference runs such a step as what it means: one softmax over
-the rows of both parts. A deferred part keeps its sources (and its scores and its own normalised output, so that
-any implementation can take it as a prior); the part that ends the step reads the prior's sources again with its
-own and computes the softmax over all of them at once. A prior it cannot read again (a kernel's or the native op's
-part: ``out`` and ``lse`` only) joins as one more term of the log-sum-exp: a part normalised over its rows with
-log-sum-exp ``lse`` is exactly what a single row of score ``lse`` and value ``out`` adds to a softmax.
-
-Scores are ``scaling * <q, k>`` in fp32: the query rounded to the rows' dtype, the rows upcast (a block of at most
-:data:`REFERENCE_ROW_BLOCK_ELEMENTS` fp32 elements at a time), the products accumulated in fp32 and never rounded
-back. This is the one score precision of every path that computes s* (the package's docstring says why).
+"""The specification of decode attention in plain PyTorch, fp32 math (fla's ``naive.py``), the parts protocol
+included: a two-part step is one softmax over the rows of both parts (a deferred part keeps its sources, read again by
+the part that ends the step). A prior it cannot read again (a kernel's or the native op's ``(out, lse)``) joins as
+one more term: a part normalised with log-sum-exp ``lse`` is exactly what one row of score ``lse`` and value ``out``
+adds to a softmax. Rows are upcast :data:`REFERENCE_ROW_BLOCK_ELEMENTS` fp32 elements at a time.
 """
 
 from __future__ import annotations
@@ -101,9 +92,6 @@ def decode_attention_reference(
     query: torch.Tensor, sources: list[Rows], scaling: float, *, splits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The specification in plain PyTorch with fp32 math (the package's docstring): ``(out [B, H, Dv], lse [B, H])``.
-
-    ``splits`` is accepted for the kernels' signature and has no effect: the softmax is exact. Rows are
-    upcast a block at a time (at most :data:`REFERENCE_ROW_BLOCK_ELEMENTS` fp32 elements per copy).
-    """
+    ``splits`` is accepted for the kernels' signature and has no effect: the softmax is exact."""
     part = attend_reference(query, _validate(query, sources, scaling, splits), float(scaling))
     return part.out.to(query.dtype), part.lse

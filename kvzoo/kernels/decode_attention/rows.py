@@ -34,10 +34,7 @@ class Rows:
     pool_valid: torch.Tensor | None = None
 
 
-# ----------------------------------------------------------------------------------------------------
 # validation (every implementation checks its inputs here first)
-# ----------------------------------------------------------------------------------------------------
-# ----------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -72,9 +69,8 @@ def _check_flag(what: str, t, shape: tuple[int, ...], device: torch.device) -> N
 
 
 def _validate(query: torch.Tensor, sources, scaling, splits, fold: bool = True) -> list[_Source]:
-    """Every input checked (a ValueError says what was wrong and what is valid); ``fold``: the pool flags folded
-    into ``valid`` (what every implementation but the native op reads). Once per decode step and layer: the checks
-    that pass call few functions (a flag or a device is checked in place, its message built only when it fails)."""
+    """Every input checked (a ValueError says what was wrong and what is valid); ``fold``: :func:`_fold`. Once per
+    decode step and layer: the checks that pass call few functions (a message is built only when a check fails)."""
     if not (isinstance(query, torch.Tensor) and query.dim() == 3 and query.dtype in FLOAT_DTYPES
             and isinstance(scaling, (int, float)) and math.isfinite(scaling) and splits is None
             and isinstance(sources, (list, tuple)) and sources):
@@ -106,11 +102,8 @@ def _check_call(query: torch.Tensor, sources, scaling, splits) -> None:
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
                                or not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"splits must be None or an int in [1, {MAX_SPLITS}], got {splits!r}")
-    if not isinstance(sources, (list, tuple)) or not sources:
+    if not isinstance(sources, (list, tuple)) or not sources:  # (a source that is no Rows: _validate says so)
         raise ValueError("sources must be a non-empty list of Rows")
-    for s in sources:
-        if not isinstance(s, Rows):
-            raise ValueError("sources must be a non-empty list of Rows")
 
 
 def _check_keys(name: str, k, query: torch.Tensor) -> None:
@@ -219,13 +212,9 @@ def _fold_pool_valid(src: Rows, pool: int) -> Rows:
 
 @dataclass
 class Attended:
-    """Decode attention over some of a step's sources: one part of a step (``attend``).
-
-    ``out [B, H, Dv]`` is normalised over this part's readable rows (fp32, or the query's dtype where an
-    implementation writes that); ``lse [B, H]`` fp32 their log-sum-exp (``-inf``: none readable); ``best [B, H]``
-    fp32 the best scaled score among them (asked with ``best=True``: VestigeKV's s*); ``mass`` per source
-    ``[B, H, N']`` fp32: the probability each position got within this part (``mass=True``: H2O's accumulator).
-    """
+    """One part of a step (``attend``): ``out [B, H, Dv]`` normalised over this part's readable rows (fp32, or the
+    query's dtype), ``lse [B, H]`` fp32 (``-inf``: none readable), ``best [B, H]`` the best scaled score (s*), ``mass``
+    per source ``[B, H, N']`` fp32: each position's probability within this part (H2O's accumulator)."""
 
     out: torch.Tensor | None
     lse: torch.Tensor | None = None

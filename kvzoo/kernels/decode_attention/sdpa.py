@@ -10,9 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvzoo.kernels.decode_attention.rows import Attended, _group_readable, _readable, _Source
-
-# Most fp32 elements of one block of half-precision rows upcast at once for their scores.
-SCORE_ROW_BLOCK_ELEMENTS = 1 << 22
+from kvzoo.kernels.index_scan import _upcast_matmul
 
 
 def sdpa_mask(query: torch.Tensor, s: _Source) -> torch.Tensor | None:
@@ -43,9 +41,7 @@ def _sdpa_rows(s: _Source, value: bool) -> torch.Tensor:
 def fused(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
           mask: torch.Tensor | None = None) -> torch.Tensor:
     """Torch's fused SDPA of one query per sequence ``[B, H, D]`` over ``keys [B, G, N, D]``, ``values [B, G, N, Dv]``
-    (read in place, ``enable_gqa``) under ``mask [B, H, 1, N]`` (None: every row): ``[B, H, Dv]``. The one place a
-    single query takes the fused kernel (the decode op's plain source, a one-token forward of
-    :func:`kvzoo.kernels.attention.attention_sdpa`)."""
+    (read in place, ``enable_gqa``: transformers' own decode) under ``mask [B, H, 1, N]`` (None: every row)."""
     q = query.to(keys.dtype)[:, :, None]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] > keys.shape[1])
@@ -53,34 +49,22 @@ def fused(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``scaling * q k^T`` ``[B, G, hpg, N']`` in fp32 for ``q [B, G, hpg, D]`` (already in the rows' dtype): fp32
-    rows multiply as they are; half-precision rows are upcast a block at a time (the product is then fp32's, never
-    rounded to the rows' dtype: the score precision of every path that computes s*)."""
+    """``scaling * q k^T`` ``[B, G, hpg, N']`` fp32 for ``q [B, G, hpg, D]`` in the rows' dtype; half-precision rows
+    are upcast a block at a time, so the product is fp32's (the score precision of every path that computes s*)."""
     if keys.dtype == torch.float32:
         return torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)
-    B, G, hpg, D = q.shape
-    n = keys.shape[2]
-    qf = q.float()
-    out = qf.new_empty(B, G, hpg, n)
-    step = max(1, SCORE_ROW_BLOCK_ELEMENTS // max(1, B * G * D))
-    for a in range(0, n, step):
-        out[..., a:a + step] = torch.matmul(qf, keys[:, :, a:a + step].float().transpose(-1, -2))
-    return out.mul_(scaling)
+    return _upcast_matmul(q.float(), keys).mul_(scaling)
 
 
 def attend_sdpa(query: torch.Tensor, checked: list[_Source], scaling: float, *, lse: bool = False,
                 best: bool = False, mass: bool = False, defer: bool = False,
                 prior: Attended | None = None) -> Attended:
-    """One source without extras through ``F.scaled_dot_product_attention`` (``enable_gqa``: the rows are read
-    in place, the kernels transformers' own SDPA path takes); otherwise per source fp32 scores (:func:`_scores`,
-    the query rounded to the rows' dtype as the reference does), one fp32 softmax over every source (``prior``'s
-    deferred scores included), and the probabilities in the values' dtype times the values. ``defer``: stop after
-    the scores (and the best one), for a later part to join. A prior with no scores (a kernel's or the native op's
-    part: ``out`` and ``lse``) joins the softmax as one term of score ``lse`` and value ``out``, as in the reference.
+    """One source without extras through :func:`fused`; otherwise per source fp32 scores (:func:`_scores`), one fp32
+    softmax over every source (``prior``'s deferred scores included, or a prior's ``(out, lse)`` as one term, as in
+    the reference), the probabilities in the values' dtype times the values. ``defer``: stop after the scores.
 
     Unlike the reference and the kernel, this path multiplies an unreadable row's value by its zero probability:
-    unreadable rows must hold finite values (the runtime's always do: zeros past the live rows, real rows
-    otherwise); a NaN there would reach the output."""
+    unreadable rows must hold finite values (the runtime's always do); a NaN there would reach the output."""
     B, H, D = query.shape
     if len(checked) == 1 and prior is None and not (lse or best or mass or defer) \
             and checked[0].pool == checked[0].positions:

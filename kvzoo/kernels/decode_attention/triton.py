@@ -1,33 +1,14 @@
 """Decode attention as Triton kernels: a split-K kernel per source and a one-pass log-sum-exp merge kernel, and the
-launch heuristics (block sizes, warps, stages, splits) the launcher and the compile gate share
-(``kvzoo/kernels/shapes.py`` lists what ships; ``tests/test_compile_gate.py`` compiles it for sm_90).
+launch heuristics the launcher and the compile gate share (``kvzoo/kernels/shapes.py`` lists what ships).
 
-Per source one program per ``(batch x KV group, split)`` holds *all* the query heads of its group (``BLOCK_H =
-max(16, next_pow2(H / G))``, masked), so each row is loaded once per group, and runs an online softmax over its
-share of the positions in ``BLOCK_N`` tiles, with the scale folded into ``exp2``. Each split with positions writes a
-partial ``(out, lse)`` (and, asked for ``best``, its maximum score: s* with no second read of the rows); a split
-with none writes nothing. Then one merge kernel per source combines its splits exactly (log-sum-exp weights) in one
-pass -- every split's lse in one tile, their outputs in one load -- and folds in what came before: the previous
-source's result, or a part computed earlier (``attend(..., prior=part)``: the runtime's tier, deferred for its best
-score, then the fetched rows). ``splits`` sets the splits per source (any count gives the same result up to
-rounding; more splits than tiles leaves some empty); ``None`` fills one wave of the chip, ``SMs x ctas_per_sm``
-programs, at most one split per tile (:func:`default_splits`). Block sizes, warps, stages and the occupancy they
-give come from :func:`split_config` / :func:`merge_config`.
-
-Kernel details: the split of a sequence is computed in the program from ``length`` (so a captured launch follows the
-true length: the positions ``[0, length)`` are cut into ``splits`` runs of whole tiles; the merge recomputes which
-splits hold positions). ``valid`` and ``head_valid`` are packed on the host into ``ceil(hpg / 32)`` int32 words per
-position (:func:`_flag_words`; the kernel reads exactly those). A tile's indices and flag words are loaded one
-iteration ahead and folded into one row number per position (-1: past ``length``, outside the pool or readable by no
-head of the group: never loaded), so no row load waits on a load of its own iteration and two row tiles are in
-flight in every variant. The query is cast to the rows' dtype for ``tl.dot`` (bf16/fp16 products on ``mma.sync``,
-fp32 accumulation: the scores are fp32, as the reference's; fp32 rows use ``input_precision="ieee"``), the
-probabilities to the values' dtype for the second product. When the pools are 16-byte aligned with row strides that
-are multiples of 16 elements (the shipped shapes), the kernel tells the compiler so (``ALIGNED``), which vectorises
-the loads into asynchronous copies.
-
-The kernels run on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1`` (``tests/interpreter``). Triton is imported
-only when a kernel is first launched (:func:`kernels`): this module imports with torch alone.
+Per source one program per ``(batch x KV group, split)`` holds all the query heads of its group, so each row is loaded
+once per group, and runs an online softmax over its share of the positions (cut from ``length`` in the program, so a
+captured launch follows the true length); each split writes a partial ``(out, lse)`` and, asked, its best score (s*
+with no second read of the rows). One merge kernel per source combines the splits exactly and folds in what came
+before (the previous source, or a ``prior`` part). Flags are packed into int32 words per position
+(:func:`_flag_words`) and, with the indices, loaded a tile ahead, so no row load waits on a load of its own
+iteration. The kernels run on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``; Triton is imported on the first
+launch (:func:`kernels`).
 """
 
 from __future__ import annotations
@@ -89,28 +70,12 @@ MAX_MERGE_BLOCK_S = 1024
 
 def split_config(heads_per_group: int, key_width: int, value_width: int, separate_values: bool,
                  itemsize: int) -> SplitConfig:
-    """What the launcher picks for a source (and ``kvzoo/kernels/shapes.py`` compiles), from the sm_90 code the
-    compiler makes (``tests/test_compile_gate.py`` prints it and holds every shipped configuration to it).
-
-    A key row is split into a main part (``D1``: the value width in the absorbed form, whose tile is
-    also the value tile, else the whole key) and a tail (``D2``, e.g. MLA's 64-dim rope branch), each
-    in a masked power-of-two block of at least 16 (every ``tl.dot`` dimension >= 16).
-
-    * Tensor cores: ``mma.sync`` m16n8k16. Triton lays the warps of chained products (``S = Q K^T``, then
-      ``P V``) side by side along the tile's rows, 8 score columns each, so a tile of ``8 x num_warps`` rows
-      gives each warp its own scores: 4 warps over 32 latent rows (1,152 B each in bf16) or 64 narrower rows.
-      With 32 heads the fp32 accumulator (32 x 512) is 128 registers per thread at 4 warps: 255 registers and
-      8-16 B of spills; 8 warps over 64 rows spill 16-96 B; so 8 warps over 32 rows, every score computed by
-      two warps (``score_copies``), 1 program per SM, no spills. wgmma (M a multiple of 64: 16 or 32 heads
-      padded to 64) holds a 64 x 512 fp32 accumulator: 255 registers and 624-1,728 B of spills at 4, 8 or 16
-      warps, so it is not used.
-    * Two row tiles in flight in every variant (``num_stages`` 3): the indices and flag words of a tile are
-      loaded one iteration ahead, so no row load waits on a load of its own iteration.
-    * Occupancy: as many programs per SM as shared memory (two row buffers and the query) allows, capped by a
-      register budget the compiled code is held to: 2 programs of 4 warps for latent rows, 3 for 128-dim GQA
-      rows (168 registers), 4 for 64-dim ones (128). (Giving ptxas that budget as ``maxnreg`` made it spill
-      24-56 B where it needs no cap to stay under it.)
-    """
+    """What the launcher picks for a source (and ``kvzoo/kernels/shapes.py`` compiles), measured on the sm_90 code
+    (``tests/test_compile_gate.py`` holds every shipped configuration to it). A key row is a main part ``D1`` (the
+    value width in the absorbed form, else the whole key) and a tail ``D2``, each a power-of-two block >= 16. A tile of
+    ``8 x num_warps`` rows gives each warp its own ``mma.sync`` scores; 32 latent heads spill at 4 warps, so 8 warps
+    with each score computed twice (``score_copies``); wgmma spills and is not used. Programs per SM: as many as shared
+    memory allows, capped by a register budget the compiled code is held to (a ``maxnreg`` cap made ptxas spill)."""
     d1 = key_width if separate_values else value_width
     d2 = key_width - d1
     block_d1, block_d2 = _pow2(d1), _pow2(d2) if d2 else 16
@@ -134,10 +99,9 @@ def split_config(heads_per_group: int, key_width: int, value_width: int, separat
 
 
 def merge_config(splits: int) -> MergeConfig:
-    """The merge kernel's blocks for a source of ``splits`` splits: every split's log-sum-exp in one tile
-    (``BLOCK_S``, up to :data:`MAX_MERGE_BLOCK_S`; more splits are taken in chunks with an online maximum) and a
-    slice of ``BLOCK_DV`` output columns, so one program loads one tile of partial outputs (at most 4,096
-    floats) at once: one round trip to L2, no loop."""
+    """The merge kernel's blocks for ``splits`` splits: every split's log-sum-exp in one tile (``BLOCK_S``, up to
+    :data:`MAX_MERGE_BLOCK_S`; more are taken in chunks) and ``BLOCK_DV`` output columns, so one program loads at most
+    4,096 partial outputs at once: one round trip to L2, no loop."""
     block_s = min(MAX_MERGE_BLOCK_S, _pow2(splits, 16))
     return MergeConfig(BLOCK_S=block_s, BLOCK_DV=max(4, min(128, 4096 // block_s)), num_warps=4, num_stages=1)
 
@@ -151,9 +115,8 @@ def _sm_count(device: torch.device) -> int:
 
 def default_splits(batch_groups: int, positions: int, block_n: int, sms: int = DEFAULT_SMS,
                    ctas_per_sm: int = 2) -> int:
-    """Splits per source when ``splits=None``: ``batch_groups x splits`` fills the ``sms x ctas_per_sm`` programs
-    the chip holds at once (one wave, never a second, partial one), at most one split per tile of ``block_n``
-    positions, at least one. No floor of rows per split: a split's partial output stays in L2 for the merge."""
+    """Splits per source when ``splits=None``: ``batch_groups x splits`` fills one wave of the ``sms x
+    ctas_per_sm`` programs the chip holds at once, at most one split per tile of ``block_n`` positions, at least one."""
     tiles = -(-positions // block_n)
     return max(1, min(tiles, (sms * ctas_per_sm) // max(1, batch_groups), MAX_SPLITS))
 
@@ -423,8 +386,8 @@ def decode_merge_kernel(
 
 @functools.cache
 def kernels() -> SimpleNamespace:
-    """The jitted split and merge kernels (imports Triton). The kernels' helpers are jitted too, in place: the
-    kernels call them through this module's globals."""
+    """The jitted split and merge kernels (imports Triton); their helpers are jitted in place (the kernels call
+    them through this module's globals)."""
     global tl, _tile_rows, _flag_word, _heads_allowed
     import triton
     import triton.language
@@ -440,11 +403,10 @@ def kernels() -> SimpleNamespace:
 
 
 def _flag_words(valid: torch.Tensor | None, head_valid: torch.Tensor | None, hpg: int) -> torch.Tensor:
-    """``valid [B, G, N']`` and ``head_valid [B, H, N']`` as the kernel reads them: int32 words
-    ``[B, G, W, N']`` (``W = ceil(hpg / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when
-    head ``32 w + j`` of the group may read the position. One 4-byte word per position instead of a flag
-    per head: it is copied asynchronously like an index, so the kernel knows in time which rows not to
-    load at all. The kernel reads exactly these ``W`` words (``FLAG_WORDS``), whatever its block of heads."""
+    """``valid [B, G, N']`` and ``head_valid [B, H, N']`` as the kernel reads them: int32 words ``[B, G, W, N']``
+    (``W = ceil(hpg / 32)``, unit stride along ``N'``), bit ``j`` of word ``w`` set when head ``32 w + j`` of the
+    group may read the position: one word per position, copied asynchronously like an index, so the kernel knows in
+    time which rows not to load at all."""
     if head_valid is None:  # valid alone: every bit (-1) or none
         B, G, P = valid.shape
         word = valid.to(torch.int32).neg_().contiguous()
@@ -465,15 +427,15 @@ def _flag_words(valid: torch.Tensor | None, head_valid: torch.Tensor | None, hpg
 
 
 def _aligned(*pools: torch.Tensor) -> bool:
-    """Whether every pool starts 16-byte aligned with (batch, group, row) strides that are multiples of 16
-    elements: the kernel may then tell the compiler so (vectorised, asynchronously pipelined row loads)."""
+    """Every pool 16-byte aligned with (batch, group, row) strides multiples of 16 elements: the kernel may tell
+    the compiler so (vectorised, asynchronously pipelined row loads)."""
     return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:3]) for t in pools)
 
 
 def _split_launch(query: torch.Tensor, s: _Source, splits: int | None,
                   tune: dict | None = None) -> tuple[SplitConfig, int]:
-    """The configuration and the split count the launcher takes for one source (``tune``: fields of the
-    :class:`SplitConfig` replaced, for ``benchmarks/gpu_kernels.py``'s sweep)."""
+    """The configuration and split count for one source (``tune``: :class:`SplitConfig` fields replaced, for
+    ``benchmarks/gpu_kernels.py``'s sweep)."""
     src = s.rows
     H = query.shape[1]
     cfg = split_config(H // s.groups, query.shape[2], s.value_width, src.values is not None,
@@ -498,14 +460,11 @@ def launch(query: torch.Tensor, checked: list[_Source], scaling: float, splits: 
            best: bool = False, prior: tuple | None = None, out_dtype: torch.dtype | None = None,
            tune: dict | None = None, merge: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(out [B, H, Dv] in out_dtype (default: the query's), lse [B, H], best [B, H] or None)``: per source the
-    split kernel, then the merge kernel, which folds in what came before (the previous source's result, or
-    ``prior = (out, lse)``, a part computed earlier) -- one softmax over every source. For the benchmark:
-    ``tune`` replaces fields of each source's :class:`SplitConfig`; ``merge=False`` launches the split kernels
-    alone and returns the last source's partials ``(out, lse, best)`` per split."""
+    split kernel, then the merge kernel, which folds in the previous source's result or ``prior = (out, lse)``. For
+    the benchmark: ``tune`` (see :func:`_split_launch`); ``merge=False`` returns the last source's partials."""
     B, H, D = query.shape
     if query.device.type == "cpu" and dispatch.interpreting():
-        half = [t.dtype for t in [query] + [s.rows.keys for s in checked] if t.dtype == torch.bfloat16]
-        if half:
+        if any(t.dtype == torch.bfloat16 for t in [query] + [s.rows.keys for s in checked]):
             raise ValueError("decode_attention's kernels in Triton's CPU interpreter: bfloat16 is computed "
                              "wrong there (float16 and float32 are right); test bfloat16 on a GPU or use "
                              "KVZOO_KERNELS=torch")
@@ -592,10 +551,8 @@ def decode_attention_triton(
 
 def attend_triton(query: torch.Tensor, checked: list[_Source], scaling: float, splits: int | None, *, best: bool,
                   prior: Attended | None = None, defer: bool = False) -> Attended:
-    """A part of a step on the kernels. Its best score (s*) comes from the split kernel (each split's maximum,
-    reduced by the merge: no second read of the rows); a deferred part keeps its output in fp32 for the merge that
-    ends the step; ``prior`` (a part with ``out`` and ``lse``) is folded into this part's merge kernel: one softmax
-    over both."""
+    """A part of a step on the kernels: s* from the split kernel's per-split maxima (no second read of the rows); a
+    deferred part keeps its output in fp32; ``prior`` is folded into this part's merge: one softmax over both."""
     if prior is not None:
         out, lse, _ = launch(query, checked, scaling, splits, prior=(prior.out, prior.lse))
         return Attended(out, lse, prior.best)
