@@ -1,20 +1,12 @@
-"""VestigeKV's per-row index entries (what its index kinds share) and the int8 key index, the default on GQA rows.
+"""VestigeKV's per-row index entries (:class:`EntryIndex`, what its index kinds share) and the int8 key index.
 
-An :class:`EntryIndex` keeps one entry per archived row (in archive order) in a
-:class:`~kvzoo.framework.buffers.RowStore` (named buffers ``[B, G, m, ...]``, preallocated for every row with
-``TieredCache(..., capacity=N)`` and then scanned whole with the live count on the device), and chooses rows by the
-retriever's rule (:class:`~kvzoo.retrievers.vestige.VestigeRetriever`): top-``j`` per query head ranked by the bound's
-estimate (or by the bound), each kept where its bound is above ``s* - j_margin``; or, certified, every row whose
-bound is ``>= s* - tau``. An index kind says how it scans (:meth:`EntryIndex.bounds_and_estimates`); a kind whose
-decode step is one fused op overrides :meth:`EntryIndex.choose` for it. The kinds: :class:`Int8KeyIndex` here,
-``sketch.py`` (the certified low-rank sketch, MLA's default) and ``paged.py`` (int8 keys under a page summary).
-
-:class:`Int8KeyIndex` (GQA's default: no branch there, and a per-row code beats a low-rank sketch): per archived
-row the key's int8 codes, an fp16 scale, an error norm and a norm (``D + 6`` bytes,
-:func:`~kvzoo.kernels.index_scan.int8_key_entries`); bound ``s <q, codes> + ||q|| err + slack >= <q, k>`` and
-estimate ``s <q, codes>`` (the score of the row's int8 reconstruction). A decode step's top-j rule -- the scan,
-each query row's top j, the chosen rows' bounds, the group's union and its count -- is one call
-(:func:`~kvzoo.kernels.index_scan.int8_choose`: one C loop on CPU tensors, its PyTorch reference elsewhere).
+An :class:`EntryIndex` keeps one entry per archived row, in archive order, in a
+:class:`~kvzoo.framework.buffers.RowStore` (preallocated with ``TieredCache(..., capacity=N)`` and scanned whole with
+the live count), and chooses rows by :class:`~kvzoo.retrievers.vestige.VestigeRetriever`'s rule; a kind says how it
+scans (:meth:`EntryIndex.bounds_and_estimates`) and may fuse a decode step's rule into one op (:meth:`EntryIndex.choose`).
+:class:`Int8KeyIndex` (GQA's default: no branch there, and a per-row code beats a low-rank sketch) holds each row's
+int8 key codes, scale, error norm and norm (``D + 6`` bytes): bound ``s <q, codes> + ||q|| err + slack >= <q, k>``,
+estimate ``s <q, codes>``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """VestigeKV's paged int8 index (``index="paged"``, GQA): the int8 key entries under a coarse page summary.
 
-Per ``page_rows`` archived rows (in archive order) one summary -- the element-wise key min and max as int8 codes
-with one scale (``2 D + 4`` bytes, :func:`~kvzoo.kernels.index_scan.int8_page_entries`) and an empty flag -- kept in
-the :class:`~kvzoo.retrievers.quest.PageSummary` Quest's index uses too. A decode step scans every summary (Quest's
-bound, certified: :func:`~kvzoo.kernels.index_scan.int8_page_bounds`), takes each query head's top ``fine_pages``
-pages, and scores only their rows' int8 entries; of those, each head keeps its top ``j`` by estimate whose bounds --
-the row's and its page's -- are both above ``s* - j_margin``. A step reads ``pages x (2 D + 5)`` plus ``heads x
-fine_pages x page_rows x (D + 6)`` bytes of index instead of ``rows x (D + 6)``. ``certified=True`` scans every
-row's entry (as ``index="int8"``: the page level would only add bytes to the mask rule).
+Per ``page_rows`` archived rows one summary (key min/max as int8 codes, ``2 D + 4`` bytes) in Quest's
+:class:`~kvzoo.retrievers.quest.PageSummary`. A decode step scans every summary with Quest's certified bound, takes
+each query head's top ``fine_pages`` pages, and keeps, of their rows' int8 entries, each head's top ``j`` by estimate
+whose row and page bounds are both above ``s* - j_margin``: ``pages x (2 D + 5) + heads x fine_pages x page_rows x
+(D + 6)`` bytes read instead of ``rows x (D + 6)``. ``certified=True`` scans every row's entry, as ``index="int8"``.
 """
 
 from __future__ import annotations

@@ -30,24 +30,16 @@ ENTRY_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 @dataclass
 class VestigeRetriever(Retriever):
     """VestigeKV's recall index over archived rows (paper §4.2; docs/fidelity.md): per-row bounds on each row's
-    score, and the rows that could matter fetched back each step.
+    score, and the rows that could matter fetched back each step, as the union over a group's query heads and queries.
 
-    Top-j mode (default): each head ranks the rows by the bound's *estimate* (``rank_by="estimate"``: the bound less
-    its Cauchy-Schwarz term and slack) and fetches its top ``j`` whose *bound* is above ``s* - j_margin`` (s*: the
-    query's best exact score over the attended tier; a row that cannot come within 8 logits of it is left out, so a
-    peaked head fetches fewer than ``j``). ``rank_by="bound", j_margin=0, index="sketch"`` is the earlier rule. On
-    SmolLM2 the bound's ranking found 24 % of the exact top-16 archived rows per head, the rank-16 estimate 39 %, int8
-    keys 97 % (CHANGELOG.md, "Retrieval tier on SmolLM2"). ``certified=True`` fetches every row with bound >= s* -
-    ``tau``, so the softmax mass left out is at most ``(T - |F|) e^-tau`` relative to the attended tier (Lemma 3). A
-    forward fetches the union over a group's query heads and queries.
-
-    The index kind (``index``; ``"auto"``: int8 on GQA rows, the sketch on MLA rows): ``"sketch"`` -- the certified
-    low-rank sketch (``sketch.py``; ``rank`` defaults to 64 on MLA, a quarter of the head dim on GQA; fp32 entries or,
-    with ``entry_dtype="float16"``, fp16 with a widened slack; ``refit=True`` refits the basis at every closed block);
-    ``"int8"`` -- per-row int8 keys (``int8.py``, ``D + 6`` bytes a row); ``"paged"`` (GQA) -- a page summary (``page_rows``
-    rows a page, min/max in int8) scanned first with Quest's bound, then the int8 entries of each head's top
-    ``fine_pages`` pages: about a fifth of the int8 index's bytes at 16 rows and 4 pages, but its page ranking finds
-    half the rows the int8 entries find on SmolLM2 -- an option for the bytes, not the default.
+    Top-j mode (default): each head ranks the rows by the bound's *estimate* (the bound less its Cauchy-Schwarz term
+    and slack; ``rank_by="bound"`` ranks by the bound) and fetches its top ``j`` whose bound is above ``s* - j_margin``
+    (s*: the query's best exact score over the attended tier). On SmolLM2 the estimate of int8 keys found 97 % of the
+    exact top-16 archived rows per head, the bound's ranking 24 % (CHANGELOG.md). ``certified=True`` fetches every row
+    with bound >= s* - ``tau``: the softmax mass left out is at most ``(T - |F|) e^-tau`` of the attended tier's
+    (Lemma 3). ``index`` picks the kind (``"auto"``: int8 on GQA rows, the sketch on MLA rows): ``"sketch"``
+    (``sketch.py``), ``"int8"`` (``int8.py``) or ``"paged"`` (``paged.py``: a fifth of int8's bytes, half its recall on
+    SmolLM2 -- an option for the bytes, not the default).
     """
 
     rank: int | None = None  # None: 64 on MLA rows, head_dim // 4 on GQA rows
