@@ -255,7 +255,7 @@ def _unused_run_options(args: argparse.Namespace) -> str | None:
 def cmd_run(args: argparse.Namespace) -> int:
     from kvzoo import pipeline, registry
     from kvzoo.bench import metrics
-    from kvzoo.bench.runner import check_context_fits, check_model_name, encode_prompt, load
+    from kvzoo.bench.runner import check_context_fits, encode_prompt, load
     from kvzoo.bench.tasks import (
         CONTEXT_TOKENS,
         NEEDLE_DEPTH,
@@ -299,8 +299,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError as err:
             return _fail("run", str(err))
     try:
-        check_model_name(args.model)
-        model, tokenizer = load(args.model)
+        model, tokenizer = load(args.model)  # a name that is no model is refused before anything loads
     except ValueError as err:
         return _fail("run", str(err))
     try:
@@ -612,14 +611,9 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 # --- plot ----------------------------------------------------------------------------------------
 
 
-def _row_label(row: dict[str, Any]) -> str:
-    """``snapkv 4x niah_single d=0.5 q-after``: a results row's trial in words (as the leaderboard labels trials)."""
-    ratio = f" {row['ratio']:g}x" if isinstance(row.get("ratio"), (int, float)) else ""
-    return f"{row['policy']}{ratio} {row['task']} d={row.get('depth')} q-{row['question_position']}"
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     from kvzoo.bench import plots, runner
+    from kvzoo.bench.report import trial_label
 
     path = Path(args.results)
     if path.exists() and not path.is_file():
@@ -645,7 +639,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     superseded = {key for key, row in latest.items() if row["status"] == "ok"}
     passed_over = list({row["key"]: (row, why) for row, why in stale if row["key"] not in superseded}.values())
     if passed_over:
-        shown = "; ".join(f"{_row_label(row)}: ran with {why}" for row, why in passed_over[:3])
+        shown = "; ".join(f"{trial_label(row)}: ran with {why}" for row, why in passed_over[:3])
         print(f"kvzoo plot: {len(passed_over)} trial(s) whose ok row ran another configuration than its policy name "
               f"builds now are not plotted ({shown}{'; ...' if len(passed_over) > 3 else ''}): rerun `kvzoo "
               "leaderboard` with the same options to run them again (the rows stay in the file)", file=sys.stderr)

@@ -206,10 +206,7 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
     )
-    params.update(overrides)
-    config = LlamaConfig(**params)
-    model = _seeded(lambda: LlamaForCausalLM(config), seed)
-    return model.to(torch.float32).eval(), None
+    return _tiny(LlamaConfig, LlamaForCausalLM, params, overrides, seed)
 
 
 def tiny_gemma3(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
@@ -225,10 +222,7 @@ def tiny_gemma3(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, max_position_embeddings=4096,
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1,
     )
-    params.update(overrides)
-    config = Gemma3TextConfig(**params)
-    model = _seeded(lambda: Gemma3ForCausalLM(config), seed)
-    return model.to(torch.float32).eval(), None
+    return _tiny(Gemma3TextConfig, Gemma3ForCausalLM, params, overrides, seed)
 
 
 # The real MLA row geometry (DeepSeek-V2-Lite, Kimi-Linear-48B-A3B): latent 512 + branch 64,
@@ -241,12 +235,15 @@ DEEPSEEK_V2_LITE_ROPE: dict[str, Any] = dict(
 )
 
 
-def _seeded(build: Any, seed: int) -> Any:
-    """``build()`` under ``seed``: HF's init draws from the global generator, so it is forked and the caller's random
-    state is left as it was."""
+def _tiny(config_class: type, model_class: type, params: dict[str, Any], overrides: dict[str, Any],
+          seed: int) -> tuple[Any, None]:
+    """``model_class(config_class(**params, **overrides))`` in fp32 eval mode, built under ``seed``: HF's init draws
+    from the global generator, so it is forked and the caller's random state is left as it was."""
+    config = config_class(**{**params, **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return build()
+        model = model_class(config)
+    return model.to(torch.float32).eval(), None
 
 
 def tiny_deepseek_v2(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
@@ -260,9 +257,7 @@ def tiny_deepseek_v2(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
         n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=163840,
         rope_parameters=dict(DEEPSEEK_V2_LITE_ROPE), tie_word_embeddings=False, **MLA_ROW_GEOMETRY,
     )
-    params.update(overrides)
-    config = DeepseekV2Config(**params)
-    return _seeded(lambda: DeepseekV2ForCausalLM(config), seed).to(torch.float32).eval(), None
+    return _tiny(DeepseekV2Config, DeepseekV2ForCausalLM, params, overrides, seed)
 
 
 def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
@@ -283,20 +278,7 @@ def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
         },
         **MLA_ROW_GEOMETRY,
     )
-    params.update(overrides)
-    config = KimiLinearConfig(**params)
-    return _seeded(lambda: KimiLinearForCausalLM(config), seed).to(torch.float32).eval(), None
-
-
-def load_reference_model(name: str) -> tuple[Any, None]:
-    """A shipped reference twin (``"ref-nope"``, ``"ref-rope"``, ``"ref-nope-s1"`` ...): a tiny Kimi-style MLA model
-    (:mod:`kvzoo.refmodel`) trained on associative recall, fp32, eval, no tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    from kvzoo.refmodel import checkpoint_path
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_path(name), dtype=torch.float32, local_files_only=True)
-    return model.eval(), None
+    return _tiny(KimiLinearConfig, KimiLinearForCausalLM, params, overrides, seed)
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -326,9 +308,14 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
     if name_or_path in builders:
         model, tokenizer = builders[name_or_path]()
         return model.to(dtype), tokenizer
-    if name_or_path.startswith(REF_MODEL_PREFIXES):
-        model, tokenizer = load_reference_model(name_or_path)
-        return model.to(dtype), tokenizer
+    if name_or_path.startswith(REF_MODEL_PREFIXES):  # a shipped reference twin (kvzoo.refmodel): no tokenizer
+        from transformers import AutoModelForCausalLM
+
+        from kvzoo.refmodel import checkpoint_path
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint_path(name_or_path), dtype=torch.float32,
+                                                     local_files_only=True)
+        return model.eval().to(dtype), None
     path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir() or looks_like_hub_id(name_or_path):
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -551,11 +551,20 @@ def check_ids(model: torch.nn.Module, name: str, ids: torch.Tensor, *, allow_emp
         raise ValueError(f"the {name} holds token id {bad}, outside the model's vocabulary: valid ids are 0..{vocab - 1}")
 
 
-def _check(question_position: str, chunk_size: int | None) -> None:
+def _prompt(model: torch.nn.Module, tokenizer: Any, context: TokenInput, question: TokenInput, question_position: str,
+            chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked ``(prefix, rest)`` ids of :func:`generate` and :func:`score`: the prefix is prefilled and compressed,
+    so with ``question_position="before"`` it holds the question too (and ``rest`` is empty)."""
     if question_position not in QUESTION_POSITIONS:
         raise ValueError(f"question_position must be one of {QUESTION_POSITIONS}, got {question_position!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None (one-shot prefill) or an int >= 1, got {chunk_size!r}")
+    prefix, rest = build_prompt(tokenizer, context, question)
+    check_ids(model, "context", prefix, allow_empty=False)
+    check_ids(model, "question", rest)
+    if question_position == "before":
+        return torch.cat([prefix, rest], dim=1), rest[:, :0]
+    return prefix, rest
 
 
 @torch.no_grad()
@@ -578,15 +587,10 @@ def generate(
     ``cache.stats()`` and the timings of each phase (``prefill_s``, ``compress_s``, ``question_s``, ``decode_s``).
     ``audit=True`` also scores every archived row exactly, to count bound violations (slow).
     """
-    _check(question_position, chunk_size)
-    prefix, rest = build_prompt(tokenizer, context, question)
-    check_ids(model, "context", prefix, allow_empty=False)
-    check_ids(model, "question", rest)
+    prefix, rest = _prompt(model, tokenizer, context, question, question_position, chunk_size)
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     check_positions(model, prefix.shape[1] + rest.shape[1] + max_new_tokens - 1,
                     f"the prompt ({prefix.shape[1] + rest.shape[1]} tokens) and max_new_tokens={max_new_tokens}")
-    if question_position == "before":
-        prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     timings: dict[str, float] = {}
     with _own_progress(progress, "kvzoo generate"):
@@ -636,8 +640,7 @@ def score(
     archive by the retriever's ``multi_token`` rule (default ``"dense"``: all of it), a decode step by its per-step rule.
     """
     check_teacher_forcing(mode)
-    _check(question_position, chunk_size)
-    prefix, rest = build_prompt(tokenizer, context, question)
+    prefix, rest = _prompt(model, tokenizer, context, question, question_position, chunk_size)
     if isinstance(answer, str):
         if tokenizer is None:
             raise ValueError("an answer given as text needs a tokenizer")
@@ -646,13 +649,9 @@ def score(
         answer_ids = _as_ids(answer)
     if answer_ids.shape[1] == 0:
         raise ValueError("answer is empty: nothing to score")
-    check_ids(model, "context", prefix, allow_empty=False)
-    check_ids(model, "question", rest)
     check_ids(model, "answer", answer_ids)
     check_positions(model, prefix.shape[1] + rest.shape[1] + answer_ids.shape[1],
                     f"the prompt ({prefix.shape[1] + rest.shape[1]} tokens) and the answer ({answer_ids.shape[1]})")
-    if question_position == "before":
-        prefix, rest = torch.cat([prefix, rest], dim=1), rest[:, :0]
     cache = TieredCache(model, policy, context_length=prefix.shape[1], audit=audit)
     with _own_progress(progress, "kvzoo score"):
         first_logits = prefill(model, cache, prefix, chunk_size, ends_context=True)

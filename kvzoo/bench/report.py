@@ -233,7 +233,7 @@ def problems(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [f"{policy} {ratio}: {status}: {error}" for (policy, ratio, status), error in seen.items()]
 
 
-def _trial_label(row: dict[str, Any]) -> str:
+def trial_label(row: dict[str, Any]) -> str:
     ratio = "" if row.get("ratio") is None else f" {row['ratio']:g}x"
     depth = "" if row.get("depth") is None else f" d={row['depth']:g}"
     return f"{row['policy']}{ratio} {row.get('task', '?')}{depth} q-{row.get('question_position', '?')}"
@@ -256,7 +256,7 @@ def worker_table(rows: Sequence[dict[str, Any]]) -> str:
         peak = max((r.get("peak_rss_bytes") or 0 for r in mine), default=0)
         lines.append(
             f"| {name} | {len(mine)} | {retried} | {busy:.1f} | {_fmt(busy / len(timed) if timed else None)} | "
-            + (f"{_trial_label(longest)} ({longest['trial_seconds']:.1f} s)" if longest else "n/a")
+            + (f"{trial_label(longest)} ({longest['trial_seconds']:.1f} s)" if longest else "n/a")
             + f" | {format_bytes(peak) if peak else 'n/a'} |"
         )
     return "\n".join(lines)

@@ -39,7 +39,6 @@ VT_HOPS = 4  # variables in the chain: hops + 1
 CWE_COMMON = 10  # words asked for
 CWE_RARE_FREQ = 3  # occurrences of each uncommon word (RULER's freq_ucw)
 CWE_COMMON_FREQ_MAX = 30  # RULER's freq_cw; fewer when the context is short (see _cwe)
-METRICS: tuple[str, ...] = ("string_match_all", "string_match_part")
 
 _NIAH_INTRO = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
