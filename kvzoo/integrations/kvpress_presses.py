@@ -20,6 +20,7 @@ import torch
 from kvpress import BasePress, ScorerPress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half  # what kvpress's SnapKVPress rotates with
 
 from kvzoo import registry
 from kvzoo.framework.policy import (
@@ -35,11 +36,6 @@ from kvzoo.framework.retriever import RowGeometry
 from kvzoo.kernels.attention import attention_reference
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def recomputed_queries(module: nn.Module, hidden_states: torch.Tensor, kwargs: dict, last: int | None = None) -> torch.Tensor:
     """The attention's rotated queries ``[B, H, q, dh]`` of the ``last`` tokens (None: all), from its input."""
     if last is not None:
@@ -48,7 +44,7 @@ def recomputed_queries(module: nn.Module, hidden_states: torch.Tensor, kwargs: d
     cos, sin = kwargs["position_embeddings"]  # [B, T, dh]
     q_len = query.shape[2]
     cos, sin = cos[:, -q_len:, None].transpose(1, 2), sin[:, -q_len:, None].transpose(1, 2)
-    return query * cos + _rotate_half(query) * sin
+    return query * cos + rotate_half(query) * sin
 
 
 def queries_available(hidden_states: torch.Tensor, kwargs: dict, n: int) -> int:
