@@ -287,13 +287,23 @@ def looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
 
 
-def model_dir_problem(path: str | pathlib.Path) -> str | None:
-    """Why the existing directory ``path`` is not a transformers model directory (None: it looks like one)."""
-    path = pathlib.Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        return (f"the directory {str(path)!r} holds no config.json, so it is not a transformers model directory "
-                "(one written by save_pretrained: config.json and the weights)")
-    return None
+def check_model_name(name: str) -> None:
+    """Raise a ValueError naming the valid models unless ``name`` is one, a local directory holding a transformers
+    model (its ``config.json``), or a hub id."""
+    path = pathlib.Path(name).expanduser() if isinstance(name, str) else None
+    if path is not None and path.is_dir() and name not in MODEL_NAMES:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {name!r}: the directory {str(path)!r} holds no config.json, so it is not a "
+                             "transformers model directory (one written by save_pretrained: config.json and the "
+                             f"weights); valid models are {', '.join(MODEL_NAMES)}, a local directory holding a "
+                             "transformers model, or a hub id")
+        return
+    if isinstance(name, str) and (name in MODEL_NAMES or looks_like_hub_id(name)):
+        return
+    raise ValueError(
+        f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
+        "transformers model, or a hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
+    )
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
@@ -316,35 +326,27 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[A
         model = AutoModelForCausalLM.from_pretrained(checkpoint_path(name_or_path), dtype=torch.float32,
                                                      local_files_only=True)
         return model.eval().to(dtype), None
+    check_model_name(name_or_path)  # what is left: a directory holding a transformers model, or a hub id
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import kvzoo.refmodel  # noqa: F401  (registers model_type "kvzoo_mla" with the Auto classes)
+
     path = pathlib.Path(name_or_path).expanduser()
-    if path.is_dir() or looks_like_hub_id(name_or_path):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        import kvzoo.refmodel  # noqa: F401  (registers model_type "kvzoo_mla" with the Auto classes)
-
-        local = path.is_dir()
-        source = path if local else name_or_path
-        problem = model_dir_problem(path) if local else None
-        if problem is not None:
-            raise ValueError(f"cannot load model {name_or_path!r}: {problem}")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
-        except (OSError, ValueError) as err:
-            if local:
-                raise ValueError(f"cannot load the model directory {name_or_path!r} with transformers "
-                                 f"({type(err).__name__}: {err})") from err
-            raise OSError(f"could not load {name_or_path!r} from the hub ({err}); kvzoo runs offline except for "
-                          "hub ids: download it where a network is, then pass the local directory") from err
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
-        except (OSError, ValueError):  # a weights-only directory: the caller works with ids
-            tokenizer = None
-        return model.eval(), tokenizer
-    raise ValueError(
-        f"unknown model {name_or_path!r}: valid names are {', '.join(repr(n) for n in MODEL_NAMES)}, "
-        "the path of an existing local directory holding a transformers model, or a hub id such as "
-        "'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
-    )
+    local = path.is_dir()
+    source = path if local else name_or_path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
+    except (OSError, ValueError) as err:
+        if local:
+            raise ValueError(f"cannot load the model directory {name_or_path!r} with transformers "
+                             f"({type(err).__name__}: {err})") from err
+        raise OSError(f"could not load {name_or_path!r} from the hub ({err}); kvzoo runs offline except for "
+                      "hub ids: download it where a network is, then pass the local directory") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    except (OSError, ValueError):  # a weights-only directory: the caller works with ids
+        tokenizer = None
+    return model.eval(), tokenizer
 
 
 # The tiny random families every registry-driven test runs on, by family name: GQA (Llama), MLA with a rotated branch

@@ -61,7 +61,7 @@ def test_load_model_unknown_name_lists_the_valid_ones() -> None:
         models.load_model("no-such-model")
     message = str(err.value)
     for name in models.MODEL_NAMES:
-        assert repr(name) in message
+        assert name in message
     assert "local directory" in message and "hub id" in message
 
 

@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvzoo.bench.executors import TrialGroup
@@ -265,6 +264,8 @@ def plan(grid: Grid) -> list[Trial]:
         refused = [(name, why) for name in dict.fromkeys(names) if (why := _builds_nowhere(name, grid.ratios))]
         if refused:
             raise PolicyRefused(refused)
+    from kvzoo.models import check_model_name
+
     for model in grid.models:
         check_model_name(model)
     settings = tuple(grid.settings().items())
@@ -304,24 +305,6 @@ def _builds_nowhere(name: str, ratios: Sequence[float]) -> str | None:
         else:
             return None
     return first
-
-
-def check_model_name(name: str) -> None:
-    """Raise a ValueError naming the valid models unless ``name`` is one, a local directory, or a hub id."""
-    from kvzoo.models import MODEL_NAMES, looks_like_hub_id, model_dir_problem
-
-    if isinstance(name, str) and Path(name).expanduser().is_dir() and name not in MODEL_NAMES:
-        problem = model_dir_problem(name)
-        if problem is not None:
-            raise ValueError(f"model {name!r}: {problem}; valid models are {', '.join(MODEL_NAMES)}, a local "
-                             "directory holding a transformers model, or a hub id")
-        return
-    if isinstance(name, str) and (name in MODEL_NAMES or looks_like_hub_id(name)):
-        return
-    raise ValueError(
-        f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
-        "transformers model, or a hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
-    )
 
 
 def group_trials(trials: Sequence[Trial]) -> list[TrialGroup]:

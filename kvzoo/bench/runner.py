@@ -39,7 +39,6 @@ from kvzoo.bench.planner import (  # noqa: F401 - re-exported: the runner's publ
     PolicyRefused,
     Trial,
     build_policy,
-    check_model_name,
     group_trials,
     needle_grid,
     needs_ratio,
@@ -76,6 +75,7 @@ from kvzoo.bench.trial import (  # noqa: F401 - re-exported
 )
 from kvzoo.framework.cache import dense_prefill_problem
 from kvzoo.framework.names import policy_retriever
+from kvzoo.models import check_model_name
 
 # --- models --------------------------------------------------------------------------------------
 
