@@ -16,12 +16,12 @@ import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterable  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from kvzoo import __version__  # noqa: E402
-from kvzoo.bench.executors import int_option as _positive_int  # noqa: E402
+from kvzoo.bench.executors import float_option, int_option  # noqa: E402
 
 # kvzoo.pipeline.QUESTION_POSITIONS, written out: the parser is built without importing the pipeline (transformers);
 # tests/test_cli_speed.py holds the two equal
@@ -660,23 +660,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 # --- parser --------------------------------------------------------------------------------------
 
 
-def _number(valid: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
-    """An argparse type: the float ``text`` holds where ``ok`` accepts it, else an error saying what is ``valid``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{valid}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{valid}, got {text!r}")
-        return value
-
-    return parse
-
-
-_ratio = _number("a ratio is a number >= 1 (keep 1/ratio of the rows)", lambda value: value >= 1)
-_depth = _number("a depth is a fraction in [0, 1]", lambda value: 0.0 <= value <= 1.0)
+_ratio = float_option("a ratio is a number >= 1 (keep 1/ratio of the rows)", lambda value: value >= 1)
+_depth = float_option("a depth is a fraction in [0, 1]", lambda value: 0.0 <= value <= 1.0)
 
 
 def _policy_list(text: str) -> list[str]:
@@ -692,7 +677,7 @@ def _policy_list(text: str) -> list[str]:
     return [name.strip() for name in names if name.strip()]
 
 
-_positive = _positive_int("a token count")
+_positive = int_option("a token count")
 
 
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
@@ -789,7 +774,7 @@ def _add_leaderboard(sub: Any, presets: Iterable[str], tasks: Iterable[str], hay
                       help="question after and/or before compression")
     p_lb.add_argument("--max-new-tokens", type=_positive, help="tokens to generate (default: each task's own)")
     p_lb.add_argument("--chunk-size", type=_positive, help="prefill in chunks of this many tokens")
-    p_lb.add_argument("--continuation-tokens", type=_positive_int("--continuation-tokens", 0, " (0: no ΔCE)"),
+    p_lb.add_argument("--continuation-tokens", type=int_option("--continuation-tokens", 0, " (0: no ΔCE)"),
                       help="held-out continuation length for ΔCE (default: the preset's -- demo 0, leaderboard 32, tiny 64; "
                            "0: none, no ΔCE)")
     p_lb.add_argument("--dtype", choices=dtypes, help="model dtype (default float32)")

@@ -95,20 +95,25 @@ def int_option(subject: str, low: int = 1, note: str = "") -> Callable[[str], in
     return parse
 
 
-def number_option(option: str, strict: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number >= 0 (``strict``: > 0), or an error naming ``--{option}``."""
-    bound = "> 0" if strict else ">= 0"
+def float_option(valid: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: the float ``text`` holds where ``ok`` accepts it, else an error saying what is ``valid``."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}") from None
-        if not (value > 0 if strict else value >= 0) or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"--{option} is a number {bound}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{valid}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{valid}, got {text!r}")
         return value
 
     return parse
+
+
+def number_option(option: str, strict: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= 0 (``strict``: > 0), or an error naming ``--{option}``."""
+    return float_option(f"--{option} is a number {'> 0' if strict else '>= 0'}",
+                        lambda value: (value > 0 if strict else value >= 0) and value != float("inf"))
 
 
 def worker_name() -> str:
