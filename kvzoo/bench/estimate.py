@@ -62,19 +62,6 @@ def cost_of(policy: str) -> Cost:
     return COSTS.get(policy.split("(", 1)[0].strip(), DEFAULT_COST)
 
 
-def _shares_prefill(policy: str, ratio: float | None, tokens: int, chunk_size: int | None) -> tuple[str, int] | None:
-    """Which shared prefill ``policy`` continues on a prompt of ``tokens`` and over how many of them
-    (:meth:`~kvzoo.bench.trial.SharedPrefill.kind`); None: its own (also when it does not build)."""
-    from kvzoo.bench.planner import build_policy
-    from kvzoo.bench.trial import SharedPrefill
-
-    try:
-        built = build_policy(policy, ratio)
-    except Exception:  # noqa: BLE001 - it will be recorded as skipped: it costs nothing
-        return None
-    return SharedPrefill.kind(built, tokens, chunk_size)
-
-
 def _prompt_tokens(trial: Any) -> int:
     return trial.task.context_tokens + (QUESTION_TOKENS if trial.position == "before" else 0)
 
@@ -100,14 +87,22 @@ def estimate(trials: Sequence[Any], grid: Any) -> Estimate:
     """The estimated time of ``trials`` (of ``grid``): each priced by :func:`trial_seconds`, each shared prefill
     (dense, recording attention, a first block) once per (model, task, question position), by the first policy to
     continue it; a policy continuing a first block pays the rest of its prompt."""
+    from kvzoo.bench.planner import build_policy
+    from kvzoo.bench.trial import SharedPrefill
+
     by_policy: dict[str, tuple[int, float]] = {}
     prefilled: set[tuple[str, str]] = set()
-    shares: dict[tuple[str, float | None, int], tuple[str, int] | None] = {}
+    shares: dict[tuple[str, float | None, int], tuple[str, int] | None] = {}  # SharedPrefill.kind (None: its own)
     for trial in trials:
         prompt = _prompt_tokens(trial)
         key = (trial.policy, trial.ratio, prompt)
         if key not in shares:
-            shares[key] = _shares_prefill(trial.policy, trial.ratio, prompt, grid.chunk_size)
+            try:
+                built = build_policy(trial.policy, trial.ratio)
+            except Exception:  # noqa: BLE001 - it will be recorded as skipped: it costs nothing
+                shares[key] = None
+            else:
+                shares[key] = SharedPrefill.kind(built, prompt, grid.chunk_size)
         kind = shares[key]
         if kind is None:
             seconds = trial_seconds(trial, grid)
