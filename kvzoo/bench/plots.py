@@ -165,11 +165,6 @@ def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "af
     return fig
 
 
-def score_vs_ratio(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
-    """Mean score and needle intact rate against the compression ratio, one line per policy (a PNG at ``path``)."""
-    return _save(score_vs_ratio_figure(rows, position=position), path, bbox_inches="tight")
-
-
 def frontier_points(rows: Sequence[dict[str, Any]], *, position: str = "after") -> dict[str, list[dict[str, Any]]]:
     """Per policy, one point per ratio: ``ratio``, ``mib_per_token`` (mean KV-path MiB read per generated token), the
     means of ``score`` and ``intact`` (None where no trial has it), ``trials``; trials without the bytes are left out."""
@@ -260,7 +255,8 @@ def write_plots(rows: Sequence[dict[str, Any]], out_dir: str | Path, prefix: str
     """The figures into ``out_dir`` (``{prefix}needle-heatmap.png`` when there are needle trials,
     ``{prefix}score-vs-ratio.png``, ``{prefix}frontier.png`` when rows count the KV bytes read); the paths written."""
     out_dir = Path(out_dir)
-    written = [score_vs_ratio(rows, out_dir / f"{prefix}score-vs-ratio.png", position=position)]
+    written = [_save(score_vs_ratio_figure(rows, position=position), out_dir / f"{prefix}score-vs-ratio.png",
+                     bbox_inches="tight")]
     if any(r.get("depth") is not None and r["status"] == "ok" for r in rows):
         written.insert(0, needle_heatmap(rows, out_dir / f"{prefix}needle-heatmap.png", position=position))
     if frontier_points(rows, position=position):
