@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main"]
-
 RESULTS = Path("results") / "demo.jsonl"
 
 

@@ -29,46 +29,12 @@ from kvzoo.hookspecs import PROJECT_NAME, hookimpl
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: tomli is the same parser, if it is installed
-    try:
-        import tomli as tomllib
-    except ModuleNotFoundError:
-        tomllib = None
+except ModuleNotFoundError:  # Python 3.10: tomli (a dependency there) is the same parser
+    import tomli as tomllib
 
 if TYPE_CHECKING:
     from kvzoo.framework.policy import Policy
     from kvzoo.framework.retriever import Retriever
-
-__all__ = [
-    "BUILTIN_PLUGIN_NAME",
-    "ENTRY_POINT_GROUP",
-    "REGISTRY_TOML",
-    "BuiltinPolicies",
-    "adapter_class",
-    "adapters",
-    "executor_class",
-    "executors",
-    "RegistryError",
-    "UnknownPolicyError",
-    "available",
-    "build_retriever",
-    "check_retriever_params",
-    "get",
-    "get_spec",
-    "hookimpl",
-    "info",
-    "namespaces",
-    "parse_spec",
-    "policy_class",
-    "read_manifest",
-    "register_plugin",
-    "reload",
-    "reset",
-    "resolve",
-    "retriever_class",
-    "retrievers",
-    "unregister_plugin",
-]
 
 REGISTRY_TOML = Path(__file__).with_name("registry.toml")
 ENTRY_POINT_GROUP = PROJECT_NAME
@@ -91,8 +57,6 @@ class UnknownPolicyError(KeyError):
 
 def read_manifest(path: Path = REGISTRY_TOML, kind: str = "policy") -> list[dict[str, Any]]:
     """The ``[[policy]]`` (or ``[[retriever]]``, ``[[namespace]]``) tables of ``registry.toml``, in file order, checked."""
-    if tomllib is None:
-        raise RegistryError(f"reading {path.name} needs tomllib (Python >= 3.11) or the tomli package: pip install tomli")
     try:
         with path.open("rb") as f:
             manifest = tomllib.load(f)
