@@ -1,9 +1,7 @@
-"""``python -m kvzoo.demo`` (``make demo``): every policy on a needle, on SmolLM2-135M-Instruct.
+"""``python -m kvzoo.demo`` (``make demo``): every registered policy at 4x and 8x on a needle, on SmolLM2-135M.
 
-Every registered policy at ratios 4 and 8 on RULER's single needle in 2,000 tokens of essay-like text at depths
-25 % and 75 %, the question asked after compression. Prints the tables, writes the plots under ``results/``, the
-rows to ``results/demo.jsonl`` (afresh; ``--resume`` continues an interrupted demo) and ``results/demo.run.json``
-(wall time, load, machine) for ``benchmarks/render_results.py``. Other options go to ``kvzoo leaderboard``.
+Runs ``kvzoo leaderboard --preset demo`` afresh (``--resume`` continues an interrupted demo; other options go to it)
+and records the wall time and machine in ``results/demo.run.json`` for ``benchmarks/render_results.py``.
 """
 
 from __future__ import annotations

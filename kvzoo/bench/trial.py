@@ -1,9 +1,7 @@
 """One trial: a policy on one task's prompt, measured (:func:`run_trial`, :class:`TrialMeasurements`).
 
-A trial prefills the context (or continues a :class:`SharedPrefill`) and compresses it once, then forks the
-compressed cache for the held-out continuation's CE, asks the question, forks that for the reference answer's NLL
-(one decode step per token) and decodes greedily on the cache itself; ``one_forward=True`` adds the one-forward
-measures. ``to_row()`` is the trial's results row (``benchmarks/README.md`` says what each field means).
+The context is prefilled (or a :class:`SharedPrefill` continued) and compressed once; forks of the cache measure the
+held-out continuation's CE and the reference answer's NLL, and the answer is decoded greedily on the cache itself.
 """
 
 from __future__ import annotations

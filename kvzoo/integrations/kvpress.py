@@ -1,13 +1,10 @@
 """kvzoo and NVIDIA's kvpress, both ways: kvzoo policies as presses (:func:`to_press`), kvpress presses as kvzoo
 policies (``registry.get("kvpress:KnormPress", compression_ratio=0.5)``, :func:`policy_class`).
 
-kvpress 0.5.5 pins ``transformers<5.3``, so the two meet in kvpress's environment (``make test-kvpress``); this
-module imports kvpress only when used. kvpress's ``compression_ratio`` c removes a fraction of the rows, kvzoo's
-``ratio`` r keeps ``1/r``: ``c = 1 - 1/r``. In floating point ``1 - c`` can fall just below ``1/r`` (r = 3,
-n = 300: kvzoo keeps 100 rows, kvpress 99), so the kept count follows whoever sized the policy: a ratio keeps
-kvzoo's ``max(1, floor(n / r))``, a ``compression_ratio`` kvpress's :func:`kvpress_kept_rows`. A press compresses
-once, at the prefill's end, so :func:`to_press` refuses a policy with a retriever or one that evicts at every
-decode step (unless ``prefill_only=True``). docs/kvpress.md has the examples.
+kvpress 0.5.5 pins ``transformers<5.3``, so the two meet in kvpress's environment (``make test-kvpress``); kvpress is
+imported only when used. kvpress's ``compression_ratio`` c removes a fraction, kvzoo's ``ratio`` r keeps ``1/r``
+(``c = 1 - 1/r``); the kept count follows whoever sized the policy, as ``1 - c`` can fall just below ``1/r`` in
+floating point. docs/kvpress.md has the examples.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""kvzoo policies as kvpress presses: the press classes (imports kvpress; use :func:`kvzoo.integrations.kvpress.to_press`).
+"""kvzoo policies as kvpress presses (imports kvpress; use :func:`kvzoo.integrations.kvpress.to_press`).
 
-A press builds, from what kvpress's hook hands it (the attention module, its input hidden states, the layer's keys
-and values, the forward's RoPE), the :class:`RowsView` a kvzoo selector reads: one row per token and, when asked,
-the observation window's attention recomputed as kvpress's ``SnapKVPress`` recomputes it, or H2O's accumulated
-attention. A window larger than the call can give is shrunk, said once per press (a ``UserWarning``). Quest, whose
-retriever a prefill press cannot run, keeps the pages its bound ranks highest for the last query
-(:func:`quest_priority`).
+A press builds, from what kvpress's hook hands it, the :class:`RowsView` a kvzoo selector reads: one row per token
+and, when asked, the observation window's attention recomputed as kvpress's ``SnapKVPress`` does, or H2O's
+accumulated attention. Quest keeps the pages its bound ranks highest for the last query (:func:`quest_priority`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Offline data for the reference models: associative recall in noise, a shared-vocabulary variant,
-and RULER-style key-value needles in text from kvzoo's shipped haystack. All token ids, vocab 256.
-
-The question comes *after* the context (``[BOS, ... k1 v1 ... noise ...]`` then ``[QUERY, k_i]`` -> ``[v_i]``), so
-the pipeline can compress the context first; training sequences append several questions, evaluation asks one.
-Generators are ``random.Random`` seeded by strings: every stream is the same on every machine.
+"""Offline data for the reference models, all token ids (vocab 256), seeded by strings so every stream is the same
+on every machine: associative recall in noise, a shared-vocabulary variant, and key-value needles in text. The
+question comes *after* the context, so the pipeline can compress the context first.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""A tiny Kimi-style MLA model (model_type ``kvzoo_mla``): short causal conv + MLA per block.
+"""A tiny Kimi-style MLA model (model_type ``kvzoo_mla``), kvzoo's stand-in for a trained Kimi Linear.
 
-kvzoo's stand-in for a trained Kimi Linear (transformers' ``KimiLinearAttention`` cannot rotate the MLA branch,
-and its KDA path is too slow to train here). A block is ``x += ShortConv(norm x)`` (kernel 4, in KDA's role),
-``x += MLA(norm x)`` (DeepSeek-V2's module layout and attribute names, so kvzoo's MLA adapter takes it over) and
-``x += SwiGLU(norm x)``. ``config.rope_branch`` is the one difference between the reference arms: NoPE (Kimi)
-or RoPE (DeepSeek). The conv's last ``kernel - 1`` inputs per layer live on the cache object
-(``cache.kvzoo_conv_state``), cleared when a forward starts on an empty cache.
+A block is ``x += ShortConv(norm x)`` (kernel 4, in KDA's role), ``x += MLA(norm x)`` (DeepSeek-V2's module layout
+and names, so kvzoo's MLA adapter takes it over) and ``x += SwiGLU(norm x)``; ``config.rope_branch`` is the one
+difference between the arms, NoPE (Kimi) or RoPE (DeepSeek). The conv's last inputs per layer live on the cache
+(``cache.kvzoo_conv_state``).
 """
 
 from __future__ import annotations

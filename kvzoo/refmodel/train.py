@@ -1,10 +1,8 @@
 """Training of the reference twins (the measured recipe, docs/environment.md); CLI in ``benchmarks/refmodels/train.py``.
 
-One arm per process (one thread by default, so both arms train side by side). The same seed gives both arms the
-same initial weights and data stream; each step's batch is generated from ``(seed, step, stage)`` and the state is
-saved to ``work_dir/state.pt``, so a run resumes. A curriculum of :data:`kvzoo.refmodel.data.CURRICULUM` stages
-advances at ``advance_at`` held-out accuracy and stops at ``stop_at`` on the last; AdamW, warm-up then cosine,
-bf16 autocast, loss on answer tokens only.
+One arm per process; the same seed gives both arms the same initial weights and data, each batch is generated from
+``(seed, step, stage)`` and the state saved to ``work_dir/state.pt``, so a run resumes. The curriculum
+(:data:`kvzoo.refmodel.data.CURRICULUM`) advances at ``advance_at`` held-out accuracy and stops at ``stop_at``.
 """
 
 from __future__ import annotations

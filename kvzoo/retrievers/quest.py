@@ -1,9 +1,6 @@
-"""Quest's retriever: pages of archived rows with element-wise key min/max, each query head's top pages per step.
-
-Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024,
-https://arxiv.org/abs/2406.10774 (reference code: github.com/mit-han-lab/Quest). The policy is
-``kvzoo/policies/quest.py``; this is its index, usable under any selector (``retriever="quest"``). The page
-summary here (:class:`PageSummary`) is also the coarse level of VestigeKV's paged int8 index (``paged.py``).
+"""Quest's retriever (Tang et al., ICML 2024, https://arxiv.org/abs/2406.10774; github.com/mit-han-lab/Quest): pages
+of archived rows with element-wise key min/max, each query head's top pages per step, under any selector. Its page
+summary (:class:`PageSummary`) is also the coarse level of VestigeKV's paged int8 index.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """VestigeKV's certified low-rank sketch (paper §4.2, Lemma 2): the default index on MLA rows.
 
-Per archived row u: ``(z_u = V^T c_u, eta_u = ||(I - V V^T) c_u||, r_u, ||c_u||, ||r_u||)`` with V an orthonormal
-rank-``rank`` basis of the content latents, fitted per sequence and layer (per KV head on GQA) from the valid rows of
-the layer's first closed block (top eigenvectors of their Gram matrix), so a sequence's index never depends on
-what else shares its batch; with ``refit=True`` it is refitted at every closed block and the index rebuilt. Per
-query and head, ``bound = scale (<q_r, r_u> + <V^T q_c', z_u> + ||(I - V V^T) q_c'|| eta_u) >= s(u)``
-(Cauchy-Schwarz), plus a float slack; the *estimate* is the bound less its Cauchy-Schwarz term and slack (the
-score of the row's in-span part). On GQA rows the whole key is the content (no branch).
+Per archived row u: ``(z_u = V^T c_u, eta_u = ||(I - V V^T) c_u||, r_u, ||c_u||, ||r_u||)``, V an orthonormal basis
+of the content latents fitted per sequence and layer from the first closed block (``refit=True``: at every block);
+``bound = scale (<q_r, r_u> + <V^T q_c', z_u> + ||(I - V V^T) q_c'|| eta_u) >= s(u)`` plus a float slack, and the
+*estimate* is the bound less its Cauchy-Schwarz term and slack. On GQA rows the whole key is the content.
 """
 
 from __future__ import annotations

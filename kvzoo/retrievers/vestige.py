@@ -1,9 +1,5 @@
-"""VestigeKV's retriever (the registry's ``"vestige"``): its settings, and the index kind each layout takes.
-
-The index kinds live beside this module, one each: the certified low-rank sketch (``sketch.py``, the default on MLA
-rows), the int8 keys (``int8.py``, the default on GQA rows) and the paged int8 index (``paged.py``); what they share
--- one entry per archived row and the selection rule -- is in ``int8.py``. The policy is
-``kvzoo/policies/vestige.py``.
+"""VestigeKV's retriever (the registry's ``"vestige"``): its settings, and the index kind each layout takes (the
+kinds live beside it; what they share is in ``int8.py``; the policy is ``kvzoo/policies/vestige.py``).
 """
 
 from __future__ import annotations
