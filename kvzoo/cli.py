@@ -94,17 +94,6 @@ def _as_flags(message: str, parameters: Iterable[str] = (), *, ratio_flag: str =
     return re.sub(pattern, swap, message)
 
 
-def _kernels_problem() -> str | None:
-    """``KVZOO_KERNELS`` checked at start-up, before any model loads (None: it is valid or unset)."""
-    from kvzoo.kernels.dispatch import mode
-
-    try:
-        mode()
-    except ValueError as err:
-        return str(err)
-    return None
-
-
 CONTEXT_FILE_LIMIT = 16 * 2**20  # bytes of --context-file read at most (about 4M tokens of text)
 
 
@@ -266,9 +255,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         make_task,
     )
 
-    problem = _kernels_problem()
-    if problem is not None:
-        return _fail("run", problem)
     try:
         params = _policy_params(args)  # its errors speak in flags already
     except ValueError as err:
@@ -551,9 +537,6 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     from kvzoo.bench.executors import ExecutorUnavailable
 
     started = time.perf_counter()
-    problem = _kernels_problem()
-    if problem is not None:
-        return _fail("leaderboard", problem)
     problem = _path_options_problem(args)
     if problem is not None:
         return _fail("leaderboard", problem)
@@ -818,6 +801,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser([command] if command else []).parse_args(argv)
     if getattr(args, "command", None) in ("run", "leaderboard"):  # the commands that run models say what they run with
         print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
+        from kvzoo.kernels.dispatch import mode
+
+        try:
+            mode()  # KVZOO_KERNELS checked at start-up, before anything else is looked at or any model loads
+        except ValueError as err:
+            return _fail(args.command, str(err))
     return args.func(args)
 
 

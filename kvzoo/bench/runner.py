@@ -368,18 +368,13 @@ def run_grid(
                             executor=executor if executor is not None else LocalExecutor(), estimate=estimate)
 
 
-def describe_executor(executor: Any) -> str:
-    """``executor 'NAME' (module:Class)``: the executor plugin, for messages."""
-    cls = type(executor)
-    return f"executor {getattr(cls, 'name', cls.__name__)!r} ({cls.__module__}:{cls.__qualname__})"
-
-
 class _Intake:
     """What an executor hands back, matched to the trials it was given before anything is written (:data:`EMIT_CONTRACT`);
     anything else is an :class:`ExecutorError`, kept so an executor that swallows it still fails."""
 
     def __init__(self, executor: Any, trials: list[Trial], path: Path) -> None:
-        self.who = describe_executor(executor)
+        cls = type(executor)
+        self.who = f"executor {getattr(cls, 'name', cls.__name__)!r} ({cls.__module__}:{cls.__qualname__})"
         self.given = {t.key: t for t in trials}
         self.path = path
         self.returned: set[str] = set()  # the keys whose rows were written

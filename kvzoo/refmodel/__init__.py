@@ -14,14 +14,8 @@ from kvzoo.refmodel.modeling import KvzooMLAConfig, KvzooMLAForCausalLM, KvzooML
 
 CHECKPOINT_DIR = pathlib.Path(__file__).parent / "checkpoints"
 
-try:
-    AutoConfig.register("kvzoo_mla", KvzooMLAConfig)
-except ValueError:  # already registered (re-import)
-    pass
-try:
-    AutoModelForCausalLM.register(KvzooMLAConfig, KvzooMLAForCausalLM)
-except ValueError:
-    pass
+AutoConfig.register("kvzoo_mla", KvzooMLAConfig, exist_ok=True)  # exist_ok: a re-import registers it again
+AutoModelForCausalLM.register(KvzooMLAConfig, KvzooMLAForCausalLM, exist_ok=True)
 
 
 def checkpoint_path(name: str) -> pathlib.Path:
