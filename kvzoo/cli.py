@@ -1,8 +1,5 @@
-"""The ``kvzoo`` command: ``list``, ``run``, ``leaderboard`` and ``plot`` (:data:`COMMANDS`); ``kvzoo <command> --help``
-lists every option.
-
-``kvzoo --help``, ``--version`` and ``list`` import neither transformers nor (but for ``list``, whose policies are
-torch classes) torch: only the subcommand given gets its full set of options, built from light modules.
+"""The ``kvzoo`` command: ``list``, ``run``, ``leaderboard`` and ``plot`` (:data:`COMMANDS`). Only the subcommand given
+gets its options built, from light modules: ``kvzoo --help``, ``--version`` and ``list`` import no transformers.
 """
 
 from __future__ import annotations

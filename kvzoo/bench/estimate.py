@@ -1,8 +1,6 @@
-"""How long a grid will take, before it starts: a small cost model (:func:`estimate`, :func:`describe`).
-
-A trial's time is its prefill (per 1000 prompt tokens, paid once by the policies that share one), its one-token
-forwards at a per-step cost, and a fixed part, per policy (:data:`COSTS`), measured on SmolLM2-135M in float32 on
-one thread of the 2-core development CPU (``docs/scaling.md``); elsewhere the estimate is only a scale, and says so.
+"""How long a grid will take, before it starts: a per-policy cost model (:data:`COSTS`: prefill per 1000 tokens, once per
+shared prefill, a per-step cost and a fixed part) measured on SmolLM2-135M, fp32, one thread of the 2-core
+development CPU (``docs/scaling.md``); elsewhere the estimate is only a scale, and says so.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The leaderboard's plan: a :class:`Grid` (what to run) becomes trials (:class:`Trial`), reference first.
-
-:func:`plan` expands models × policies × ratios × tasks × question positions, each (model, task, position) led by
-its ``full`` reference, and :func:`group_trials` cuts the pending trials into the groups an executor hands out.
-:data:`PRESETS` are ``kvzoo leaderboard --preset``'s grids. Policies come from the registry at plan time.
+"""The leaderboard's plan: a :class:`Grid` (what to run) becomes trials (:class:`Trial`), each (model, task, question
+position) led by its ``full`` reference, grouped for the executors; :data:`PRESETS` are ``--preset``'s grids.
 """
 
 from __future__ import annotations
@@ -40,12 +37,10 @@ def registered_variants() -> tuple[str, ...]:
 
 @dataclass
 class Grid:
-    """What to run. ``policies=None`` means every registered policy at run time, plus ``variants`` (configured specs
-    such as ``quest(gqa=group)``; default :func:`registered_variants`).
-
-    ``max_new_tokens=None`` uses each task's own; ``audit=True`` counts bound violations (slow); ``one_forward=True``
-    also fills the ``*_one_forward`` fields. ``one_forward`` is not part of a trial's key: a grid asking for it runs
-    again the ok trials whose rows lack those fields.
+    """What to run: ``policies=None`` is every registered policy at run time plus ``variants`` (default
+    :func:`registered_variants`); ``max_new_tokens=None`` each task's own; ``audit=True`` counts bound violations
+    (slow); ``one_forward=True`` also fills the ``*_one_forward`` fields (not part of a trial's key: a grid asking for
+    it runs again the ok trials whose rows lack them).
     """
 
     models: Sequence[str] = ("smollm2-135m",)

@@ -1,8 +1,6 @@
-"""The results file: one JSON line per trial, append-only, locked while a grid writes it.
-
-Reading never writes (a line that is not a row, :func:`row_problem`, is reported and left), appending never
-rewrites (:func:`append_row` writes whole lines only), :func:`results_lock` keeps a second driver off the file,
-and :func:`check_results_target` / :func:`check_output_dir` refuse an unusable ``--out`` or ``--plot-dir`` first.
+"""The results file: one JSON line per trial, append-only, locked while a grid writes it. Reading never writes (a line
+that is not a row is reported and left), appending writes whole lines only, and an unusable ``--out`` or
+``--plot-dir`` is refused before anything runs.
 """
 
 from __future__ import annotations

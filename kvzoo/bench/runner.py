@@ -338,14 +338,10 @@ def run_grid(
     executor: Executor | None = None,
     estimate: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every trial of ``grid`` not already finished in ``results``; return the grid's rows in plan order.
-
-    ``results`` must be a kvzoo results file or not exist (:func:`check_results_target`; ``force`` appends to another
-    anyway, ``fresh`` empties one holding only kvzoo rows); it is locked while the grid runs. A trial with an ``ok``
-    row is finished unless that row ran another configuration than its name builds now (:func:`current_rows`). Each row
-    is checked against its trial (:data:`~kvzoo.bench.executors.EMIT_CONTRACT`, else :class:`ExecutorError`) and
-    appended at once, by this process only, whichever ``executor`` ran it; ``on_row`` then sees it. ``estimate=True``
-    prints the pending trials' estimated time first.
+    """Run every trial of ``grid`` not already finished in ``results`` (:func:`current_rows`); return the grid's rows
+    in plan order. ``results`` must be a kvzoo results file or not exist (:func:`check_results_target`: ``force``,
+    ``fresh``); it is locked while the grid runs, and each row, checked against its trial (:data:`EMIT_CONTRACT`), is
+    appended at once by this process, whichever ``executor`` ran it. ``estimate=True`` prints the estimated time first.
     """
     path = check_results_path(results)
     trials = plan(grid)

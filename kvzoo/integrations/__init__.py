@@ -1,6 +1,3 @@
-"""Bridges to other KV-cache libraries. Each imports its library lazily: kvzoo never needs them installed.
-
-* :mod:`kvzoo.integrations.kvpress` -- NVIDIA's kvpress, both ways: kvzoo policies as presses
-  (:func:`~kvzoo.integrations.kvpress.to_press`) and kvpress presses as kvzoo policies
-  (``registry.get("kvpress:KnormPress", compression_ratio=0.5)``).
+"""Bridges to other KV-cache libraries (today NVIDIA's kvpress, both ways: :mod:`kvzoo.integrations.kvpress`), each
+importing its library lazily: kvzoo never needs them installed.
 """

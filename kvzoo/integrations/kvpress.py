@@ -79,14 +79,10 @@ def exact_compression_ratio(policy: Policy) -> float | None:
 
 
 def to_press(policy: Policy, *, compression_ratio: float | None = None, prefill_only: bool = False) -> Any:
-    """A kvpress press that runs ``policy``'s selector at the end of the prefill, in kvpress's pipeline.
-
-    A ``ScorerPress`` (``KvzooScorerPress``) for a selector that is a score (every evicting policy's
-    :meth:`Policy.priority`, and Quest's page bounds), so kvpress's wrappers compose; a ``BasePress``
-    (``KvzooPress``) for ``full``. Alone it keeps exactly the rows ``policy.select`` chooses. ``compression_ratio``:
-    kvpress's fraction removed (default ``1 - 1/policy.ratio``). ``prefill_only=True`` accepts a policy that also
-    evicts at every decode step and runs its context-end eviction alone. Attention-based scores depend on every query
-    the press sees, so ``h2o`` fails kvpress's ``test_generate`` (docs/kvpress.md).
+    """A kvpress press that runs ``policy``'s selector at the end of the prefill: a ``ScorerPress`` for a selector that
+    is a score (so kvpress's wrappers compose), a ``BasePress`` for ``full``; alone it keeps exactly the rows
+    ``policy.select`` chooses. ``compression_ratio``: kvpress's fraction removed (default ``1 - 1/policy.ratio``);
+    ``prefill_only=True`` runs a per-step policy's context-end eviction alone (docs/kvpress.md).
     """
     require_kvpress()
     if not isinstance(policy, Policy):

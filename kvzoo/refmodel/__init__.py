@@ -1,7 +1,5 @@
-"""kvzoo's reference MLA models: the tiny NoPE/RoPE twin pair (``kvzoo_mla``) and their checkpoints.
-
-Importing this package registers ``kvzoo_mla`` with transformers' Auto classes, so
-``AutoModelForCausalLM.from_pretrained(<saved dir>)`` loads a saved model.
+"""kvzoo's reference MLA models, the tiny NoPE/RoPE twin pair, and their checkpoints; importing this package registers
+``kvzoo_mla`` with transformers' Auto classes, so ``AutoModelForCausalLM.from_pretrained(<saved dir>)`` loads one.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The reference twins' model family (``model_type="kvzoo_mla"``), registered from here through ``registry.toml``.
-
-kvzoo's MLA twins rotate the branch ``r`` when their config says ``rope_branch=True`` (the RoPE arm, as
-DeepSeek) and leave it as it is otherwise (the NoPE arm, as Kimi Linear): the twin's own
-:func:`~kvzoo.refmodel.modeling.rotate_branch` decides, so the framework's adapters know nothing of the twins.
+"""The reference twins' model family (``model_type="kvzoo_mla"``, registered through ``registry.toml``): the twin's
+own :func:`~kvzoo.refmodel.modeling.rotate_branch` rotates the branch (RoPE arm) or not (NoPE arm), so the
+framework's adapters know nothing of the twins.
 """
 
 from __future__ import annotations

@@ -40,15 +40,11 @@ def check_paging(page_size: Any, gqa: Any, rule: Any) -> None:
 
 @dataclass
 class QuestRetriever(Retriever):
-    """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page (kept in the keys'
-    dtype: each is one of the page's key values; on MLA rows the "key" is the whole latent row).
-
-    Each decode query picks, per query head (``gqa="head"``) or per KV group by the max over its heads
-    (``gqa="group"``), its top ``pages`` archived pages; by default the count follows ``rule`` and the layer's budget
-    ``B`` (:meth:`archived_pages`; :class:`kvzoo.policies.quest.Quest` says why). Under ``"eval"``, where the policy
-    archives the step's row next (the view's ``own_row``), a decode step scores the current page with the step's own
-    key in its min/max, as the reference does; under another selector no row is joined. Under the ``quest`` policy
-    these settings are the policy's.
+    """Pages of ``page_size`` consecutive archived rows with element-wise key min/max per page (in the keys' dtype;
+    on MLA rows the "key" is the whole latent row). Each decode query picks, per query head (``gqa="head"``) or per KV
+    group (``gqa="group"``), its top ``pages`` archived pages, by default as many as ``rule`` and the layer's budget
+    give (:meth:`archived_pages`; :class:`kvzoo.policies.quest.Quest` says why). Under ``"eval"`` a decode step
+    scores the current page with the step's own key in its min/max, as the reference does.
     """
 
     page_size: int = 16
