@@ -4,10 +4,8 @@
     policy = kvzoo.registry.get("streaming_llm", ratio=4)
     result = kvzoo.pipeline.generate(model, tokenizer, context, question, policy)
 
-Importing ``kvzoo`` imports nothing heavy: every name below is imported on first use (PEP 562), so
-``import kvzoo`` and ``kvzoo --version`` need neither torch nor transformers. The policy layer
-(``kvzoo.framework.policy``, ``kvzoo.policies.*``) needs torch alone; ``pipeline``, ``TieredCache`` and
-``models`` need transformers.
+Every name below is imported on first use (PEP 562), so ``import kvzoo`` and ``kvzoo --version`` need neither torch
+nor transformers; the policy layer needs torch alone, ``pipeline``, ``TieredCache`` and ``models`` transformers.
 """
 
 from __future__ import annotations

@@ -110,8 +110,9 @@ def _spread(values: dict[str, float]) -> dict[str, float]:
 
 
 def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") -> Any:
-    """The figure :func:`score_vs_ratio` writes: one line per policy, each with its own marker; equal points at a
-    ratio are offset (the legend says so) and labelled at the last ratio, so coinciding lines stay apart."""
+    """Mean score and needle intact rate against the compression ratio (:func:`write_plots` saves it): one line per
+    policy, each its own marker; equal points at a ratio are offset (the legend says so) and labelled at the last
+    ratio, so coinciding lines stay apart."""
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok" and r["question_position"] == position]
     if not ok:
