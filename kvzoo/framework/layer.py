@@ -27,7 +27,7 @@ class Host(StorageHost, Protocol):
     pending: int | None
     shared: dict[str, Any]
 
-    def fire(self, layer: KVLayer, event: Any) -> None: ...
+    def fire(self, layer: KVLayer, event: Any) -> int: ...
 
 class RuntimeLayer(Protocol):
     """What the runtime may read and call of a layer (``Runtime`` names nothing else of it)."""

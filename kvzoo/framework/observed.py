@@ -58,9 +58,11 @@ class Observed:
         recorded its input already: left out by ``rows``."""
         return AttentionInputs(self.inputs["module"](), *self._joined(0, rows))
 
-    def drop_inputs(self, rows: int) -> None:
-        """The first ``rows`` rows' inputs are no longer observed (a block closed over them)."""
-        if self.inputs:
+    def drop_inputs(self, rows: int | None = None) -> None:
+        """The first ``rows`` rows' inputs are no longer observed (a block closed over them; None: all, an event)."""
+        if rows is None:
+            self.inputs = {}
+        elif self.inputs:
             hidden_states, position_embeddings = self._joined(rows, None)
             self.inputs["hidden_states"] = [hidden_states]
             if position_embeddings is not None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 from kvzoo.framework.layer import RuntimeLayer
 from kvzoo.framework.memory import release_freed
 from kvzoo.framework.policy import Event, Observation, Policy
@@ -160,15 +158,14 @@ class Runtime:
         elif policy.schedule == "block" and policy.block_size and counts.since_event >= policy.block_size:
             self.fire(layer, "block")
         if self.ending:
-            dropped = layer.store.dropped_bytes()
-            self.fire(layer, "context_end")
             # the rows just dropped (most of the layer's prefill): give their pages back before the next layer runs
-            release_freed(layer.store.dropped_bytes() - dropped)
+            release_freed(self.fire(layer, "context_end"))
             if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
                 self.ending = False
 
-    def fire(self, layer: RuntimeLayer, event: Event) -> None:
-        """Run the policy's selector for ``event`` and move the rows it does not keep."""
+    def fire(self, layer: RuntimeLayer, event: Event) -> int:
+        """Run the policy's selector for ``event`` and move the rows it does not keep; the bytes given back."""
+        freed = 0
         try:
             policy, counts, store = self.policy, layer.counts, layer.store
             if event == "context_end":
@@ -176,13 +173,13 @@ class Runtime:
             if not layer.is_initialized or layer.rank < policy.dense_layers:
                 if event == "context_end":
                     self._fit(layer)
-                return
+                return freed
             if event != "step" and policy.schedule == "block" and policy.closes_each_block and policy.block_size:
                 while counts.since_event > policy.block_size:  # a forward added more than a block: each closes alone
-                    self._close_block(layer, event, policy.block_size)
+                    freed += self._close_block(layer, event, policy.block_size)
                 if event == "block" and counts.since_event < policy.block_size:  # the rest stays open
                     self._fit(layer)
-                    return
+                    return freed
             n = store.n
             budget = store.budget if store.budget is not None else self.resolve_budget(layer)
             target = policy.target_rows(event, budget=budget, resident=n, block_rows=min(counts.since_event, n),
@@ -191,44 +188,38 @@ class Runtime:
                 counts.since_event = 0
                 if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
                     self._fit(layer)
-                return
+                return freed
             if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
                 victim = policy.step_victim(layer.rows_view(ordered=False))
                 if victim is not None:
                     counts.since_event = 0
-                    B, G = store.batch_groups
-                    if victim.shape != (B, G) or victim.dtype != torch.long:
-                        raise RuntimeError(f"policy {policy.name!r} step_victim() must return int64 indices of shape "
-                                           f"{(B, G)}, got {victim.dtype} {tuple(victim.shape)}")
-                    store.evict_one(victim)
-                    return
+                    return store.evict(policy.name, victim=victim)
             rows = layer.rows_view()  # before since_event resets: the view marks where the closed block starts
             counts.since_event = 0
             keep = policy.select(rows, target)
-            self._check_keep(layer, keep, target, n)
-            store.keep(keep)
+            freed += store.evict(policy.name, keep=keep, target=target, end=n)
             self._fit(layer)
+            return freed
         finally:
-            layer.observed.inputs = {}  # the "inputs" observation covers the rows since the layer's last event
+            layer.observed.drop_inputs()  # the "inputs" observation covers the rows since the layer's last event
 
-    def _close_block(self, layer: RuntimeLayer, event: Event, block: int) -> None:
+    def _close_block(self, layer: RuntimeLayer, event: Event, block: int) -> int:
         """Close the first ``block`` of the rows since the layer's last event, as if the forward had ended there: the
         selector sees the tier up to the block's end, chooses among the block's rows, and every later row stays
-        (they open the next block). The kept rows are those of a forward chunked at ``block`` rows."""
+        (they open the next block). The kept rows are those of a forward chunked at ``block`` rows; the bytes given
+        back."""
         policy, counts, store = self.policy, layer.counts, layer.store
         n, open_rows = store.n, min(counts.since_event, store.n)
         end = n - open_rows + block  # the block is tier rows [n - open_rows, end)
         target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=end, block_rows=block,
                                     seen=counts.seen - open_rows + block)
+        freed = 0
         if target is not None and target < end:
             rows = layer.rows_view(end=end)  # before since_event moves on: the view marks where the block starts
-            keep = policy.select(rows, target)
-            self._check_keep(layer, keep, target, end)
-            B, G = store.batch_groups
-            later = torch.arange(end, n, device=keep.device).expand(B, G, n - end)
-            store.keep(torch.cat([keep, later], dim=2))
+            freed = store.evict(policy.name, keep=policy.select(rows, target), target=target, end=end)
         counts.since_event -= block
         layer.observed.drop_inputs(block)  # the "inputs" observation covers the rows still open
+        return freed
 
     def _fit(self, layer: RuntimeLayer) -> None:
         """Fixed capacity, once the context has ended: the tier's storage holds the rows it has plus the most it
@@ -240,15 +231,3 @@ class Runtime:
         remaining = max(0, capacity - layer.counts.seen)
         gain = None if layer.rank < self.policy.dense_layers else rows_between_events(self.policy)
         layer.store.fit(layer.store.n + (remaining if gain is None else min(gain, remaining)))
-
-    def _check_keep(self, layer: RuntimeLayer, keep: torch.Tensor, target: int, n: int) -> None:
-        B, G = layer.store.batch_groups
-        name = self.policy.name
-        if keep.shape != (B, G, target) or keep.dtype != torch.long:
-            raise RuntimeError(
-                f"policy {name!r} select() must return int64 indices of shape {(B, G, target)}, "
-                f"got {keep.dtype} {tuple(keep.shape)}"
-            )
-        if target:  # checked on the device: no host synchronisation
-            ok = (keep.min() >= 0) & (keep.max() < n) & (keep.diff(dim=-1) > 0).all()
-            torch._assert_async(ok, f"policy {name!r} select() returned indices that are out of range, unsorted or repeated")

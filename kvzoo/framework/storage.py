@@ -41,6 +41,17 @@ def row_fields(key_states: torch.Tensor, value_states: torch.Tensor | None,
     return fields
 
 
+def check_indices(policy: str, method: str, chosen: torch.Tensor, shape: tuple[int, ...], end: int = 0) -> None:
+    """Refuse what policy ``policy``'s ``method()`` returned unless it is int64 tier indices of ``shape``; a selection
+    (``end``) must also be sorted, unrepeated and below ``end`` (checked on the device: no host synchronisation)."""
+    if chosen.shape != shape or chosen.dtype != torch.long:
+        raise RuntimeError(f"policy {policy!r} {method}() must return int64 indices of shape {shape}, "
+                           f"got {chosen.dtype} {tuple(chosen.shape)}")
+    if end and shape[-1]:
+        ok = (chosen.min() >= 0) & (chosen.max() < end) & (chosen.diff(dim=-1) > 0).all()
+        torch._assert_async(ok, f"policy {policy!r} select() returned indices that are out of range, unsorted or repeated")
+
+
 class StorageHost(Protocol):
     """What a layer's storage asks of the cache runtime (``kvzoo.framework.runtime.Runtime``): the policy and
     geometry it reads, the cache-wide resident count, and two calls: the rows it holds changed, a new index."""
@@ -115,13 +126,6 @@ class LayerStorage:
         """Bytes of one row of one (batch, group): its key (the latent row on MLA) and its value (GQA)."""
         return sum(buf.shape[-1] * buf.element_size() for name, buf in self.rows.buffers.items()
                    if name in ("keys", "values"))
-
-    def dropped_bytes(self) -> int:
-        """Bytes of the rows dropped so far (without an archive), over the batch (0 before the first row)."""
-        if not self.rows.buffers:
-            return 0
-        B, G = self.batch_groups
-        return self.counts.dropped_rows * self.row_bytes() * B * G
 
     @property
     def batch_groups(self) -> tuple[int, int]:
@@ -237,7 +241,7 @@ class LayerStorage:
         positions = self.tier.reading("pos")
         length = self.tier.length.expand(B) if self.tier.fixed else None
         return Rows(rows.buffers["keys"], rows.buffers.get("values"), value_width=width, indices=positions,
-                    length=length, pool_valid=valid if valid is not None else None)
+                    length=length, pool_valid=valid)
 
     def accumulate(self, mass: torch.Tensor, *, step: bool = True) -> None:
         """Add each tier row's attention ``mass [B, H, N]``, summed over its group's heads, to its ``stat:attention``:
@@ -251,10 +255,31 @@ class LayerStorage:
             stat[:, :, : per_group.shape[-1]] += per_group
 
     # --- eviction -------------------------------------------------------------------------------------
-    def keep(self, keep: torch.Tensor) -> None:
-        """A compression event: the tier keeps rows ``keep [B, G, k]`` (sorted tier indices); the others leave, to the
-        archive (indexed first) or dropped."""
-        n, k = self.n, keep.shape[2]
+    def evict(self, policy: str, *, victim: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+              target: int = 0, end: int = 0) -> int:
+        """Policy ``policy``'s rows leave the tier (to the archive, indexed first, or dropped), once checked: one
+        ``victim [B, G]`` (``step_victim()``'s; the next row appended takes its place), or all but the ``target`` rows
+        ``keep`` (``select()``'s) of the first ``end`` (every later row stays). Returns the bytes given back."""
+        B, G = self.rows.buffers["keys"].shape[:2]
+        if victim is not None:
+            check_indices(policy, "step_victim", victim, (B, G))
+            self.runtime.resident -= 1  # Runtime.held(-1): one row less can raise no peak
+            self.counts.events += 1
+            if not self.retains:
+                self.rows.vacate(victim)
+                self.counts.dropped_rows += 1
+                return 0  # nothing given back: the next row appended fills the hole
+            if not self.gathered:
+                self._gather_tier()
+            # an index out of range fails here
+            self.archive.add(self.tier.buffers["pos"].gather(2, victim[..., None]), self.tier_view, self.budget)
+            self.tier.vacate(victim)
+            return 0
+        check_indices(policy, "select", keep, (B, G, target), end)
+        n = self.n
+        if end < n:
+            keep = torch.cat([keep, torch.arange(end, n, device=keep.device).expand(B, G, n - end)], dim=2)
+        k = keep.shape[2]
         self.runtime.held(k - n)
         if not self.retains:
             self.rows.keep(keep)
@@ -267,20 +292,7 @@ class LayerStorage:
             self.tier.keep(keep)
         self.counts.selections += 1
         self.counts.events += 1
-
-    def evict_one(self, victim: torch.Tensor) -> None:
-        """One in, one out: tier row ``victim [B, G]`` leaves; the next row appended takes its place (no row moves)."""
-        self.runtime.resident -= 1  # Runtime.held(-1): one row less can raise no peak
-        self.counts.events += 1
-        if not self.retains:
-            self.rows.vacate(victim)
-            self.counts.dropped_rows += 1
-            return
-        if not self.gathered:
-            self._gather_tier()
-        # an index out of range fails here
-        self.archive.add(self.tier.buffers["pos"].gather(2, victim[..., None]), self.tier_view, self.budget)
-        self.tier.vacate(victim)
+        return 0 if self.retains else (n - k) * self.row_bytes() * B * G
 
     def _gather_tier(self) -> None:
         """The first eviction of a layer with an archive: the tier becomes the list of its positions (all so far)."""
