@@ -17,6 +17,18 @@ def clean_registry():
     registry.reset()
 
 
+@pytest.fixture
+def threads_at_any_size():
+    """The native CPU ops take ``torch.get_num_threads()`` threads whatever their size (the op ``parallel_bytes``:
+    ops.cpp's threshold at 0), restored after."""
+    from kvzoo.kernels import cpu_native
+
+    lib = cpu_native.library()
+    before = lib.parallel_bytes(0)
+    yield
+    lib.parallel_bytes(before)
+
+
 # tests/interpreter/ runs the Triton kernels in Triton's CPU interpreter, which must be switched on before
 # triton is imported: `make test` runs it as a second pytest process with TRITON_INTERPRET=1 set.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else ["interpreter"]

@@ -22,15 +22,6 @@ needs_compiler = pytest.mark.skipif(cpu_native.toolchain_missing() is not None,
                                     reason=f"{cpu_native.toolchain_missing()}: the CPU kernels are not built here "
                                            "(kvzoo takes the PyTorch references)")
 
-@pytest.fixture
-def threads_at_any_size():
-    """Calls take ``torch.get_num_threads()`` threads whatever their size (the op ``parallel_bytes``: ops.cpp's
-    threshold at 0), restored after."""
-    lib = cpu_native.library()
-    before = lib.parallel_bytes(0)
-    yield
-    lib.parallel_bytes(before)
-
 
 
 def _index(B: int, G: int, rows: int, D: int, spare: int = 0, seed: int = 0):
