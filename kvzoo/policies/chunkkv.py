@@ -50,7 +50,8 @@ class ChunkKV(WindowPolicy):
     Defaults: ``chunk_size=10`` and ``reuse=2`` are the paper's (its ablation finds chunks of 10 the most robust;
     ``reuse=1`` switches reuse off); ``window=32`` is SnapKV's (Algorithm 1 fixes none), so the two compare at equal
     windows; ``kernel_size=1``, ``aggregate="sum"`` are the paper's scorer (no pooling). ``tiling="kvpress"`` with
-    kvpress's settings reproduces ``ChunkKVPress`` exactly (``tests/kvpress/test_fidelity.py``). The deviations from
+    kvpress's settings (``chunk_length=20``, a 64-query window, no index reuse, pooling with ``kernel_size=5``)
+    reproduces ``ChunkKVPress`` exactly (``tests/kvpress/test_fidelity.py``). The deviations from
     the paper (softmax window scores, the window not chunked, per-sequence chunks, ties to the earlier chunk) are
     listed in docs/fidelity.md.
     """

@@ -33,8 +33,8 @@ class SnapKV(WindowPolicy):
 
     Defaults: ``window=32``, ``kernel_size=7``, ``pooling="maxpool"`` -- the paper's LongBench configurations
     (``experiments/LongBench/config/ablation_c*_w32_k7_maxpool.json``); the reference's fallback without one is
-    5 / ``avgpool`` (``F.avg_pool1d``, zero padding counted, as kvpress's ``SnapKVPress``); ``kernel_size=1`` switches
-    pooling off. ``aggregate="mean"`` -- the paper scores per head (MHA); on GQA kvzoo keeps one selection per KV head
+    ``kernel_size=5`` with ``avgpool`` (``F.avg_pool1d``, zero padding counted), what kvpress's ``SnapKVPress`` uses
+    with a 64-query window; ``kernel_size=1`` switches pooling off. ``aggregate="mean"`` -- the paper scores per head (MHA); on GQA kvzoo keeps one selection per KV head
     so the cache really shrinks, averaging its query heads' pooled scores as kvpress does (SnapKV issue #22);
     ``"sum"`` ranks alike, ``"max"`` keeps a row any one query head needs. The deviations from the reference (fp32,
     ties, padding, a budget below the window refused) are listed in docs/fidelity.md.
