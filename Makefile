@@ -176,7 +176,7 @@ soak: $(STAMP)
 # On a lent GPU machine (no network there: no venv is built; the checkout on PYTHONPATH, see benchmarks/README.md):
 # the kernels and the runtime in one budgeted run; carried wheels in $(GPU_WHEELS) are unpacked first (CPython 3.12
 # only: elsewhere the script says it left them) and a preflight refuses an unsupported transformers. CI runs its toy
-# size (tests/test_gpu_check.py).
+# size (tests/test_gpu_check.py). GPU_CHECK_ARGS="--plan more" runs the second plan (benchmarks/README.md).
 GPU_PY     ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 GPU_WHEELS ?= .gpu-wheels
 GPU_OUT    ?= results/gpu_check

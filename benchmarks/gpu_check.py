@@ -7,11 +7,12 @@
    folder put first on ``PYTHONPATH``; then the preflight (``gpu_bundle.py preflight``) refuses a transformers or
    huggingface-hub kvzoo does not support, naming the versions and the fix, and runs a tiny DeepseekV2 with
    ``cache=`` (transformers 5.17 drops it silently). Nothing is timed on a refused interpreter.
-2. **A plan, printed before anything runs**: every cell (a kernel case, a prefill, a decode configuration, a sweep),
-   most important first -- the headline kernels (MLA 16 heads at 32k / 128k rows, batch 1 and 8), then the runtime
-   at 32k for ``full`` / ``vestige`` 32x / ``quest``, eager and CUDA graph, PyTorch and Triton -- each with its
-   expected seconds, and the total against the budget (``--budget``, 540 s: 9 minutes of one H200's wall, start-up
-   and compiles included).
+2. **A plan, printed before anything runs** (``benchmarks/gpu_plan.py``; ``--plan headline``, the default, is the
+   first run's table and fits the budget at 1.5x its estimates; ``--plan more`` is the rest, for a second run):
+   every cell, most important first -- the native CPU build (so that no timed cell pays it), the headline kernels,
+   then the runtime's decode step -- each with its expected seconds (counts measured on the toy run times the
+   H200's rates), and the total at 1x and 1.5x against the budget (``--budget``, 540 s: 9 minutes of one H200's
+   wall, start-up and compiles included).
 3. **Cells run in one worker process**, in plan order; each cell's row is appended to ``rows.jsonl`` and flushed
    the moment it is measured. Before a cell the worker compares its expected seconds (scaled by how the finished
    cells of its part compared with their plan) with the time left before the deadline: a cell that would not end
@@ -26,7 +27,8 @@
 Files in ``--out`` (four, for the device tool's 8-file limit): ``gpu_check.md`` (the summary), ``rows.jsonl`` (one
 row per cell, and the worker's start/stop events), ``plan.json`` (the plan, the preflight, the run's status),
 ``worker.log`` (the worker's output). The toy size (CPU) runs the kernels in Triton's interpreter and the runtime
-on a toy model, ``capacity`` mode in place of CUDA graphs; the tests add fake cells (``--fake-cells``) to exercise
+on a toy model, its ``graph`` cells on a stand-in for a CUDA graph that refuses a captured step which syncs or
+builds a tensor from host data (``kvzoo.bench.step_trace``); the tests add fake cells (``--fake-cells``) to exercise
 the deadline and ``--pretend`` to exercise a refused preflight.
 """
 
@@ -46,6 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpu_plan import PLANS, RATES, TOY, fake_cells, load_costs, plan, select, total_s
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BUDGET_S = 540.0  # 9 minutes of wall on one H200: the device tool's 15 minutes less start-up, transfers and slack
@@ -53,181 +57,7 @@ TOY_BUDGET_S = 600.0
 RESERVE_S = 10.0  # before the deadline: the summary, the worker's exit
 MAX_WORKERS = 4  # a worker started again after a crash or a hang, at most this many in all
 FILES = ("gpu_check.md", "rows.jsonl", "plan.json", "worker.log")
-
-# --- the plan ------------------------------------------------------------------------------------------------
-CONTEXTS = (32768, 131072)
-HEADLINE_POLICIES = ("full", "vestige+sketch", "quest")
-OTHER_POLICIES = ("streaming_llm", "vestige")
-DECODE_ARMS = (("torch", "eager"), ("triton", "eager"), ("triton", "graph"), ("torch", "graph"))
-OTHER_ARMS = (("torch", "eager"), ("triton", "eager"), ("triton", "graph"))
-TOY_DECODE_ARMS = (("torch", "eager"), ("torch", "capacity"))
-
-# Expected seconds per cell on one H200: first-run guesses from what docs/environment.md records there (decode
-# ~18 ms/step eager, 8 layers; Triton compiles of a few seconds each), to be replaced by the first run's actual
-# seconds, which the summary prints beside them. The worker scales them by the ratio it observes as cells finish.
-WORKER_START_S = 20.0  # imports, the CUDA context, the copy bandwidth
-TOY_WORKER_START_S = 8.0
-
-
-def _kernel_expect(model: str, case: str, batch: int, compiled: set, toy: bool) -> float:
-    kind = (model, case.split()[0], batch == 1)
-    first = kind not in compiled
-    compiled.add(kind)
-    if toy:
-        return 1.5
-    return 1.5 + (5.0 if first else 0.0)
-
-
-def _prefill_expect(kind: str, context: int, toy: bool) -> float:
-    if toy:
-        return 1.0
-    x = context / 32768
-    return (3 + 5 * x + 1.5 * x * x) * (1.2 if kind == "transformers" else 1.0)
-
-
-def _decode_expect(policy: str, kernels: str, mode: str, context: int, batch: int, compiled: set,
-                   toy: bool) -> float:
-    first_triton = kernels == "triton" and policy not in compiled
-    if kernels == "triton":
-        compiled.add(policy)
-    if toy:
-        return 1.0 + (8.0 if kernels == "triton" else 0.0)
-    x = context / 32768
-    step = {"eager": 0.04, "capacity": 0.04, "graph": 0.015}[mode] * (1 + 0.1 * (batch - 1))
-    if policy == "transformers":
-        step = 0.07 * (1 + x / 4) * (1 + 0.2 * (batch - 1))
-    compress = 0.3 * x if policy in ("full", "transformers") else 1.5 * x
-    return 1.5 + compress + 20 * step + (2.0 if mode == "graph" else 0.0) + (8.0 if first_triton else 0.0)
-
-
-def plan(toy: bool) -> list[dict[str, Any]]:
-    """Every cell of the run, most important first: ``{"id", "part", "group", "params", "expected_s"}``."""
-    cells: list[dict[str, Any]] = []
-    kernels_compiled: set = set()
-    triton_compiled: set = set()
-    prefilled: set = set()
-
-    def kernel(group: str, model: str, case: str, batch: int, rows: int) -> None:
-        cells.append({"id": f"kernel {model} {case} B{batch} {rows}", "part": "kernel", "group": group,
-                      "params": {"model": model, "case": case, "batch": batch, "rows": rows},
-                      "expected_s": _kernel_expect(model, case, batch, kernels_compiled, toy)})
-
-    def decode(group: str, policy: str, kernels: str, mode: str, context: int, batch: int) -> None:
-        kind = "transformers" if policy == "transformers" else "kvzoo"
-        if (kind, context) not in prefilled:  # the prefill every decode cell of this context starts from
-            prefilled.add((kind, context))
-            cells.append({"id": f"prefill {kind} {context}", "part": "prefill", "group": group,
-                          "params": {"kind": kind, "context": context},
-                          "expected_s": _prefill_expect(kind, context, toy)})
-        label = "—" if policy == "transformers" else kernels
-        cells.append({"id": f"runtime {policy} {label} {mode} B{batch} {context}", "part": "decode", "group": group,
-                      "params": {"policy": policy, "kernels": kernels, "mode": mode, "context": context,
-                                 "batch": batch},
-                      "expected_s": _decode_expect(policy, kernels, mode, context, batch, triton_compiled, toy)})
-
-    def sweep(group: str, model: str, case: str, batch: int, rows: int, seconds: float) -> None:
-        cells.append({"id": f"sweep {model} {case} B{batch} {rows}", "part": "sweep", "group": group,
-                      "params": {"model": model, "case": case, "batch": batch, "rows": rows},
-                      "expected_s": seconds})
-
-    if toy:
-        rows, batches, ctx, fetched = 64, (1, 2), 512, 16
-        group = "1 headline kernels (toy)"
-        for case in ("pool", "dense"):
-            for batch in batches:
-                kernel(group, "mla16", case, batch, rows)
-        group = "2 headline runtime (toy)"
-        for batch in batches:
-            for policy in HEADLINE_POLICIES:
-                for kernels, mode in TOY_DECODE_ARMS:
-                    decode(group, policy, kernels, mode, ctx, batch)
-        for policy in ("full", "vestige+sketch"):  # the kernels in the interpreter, checked against torch
-            decode(group, policy, "triton", "eager", ctx, 1)
-        group = "3 other kernels (toy)"
-        for case in (f"step 1/32 + {fetched}", f"gathered {fetched}"):
-            kernel(group, "mla16", case, 1, rows)
-        for case in ("dense", "pool"):
-            kernel(group, "gqa32/8", case, 1, rows)
-        for case in ("sketch", "pages"):
-            kernel(group, "mla16", case, 1, rows)
-        group = "4 other policies (toy)"
-        decode(group, "transformers", "torch", "eager", ctx, 1)
-        for policy in OTHER_POLICIES:
-            decode(group, policy, "torch", "eager", ctx, 1)
-        sweep("5 sweep (toy)", "mla16", "pool", 1, rows, 10.0)
-        return cells
-
-    small, large = CONTEXTS
-    group = "1 headline kernels: MLA 16 heads, 32k / 128k rows, batch 1 / 8"
-    for case in ("pool", "dense"):
-        for rows in CONTEXTS:
-            for batch in (1, 8):
-                kernel(group, "mla16", case, batch, rows)
-    for batch in (1, 8):
-        group = f"{2 if batch == 1 else 3} headline runtime: 32k, batch {batch}, full / vestige 32x / quest"
-        for policy in HEADLINE_POLICIES:
-            for kernels, mode in DECODE_ARMS:
-                decode(group, policy, kernels, mode, small, batch)
-    group = "4 retrieving-step kernels: MLA, 32k / 128k, batch 1 / 8"
-    for case in ("step 1/32 + 1024", "gathered 1024", "step 1/32 + 16", "gathered 16"):
-        for rows in CONTEXTS:
-            for batch in (1, 8):
-                kernel(group, "mla16", case, batch, rows)
-    group = "5 runtime: 128k, batch 1 / 8, full / vestige 32x / quest"
-    for batch in (1, 8):
-        for policy in HEADLINE_POLICIES:
-            for kernels, mode in DECODE_ARMS:
-                decode(group, policy, kernels, mode, large, batch)
-    group = "6 kernels: batch 4, GQA, index scans"
-    for case in ("pool", "dense", "step 1/32 + 1024", "gathered 1024"):
-        for rows in CONTEXTS:
-            kernel(group, "mla16", case, 4, rows)
-    for case in ("pool", "dense"):
-        for rows in CONTEXTS:
-            for batch in (1, 8):
-                kernel(group, "gqa32/8", case, batch, rows)
-    for case in ("sketch", "pages"):
-        for rows in CONTEXTS:
-            for batch in (1, 8):
-                kernel(group, "mla16", case, batch, rows)
-    group = "7 runtime at 32k: transformers' own DeepseekV2, streaming_llm, vestige without retriever"
-    for batch in (1, 8):
-        decode(group, "transformers", "torch", "eager", small, batch)
-        for policy in OTHER_POLICIES:
-            for kernels, mode in OTHER_ARMS:
-                decode(group, policy, kernels, mode, small, batch)
-    group = "8 sweep of (BLOCK_N, warps, stages, splits)"
-    for model, case, batch in (("mla16", "pool", 1), ("mla16", "pool", 8), ("mla16", "step 1/32 + 1024", 1),
-                               ("gqa32/8", "pool", 8)):
-        sweep(group, model, case, batch, small, 25.0)
-    group = "9 runtime at 128k: transformers, streaming_llm, vestige without retriever"
-    for batch in (1, 8):
-        decode(group, "transformers", "torch", "eager", large, batch)
-        for policy in OTHER_POLICIES:
-            for kernels, mode in OTHER_ARMS:
-                decode(group, policy, kernels, mode, large, batch)
-    return cells
-
-
-def fake_cells(spec: str) -> list[dict[str, Any]]:
-    """``SLEEP[:EXPECTED],...`` -> cells that sleep (the deadline's tests): each expects EXPECTED s (default SLEEP)."""
-    out = []
-    for i, item in enumerate(filter(None, spec.split(","))):
-        sleep, _, expected = item.partition(":")
-        out.append({"id": f"fake {i} sleeps {float(sleep):g} s", "part": "fake", "group": "0 fake cells (a test)",
-                    "params": {"sleep": float(sleep)}, "expected_s": float(expected or sleep)})
-    return out
-
-
-def select(cells: list[dict[str, Any]], only: list[str]) -> list[dict[str, Any]]:
-    """The cells whose id contains one of ``only`` (all when empty); a decode cell keeps its prefill."""
-    if not only:
-        return cells
-    kept = [c for c in cells if any(o in c["id"] for o in only)]
-    needed = {f"prefill {'transformers' if c['params']['policy'] == 'transformers' else 'kvzoo'} "
-              f"{c['params']['context']}" for c in kept if c["part"] == "decode"}
-    return [c for c in cells if c in kept or c["id"] in needed]
-
+WORKER_START_S, TOY_WORKER_START_S = RATES["worker_start_s"], TOY["worker_start_s"]
 
 # --- rows ----------------------------------------------------------------------------------------------------
 def append_row(path: Path, row: dict[str, Any]) -> None:
@@ -318,6 +148,8 @@ class Worker:
                 os._exit(86)
             time.sleep(p["sleep"])
             return {"status": "ok", "slept_s": p["sleep"]}
+        if part == "build":
+            return build_native()
         if part == "kernel":
             return self.kernels().measure(p)
         if part == "sweep":
@@ -355,6 +187,25 @@ class Worker:
             info["gpu"] = torch.cuda.get_device_name()
             info["free_gib"] = round(torch.cuda.mem_get_info()[0] / 2**30, 1)
         return info
+
+
+def build_native() -> dict[str, Any]:
+    """The native CPU ops built (or found built) before any timed cell, so that no cell pays for the build: its
+    seconds, and why it could not be built where it could not (a row ``ok`` either way: the CUDA cells never call the
+    CPU ops)."""
+    started = time.perf_counter()
+    try:
+        from kvzoo.kernels import cpu_native
+
+        native = cpu_native.library()
+        built = native is not None
+        why = None if built else "no native library (no compiler or ninja): the CPU ops fall back to PyTorch"
+    except Exception as err:  # a failing build is the row's news, not the run's end
+        built, why = False, f"{type(err).__name__}: {str(err)[:300]}"
+    row: dict[str, Any] = {"status": "ok", "built": built, "build_s": round(time.perf_counter() - started, 2)}
+    if why:
+        row["note"] = why
+    return row
 
 
 def calibration(rows: dict[str, dict[str, Any]], part: str) -> float:
@@ -445,7 +296,8 @@ def _on_signal(signum, frame):  # noqa: ARG001
 
 def cell_limit(cell: dict[str, Any], toy: bool) -> float:
     """Seconds a cell may run before the watcher calls it a hang."""
-    return max(300.0 if toy else 60.0, 4 * cell["expected_s"])
+    factor = 8 if cell["part"] == "prefill" else 4  # every decode cell of its context needs the prefill: be patient
+    return max(300.0 if toy else 60.0, factor * cell["expected_s"])
 
 
 def worker_env(args: argparse.Namespace, site: str | None) -> dict[str, str]:
@@ -693,11 +545,14 @@ def _runtime_table(cells, rows) -> list[str]:
     if not done:
         return []
     out = ["", "## Runtime decode", "",
-           "ms/step: median over the timed steps, synchronised around each (host overhead included). check: the "
-           "warm-up steps' logits against the torch/eager row of the same policy, context and batch (relative error, "
-           "worst step; greedy tokens). bookkeeping: host ms per replay spent advancing the cache's counters.", "",
-           "| policy | kernels | mode | context | batch | ms/step | bound ms | KV MiB/step | peak MiB | check | "
-           "kernel calls | bookkeeping ms | s / plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "ms/step: median over the timed steps, synchronised around each (host overhead included). bound ms: the "
+           "KV bytes a step reads at the measured copy bandwidth; of copy: bound / ms (the share of the bandwidth the "
+           "step reaches). check: a torch/eager row's every attention call against float64 on its own inputs; the "
+           "others' warm-up logits against the torch/eager row of the same policy, context and batch (relative "
+           "error, worst step; greedy tokens). bookkeeping: host ms per replay spent advancing the cache's "
+           "counters.", "",
+           "| policy | kernels | mode | context | batch | ms/step | bound ms | of copy | KV MiB/step | peak MiB | check | "
+           "kernel calls | bookkeeping ms | s / plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, r in done:
         check = r.get("check") or {}
         if "rel" in check:
@@ -710,12 +565,19 @@ def _runtime_table(cells, rows) -> list[str]:
             mode += f" ({r['replays']}/{r['steps']} replayed)"
         calls = sum((r.get("kernel_calls") or {}).values())
         out.append(f"| {r['policy']} | {r['kernels']} | {mode} | {r['context']} | {r['batch']} | "
-                   f"{_f(r.get('decode_ms'), '.2f')} | {_f(r.get('bandwidth_bound_ms'), '.3f')} | "
+                   f"{_f(r.get('decode_ms'), '.2f')} | {_f(r.get('bandwidth_bound_ms'), '.3f')} | {_of_copy(r)} | "
                    f"{_f(None if r.get('kv_bytes_per_step') is None else r['kv_bytes_per_step'] / 2**20, ',.1f')} | "
                    f"{_f(r.get('decode_peak_mib'), ',.0f')} | {text} | {calls} | "
                    f"{_f(r.get('bookkeeping_ms'), '.2f')} | "
                    f"{r['seconds']:.1f} / {c['expected_s']:.0f} |")
     return out
+
+
+def _of_copy(row: dict[str, Any]) -> str:
+    """The share of the measured copy bandwidth a step's KV bytes reach: its bound over its time."""
+    if not row.get("decode_ms") or row.get("bandwidth_bound_ms") is None:
+        return "—"
+    return f"{100 * row['bandwidth_bound_ms'] / row['decode_ms']:.1f}%"
 
 
 def _prefill_table(cells, rows) -> list[str]:
@@ -754,16 +616,22 @@ def _fake_table(cells, rows) -> list[str]:
 
 # --- main ------------------------------------------------------------------------------------------------------
 def print_plan(state: dict[str, Any]) -> None:
-    total, group = WORKER_START_S if not state["toy"] else TOY_WORKER_START_S, None
-    print(f"plan: {len(state['cells'])} cells, budget {state['budget_s']:.0f} s (a worker's start-up ~{total:.0f} s)")
+    """Each cell with its expected seconds and the running total; the total at 1x and 1.5x the estimates against
+    the budget (the headline plan must fit at 1.5x)."""
+    total, group = total_s([], state["toy"]), None
+    budget = state["budget_s"] - state["reserve_s"]
+    print(f"plan {state.get('plan', 'headline')}: {len(state['cells'])} cells, budget {state['budget_s']:.0f} s "
+          f"(a worker's start-up ~{total:.0f} s)")
     for c in state["cells"]:
         if c["group"] != group:
             group = c["group"]
             print(f"  -- {group}")
         total += c["expected_s"]
-        over = "  (past the budget: expected to be skipped)" if total > state["budget_s"] - state["reserve_s"] else ""
+        over = "  (past the budget: expected to be skipped)" if total > budget else ""
         print(f"  {c['expected_s']:6.1f} s  (total {total:6.1f} s)  {c['id']}{over}")
-    print(f"plan total {total:.0f} s against a budget of {state['budget_s']:.0f} s", flush=True)
+    at = total_s(state["cells"], state["toy"], 1.5)
+    print(f"plan total {total:.0f} s expected, {at:.0f} s at 1.5x the estimates, against a budget of "
+          f"{state['budget_s']:.0f} s ({'fits' if at <= state['budget_s'] else 'does not fit'} at 1.5x)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -775,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", type=Path, default=None,
                         help="a folder of carried wheels (make gpu-bundle) to unpack first, no network")
     parser.add_argument("--site", default="/tmp/kvzoo-site", help="where --wheels are unpacked")
+    parser.add_argument("--plan", choices=PLANS, default="headline",
+                        help="headline: the first run's table (default); more: the rest, for a second run; all: both")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="run only the cells whose id contains TEXT (repeatable)")
     parser.add_argument("--fake-cells", default="", metavar="SLEEP[:EXPECTED],...",
@@ -793,14 +663,16 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.time()
     budget = args.budget if args.budget is not None else (TOY_BUDGET_S if args.toy else BUDGET_S)
-    cells = fake_cells(args.fake_cells) + select(plan(args.toy), args.only)
+    cells = fake_cells(args.fake_cells) + select(plan(args.toy, args.plan, None if args.toy else load_costs()),
+                                                 args.only)
     if args.dry_run:
-        print_plan({"toy": args.toy, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10), "cells": cells})
+        print_plan({"toy": args.toy, "plan": args.plan, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10),
+                    "cells": cells})
         return 0
     out.mkdir(parents=True, exist_ok=True)
     for name in FILES:  # a fresh run: the worker reads rows.jsonl to know what is done
         (out / name).unlink(missing_ok=True)
-    state: dict[str, Any] = {"toy": args.toy, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10),
+    state: dict[str, Any] = {"toy": args.toy, "plan": args.plan, "budget_s": budget, "reserve_s": min(RESERVE_S, budget / 10),
                              "started": started, "deadline": started + budget, "cells": cells, "workers": [],
                              "status": "starting", "preflight": None, "current": None}
 
