@@ -15,15 +15,23 @@ weights, bf16 on CUDA (fp32 on CPU; the toy size is hidden 256, 4 heads, 2 layer
   point), repeats them to the batch, runs ``warmup`` steps, then times ``steps`` steps (median ms, synchronised
   around each step: host overhead included). ``kernels``: ``KVZOO_KERNELS`` for the cell (``torch``: the PyTorch
   path; ``triton``: the kernels). ``mode``: ``eager`` (storage that grows), ``capacity`` (preallocated for the
-  sequence: ``transplant(capacity=N)``) or ``graph`` (preallocated and captured: ``cuda_graph``; CUDA only).
+  sequence: ``transplant(capacity=N)``) or ``graph`` (preallocated and captured: ``cuda_graph``; off CUDA a strict
+  stand-in, ``kvzoo.bench.step_trace.StandInGraph``, replays the step and refuses a captured step that syncs or
+  builds a tensor from host data, as ``torch.cuda.graph`` would).
+  Every decode row records what the plan's cost model reads: ``layers``, ``step_launches`` (the ops one eager decode
+  step launches: aten ops that are not metadata plus Triton kernel calls) and ``setup_launches`` (the ops of the
+  cell's setup: transplant or copy, compress, batch repeat), counted by ``StepTrace`` outside the timed steps.
 
 **A row checks what it times.** The ``torch``/``eager`` cell of a (policy, context, batch) is the reference: its
-warm-up steps' logits are kept (or computed, untimed, when that cell was not run). Every other cell feeds the
-reference's greedy tokens through its own warm-up steps -- so in graph mode the steps compared include the eager
-step, the captured one and replayed ones -- and compares each step's logits: relative error ``|got - ref| / |ref|``
-within :data:`LOGIT_TOL` (bf16: 3e-2) and the same greedy token (a different token passes only where the reference's
-two logits are closer than four times the RMS difference of the logits: a tie within the rounding noise). A row
-that fails the check is a failed row. With random weights attention over thousands of random tokens is close to
+warm-up steps' logits are kept (or computed, untimed, when that cell was not run). That row is itself checked:
+during its last warm-up step every decode-attention call the model makes (``kvzoo.framework.attention.attend``,
+wrapped for that step only: :class:`AttentionCheck`) is recomputed at once by the reference with float64 math on the
+same inputs and compared with what it returned, within the kernel rows' tolerance (``gpu_kernels.CHECK``). Every
+other cell feeds the reference's greedy tokens through its own warm-up steps -- so in graph mode the steps compared
+include the eager step, the captured one and replayed ones -- and compares each step's logits: relative error
+``|got - ref| / |ref|`` within :data:`LOGIT_TOL` (bf16: 3e-2) and the same greedy token (a different token passes
+only where the reference's two logits are closer than four times the RMS difference of the logits: a tie within the
+rounding noise). A row that fails the check is a failed row. With random weights attention over thousands of random tokens is close to
 uniform, so this check catches gross errors (a stale graph input, a wrong layer, NaN, an unwritten output) rather
 than a subtly wrong row set: ``gpu_kernels.py`` checks each op against fp32 on random rows for that. The
 ``transformers`` row is compared with kvzoo's ``full`` reference (do they agree?).
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import os
 import statistics
 import sys
@@ -47,8 +56,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from gpu_kernels import CHECK, margin_bytes, rel_error
 from gpu_kernels import free_bytes as _free_bytes
-from gpu_kernels import margin_bytes
+
+from kvzoo.bench.step_trace import StandInGraph, StepTrace
 
 POLICIES: dict[str, tuple[str, dict] | None] = {
     "transformers": None,  # transformers' own DeepseekV2 attention with a DynamicCache
@@ -224,6 +235,66 @@ class GraphBookkeeping:
         self.restore, self.installed = None, False
 
 
+class AttentionCheck:
+    """``kvzoo.framework.attention.attend`` (imported there by name) wrapped in this process while installed: each
+    call's result is compared at once -- before the step goes on and the storage changes -- with the reference's on
+    the same inputs in float64 math (``attend_reference(..., math=torch.float64)``; a prior part's ``out``/``lse``
+    cast to float64, a deferred part's sources read again, as ``attend`` does). ``rel``: ``gpu_kernels.rel_error``
+    per call that returned an output (a deferred PyTorch part returns none: its rows join the softmax of the part
+    that ends the step, checked there); ``calls``: every call. Installed for one step; nothing of the inputs kept."""
+
+    def __init__(self) -> None:
+        self.rel: list[float] = []
+        self.calls = 0
+        self.restore: tuple[Any, Callable] | None = None
+
+    def install(self) -> None:
+        if self.restore is not None:
+            return
+        from kvzoo.framework import attention
+        from kvzoo.kernels.decode_attention import Attended, reference
+        from kvzoo.kernels.decode_attention.rows import _validate
+
+        original = attention.attend
+        self.rel, self.calls = [], 0
+
+        def attend(query: torch.Tensor, sources: list, scaling: float, **kwargs: Any) -> Any:
+            got = original(query, sources, scaling, **kwargs)
+            self.calls += 1
+            if got.out is None:  # a deferred PyTorch part: the part that ends the step reads its sources again
+                return got
+            prior = kwargs.get("prior")
+            if prior is not None:  # a PyTorch part's sources read again; a kernel's or the native op's (out, lse)
+                prior = Attended(None if prior.out is None else prior.out.double(),
+                                 None if prior.lse is None else prior.lse.double(), prior.best, sources=prior.sources)
+            checked = _validate(query, sources, scaling, kwargs.get("splits"))
+            want = reference.attend_reference(query, checked, float(scaling), defer=kwargs.get("defer", False),
+                                              prior=prior, math=torch.float64)
+            self.rel.append(rel_error(got.out, want.out))
+            return got
+
+        attention.attend = attend
+        self.restore = (attention, original)
+
+    def uninstall(self) -> None:
+        if self.restore is not None:
+            self.restore[0].attend = self.restore[1]
+        self.restore = None
+
+    def result(self, tol: float) -> dict[str, Any]:
+        """The row's ``check``: ``ok`` when some call was compared and every one is within ``tol`` (else ``why``)."""
+        out: dict[str, Any] = {"reference": "float64 attention on this row's inputs", "rel": list(self.rel),
+                               "calls": self.calls, "tolerance": tol}
+        worst = max(self.rel, default=float("nan"))
+        if not self.rel:
+            out["why"] = f"no decode-attention output was checked ({self.calls} calls)"
+        elif not worst <= tol:
+            out["why"] = (f"attention off its float64 reference: relative error {worst:.2e} > {tol:g} "
+                          f"(call {self.rel.index(worst)} of the last warm-up step)")
+        out["ok"] = "why" not in out
+        return out
+
+
 @dataclass
 class Base:
     """One context prefilled once at batch 1: the rows every decode cell of that context starts from."""
@@ -280,9 +351,12 @@ class RuntimeBench:
 
     def __init__(self, device: str, toy: bool, bandwidth: Callable[[], float] | None = None,
                  graph_runner: Callable[[Any], Any] | None = None) -> None:
-        """``graph_runner(cache)``: a stand-in for ``torch.cuda.CUDAGraph`` (the CPU tests of graph rows); None
-        on a GPU."""
+        """``graph_runner(cache)``: a stand-in for ``torch.cuda.CUDAGraph``; by default None on CUDA (the real
+        graph) and elsewhere the strict :class:`~kvzoo.bench.step_trace.StandInGraph` (a captured step that syncs
+        or builds a host tensor fails its row)."""
         self.s = settings(toy, device)
+        if graph_runner is None and device != "cuda":
+            graph_runner = functools.partial(StandInGraph, strict=True)
         self.graph_runner = graph_runner
         self.device, self.toy = device, toy
         self._bandwidth = bandwidth
@@ -292,14 +366,16 @@ class RuntimeBench:
         self.refs: dict[tuple[str, int, int], Reference] = {}
         self.guard = KernelGuard()
         self.bookkeeping = GraphBookkeeping()
+        self.attention_check = AttentionCheck()
 
     def close(self) -> None:
-        """Drop the prefilled rows and the references, put ``dispatch.run`` and the graph counters back (the tests;
-        a benchmark's worker keeps them to its end)."""
+        """Drop the prefilled rows and the references, put ``dispatch.run``, ``attention.attend`` and the graph
+        counters back (the tests; a benchmark's worker keeps the first and the last to its end)."""
         self.bases.clear()
         self.refs.clear()
         self.guard.uninstall()
         self.bookkeeping.uninstall()
+        self.attention_check.uninstall()
 
     def bandwidth(self) -> float:
         if self._bandwidth is None:
@@ -419,39 +495,62 @@ class RuntimeBench:
         return cache, model
 
     def _run(self, policy: str, kernels: str, mode: str, context: int, batch: int,
-             teacher: list[torch.Tensor] | None, timed: bool) -> dict[str, Any]:
-        """Warm-up steps (teacher-forced when ``teacher`` is given), then ``steps`` timed steps when ``timed``."""
+             teacher: list[torch.Tensor] | None, timed: bool, check_attention: bool = False) -> dict[str, Any]:
+        """The setup (counted: ``setup_launches``), warm-up steps (teacher-forced when ``teacher`` is given), then
+        ``steps`` timed steps when ``timed``; ``check_attention``: the last warm-up step under :class:`AttentionCheck`."""
         s = self.s
         os.environ["KVZOO_KERNELS"] = kernels
         base = self.base("transformers" if policy == "transformers" else "kvzoo", context)
-        t = time.perf_counter()
-        cache, net = self._cache(policy, mode, context)
+        cache = net = None
         try:
             with torch.no_grad():
-                return self._drive(policy, cache, net, base, context, batch, teacher, timed, t)
+                t = time.perf_counter()
+                # the trace's own bookkeeping per op is in setup_s too: little beside what a setup copies
+                with StepTrace() as setup:
+                    cache, net = self._cache(policy, mode, context)
+                    if hasattr(cache, "compress"):
+                        cache.compress()
+                    if batch > 1:
+                        cache.batch_repeat_interleave(batch)
+                sync(s.device)
+                setup_s = time.perf_counter() - t
+                out = self._drive(policy, cache, net, base, context, batch, teacher, timed, check_attention)
+            out.update(setup_s=setup_s, setup_launches=setup.launches)
+            return out
         finally:
-            _release_graph(net, cache)
+            if cache is not None:
+                _release_graph(net, cache)
             del cache
             if s.device == "cuda":
                 torch.cuda.empty_cache()
 
     def _drive(self, policy: str, cache: Any, net: torch.nn.Module, base: Base, context: int, batch: int,
-               teacher: list[torch.Tensor] | None, timed: bool, started: float) -> dict[str, Any]:
+               teacher: list[torch.Tensor] | None, timed: bool, check_attention: bool) -> dict[str, Any]:
         s = self.s
-        if hasattr(cache, "compress"):
-            cache.compress()
-        if batch > 1:
-            cache.batch_repeat_interleave(batch)
-        sync(s.device)
-        setup_s = time.perf_counter() - started
         token = base.token.repeat(batch, 1)
         warm_logits, warm_tokens = [], []
+        step_launches = None
         for step in range(s.warmup):
-            logits = self._step(net, cache, token, context + step)
+            if step == 0:
+                # the first warm-up step runs eagerly in every mode (in graph mode the DecodeGraph warms up or, after
+                # an event, runs it plainly; it captures a later step): its launches are an eager step's
+                kernel_calls = sum(self.guard.calls.values())
+                with StepTrace() as trace:
+                    logits = self._step(net, cache, token, context + step)
+                step_launches = trace.launches + sum(self.guard.calls.values()) - kernel_calls
+                del trace
+            elif check_attention and step == s.warmup - 1:  # (settings: warmup >= 2, never the traced step)
+                self.attention_check.install()
+                try:
+                    logits = self._step(net, cache, token, context + step)
+                finally:
+                    self.attention_check.uninstall()
+            else:
+                logits = self._step(net, cache, token, context + step)
             warm_logits.append(logits.float().cpu())
             token = teacher[step].to(s.device) if teacher is not None else logits.argmax(-1, keepdim=True)
             warm_tokens.append(token.cpu())
-        out: dict[str, Any] = {"setup_s": setup_s, "warm_logits": warm_logits, "warm_tokens": warm_tokens}
+        out: dict[str, Any] = {"warm_logits": warm_logits, "warm_tokens": warm_tokens, "step_launches": step_launches}
         if not timed:
             return out
         graph = getattr(cache, "graph", None)
@@ -496,8 +595,6 @@ class RuntimeBench:
         """One (policy, kernels, mode, context, batch) cell: a row with its timing and its check."""
         s = self.s
         policy, kernels, mode, context, batch = p["policy"], p["kernels"], p["mode"], p["context"], p["batch"]
-        if mode == "graph" and s.device != "cuda" and self.graph_runner is None:
-            raise Skip("mode graph captures CUDA graphs: CUDA only")
         free = _free_bytes(s.device)
         need = self.need_bytes(policy, context, batch)
         if need > free:
@@ -509,7 +606,8 @@ class RuntimeBench:
         before = self.guard.snapshot()
         try:
             got = self._run(policy, kernels, mode, context, batch,
-                            teacher=None if reference is None else reference.tokens, timed=True)
+                            teacher=None if reference is None else reference.tokens, timed=True,
+                            check_attention=is_reference)
         finally:
             calls, problems = self.guard.since(before)
         if is_reference:
@@ -522,13 +620,17 @@ class RuntimeBench:
             "decode_ms": 1e3 * statistics.median(times), "decode_ms_min": 1e3 * min(times), "steps": len(times),
             "kv_bytes_per_step": kv, "bandwidth_bound_ms": 1e3 * kv / self.bandwidth(),
             "decode_peak_mib": got["peak_mib"], "setup_s": got["setup_s"], "kernel_calls": calls,
+            "layers": s.layers, "step_launches": got["step_launches"], "setup_launches": got["setup_launches"],
         }
         for key in ("replays", "captures", "bookkeeping_ms"):
             if key in got:
                 row[key] = got[key]
         problems = list(problems)
         if reference is None:
-            row["check"] = {"reference": "this row (torch, eager)"}
+            check = self.attention_check.result(CHECK[s.dtype])
+            row["check"] = check
+            if not check["ok"]:
+                problems.append(check["why"])
         else:
             check = compare(reference.logits, got["warm_logits"], LOGIT_TOL[s.dtype])
             check["reference"] = f"{ref_policy} torch eager"

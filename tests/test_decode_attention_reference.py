@@ -180,6 +180,30 @@ def test_the_reference_runs_two_parts_without_sdpa(monkeypatch):
     assert torch.equal(both.out, whole.out) and torch.equal(both.lse, whole.lse)
 
 
+@pytest.mark.parametrize("name", ["gqa-head-valid", "mla-two-sources", "gathered-length", "nothing-readable-nan"])
+def test_float64_math_agrees_with_fp32_math_and_returns_float64(name):
+    """``math=torch.float64`` (what gpu-check holds an fp32 row to): the same softmax as the fp32 specification to
+    fp32's rounding, in float64 -- in one part, and in two parts (a deferred part, then a prior of fp32 out/lse)."""
+    query, sources = CASES[name]
+    checked = da.rows._validate(query, sources, SCALE, None)
+    fp32 = da.reference.attend_reference(query, checked, SCALE, best=True, mass=True)
+    fp64 = da.reference.attend_reference(query, checked, SCALE, best=True, mass=True, math=torch.float64)
+    assert fp64.out.dtype == fp64.lse.dtype == fp64.best.dtype == torch.float64 and fp32.out.dtype == torch.float32
+    assert _rel(fp32.out, fp64.out) <= 1e-6 and torch.equal(torch.isneginf(fp32.lse), torch.isneginf(fp64.lse))
+    finite = torch.isfinite(fp64.lse)
+    assert _rel(fp32.lse[finite], fp64.lse[finite]) <= 1e-6
+    for a, b in zip(fp32.mass, fp64.mass):
+        assert b.dtype == torch.float64 and (a - b).abs().max() <= 1e-6
+    if len(checked) == 2:
+        first = da.reference.attend_reference(query, checked[:1], SCALE, defer=True, math=torch.float64)
+        both = da.reference.attend_reference(query, checked[1:], SCALE, prior=first, math=torch.float64)
+        alone = da.reference.attend_reference(query, checked[:1], SCALE)  # fp32 (out, lse), joined as one term
+        merged = da.reference.attend_reference(query, checked[1:], SCALE, math=torch.float64,
+                                               prior=da.Attended(alone.out, alone.lse))
+        for got in (both, merged):
+            assert got.out.dtype == torch.float64 and _rel(got.out, fp32.out) <= 1e-6
+
+
 def test_half_rows_score_in_fp32_on_every_pytorch_path():
     """One score precision for s*: bf16 rows, the query rounded to bf16, products kept in fp32 -- the SDPA form's best
     score equals the reference's (a bf16-rounded score would be off by up to 2**-9 of its size)."""

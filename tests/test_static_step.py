@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvzoo import TieredCache, registry
-from kvzoo.bench.step_trace import StepTrace, first_difference
+from kvzoo.bench.step_trace import StandInGraph, StepTrace, first_difference
 from kvzoo.framework.adapters import model_type_of
 from kvzoo.framework.attention import detach
 from kvzoo.framework.names import adapter_class
@@ -216,37 +216,6 @@ def test_capacity_is_checked():
 def test_cuda_graph_off_a_gpu_names_cuda_graph_and_cuda():
     with pytest.raises(ValueError, match="cuda_graph=True.*CUDA"):
         TieredCache(_model("llama"), "full", capacity=64, cuda_graph=True)
-
-
-class StandInGraph:
-    """A CUDA graph's stand-in on CPU: ``capture`` runs the step once (on a GPU capture records it and the replay
-    right after runs it); a later ``replay`` re-runs the step with the host's numbers put back afterwards (a
-    graph replays device work only: the host's counters are the DecodeGraph's to advance) and writes its logits
-    into the captured output, as a graph's static output would be."""
-
-    def __init__(self, cache) -> None:
-        self.graph, self.fn, self.fresh = cache.graph, None, False
-
-    def warm(self, fn):
-        return fn()
-
-    def capture(self, fn):
-        self.fn, self.fresh = fn, True
-        self.out = fn()
-        return self.out
-
-    def replay(self) -> None:
-        from kvzoo.framework.graphs import HostNumbers
-
-        if self.fresh:  # the capture ran it already
-            self.fresh = False
-            return
-        roots = self.graph.host_state()
-        before = HostNumbers.snapshot(roots)
-        logits = self.fn()["logits"]
-        for path, value in before.items():
-            HostNumbers._set(roots, path, value)
-        self.out["logits"].copy_(logits)
 
 
 @pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o", "quest", "vestige"])

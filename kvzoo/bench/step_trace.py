@@ -2,7 +2,8 @@
 
 :class:`StepTrace` records each aten op a step dispatches, the ones that launch work, make the host wait or build
 tensors from host data; :class:`HostCalls` counts the kvzoo Python functions a step enters, per file and function.
-``tests/test_host_cost.py`` holds the bounds and ``benchmarks/decode_step.py`` reports both.
+``tests/test_host_cost.py`` holds the bounds and ``benchmarks/decode_step.py`` reports both. :class:`StandInGraph`
+stands in for a CUDA graph on CPU (strict: refusing a captured step that syncs or builds host tensors).
 """
 
 from __future__ import annotations
@@ -146,6 +147,58 @@ def steady_step(model: torch.nn.Module, cache: Any, prompt: torch.Tensor, watch:
                 token = model(input_ids=token, position_ids=position, cache=cache,
                               use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     return watch
+
+
+# --- a CUDA graph's stand-in on CPU ----------------------------------------------------------------------------
+
+
+class CaptureError(RuntimeError):
+    """A step captured by a strict :class:`StandInGraph` did what ``torch.cuda.graph`` capture refuses: waited for
+    the device, or built a tensor from host data (a host-to-device copy)."""
+
+
+class StandInGraph:
+    """A CUDA graph's stand-in on CPU (``graphs.install(model, cache, lambda: StandInGraph(cache))``): ``capture``
+    runs the step once (on a GPU capture records it and the replay right after runs it); a later ``replay`` re-runs
+    the step with the host's numbers put back afterwards (a graph replays device work only: the host's counters are
+    the DecodeGraph's to advance) and writes its logits into the captured output, as a graph's static output would be.
+
+    ``strict``: the captured step runs under :class:`StepTrace`, and a step that synchronises or builds a tensor from
+    host data -- what capture on a GPU would refuse, or record wrongly -- raises :class:`CaptureError`."""
+
+    def __init__(self, cache: Any, strict: bool = False) -> None:
+        self.graph, self.fn, self.fresh, self.strict = cache.graph, None, False, strict
+
+    def warm(self, fn):
+        return fn()
+
+    def capture(self, fn):
+        self.fn, self.fresh = fn, True
+        if not self.strict:
+            self.out = fn()
+            return self.out
+        with StepTrace() as trace:
+            self.out = fn()
+        found = ([f"ops that wait for the device {trace.syncs}"] if trace.syncs else []) + (
+            [f"tensors built from host data, shapes {trace.host_tensors}"] if trace.host_tensors else [])
+        if found:
+            raise CaptureError(f"the captured decode step has {' and '.join(found)}: torch.cuda.graph capture refuses "
+                               "a sync and would replay a host tensor's copy as it was at capture. Keep what a step "
+                               "reads on the device (see kvzoo.bench.step_trace.StepTrace to find the op)")
+        return self.out
+
+    def replay(self) -> None:
+        from kvzoo.framework.graphs import HostNumbers
+
+        if self.fresh:  # the capture ran it already
+            self.fresh = False
+            return
+        roots = self.graph.host_state()
+        before = HostNumbers.snapshot(roots)
+        logits = self.fn()["logits"]
+        for path, value in before.items():
+            HostNumbers._set(roots, path, value)
+        self.out["logits"].copy_(logits)
 
 
 # --- the kvzoo functions a step enters ---------------------------------------------------------------------------
