@@ -245,6 +245,33 @@ def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
         assert replayed_totals == eager_totals
 
 
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "vestige-sketch"])
+def test_a_graph_captured_right_after_compression_reports_each_replayed_steps_reads(name):
+    """The figures of the latest step (``stats().layers[i].last_step``) after replays equal an eager run's, when the
+    steps captured follow a compression (before them the latest forward was the prompt's: off the steady line)."""
+    from kvzoo.framework.graphs import install
+
+    model = _model("llama")
+    ids = _ids(model, PROMPT, seed=5)
+    seen = {}
+    for graphed in (False, True):
+        cache = TieredCache(model, _policy(name), capacity=PROMPT + 20)
+        graph = install(model, cache, lambda c=cache: StandInGraph(c)) if graphed else None
+        cache.graph = graph
+        with torch.no_grad():
+            token = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            cache.compress()
+            for t in range(10):
+                position = torch.tensor([[PROMPT + t]])
+                token = model(input_ids=token, position_ids=position, cache=cache,
+                              use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        seen[graphed] = [layer.last_step for layer in cache.stats().layers]
+        if graph is not None:
+            assert graph.replays >= 6
+            detach(model)
+    assert seen[True] == seen[False]
+
+
 # launches per layer-step beyond transformers' StaticCache (benchmarks/decode_step.py --ops prints the exact figures): a policy
 # that only evicts at its events costs nothing more than StaticCache; a per-step one in, one out, a few ops; a retriever
 # (an index scan, a second attention part) a bounded number

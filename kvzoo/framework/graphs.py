@@ -39,12 +39,17 @@ class HostNumbers:
 
     A replayed step does the device's work only, so its host effects are extrapolated from the two steady steps
     before the capture: in a steady run each number is at most quadratic in the step count (a running sum of a
-    figure that grows by a fixed amount), so a delta growing by a fixed second difference is exact. Bools take
-    their value after the capture; tensors are left out (the graph updates them)."""
+    figure that grows by a fixed amount), so a delta growing by a fixed second difference is exact. A step's own
+    figures (:data:`PER_STEP`: the latest forward's reads) are linear in it, from the two steady steps alone: the
+    snapshot before the first holds the event's figures. Bools take their value after the capture; tensors are left
+    out (the graph updates them)."""
 
     # the objects walked into: kvzoo's (layers, their states and stores, row buffers, indexes) and transformers'
     # cache layers (Kimi's KDA layers count their tokens on the host too)
     MODULES: tuple[str, ...] = ("kvzoo.", "transformers.cache_utils")
+    # attributes holding the latest step's own figures, overwritten each step rather than summed: linear in a steady
+    # run, extrapolated from the two steps of it (the number before the first may be an event's, off that line)
+    PER_STEP: frozenset[str] = frozenset({"last_read"})
 
     @classmethod
     def snapshot(cls, root: Any) -> dict[tuple, Number]:
@@ -113,6 +118,8 @@ class _Steps:
                 continue
             d1 = self.second.get(path, 0) - self.first.get(path, 0)
             d2 = value - self.second.get(path, 0)
+            if any(kind == "attr" and key in HostNumbers.PER_STEP for kind, key in path):
+                d1 = d2  # a step's own figure: no second difference (class docstring)
             if d1 or d2:
                 self.changes.append((path, None, d2, d2 - d1))
 
