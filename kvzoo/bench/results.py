@@ -9,6 +9,7 @@ import contextlib
 import errno
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import signal
@@ -33,15 +34,22 @@ STATUSES = ("ok", "skipped", "error")
 ROW_FIELDS: dict[str, type] = {"key": str, "status": str, "model": str, "policy": str, "task": str,
                                "question_position": str}
 OK_ROW_NUMBERS = ("answer_nll", "score")
+# numbers a row may hold (None: not measured) that the tables and plots compute with: NaN or inf there is no result
+# (the plots group points by value, and NaN equals nothing)
+PLOTTED_NUMBERS = ("ratio", "kv_bytes_per_token")
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_finite(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
 def row_problem(row: Any) -> str | None:
     """Why the JSON value ``row`` is not a kvzoo results row (None: it is one): the fields every row has, of their types,
-    and an ``ok`` row's ``answer_nll`` and ``score``."""
+    an ``ok`` row's ``answer_nll`` and ``score`` (a finite one), and finite :data:`PLOTTED_NUMBERS` where given."""
     why = _row_fault(row)
     return None if why is None else f"JSON, but not a kvzoo results row ({why})"
 
@@ -59,10 +67,16 @@ def _row_fault(row: Any) -> str | None:
         return f"{', '.join(f'{n!r} is {type(row[n]).__name__}' for n in wrong)}, not a string"
     if row["status"] not in STATUSES:
         return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
-    if row.get("ratio") is not None and not _is_number(row["ratio"]):
-        return f"ratio {row['ratio']!r} is not a number or null"
-    bad = [name for name in OK_ROW_NUMBERS if not _is_number(row.get(name))] if row["status"] == "ok" else []
-    return f"an ok row without a number for {', '.join(map(repr, bad))}" if bad else None
+    for name in PLOTTED_NUMBERS:
+        if row.get(name) is not None and not _is_finite(row[name]):
+            return f"{name!r} is {row[name]!r}, not a finite number or null"
+    if row["status"] != "ok":
+        return None
+    bad = [name for name in OK_ROW_NUMBERS if not _is_number(row.get(name))]
+    if bad:
+        return f"an ok row without a number for {', '.join(map(repr, bad))}"
+    # a score is a share of the answers found; answer_nll may be NaN or inf (a model's own overflow is a result)
+    return None if _is_finite(row["score"]) else f"an ok row whose 'score' is {row['score']!r}, not a finite number"
 
 
 @dataclass
