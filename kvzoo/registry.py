@@ -14,6 +14,7 @@ import difflib
 import importlib
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,11 @@ BUILTIN_PLUGIN_NAME = "kvzoo.builtins"
 
 class RegistryError(Exception):
     """The set of plugins is inconsistent: a name claimed twice, a malformed plugin or manifest."""
+
+
+class PluginWarning(UserWarning):
+    """An installed plugin (a ``kvzoo`` entry point) that kvzoo left out: it failed to import, to register or to list
+    what it provides. The message names the entry point, its distribution and the error; the rest of kvzoo works."""
 
 
 class UnknownPolicyError(KeyError):
@@ -230,6 +236,9 @@ _KINDS: dict[str, _Kind] = {
 _registered: list[tuple[object, str]] = []  # plugins given to register_plugin(), in order
 _plugins: pluggy.PluginManager | None = None  # the plugins of the current tables; None until the first lookup
 _tables: dict[str, dict[str, _Entry]] = {}  # kind -> key -> entry, each built from _plugins on its first lookup
+_dists: dict[str, Any] = {}  # entry-point name -> its distribution (importlib.metadata), for messages
+_entry_points: set[str] = set()  # the entry-point plugins registered (left out of a kind where their hook fails)
+_left_out: dict[str, str] = {}  # entry-point plugin name -> why it (or one of its hooks) was left out
 
 
 def _hook_result(impl: Any, where: str, hook: str) -> Any:
@@ -259,20 +268,50 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
         raise RegistryError(f"plugin {name!r} does not match the kvzoo hook spec: {exc}") from exc
 
 
+def _leave_out(name: str, why: str, what: str = "it") -> None:
+    """Record and warn (:class:`PluginWarning`) that entry-point plugin ``name`` (or ``what`` of it) is left out,
+    ``why`` naming the plugin and the error."""
+    dist = _dists.get(name)
+    fix = f"fix or uninstall {dist.metadata['Name']}" if dist is not None else "fix or uninstall it"
+    message = f"{why}; {what} is left out and the rest of kvzoo works without it ({fix})"
+    _left_out[name] = message
+    warnings.warn(message, PluginWarning, stacklevel=2)
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """Register every ``kvzoo`` entry point of the installed distributions; one that fails to import, to register or
+    to match the hook spec is left out (:func:`_leave_out`) -- one broken plugin must not take the others down."""
+    import importlib.metadata
+
+    for dist in list(importlib.metadata.distributions()):
+        for ep in dist.entry_points:
+            if ep.group != ENTRY_POINT_GROUP or pm.has_plugin(ep.name) or ep.name in _left_out:
+                continue  # a name already taken: the first distribution on the path wins, as pluggy does
+            _dists[ep.name] = dist
+            where = _describe_plugin(ep.name, dist)
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # noqa: BLE001 - whatever its import raises, the plugin is what failed
+                _leave_out(ep.name, f"{where}: importing {ep.value} raised {type(exc).__name__}: {exc}")
+                continue
+            try:
+                pm.register(plugin, name=ep.name)
+                pm.check_pending()  # a hook kvzoo does not define (a misspelt name), this plugin's alone
+            except (ValueError, pluggy.PluginValidationError) as exc:
+                if pm.has_plugin(ep.name):
+                    pm.unregister(name=ep.name)
+                _leave_out(ep.name, f"{where}: {ep.value} cannot be registered ({exc})")
+                continue
+            _entry_points.add(ep.name)
+
+
 def _plugin_manager() -> pluggy.PluginManager:
-    """The built-in plugin, the entry-point plugins and the registered ones, checked against the hook spec."""
+    """The built-in plugin, the entry-point plugins (those that load) and the registered ones, checked against the
+    hook spec."""
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     _register(pm, BuiltinPolicies(), BUILTIN_PLUGIN_NAME)
-    try:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    except RegistryError:
-        raise
-    except Exception as exc:  # an entry point that fails to import or to register
-        raise RegistryError(
-            f"loading the {ENTRY_POINT_GROUP!r} entry-point plugins failed ({type(exc).__name__}: {exc}); "
-            "fix or uninstall the plugin shown in the traceback"
-        ) from exc
+    _load_entry_points(pm)
     for plugin, name in _registered:
         _register(pm, plugin, name)
     try:
@@ -285,33 +324,48 @@ def _plugin_manager() -> pluggy.PluginManager:
 
 def _discover(pm: pluggy.PluginManager, kind: _Kind) -> dict[str, _Entry]:
     """key -> entry from every plugin's ``kind.hook()`` (the built-in plugin's in ``registry.toml``'s order, then the
-    others' by key), each item checked by ``kind.claims``; a key claimed twice is a RegistryError naming both plugins."""
-    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    others' by key), each item checked by ``kind.claims``; a key claimed twice is a RegistryError naming both plugins.
+    An entry-point plugin whose hook raises or returns what is not valid is left out of this kind (a
+    :class:`PluginWarning`); the built-in plugin and a registered one raise the RegistryError."""
     impls = sorted(getattr(pm.hook, kind.hook).get_hookimpls(),
                    key=lambda impl: (impl.plugin_name != BUILTIN_PLUGIN_NAME, impl.plugin_name))
     builtins: dict[str, _Entry] = {}
     others: dict[str, _Entry] = {}
     for impl in impls:
-        where = _describe_plugin(impl.plugin_name, dists.get(id(impl.plugin)))
-        result = _hook_result(impl, where, kind.hook)
-        if result is None:
+        where = _describe_plugin(impl.plugin_name, _dists.get(impl.plugin_name))
+        try:
+            claimed = _claims(impl, kind, where)
+        except RegistryError as exc:
+            if impl.plugin_name not in _entry_points:
+                raise
+            _leave_out(impl.plugin_name, str(exc), f"what it provides through {kind.hook}()")
             continue
-        if isinstance(result, (str, bytes)) or not isinstance(result, Mapping if kind.mapping else Iterable):
-            raise RegistryError(f"{where}: {kind.hook}() must return {kind.returns}, got {result!r}")
-        for item in (result.items() if kind.mapping else result):
-            for key, obj in kind.claims(item, where).items():
-                what = "class" if inspect.isclass(obj) else "resolver"
-                entry = _Entry(obj, impl.plugin_name, f"{where}, {what} {_class_path(obj)}")
-                known = builtins.get(key) or others.get(key)
-                if known is not None and (known.obj, known.plugin) == (obj, entry.plugin):
-                    continue  # one plugin listing a class twice
-                if known is not None:
-                    raise RegistryError(
-                        f"{kind.hook}: {kind.noun}{key!r} is claimed twice: by {known.source} and by {entry.source}; "
-                        "each must be unique, so rename one (a class's attribute `name`) or uninstall one of the plugins"
-                    )
-                (builtins if impl.plugin_name == BUILTIN_PLUGIN_NAME else others)[key] = entry
+        for key, obj in claimed:
+            what = "class" if inspect.isclass(obj) else "resolver"
+            entry = _Entry(obj, impl.plugin_name, f"{where}, {what} {_class_path(obj)}")
+            known = builtins.get(key) or others.get(key)
+            if known is not None and (known.obj, known.plugin) == (obj, entry.plugin):
+                continue  # one plugin listing a class twice
+            if known is not None:
+                clash = (f"{kind.hook}: {kind.noun}{key!r} is claimed twice: by {known.source} and by {entry.source}; "
+                         "each must be unique, so rename one (a class's attribute `name`) or uninstall one of the "
+                         "plugins")
+                if impl.plugin_name not in _entry_points:
+                    raise RegistryError(clash)
+                _leave_out(impl.plugin_name, clash, f"its {key!r}")  # the first claim stands
+                continue
+            (builtins if impl.plugin_name == BUILTIN_PLUGIN_NAME else others)[key] = entry
     return {**builtins, **dict(sorted(others.items()))}
+
+
+def _claims(impl: Any, kind: _Kind, where: str) -> list[tuple[str, Any]]:
+    """What one plugin's ``kind.hook()`` claims, each item checked (a RegistryError naming the plugin otherwise)."""
+    result = _hook_result(impl, where, kind.hook)
+    if result is None:
+        return []
+    if isinstance(result, (str, bytes)) or not isinstance(result, Mapping if kind.mapping else Iterable):
+        raise RegistryError(f"{where}: {kind.hook}() must return {kind.returns}, got {result!r}")
+    return [pair for item in (result.items() if kind.mapping else result) for pair in kind.claims(item, where).items()]
 
 
 def _table(kind: str = "policy") -> dict[str, _Entry]:
@@ -336,6 +390,16 @@ def _forget() -> None:
     global _plugins
     _plugins = None
     _tables.clear()
+    _dists.clear()
+    _entry_points.clear()
+    _left_out.clear()
+
+
+def broken_plugins() -> dict[str, str]:
+    """The installed plugins kvzoo left out (by entry-point name), each with why: the same words as their
+    :class:`PluginWarning`. Empty when every plugin loaded."""
+    _table()
+    return dict(_left_out)
 
 
 def adapters() -> dict[str, type]:
@@ -391,7 +455,8 @@ def _namespaced(name: str) -> _Entry:
     if not (inspect.isclass(cls) and issubclass(cls, Policy) and cls.name == name):
         raise RegistryError(f"namespace {prefix!r} of plugin {plugin!r} resolved {name!r} to {cls!r}; it must return a "
                             f"Policy subclass whose name is {name!r}")
-    return _Entry(cls, plugin, f"namespace {prefix!r} of {_describe_plugin(plugin, None)}, class {_class_path(cls)}")
+    return _Entry(cls, plugin, f"namespace {prefix!r} of {_describe_plugin(plugin, _dists.get(plugin))}, class "
+                               f"{_class_path(cls)}")
 
 
 def reload() -> None:
@@ -456,12 +521,27 @@ def _entry(name: str) -> _Entry:
         pass
     if isinstance(name, str) and ":" in name:
         return _namespaced(name)
+    own = _left_out_plugin_of(name)
+    if own is not None:  # the plugin of that name (or distribution) is installed and was left out: say why
+        raise UnknownPolicyError(f"policy {name!r} is not available: {_left_out[own]}")
     close = difflib.get_close_matches(str(name), list(table), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else "."
+    missing = "".join(f"; a plugin left out (the policy may be one of its): {why}" for why in _left_out.values())
     raise UnknownPolicyError(
         f"unknown policy {name!r}{hint} Available policies: {', '.join(table)} "
-        "(kvzoo.registry.available() lists them with summaries)"
+        f"(kvzoo.registry.available() lists them with summaries){missing}"
     )
+
+
+def _left_out_plugin_of(name: Any) -> str | None:
+    """The left-out entry-point plugin whose entry-point or distribution name is ``name`` (``-``/``_`` alike)."""
+    wanted = str(name).replace("-", "_").lower()
+    for plugin in _left_out:
+        dist = _dists.get(plugin)
+        names = {plugin, dist.metadata["Name"] if dist is not None else plugin}
+        if wanted in {n.replace("-", "_").lower() for n in names}:
+            return plugin
+    return None
 
 
 def policy_class(name: str) -> type[Policy]:
@@ -611,7 +691,8 @@ def get_spec(spec: str, **params: Any) -> Policy:
     name, own = parse_spec(spec)
     clash = sorted(set(own) & set(params))
     if clash:
-        raise TypeError(f"{spec}: {', '.join(clash)} given twice")
+        again = ", ".join(f"{key}={params[key]!r}" for key in clash)
+        raise TypeError(f"policy spec {spec!r} sets {', '.join(clash)}, given again as {again}: give each once")
     return get(name, **own, **params)
 
 

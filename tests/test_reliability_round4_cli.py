@@ -75,6 +75,11 @@ def test_plot_draws_a_file_holding_an_ok_row_whose_score_is_nan(tmp_path: Path, 
 # --- item 8: a broken entry-point plugin --------------------------------------------------------------------------
 
 BROKEN_IMPORT = "import kvzoo_no_such_dependency  # noqa: F401\n"
+CLAIMS_FULL = ("from dataclasses import dataclass\nfrom typing import ClassVar\n\n"
+               "from kvzoo.framework.policy import Policy\nfrom kvzoo.hookspecs import hookimpl\n\n\n"
+               "@dataclass\nclass Impostor(Policy):\n    name: ClassVar[str] = 'full'\n\n"
+               "    def priority(self, rows, keep):\n        raise NotImplementedError\n\n\n"
+               "@hookimpl\ndef kvzoo_policies():\n    return [Impostor]\n")
 BROKEN_HOOK = ("from kvzoo.hookspecs import hookimpl\n\n\n@hookimpl\ndef kvzoo_policies():\n"
                "    raise RuntimeError('the plugin cannot list its policies')\n")
 
@@ -99,6 +104,7 @@ def _install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: py
     (BROKEN_IMPORT, "importing kvzoo_broken_rows_plugin raised ModuleNotFoundError: No module named "
                     "'kvzoo_no_such_dependency'"),
     (BROKEN_HOOK, "kvzoo_policies() raised RuntimeError: the plugin cannot list its policies"),
+    (CLAIMS_FULL, "kvzoo_policies: policy name 'full' is claimed twice: by built-in plugin 'kvzoo.builtins'"),
 ])
 def test_a_broken_entry_point_plugin_is_named_and_left_out_and_the_rest_works(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, tiny, source: str, why: str):
@@ -111,14 +117,15 @@ def test_a_broken_entry_point_plugin_is_named_and_left_out_and_the_rest_works(
     assert "plugin 'broken_rows' (entry point of kvzoo-broken-rows 0.1.0)" in warning and why in warning
     assert "left out" in warning
     assert "full" in registry.available() and registry.get("snapkv", ratio=4).name == "snapkv"
+    assert type(registry.get("full")).__module__ == "kvzoo.policies.full"
     assert list(registry.broken_plugins()) == ["broken_rows"]
     assert TieredCache(tiny, "full") is not None
     with pytest.raises(registry.UnknownPolicyError) as refused:
         registry.get("broken_rows")
     message = str(refused.value)
-    assert message.startswith("policy 'broken_rows' is not available: plugin 'broken_rows' (entry point of "
-                              "kvzoo-broken-rows 0.1.0)") and why in message
-    with pytest.raises(registry.UnknownPolicyError, match="left out: plugin 'broken_rows'"):
+    assert message.startswith("policy 'broken_rows' is not available: ") and why in message
+    assert "plugin 'broken_rows' (entry point of kvzoo-broken-rows 0.1.0)" in message
+    with pytest.raises(registry.UnknownPolicyError, match="a plugin left out .*plugin 'broken_rows'"):
         registry.get("snapkvv")  # another unknown name: the left-out plugin is mentioned, as its policy might be it
 
 
@@ -200,7 +207,8 @@ def test_run_takes_a_policy_spec(capsys: pytest.CaptureFixture):
     assert code == 0, captured.err
     assert "window=4" in captured.out.splitlines()[0]
     assert _cli(["run", "--model", "tiny-llama", "--policy", "snapkv(window=4)", "--param", "window=8"]) == 2
-    assert "window given twice" in capsys.readouterr().err
+    assert "policy spec 'snapkv(window=4)' sets window, given again as --param window=8: give each once" \
+        in capsys.readouterr().err
 
 
 def test_a_refused_policy_spec_is_quoted_as_given(capsys: pytest.CaptureFixture):
