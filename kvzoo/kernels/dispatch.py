@@ -47,6 +47,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_startup(on_cpu: bool) -> str:
+    """:func:`mode`, checked before a command loads anything: a ValueError when ``KVZOO_KERNELS`` is not a mode, or is
+    ``triton`` where the kernels cannot run -- Triton not importable, or ``on_cpu`` (the command's tensors stay on
+    the CPU) without Triton's interpreter. What :func:`use_triton` would raise at the first kernel call, said first."""
+    chosen = mode()
+    if chosen == "triton" and on_cpu:
+        if not interpreting():
+            raise ValueError(f"{ENV}=triton runs the Triton kernels, and this command's tensors are on the CPU, where "
+                             "Triton runs only in its interpreter: set TRITON_INTERPRET=1 too (a test mode, slow), "
+                             f"or use {ENV}=torch (or leave it unset: auto)")
+        problem = triton_error()
+        if problem is not None:
+            raise ValueError(f"{ENV}=triton but {problem}")
+    return chosen
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether a kernel call on ``tensor``'s device takes the Triton kernel (see the module docstring)."""
     chosen = mode()
