@@ -9,7 +9,9 @@ What compression is worth to a server: more sequences in the same memory, so mor
 from the same rows, built as ``decode_step.py`` builds them: one dense prefill of the context's first ``context -
 tail`` tokens is copied into each arm's cache (:meth:`TieredCache.transplant`; ``transformers``: the same rows in a
 ``DynamicCache`` on a copy of the model kvzoo never attached to), the last ``tail`` tokens run for real under the arm's
-policy, and the policy compresses (``cache.compress()``). Then, at batch 1, two decode steps, and the bytes the arm
+policy, and the policy compresses (``cache.compress()``). The dense rows are stored with room for the decode steps to
+come (64 rows more than the run takes), so ``full``'s storage never grows by a quarter mid-run; that room is
+``full``'s (and the archive's) to hold, and counted. Then, at batch 1, two decode steps, and the bytes the arm
 keeps for its one sequence are counted: every tensor the cache holds (:func:`held_bytes`: the attended tier, the
 archive a retriever fetches from, its index, spare capacity, positions, flags and kept queries), storage by storage,
 not what its live rows would need. The arm's batch is the budget (``--budget-gib``) over those bytes, at most
@@ -56,7 +58,7 @@ import types  # noqa: E402
 import weakref  # noqa: E402
 from typing import Any  # noqa: E402
 
-import decode_step  # noqa: E402  (first: it sets OMP_WAIT_POLICY before torch loads)
+import decode_step  # noqa: E402  (before torch: it sets OMP_WAIT_POLICY)
 import torch  # noqa: E402
 
 from kvzoo import TieredCache  # noqa: E402
@@ -138,7 +140,8 @@ def fit_batch(per_sequence: int, budget: int, max_batch: int) -> int:
 class Setup:
     """The model, its kvzoo-free copy (``transformers``), the context's ids and the shared dense prefill of its head."""
 
-    def __init__(self, model_name: str, context: int, tail: int, room: int, max_batch: int, steps: int) -> None:
+    def __init__(self, model_name: str, context: int, tail: int, room: int, max_batch: int, steps: int,
+                 prefill_threads: int | None = None) -> None:
         from kvzoo.models import load_model
 
         self.model, _ = load_model(model_name)
@@ -150,14 +153,18 @@ class Setup:
         self.decode_ids = torch.randint(low, high, (max_batch, steps), generator=torch.Generator().manual_seed(1))
         self.head = context - tail
         self.plain = None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(prefill_threads or threads)
         t = time.perf_counter()
         with torch.no_grad():
-            # room for the decode steps to come: a full cache's storage then never grows by a quarter mid-run
-            self.shared = TieredCache(self.model, "full", context_length=context + room, record_window=tail)
+            # room for the decode steps to come: a full cache's storage then never grows by a quarter mid-run. No
+            # record_window: an arm keeps the queries its own policy keeps (its tail records them), no more
+            self.shared = TieredCache(self.model, "full", context_length=context + room)
             for start in range(0, self.head, 1024):
                 self.model(input_ids=self.ids[:, start : min(self.head, start + 1024)], cache=self.shared,
                            use_cache=True, logits_to_keep=1)
         self.prefill_s = time.perf_counter() - t
+        torch.set_num_threads(threads)
         self.position = 0  # the next decode_ids column
 
     def build(self, arm: str) -> tuple[Any, Any]:
@@ -367,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="timed interleaved rounds per pass")
     p.add_argument("--tail", type=int, default=64, help="context tokens each arm runs for real after the shared rows")
     p.add_argument("--threads", default="1", help="passes: 1 = thread CPU time, >1 = wall time (e.g. 1,2)")
+    p.add_argument("--prefill-threads", type=int, default=None, help="threads of the shared prefill (default: torch's)")
     p.add_argument("--group", type=int, default=0, help="arms held at once besides full (0: all; module docstring)")
     p.add_argument("--scaling", action="store_true", help="batch 1 against --scaling-batch per arm instead")
     p.add_argument("--scaling-batch", type=int, default=8)
@@ -385,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
           f"torch threads {torch.get_num_threads()}")
     steps = WARMUP * 2 + (args.rounds + WARMUP) * len(threads) + 8
     setup = Setup(args.model, args.context, args.tail, room=steps + 64,
-                  max_batch=max(args.max_batch, args.scaling_batch), steps=steps)
+                  max_batch=max(args.max_batch, args.scaling_batch), steps=steps, prefill_threads=args.prefill_threads)
     print(f"# shared prefill of {setup.head} tokens: {setup.prefill_s:.0f} s")
     budget = int(args.budget_gib * 2**30)
     if args.scaling:
