@@ -63,6 +63,7 @@ import torch  # noqa: E402
 
 from kvzoo import TieredCache  # noqa: E402
 from kvzoo.framework.attention import detach  # noqa: E402
+from kvzoo.framework.memory import release_freed  # noqa: E402
 
 ARMS = "full,transformers,snapkv@32,streaming_llm@32,vestige@32,quest@32,snapkv@8,streaming_llm@8"
 SCALING_ARMS = "full,snapkv@8,vestige@8"
@@ -281,6 +282,7 @@ def budget_rows(setup: Setup, arms: list[str], budget: int, max_batch: int, roun
         runs = model = cache = None  # the group's caches go before the next group's are built
         setup.plain = None  # the DynamicCache arm's copy of the model, made again when a group needs it
         gc.collect()
+        release_freed()  # the C heap's free pages back to the system before the next group's caches
     return [rows[a] for a in arms if a in rows]
 
 
@@ -315,6 +317,7 @@ def scaling_rows(setup: Setup, arms: list[str], batch: int, rounds: int, threads
         runs = model = cache = None
         setup.plain = None
         gc.collect()
+        release_freed()
     return rows
 
 
