@@ -1,8 +1,8 @@
 """Decode throughput under a KV memory budget: the largest batch each arm fits, and its aggregate tokens/s (CPU).
 
-    .venv/bin/python benchmarks/throughput.py --context 8192 --budget-gib 2 --json docs/results/throughput_8k.jsonl
-    .venv/bin/python benchmarks/throughput.py --context 32768 --budget-gib 2 --group 1 --json docs/results/throughput_32k.jsonl
-    .venv/bin/python benchmarks/throughput.py --scaling --context 8192 --json docs/results/throughput_scaling_8k.jsonl
+    .venv/bin/python benchmarks/throughput.py --context 8192 --budget-gib 2 --json docs/results/throughput.jsonl
+    .venv/bin/python benchmarks/throughput.py --context 32768 --budget-gib 2 --group 1 --json docs/results/throughput.jsonl
+    .venv/bin/python benchmarks/throughput.py --scaling --context 8192 --json docs/results/throughput.jsonl
     .venv/bin/python benchmarks/throughput.py --toy           # tiny random Llama, seconds: the mechanics only
 
 What compression is worth to a server: more sequences in the same memory, so more tokens per second. Every arm starts
