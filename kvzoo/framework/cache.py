@@ -9,7 +9,9 @@ Nothing points back up: no object refers to the cache.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -92,7 +94,8 @@ class TieredCache(Cache):
     Creating the cache attaches kvzoo's attention to ``model`` (with any other cache it behaves exactly like SDPA).
     ``step`` and ``block`` policies compress by themselves; a ``context_end`` compression happens at :meth:`compress`
     (``kvzoo.pipeline`` calls it after the context) or, with ``auto_compress`` (default), at the first single-token
-    forward -- the prompt's end inside ``model.generate``.
+    forward -- the prompt's end inside ``model.generate``. A prompt fed in chunks of one token runs inside
+    :meth:`prefilling` (``kvzoo.pipeline.prefill`` does), so that its first chunk does not end it.
 
     ``policy``: a Policy, a registered name or spec (``"quest(gqa=group)"``), or None (``full``). ``context_length``:
     the prompt's length when known, so a ratio budget counts the whole context even when a chunked prefill fires the
@@ -233,6 +236,20 @@ class TieredCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._settle()
         super().batch_repeat_interleave(repeats)
+
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[TieredCache]:
+        """The forwards inside this block feed a prompt, in chunks of any size: a one-token chunk is part of it, not
+        ``generate``'s first decode step, so ``auto_compress`` does not end the context there (which would compress
+        the prompt's first rows and make a policy observe the wrong queries). End the context with
+        :meth:`context_end` before the prompt's last forward, or :meth:`compress` after it; ``kvzoo.pipeline.prefill``
+        does both."""
+        runtime = self.runtime
+        held, runtime.prefilling = runtime.prefilling, True
+        try:
+            yield self
+        finally:
+            runtime.prefilling = held
 
     def context_end(self) -> None:
         """The next forward ends the context: each layer compresses right after its own attention in it (as kvpress's

@@ -125,7 +125,8 @@ class KVLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[2] == 1 and self.auto_compress and not self.context_ended and self.counts.seen:
+        if key_states.shape[2] == 1 and self.auto_compress and not self.context_ended and self.counts.seen \
+                and not runtime.prefilling:  # a one-token chunk of a prompt (TieredCache.prefilling()) ends nothing
             runtime.fire(self, "context_end")  # the prompt ended (generate's first decode step): compress it
         store = self.store
         store.append(key_states, value_states)

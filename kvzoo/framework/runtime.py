@@ -57,6 +57,9 @@ class Runtime:
     pending: int | None = field(default=None, repr=False)
     # the forward in flight ends the context (TieredCache.context_end()): each layer compresses after its attention
     ending: bool = False
+    # the forwards feed a prompt (TieredCache.prefilling()): a one-token forward is one of its chunks, not generate's
+    # first decode step, so it does not end the context (KVLayer.update's auto_compress)
+    prefilling: bool = False
     resident: int = 0  # rows the attended tiers of every layer hold now, per sequence and KV group
     peak_resident: int = 0  # the most they held at once
 
