@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from kvzoo.framework.adapters import adapter_for
+from kvzoo.framework.adapters import ADAPTER, adapter_for
 from kvzoo.framework.attention import attach
 from kvzoo.framework.forks import (
     clone,
@@ -29,6 +29,7 @@ from kvzoo.framework.forks import (
 )
 from kvzoo.framework.layer import KVLayer
 from kvzoo.framework.names import resolve_policy
+from kvzoo.framework.plugins import plugin_failed, plugin_label
 from kvzoo.framework.policy import Policy
 from kvzoo.framework.report import cache_stats
 from kvzoo.framework.retrieval import Retrieval
@@ -67,22 +68,40 @@ def _check_settings(model: torch.nn.Module, record_window: Any, record_attention
         )
 
 
-def _bind(adapter: Any, layers: list, tiered: list[int]) -> None:
-    """Bind each tiered layer to its attention module in the adapter's model, so that another model's forward is
-    refused."""
-    modules = adapter.attention_modules()
+def _bind(model: torch.nn.Module, adapter: Any, layers: list, tiered: list[int]) -> None:
+    """Bind each tiered layer to its attention module in ``model``, so that another model's forward is refused: the
+    adapter must name modules of ``model`` itself (a module of no model dies at once, and the guard with it)."""
+    try:
+        modules = adapter.attention_modules()
+    except Exception as err:
+        plugin_failed(adapter, ADAPTER, "attention_modules", err)
     missing = [i for i in tiered if not isinstance(modules.get(i) if isinstance(modules, dict) else None,
                                                     torch.nn.Module)]
+    contract = ("attention_modules() must map every layer kvzoo compresses to that layer's attention module in the "
+                "model (a TieredCache is bound to them, so that another model's forward is refused)")
     if missing:
-        cls = type(adapter)
         raise ValueError(
-            f"model-family adapter {cls.__module__}.{cls.__qualname__} ({adapter.name!r}): "
-            f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
-            f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
-            f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
+            f"{plugin_label(adapter, ADAPTER)}: {contract}; layers {missing} have none (got {type(modules).__name__} "
+            f"with keys {sorted(modules) if isinstance(modules, dict) else []})"
+        )
+    own = {id(module) for module in model.modules()}
+    strangers = [i for i in tiered if id(modules[i]) not in own]
+    if strangers:
+        raise ValueError(
+            f"{plugin_label(adapter, ADAPTER)}: attention_modules() returned modules that are not "
+            f"{type(model).__name__}'s for layers {strangers} ({type(modules[strangers[0]]).__name__} at "
+            f"{id(modules[strangers[0]]):#x} for layer {strangers[0]}): {contract}"
         )
     for i in tiered:  # bound to this model's attention modules: another model's forward is refused
         layers[i].owner = weakref.ref(modules[i])
+
+
+def _untiered_layer(adapter: Any, layer_idx: int) -> Any:
+    """The adapter's own cache layer for ``layer_idx`` (one kvzoo does not compress), its fault naming it."""
+    try:
+        return adapter.untiered_layer(layer_idx)
+    except Exception as err:
+        plugin_failed(adapter, ADAPTER, "untiered_layer", err)
 
 
 class TieredCache(Cache):
@@ -136,7 +155,10 @@ class TieredCache(Cache):
         _check_settings(model, record_window, record_attention, capacity, cuda_graph, decompress_min_queries)
         retriever = retriever_of(policy)
         adapter = adapter_for(model, policy)
-        adapter.attach()
+        try:
+            adapter.attach()
+        except Exception as err:
+            plugin_failed(adapter, ADAPTER, "attach", err)
         attach(model)
         shape = adapter.geometry
         tiered = list(shape.tiered)
@@ -151,10 +173,10 @@ class TieredCache(Cache):
         layers = [
             KVLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold,
                     auto_compress=auto_compress)
-            if i in tiered else adapter.untiered_layer(i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
+            if i in tiered else _untiered_layer(adapter, i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
             for i in range(shape.num_layers)
         ]
-        _bind(adapter, layers, tiered)
+        _bind(model, adapter, layers, tiered)
         super().__init__(layers=layers)
         self.untiered_read: dict[int, int] = {}  # layer -> bytes the forwards' attention read from it
         self.graph = None
