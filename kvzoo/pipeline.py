@@ -307,7 +307,9 @@ def prefill(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, chunk_size:
     chunks = -(-ids.shape[1] // step) if ids.shape[1] else 0
     logits = None
     pieces = feed_forward_rows if feed_forward_rows and step > feed_forward_rows else None
-    with _layer_ticks(model) as layers, feed_forward_in_pieces(model, pieces):
+    # a TieredCache is told it is fed a prompt: a one-token chunk must not end the context (auto_compress)
+    holding = cache.prefilling() if isinstance(cache, TieredCache) else contextlib.nullcontext()
+    with _layer_ticks(model) as layers, feed_forward_in_pieces(model, pieces), holding:
         for k, start in enumerate(range(0, ids.shape[1], step)):
             _phase(f"{phase} chunk {k + 1}/{chunks}", layers or None, "layers")
             if ends_context and k == chunks - 1 and isinstance(cache, TieredCache):

@@ -175,7 +175,7 @@ def _named_class(cls: Any, where: str, hook: str, base: type | None = None, what
 
 def _policy_claims(cls: Any, where: str) -> dict[str, Any]:
     """A policy class, checked: named, concrete, valid layouts and observations."""
-    from kvzoo.framework.policy import LAYOUTS, Policy, observations
+    from kvzoo.framework.policy import LAYOUTS, SCHEDULES, Policy, observations
 
     _named_class(cls, where, "kvzoo_policies", Policy, "a Policy subclass")
     if inspect.isabstract(cls):
@@ -183,6 +183,9 @@ def _policy_claims(cls: Any, where: str) -> dict[str, Any]:
         raise RegistryError(f"{where}: policy {cls.name!r} ({_class_path(cls)}) does not implement {missing}")
     if not cls.layouts or not set(cls.layouts) <= set(LAYOUTS):
         raise RegistryError(f"{where}: policy {cls.name!r} has layouts={cls.layouts!r}; use a non-empty subset of {LAYOUTS}")
+    if cls.schedule not in SCHEDULES:  # a class default (a dataclass field's too); Policy.validate checks instances
+        raise RegistryError(f"{where}: policy {cls.name!r} ({_class_path(cls)}) has schedule={cls.schedule!r}; use one "
+                            f"of {', '.join(SCHEDULES)}")
     try:
         observations(cls.observes, f"{where}: policy {cls.name!r}")
     except ValueError as exc:

@@ -21,7 +21,8 @@ PACKAGE = pathlib.Path(kvzoo.__file__).parent
 SEAMS = {("kvzoo.framework.names", "kvzoo.registry")}
 # The policy layer and the kernels: importable with torch alone (kvpress's environment pins an older
 # transformers), so they import nothing of kvzoo above them.
-POLICY_LAYER = {"kvzoo.framework.policy", "kvzoo.framework.retriever", "kvzoo.framework.buffers"}
+POLICY_LAYER = {"kvzoo.framework.policy", "kvzoo.framework.retriever", "kvzoo.framework.buffers",
+                "kvzoo.framework.plugins"}
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -9,13 +9,15 @@ Nothing points back up: no object refers to the cache.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-from kvzoo.framework.adapters import adapter_for
+from kvzoo.framework.adapters import ADAPTER, adapter_for
 from kvzoo.framework.attention import attach
 from kvzoo.framework.forks import (
     clone,
@@ -27,6 +29,7 @@ from kvzoo.framework.forks import (
 )
 from kvzoo.framework.layer import KVLayer
 from kvzoo.framework.names import resolve_policy
+from kvzoo.framework.plugins import plugin_failed, plugin_label
 from kvzoo.framework.policy import Policy
 from kvzoo.framework.report import cache_stats
 from kvzoo.framework.retrieval import Retrieval
@@ -65,22 +68,40 @@ def _check_settings(model: torch.nn.Module, record_window: Any, record_attention
         )
 
 
-def _bind(adapter: Any, layers: list, tiered: list[int]) -> None:
-    """Bind each tiered layer to its attention module in the adapter's model, so that another model's forward is
-    refused."""
-    modules = adapter.attention_modules()
+def _bind(model: torch.nn.Module, adapter: Any, layers: list, tiered: list[int]) -> None:
+    """Bind each tiered layer to its attention module in ``model``, so that another model's forward is refused: the
+    adapter must name modules of ``model`` itself (a module of no model dies at once, and the guard with it)."""
+    try:
+        modules = adapter.attention_modules()
+    except Exception as err:
+        plugin_failed(adapter, ADAPTER, "attention_modules", err)
     missing = [i for i in tiered if not isinstance(modules.get(i) if isinstance(modules, dict) else None,
                                                     torch.nn.Module)]
+    contract = ("attention_modules() must map every layer kvzoo compresses to that layer's attention module in the "
+                "model (a TieredCache is bound to them, so that another model's forward is refused)")
     if missing:
-        cls = type(adapter)
         raise ValueError(
-            f"model-family adapter {cls.__module__}.{cls.__qualname__} ({adapter.name!r}): "
-            f"attention_modules() must map every layer kvzoo compresses to that layer's attention module (a "
-            f"TieredCache is bound to them, so that another model's forward is refused); layers {missing} have "
-            f"none (got {type(modules).__name__} with keys {sorted(modules) if isinstance(modules, dict) else []})"
+            f"{plugin_label(adapter, ADAPTER)}: {contract}; layers {missing} have none (got {type(modules).__name__} "
+            f"with keys {sorted(modules) if isinstance(modules, dict) else []})"
+        )
+    own = {id(module) for module in model.modules()}
+    strangers = [i for i in tiered if id(modules[i]) not in own]
+    if strangers:
+        raise ValueError(
+            f"{plugin_label(adapter, ADAPTER)}: attention_modules() returned modules that are not "
+            f"{type(model).__name__}'s for layers {strangers} ({type(modules[strangers[0]]).__name__} at "
+            f"{id(modules[strangers[0]]):#x} for layer {strangers[0]}): {contract}"
         )
     for i in tiered:  # bound to this model's attention modules: another model's forward is refused
         layers[i].owner = weakref.ref(modules[i])
+
+
+def _untiered_layer(adapter: Any, layer_idx: int) -> Any:
+    """The adapter's own cache layer for ``layer_idx`` (one kvzoo does not compress), its fault naming it."""
+    try:
+        return adapter.untiered_layer(layer_idx)
+    except Exception as err:
+        plugin_failed(adapter, ADAPTER, "untiered_layer", err)
 
 
 class TieredCache(Cache):
@@ -92,7 +113,8 @@ class TieredCache(Cache):
     Creating the cache attaches kvzoo's attention to ``model`` (with any other cache it behaves exactly like SDPA).
     ``step`` and ``block`` policies compress by themselves; a ``context_end`` compression happens at :meth:`compress`
     (``kvzoo.pipeline`` calls it after the context) or, with ``auto_compress`` (default), at the first single-token
-    forward -- the prompt's end inside ``model.generate``.
+    forward -- the prompt's end inside ``model.generate``. A prompt fed in chunks of one token runs inside
+    :meth:`prefilling` (``kvzoo.pipeline.prefill`` does), so that its first chunk does not end it.
 
     ``policy``: a Policy, a registered name or spec (``"quest(gqa=group)"``), or None (``full``). ``context_length``:
     the prompt's length when known, so a ratio budget counts the whole context even when a chunked prefill fires the
@@ -133,7 +155,10 @@ class TieredCache(Cache):
         _check_settings(model, record_window, record_attention, capacity, cuda_graph, decompress_min_queries)
         retriever = retriever_of(policy)
         adapter = adapter_for(model, policy)
-        adapter.attach()
+        try:
+            adapter.attach()
+        except Exception as err:
+            plugin_failed(adapter, ADAPTER, "attach", err)
         attach(model)
         shape = adapter.geometry
         tiered = list(shape.tiered)
@@ -148,10 +173,10 @@ class TieredCache(Cache):
         layers = [
             KVLayer(self.runtime, i, tiered.index(i), reserve_rows=reserve, decompress_min_queries=threshold,
                     auto_compress=auto_compress)
-            if i in tiered else adapter.untiered_layer(i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
+            if i in tiered else _untiered_layer(adapter, i)  # the layers kvzoo leaves alone (Kimi's KDA layers)
             for i in range(shape.num_layers)
         ]
-        _bind(adapter, layers, tiered)
+        _bind(model, adapter, layers, tiered)
         super().__init__(layers=layers)
         self.untiered_read: dict[int, int] = {}  # layer -> bytes the forwards' attention read from it
         self.graph = None
@@ -233,6 +258,20 @@ class TieredCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._settle()
         super().batch_repeat_interleave(repeats)
+
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[TieredCache]:
+        """The forwards inside this block feed a prompt, in chunks of any size: a one-token chunk is part of it, not
+        ``generate``'s first decode step, so ``auto_compress`` does not end the context there (which would compress
+        the prompt's first rows and make a policy observe the wrong queries). End the context with
+        :meth:`context_end` before the prompt's last forward, or :meth:`compress` after it; ``kvzoo.pipeline.prefill``
+        does both."""
+        runtime = self.runtime
+        held, runtime.prefilling = runtime.prefilling, True
+        try:
+            yield self
+        finally:
+            runtime.prefilling = held
 
     def context_end(self) -> None:
         """The next forward ends the context: each layer compresses right after its own attention in it (as kvpress's

@@ -125,7 +125,8 @@ class KVLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[2] == 1 and self.auto_compress and not self.context_ended and self.counts.seen:
+        if key_states.shape[2] == 1 and self.auto_compress and not self.context_ended and self.counts.seen \
+                and not runtime.prefilling:  # a one-token chunk of a prompt (TieredCache.prefilling()) ends nothing
             runtime.fire(self, "context_end")  # the prompt ended (generate's first decode step): compress it
         store = self.store
         store.append(key_states, value_states)
@@ -197,13 +198,18 @@ class KVLayer(CacheLayerMixin):
         cache was built for: another model, even of the same architecture, would attend over rows it never wrote.
         ``appended``: the forward's rows already went in (GQA's ``update`` runs before the attention); the cache then
         refuses every later forward until it is reset (``close()``)."""
-        owner = self.owner() if self.owner is not None else None
-        if owner is None or owner is module:
+        bound = self.owner
+        if bound is None:  # a layer made outside a TieredCache: bound to no model
             return
+        owner = bound()
+        if owner is module:
+            return
+        whose = (f"not the {type(owner).__name__} of the model of {self.runtime.num_layers} attention layers the cache "
+                 "was built for" if owner is not None else "the attention module it was bound to is gone (its model "
+                 "was freed): no forward can be its model's")
         message = (
             f"layer {self.layer_idx} of this TieredCache was reached by a forward of another model's attention "
-            f"({type(module).__name__} at {id(module):#x}, not the {type(owner).__name__} of the model of "
-            f"{self.runtime.num_layers} attention layers the cache was built for): a TieredCache belongs to the model "
+            f"({type(module).__name__} at {id(module):#x}, {whose}): a TieredCache belongs to the model "
             "it was created for; create TieredCache(model, policy) for this model"
         )
         if appended:

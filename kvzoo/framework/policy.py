@@ -16,15 +16,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NoReturn
 
 import torch
 import torch.nn.functional as F
 
+from kvzoo.framework.plugins import plugin_failed, plugin_label
 from kvzoo.framework.retriever import Retriever
 from kvzoo.kernels.attention import window_attention
 
 Event = Literal["context_end", "step", "block"]
+# when a policy's selector fires besides the context's end (Policy.schedule): never, after every forward, or when a
+# block of rows has arrived since the last event
+SCHEDULES: tuple[str, ...] = ("context_end", "step", "block")
 LAYOUTS: tuple[str, ...] = ("gqa", "mla")
 
 
@@ -362,21 +366,21 @@ class Policy(ABC):
         return top_rows(self.checked_priority(rows, keep, event=True), keep, None if rows.all_valid else rows.valid)
 
     def checked_priority(self, rows: RowsView, keep: int, *, event: bool = False) -> torch.Tensor:
-        """:meth:`priority` held to its contract: a float tensor ``[B, G, N]``; ``event``: at a compression event, also
-        no NaN (checked on the device; a per-step victim is not checked: that would cost every decode step)."""
-        scores = self.priority(rows, keep)
-        expected = tuple(rows.slots.shape)
-        contract = ("priority() must return a float tensor [B, G, N] = " + str(list(expected)) + ": one score per row "
-                    "of the attended tier, +inf for rows always kept, -inf for padding")
-        where = f"policy {self.name or type(self).__name__!r} ({type(self).__module__}.{type(self).__qualname__})"
-        if not isinstance(scores, torch.Tensor):
-            raise TypeError(f"{where}: {contract}; got {type(scores).__name__}")
-        if not scores.is_floating_point():
-            raise TypeError(f"{where}: {contract}; got a {scores.dtype} tensor")
-        if tuple(scores.shape) != expected:
-            raise ValueError(f"{where}: {contract}; got shape {list(scores.shape)}")
+        """:meth:`priority` held to its contract: a float tensor ``[B, G, N]`` on the rows' device; ``event``: at a
+        compression event, also no NaN (checked on the device; a per-step victim is not checked: that would cost every
+        decode step). A raising ``priority`` is named (:func:`~kvzoo.framework.plugins.plugin_failed`)."""
+        try:  # a plugin's rule: its fault names it (a try costs nothing until it raises)
+            scores = self.priority(rows, keep)
+        except Exception as err:
+            plugin_failed(self, "policy", "priority", err)
+        slots = rows.slots
+        if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or scores.shape != slots.shape \
+                or scores.device != slots.device:
+            _refuse_scores(self, scores, slots)
         if event:
-            torch._assert_async(~torch.isnan(scores).any(), f"{where}: priority() returned NaN scores; {contract}")
+            contract = _priority_contract(slots)
+            torch._assert_async(~torch.isnan(scores).any(),
+                                f"{plugin_label(self, 'policy')}: priority() returned NaN scores; {contract}")
         return scores
 
     def multi_token_window(self, budget: int) -> tuple[int, int] | None:
@@ -394,6 +398,37 @@ class Policy(ABC):
         """
         return _lowest_priority_victim(self.checked_priority(rows, rows.num_rows - 1), rows.slots,
                                        None if rows.all_valid else rows.valid)
+
+
+def check_schedule(policy: Policy) -> None:
+    """ValueError naming ``policy`` unless its schedule is one the runtime fires (:data:`SCHEDULES`), with a block size
+    for ``"block"``: checked where a cache takes the policy, after the policy's own ``validate`` (whose message, where
+    it checks a schedule field, is the more specific)."""
+    schedule, block = policy.schedule, policy.block_size
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{plugin_label(policy, 'policy')}: schedule={schedule!r} is not a schedule; valid: "
+                         f"{', '.join(SCHEDULES)} (the runtime fires no other)")
+    if schedule == "block" and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"{plugin_label(policy, 'policy')}: schedule 'block' needs block_size, an int >= 1 (rows per "
+                         f"block), got {block!r}")
+
+
+def _priority_contract(slots: torch.Tensor) -> str:
+    return (f"priority() must return a float tensor [B, G, N] = {list(slots.shape)} on the rows' device: one score "
+            "per row of the attended tier, +inf for rows always kept, -inf for padding")
+
+
+def _refuse_scores(policy: Policy, scores: Any, slots: torch.Tensor) -> NoReturn:
+    """The error :meth:`Policy.checked_priority` raises for scores off the contract, naming the policy."""
+    where, contract = plugin_label(policy, "policy"), _priority_contract(slots)
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"{where}: {contract}; got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{where}: {contract}; got a {scores.dtype} tensor")
+    if scores.shape != slots.shape:
+        raise ValueError(f"{where}: {contract}; got shape {list(scores.shape)}")
+    raise ValueError(f"{where}: {contract}; got scores on device {scores.device}, the rows are on {slots.device} "
+                     "(compute the scores from the view's tensors, or move them with .to(rows.slots.device))")
 
 
 def require_int(value: Any, field_name: str, low: int, meaning: str = "") -> None:
@@ -482,6 +517,11 @@ class SinksAndRecentPolicy(Policy):
 
     def step_victim(self, rows: RowsView) -> torch.Tensor:
         return _sinks_and_recent_victim(rows.slots, rows.valid, self.sinks, rows.all_valid)
+
+
+# the step_victim() methods the framework writes: each names a row of the tier by construction (the runtime checks the
+# victims of any other)
+FRAMEWORK_VICTIMS = (Policy.step_victim, SinksAndRecentPolicy.step_victim)
 
 
 def _lowest_priority_victim(priority: torch.Tensor, slots: torch.Tensor,

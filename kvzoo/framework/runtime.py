@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from kvzoo.framework.layer import RuntimeLayer
 from kvzoo.framework.memory import release_freed
-from kvzoo.framework.policy import Event, Observation, Policy
+from kvzoo.framework.plugins import plugin_failed
+from kvzoo.framework.policy import FRAMEWORK_VICTIMS, Event, Observation, Policy, check_schedule
 from kvzoo.framework.retrieval import Retrieval
 from kvzoo.framework.retriever import RetrievalState, RowGeometry
 
@@ -57,6 +58,9 @@ class Runtime:
     pending: int | None = field(default=None, repr=False)
     # the forward in flight ends the context (TieredCache.context_end()): each layer compresses after its attention
     ending: bool = False
+    # the forwards feed a prompt (TieredCache.prefilling()): a one-token forward is one of its chunks, not generate's
+    # first decode step, so it does not end the context (KVLayer.update's auto_compress)
+    prefilling: bool = False
     resident: int = 0  # rows the attended tiers of every layer hold now, per sequence and KV group
     peak_resident: int = 0  # the most they held at once
 
@@ -78,15 +82,20 @@ class Runtime:
     # the policy observes each row's accumulated attention, or the cache records it: the attention adds to it
     accumulates: bool = field(init=False, repr=False)
     observation_window: int = field(init=False, repr=False)  # the latest queries each layer keeps
+    # the policy's step_victim() is its own, not one the framework wrote (whose victims are tier rows by construction):
+    # each victim is checked to lie in the tier (on the device), as a row past it would be taken silently
+    checks_victims: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         config = self.config
+        check_schedule(config.policy)
         self.policy, self.retrieval, self.geometry = config.policy, config.retrieval, config.geometry
         self.num_layers, self.record_window = config.num_layers, config.record_window
         self.retriever = config.retrieval.retriever if config.retrieval is not None else None
         self.audit = config.retrieval is not None and config.retrieval.audit
         self.accumulates = config.record_attention or Observation.ACCUMULATE in self.policy.observes
         self.observation_window = max(self.policy.observation_window, self.record_window)
+        self.checks_victims = type(self.policy).step_victim not in FRAMEWORK_VICTIMS
 
     def new_index(self) -> RetrievalState | None:
         return self.retrieval.new_state(self.geometry) if self.retrieval is not None else None
@@ -182,22 +191,32 @@ class Runtime:
                     return freed
             n = store.n
             budget = store.budget if store.budget is not None else self.resolve_budget(layer)
-            target = policy.target_rows(event, budget=budget, resident=n, block_rows=min(counts.since_event, n),
-                                        seen=counts.seen)
+            try:  # the policy's methods are a plugin's: a fault names it (a try costs nothing until it raises)
+                target = policy.target_rows(event, budget=budget, resident=n, block_rows=min(counts.since_event, n),
+                                            seen=counts.seen)
+            except Exception as err:
+                plugin_failed(policy, "policy", "target_rows", err)
             if target is None or target >= n:
                 counts.since_event = 0
                 if event != "step":  # a step that evicts nothing changes nothing (between events the storage stays)
                     self._fit(layer)
                 return freed
             if event == "step" and target == n - 1:  # one in, one out: O(1) indices move when the policy can say which
-                victim = policy.step_victim(layer.rows_view(ordered=False))
+                view = layer.rows_view(ordered=False)
+                try:
+                    victim = policy.step_victim(view)
+                except Exception as err:
+                    plugin_failed(policy, "policy", "step_victim", err)
                 if victim is not None:
                     counts.since_event = 0
-                    return store.evict(policy.name, victim=victim)
+                    return store.evict(policy, victim=victim, tier=n if self.checks_victims else 0)
             rows = layer.rows_view()  # before since_event resets: the view marks where the closed block starts
             counts.since_event = 0
-            keep = policy.select(rows, target)
-            freed += store.evict(policy.name, keep=keep, target=target, end=n)
+            try:
+                keep = policy.select(rows, target)
+            except Exception as err:
+                plugin_failed(policy, "policy", "select", err)
+            freed += store.evict(policy, keep=keep, target=target, end=n)
             self._fit(layer)
             return freed
         finally:
@@ -211,12 +230,20 @@ class Runtime:
         policy, counts, store = self.policy, layer.counts, layer.store
         n, open_rows = store.n, min(counts.since_event, store.n)
         end = n - open_rows + block  # the block is tier rows [n - open_rows, end)
-        target = policy.target_rows(event, budget=self.resolve_budget(layer), resident=end, block_rows=block,
-                                    seen=counts.seen - open_rows + block)
+        budget = self.resolve_budget(layer)
+        try:
+            target = policy.target_rows(event, budget=budget, resident=end, block_rows=block,
+                                        seen=counts.seen - open_rows + block)
+        except Exception as err:
+            plugin_failed(policy, "policy", "target_rows", err)
         freed = 0
         if target is not None and target < end:
             rows = layer.rows_view(end=end)  # before since_event moves on: the view marks where the block starts
-            freed = store.evict(policy.name, keep=policy.select(rows, target), target=target, end=end)
+            try:
+                keep = policy.select(rows, target)
+            except Exception as err:
+                plugin_failed(policy, "policy", "select", err)
+            freed = store.evict(policy, keep=keep, target=target, end=end)
         counts.since_event -= block
         layer.observed.drop_inputs(block)  # the "inputs" observation covers the rows still open
         return freed

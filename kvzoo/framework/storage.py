@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from kvzoo.framework.buffers import RowStore, complement, gather_rows
+from kvzoo.framework.plugins import PluginError, plugin_label
 from kvzoo.framework.retriever import ArchiveView
 from kvzoo.framework.stats import LayerCounters
 from kvzoo.kernels.attention import received_attention
@@ -41,15 +42,25 @@ def row_fields(key_states: torch.Tensor, value_states: torch.Tensor | None,
     return fields
 
 
-def check_indices(policy: str, method: str, chosen: torch.Tensor, shape: tuple[int, ...], end: int = 0) -> None:
-    """Refuse what policy ``policy``'s ``method()`` returned unless it is int64 tier indices of ``shape``; a selection
-    (``end``) must also be sorted, unrepeated and below ``end`` (checked on the device: no host synchronisation)."""
-    if chosen.shape != shape or chosen.dtype != torch.long:
-        raise RuntimeError(f"policy {policy!r} {method}() must return int64 indices of shape {shape}, "
-                           f"got {chosen.dtype} {tuple(chosen.shape)}")
+def check_indices(policy: Any, method: str, chosen: Any, shape: tuple[int, ...], device: torch.device, end: int = 0,
+                  tier: int = 0) -> None:
+    """Refuse (naming ``policy``, a Policy) what its ``method()`` returned unless it is int64 tier indices of ``shape``
+    on ``device``; a selection (``end``) must also be sorted, unrepeated and below ``end``, a victim (``tier``) one of
+    the ``tier`` rows (both checked on the device: no host synchronisation)."""
+    if not isinstance(chosen, torch.Tensor) or chosen.shape != shape or chosen.dtype != torch.long \
+            or chosen.device != device:
+        got = (f"{chosen.dtype} {tuple(chosen.shape)} on device {chosen.device}" if isinstance(chosen, torch.Tensor)
+               else type(chosen).__name__ if chosen is not None else "None")
+        raise PluginError(f"{plugin_label(policy, 'policy')}: {method}() must return int64 indices of shape {shape} on "
+                          f"device {device} (the rows'), got {got}")
     if end and shape[-1]:
         ok = (chosen.min() >= 0) & (chosen.max() < end) & (chosen.diff(dim=-1) > 0).all()
-        torch._assert_async(ok, f"policy {policy!r} select() returned indices that are out of range, unsorted or repeated")
+        torch._assert_async(ok, f"{plugin_label(policy, 'policy')}: select() returned indices that are out of range "
+                                f"(valid: 0 to {end - 1}), unsorted or repeated")
+    if tier:
+        torch._assert_async(((chosen >= 0) & (chosen < tier)).all(),
+                            f"{plugin_label(policy, 'policy')}: step_victim() returned a row outside the tier of {tier} "
+                            f"rows (valid: 0 to {tier - 1}, per sequence and KV group)")
 
 
 class StorageHost(Protocol):
@@ -255,14 +266,16 @@ class LayerStorage:
             stat[:, :, : per_group.shape[-1]] += per_group
 
     # --- eviction -------------------------------------------------------------------------------------
-    def evict(self, policy: str, *, victim: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-              target: int = 0, end: int = 0) -> int:
+    def evict(self, policy: Any, *, victim: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+              target: int = 0, end: int = 0, tier: int = 0) -> int:
         """Policy ``policy``'s rows leave the tier (to the archive, indexed first, or dropped), once checked: one
-        ``victim [B, G]`` (``step_victim()``'s; the next row appended takes its place), or all but the ``target`` rows
-        ``keep`` (``select()``'s) of the first ``end`` (every later row stays). Returns the bytes given back."""
-        B, G = self.rows.buffers["keys"].shape[:2]
+        ``victim [B, G]`` (``step_victim()``'s, checked to lie in the first ``tier`` rows when ``tier``; the next row
+        appended takes its place), or all but the ``target`` rows ``keep`` (``select()``'s) of the first ``end``
+        (every later row stays). Returns the bytes given back."""
+        keys = self.rows.buffers["keys"]
+        B, G = keys.shape[:2]
         if victim is not None:
-            check_indices(policy, "step_victim", victim, (B, G))
+            check_indices(policy, "step_victim", victim, (B, G), keys.device, tier=tier)
             self.runtime.resident -= 1  # Runtime.held(-1): one row less can raise no peak
             self.counts.events += 1
             if not self.retains:
@@ -275,7 +288,7 @@ class LayerStorage:
             self.archive.add(self.tier.buffers["pos"].gather(2, victim[..., None]), self.tier_view, self.budget)
             self.tier.vacate(victim)
             return 0
-        check_indices(policy, "select", keep, (B, G, target), end)
+        check_indices(policy, "select", keep, (B, G, target), keys.device, end)
         n = self.n
         if end < n:
             keep = torch.cat([keep, torch.arange(end, n, device=keep.device).expand(B, G, n - end)], dim=2)

@@ -11,6 +11,7 @@ import torch
 
 from kvzoo.framework.adapters.base import Adapter, Geometry, adapter_problem
 from kvzoo.framework.names import adapter_class
+from kvzoo.framework.plugins import plugin_failed
 from kvzoo.framework.policy import Policy
 
 
@@ -32,7 +33,13 @@ def adapter_for(model: torch.nn.Module, policy: Policy) -> Adapter:
         raise ValueError(
             f"policy {policy.name!r} supports layouts {policy.layouts}, but {type(model).__name__} is {cls.layout!r}"
         )
-    return cls(model, policy)
+    try:  # a family is a plugin: its fault names it
+        return cls(model, policy)
+    except Exception as err:
+        plugin_failed(cls, ADAPTER, "__init__", err)
 
 
-__all__ = ["Adapter", "Geometry", "adapter_for", "adapter_problem", "model_type_of"]
+ADAPTER = "model-family adapter"  # what an error calls an adapter plugin (kvzoo.framework.plugins.plugin_label)
+
+
+__all__ = ["ADAPTER", "Adapter", "Geometry", "adapter_for", "adapter_problem", "model_type_of"]
