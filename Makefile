@@ -1,5 +1,6 @@
 # Two commands do the whole set-up on a fresh machine:
-#   make demo   runs the main job (creates .venv, installs everything from the committed locks in locks/)
+#   make demo   runs the main job (creates .venv, installs everything from the committed locks in locks/); after
+#               Ctrl-C it resumes, keeping the finished trials; `make demo FRESH=1` starts over
 #   make test   runs the test suite (creates .venv, installs everything from the committed locks in locks/)
 #   make lock   regenerates locks/*.txt from pyproject.toml's ranges, locks/pins.in and locks/*.in (uv pip compile);
 #               run it after changing a dependency or to take newer releases, then commit the locks
@@ -161,7 +162,7 @@ lock:
 
 demo: $(STAMP)
 	$(SYNC)
-	$(PY) -m kvzoo.demo
+	$(PY) -m kvzoo.demo $(if $(FRESH),--fresh)
 
 results-page: $(STAMP)
 	$(PY) benchmarks/render_results.py

@@ -836,10 +836,28 @@ def _results_path(args: argparse.Namespace) -> Path:
 def _interrupted(args: argparse.Namespace) -> int:
     """Ctrl-C: one line (the leaderboard's rows are whole: :func:`kvzoo.bench.results` holds SIGINT while one is
     written), exit 130 as a shell reports a process SIGINT ended."""
-    resume = (f"; {_results_path(args)} holds whole rows only: the same command resumes where it stopped"
-              if args.command == "leaderboard" else "")
+    resume = ""
+    if args.command == "leaderboard":
+        again = "the same command without --fresh" if args.fresh else "the same command"
+        resume = f"; {_kept(args)} (whole rows only): {again} resumes where it stopped"
     print(f"kvzoo {args.command}: interrupted{resume}", file=sys.stderr)
     return 130
+
+
+def _kept(args: argparse.Namespace) -> str:
+    """How many of the leaderboard's trials its results file holds finished, for the line Ctrl-C prints."""
+    path = _results_path(args)
+    try:
+        from kvzoo.bench import runner
+        from kvzoo.bench.results import read_results
+
+        grid = _grid_from_args(args)
+        trials = runner.plan(grid)
+        latest, _ = runner.current_rows(read_results(path))
+        kept = sum(runner.finished(latest.get(t.key, {}), grid) for t in trials)
+    except Exception:  # noqa: BLE001 -- the count is a courtesy; the rows are whole whatever it says
+        return f"{path} holds the finished trials"
+    return f"{kept} of {len(trials)} trials are kept in {path}"
 
 
 def _warn_in_one_line(show: Any) -> Any:

@@ -203,7 +203,7 @@ def test_leaderboard_prints_the_table_and_writes_plots_then_plot_redraws(tmp_pat
     assert len(results.read_text().splitlines()) == 4
 
 
-def test_demo_runs_the_demo_preset_afresh_unless_resuming(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def test_demo_resumes_unless_fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     import json
 
     import kvzoo.cli
@@ -216,8 +216,79 @@ def test_demo_runs_the_demo_preset_afresh_unless_resuming(monkeypatch: pytest.Mo
     assert not (tmp_path / "results").exists()  # no leaderboard ran, so no results folder and no run record
     (tmp_path / "results").mkdir()
     assert kvzoo.demo.main(["--resume", "--policies", "full"]) == 0
-    assert seen == [["leaderboard", "--preset", "demo", "--fresh"],
-                    ["leaderboard", "--preset", "demo", "--policies", "full"]]
+    assert kvzoo.demo.main(["--fresh"]) == 0
+    assert seen == [["leaderboard", "--preset", "demo"],
+                    ["leaderboard", "--preset", "demo", "--policies", "full"],
+                    ["leaderboard", "--preset", "demo", "--fresh"]]
     record = json.loads((tmp_path / "results" / "demo.run.json").read_text())  # what the results page reads
-    assert record["command"] == "python -m kvzoo.demo --resume --policies full"
+    assert record["command"] == "python -m kvzoo.demo --fresh"
     assert record["wall_s"] >= 0 and record["exit_code"] == 0 and record["cpu_count"] >= 1
+
+
+def test_demo_interrupted_by_sigint_keeps_its_trials_and_resumes(tmp_path: Path):
+    """Ctrl-C (SIGINT) after a few trials of a toy demo: one line, exit 130, no run record or plots of an earlier run;
+    the same command then keeps the finished rows and completes the grid."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "demo.jsonl"
+    for stale in ("demo.run.json", "demo-frontier.png"):  # an earlier, finished run's record and plot
+        (tmp_path / stale).write_text("{}")
+    command = [sys.executable, "-m", "kvzoo.demo", "--preset", "tiny", "--policies", "full", "streaming_llm",
+               "snapkv", "h2o", "--ratios", "2", "4", "8", "--context-tokens", "200", "--positions", "after",
+               "--max-new-tokens", "2", "--no-progress", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:
+        if out.is_file() and len(out.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert first.poll() is None, first.communicate()
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvzoo leaderboard: interrupted; ") and " of 10 trials are kept in " in last, last
+    assert last.endswith("the same command resumes where it stopped")
+    assert not (tmp_path / "demo.run.json").exists() and not (tmp_path / "demo-frontier.png").exists()
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 2 <= len(kept) < 10
+
+    second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert f"resuming: {len(kept)} of 10 trials finished in {out} are kept" in second.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[:len(kept)] == kept and len(rows) == 10  # the finished rows kept as they were, each trial once
+    assert json.loads((tmp_path / "demo.run.json").read_text())["exit_code"] == 0
+
+
+def test_demo_starts_over_when_its_rows_ran_with_other_versions(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture):
+    import types
+
+    import kvzoo.bench.results as results
+    import kvzoo.cli
+    import kvzoo.demo
+
+    out = tmp_path / "demo.jsonl"
+    out.write_text("")
+    now = {"kvzoo": "1", "kvpress": "not installed", "torch": "2.13.0", "transformers": "5.25.0", "python": "3.11"}
+    monkeypatch.setattr(results, "versions", lambda: now)
+    rows = [{"versions": {**now, "transformers": "5.24.0"}}, {"versions": now}]
+    monkeypatch.setattr(results, "read_results_file", lambda path: types.SimpleNamespace(rows=rows))
+    assert kvzoo.demo.other_versions(out) == "transformers 5.24.0 (now 5.25.0)"
+    seen: list[list[str]] = []
+    monkeypatch.setattr(kvzoo.cli, "main", lambda argv: seen.append(argv) or 0)
+    assert kvzoo.demo.main(["--out", str(out)]) == 0
+    assert seen[-1][-1] == "--fresh"
+    assert "ran with transformers 5.24.0 (now 5.25.0): starting over" in capsys.readouterr().err
+    rows[0] = {"versions": now}
+    assert kvzoo.demo.other_versions(out) is None
+    assert kvzoo.demo.main(["--out", str(out)]) == 0
+    assert "--fresh" not in seen[-1] and "resuming from" in capsys.readouterr().err

@@ -251,8 +251,8 @@ def test_ctrl_c_ends_in_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, t
     assert main(["leaderboard", "--preset", "tiny", "--policies", "full", "--out", str(out), "--no-plots",
                  "--no-progress"]) == 130
     err = _error_lines(capsys.readouterr().err)
-    assert err[-1] == (f"kvzoo leaderboard: interrupted; {out} holds whole rows only: the same command resumes "
-                       "where it stopped")
+    assert err[-1] == (f"kvzoo leaderboard: interrupted; 0 of 2 trials are kept in {out} (whole rows only): the "
+                       "same command resumes where it stopped")
     assert "Traceback" not in "".join(err)
     with pytest.raises(KeyboardInterrupt):
         main(["--debug", "leaderboard", "--preset", "tiny", "--policies", "full", "--out", str(out), "--no-plots",

@@ -440,6 +440,9 @@ def _run_pending(grid: Grid, trials: list[Trial], path: Path, latest: dict[str, 
     done = {t.key for t in trials if finished(latest.get(t.key, {}), grid)}
     run_info = {"settings": grid.settings(), "versions": versions()}
     pending = [t for t in trials if t.key not in done]
+    if done:  # a rerun keeps the finished trials: say so, and how to start over
+        print(f"kvzoo: resuming: {len(done)} of {len(trials)} trials finished in {path} are kept, {len(pending)} to run "
+              "(--fresh starts over)", file=sys.stderr)
     intake = _Intake(executor, pending, path)
     if estimate and pending:
         from kvzoo.bench import estimate as cost_model
