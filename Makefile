@@ -137,7 +137,7 @@ test-kvpress: $(KVP_STAMP)
 	test -f $(KVP_SUITE)/tests/default_presses.py || { $(KVP_FETCH_SUITE); }
 	$(TEST_ENV) KVZOO_KVPRESS_TESTS=1 $(KVP_PY) -m pytest -q -p no:cacheprovider $(DURATIONS) tests/kvpress
 	cd $(KVP_SUITE) && $(TEST_ENV) PYTHONPATH=$(CURDIR)/tests/kvpress/upstream$${PYTHONPATH:+:$$PYTHONPATH} $(abspath $(KVP_PY)) -m pytest -q \
-		-c $(CURDIR)/tests/kvpress/upstream/pytest.ini --rootdir=. -p kvzoo_upstream $(KVP_SUITE_TESTS)
+		-c $(CURDIR)/tests/kvpress/upstream/pytest.ini --rootdir=. -p kvzoo_upstream $(DURATIONS) $(KVP_SUITE_TESTS)
 
 # The ranges alone: a fresh .venv-latest with the newest releases pyproject.toml admits (torch still TORCH_SPEC: a
 # newer torch is a CUDA build), then the main suite. Its last result and date go in CHANGELOG.md by hand.
@@ -172,7 +172,7 @@ leaderboard: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py --check --json results/soak.json
-	KVZOO_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider tests/reliability
+	KVZOO_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -p no:cacheprovider $(DURATIONS) tests/reliability
 
 # On a lent GPU machine (no network there: no venv is built; the checkout on PYTHONPATH, see benchmarks/README.md):
 # the kernels and the runtime in one budgeted run; carried wheels in $(GPU_WHEELS) are unpacked first (CPython 3.12
