@@ -61,3 +61,31 @@ def test_spread_keeps_groups_within_the_spread_and_in_policy_order():
     assert drawn["a"] < drawn["b"] < drawn["c"]
     assert drawn["b"] == pytest.approx(0.5) and drawn["c"] - drawn["a"] <= plots.TIE_SPREAD
     assert drawn["d"] == 0.25 and drawn["e"] != drawn["e"]
+
+
+def test_a_policy_has_one_colour_and_marker_in_every_figure_and_ratio_labels_do_not_overlap():
+    from matplotlib.colors import to_hex
+
+    rows = _rows(DEMO_LIKE)
+    for k, row in enumerate(rows):  # the frontier needs the bytes read; close together so that labels crowd
+        row["kv_bytes_per_token"] = 2**20 * (10 + (k % 3) * 0.2)
+    styles = plots.policy_styles(rows)
+    assert styles["full"] == {"color": "black", "marker": "*"}
+    assert len({(s["color"], s["marker"]) for s in styles.values()}) == len(styles)
+    curves, frontier = plots.score_vs_ratio_figure(rows), plots.frontier_figure(rows)
+    try:
+        for fig in (curves, frontier):
+            for ax in fig.axes[:2]:
+                for line in ax.get_lines():
+                    if line.get_label() in DEMO_LIKE:
+                        wanted = styles[line.get_label()]
+                        assert (to_hex(line.get_color()), line.get_marker()) == (wanted["color"], wanted["marker"])
+        renderer = frontier.canvas.get_renderer()
+        for ax in frontier.axes[:2]:
+            boxes = [t.get_window_extent(renderer) for t in ax.texts]
+            assert len(boxes) == 2 * len(DEMO_LIKE)
+            overlapping = [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+            assert len(overlapping) <= 2, overlapping  # crowded: the ten offsets may run out for a few
+    finally:
+        plots._pyplot().close(curves)
+        plots._pyplot().close(frontier)

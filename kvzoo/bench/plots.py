@@ -88,8 +88,46 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position
     return _save(fig, path)
 
 
-# Each policy its own marker, so lines that coincide still show which policies they are.
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+# Each policy its own marker, so lines that coincide still show which policies they are; the star is the reference's.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "p")
+# matplotlib's tab10: with 11 markers, (colour, marker) pairs repeat only after 110 policies
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+REFERENCE_STYLE = {"color": "black", "marker": "*"}
+
+
+def policy_styles(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The one table of each policy's ``color`` and ``marker``, for every figure drawn from ``rows``: the reference
+    black with a star, the others in :func:`~kvzoo.bench.report.policy_order` (the plan's), so a policy looks the same
+    in the score-vs-ratio curves and on the frontier (each used to count its own)."""
+    styles: dict[str, dict[str, str]] = {}
+    for policy in policy_order(rows):
+        if policy == REFERENCE_POLICY:
+            styles[policy] = dict(REFERENCE_STYLE)
+        else:
+            i = len([p for p in styles if p != REFERENCE_POLICY])
+            styles[policy] = {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)]}
+    return styles
+
+
+def _place_labels(fig: Any, labels: list[tuple[Any, str, tuple[float, float], dict[str, Any]]]) -> None:
+    """Annotate each ``(axes, text, (x, y) in data units, text style)`` beside its point, at the first of a few offsets
+    where it overlaps no label placed before it (else the first offset): ratio labels of nearby points used to be
+    drawn over each other. The layout is fixed first, so what is measured is what is saved."""
+    if not labels:
+        return
+    fig.canvas.draw()
+    fig.set_layout_engine("none")
+    renderer = fig.canvas.get_renderer()
+    offsets = ((4, 4), (4, -10), (-16, 4), (-16, -10), (8, -3), (4, 12), (4, -18), (-24, -3), (12, 12), (12, -18))
+    placed: list[Any] = []
+    for ax, text, xy, style in labels:
+        for k, offset in enumerate(offsets):
+            note = ax.annotate(text, xy, xytext=offset, textcoords="offset points", **style)
+            box = note.get_window_extent(renderer).padded(1)
+            if not any(box.overlaps(other) for other in placed) or k == len(offsets) - 1:
+                placed.append(box)
+                break
+            note.remove()
 # Points of equal value at one ratio are spread vertically by at most this much in all (axis units: scores
 # and rates are in [0, 1]); the labels at the lines' right ends name every policy of a group that ties there.
 TIE_SPREAD = 0.08
@@ -119,6 +157,7 @@ def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "af
         raise ValueError(f"no successful trials with the question {position} compression to plot")
     ratios = ratio_order(ok)
     policies = policy_order(ok)
+    styles = policy_styles(rows)
     fig, (ax_score, ax_intact) = plt.subplots(1, 2, figsize=(12, 4.2))
     spread_any = False
     for ax, key in ((ax_score, "score"), (ax_intact, "intact")):
@@ -127,16 +166,17 @@ def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "af
             mine = [r for r in ok if r["policy"] == policy]
             if all(r.get("ratio") is None for r in mine):  # the reference: a horizontal line
                 value = _mean([float(r[key]) for r in mine if r.get(key) is not None])
-                ax.axhline(value, linestyle="--", color="gray", label=policy)
+                ax.axhline(value, linestyle="--", color=styles[policy]["color"], linewidth=1, label=policy)
                 continue
             means[policy] = {x: _mean([float(r[key]) for r in mine if r.get("ratio") == x and r.get(key) is not None])
                              for x in ratios if any(r.get("ratio") == x for r in mine)}
         drawn = {x: _spread({p: m[x] for p, m in means.items() if x in m}) for x in ratios}
-        for i, (policy, by_ratio) in enumerate(means.items()):
+        for policy, by_ratio in means.items():
             xs = list(by_ratio)
             ys = [drawn[x][policy] for x in xs]
             spread_any = spread_any or any(y != by_ratio[x] for x, y in zip(xs, ys))
-            ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markerfacecolor="none", label=policy)
+            ax.plot(xs, ys, marker=styles[policy]["marker"], color=styles[policy]["color"], markerfacecolor="none",
+                    label=policy)
         if ratios:  # name the policies that end on the same value
             last = ratios[-1]
             ends: dict[float, list[str]] = {}
@@ -194,7 +234,8 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
     if not points:
         raise ValueError(f"no successful trials with the question {position} compression and KV bytes read to plot")
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.6), sharex=True, layout="constrained")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = policy_styles(rows)
+    labels: list[tuple[Any, str, tuple[float, float], dict[str, Any]]] = []  # placed once the layout is fixed
     handles = []
     spread_any = False
     for ax, key, label in ((axes[0], "score", "string-match score"),
@@ -206,14 +247,12 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
             for p in pts:
                 if p[key] is not None:
                     ties.setdefault((round(p["mib_per_token"], 2), round(p[key], 9)), []).append(policy)
-        for i, (policy, pts) in enumerate(points.items()):
+        for policy, pts in points.items():
             pts = [p for p in pts if p[key] is not None]
             if not pts:
                 continue
             reference = all(p["ratio"] is None for p in pts)
-            markers = [m for m in MARKERS if m != "*"]  # the star is the reference's
-            style = {"marker": "*" if reference else markers[i % len(markers)], "color": "black" if reference
-                     else colors[i % len(colors)], "markersize": 11 if reference else 7, "markerfacecolor": "none",
+            style = {**styles[policy], "markersize": 11 if reference else 7, "markerfacecolor": "none",
                      "linestyle": "none" if reference else "-", "linewidth": 1, "alpha": 0.9}
             xs, ys = [p["mib_per_token"] for p in pts], []
             for p in pts:
@@ -225,8 +264,8 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
                 handles.append(line)
             for p, y in zip(pts, ys):
                 if p["ratio"] is not None:
-                    ax.annotate(f"{p['ratio']:g}x", (p["mib_per_token"], y), xytext=(4, 4),
-                                textcoords="offset points", fontsize=7, color=style["color"])
+                    labels.append((ax, f"{p['ratio']:g}x", (p["mib_per_token"], y),
+                                   {"fontsize": 7, "color": style["color"]}))
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -239,6 +278,7 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
     fig.legend(handles=handles, loc="outside right upper", fontsize=8, title=title, title_fontsize=8)
     fig.suptitle(f"quality against what each step reads (question {position} compression; up and left is better)",
                  fontsize=9)
+    _place_labels(fig, labels)
     return fig
 
 
