@@ -124,3 +124,34 @@ def test_a_failing_block_fails_and_a_bad_marker_is_refused(tmp_path: Path, monke
         run_block(failing, monkeypatch, tmp_path)
     with pytest.raises(pytest.fail.Exception, match="unknown marker"):
         run_block(misspelt, monkeypatch, tmp_path)
+
+
+README_BLOCKS = [b for b in ALL if b.path.name == "README.md" and b.marker in (None, "tiny")]
+CLAIM = re.compile(r"answer NLL: (\S+) nats under snapkv 8x, (\S+) under full: the needle is (intact|lost) "
+                   r"\(ΔNLL (\S+) nats\)")
+
+
+@pytest.mark.smollm2
+def test_the_readme_blocks_print_what_they_measured_on_smollm2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture):
+    """The README's blocks on the real SmolLM2-135M (the tiny stand-in of the test above prints noise): every claim
+    they print holds for the figures they print beside it."""
+    assert len(README_BLOCKS) >= 3
+    printed = {}
+    for block in README_BLOCKS:
+        source = block.source.replace("# kvzoo: tiny", "", 1)  # on the real weights
+        run_block(Block(block.path, block.line, source), monkeypatch, tmp_path)
+        printed[block.line] = capsys.readouterr().out
+    out = "\n".join(printed.values())
+    print(out)
+    claims = CLAIM.findall(out)
+    assert len(claims) == 1, out
+    nll, full, verdict, delta = claims[0]
+    assert abs(float(nll) - float(full) - float(delta)) < 0.011
+    assert verdict == ("intact" if float(delta) < 1 else "lost")
+    kept = dict(re.findall(r"(\w+): .* -- kept (\d+ of \d+) rows per layer and KV group", out))
+    (streaming, seen), (vestige, _) = (map(int, kept[name].split(" of ")) for name in ("streaming_llm", "vestige"))
+    assert streaming <= -(-seen // 8) + 1  # evicts to 1/8
+    assert streaming <= vestige < seen  # 1/8 and the archived rows it fetched back
+    (resident,) = re.findall(r"(\d+) rows resident in layer 0 \((within|over) the budget of 256", out)
+    assert resident[1] == ("within" if int(resident[0]) <= 256 else "over") == "within"
