@@ -257,3 +257,20 @@ def test_ctrl_c_ends_in_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, t
     with pytest.raises(KeyboardInterrupt):
         main(["--debug", "leaderboard", "--preset", "tiny", "--policies", "full", "--out", str(out), "--no-plots",
               "--no-progress"])
+
+
+# --- issue 48: quiet acceptances ---------------------------------------------------------------------------------
+def test_ratio_one_warns_that_it_compresses_nothing():
+    with pytest.warns(UserWarning, match=r"ratio=1\) keeps every row: it compresses nothing"):
+        registry.get("snapkv", ratio=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        registry.get("snapkv", ratio=2)  # no warning above 1
+
+
+def test_a_policy_handed_to_kvpress_as_a_press_names_to_press():
+    """kvpress's pipeline enters ``press(model)``: a kvzoo policy there says what to pass instead."""
+    policy = registry.get("snapkv", ratio=4)
+    with pytest.raises(TypeError, match=r"not a kvpress press: pass kvzoo\.integrations\.kvpress\.to_press"):
+        with policy(object()):
+            pass

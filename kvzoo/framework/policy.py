@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -283,6 +284,11 @@ class Policy(ABC):
         """How many of the latest queries to keep for ``window_attention`` (0: none)."""
         return 0
 
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """A policy is not a kvpress press (kvpress's pipeline calls its press with the model)."""
+        raise TypeError(f"{type(self).__name__} is a kvzoo policy, not a kvpress press: pass "
+                        "kvzoo.integrations.kvpress.to_press(policy) to kvpress's pipeline (press=...)")
+
     def validate(self) -> None:
         """Raise ValueError/TypeError naming the bad field and what is valid."""
         if self.ratio is not None and self.budget is not None:
@@ -295,6 +301,10 @@ class Policy(ABC):
                 raise TypeError(f"ratio must be a number >= 1 (keep 1/ratio of the rows), got {self.ratio!r}")
             if not math.isfinite(self.ratio) or self.ratio < 1:
                 raise ValueError(f"ratio must be a finite number >= 1 (keep 1/ratio of the rows), got {self.ratio}")
+            if self.ratio == 1:
+                warnings.warn(f"{self.name or type(self).__name__}(ratio=1) keeps every row: it compresses nothing "
+                              "(the policy still runs its selection); use 'full' for no compression, or ratio > 1",
+                              UserWarning, stacklevel=3)
         if self.budget is not None:
             if isinstance(self.budget, bool) or not isinstance(self.budget, int):
                 raise TypeError(f"budget must be an int >= 1 (rows kept per layer and KV group), got {self.budget!r}")
