@@ -400,8 +400,27 @@ def render_page(tables: list[dict[str, Any]], results: Path = RESULTS) -> str:
             out += [f"![quality against KV bytes read per token]({FRONTIER.relative_to(PAGE.parent).as_posix()})", ""]
         if entry.get("notes"):
             out += [entry["notes"].strip(), ""]
-        out += [f"Data: [`docs/results/{entry['file']}`](results/{entry['file']})", ""]
+        out += [versions_line(rows), "", f"Data: [`docs/results/{entry['file']}`](results/{entry['file']})", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+VERSIONED = ("torch", "transformers", "kvpress", "python")
+
+
+def versions_line(rows: list[dict[str, Any]]) -> str:
+    """The versions the rows ran with (each row's ``versions``, or a bare ``torch``), every distinct value listed: a
+    table is re-rendered when the locks change its figures, and says which locks made it."""
+    seen: dict[str, list[str]] = {}
+    for row in rows:
+        versions = row.get("versions") if isinstance(row.get("versions"), dict) else {}
+        for name in VERSIONED:
+            value = versions.get(name, row.get(name) if name == "torch" else None)
+            if value is not None and str(value) not in seen.setdefault(name, []):
+                seen[name].append(str(value))
+    listed = [f"{name} {' / '.join(values)}" for name, values in seen.items() if values]
+    if not listed:
+        return "Ran with: versions not recorded in these rows (they predate the versions field)."
+    return "Ran with: " + ", ".join(listed) + " (from the rows)."
 
 
 def _anchor(title: str) -> str:
@@ -415,7 +434,8 @@ def headline_block(tables: list[dict[str, Any]], results: Path = RESULTS) -> str
     if entry is None:
         return None
     path = results / entry["file"]
-    return "\n".join([HEADLINE_BEGIN, headline_table(entry, read_rows(path), path), HEADLINE_END])
+    rows = read_rows(path)
+    return "\n".join([HEADLINE_BEGIN, headline_table(entry, rows, path), "", versions_line(rows), HEADLINE_END])
 
 
 def with_headline(readme: str, block: str) -> str:

@@ -199,3 +199,11 @@ def test_pivot_averages_each_cell_says_dash_where_nothing_ran_and_subtracts_the_
     assert "**question after**" in blocked and "**question before**" in blocked
     with pytest.raises(ValueError, match="needs 'value'"):
         render.render_pivot({"id": "p", "rows": [], "column": []}, rows, Path("x.jsonl"))
+
+
+def test_a_table_names_the_versions_its_rows_ran_with():
+    rows = [{"versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0"}},
+            {"versions": {"torch": "2.13.0+cpu", "transformers": "5.25.0"}}, {"torch": "2.12.0"}]
+    line = render.versions_line(rows)
+    assert line == "Ran with: torch 2.13.0+cpu / 2.12.0, transformers 5.24.0 / 5.25.0 (from the rows)."
+    assert "not recorded" in render.versions_line([{"score": 1.0}])
