@@ -875,8 +875,44 @@ def _warn_in_one_line(show: Any) -> Any:
     return showwarning
 
 
+def _name_refused(args: argparse.Namespace) -> str | None:
+    """A misspelt built-in policy name, found before torch is imported (a refusal in well under a second), in the
+    registry's and the planner's own words. The built-in names are ``registry.toml``'s; with a plugin installed (a
+    ``kvzoo`` entry point) an unknown name, like a namespaced one (``kvpress:KnormPress``), is left to the registry,
+    which learns the plugins' names by loading them."""
+    import difflib
+    import importlib.metadata
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: tomli (a dependency there) is the same parser
+        import tomli as tomllib
+
+    from kvzoo.hookspecs import PROJECT_NAME
+
+    specs = [args.policy] if isinstance(getattr(args, "policy", None), str) else getattr(args, "policies", None) or []
+    if not specs or importlib.metadata.entry_points(group=PROJECT_NAME):
+        return None
+    with open(Path(__file__).with_name("registry.toml"), "rb") as f:
+        known = [entry["name"] for entry in tomllib.load(f).get("policy", [])]
+    names = [(spec, m.group(1)) for spec in specs if (m := re.match(r"^\s*([A-Za-z_][\w-]*)\s*(?:\(.*\))?\s*$", str(spec)))]
+    unknown = [(spec, name) for spec, name in names if name not in known]
+    if not unknown:
+        return None
+    if args.command == "leaderboard":  # the planner's words
+        return f"unknown policies {', '.join(repr(spec) for spec, _ in unknown)}; registered policies: {', '.join(known)}"
+    name = unknown[0][1]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else "."
+    return (f"unknown policy {name!r}{hint} Available policies: {', '.join(known)} (kvzoo.registry.available() lists "
+            "them with summaries)")
+
+
 def _start(args: argparse.Namespace) -> int:
     if args.command in ("run", "leaderboard"):  # the commands that run models say what they run with
+        refused = _name_refused(args)  # before torch: a typo is refused at once
+        if refused:
+            return _fail(args.command, refused)
         print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
         from kvzoo.kernels.dispatch import check_startup
 

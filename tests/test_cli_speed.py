@@ -58,6 +58,18 @@ def test_list_imports_torch_for_the_policies_but_not_transformers():
     assert "transformers" not in loaded and "matplotlib" not in loaded
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["run", "--policy", "snapkvv"], "unknown policy 'snapkvv'; did you mean 'snapkv'?"),
+    (["run", "--policy", "snapkvv(window=4)"], "unknown policy 'snapkvv'"),
+])
+def test_a_misspelt_policy_is_refused_before_importing_torch(argv: list[str], said: str):
+    """A typo is refused at once (issue 48: it took 8 s, torch and transformers imported before the name was read)."""
+    statement = ("import contextlib, io\nfrom kvzoo.cli import main\nerr = io.StringIO()\n"
+                 f"with contextlib.redirect_stderr(err):\n    code = main({argv!r})\n"
+                 f"assert code != 0 and {said!r} in err.getvalue(), (code, err.getvalue())")
+    assert _loaded_after(statement) == set()
+
+
 def test_version_prints_the_package_version(capsys: pytest.CaptureFixture):
     from kvzoo.cli import main
 
