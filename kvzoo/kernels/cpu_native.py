@@ -33,7 +33,6 @@ MAX_HQ = 64  # query rows per group the int8 scan takes (a group's heads x queri
 MAX_D = 1024  # the longest key (and value) the kernels take
 MAX_J = 64  # rows per query row the top-j rule takes
 LANES = 8  # the int8 scan's head dim must be a multiple of this
-MAX_HPG = 64  # query heads per KV group decode attention takes
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # decode attention's rows (and query), Quest's entries
 INDEX_DTYPES = (torch.int32, torch.int64)
 _BOOL = (torch.bool,)
@@ -429,9 +428,9 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
 def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: int) -> bool:
     """:func:`decode_attend_supported` for a source ``kvzoo.kernels.decode_attention`` has checked (shapes, dtypes,
     devices, strides, ``KVZOO_KERNELS``): the sizes the op takes, no autograd, the library built here."""
-    H, D = query.shape[1], query.shape[2]
+    D = query.shape[2]
     values = source.values
-    return (H // groups <= MAX_HPG and D <= MAX_D and width <= MAX_D and query.dtype in FLOAT_DTYPES
+    return (D <= MAX_D and width <= MAX_D and query.dtype in FLOAT_DTYPES
             and source.keys.dtype in FLOAT_DTYPES and not (query.requires_grad or source.keys.requires_grad
                                                          or (values is not None and values.requires_grad))
             and (_LOADED[0] is not None if _LOADED else available()))
