@@ -312,7 +312,7 @@ def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: t
             and basis.dtype == torch.float32 and floor.dtype == torch.float32
             and entries.dtype in (torch.float32, torch.float16) and 1 <= query.shape[2] <= MAX_HQ
             and query.shape[3] <= MAX_D and 1 <= j <= min(MAX_J, entries.shape[2]) and entries.stride(-1) == 1
-            and basis.stride(-1) == 1 and basis.stride(-2) == basis.shape[-1] and counter_ok(counter)
+            and counter_ok(counter)
             and not (query.requires_grad or entries.requires_grad)
             and (_LOADED[0] is not None if _LOADED else available()))
 
@@ -340,7 +340,6 @@ def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: to
         if not (_on_cpu(own) and keys.dtype == entries.dtype and keys.stride(-1) == 1
                 and valid.dtype == torch.bool and position.dtype == torch.int64
                 and open_min.dtype == torch.float32 and open_max.dtype == torch.float32
-                and open_min.is_contiguous() and open_max.is_contiguous()
                 and not keys.requires_grad):
             return False
     tensors = (query, entries, empty, live) + (() if positions is None else (positions,))
