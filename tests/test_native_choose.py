@@ -253,7 +253,8 @@ def test_quest_page_add_refuses_a_full_summary():
     keys, valid = torch.randn(1, 1, 4, 8), torch.ones(1, 1, 4, dtype=torch.bool)
     args = (torch.full((1, 1, 8), float("inf")), torch.full((1, 1, 8), float("-inf")), torch.zeros(1, 1, 2, 17),
             torch.ones(1, 1, 2, dtype=torch.bool), torch.tensor([4]), torch.tensor([2]))
-    with pytest.raises(RuntimeError, match="full"):
+    with pytest.raises(ValueError, match=r"count \(the rows summarised\) must be in \[0, P x size = 4\), got 4: the "
+                       "summary is full"):
         quest_page_add(keys, valid, torch.zeros(1, 1, dtype=torch.long), *args, 2)
 
 

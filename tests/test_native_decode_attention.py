@@ -147,6 +147,15 @@ def cases() -> dict[str, Case]:
         rows[:, :, :40] = _rand(1, 1, 40, 576, seed=26)
         name = str(dtype).split(".")[-1]
         out[f"mla-h{heads}-{name}"] = Case(mq, Rows(rows.to(dtype), value_width=512, length=torch.tensor([40])))
+    # more than 64 heads a group (the op takes a block of 64 a work item): 70 = 64 + 6 heads with their own flags,
+    # and DeepSeek-V3's absorbed MLA, 128 heads over one latent group
+    q70 = _rand(2, 140, 24, seed=28)
+    k70, v70 = _pool(2, 2, 40, 24, 16, seed=29)
+    idx70 = torch.randint(-1, 42, (2, 2, 30), generator=_gen(30))
+    out["hpg70-head-valid"] = Case(q70, Rows(k70, v70, indices=idx70, length=torch.tensor([30, 17]),
+                                             head_valid=_flags(2, 140, 30, p=0.6, seed=31)))
+    out["mla-h128-float32"] = Case(_rand(1, 128, 576, seed=32), Rows(rows, value_width=512,
+                                                                     length=torch.tensor([40])))
     mi = torch.tensor([[[3, -1, 39, 47, 3, 0, 12, 60]]])  # 47: in the pool, but NaN; 60: outside
     out["mla-gathered"] = Case(_rand(1, 16, 576, seed=27), Rows(rows.bfloat16(), value_width=512, indices=mi),
                                pool_valid=torch.arange(48).view(1, 1, 48) < 40)
@@ -259,7 +268,7 @@ def test_nothing_readable_is_zero_and_minus_infinity():
 
 
 @pytest.mark.parametrize("name", ["pool", "gathered-pool-valid-nan", "quest-head-valid", "bfloat16-pool",
-                                  "mla-h16-bfloat16"])
+                                  "mla-h16-bfloat16", "hpg70-head-valid"])
 def test_two_threads_split_the_positions_to_the_same_result(name, threads_at_any_size):
     """Split over threads (forced at this size: ``threads_at_any_size``; positions repeated for several splits of two
     tiles or more per group): the splits merge exactly (to fp32 rounding); 1 and 2 threads agree with each other and
@@ -393,8 +402,8 @@ def test_supported_says_which_inputs_the_op_takes():
                                                                                   values=src.values.double()))
     assert not cpu_native.decode_attend_supported(case.query, dataclasses.replace(src, indices=src.indices.float()))
     assert not cpu_native.decode_attend_supported(case.query.to("meta"), src)
-    many = torch.randn(1, 65, 8)  # 65 heads over one group: more than MAX_HPG
-    assert not cpu_native.decode_attend_supported(many, Rows(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)))
+    many = torch.randn(1, 65, 8)  # 65 heads over one group: two blocks of heads (issue 44)
+    assert cpu_native.decode_attend_supported(many, Rows(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)))
     assert not cpu_native.decode_attend_supported(case.query, dataclasses.replace(
         src, keys=torch.randn(2, 3, 70, 128)[..., ::2]))  # last dim not contiguous
 

@@ -27,6 +27,26 @@ from kvzoo.kernels.index_scan import (
 RANK_BY = ("estimate", "bound")
 
 
+def _shape_is(op: str, name: str, t: torch.Tensor | None, *want: int | tuple[int, ...] | None) -> None:
+    """A ValueError unless ``t`` (None: nothing to check) has the shape ``want``: per dimension a size, a tuple of the
+    sizes allowed, or None for any. Shapes only, never a value (no host sync on a GPU); the C op checks the same and
+    the value ranges too (``csrc/ops.cpp``)."""
+    if t is None or (t.dim() == len(want) and all(w is None or (n in w if isinstance(w, tuple) else n == w)
+                                                  for n, w in zip(t.shape, want))):
+        return
+    shown = ", ".join("*" if w is None else " or ".join(map(str, w)) if isinstance(w, tuple) else str(w) for w in want)
+    raise ValueError(f"{op}: {name} must have shape [{shown}], got {list(t.shape)}")
+
+
+def _one_device(op: str, first: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """A ValueError naming the first tensor (None: absent) not on ``first``'s device: torch takes a 0-dim CPU tensor,
+    or a ``meta`` index, beside another device's tensors without a word (a ``gather`` so read garbage)."""
+    for name, t in tensors.items():
+        if t is not None and t.device != first.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the first input on {first.device}: put them on one "
+                             "device")
+
+
 # --- VestigeKV's sketch --------------------------------------------------------------------------------------------
 
 
@@ -37,7 +57,13 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
     """:func:`sketch_choose` in PyTorch: the query rows (:func:`~kvzoo.kernels.index_scan.sketch_query`), one scan
     for the bounds and the estimates (the query rows without eta's and the slack columns), each query row's top ``j``
     by the ranking score, kept where the bound is above ``floor``, then :func:`unique_candidates` and the count."""
+    _shape_is("sketch_choose", "query", query, None, None, None, None)
+    _one_device("sketch_choose", query, basis=basis, entries=entries, floor=floor, length=length, counter=counter)
     B, G, hq, D = query.shape
+    _shape_is("sketch_choose", "basis", basis, (B, 1), G, None, None)
+    _shape_is("sketch_choose", "floor", floor, B, G, hq)
+    if archived < 1:  # the sentinel of rows not picked, clamped to archived - 1: a row
+        raise ValueError(f"sketch_choose: archived must be >= 1, got {archived}")
     dc, r = basis.shape[2], basis.shape[3]
     heads = query.reshape(B, G * hq, 1, D)  # sketch_query groups the heads again: [B, G, hq, W]
     branch = heads[..., dc:] if D > dc else None
@@ -91,6 +117,41 @@ def _page_rows(pages: torch.Tensor, size: int) -> torch.Tensor:
     return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
 
 
+def _no_page_at_minus_inf(top: torch.return_types.topk, slots: int) -> torch.Tensor:
+    """The top pages, those of bound ``-inf`` (an empty page: nothing to read) as page ``slots``, past the last: no
+    page -- sorted last, its rows past every page's, never valid nor counted. Which of several ``-inf`` pages ``topk``
+    took (it leaves ties in no stated order; the C op takes the earliest) changes nothing then; before, a padding page
+    inside ``live`` could be taken and its rows counted as fetched."""
+    return torch.where(top.values == float("-inf"), slots, top.indices)
+
+
+def _quest_shapes(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
+                  positions: torch.Tensor | None, pages: int, size: int, archived: int,
+                  own: tuple[torch.Tensor, ...] | None) -> None:
+    """:func:`quest_choose`'s shapes and sizes (a ValueError; the values are the C op's to check)."""
+    op = "quest_choose"
+    _shape_is(op, "query", query, None, None, None, None)
+    _one_device(op, query, entries=entries, empty=empty, live=live, positions=positions,
+                **dict(zip(("own_keys", "own_valid", "own_position", "open_min", "open_max"), own or ())))
+    B, G, hq, D = query.shape
+    _shape_is(op, "entries", entries, B, G, None, 2 * D + 1)
+    P = entries.shape[2]
+    _shape_is(op, "empty", empty, B, G, P)
+    if live.numel() != 1:
+        raise ValueError(f"{op}: live must have one element, got shape {list(live.shape)}")
+    _shape_is(op, "positions", positions, B, G, None)
+    if own is not None:
+        keys, valid, position, open_min, open_max = own
+        _shape_is(op, "own_keys", keys, B, G, None, D)
+        _shape_is(op, "own_valid", valid, B, G, keys.shape[2])
+        _shape_is(op, "own_position", position, B, G)
+        _shape_is(op, "open_min", open_min, B, G, D)
+        _shape_is(op, "open_max", open_max, B, G, D)
+    if not (1 <= pages <= P + (own is not None) and size >= 1 and archived >= 1):
+        raise ValueError(f"{op}: 1 <= pages <= P (P + 1 with the own row), size >= 1 and archived >= 1, got "
+                         f"pages={pages} of P={P}, size={size}, archived={archived}")
+
+
 def _joined_bounds(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor, open_min: torch.Tensor,
                    open_max: torch.Tensor, opens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The row at ``position`` (``keys [B, G, N, D]``, upcast; padding contributes nothing) joined to the open page's
@@ -121,7 +182,10 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
     """:func:`quest_choose` in PyTorch: with ``own``, one page slot more holding the current page's entry with the
     step's key; the page bounds (``page_query`` rows, :func:`~kvzoo.kernels.index_scan.index_scan`, or
     ``index_scan_reduce`` over the group's heads), empty pages at ``-inf``, the top pages (each head's in ascending
-    page order), their rows and flags, the union count, the storage positions gathered from ``positions``."""
+    page order; one at ``-inf`` no page: :func:`_no_page_at_minus_inf`), their rows and flags, the union count, the
+    storage positions gathered from ``positions``."""
+    _quest_shapes(query, entries, empty, live, positions, pages, size, archived, own)
+    _one_device("quest_choose", query, counter=counter)
     B, G, hq, D = query.shape
     if own is not None:  # the current page with the step's key, in its slot; one slot more for a page it opens
         lo, hi = _joined_bounds(*own, (live % size == 0).view(1, 1, 1))  # the summary is left as it is
@@ -129,13 +193,14 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
         page = torch.div(live, size, rounding_mode="floor").view(1)
         entries = torch.cat([entries, torch.zeros_like(entry)], 2).index_copy_(2, page, entry)
         empty = torch.cat([empty, torch.ones_like(unused)], 2).index_copy_(2, page, unused)
+    slots = entries.shape[2]  # the summary's pages, and the own row's
     qrows = torch.cat([query.clamp(min=0), query.clamp(max=0), SKETCH_SLACK * query.abs().sum(-1, keepdim=True)],
                       dim=-1)  # page_query's rows
     if per_head:
         bounds = index_scan(qrows, entries, scaling).masked_fill(empty[:, :, None], float("-inf"))  # [B, G, hq, P]
-        top = bounds.topk(pages, dim=-1).indices.sort(dim=-1).values  # each head's pages, in ascending order
+        top = _no_page_at_minus_inf(bounds.topk(pages, dim=-1), slots).sort(dim=-1).values  # each head's, ascending
         rows = _page_rows(top, size)  # each head's rows, head after head
-        valid = rows < live
+        valid = rows < live.clamp(max=slots * size)  # a page's row below live
         union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
         union.scatter_(2, torch.where(valid, rows, archived), True)
         count = union[..., :archived].sum()
@@ -144,8 +209,8 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
             counter.add_(count)
     else:
         group_max = index_scan_reduce(qrows, entries, scaling, None).masked_fill(empty, float("-inf"))  # [B, G, P]
-        rows = _page_rows(group_max.topk(pages, dim=-1).indices, size)
-        rows, valid = unique_candidates(torch.minimum(rows, live - 1), rows < live, archived)
+        rows = _page_rows(_no_page_at_minus_inf(group_max.topk(pages, dim=-1), slots), size)
+        rows, valid = unique_candidates(torch.minimum(rows, live - 1), rows < live.clamp(max=slots * size), archived)
         count = count_picked(valid, counter)
     return rows, None if positions is None else positions.gather(2, rows), valid, count
 
@@ -158,11 +223,17 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     """Quest's choice for grouped decode queries ``query [B, G, hq, D]`` (fp32): ``(rows, positions, valid) [B, G,
     K]`` and ``count``, from the page entries (:func:`quest_page_entries`), ``empty``, ``live`` (the rows indexed) and
     the archive list ``positions`` (or None). Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack),
-    ``-inf`` when empty; the top ``pages`` (an earlier page first among equals). ``per_head``: ``K = hq x pages x
-    size`` rows head after head, pages ascending, clamped below ``live``, ``valid = row < live``; else the group's
+    ``-inf`` when empty; the top ``pages`` (NaN first; an earlier page first among equals in the C op, in
+    ``torch.topk``'s order in the reference: they differ only among equal bounds above ``-inf``, NaN or infinities in
+    the query or pages of one bound), a top page at ``-inf`` none (its rows never valid nor counted: an empty page is
+    never fetched). ``per_head``: ``K = hq x pages x size`` rows head after head, pages ascending (none last), clamped
+    below ``live``, ``valid = row < live`` of a page; else the group's
     pages by the max over its heads, staged (:func:`unique_candidates`). ``own`` (``rule="eval"``): ``(keys, valid,
     position, open_min, open_max)``, the step's own row and the open page's min/max, joined for page ``live // size``
-    (the summary is left as is)."""
+    (the summary is left as is). The values must hold ``live >= 1``, ``live // size <= P`` with ``own``, ``archived
+    >= min(live, P' x size)`` (``P'``: the page slots read), ``positions`` of ``archived`` entries at least, the own
+    row's position inside its storage: the C op checks them (a ValueError); the reference, which runs on a GPU too,
+    checks the shapes only (a host sync per step otherwise)."""
     if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
                                        scaling, SKETCH_SLACK, counter, own)
@@ -176,6 +247,20 @@ def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: 
     """:func:`quest_page_add` in PyTorch: the row gathered, masked where it is padding, then the running min/max, the
     page's entry and flag written at ``count // size``, ``count`` and ``length`` moved (what ``PageSummary._add_one``
     does with Quest's encoding, :func:`quest_page_entries`)."""
+    op = "quest_page_add"
+    _shape_is(op, "keys", keys, None, None, None, None)
+    _one_device(op, keys, valid=valid, position=position, open_min=open_min, open_max=open_max, entries=entries,
+                empty=empty, count=count, length=length)
+    B, G, N, D = keys.shape
+    _shape_is(op, "valid", valid, B, G, N)
+    _shape_is(op, "position", position, B, G)
+    _shape_is(op, "open_min", open_min, B, G, D)
+    _shape_is(op, "open_max", open_max, B, G, D)
+    _shape_is(op, "entries", entries, B, G, None, 2 * D + 1)
+    _shape_is(op, "empty", empty, B, G, entries.shape[2])
+    if count.numel() != 1 or length.numel() != 1 or size < 1:
+        raise ValueError(f"{op}: count and length must have one element and size must be >= 1, got shapes "
+                         f"{list(count.shape)} and {list(length.shape)}, size={size}")
     page = torch.div(count, size, rounding_mode="floor")  # on the device
     lo, hi = _joined_bounds(keys, valid, position, open_min, open_max, (count % size == 0).view(1, 1, 1))
     open_min.copy_(lo)

@@ -33,7 +33,6 @@ MAX_HQ = 64  # query rows per group the int8 scan takes (a group's heads x queri
 MAX_D = 1024  # the longest key (and value) the kernels take
 MAX_J = 64  # rows per query row the top-j rule takes
 LANES = 8  # the int8 scan's head dim must be a multiple of this
-MAX_HPG = 64  # query heads per KV group decode attention takes
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # decode attention's rows (and query), Quest's entries
 INDEX_DTYPES = (torch.int32, torch.int64)
 _BOOL = (torch.bool,)
@@ -313,7 +312,7 @@ def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: t
             and basis.dtype == torch.float32 and floor.dtype == torch.float32
             and entries.dtype in (torch.float32, torch.float16) and 1 <= query.shape[2] <= MAX_HQ
             and query.shape[3] <= MAX_D and 1 <= j <= min(MAX_J, entries.shape[2]) and entries.stride(-1) == 1
-            and basis.stride(-1) == 1 and basis.stride(-2) == basis.shape[-1] and counter_ok(counter)
+            and counter_ok(counter)
             and not (query.requires_grad or entries.requires_grad)
             and (_LOADED[0] is not None if _LOADED else available()))
 
@@ -341,7 +340,6 @@ def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: to
         if not (_on_cpu(own) and keys.dtype == entries.dtype and keys.stride(-1) == 1
                 and valid.dtype == torch.bool and position.dtype == torch.int64
                 and open_min.dtype == torch.float32 and open_max.dtype == torch.float32
-                and open_min.is_contiguous() and open_max.is_contiguous()
                 and not keys.requires_grad):
             return False
     tensors = (query, entries, empty, live) + (() if positions is None else (positions,))
@@ -429,9 +427,9 @@ def decode_attend_supported(query: torch.Tensor, source: Rows, *, pool_valid: to
 def decode_attend_takes(query: torch.Tensor, source: Rows, groups: int, width: int) -> bool:
     """:func:`decode_attend_supported` for a source ``kvzoo.kernels.decode_attention`` has checked (shapes, dtypes,
     devices, strides, ``KVZOO_KERNELS``): the sizes the op takes, no autograd, the library built here."""
-    H, D = query.shape[1], query.shape[2]
+    D = query.shape[2]
     values = source.values
-    return (H // groups <= MAX_HPG and D <= MAX_D and width <= MAX_D and query.dtype in FLOAT_DTYPES
+    return (D <= MAX_D and width <= MAX_D and query.dtype in FLOAT_DTYPES
             and source.keys.dtype in FLOAT_DTYPES and not (query.requires_grad or source.keys.requires_grad
                                                          or (values is not None and values.requires_grad))
             and (_LOADED[0] is not None if _LOADED else available()))

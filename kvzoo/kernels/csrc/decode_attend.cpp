@@ -8,7 +8,8 @@
    decode attention over one source of rows, read where they lie (kvzoo.kernels.decode_attention's specification)
    ------------------------------------------------------------------------------------------------------------ */
 
-#define MAX_HPG 64 /* query heads per KV group (a bit each in a position's head mask) */
+#define HEAD_BLOCK 64 /* query heads a work item takes (a bit each in a position's head mask); a group of more
+                         heads is read once per block of 64 */
 
 typedef struct {
     const char *q, *k, *v; /* v: the keys in the absorbed form (a row's value is its first Dv dims) */
@@ -18,10 +19,11 @@ typedef struct {
     float *out, *lse, *best, *mass;
     int64_t q_sb, q_sh, k_sb, k_sg, k_sn, v_sb, v_sg, v_sn, i_sb, i_sg, i_sk, len_s;
     int64_t va_sb, va_sg, va_sk, pv_sb, pv_sg, pv_sn, hv_sb, hv_sh, hv_sk;
-    int64_t B, H, G, N, P, D, Dv, hpg, Dp, splits, item_floats, separate;
+    int64_t B, H, G, N, P, D, Dv, hpg, blocks, Dp, splits, item_floats, separate;
     int q_dtype, dtype, idx32, len32;
     float scaling;
-    float *scratch; /* per item: acc [hpg][Dv], max [hpg], sum [hpg], query [hpg][Dp], scores [hpg][TILE], bf16 query */
+    float *scratch; /* per item (nh heads of a block): acc [nh][Dv], max [nh], sum [nh], query [nh][Dp], scores
+                       [nh][TILE], bf16 query */
 } Decode;
 
 /* positions sequence b reads: [0, length[b]) within [0, P) */
@@ -34,13 +36,24 @@ static inline int64_t decode_positions(const Decode *c, int64_t b) {
     return n < 0 ? 0 : n;
 }
 
-/* One work item: sequence b, group g, its split-th run of positions. Per tile: the readable positions (in the pool,
-   within length, valid, pool_valid at their row, some head's head_valid), the scores of every head of the group
-   from one read of each row, one online-softmax update per head, then the values. Leaves the item's running max,
-   sum and unnormalised output in its scratch; with `mass`, the masked scores in mass (-inf: unreadable). */
+/* A unit of work, one block of at most HEAD_BLOCK query heads of a group (blocks a group, in head order): its
+   sequence and group bg = b * G + g, its first head (an index into H) and its head count */
+static inline void decode_unit(const Decode *c, int64_t unit, int64_t *bg, int64_t *first, int64_t *nh) {
+    int64_t h0 = unit % c->blocks * HEAD_BLOCK;
+    *bg = unit / c->blocks;
+    *first = *bg % c->G * c->hpg + h0;
+    *nh = c->hpg - h0 < HEAD_BLOCK ? c->hpg - h0 : HEAD_BLOCK;
+}
+
+/* One work item: sequence b, group g, a block of its heads (decode_unit), its split-th run of positions. Per tile:
+   the readable positions (in the pool, within length, valid, pool_valid at their row, some head's head_valid), the
+   scores of every head of the block from one read of each row, one online-softmax update per head, then the values.
+   Leaves the item's running max, sum and unnormalised output in its scratch; with `mass`, the masked scores in mass
+   (-inf: unreadable). */
 static inline __attribute__((always_inline)) void decode_range(const Decode *c, int64_t item, const int dtype) {
-    int64_t bg = item / c->splits, split = item % c->splits, b = bg / c->G, g = bg % c->G;
-    int64_t hpg = c->hpg, D = c->D, Dv = c->Dv, Dp = c->Dp, P = c->P, es = dtype == F32 ? 4 : 2;
+    int64_t bg, first, hpg, split = item % c->splits; /* hpg: the block's heads */
+    decode_unit(c, item / c->splits, &bg, &first, &hpg);
+    int64_t b = bg / c->G, g = bg % c->G, D = c->D, Dv = c->Dv, Dp = c->Dp, P = c->P, es = dtype == F32 ? 4 : 2;
     int64_t qes = c->q_dtype == F32 ? 4 : 2;
     float *acc = c->scratch + item * c->item_floats, *mx = acc + hpg * Dv, *sum = mx + hpg, *qf = sum + hpg;
     float *sc = qf + hpg * Dp;
@@ -49,7 +62,7 @@ static inline __attribute__((always_inline)) void decode_range(const Decode *c, 
     for (int64_t h = 0; h < hpg; h++) {
         mx[h] = -INFINITY;
         sum[h] = 0.0f;
-        const char *qh = c->q + (b * c->q_sb + (g * hpg + h) * c->q_sh) * qes;
+        const char *qh = c->q + (b * c->q_sb + (first + h) * c->q_sh) * qes;
         for (int64_t d = 0; d < Dp; d++) { /* the query rounded to the rows' dtype, as the reference does */
             float x = d < D ? round_to(element(qh, d, c->q_dtype), dtype) : 0.0f;
             qf[h * Dp + d] = x;
@@ -58,12 +71,12 @@ static inline __attribute__((always_inline)) void decode_range(const Decode *c, 
     }
     int64_t limit = decode_positions(c, b), per = (limit + c->splits - 1) / c->splits;
     int64_t p0 = split * per, p1 = p0 + per < limit ? p0 + per : limit;
-    float *mass = c->mass ? c->mass + (b * c->H + g * hpg) * P : NULL;
+    float *mass = c->mass ? c->mass + (b * c->H + first) * P : NULL;
     if (mass)
         for (int64_t h = 0; h < hpg; h++)
             for (int64_t p = p0; p < p1; p++) mass[h * P + p] = -INFINITY;
     const char *kbase = c->k + (b * c->k_sb + g * c->k_sg) * es, *vbase = c->v + (b * c->v_sb + g * c->v_sg) * es;
-    const uint64_t every = hpg == 64 ? ~0ull : (1ull << hpg) - 1ull;
+    const uint64_t every = hpg == HEAD_BLOCK ? ~0ull : (1ull << hpg) - 1ull;
     const char *krow[TILE], *vrow[TILE];
     int64_t pos[TILE];
     uint64_t heads[TILE];
@@ -72,7 +85,7 @@ static inline __attribute__((always_inline)) void decode_range(const Decode *c, 
     const int32_t *idx32 = c->idx && c->idx32 ? (const int32_t *)c->idx + b * c->i_sb + g * c->i_sg : NULL;
     const uint8_t *valid = c->valid ? c->valid + b * c->va_sb + g * c->va_sg : NULL;
     const uint8_t *pool = c->pool ? c->pool + b * c->pv_sb + g * c->pv_sg : NULL;
-    const uint8_t *head = c->head ? c->head + b * c->hv_sb + g * hpg * c->hv_sh : NULL;
+    const uint8_t *head = c->head ? c->head + b * c->hv_sb + first * c->hv_sh : NULL;
     const int64_t i_sk = c->i_sk, va_sk = c->va_sk, pv_sn = c->pv_sn, hv_sh = c->hv_sh, hv_sk = c->hv_sk, N = c->N;
     const int64_t k_step = c->k_sn * es, v_step = c->v_sn * es;
     const int plain = !c->idx && !valid && !pool && !head;
@@ -156,14 +169,16 @@ static void decode_item_f16(void *ctx, int64_t item) { decode_range((const Decod
 
 /* A group's splits and the prior merged into one softmax per head (log-sum-exp weights; a part with none readable
    weighs 0), normalised; the best score; each position's probability in the whole softmax. */
-static void decode_finish(void *ctx, int64_t bg) {
+static void decode_finish(void *ctx, int64_t unit) {
     const Decode *c = (const Decode *)ctx;
-    int64_t b = bg / c->G, g = bg % c->G, hpg = c->hpg, Dv = c->Dv, P = c->P;
+    int64_t bg, first, hpg; /* hpg: the block's heads */
+    decode_unit(c, unit, &bg, &first, &hpg);
+    int64_t b = bg / c->G, Dv = c->Dv, P = c->P;
     for (int64_t hh = 0; hh < hpg; hh++) {
-        int64_t bh = b * c->H + g * hpg + hh;
+        int64_t bh = b * c->H + first + hh;
         float top = -INFINITY;
         for (int64_t s = 0; s < c->splits; s++) {
-            float m = (c->scratch + (bg * c->splits + s) * c->item_floats + hpg * Dv)[hh];
+            float m = (c->scratch + (unit * c->splits + s) * c->item_floats + hpg * Dv)[hh];
             top = m > top ? m : top;
         }
         if (c->best) c->best[bh] = top;
@@ -176,7 +191,7 @@ static void decode_finish(void *ctx, int64_t bg) {
             continue;
         }
         for (int64_t s = 0; s < c->splits; s++) {
-            const float *acc = c->scratch + (bg * c->splits + s) * c->item_floats, *mx = acc + hpg * Dv;
+            const float *acc = c->scratch + (unit * c->splits + s) * c->item_floats, *mx = acc + hpg * Dv;
             if (mx[hh] == -INFINITY) continue;
             float w = expf(mx[hh] - shift);
             total += w * mx[hpg + hh];
@@ -193,7 +208,7 @@ static void decode_finish(void *ctx, int64_t bg) {
     if (c->mass) {
         int64_t limit = decode_positions(c, b);
         for (int64_t hh = 0; hh < hpg; hh++) {
-            int64_t bh = b * c->H + g * hpg + hh;
+            int64_t bh = b * c->H + first + hh;
             float *m = c->mass + bh * P, lse = c->lse[bh];
             int64_t read = lse == -INFINITY ? 0 : limit; /* no readable row: every probability 0 */
             exp_shifted(m, read, lse);
@@ -257,20 +272,21 @@ KV_EXPORT int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling
     c.Dv = a[A_DV];
     c.scaling = scaling;
     int64_t threads = a[A_THREADS];
-    if (c.G < 1 || c.H % c.G || c.H / c.G > MAX_HPG || c.D < 1 || c.D > MAX_D || c.Dv < 1 || c.Dv > MAX_D ||
+    if (c.G < 1 || c.H % c.G || c.D < 1 || c.D > MAX_D || c.Dv < 1 || c.Dv > MAX_D ||
         (!c.separate && c.Dv > c.D) || c.dtype < F32 || c.dtype > F16 || c.q_dtype < F32 || c.q_dtype > F16)
         return 1;
     c.hpg = c.H / c.G;
+    c.blocks = (c.hpg + HEAD_BLOCK - 1) / HEAD_BLOCK;
     c.Dp = (c.D + 31) / 32 * 32;
     c.splits = 1;
     if (threads > 1) { /* a few items per thread, each of two tiles or more (the caller asks for threads only where
                            the rows are many enough to pay for waking them) */
         int64_t most = (c.P + 2 * TILE - 1) / (2 * TILE);
-        c.splits = (4 * threads + c.B * c.G - 1) / (c.B * c.G);
+        c.splits = (4 * threads + c.B * c.G * c.blocks - 1) / (c.B * c.G * c.blocks);
         if (c.splits > most) c.splits = most;
         if (c.splits < 1) c.splits = 1;
     }
-    int64_t hpg = c.hpg, items = c.B * c.G * c.splits;
+    int64_t hpg = c.hpg < HEAD_BLOCK ? c.hpg : HEAD_BLOCK, units = c.B * c.G * c.blocks, items = units * c.splits;
     c.item_floats = (hpg * c.Dv + 2 * hpg + hpg * c.Dp + hpg * TILE + (hpg * c.Dp + 1) / 2 + 15) / 16 * 16;
     if (items > 0) {
         c.scratch = (float *)aligned_alloc(64, items * c.item_floats * sizeof(float));
@@ -279,7 +295,7 @@ KV_EXPORT int kvzoo_decode_attend(const int64_t *a, int64_t count, float scaling
                   : c.dtype == BF16 ? decode_item_bf16
                                     : decode_item_f16,
                   &c, items, threads);
-        run_items(decode_finish, &c, c.B * c.G, c.mass && c.B * c.H * c.P >= (64 << 10) ? threads : 1);
+        run_items(decode_finish, &c, units, c.mass && c.B * c.H * c.P >= (64 << 10) ? threads : 1);
         free(c.scratch);
     }
     return 0;

@@ -198,12 +198,39 @@ Staged int8_choose(const Tensor &query, const Tensor &codes, const Tensor &side,
    VestigeKV's top-j rule over its sketch, csrc/sketch_choose.cpp
    ------------------------------------------------------------------------------------------------------------ */
 
+/* The rule the float ops (sketch_choose, quest_choose, quest_page_add, decode_attend) hold every input to, once per
+   call, before any read: each tensor on the CPU (the Meta kernel, which a call mixing meta and CPU tensors also
+   reaches: each on meta), its dtype and its shape checked against the others'; the rows read in place (index
+   entries, keys, values) need a contiguous last dimension, any other strides -- the GPU kernels' stride contract --
+   and the small tensors (queries, floors, bases, lengths, flags) are taken with any strides (copied where the loop
+   wants them dense); tensors written in place need what the kernel writes through. Value ranges a loop indexes by
+   (Quest's live count, positions, page count) are checked on the CPU kernel, where reading them costs nothing. */
+const Tensor *opt(const Maybe &t) { return t ? &*t : nullptr; }
+
+void on_device(const char *op, bool meta, std::initializer_list<const Tensor *> tensors) {
+    for (const Tensor *t : tensors)
+        if (t && t->defined())
+            KV_CHECK(meta ? t->is_meta() : t->device().is_cpu(), "every tensor must be on the CPU, got one on ",
+                     t->device(), meta ? " and one on meta" : "");
+}
+
+/* position [B, G] int64 (any strides): every value a row of [0, N) */
+void in_rows(const char *op, const char *name, const Tensor &position, int64_t N) {
+    const int64_t *p = position.data_ptr<int64_t>();
+    for (int64_t b = 0; b < position.size(0); b++)
+        for (int64_t g = 0; g < position.size(1); g++) {
+            int64_t at = p[b * position.stride(0) + g * position.stride(1)];
+            KV_CHECK(0 <= at && at < N, name, " must be in [0, N=", N, ") (a row of the storage), got ", at, " at [",
+                     b, ", ", g, "]");
+        }
+}
+
 template <bool meta>
 Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &entries, const Maybe &length,
                      const Tensor &floor, int64_t j, int64_t archived, double scaling, double slack, bool rank_by_bound,
                      const Maybe &counter) {
     const char *op = "sketch_choose";
-    if (!meta) on_cpu(op, {&query, &basis, &entries, length ? &*length : nullptr});
+    on_device(op, meta, {&query, &basis, &entries, &floor, opt(length), opt(counter)});
     KV_CHECK(query.dim() == 4 && basis.dim() == 4 && entries.dim() == 4, "query must be [B, G, hq, D], basis "
              "[B, G, dc, r] and entries [B, G, m, W], got ", query.sizes(), ", ", basis.sizes(), " and ",
              entries.sizes());
@@ -222,8 +249,7 @@ Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &ent
     KV_CHECK(1 <= r && r <= dc && dr >= 0 && W == r + 1 + (dr ? dr + 2 : 1), "r <= dc <= D and W = r + 1 + dr + 2 "
              "with dr = D - dc (r + 2 when dr = 0), got D=", D, ", dc=", dc, ", r=", r, ", W=", W);
     rows_contiguous(op, "entries", entries);
-    KV_CHECK(basis.stride(3) == 1 && (dc <= 1 || basis.stride(2) == r), "basis needs each [dc, r] contiguous, got "
-             "strides ", basis.strides());
+    Tensor V = basis.stride(3) == 1 && (dc <= 1 || basis.stride(2) == r) ? basis : basis.contiguous(); /* [dc, r] */
     Tensor thr = top_j_check(op, "floor", floor, B, G, hq, m, j, archived, meta);
     int64_t *count_to = counter_of(op, counter, meta);
     Maybe lengths = lengths_of(op, length, B);
@@ -231,8 +257,8 @@ Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &ent
     if (meta) return out;
     auto &[idx, picked, count] = out;
     Tensor q = query.contiguous();
-    ran(op, kvzoo_sketch_choose(q.data_ptr<float>(), basis.data_ptr<float>(), basis.size(0) == 1 ? 0 : basis.stride(0),
-                                basis.stride(1), (const char *)entries.data_ptr(), dtype, entries.stride(0),
+    ran(op, kvzoo_sketch_choose(q.data_ptr<float>(), V.data_ptr<float>(), V.size(0) == 1 ? 0 : V.stride(0),
+                                V.stride(1), (const char *)entries.data_ptr(), dtype, entries.stride(0),
                                 entries.stride(1), entries.stride(2), ptr<int64_t>(lengths), thr.data_ptr<float>(),
                                 idx.data_ptr<int64_t>(), (uint8_t *)picked.data_ptr(), count.data_ptr<int64_t>(),
                                 count_to, B, G, hq, D, dc, r, m, W, j, archived, rank_by_bound, (float)scaling,
@@ -252,10 +278,8 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
                     double scaling, double slack, const Maybe &counter, const Maybe &own_keys,
                     const Maybe &own_valid, const Maybe &own_position, const Maybe &open_min, const Maybe &open_max) {
     const char *op = "quest_choose";
-    if (!meta) {
-        on_cpu(op, {&query, &entries, &empty_pages, &live});
-        on_cpu(op, {&positions, &own_keys, &own_valid, &own_position, &open_min, &open_max});
-    }
+    on_device(op, meta, {&query, &entries, &empty_pages, &live, opt(positions), opt(counter), opt(own_keys),
+                         opt(own_valid), opt(own_position), opt(open_min), opt(open_max)});
     KV_CHECK(query.dim() == 4 && entries.dim() == 4, "query must be [B, G, hq, D] and entries [B, G, P, 2 D + 1], got ",
              query.sizes(), " and ", entries.sizes());
     int64_t B = query.size(0), G = query.size(1), hq = query.size(2), D = query.size(3), P = entries.size(2),
@@ -266,8 +290,8 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
     dtype_is(op, "query", query, at::kFloat);
     int dtype = dtype_code(entries);
     KV_CHECK(dtype >= 0, "entries must be float32, bfloat16 or float16, got ", entries.scalar_type());
-    KV_CHECK(1 <= hq && hq <= MAX_HQ && W <= MAX_W, "query rows per group 1 <= hq <= ", MAX_HQ, " and 2 D + 1 <= ",
-             MAX_W, ", got hq=", hq, ", D=", D);
+    KV_CHECK(1 <= hq && hq <= MAX_HQ && 1 <= D && W <= MAX_W, "query rows per group 1 <= hq <= ", MAX_HQ,
+             " and 3 <= 2 D + 1 <= ", MAX_W, ", got hq=", hq, ", D=", D);
     rows_contiguous(op, "entries", entries);
     dtype_is(op, "empty", empty_pages, at::kBool);
     dtype_is(op, "live", live, at::kLong);
@@ -292,7 +316,6 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
         dtype_is(op, "own_position", *own_position, at::kLong);
         dtype_is(op, "open_min", *open_min, at::kFloat);
         dtype_is(op, "open_max", *open_max, at::kFloat);
-        KV_CHECK(open_min->is_contiguous() && open_max->is_contiguous(), "open_min and open_max must be contiguous");
     }
     if (positions) {
         KV_CHECK(positions->dim() == 3 && positions->size(0) == B && positions->size(1) == G, "positions must be [B=",
@@ -300,6 +323,18 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
         dtype_is(op, "positions", *positions, at::kLong);
     }
     int64_t *count_to = counter_of(op, counter, meta);
+    if (!meta) { /* the values the loop indexes by */
+        int64_t rows = *live.data_ptr<int64_t>(), slots = P + own;
+        KV_CHECK(rows >= 1, "live (the rows indexed) must be >= 1, got ", rows);
+        KV_CHECK(!own || rows / size <= P, "live // size (the page the own row joins) must be <= P=", P,
+                 " (the summary's last slot or one past it), got live=", rows, ", size=", size);
+        int64_t reach = rows < slots * size ? rows : slots * size; /* the rows the pages can give */
+        KV_CHECK(archived >= reach, "archived must count every row the pages can give, min(live, ", slots, " slots x ",
+                 size, ") = ", reach, ", got ", archived);
+        KV_CHECK(!positions || positions->size(2) >= archived, "positions (the archive list) must hold archived=",
+                 archived, " entries, got ", positions->size(2));
+        if (own) in_rows(op, "own_position", *own_position, N);
+    }
     int64_t K = per_head ? hq * pages * size : pages * size;
     Chosen out{make({B, G, K}, at::kLong, query), make(positions ? at::IntArrayRef{B, G, K} : at::IntArrayRef{0},
                at::kLong, query), make({B, G, K}, at::kBool, query), make({}, at::kLong, query)};
@@ -309,9 +344,11 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
     int64_t ps[4] = {0, 0, 0, 0}, ks[3] = {0, 0, 0}, vs[3] = {0, 0, 0}, os[2] = {0, 0};
     if (positions) ps[0] = positions->stride(0), ps[1] = positions->stride(1), ps[2] = positions->stride(2),
                    ps[3] = positions->size(2);
+    Maybe omin, omax; /* read only: any strides, copied dense */
     if (own) {
         for (int i = 0; i < 3; i++) ks[i] = own_keys->stride(i), vs[i] = own_valid->stride(i);
         os[0] = own_position->stride(0), os[1] = own_position->stride(1);
+        omin = open_min->contiguous(), omax = open_max->contiguous();
     }
     ran(op, kvzoo_quest_choose(
                 q.data_ptr<float>(), (const char *)entries.data_ptr(), dtype, entries.stride(0), entries.stride(1),
@@ -322,7 +359,7 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
                 archived, per_head, (float)scaling, (float)slack,
                 threads_for(B * G * P * W * entries.element_size()), ptr<const char>(own_keys), ks[0], ks[1], ks[2],
                 N, ptr<const uint8_t>(own_valid), vs[0], vs[1], vs[2], ptr<const int64_t>(own_position), os[0], os[1],
-                ptr<const float>(open_min), ptr<const float>(open_max)));
+                ptr<const float>(omin), ptr<const float>(omax)));
     return out;
 }
 
@@ -331,7 +368,7 @@ void quest_page_add(const Tensor &keys, const Tensor &valid, const Tensor &posit
                     const Tensor &open_max, const Tensor &entries, const Tensor &empty_pages, const Tensor &count,
                     const Tensor &length, int64_t size) {
     const char *op = "quest_page_add";
-    if (!meta) on_cpu(op, {&keys, &valid, &position, &open_min, &open_max, &entries, &empty_pages, &count, &length});
+    on_device(op, meta, {&keys, &valid, &position, &open_min, &open_max, &entries, &empty_pages, &count, &length});
     KV_CHECK(keys.dim() == 4 && entries.dim() == 4, "keys must be [B, G, N, D] and entries [B, G, P, 2 D + 1], got ",
              keys.sizes(), " and ", entries.sizes());
     int64_t B = keys.size(0), G = keys.size(1), N = keys.size(2), D = keys.size(3), P = entries.size(2);
@@ -356,8 +393,12 @@ void quest_page_add(const Tensor &keys, const Tensor &valid, const Tensor &posit
                  length.numel() == 1,
              "count and length must be int64 tensors of one element, got ", count.scalar_type(), " ", count.sizes(),
              " and ", length.scalar_type(), " ", length.sizes());
-    KV_CHECK(size >= 1, "size must be at least 1, got ", size);
+    KV_CHECK(size >= 1 && D >= 1, "size and D must be at least 1, got size=", size, ", D=", D);
     if (meta) return;
+    int64_t done = *count.data_ptr<int64_t>(); /* the values the loop indexes by */
+    KV_CHECK(0 <= done && done < P * size, "count (the rows summarised) must be in [0, P x size = ", P * size,
+             "), got ", done, done >= P * size ? ": the summary is full" : "");
+    in_rows(op, "position", position, N);
     int status = kvzoo_quest_page_add(
         (const char *)keys.data_ptr(), dtype, keys.stride(0), keys.stride(1), keys.stride(2),
         (const uint8_t *)valid.data_ptr(), valid.stride(0), valid.stride(1), valid.stride(2),
@@ -365,7 +406,7 @@ void quest_page_add(const Tensor &keys, const Tensor &valid, const Tensor &posit
         open_max.data_ptr<float>(), (char *)entries.data_ptr(), entries.stride(0), entries.stride(1),
         entries.stride(2), (uint8_t *)empty_pages.data_ptr(), empty_pages.stride(0), empty_pages.stride(1),
         empty_pages.stride(2), count.data_ptr<int64_t>(), length.data_ptr<int64_t>(), B, G, N, D, P, size);
-    TORCH_CHECK(status == 0, "kvzoo::quest_page_add: the summary is full (", P, " pages of ", size, " rows)");
+    ran(op, status);
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -378,21 +419,21 @@ Chosen decode_attend(const Tensor &query, const Tensor &keys, const Maybe &value
                      const Maybe &head_valid, double scaling, const Maybe &prior_out, const Maybe &prior_lse, bool best,
                      bool mass) {
     const char *op = "decode_attend";
-    if (!meta) {
-        on_cpu(op, {&query, &keys});
-        on_cpu(op, {&values, &indices, &length, &valid, &pool_valid, &head_valid, &prior_out, &prior_lse});
-    }
+    on_device(op, meta, {&query, &keys, opt(values), opt(indices), opt(length), opt(valid), opt(pool_valid),
+                         opt(head_valid), opt(prior_out), opt(prior_lse)});
     KV_CHECK(query.dim() == 3 && keys.dim() == 4, "query must be [B, H, D] and keys [B, G, N, D], got ", query.sizes(),
              " and ", keys.sizes());
     int64_t B = query.size(0), H = query.size(1), D = query.size(2), G = keys.size(1), N = keys.size(2);
     KV_CHECK(keys.size(0) == B && keys.size(3) == D, "keys ", keys.sizes(), " must be [B=", B, ", G, N, D=", D,
              "] for query ", query.sizes());
     KV_CHECK(G >= 1 && H % G == 0, "H=", H, " query heads must be a multiple of G=", G, " KV groups");
+    KV_CHECK(D >= 1, "keys must have D >= 1, got ", keys.sizes());
     int64_t Dv = value_width;
     if (values) {
         KV_CHECK(values->dim() == 4 && values->size(0) == B && values->size(1) == G && values->size(2) == N,
                  "values must be [B=", B, ", G=", G, ", N=", N, ", Dv], got ", values->sizes());
         Dv = values->size(3);
+        KV_CHECK(Dv >= 1, "values must have Dv >= 1, got ", values->sizes());
     } else {
         KV_CHECK(1 <= Dv && Dv <= D, "value_width must be in [1, D=", D, "] when values is None, got ", Dv);
     }
@@ -424,8 +465,7 @@ Chosen decode_attend(const Tensor &query, const Tensor &keys, const Maybe &value
     for (auto [name, t] : {std::pair{"valid", &valid}, std::pair{"pool_valid", &pool_valid},
                            std::pair{"head_valid", &head_valid}})
         KV_CHECK(!*t || (*t)->scalar_type() == at::kBool, name, " must be a bool tensor, got ", (*t)->scalar_type());
-    KV_CHECK(H / G <= MAX_HPG && D <= MAX_D && Dv <= MAX_D, "at most ", MAX_HPG, " query heads per group and D, Dv "
-             "at most ", MAX_D, ", got H=", H, ", G=", G, ", D=", D, ", Dv=", Dv);
+    KV_CHECK(D <= MAX_D && Dv <= MAX_D, "D and Dv at most ", MAX_D, ", got D=", D, ", Dv=", Dv);
     Chosen out{make({B, H, Dv}, at::kFloat, query), make({B, H}, at::kFloat, query),
                make(best ? at::IntArrayRef{B, H} : at::IntArrayRef{0}, at::kFloat, query),
                make(mass ? at::IntArrayRef{B, H, P} : at::IntArrayRef{0}, at::kFloat, query)};

@@ -124,7 +124,11 @@ static void quest_item(void *ctx, int64_t bg) {
         for (int64_t l = 0; l < lists; l++)
             top_block(vh + l * n, pages + l * n, filled + l, n, vals + l * 16, count, i);
     }
-    for (int64_t l = 0; l < lists; l++) sort_rows(pages + l * n, n, room); /* each list's pages in ascending order */
+    for (int64_t l = 0; l < lists; l++) { /* each list's pages in ascending order */
+        for (int64_t k = 0; k < n; k++) /* a page of bound -inf (empty) is no page: Pc, last, its rows never valid */
+            if (vh[l * n + k] == -INFINITY) pages[l * n + k] = Pc;
+        sort_rows(pages + l * n, n, room);
+    }
     int64_t K = lists * n * size;
     int64_t *rows_out = c->rows_out + bg * K, *pos_out = c->positions ? c->pos_out + bg * K : NULL;
     uint8_t *valid_out = c->valid_out + bg * K;
@@ -132,12 +136,12 @@ static void quest_item(void *ctx, int64_t bg) {
         for (int64_t h = 0; h < hq; h++)
             for (int64_t k = 0; k < n; k++) {
                 int64_t page = pages[h * n + k];
-                chosen[page] = 1;
+                if (page < Pc) chosen[page] = 1;
                 for (int64_t o = 0; o < size; o++) {
                     int64_t at = (h * n + k) * size + o, row = page * size + o;
                     int64_t clamped = row < live ? row : live - 1;
                     rows_out[at] = clamped;
-                    valid_out[at] = row < live;
+                    valid_out[at] = page < Pc && row < live;
                     if (pos_out) pos_out[at] = archive_position(c, b, g, clamped);
                 }
             }
@@ -152,7 +156,7 @@ static void quest_item(void *ctx, int64_t bg) {
         for (int64_t k = 0; k < n; k++)
             for (int64_t o = 0; o < size; o++) {
                 int64_t row = pages[k] * size + o;
-                cand[k * size + o] = row < live ? row : c->archived;
+                cand[k * size + o] = pages[k] < Pc && row < live ? row : c->archived;
             }
         c->counts[bg] = stage_union(cand, K, c->archived, rows_out, valid_out);
         if (pos_out)
@@ -165,10 +169,11 @@ static void quest_item(void *ctx, int64_t bg) {
    page; element strides e_sb, e_sg, e_sp; rows contiguous); empty [B, G, P] (strides em_*): a page never read;
    *live: the rows indexed; positions [B, G, M] (strides p_*) or NULL: the archive list (each archived row's storage
    position). Each page's bound scaling * Q . E with Q = [max(q, 0), min(q, 0), slack ||q||_1] (-inf for an empty
-   page), and the top n pages (an earlier page first among equal bounds; NaN first), in ascending page order:
+   page), and the top n pages (an earlier page first among equal bounds; NaN first), in ascending page order, a top
+   page of bound -inf (empty: nothing to read) taken as page Pc (past every slot, so last; its rows never valid):
    * per_head: of each query head; rows_out [B, G, hq * n * size] = head after head, page after page, its rows
-     page * size + o clamped below live, valid_out = (row < live), counted once per group (the union of its heads'
-     rows);
+     page * size + o clamped below live, valid_out = (page < Pc and row < live), counted once per group (the union
+     of its heads' rows);
    * else: of the group by the max over its heads (a NaN bound left out); rows_out/valid_out [B, G, n * size] the
      pages' rows staged (stage_union: sorted, the rows >= live not picked).
    pos_out: the storage positions of rows_out (positions given); *count_out: the rows counted over every group, also
@@ -280,9 +285,9 @@ KV_EXPORT int kvzoo_quest_page_add(const char *keys, int64_t dtype, int64_t k_sb
                                    uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp, int64_t *count,
                                    int64_t *length, int64_t B, int64_t G, int64_t N, int64_t D, int64_t P,
                                    int64_t size) {
+    if (size < 1 || *count < 0 || *count / size >= P || dtype < F32 || dtype > F16) return 1; /* before a division */
     int64_t done = *count, page = done / size, es = dtype == F32 ? 4 : 2;
     int opens = done % size == 0;
-    if (done < 0 || page >= P || size < 1 || dtype < F32 || dtype > F16) return 1;
     for (int64_t bg = 0; bg < B * G; bg++) {
         int64_t b = bg / G, g = bg % G, pos = position[b * p_sb + g * p_sg];
         int ok = pos >= 0 && pos < N && valid[b * v_sb + g * v_sg + pos * v_sn];
