@@ -256,11 +256,15 @@ def _of_dtype(tensors: tuple, dtypes: tuple) -> bool:
 
 
 def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int | None = None,
-                            counter: torch.Tensor | None = None) -> bool:
+                            counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None,
+                            scanned: torch.Tensor | None = None) -> bool:
     """Whether :func:`int8_estimate` takes these tensors (CPU, the dtypes and a geometry the loop handles, the
     library built here); with ``j``, whether :func:`int8_choose` does (``1 <= j <= min(MAX_J, m)``, the counter
-    :func:`counter_ok`, checked in place: one call per decode step)."""
+    and ``scanned`` :func:`counter_ok`, ``page_live`` a CPU tensor: checked in place, one call per decode step; a wrong
+    shape or dtype of ``page_live`` is the op's error, not a fallback)."""
     hq, D = query.shape[2], query.shape[3]
+    if page_live is not None and page_live.device.type != "cpu" or not counter_ok(scanned):
+        return False
     return (query.device.type == "cpu" and codes.device.type == "cpu" and side.device.type == "cpu"
             and query.dtype == torch.float32 and codes.dtype == torch.int8 and side.dtype == torch.float16
             and hq <= MAX_HQ and D <= MAX_D and D % LANES == 0 and not query.requires_grad
@@ -287,13 +291,17 @@ def counter_ok(counter: torch.Tensor | None) -> bool:
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
                 archived: int, scaling: float, slack: float, length: torch.Tensor | None,
-                counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None, page_rows: int = 0,
+                scanned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted (the torch op
     ``kvzoo::int8_choose``, ``csrc/int8_scan.cpp``; its specification
-    :func:`kvzoo.kernels.index_scan.int8_choose_reference`): one call for ~30 PyTorch ops. The caller checked
-    :func:`int8_estimate_supported` with ``j`` and ``counter``."""
+    :func:`kvzoo.kernels.index_scan.int8_choose_reference`): one call for ~30 PyTorch ops. ``page_live [B, G, p]``
+    (bool) with ``page_rows``: the rows of a page whose flag is False are not read; ``scanned`` (int64, one element)
+    += the bytes of the entries read. The caller checked :func:`int8_estimate_supported` with ``j``, ``counter``,
+    ``page_live`` and ``scanned``."""
     return (_LOADED[0] if _LOADED else library()).int8_choose(query, codes, side, length, threshold, j, archived,
-                                                              float(scaling), float(slack), counter)
+                                                              float(scaling), float(slack), counter, page_live,
+                                                              page_rows, scanned)
 
 
 # ----------------------------------------------------------------------------------------------------------------
