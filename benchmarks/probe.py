@@ -801,7 +801,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
     tail = 64
     head = args.context - tail
     figures = ("pruning_violations", "pruning_audited", "page_bound_violations", "page_bounds_audited", "pages",
-               "pages_skipped", "pages_prunable", "rows_skipped")
+               "pages_skipped", "pages_prunable", "rows_skipped", "rows_above_floor")
     rows = []
     with torch.no_grad():
         t0 = time.perf_counter()
