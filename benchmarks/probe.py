@@ -9,6 +9,7 @@ measures and its options:
 * ``quest-page``: how often ``quest(rule="eval")``'s pages differ from the reference evaluation rule's.
 * ``chunkkv-reuse``: ChunkKV's compression step with and without layer-wise index reuse.
 * ``vestige-prune``: VestigeKV's int8 index pruned by page summaries on SmolLM2: pages skipped, bytes, the audit.
+* ``vestige-prune-needle``: the 2k needle grid with VestigeKV's int8 index pruned: the same answers?
 
 Heavy imports (torch, kvzoo) happen inside each probe, so ``--help`` is instant.
 """
@@ -857,6 +858,49 @@ def vestige_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+class _PrunedPlugin:
+    """A plugin registering ``vestige_pruned``: VestigeKV's retriever with the int8 index pruned (``prune=True``)."""
+
+    @staticmethod
+    def kvzoo_retrievers():
+        from dataclasses import dataclass
+        from typing import ClassVar
+
+        from kvzoo.retrievers.vestige import VestigeRetriever
+
+        @dataclass
+        class PrunedVestigeRetriever(VestigeRetriever):
+            index: str = "int8"
+            prune: bool = True
+            name: ClassVar[str] = "vestige_pruned"
+
+        return [PrunedVestigeRetriever]
+
+
+def vestige_prune_needle(args: argparse.Namespace) -> int:
+    """Issue 47: the 2k needle grid of docs/results/needle_2k.jsonl with VestigeKV's int8 index pruned.
+
+        .venv/bin/python benchmarks/probe.py vestige-prune-needle --out FILE
+
+    ``kvzoo leaderboard --model smollm2-135m --policies full 'vestige(retriever=vestige_pruned)' --ratios 8 16 32
+    --context-tokens 2000 --depths 0.1 0.3 0.5 0.7 0.9 --continuation-tokens 32``, where ``vestige_pruned`` (registered
+    here as a plugin) is ``VestigeRetriever(index="int8", prune=True)``: the same answers as the unpruned grid?
+    """
+    from kvzoo import cli, registry
+    from kvzoo.hookspecs import hookimpl
+
+    plugin = _PrunedPlugin()
+    hookimpl(plugin.kvzoo_retrievers)  # marks the function
+    registry.register_plugin(plugin, name="vestige_pruned")
+    return cli.main(["leaderboard", "--model", "smollm2-135m", "--policies", "full", "vestige(retriever=vestige_pruned)",
+                     "--ratios", "8", "16", "32", "--context-tokens", "2000", "--depths", "0.1", "0.3", "0.5", "0.7",
+                     "0.9", "--continuation-tokens", "32", "--out", args.out, "--no-plots"])
+
+
+def _vestige_prune_needle_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="the leaderboard's results JSONL")
+
+
 def _vestige_prune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--ratios", type=float, nargs="+", default=[8, 32, 128])
@@ -881,6 +925,8 @@ PROBES = {  # name -> (one line, its options, what it runs)
                       _chunkkv_reuse_args, chunkkv_reuse),
     "vestige-prune": ("VestigeKV's int8 index pruned by page summaries on SmolLM2: pages skipped, bytes, audit",
                       _vestige_prune_args, vestige_prune),
+    "vestige-prune-needle": ("the 2k needle grid with VestigeKV's int8 index pruned: the same answers?",
+                             _vestige_prune_needle_args, vestige_prune_needle),
 }
 
 

@@ -35,7 +35,10 @@ class VestigeRetriever(Retriever):
     with bound >= s* - ``tau``: the softmax mass left out is at most ``(T - |F|) e^-tau`` of the attended tier's
     (Lemma 3). ``index`` picks the kind (``"auto"``: int8 on GQA rows, the sketch on MLA rows): ``"sketch"``
     (``sketch.py``), ``"int8"`` (``int8.py``) or ``"paged"`` (``paged.py``: a fifth of int8's bytes, half its recall on
-    SmolLM2 -- an option for the bytes, not the default).
+    SmolLM2 -- an option for the bytes, not the default). ``prune=True`` (int8, top-j by estimate): page summaries
+    scanned first, and the entries of a page certified below ``s* - j_margin`` for every head of its group not read
+    (``int8.py``); off by default: on SmolLM2 its min/max bound skipped under 1 % of the pages and the summaries cost
+    more bytes than that saves (docs/fidelity.md).
     """
 
     rank: int | None = None  # None: 64 on MLA rows, head_dim // 4 on GQA rows
