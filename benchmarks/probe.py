@@ -802,7 +802,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
     tail = 64
     head = args.context - tail
     figures = ("pruning_violations", "pruning_audited", "page_bound_violations", "page_bounds_audited", "pages",
-               "pages_skipped", "pages_prunable", "rows_skipped", "rows_above_floor")
+               "pages_skipped", "pages_prunable", "rows_skipped", "rows_above_floor", "rows_audited")
     rows = []
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -840,6 +840,8 @@ def vestige_prune(args: argparse.Namespace) -> int:
             out["pages_skipped_fraction"] = out["pages_skipped"] / max(1, out["pages"])
             out["pages_prunable_fraction"] = out["pages_prunable"] / max(1, out["pages"])
             out["index_bytes_ratio"] = out["pruned_index_mib_per_step"] / out["int8_index_mib_per_step"]
+            if out.get("rows_audited"):
+                out["rows_above_floor_fraction"] = out["rows_above_floor"] / out["rows_audited"]
             rows.append(out)
             print(json.dumps(out), flush=True)
         shared.close()

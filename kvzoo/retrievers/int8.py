@@ -202,7 +202,7 @@ class Int8KeyIndex(EntryIndex):
         score (must be 0) of ``page_bounds_audited``; ``pages`` (holding a valid row), ``pages_skipped`` and
         ``pages_prunable`` (those whose best row scores ``<= s* - j_margin`` for every head: the most any certified
         page bound could skip); ``rows_skipped`` (valid rows per group) and ``rows_above_floor`` (valid rows per group
-        scoring above the floor for some head: what no certified pruning may skip)."""
+        scoring above the floor for some head: what no certified pruning may skip) of ``rows_audited``."""
         if self.page_live is None:
             return {}
         B, G, m = valid.shape
@@ -222,7 +222,7 @@ class Int8KeyIndex(EntryIndex):
                                   scaling)[..., :pages]  # [B, G, hq, pages]
         return {"pruning_violations": int((skipped[:, :, None] & (scores > floor)).sum()),
                 "pruning_audited": int(valid.sum()) * hq, "rows_skipped": int(skipped.sum()),
-                "rows_above_floor": int((scores > floor).any(2).sum()),
+                "rows_above_floor": int((scores > floor).any(2).sum()), "rows_audited": int(valid.sum()),
                 "page_bound_violations": int((held[:, :, None] & (bounds < page_best)).sum()),
                 "page_bounds_audited": int(held.sum()) * hq, "pages": int(held.sum()),
                 "pages_skipped": int((held & ~page_live[..., :pages]).sum()),
