@@ -801,6 +801,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
     prompt = torch.tensor([ids[: args.context]])
     tail = 64
     head = args.context - tail
+    commit = git_commit()  # the code this process runs (HEAD may move while it does)
     figures = ("pruning_violations", "pruning_audited", "page_bound_violations", "page_bounds_audited", "pages",
                "pages_skipped", "pages_prunable", "rows_skipped", "rows_above_floor", "rows_audited")
     rows = []
@@ -814,7 +815,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
         for ratio in args.ratios:
             out: dict[str, Any] = {"probe": "vestige-prune", "model": "smollm2-135m", "context": args.context,
                                    "ratio": ratio, "page_rows": args.page_rows, "steps": args.steps,
-                                   "seed": args.seed, "commit": git_commit()}
+                                   "seed": args.seed, "commit": commit}
             for prune in (False, True):
                 retriever = VestigeRetriever(index="int8", prune=prune, **({"page_rows": args.page_rows} if prune else {}))
                 shared.runtime.audit = prune  # the arm's retrieval audits (transplant takes the source's setting)
