@@ -24,7 +24,9 @@ from kvzoo.kernels.index_scan import (
     int8_choose_reference,
     int8_key_entries,
     int8_key_estimate_reference,
+    int8_page_bounds,
     int8_page_live,
+    int8_page_live_reference,
     page_rows_live,
 )
 from kvzoo.models import tiny_llama
@@ -51,11 +53,11 @@ def _pruned_index(keys: torch.Tensor, valid: torch.Tensor, page_rows: int, chunk
     return state
 
 
-def _live(state: Int8KeyIndex, query: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+def _live(state: Int8KeyIndex, query: torch.Tensor, floor: torch.Tensor, flags=int8_page_live) -> torch.Tensor:
     pages = state.pages
     B = query.shape[0]
-    return int8_page_live(query, pages.reading("codes"), pages.reading("scale"), pages.reading("empty"), floor,
-                          SCALING, length=pages.length.expand(B) if pages.fixed else None)
+    return flags(query, pages.reading("codes"), pages.reading("scale"), pages.reading("empty"), floor, SCALING,
+                 length=pages.length.expand(B) if pages.fixed else None)
 
 
 def _violations(keys, valid, query, floor, page_live, page_rows) -> tuple[int, int]:
@@ -98,17 +100,19 @@ def _keys(kind: str, B: int, G: int, m: int, D: int, page_rows: int, g: torch.Ge
 @settings(max_examples=80, deadline=None)
 @given(kind=st.sampled_from(KEY_KINDS), page_rows=st.sampled_from([1, 3, 4, 16]), m=st.integers(1, 90),
        hq=st.sampled_from([1, 3]), D=st.sampled_from([8, 16, 64]), chunks=st.integers(1, 4),
-       floor_at=st.sampled_from(["a row", "a row, nudged down", "quantile", "the best"]), seed=st.integers(0, 2**16))
-def test_no_skipped_row_scores_above_the_floor(kind, page_rows, m, hq, D, chunks, floor_at, seed):
+       floor_at=st.sampled_from(["a row", "a row, nudged down", "quantile", "the best"]), seed=st.integers(0, 2**16),
+       reference=st.booleans(), capacity=st.booleans())
+def test_no_skipped_row_scores_above_the_floor(kind, page_rows, m, hq, D, chunks, floor_at, seed, reference, capacity):
     """Every row of a page the summary calls dead scores ``<= s* - j_margin`` for every head of its group, the open
-    last page and padding rows included; floors placed on a row's own score (the tight case) and queries aligned with
-    a key."""
+    last page and padding rows included (a fixed index's spare page slots too); floors placed on a row's own score
+    (the tight case) and queries aligned with a key; the C loop's flags and the reference's."""
     g = torch.Generator().manual_seed(seed)
     B, G = 2, 2
     keys = _keys(kind, B, G, m, D, page_rows, g)
     valid = torch.rand(B, G, m, generator=g) > 0.1
     cuts = sorted(torch.randint(0, m + 1, (chunks - 1,), generator=g).tolist())
-    state = _pruned_index(keys, valid, page_rows, [b - a for a, b in zip([0, *cuts], [*cuts, m])])
+    state = _pruned_index(keys, valid, page_rows, [b - a for a, b in zip([0, *cuts], [*cuts, m])],
+                          capacity=m + 40 if capacity else None)
     query = torch.randn(B, G, hq, D, generator=g) * 2
     query[:, :, 0] = keys[:, :, int(torch.randint(0, m, (1,), generator=g))] * 0.7  # aligned with an archived key
     exact = SCALING * torch.einsum("bghd,bgmd->bghm", query, keys).masked_fill(~valid[:, :, None], float("-inf"))
@@ -121,8 +125,9 @@ def test_no_skipped_row_scores_above_the_floor(kind, page_rows, m, hq, D, chunks
         floor = exact.gather(-1, pick)[..., 0].nan_to_num(neginf=0.0)
         if floor_at.endswith("down"):
             floor = torch.nextafter(floor, torch.full_like(floor, float("-inf")))
-    live = _live(state, query, floor)
-    assert live.shape == (B, G, -(-m // page_rows))
+    live = _live(state, query, floor, int8_page_live_reference if reference else int8_page_live)
+    assert live.shape == (B, G, -(-(m + (40 if capacity else 0)) // page_rows))
+    assert not live[:, :, -(-m // page_rows):].any()  # spare slots hold no row
     violations, _ = _violations(keys, valid, query, floor, live, page_rows)
     assert violations == 0
 
@@ -146,7 +151,39 @@ def test_clustered_pages_are_skipped_and_never_wrongly():
     assert live[:, :, 0].all()  # the page of the key the query is aligned with
 
 
-# --- the op: native against reference, and the rule over the live pages -------------------------------------------
+# --- the ops: native against reference, and the rule over the live pages ------------------------------------------
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("B", "G", "hq", "D", "pages", "size", "spare"), [
+    (1, 3, 3, 64, 300, 16, 0), (2, 3, 9, 64, 45, 16, 7), (2, 1, 5, 128, 20, 3, 0), (1, 2, 1, 8, 4, 4, 2),
+])
+def test_page_flags_of_the_c_loop_match_the_reference(B, G, hq, D, pages, size, spare, threads, threads_at_any_size):
+    """The same flags wherever a bound is not within rounding of its threshold; empty pages, pages past the length
+    and pages of an infinite key as the reference has them."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(4)
+    m = pages * size
+    keys = torch.randn(B, G, m, D, generator=g) * torch.exp(torch.randn(B, G, m, 1, generator=g))
+    valid = torch.rand(B, G, m, generator=g) > 0.05
+    valid[:, :, :size] = False  # the first page: padding only (empty)
+    state = _pruned_index(keys, valid, size, [m], capacity=m + spare * size)
+    summary = state.pages
+    codes, scale, empty = summary.reading("codes"), summary.reading("scale").clone(), summary.reading("empty")
+    scale[:, :, 1] = float("inf")  # a page of an infinite key: live whatever the threshold
+    q = torch.randn(B, G, hq, D, generator=g)
+    bounds = int8_page_bounds(q, codes, scale, SCALING)
+    threshold = bounds[..., 2:pages].quantile(0.8, dim=-1) + 0.01 * torch.randn(B, G, hq, generator=g)
+    length = torch.tensor([pages] + [max(1, pages // 2)] * (B - 1))
+    got = int8_page_live(q, codes, scale, empty, threshold, SCALING, length=length)
+    want = int8_page_live_reference(q, codes, scale, empty, threshold, SCALING, length=length)
+    near = (((bounds - threshold[..., None]).abs() <= 1e-4 * (1 + bounds.abs())) & bounds.isfinite()).any(2)
+    assert got.dtype == torch.bool and got.shape == want.shape == (B, G, pages + spare)
+    assert torch.equal(got[~near], want[~near]) and (~near).float().mean() > 0.9
+    assert not got[:, :, 0].any() and not got[..., pages:].any()  # empty; spare slots
+    assert got[:, :, 1][(length > 1).view(B, 1).expand(B, G)].all()  # an infinite key's page, below the length
+    assert 0 < int(got.sum()) < int((~empty).sum())  # some live, some dead
 
 
 def _int8(B, G, m, D, seed):
@@ -282,14 +319,47 @@ def test_the_op_refuses_bad_pruning_inputs_before_reading():
                             args["page_rows"], args["scanned"])
 
 
+def _page_inputs():
+    g = torch.Generator().manual_seed(8)
+    keys = torch.randn(1, 2, 40, 16, generator=g)
+    state = _pruned_index(keys, torch.ones(1, 2, 40, dtype=torch.bool), 4, [40])
+    pages = state.pages
+    return (torch.randn(1, 2, 3, 16, generator=g), pages.get("codes"), pages.get("scale"), pages.get("empty"),
+            torch.tensor([7]), torch.zeros(1, 2, 3))
+
+
 @needs_compiler
-def test_the_extended_op_passes_opcheck():
-    """Its schema (``scanned`` declared mutated), its Meta impl and AOT dispatch."""
+def test_the_page_flags_op_refuses_bad_inputs_before_reading():
+    ops = cpu_native.library()
+    args = _page_inputs()
+    q, codes, scale, empty, length, thr = args
+    bad = [
+        ({1: codes[..., :16]}, r"codes must have shape \[1, 2, 10, 32\]"),
+        ({2: scale.double()}, "scale must be Float"),
+        ({3: empty.to(torch.uint8)}, "empty must be Bool"),
+        ({3: empty[:, :, :9]}, r"empty must have shape \[1, 2, 10\]"),
+        ({5: thr[..., :2]}, r"threshold must have shape \[1, 2, 3\]"),
+        ({5: thr.long()}, "threshold must be a float tensor"),
+        ({4: torch.tensor([1, 2])}, r"length must have shape \[1\]"),
+        ({0: q[..., :12], 1: codes[..., :24]}, "a multiple of 8"),
+        ({1: codes.transpose(2, 3).contiguous().transpose(2, 3)}, "codes need each group's pages contiguous"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=r"kvzoo::int8_page_live: .*" + message):
+            ops.int8_page_live(*(change.get(i, a) for i, a in enumerate(args)), SCALING, 0.0025)
+
+
+@needs_compiler
+def test_the_extended_ops_pass_opcheck():
+    """Their schemas (``scanned`` declared mutated), Meta impls and AOT dispatch."""
     ops = cpu_native.library()
     q, codes, side, thr, live, _ = _bad_inputs()
     args = (q, codes, side, torch.tensor([33]), thr, 4, 40, SCALING, SKETCH_SLACK, torch.tensor(0), live, 4,
             torch.tensor(0))
     result = torch.library.opcheck(ops.int8_choose, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+    q, codes, scale, empty, length, thr = _page_inputs()
+    result = torch.library.opcheck(ops.int8_page_live, (q, codes, scale, empty, length, thr, SCALING, 0.0025))
     assert set(result.values()) == {"SUCCESS"}, result
 
 

@@ -353,6 +353,23 @@ def test_builds_without_avx512_match_the_references(march, monkeypatch):
         got = int8_choose(q, codes, side, threshold, 8, 90, 0.125, scanned=scanned, **pages)
         want = int8_choose_reference(q, codes, side, threshold, 8, 90, 0.125, scanned=ref_scanned, **pages)
         assert all(torch.equal(a, b) for a, b in zip(got, want)) and int(scanned) == int(ref_scanned) > 0
+    # the page flags (the int8 loop on [hi, lo] codes): the reference's, where no bound is within rounding of its floor
+    from kvzoo.kernels.index_scan import (
+        int8_page_bounds,
+        int8_page_entries,
+        int8_page_live,
+        int8_page_live_reference,
+    )
+
+    keys = torch.randn(2, 3, 40, 16, 64, generator=g)
+    page_codes, page_scale = int8_page_entries(keys.amin(3), keys.amax(3))
+    empty = torch.zeros(2, 3, 40, dtype=torch.bool)
+    bounds = int8_page_bounds(q, page_codes, page_scale, 0.125)
+    floor = bounds.quantile(0.7, dim=-1)
+    near = ((bounds - floor[..., None]).abs() <= 1e-4 * (1 + bounds.abs())).any(2)
+    got = int8_page_live(q, page_codes, page_scale, empty, floor, 0.125)
+    want = int8_page_live_reference(q, page_codes, page_scale, empty, floor, 0.125)
+    assert torch.equal(got[~near], want[~near])
 
 
 # --- the retrievers on a CPU decode step -------------------------------------------------------------------------------

@@ -457,7 +457,21 @@ def int8_page_live(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
     """Pruning's page flags, bool ``[B, G, p]``: a page is dead (False) when its bound (:func:`int8_page_bounds`, on
     the page summary's ``codes``/``scale``, ``>=`` the score of every key of the page) is ``<= threshold [B, G, hq]``
     for every query row of its group -- then no row of the page scores above the threshold -- or when it holds no
-    row (``empty``, and pages ``>= length[b]``). A NaN bound or threshold leaves the page live."""
+    row (``empty``, and pages ``>= length[b]``). A NaN bound or threshold leaves the page live. On CPU tensors one
+    call of the C loop (:mod:`kvzoo.kernels.cpu_native`), elsewhere :func:`int8_page_live_reference`; they agree up
+    to fp32 rounding of the dots, which :data:`PAGE_SLACK` covers either way (a bound within rounding of its
+    threshold may go either way; both are certified)."""
+    from kvzoo.kernels import cpu_native
+
+    if mode() != "torch" and cpu_native.int8_page_live_supported(query, codes, scale, empty, threshold):
+        return cpu_native.int8_page_live(query, codes, scale, empty, threshold, scaling, PAGE_SLACK * 128, length)
+    return int8_page_live_reference(query, codes, scale, empty, threshold, scaling, length=length)
+
+
+def int8_page_live_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, empty: torch.Tensor,
+                             threshold: torch.Tensor, scaling: float, *,
+                             length: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int8_page_live` in PyTorch (the specification of the C loop)."""
     bounds = int8_page_bounds(query, codes, scale, scaling, length=length)  # [B, G, hq, p]
     dead = (bounds <= threshold.float()[..., None]).all(2) | empty
     if length is not None:

@@ -359,3 +359,86 @@ KV_EXPORT int kvzoo_int8_choose(const float *q, const int8_t *codes, const uint1
                                    j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, scaling, slack, threads,
                                    NULL, 0, 0, 0, 0, NULL);
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+   pruning's page flags: the int8 page summaries' certified bound against the floor (kvzoo.kernels.index_scan's
+   int8_page_live_reference is the specification)
+   ------------------------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    const float *q;
+    const int8_t *codes;
+    const float *scale;
+    const uint8_t *empty;
+    const int64_t *length;
+    const float *threshold;
+    uint8_t *live; /* [B, G, P] */
+    int64_t G, hq, D, P, codes_sb, codes_sg, scale_sb, scale_sg, scale_sp, empty_sb, empty_sg, empty_sp;
+    float scaling, slack;
+} PageScan;
+
+static void page_live_group(void *ctx, int64_t bg) {
+    const PageScan *c = (const PageScan *)ctx;
+    static const uint16_t ones[16] = {0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00,
+                                      0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00}; /* fp16 1.0 */
+    int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, D = c->D, W = 2 * D, P = c->P;
+    const float *qg = c->q + bg * hq * D, *thr = c->threshold + bg * hq;
+    const int8_t *cg = c->codes + b * c->codes_sb + g * c->codes_sg;
+    const float *sg = c->scale + b * c->scale_sb + g * c->scale_sg;
+    const uint8_t *eg = c->empty + b * c->empty_sb + g * c->empty_sg;
+    uint8_t *out = c->live + bg * P;
+    float *rows = (float *)malloc(hq * W * sizeof(float)); /* [max(q, 0), min(q, 0)]: the dot with [hi, lo] codes */
+    float slack[MAX_HQ], dots[MAX_HQ * 16];
+    if (!rows) { /* no room: every page live (nothing skipped is always certified) */
+        for (int64_t p = 0; p < P; p++) out[p] = 1;
+        return;
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        float l1 = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            float x = qg[h * D + d];
+            rows[h * W + d] = x > 0.0f ? x : 0.0f;
+            rows[h * W + D + d] = x < 0.0f ? x : 0.0f;
+            l1 += fabsf(x);
+        }
+        slack[h] = c->slack * l1;
+    }
+    int64_t pages = live_rows(c->length, b, P);
+    for (int64_t i = 0; i < pages; i += 16) {
+        int64_t count = pages - i < 16 ? pages - i : 16;
+        int8_block(rows, hq, W, cg + i * W, ones, 1, 1.0f, count, dots); /* the raw dots: scale 1, scaling 1 */
+        for (int64_t r = 0; r < count; r++) {
+            int64_t p = i + r;
+            float s = sg[p * c->scale_sp];
+            uint8_t alive = 0;
+            if (!eg[p * c->empty_sp]) {
+                if (!isfinite(s)) alive = 1; /* an infinite key: the bound is +inf */
+                for (int64_t h = 0; h < hq && !alive; h++) {
+                    float bound = ((dots[h * 16 + r] + slack[h]) * s) * c->scaling;
+                    alive = !(bound <= thr[h]); /* a NaN bound or threshold: live */
+                }
+            }
+            out[p] = alive;
+        }
+    }
+    for (int64_t p = pages; p < P; p++) out[p] = 0;
+    free(rows);
+}
+
+/* live[b, g, p] (0/1): page p of group (b, g) holds rows (not empty[.], p < length[b]) and its bound
+       ((dot([max(q_h, 0), min(q_h, 0)], codes[p]) + slack * ||q_h||_1) * scale[p]) * scaling
+   is not <= threshold[b, g, h] for some query row h -- Quest's bound on the int8 page summary (codes [B, G, P, 2 D]:
+   each page's [hi, lo] codes, rows contiguous; scale [B, G, P] fp32, +inf: every row bounded by +inf); slack covers
+   the dot's fp32 rounding in any summation order. q [B, G, hq, D] and threshold [B, G, hq] fp32 contiguous. */
+KV_EXPORT int kvzoo_int8_page_live(const float *q, const int8_t *codes, const float *scale, const uint8_t *empty,
+                                   const int64_t *length, const float *threshold, uint8_t *live, int64_t B, int64_t G,
+                                   int64_t hq, int64_t D, int64_t P, int64_t codes_sb, int64_t codes_sg,
+                                   int64_t scale_sb, int64_t scale_sg, int64_t scale_sp, int64_t empty_sb,
+                                   int64_t empty_sg, int64_t empty_sp, float scaling, float slack, int64_t threads) {
+    if (hq > MAX_HQ || 2 * D > MAX_D || D % LANES != 0) return 1;
+    PageScan c = {q,       codes,    scale,    empty,    length,   threshold, live,     G,       hq,
+                  D,       P,        codes_sb, codes_sg, scale_sb, scale_sg,  scale_sp, empty_sb, empty_sg,
+                  empty_sp, scaling, slack};
+    run_items(page_live_group, &c, B * G, threads);
+    return 0;
+}

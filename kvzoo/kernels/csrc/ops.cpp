@@ -217,6 +217,42 @@ Staged int8_choose(const Tensor &query, const Tensor &codes, const Tensor &side,
     return out;
 }
 
+/* pruning's page flags over the int8 page summaries (csrc/int8_scan.cpp): bool [B, G, P] */
+template <bool meta>
+Tensor int8_page_live(const Tensor &query, const Tensor &codes, const Tensor &scale, const Tensor &empty_pages,
+                      const Maybe &length, const Tensor &threshold, double scaling, double slack) {
+    const char *op = "int8_page_live";
+    if (!meta) on_cpu(op, {&query, &codes, &scale, &empty_pages, &threshold, length ? &*length : nullptr});
+    KV_CHECK(query.dim() == 4 && codes.dim() == 4, "query must be [B, G, hq, D] and codes [B, G, P, 2 D], got ",
+             query.sizes(), " and ", codes.sizes());
+    int64_t B = query.size(0), G = query.size(1), hq = query.size(2), D = query.size(3), P = codes.size(2);
+    shape_is(op, "codes", codes, {B, G, P, 2 * D});
+    shape_is(op, "scale", scale, {B, G, P});
+    shape_is(op, "empty", empty_pages, {B, G, P});
+    shape_is(op, "threshold", threshold, {B, G, hq});
+    dtype_is(op, "query", query, at::kFloat);
+    dtype_is(op, "codes", codes, at::kChar);
+    dtype_is(op, "scale", scale, at::kFloat);
+    dtype_is(op, "empty", empty_pages, at::kBool);
+    KV_CHECK(at::isFloatingType(threshold.scalar_type()), "threshold must be a float tensor, got ",
+             threshold.scalar_type());
+    KV_CHECK(hq <= MAX_HQ && 2 * D <= MAX_D && D % LANES == 0, "query rows per group hq <= ", MAX_HQ,
+             " and 2 D <= ", MAX_D, " with D a multiple of ", LANES, ", got hq=", hq, ", D=", D);
+    KV_CHECK(codes.stride(3) == 1 && (P <= 1 || codes.stride(2) == 2 * D), "codes need each group's pages "
+             "contiguous, got strides ", codes.strides());
+    Maybe lengths = lengths_of(op, length, B);
+    Tensor out = make({B, G, P}, at::kBool, query);
+    if (meta) return out;
+    Tensor q = query.contiguous(), thr = threshold.to(at::kFloat).contiguous();
+    ran(op, kvzoo_int8_page_live(q.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                 (const uint8_t *)empty_pages.data_ptr(), ptr<int64_t>(lengths), thr.data_ptr<float>(),
+                                 (uint8_t *)out.data_ptr(), B, G, hq, D, P, codes.stride(0), codes.stride(1),
+                                 scale.stride(0), scale.stride(1), scale.stride(2), empty_pages.stride(0),
+                                 empty_pages.stride(1), empty_pages.stride(2), (float)scaling, (float)slack,
+                                 threads_for(B * G * P * 2 * D)));
+    return out;
+}
+
 /* ------------------------------------------------------------------------------------------------------------
    VestigeKV's top-j rule over its sketch, csrc/sketch_choose.cpp
    ------------------------------------------------------------------------------------------------------------ */
@@ -507,6 +543,8 @@ KV_LIBRARY(KVZOO_NS, m) {
     m.def("int8_choose(Tensor query, Tensor codes, Tensor side, Tensor? length, Tensor threshold, int j, int archived, "
           "float scaling, float slack, Tensor(a!)? counter=None, Tensor? page_live=None, int page_rows=0, "
           "Tensor(b!)? scanned=None) -> (Tensor, Tensor, Tensor)");
+    m.def("int8_page_live(Tensor query, Tensor codes, Tensor scale, Tensor empty, Tensor? length, Tensor threshold, "
+          "float scaling, float slack) -> Tensor");
     m.def("sketch_choose(Tensor query, Tensor basis, Tensor entries, Tensor? length, Tensor floor, int j, "
           "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None) "
           "-> (Tensor, Tensor, Tensor)");
@@ -527,6 +565,7 @@ KV_LIBRARY(KVZOO_NS, m) {
 KV_LIBRARY_IMPL(KVZOO_NS, CPU, m) {
     m.impl("int8_estimate", &int8_estimate<false>);
     m.impl("int8_choose", &int8_choose<false>);
+    m.impl("int8_page_live", &int8_page_live<false>);
     m.impl("sketch_choose", &sketch_choose<false>);
     m.impl("quest_choose", &quest_choose<false>);
     m.impl("quest_page_add", &quest_page_add<false>);
@@ -536,6 +575,7 @@ KV_LIBRARY_IMPL(KVZOO_NS, CPU, m) {
 KV_LIBRARY_IMPL(KVZOO_NS, Meta, m) {
     m.impl("int8_estimate", &int8_estimate<true>);
     m.impl("int8_choose", &int8_choose<true>);
+    m.impl("int8_page_live", &int8_page_live<true>);
     m.impl("sketch_choose", &sketch_choose<true>);
     m.impl("quest_choose", &quest_choose<true>);
     m.impl("quest_page_add", &quest_page_add<true>);
