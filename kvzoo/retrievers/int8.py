@@ -188,7 +188,7 @@ class Int8KeyIndex(EntryIndex):
             # live pages' entries (the op adds them)
             scanned = torch.full((), B * G * self.summary.entries() * self.page_bytes, dtype=torch.long,
                                  device=q.device)
-            self.page_live = page_live
+        self.page_live = page_live  # this step's (the audit reads them)
         idx, picked, count = int8_choose(q, codes, rows.reading("side"), floor, min(config.j, m), archive.rows or m,
                                          scaling, length=rows.length.expand(B) if rows.fixed else None,
                                          counter=counter, page_live=page_live,
