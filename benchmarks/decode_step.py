@@ -223,6 +223,21 @@ def index_mib_per_step(cache) -> float:
     return sum(layer.last_step.get("index_bytes_scanned", 0) for layer in cache.stats().layers) / 2**20
 
 
+def pages_skipped(cache) -> float | None:
+    """The fraction of page summaries holding rows whose int8 entries the latest step did not read (a pruned int8
+    index, ``/index=int8/prune=True``; issue 47), over every layer; None without pruning."""
+    skipped = held = 0
+    for layer in getattr(cache, "tiered_layers", ()):
+        index = layer.store.archive.index
+        live = getattr(index, "page_live", None)
+        if live is None:
+            continue
+        holding = ~index.pages.reading("empty")[..., : live.shape[-1]]  # unused slots of a fixed summary are empty
+        held += int(holding.sum())
+        skipped += int((holding & ~live).sum())
+    return skipped / held if held else None
+
+
 def weights_mib(model) -> float:
     """MiB of parameters a decode step reads: all of them but the input embedding's table (one row of it), unless
     the LM head is that very table (tied: read whole)."""
@@ -394,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             results[arm]["index_mib_per_step"] = index_mib_per_step(runs[arm][1])
             results[arm]["step_mib"] = step_bytes(runs[arm][1])
             results[arm]["untiered_mib_per_step"] = untiered_mib(runs[arm][1])
+            if pages_skipped(runs[arm][1]) is not None:
+                results[arm]["pages_skipped"] = pages_skipped(runs[arm][1])
             results[arm]["weights_mib"] = weights_mib(runs[arm][0])
             results[arm]["bound_mib_per_step"] = (results[arm]["weights_mib"] + (results[arm]["kv_mib_per_step"] or 0.0)
                                                   + results[arm]["untiered_mib_per_step"])
@@ -434,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(cells) + " |")
         rows.append({**r, "model": args.model, "context": args.context, "steps": args.steps, "torch": torch.__version__,
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "profile": profiles.get(arm)})
+    for arm in arms:
+        if "pages_skipped" in results[arm]:
+            print(f"{arm}: the latest step skipped {100 * results[arm]['pages_skipped']:.1f} % of the int8 index's "
+                  "pages (their entries not read)")
     if profiles:
         bw = read_bandwidth()
         print(f"\nParts of a step (1 thread, thread CPU ms per step over all layers); read bandwidth now {bw:.1f} GB/s; "

@@ -8,6 +8,8 @@ measures and its options:
 * ``vestige-runtime``: VestigeKV / Quest costs on the tiny MLA models: selector time, rows fetched, bytes, step time.
 * ``quest-page``: how often ``quest(rule="eval")``'s pages differ from the reference evaluation rule's.
 * ``chunkkv-reuse``: ChunkKV's compression step with and without layer-wise index reuse.
+* ``vestige-prune``: VestigeKV's int8 index pruned by page summaries on SmolLM2: pages skipped, bytes, the audit.
+* ``vestige-prune-needle``: the 2k needle grid with VestigeKV's int8 index pruned: the same answers?
 
 Heavy imports (torch, kvzoo) happen inside each probe, so ``--help`` is instant.
 """
@@ -764,6 +766,153 @@ def _chunkkv_reuse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="also write the figures here")
 
 
+# -------------------------------------------------------------------------------------------------------- vestige-prune
+
+
+def vestige_prune(args: argparse.Namespace) -> int:
+    """Issue 47: VestigeKV's int8 index pruned by its page summary (``prune=True``) on SmolLM2's real rows, audited.
+
+        .venv/bin/python benchmarks/probe.py vestige-prune [--context 8192] [--ratios 8 32 128] [--json FILE]
+
+    One dense prefill of ``--context`` tokens of essay text (the last 64 run under each arm's policy, as
+    benchmarks/decode_step.py does), then per ratio two arms from the same rows: VestigeKV with the int8 index as it
+    is, and with ``prune=True`` under the audit (every archived row scored exactly each step). ``--steps`` greedy
+    decode steps each. Per ratio: the index MiB a step read (the last step, all layers) without and with pruning,
+    the rows fetched, and the audit's figures over the steps: ``pruning_violations`` (a skipped row scoring above
+    s* - j_margin, for some head: must be 0) of ``pruning_audited`` (row, head) pairs, ``page_bound_violations`` (a
+    page bound below its page's best exact score: must be 0), the pages holding a row, those skipped, and those a
+    perfect page bound could skip (``pages_prunable``: every row <= s* - j_margin for every head).
+    """
+    import dataclasses
+
+    import torch
+
+    from kvzoo import TieredCache, registry
+    from kvzoo.haystacks import haystack_sentences
+    from kvzoo.models import load_model
+    from kvzoo.retrievers.vestige import VestigeRetriever
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model("smollm2-135m")
+    sentences = haystack_sentences("essay", args.seed)
+    ids: list[int] = []
+    while len(ids) < args.context:
+        ids += tokenizer(next(sentences) + " ", add_special_tokens=False)["input_ids"]
+    prompt = torch.tensor([ids[: args.context]])
+    tail = 64
+    head = args.context - tail
+    commit = git_commit()  # the code this process runs (HEAD may move while it does)
+    figures = ("pruning_violations", "pruning_audited", "page_bound_violations", "page_bounds_audited", "pages",
+               "pages_skipped", "pages_prunable", "rows_skipped", "rows_above_floor", "rows_audited")
+    rows = []
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        shared = TieredCache(model, "full", context_length=args.context, record_window=tail)
+        for start in range(0, head, 1024):
+            model(input_ids=prompt[:, start : min(head, start + 1024)], cache=shared, use_cache=True,
+                  logits_to_keep=1)
+        print(f"# shared prefill of {head} tokens: {time.perf_counter() - t0:.0f} s", flush=True)
+        for ratio in args.ratios:
+            out: dict[str, Any] = {"probe": "vestige-prune", "model": "smollm2-135m", "context": args.context,
+                                   "ratio": ratio, "page_rows": args.page_rows, "steps": args.steps,
+                                   "seed": args.seed, "commit": commit}
+            for prune in (False, True):
+                retriever = VestigeRetriever(index="int8", prune=prune, **({"page_rows": args.page_rows} if prune else {}))
+                shared.runtime.audit = prune  # the arm's retrieval audits (transplant takes the source's setting)
+                cache = shared.transplant(registry.get("vestige", ratio=ratio, retriever=retriever),
+                                          context_length=args.context)
+                token = model(input_ids=prompt[:, head:], cache=cache, use_cache=True,
+                              logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                cache.compress()
+                before = cache.stats().totals
+                for _ in range(args.steps):
+                    token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                stats = cache.stats()
+                totals = stats.totals
+                arm = "pruned" if prune else "int8"
+                out[f"{arm}_index_mib_per_step"] = sum(layer.last_step.get("index_bytes_scanned", 0)
+                                                       for layer in stats.layers) / 2**20
+                out[f"{arm}_fetched_rows_per_step"] = (totals["fetched_rows"] - before["fetched_rows"]) / args.steps
+                if prune:
+                    out.update({k: totals.get(k, 0) - before.get(k, 0) for k in figures})
+                    out["retriever"] = dataclasses.asdict(retriever)
+                cache.close()
+                del cache
+            out["pages_skipped_fraction"] = out["pages_skipped"] / max(1, out["pages"])
+            out["pages_prunable_fraction"] = out["pages_prunable"] / max(1, out["pages"])
+            out["index_bytes_ratio"] = out["pruned_index_mib_per_step"] / out["int8_index_mib_per_step"]
+            if out.get("rows_audited"):
+                out["rows_above_floor_fraction"] = out["rows_above_floor"] / out["rows_audited"]
+            rows.append(out)
+            print(json.dumps(out), flush=True)
+        shared.close()
+    print("\n| context | ratio | pages skipped | a perfect page bound could skip | violations / audited (row, head) "
+          "| page bound violations | index MiB/step: int8 | pruned | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['ratio']:g}x | {r['pages_skipped_fraction']:.3f} | "
+              f"{r['pages_prunable_fraction']:.3f} | {r['pruning_violations']} / {r['pruning_audited']} | "
+              f"{r['page_bound_violations']} / {r['page_bounds_audited']} | {r['int8_index_mib_per_step']:.1f} | "
+              f"{r['pruned_index_mib_per_step']:.1f} | {r['index_bytes_ratio']:.2f} |")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+class _PrunedPlugin:
+    """A plugin registering ``vestige_pruned``: VestigeKV's retriever with the int8 index pruned (``prune=True``)."""
+
+    @staticmethod
+    def kvzoo_retrievers():
+        from dataclasses import dataclass
+        from typing import ClassVar
+
+        from kvzoo.retrievers.vestige import VestigeRetriever
+
+        @dataclass
+        class PrunedVestigeRetriever(VestigeRetriever):
+            index: str = "int8"
+            prune: bool = True
+            name: ClassVar[str] = "vestige_pruned"
+
+        return [PrunedVestigeRetriever]
+
+
+def vestige_prune_needle(args: argparse.Namespace) -> int:
+    """Issue 47: the 2k needle grid of docs/results/needle_2k.jsonl with VestigeKV's int8 index pruned.
+
+        .venv/bin/python benchmarks/probe.py vestige-prune-needle --out FILE
+
+    ``kvzoo leaderboard --model smollm2-135m --policies full 'vestige(retriever=vestige_pruned)' --ratios 8 16 32
+    --context-tokens 2000 --depths 0.1 0.3 0.5 0.7 0.9 --continuation-tokens 32``, where ``vestige_pruned`` (registered
+    here as a plugin) is ``VestigeRetriever(index="int8", prune=True)``: the same answers as the unpruned grid?
+    """
+    from kvzoo import cli, registry
+    from kvzoo.hookspecs import hookimpl
+
+    plugin = _PrunedPlugin()
+    hookimpl(plugin.kvzoo_retrievers)  # marks the function
+    registry.register_plugin(plugin, name="vestige_pruned")
+    return cli.main(["leaderboard", "--model", "smollm2-135m", "--policies", "full", "vestige(retriever=vestige_pruned)",
+                     "--ratios", "8", "16", "32", "--context-tokens", "2000", "--depths", "0.1", "0.3", "0.5", "0.7",
+                     "0.9", "--continuation-tokens", "32", "--out", args.out, "--no-plots"])
+
+
+def _vestige_prune_needle_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="the leaderboard's results JSONL")
+
+
+def _vestige_prune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--ratios", type=float, nargs="+", default=[8, 32, 128])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--page-rows", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="the essay text's seed")
+    p.add_argument("--json", help="append one JSON line per ratio here")
+
+
 PROBES = {  # name -> (one line, its options, what it runs)
     "vestige-answer": ("why VestigeKV misses a task full answers: lost at eviction, or not fetched back?",
                        _vestige_answer_args, vestige_answer),
@@ -777,6 +926,10 @@ PROBES = {  # name -> (one line, its options, what it runs)
                    _quest_page_args, quest_page),
     "chunkkv-reuse": ("ChunkKV's compression step with and without layer-wise index reuse",
                       _chunkkv_reuse_args, chunkkv_reuse),
+    "vestige-prune": ("VestigeKV's int8 index pruned by page summaries on SmolLM2: pages skipped, bytes, audit",
+                      _vestige_prune_args, vestige_prune),
+    "vestige-prune-needle": ("the 2k needle grid with VestigeKV's int8 index pruned: the same answers?",
+                             _vestige_prune_needle_args, vestige_prune_needle),
 }
 
 

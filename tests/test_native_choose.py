@@ -21,6 +21,9 @@ from kvzoo.kernels.choose import (
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
     SKETCH_SLACK_FP16,
+    int8_choose,
+    int8_choose_reference,
+    int8_key_entries,
     round_entries_fp16,
     sketch_entries,
 )
@@ -341,6 +344,33 @@ def test_builds_without_avx512_match_the_references(march, monkeypatch):
         want = quest_choose_reference(q, page_rows, empty, live, positions, 3, 4, positions.shape[2], 0.7,
                                       per_head=per_head)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the int8 scan (AVX2 and portable loops), whole and pruned by page flags (issue 47)
+    g = torch.Generator().manual_seed(9)
+    codes, side = int8_key_entries(torch.randn(2, 3, 90, 64, generator=g))
+    q, threshold = torch.randn(2, 3, 3, 64, generator=g), torch.randn(2, 3, 3, generator=g)
+    for page_live in (None, torch.rand(2, 3, 6, generator=g) < 0.5):
+        pages = {"page_live": page_live, "page_rows": 16 if page_live is not None else 0}
+        scanned, ref_scanned = torch.tensor(0), torch.tensor(0)
+        got = int8_choose(q, codes, side, threshold, 8, 90, 0.125, scanned=scanned, **pages)
+        want = int8_choose_reference(q, codes, side, threshold, 8, 90, 0.125, scanned=ref_scanned, **pages)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and int(scanned) == int(ref_scanned) > 0
+    # the page flags (the int8 loop on [hi, lo] codes): the reference's, where no bound is within rounding of its floor
+    from kvzoo.kernels.index_scan import (
+        int8_page_bounds,
+        int8_page_entries,
+        int8_page_live,
+        int8_page_live_reference,
+    )
+
+    keys = torch.randn(2, 3, 40, 16, 64, generator=g)
+    page_codes, page_scale = int8_page_entries(keys.amin(3), keys.amax(3))
+    empty = torch.zeros(2, 3, 40, dtype=torch.bool)
+    bounds = int8_page_bounds(q, page_codes, page_scale, 0.125)
+    floor = bounds.quantile(0.7, dim=-1)
+    near = ((bounds - floor[..., None]).abs() <= 1e-4 * (1 + bounds.abs())).any(2)
+    got = int8_page_live(q, page_codes, page_scale, empty, floor, 0.125)
+    want = int8_page_live_reference(q, page_codes, page_scale, empty, floor, 0.125)
+    assert torch.equal(got[~near], want[~near])
 
 
 # --- the retrievers on a CPU decode step -------------------------------------------------------------------------------

@@ -55,6 +55,9 @@ def _policies() -> dict[str, tuple[str, dict]]:
     out["vestige-sketch"] = _sized("vestige", retriever=registry.build_retriever("vestige", index="sketch"))
     out["vestige-paged"] = _sized("vestige", retriever=_paged())  # pages scanned first; a row a step joins the open page
     out["streaming_llm-paged"] = _sized("streaming_llm", retriever=_paged())
+    # issue 47: the int8 index's page summary scanned first, the dead pages' entries skipped, the bytes counted
+    out["vestige-pruned"] = _sized("vestige", retriever=registry.build_retriever("vestige", index="int8", prune=True,
+                                                                                 page_rows=4))
     return out
 
 
@@ -74,7 +77,7 @@ def _pages(policy) -> bool:
 def _runs_on(name: str, policy, family: str) -> bool:
     """The policy's layouts cover the family's rows (a paged index is for GQA rows only)."""
     layout = adapter_class(model_type_of(_model(family))).layout
-    return layout in policy.layouts and (layout == "gqa" or not name.endswith("-paged"))
+    return layout in policy.layouts and (layout == "gqa" or not name.endswith(("-paged", "-pruned")))
 
 
 @functools.cache
@@ -102,6 +105,7 @@ def _owned(cache: TieredCache) -> dict[str, int]:
                 out[f"{layer.layer_idx}.{where}.length"] = rows.length.data_ptr()
         out[f"{layer.layer_idx}.seen"] = layer.counts.seen_dev.data_ptr()
         out[f"{layer.layer_idx}.fetched"] = layer.counts.fetched_rows.data_ptr()
+        out[f"{layer.layer_idx}.index_bytes"] = layer.counts.index_bytes_counted.data_ptr()
         index = layer.store.archive.index
         for owner, attr in ((index, "rows"), (getattr(index, "summary", None), "pages")):
             index_rows = getattr(owner, attr, None)
@@ -218,7 +222,7 @@ def test_cuda_graph_off_a_gpu_names_cuda_graph_and_cuda():
         TieredCache(_model("llama"), "full", capacity=64, cuda_graph=True)
 
 
-@pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o", "quest", "vestige"])
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o", "quest", "vestige", "vestige-pruned"])
 def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
     """DecodeGraph's logic on CPU (the stand-in for the CUDA graph): which steps replay, the static inputs, and
     the host's counters advanced at each replay -- the same tokens and the same cache.stats() as eager steps."""
@@ -245,7 +249,7 @@ def test_a_graphed_decode_replays_what_an_eager_one_computes_and_counts(name):
         assert replayed_totals == eager_totals
 
 
-@pytest.mark.parametrize("name", ["full", "streaming_llm", "vestige-sketch"])
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "vestige-sketch", "vestige-pruned"])
 def test_a_graph_captured_right_after_compression_reports_each_replayed_steps_reads(name):
     """The figures of the latest step (``stats().layers[i].last_step``) after replays equal an eager run's, when the
     steps captured follow a compression (before them the latest forward was the prompt's: off the steady line)."""

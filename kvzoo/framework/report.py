@@ -26,13 +26,14 @@ def layer_stats(layer: Any) -> LayerStats:
     B, G = store.batch_groups if initialized else (0, 0)
     per_row = store.row_bytes() if initialized else 0
     fetched = _number(counts.fetched_rows)
+    index_bytes = counts.index_bytes_scanned + _number(counts.index_bytes_counted)
     info = {k: _number(v) for k, v in counts.policy_info.items()}
     fetched_bytes = fetched * per_row
     attended_bytes = B * G * per_row * counts.tier_rows_read
     if counts.retrieval_steps:  # cumulative reads of the retrieval tier, derived here from the counts
         info.update(retrieval_steps=counts.retrieval_steps, rows_scanned=counts.rows_scanned, rows_fetched=fetched,
                     fetched_bytes=fetched_bytes, attended_bytes_read=attended_bytes,
-                    index_bytes_scanned=counts.index_bytes_scanned)
+                    index_bytes_scanned=index_bytes)
     return LayerStats(
         layer=layer.layer_idx,
         seen_rows=counts.seen,
@@ -44,7 +45,7 @@ def layer_stats(layer: Any) -> LayerStats:
         dropped_rows=counts.dropped_rows,
         events=counts.events,
         fetched_rows=fetched,
-        kv_bytes_read=attended_bytes + counts.index_bytes_scanned + fetched_bytes,
+        kv_bytes_read=attended_bytes + index_bytes + fetched_bytes,
         policy_info=info,
         last_step={k: _number(v) for k, v in read_figures(counts.last_read, B * G, per_row).items()},
     )

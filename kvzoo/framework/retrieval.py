@@ -114,7 +114,7 @@ class Retrieval:
         else:
             positions = view.positions.gather(2, choice.rows)
         fetched = choice.count if choice.count is not None else choice.ok.sum()
-        self._account(layer, query, scaling, fetched, choice, view)
+        self._account(layer, query, scaling, fetched, choice, view, best)
         rows = store.rows
         width = None if "values" in rows.buffers else store.latent_width
         pool_valid = None if store.all_valid else rows.buffers["valid"]  # padding rows are never fetched
@@ -156,26 +156,31 @@ class Retrieval:
 
     # --- accounting --------------------------------------------------------------------------------------
     def _account(self, layer: KVLayer, query: torch.Tensor, scaling: float, fetched: torch.Tensor,
-                 chosen: Choice | None, view: ArchiveView) -> None:
-        """This forward's reads, in rows and entries: a few host numbers and one device count (the rows fetched,
-        already added to the layer's count when the choice's op did it); ``stats()`` derives bytes and figures from
-        them. ``chosen`` None: the dense rule, which reads the archive, not the index."""
+                 chosen: Choice | None, view: ArchiveView, best: torch.Tensor | None = None) -> None:
+        """This forward's reads, in rows and entries: a few host numbers and device counts (the rows fetched,
+        already added to the layer's count when the choice's op did it; the index bytes where the choice counted
+        them); ``stats()`` derives bytes and figures from them. ``chosen`` None: the dense rule, which reads the
+        archive, not the index."""
         index = layer.store.archive.index
         B, G = layer.store.rows.buffers["keys"].shape[:2]
         entries, index_bytes = index.scan_cost(query.shape[1] // G * query.shape[2]) if chosen is not None else (0, 0)
         entries, index_bytes = B * G * entries, B * G * index_bytes
         n = layer.store.n
         counts = layer.counts
+        if chosen is not None and chosen.index_bytes is not None:  # a data-dependent scan: its own count
+            index_bytes = chosen.index_bytes
+            counts.index_bytes_counted.add_(index_bytes)  # in place, as the fetched rows
+        else:
+            counts.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
         counts.last_read = {"tier_rows": n, "queries": query.shape[2], "rows_scanned": entries,
                             "rows_fetched": fetched, "index_bytes_scanned": index_bytes}
         counts.tier_rows_read += n
-        counts.index_bytes_scanned += index_bytes  # + the fetched rows' bytes, derived by stats()
         counts.retrieval_steps += 1
         counts.rows_scanned += entries
         if chosen is None or not chosen.counted:
             counts.fetched_rows.add_(fetched)  # in place: one device add per step, the counter's storage stays
         if self.audit and chosen is not None:
-            audit = _audit(query, scaling, index, chosen.as_mask(view.rows), view)
+            audit = _audit(query, scaling, index, chosen.as_mask(view.rows), view, best)
             counts.last_read.update(audit)
             info = counts.policy_info
             for key, value in audit.items():
@@ -195,8 +200,9 @@ def tier_best(layer: KVLayer, query: torch.Tensor, q_slots: torch.Tensor, scalin
     return scores.masked_fill(~allowed, float("-inf")).amax(dim=-1)
 
 
-def _audit(query, scaling, index, mask, view) -> dict[str, float]:
-    """Exact scores of every archived row, tile by tile: bound violations and recall of the true top rows."""
+def _audit(query, scaling, index, mask, view, s_star=None) -> dict[str, float]:
+    """Exact scores of every archived row, tile by tile: bound violations and recall of the true top rows (and, for
+    a decode step, the index's own figures: :meth:`RetrievalState.audit_step`)."""
     B, H, q_len, _ = query.shape
     G, m = view.keys.shape[1], view.keys.shape[2]
     hpg = H // G
@@ -223,6 +229,9 @@ def _audit(query, scaling, index, mask, view) -> dict[str, float]:
             fetched = mask[:, :, None, None, :].expand(B, G, hpg, t, m).reshape(B, H, t, m)
             out["recall_hits"] += int((fetched.gather(-1, true_top) & ok.gather(-1, true_top)).sum())
             out["recall_total"] += int(ok.gather(-1, true_top).sum())
+        if s_star is not None and q_len == 1:  # a decode step (one tile)
+            for key, value in index.audit_step(q_tile, s_star, scaling, exact, view.valid).items():
+                out[key] = out.get(key, 0) + value
     if index.audit_top == 0:
         del out["recall_hits"], out["recall_total"]
     return out

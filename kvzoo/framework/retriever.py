@@ -104,6 +104,9 @@ class Choice:
     count: torch.Tensor | None = None
     # ``count`` was already added to the layer's count (``ArchiveView.fetched``) by the choice's own op
     counted: bool = False
+    # the index bytes the choice read (int64 0-dim, on the device), where that depends on the data (a pruned scan);
+    # None: the index's ``scan_cost``
+    index_bytes: torch.Tensor | None = None
 
     def as_mask(self, archived: int) -> torch.Tensor:
         """The choice as bool ``[B, G, archived]`` over the archive list."""
@@ -135,6 +138,12 @@ class RetrievalState(ABC):
         if this index can (True; e.g. one row a step, in one op); False (the default): the layer gathers them and
         calls :meth:`index`."""
         return False
+
+    def audit_step(self, query: torch.Tensor, best: torch.Tensor, scaling: float, exact: torch.Tensor,
+                   valid: torch.Tensor) -> dict[str, int]:
+        """An audited decode step's figures of the index's own (``exact [B, H, 1, m]``: every archived row's exact
+        score, ``valid [B, G, m]``, ``best [B, H, 1]``: s*), added to the layer's counters: none by default."""
+        return {}
 
     @abstractmethod
     def scan_cost(self, query_rows: int) -> tuple[int, int]:

@@ -28,11 +28,13 @@ class LayerCounters:
     peak_rows: int = 0  # most rows the tier held (right after an append)
     # what the forwards read (host numbers, one add each per forward; bytes are derived by stats())
     tier_rows_read: int = 0  # tier rows attended, summed over forwards
-    index_bytes_scanned: int = 0  # index bytes scanned, summed over forwards
+    index_bytes_scanned: int = 0  # index bytes scanned, summed over forwards (from each index's scan_cost)
     retrieval_steps: int = 0  # forwards that read the retrieval tier
     rows_scanned: int = 0  # index entries they scanned (over the batch and groups)
     # rows fetched from the archive, on the rows' device
     fetched_rows: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    # index bytes scanned where the choice counted them itself (a pruned scan: data-dependent), on the rows' device
+    index_bytes_counted: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     last_read: dict[str, Any] = field(default_factory=dict)  # the latest forward's reads (stats derives its bytes)
     policy_info: dict[str, Any] = field(default_factory=dict)  # the policy's and the retriever's counters
 

@@ -107,6 +107,7 @@ class LayerStorage:
         counts = self.counts
         counts.seen_dev = torch.zeros(1, dtype=torch.long, device=device)
         counts.fetched_rows = counts.fetched_rows.to(device)
+        counts.index_bytes_counted = counts.index_bytes_counted.to(device)
         self.device = device
 
     def define_lists(self, B: int, G: int, device: torch.device, fixed: bool, *, refix: bool = False) -> None:

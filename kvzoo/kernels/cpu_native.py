@@ -103,7 +103,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "int8_scan.cpp", "decode_attend.cpp", "sketch_choose.cpp", "quest.cpp")
 COMPILE_FLAGS = ("-O3", "-Wall", "-Wextra")
 NAMESPACE = "kvzoo"  # torch.ops.kvzoo: the ops of the build library() loads
-OPS = ("int8_estimate", "int8_choose", "sketch_choose", "quest_choose", "quest_page_add", "decode_attend",
+OPS = ("int8_estimate", "int8_choose", "int8_page_live", "sketch_choose", "quest_choose", "quest_page_add", "decode_attend",
        "parallel_bytes")
 
 
@@ -255,11 +255,15 @@ def _of_dtype(tensors: tuple, dtypes: tuple) -> bool:
 
 
 def int8_estimate_supported(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int | None = None,
-                            counter: torch.Tensor | None = None) -> bool:
+                            counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None,
+                            scanned: torch.Tensor | None = None) -> bool:
     """Whether :func:`int8_estimate` takes these tensors (CPU, the dtypes and a geometry the loop handles, the
     library built here); with ``j``, whether :func:`int8_choose` does (``1 <= j <= min(MAX_J, m)``, the counter
-    :func:`counter_ok`, checked in place: one call per decode step)."""
+    and ``scanned`` :func:`counter_ok`, ``page_live`` a CPU tensor: checked in place, one call per decode step; a wrong
+    shape or dtype of ``page_live`` is the op's error, not a fallback)."""
     hq, D = query.shape[2], query.shape[3]
+    if page_live is not None and page_live.device.type != "cpu" or not counter_ok(scanned):
+        return False
     return (query.device.type == "cpu" and codes.device.type == "cpu" and side.device.type == "cpu"
             and query.dtype == torch.float32 and codes.dtype == torch.int8 and side.dtype == torch.float16
             and hq <= MAX_HQ and D <= MAX_D and D % LANES == 0 and not query.requires_grad
@@ -286,13 +290,41 @@ def counter_ok(counter: torch.Tensor | None) -> bool:
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
                 archived: int, scaling: float, slack: float, length: torch.Tensor | None,
-                counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None, page_rows: int = 0,
+                scanned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over int8 entries for a decode step, staged and counted (the torch op
     ``kvzoo::int8_choose``, ``csrc/int8_scan.cpp``; its specification
-    :func:`kvzoo.kernels.index_scan.int8_choose_reference`): one call for ~30 PyTorch ops. The caller checked
-    :func:`int8_estimate_supported` with ``j`` and ``counter``."""
+    :func:`kvzoo.kernels.index_scan.int8_choose_reference`): one call for ~30 PyTorch ops. ``page_live [B, G, p]``
+    (bool) with ``page_rows``: the rows of a page whose flag is False are not read; ``scanned`` (int64, one element)
+    += the bytes of the entries read. The caller checked :func:`int8_estimate_supported` with ``j``, ``counter``,
+    ``page_live`` and ``scanned``."""
     return (_LOADED[0] if _LOADED else library()).int8_choose(query, codes, side, length, threshold, j, archived,
-                                                              float(scaling), float(slack), counter)
+                                                              float(scaling), float(slack), counter, page_live,
+                                                              page_rows, scanned)
+
+
+def int8_page_live_supported(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, empty: torch.Tensor,
+                             threshold: torch.Tensor) -> bool:
+    """Whether :func:`int8_page_live` takes these tensors (CPU, the dtypes, a geometry the loop handles, pages
+    contiguous, no autograd, the library built here; a wrong shape is the op's error, not a fallback)."""
+    if query.dim() != 4 or codes.dim() != 4:
+        return False
+    hq, D = query.shape[2], query.shape[3]
+    return (_on_cpu((query, codes, scale, empty, threshold)) and query.dtype == torch.float32
+            and codes.dtype == torch.int8 and scale.dtype == torch.float32 and empty.dtype == torch.bool
+            and threshold.is_floating_point() and hq <= MAX_HQ and 2 * D <= MAX_D and D % LANES == 0
+            and not query.requires_grad and codes.stride(-1) == 1
+            and (codes.shape[2] <= 1 or codes.stride(2) == codes.shape[3])
+            and (_LOADED[0] is not None if _LOADED else available()))
+
+
+def int8_page_live(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, empty: torch.Tensor,
+                   threshold: torch.Tensor, scaling: float, slack: float, length: torch.Tensor | None) -> torch.Tensor:
+    """Pruning's page flags ``[B, G, P]`` (the torch op ``kvzoo::int8_page_live``, ``csrc/int8_scan.cpp``; its
+    specification :func:`kvzoo.kernels.index_scan.int8_page_live_reference`): one call for ~30 PyTorch ops. The
+    caller checked :func:`int8_page_live_supported`."""
+    return (_LOADED[0] if _LOADED else library()).int8_page_live(query, codes, scale, empty, length, threshold,
+                                                                 float(scaling), float(slack))
 
 
 # ----------------------------------------------------------------------------------------------------------------

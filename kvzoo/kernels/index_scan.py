@@ -276,14 +276,55 @@ def count_picked(picked: torch.Tensor, counter: torch.Tensor | None) -> torch.Te
     return count
 
 
+def page_rows_live(page_live: torch.Tensor, page_rows: int, m: int) -> torch.Tensor:
+    """Bool ``[B, G, m]``: row ``i``'s page (``i // page_rows``) is live in ``page_live [B, G, p]``."""
+    page = torch.div(torch.arange(m, device=page_live.device), page_rows, rounding_mode="floor")
+    return page_live.index_select(2, page)
+
+
+def _check_pages(codes: torch.Tensor, page_live: torch.Tensor | None, page_rows: int) -> None:
+    """The pruning arguments of :func:`int8_choose` (what the C op checks, said the same way)."""
+    if page_live is None:
+        if page_rows:
+            raise ValueError(f"int8_choose: page_rows={page_rows} without page_live: pass both (pruning) or neither")
+        return
+    B, G, m = codes.shape[:3]
+    if isinstance(page_rows, bool) or not isinstance(page_rows, int) or page_rows < 1:
+        raise ValueError(f"int8_choose: page_rows must be an int >= 1 (archived rows a page flag covers), "
+                         f"got {page_rows!r}")
+    pages = -(-m // page_rows)
+    if not isinstance(page_live, torch.Tensor) or page_live.dtype != torch.bool or page_live.dim() != 3 \
+            or tuple(page_live.shape[:2]) != (B, G) or page_live.shape[2] < pages:
+        got = (f"{page_live.dtype} {tuple(page_live.shape)}" if isinstance(page_live, torch.Tensor)
+               else type(page_live).__name__)
+        raise ValueError(f"int8_choose: page_live must be a bool tensor [B={B}, G={G}, p >= ceil(m / page_rows) = "
+                         f"{pages}] (a flag for every page of m={m} rows), got {got}")
+
+
 def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor,
                           j: int, archived: int, scaling: float, *, length: torch.Tensor | None = None,
-                          counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None,
+                          page_rows: int = 0,
+                          scanned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`int8_choose` in PyTorch: :func:`int8_key_estimate_reference`, each query row's top ``j``, their
     bounds (:func:`int8_bound_from`) against ``threshold``, then the group's union staged as the runtime stages a
-    choice (sorted candidates, the unchosen ones ``archived``, each chosen row flagged once) and counted."""
+    choice (sorted candidates, the unchosen ones ``archived``, each chosen row flagged once) and counted. With
+    ``page_live``, the rows of dead pages get estimate ``-inf`` (never kept: their bound is ``-inf`` too); this
+    reference still reads their codes, and counts into ``scanned`` the bytes the C op reads (the live pages' rows)."""
     B, G, hq, _ = query.shape
+    _check_pages(codes, page_live, page_rows)
+    m = codes.shape[2]
     estimate = int8_key_estimate_reference(query, codes, side, scaling, length=length)
+    if page_live is not None:
+        read = page_rows_live(page_live, page_rows, m)  # [B, G, m]
+        estimate.masked_fill_(~read[:, :, None], float("-inf"))
+        if scanned is not None:
+            if length is not None:
+                read = read & ~_beyond(length, m)
+            scanned.add_(read.sum() * (codes.shape[3] + 2 * side.shape[3]))
+    elif scanned is not None:
+        live = length.clamp(0, m).sum() * G if length is not None else B * G * m
+        scanned.add_(live * (codes.shape[3] + 2 * side.shape[3]))
     top, rows = estimate.topk(j, dim=-1)  # [B, G, hq, j]
     w = side.shape[-1]
     picked_side = side[:, :, None].expand(B, G, hq, side.shape[2], w).gather(3, rows[..., None].expand(B, G, hq, j, w))
@@ -293,30 +334,40 @@ def int8_choose_reference(query: torch.Tensor, codes: torch.Tensor, side: torch.
 
 
 def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, j: int,
-                         counter: torch.Tensor | None = None) -> bool:
+                         counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None,
+                         scanned: torch.Tensor | None = None) -> bool:
     """Whether :func:`int8_choose` runs as one kernel call for these tensors (``KVZOO_KERNELS`` not ``torch``, and
-    :func:`kvzoo.kernels.cpu_native.int8_estimate_supported` with ``j`` and the counter: one predicate per step)."""
+    :func:`kvzoo.kernels.cpu_native.int8_estimate_supported` with ``j``, the counters and the page flags: one
+    predicate per step)."""
     from kvzoo.kernels import cpu_native
 
-    return mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side, j, counter)
+    return mode() != "torch" and cpu_native.int8_estimate_supported(query, codes, side, j, counter, page_live, scanned)
 
 
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
                 archived: int, scaling: float, *, length: torch.Tensor | None = None,
-                counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None, page_rows: int = 0,
+                scanned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over int8 key entries, staged and counted: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
     Per query row its top ``j`` rows by :func:`int8_key_estimate`, each kept where its certified bound
     (:func:`int8_bound_from`) is above ``threshold [B, G, hq]`` (``s* - j_margin``); the group's candidates staged as
     :func:`unique_candidates` stages them; ``count`` added to ``counter`` in place when given. On CPU one call of the C
     loop (:func:`fused_choose_applies`), elsewhere :func:`int8_choose_reference`; they agree up to fp32 rounding of
-    the estimates (a bound within rounding of its threshold may go either way)."""
+    the estimates (a bound within rounding of its threshold may go either way).
+
+    Pruning: ``page_live [B, G, p]`` bool and ``page_rows`` (row ``i`` is in page ``i // page_rows``; ``p >= ceil(m /
+    page_rows)``): the rows of a page flagged False are left out (the C loop never reads their codes), so the choice is
+    the rule's over the live pages' rows (:func:`int8_page_live` flags the pages that may hold a row above the
+    threshold). ``scanned`` (int64, one element): ``+=`` the bytes of the entries the C loop reads, ``D + 2 w`` a row
+    (the live pages' rows below ``length``; the reference counts the same, though it reads every row)."""
     from kvzoo.kernels import cpu_native
 
-    if fused_choose_applies(query, codes, side, j, counter):
+    if fused_choose_applies(query, codes, side, j, counter, page_live, scanned):
         return cpu_native.int8_choose(query, codes, side, threshold, j, archived, scaling, SKETCH_SLACK, length,
-                                      counter)
-    return int8_choose_reference(query, codes, side, threshold, j, archived, scaling, length=length, counter=counter)
+                                      counter, page_live, page_rows, scanned)
+    return int8_choose_reference(query, codes, side, threshold, j, archived, scaling, length=length, counter=counter,
+                                 page_live=page_live, page_rows=page_rows, scanned=scanned)
 
 
 def int8_bound_from(estimate: torch.Tensor, query: torch.Tensor, side: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -399,6 +450,33 @@ def int8_page_bounds(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     if length is not None:
         bound.masked_fill_(_beyond(length, p)[:, :, None], float("-inf"))
     return bound
+
+
+def int8_page_live(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, empty: torch.Tensor,
+                   threshold: torch.Tensor, scaling: float, *, length: torch.Tensor | None = None) -> torch.Tensor:
+    """Pruning's page flags, bool ``[B, G, p]``: a page is dead (False) when its bound (:func:`int8_page_bounds`, on
+    the page summary's ``codes``/``scale``, ``>=`` the score of every key of the page) is ``<= threshold [B, G, hq]``
+    for every query row of its group -- then no row of the page scores above the threshold -- or when it holds no
+    row (``empty``, and pages ``>= length[b]``). A NaN bound or threshold leaves the page live. On CPU tensors one
+    call of the C loop (:mod:`kvzoo.kernels.cpu_native`), elsewhere :func:`int8_page_live_reference`; they agree up
+    to fp32 rounding of the dots, which :data:`PAGE_SLACK` covers either way (a bound within rounding of its
+    threshold may go either way; both are certified)."""
+    from kvzoo.kernels import cpu_native
+
+    if mode() != "torch" and cpu_native.int8_page_live_supported(query, codes, scale, empty, threshold):
+        return cpu_native.int8_page_live(query, codes, scale, empty, threshold, scaling, PAGE_SLACK * 128, length)
+    return int8_page_live_reference(query, codes, scale, empty, threshold, scaling, length=length)
+
+
+def int8_page_live_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, empty: torch.Tensor,
+                             threshold: torch.Tensor, scaling: float, *,
+                             length: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int8_page_live` in PyTorch (the specification of the C loop)."""
+    bounds = int8_page_bounds(query, codes, scale, scaling, length=length)  # [B, G, hq, p]
+    dead = (bounds <= threshold.float()[..., None]).all(2) | empty
+    if length is not None:
+        dead |= _beyond(length, codes.shape[2])
+    return dead.logical_not_()
 
 
 def page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,17 @@ import torch
 
 from kvzoo.framework.buffers import RowStore
 from kvzoo.framework.retriever import ArchiveView, Choice, RetrievalState, RowGeometry
-from kvzoo.kernels.index_scan import int8_choose, int8_key_bounds, int8_key_entries, unique_candidates
+from kvzoo.kernels.index_scan import (
+    int8_choose,
+    int8_key_bounds,
+    int8_key_entries,
+    int8_page_bounds,
+    int8_page_entries,
+    int8_page_live,
+    page_rows_live,
+    unique_candidates,
+)
+from kvzoo.retrievers.quest import PageSummary
 
 if TYPE_CHECKING:
     from kvzoo.framework.retriever import Retriever
@@ -97,12 +107,51 @@ class EntryIndex(RetrievalState):
         self.rows.repeat_batch(repeats)
 
 
+def int8_pages(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A page summary's encoding (:class:`~kvzoo.retrievers.quest.PageSummary`): key min/max as int8 codes and one
+    scale, ``2 D + 4`` bytes a page (:func:`~kvzoo.kernels.index_scan.int8_page_entries`)."""
+    codes, scale = int8_page_entries(lo, hi)
+    return {"codes": codes, "scale": scale}
+
+
 class Int8KeyIndex(EntryIndex):
-    """One entry per archived row: ``codes [D]`` int8 and ``side [scale, err, norm]`` fp16, in archive order."""
+    """One entry per archived row: ``codes [D]`` int8 and ``side [scale, err, norm]`` fp16, in archive order.
+
+    ``prune=True`` (:class:`~kvzoo.retrievers.vestige.VestigeRetriever`): also a page summary, per ``page_rows``
+    archived rows (in archive order) the min and max of their exact keys as int8 codes (Quest's page, ``2 D + 5``
+    bytes with its empty flag; the open last page rewritten as rows join it). A decode step's top-j rule first scans
+    the pages: one whose certified bound is ``<= s* - j_margin`` for every head of its group holds no row scoring above
+    ``s* - j_margin`` (the rule's floor), and its rows' int8 entries are not read
+    (:func:`~kvzoo.kernels.index_scan.int8_page_live`, then :func:`~kvzoo.kernels.index_scan.int8_choose` with the
+    page flags); the step's choice then reports the bytes it read, counted on the device."""
+
+    def __init__(self, config, geometry) -> None:
+        super().__init__(config, geometry)
+        self.summary = PageSummary(config.page_rows, int8_pages, geometry.capacity) if self._summarised() else None
+        self.page_live: torch.Tensor | None = None  # the latest pruned decode step's page flags [B, G, p] (audits)
+
+    def _summarised(self) -> bool:
+        """Whether this index keeps the page summary (pruning)."""
+        return self.config.prune
+
+    @property
+    def pages(self):
+        """The page summary's encoded pages (``codes``, ``scale``, ``empty``)."""
+        return self.summary.pages
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page summary: its codes, scale and empty flag."""
+        return sum(b.shape[-1] * b.element_size() if b.dim() > 3 else b.element_size()
+                   for b in self.pages.buffers.values())
 
     def index(self, rows, tier, archive) -> None:
         codes, side = int8_key_entries(rows["keys"])  # no basis: each row's own code, scale and error
         self._append({"codes": codes, "side": side})
+        if self.summary is not None:
+            D = rows["keys"].shape[-1]
+            self.summary.add(rows["keys"], rows["valid"],
+                             {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)})
 
     def _grouped(self, query: torch.Tensor) -> torch.Tensor:
         B, H, q_len, D = query.shape
@@ -117,8 +166,9 @@ class Int8KeyIndex(EntryIndex):
 
     def choose(self, query, best, scaling, archive) -> Choice:
         """A decode step's top-j rule by estimate is one op, :func:`~kvzoo.kernels.index_scan.int8_choose` (the scan,
-        each head's top ``j``, their bounds against ``s* - j_margin``, the group's union staged and counted). Every
-        other case: the shared rule."""
+        each head's top ``j``, their bounds against ``s* - j_margin``, the group's union staged and counted); with
+        pruning the page summary is scanned first and only the live pages' entries are read (class docstring). Every
+        other case: the shared rule over every entry."""
         config = self.config
         if config.certified or config.rank_by != "estimate" or query.shape[2] != 1:
             return super().choose(query, best, scaling, archive)
@@ -126,9 +176,64 @@ class Int8KeyIndex(EntryIndex):
         rows = self.rows
         codes = rows.reading("codes")  # a fixed index: the whole buffer, scanned with its length
         G, m = codes.shape[1], codes.shape[2]
+        q = query.float().reshape(B, G, H // G, D)
+        floor = (best - config.j_margin).reshape(B, G, H // G)
         counter = archive.fetched
-        idx, picked, count = int8_choose(query.float().reshape(B, G, H // G, D), codes, rows.reading("side"),
-                                         (best - config.j_margin).reshape(B, G, H // G), min(config.j, m),
-                                         archive.rows or m, scaling,
-                                         length=rows.length.expand(B) if rows.fixed else None, counter=counter)
-        return Choice(idx, picked, count=count, counted=counter is not None)
+        page_live = scanned = None
+        if self.summary is not None and self.pages.buffers:
+            pages = self.pages
+            page_live = int8_page_live(q, pages.reading("codes"), pages.reading("scale"), pages.reading("empty"), floor,
+                                       scaling, length=pages.length.expand(B) if pages.fixed else None)
+            # what the step reads, on the device: every page summary scanned (a fixed index: every slot), then the
+            # live pages' entries (the op adds them)
+            scanned = torch.full((), B * G * self.summary.entries() * self.page_bytes, dtype=torch.long,
+                                 device=q.device)
+        self.page_live = page_live  # this step's (the audit reads them)
+        idx, picked, count = int8_choose(q, codes, rows.reading("side"), floor, min(config.j, m), archive.rows or m,
+                                         scaling, length=rows.length.expand(B) if rows.fixed else None,
+                                         counter=counter, page_live=page_live,
+                                         page_rows=config.page_rows if page_live is not None else 0, scanned=scanned)
+        return Choice(idx, picked, count=count, counted=counter is not None, index_bytes=scanned)
+
+    def audit_step(self, query, best, scaling, exact, valid) -> dict[str, int]:
+        """Pruning's certificate, checked on a decode step's exact scores: ``pruning_violations``, the (row, head)
+        pairs of a skipped row scoring above ``s* - j_margin`` (must be 0) of ``pruning_audited`` (every valid row,
+        every head); ``page_bound_violations``, the (page, head) pairs whose bound is below the page's best exact
+        score (must be 0) of ``page_bounds_audited``; ``pages`` (holding a valid row), ``pages_skipped`` and
+        ``pages_prunable`` (those whose best row scores ``<= s* - j_margin`` for every head: the most any certified
+        page bound could skip); ``rows_skipped`` (valid rows per group) and ``rows_above_floor`` (valid rows per group
+        scoring above the floor for some head: what no certified pruning may skip) of ``rows_audited``."""
+        if self.page_live is None:
+            return {}
+        B, G, m = valid.shape
+        hq = exact.shape[1] // G
+        size = self.config.page_rows
+        floor = (best - self.config.j_margin).reshape(B, G, hq, 1)
+        scores = exact.reshape(B, G, hq, m).masked_fill(~valid[:, :, None], float("-inf"))
+        page_live = self.page_live
+        skipped = valid & ~page_rows_live(page_live, size, m)  # [B, G, m]
+        pages = -(-m // size)
+        padded = scores.new_full((B, G, hq, pages * size), float("-inf"))
+        padded[..., :m] = scores
+        page_best = padded.view(B, G, hq, pages, size).amax(-1)  # [B, G, hq, pages]
+        held = (page_best > float("-inf")).any(2)  # pages holding a valid row
+        summary = self.pages
+        bounds = int8_page_bounds(self._grouped(query), summary.reading("codes"), summary.reading("scale"),
+                                  scaling)[..., :pages]  # [B, G, hq, pages]
+        return {"pruning_violations": int((skipped[:, :, None] & (scores > floor)).sum()),
+                "pruning_audited": int(valid.sum()) * hq, "rows_skipped": int(skipped.sum()),
+                "rows_above_floor": int((scores > floor).any(2).sum()), "rows_audited": int(valid.sum()),
+                "page_bound_violations": int((held[:, :, None] & (bounds < page_best)).sum()),
+                "page_bounds_audited": int(held.sum()) * hq, "pages": int(held.sum()),
+                "pages_skipped": int((held & ~page_live[..., :pages]).sum()),
+                "pages_prunable": int((held & (page_best <= floor).all(2)).sum())}
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)
+        if self.summary is not None:
+            self.summary.select_batch(index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        super().repeat_batch(repeats)
+        if self.summary is not None:
+            self.summary.repeat_batch(repeats)

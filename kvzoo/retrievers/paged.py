@@ -12,14 +12,8 @@ from __future__ import annotations
 import torch
 
 from kvzoo.framework.retriever import Choice
-from kvzoo.kernels.index_scan import int8_page_bounds, int8_page_entries, int8_row_bounds, unique_candidates
+from kvzoo.kernels.index_scan import int8_page_bounds, int8_row_bounds, unique_candidates
 from kvzoo.retrievers.int8 import Int8KeyIndex
-from kvzoo.retrievers.quest import PageSummary
-
-
-def _int8_pages(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    codes, scale = int8_page_entries(lo, hi)
-    return {"codes": codes, "scale": scale}
 
 
 class PagedKeyIndex(Int8KeyIndex):
@@ -28,21 +22,9 @@ class PagedKeyIndex(Int8KeyIndex):
     def __init__(self, config, geometry) -> None:
         super().__init__(config, geometry)
         self.page_size = config.page_rows  # the audit checks each page's bound against its rows' best score
-        self.summary = PageSummary(config.page_rows, _int8_pages, geometry.capacity)
 
-    @property
-    def pages(self):
-        return self.summary.pages
-
-    @property
-    def page_bytes(self) -> int:
-        return sum(b.shape[-1] * b.element_size() if b.dim() > 3 else b.element_size()
-                   for b in self.pages.buffers.values())
-
-    def index(self, rows, tier, archive) -> None:
-        super().index(rows, tier, archive)  # the rows' own int8 entries
-        D = rows["keys"].shape[-1]
-        self.summary.add(rows["keys"], rows["valid"], {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)})
+    def _summarised(self) -> bool:
+        return True  # the coarse level this index ranks pages by
 
     def scan_cost(self, query_rows: int) -> tuple[int, int]:
         """Every page summary (a fixed index: every page slot, the unused ones empty), then ``fine_pages x page_rows``
@@ -92,11 +74,3 @@ class PagedKeyIndex(Int8KeyIndex):
             & usable.gather(-1, picked)
         return Choice(*unique_candidates(staged.gather(-1, picked).view(B, G, -1), ok.view(B, G, -1),
                                          archive.rows or self.rows.capacity))
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        super().select_batch(index)
-        self.summary.select_batch(index)
-
-    def repeat_batch(self, repeats: int) -> None:
-        super().repeat_batch(repeats)
-        self.summary.repeat_batch(repeats)

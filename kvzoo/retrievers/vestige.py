@@ -35,7 +35,10 @@ class VestigeRetriever(Retriever):
     with bound >= s* - ``tau``: the softmax mass left out is at most ``(T - |F|) e^-tau`` of the attended tier's
     (Lemma 3). ``index`` picks the kind (``"auto"``: int8 on GQA rows, the sketch on MLA rows): ``"sketch"``
     (``sketch.py``), ``"int8"`` (``int8.py``) or ``"paged"`` (``paged.py``: a fifth of int8's bytes, half its recall on
-    SmolLM2 -- an option for the bytes, not the default).
+    SmolLM2 -- an option for the bytes, not the default). ``prune=True`` (int8, top-j by estimate): page summaries
+    scanned first, and the entries of a page certified below ``s* - j_margin`` for every head of its group not read
+    (``int8.py``); off by default: on SmolLM2 its min/max bound skipped under 1 % of the pages and the summaries cost
+    more bytes than that saves (docs/fidelity.md).
     """
 
     rank: int | None = None  # None: 64 on MLA rows, head_dim // 4 on GQA rows
@@ -47,8 +50,11 @@ class VestigeRetriever(Retriever):
     entry_dtype: str = "float32"  # sketch entries: "float16" halves their bytes (the slack widened: still certified)
     index: str = "auto"  # "sketch" (the low-rank sketch), "int8" (per-row int8 keys, GQA only); auto: int8 on GQA
     j_margin: float = 8.0  # top-j mode keeps a candidate whose bound > s* - j_margin (0: beats s*, the earlier rule)
-    page_rows: int = 16  # index="paged": archived rows one page summary covers
+    page_rows: int = 16  # index="paged" (or "int8" with prune=True): archived rows one page summary covers
     fine_pages: int = 4  # index="paged": pages per query head whose rows' int8 entries a step scans
+    # index="int8": scan page summaries first and skip the int8 entries of pages certified below s* - j_margin for
+    # every head of the group (off: on SmolLM2 the min/max bound skipped no page; docs/fidelity.md)
+    prune: bool = False
 
     name: ClassVar[str] = "vestige"
 
@@ -71,8 +77,12 @@ class VestigeRetriever(Retriever):
             raise ValueError(f"entry_dtype must be one of {tuple(ENTRY_DTYPES)}, got {self.entry_dtype!r}")
         require_int(self.page_rows, "page_rows", 1, "archived rows per page summary (index='paged')")
         require_int(self.fine_pages, "fine_pages", 1, "pages per query head scanned row by row (index='paged')")
-        if not isinstance(self.certified, bool) or not isinstance(self.refit, bool):
-            raise ValueError(f"certified and refit must be True or False, got {self.certified!r}, {self.refit!r}")
+        if not isinstance(self.certified, bool) or not isinstance(self.refit, bool) or not isinstance(self.prune, bool):
+            raise ValueError(f"certified, refit and prune must be True or False, got {self.certified!r}, "
+                             f"{self.refit!r}, {self.prune!r}")
+        if self.prune and (self.certified or self.rank_by != "estimate"):
+            raise ValueError("prune=True has no effect with certified=True or rank_by='bound': it prunes the decode "
+                             "step's top-j rule by estimate (the default); leave prune=False there")
         if self.index != "auto":
             self._refuse_idle_options(self.index)
         if not self.certified and self.tau != VestigeRetriever.tau:
@@ -81,18 +91,21 @@ class VestigeRetriever(Retriever):
 
     # the options each index kind reads (the others would be accepted and recorded while doing nothing)
     OPTIONS_OF: ClassVar[dict[str, tuple[str, ...]]] = {
-        "sketch": ("rank", "entry_dtype", "refit"), "int8": (), "paged": ("page_rows", "fine_pages")}
+        "sketch": ("rank", "entry_dtype", "refit"), "int8": ("prune", "page_rows"), "paged": ("page_rows", "fine_pages")}
 
     def _refuse_idle_options(self, kind: str, where: str = "") -> None:
         """ValueError naming an option set away from its default that the index kind ``kind`` does not read."""
         for option, default in (("rank", None), ("entry_dtype", "float32"), ("refit", False), ("page_rows", 16),
-                                ("fine_pages", 4)):
+                                ("fine_pages", 4), ("prune", False)):
             if getattr(self, option) != default and option not in self.OPTIONS_OF[kind]:
                 users = [k for k, options in self.OPTIONS_OF.items() if option in options]
                 raise ValueError(
                     f"vestige retriever: {option}={getattr(self, option)!r} has no effect with index={kind!r}{where}: "
                     f"it applies to index={' or '.join(map(repr, users))} only; leave it at its default "
                     f"({default!r}) or choose that index")
+        if kind == "int8" and not self.prune and self.page_rows != 16:
+            raise ValueError(f"vestige retriever: page_rows={self.page_rows!r} has no effect with index='int8'{where} "
+                             "and prune=False: the int8 index reads it for its page summary (prune=True) only")
 
     def kind(self, layout: str) -> str:
         """The index kind on rows of ``layout``: ``index``, with ``"auto"`` resolved (MLA: sketch, GQA: int8)."""

@@ -179,6 +179,9 @@ typedef struct {
     int64_t *at, *filled, *counts; /* counts: picked rows per group */
     int64_t B, G, hq, D, m, j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, chunks, chunk_rows;
     float scaling, slack;
+    const uint8_t *page_live; /* choose, pruned: [B, G, p] flags (strides pl_sb, pl_sg, pl_sp), rows page_rows a page */
+    int64_t pl_sb, pl_sg, pl_sp, page_rows;
+    int64_t *rows_read; /* choose: rows each item scanned */
 } Int8Scan;
 
 /* the rows [r0, r1) an item (b, g, chunk) scans */
@@ -224,7 +227,8 @@ KV_EXPORT int kvzoo_int8_estimate(const float *q, const int8_t *codes, const uin
                                   int64_t threads) {
     if (hq > MAX_HQ || D > MAX_D || D % LANES != 0) return 1;
     Int8Scan c = {q, codes, side, length, out,      NULL,     NULL,    NULL,    NULL,   NULL, NULL, NULL,    B,   G, hq,
-                  D, m,     0,    0,      codes_sb, codes_sg, side_sb, side_sg, side_w, 1,    m,    scaling, 0.0f};
+                  D, m,     0,    0,      codes_sb, codes_sg, side_sb, side_sg, side_w, 1,    m,    scaling, 0.0f,
+                  NULL, 0,  0,    0,      0,        NULL};
     c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     run_items(estimate_item, &c, B * G * c.chunks, threads);
@@ -240,14 +244,32 @@ static void choose_item(void *ctx, int64_t item) {
     const uint16_t *sg = c->side + b * c->side_sb + g * c->side_sg;
     float *top = c->top + item * hq * j;
     int64_t *at = c->at + item * hq * j, *filled = c->filled + item * hq;
+    const uint8_t *live = c->page_live ? c->page_live + b * c->pl_sb + g * c->pl_sg : NULL;
+    int64_t P = c->page_rows, read = 0;
     float est[MAX_HQ * 16];
     for (int64_t h = 0; h < hq; h++) filled[h] = 0;
-    for (int64_t i = r0; i < r1; i += 16) {
-        int64_t count = r1 - i < 16 ? r1 - i : 16;
-        if (i + 80 <= r1) prefetch_rows(cg + (i + 64) * D, 16 * D, sg + (i + 64) * c->side_w, 16 * c->side_w);
-        int8_block(qg, hq, D, cg + i * D, sg + i * c->side_w, c->side_w, c->scaling, count, est);
-        for (int64_t h = 0; h < hq; h++) top_block(top + h * j, at + h * j, filled + h, j, est + h * 16, count, i);
+    for (int64_t s = r0; s < r1;) {
+        int64_t e = r1; /* a run of rows [s, e): with a page mask, the rows of consecutive live pages */
+        if (live) {
+            int64_t page = s / P;
+            if (!live[page * c->pl_sp]) { /* a dead page: its codes are never read */
+                s = (page + 1) * P;
+                continue;
+            }
+            e = (page + 1) * P;
+            while (e < r1 && live[(e / P) * c->pl_sp]) e += P;
+            if (e > r1) e = r1;
+        }
+        for (int64_t i = s; i < e; i += 16) {
+            int64_t count = e - i < 16 ? e - i : 16;
+            if (i + 80 <= e) prefetch_rows(cg + (i + 64) * D, 16 * D, sg + (i + 64) * c->side_w, 16 * c->side_w);
+            int8_block(qg, hq, D, cg + i * D, sg + i * c->side_w, c->side_w, c->scaling, count, est);
+            for (int64_t h = 0; h < hq; h++) top_block(top + h * j, at + h * j, filled + h, j, est + h * 16, count, i);
+        }
+        read += e - s;
+        s = e;
     }
+    c->rows_read[item] = read;
 }
 
 /* a group's chunks merged in row order (a tie goes to the earlier chunk: the earlier row), then the certified
@@ -287,29 +309,136 @@ static void choose_group(void *ctx, int64_t bg) {
    others -- are staged (stage_union): idx[b, g, k] and picked[b, g, k], what kvzoo.framework.retrieval's
    unique_candidates makes of the same choice. *count_out: the rows picked over every group, also added to *counter
    when it is given (the layer's count of fetched rows). With several threads each scans runs of rows keeping its own
-   top lists, merged per group in row order (the same choice). */
+   top lists, merged per group in row order (the same choice).
+   page_live (or NULL): pruning. Row i of group (b, g) is in page i / page_rows, and the rows of a page whose flag
+   page_live[b * pl_sb + g * pl_sg + page * pl_sp] is 0 are skipped -- never read, never ranked -- so the choice is the
+   rule's over the rows of the live pages. *scanned (or NULL) += the bytes of the entries read, (D + 2 side_w) a row. */
+KV_EXPORT int kvzoo_int8_choose_pages(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
+                                      const float *threshold, int64_t *idx, uint8_t *picked, int64_t *count_out,
+                                      int64_t *counter, int64_t B, int64_t G, int64_t hq, int64_t D, int64_t m,
+                                      int64_t j, int64_t archived, int64_t codes_sb, int64_t codes_sg, int64_t side_sb,
+                                      int64_t side_sg, int64_t side_w, float scaling, float slack, int64_t threads,
+                                      const uint8_t *page_live, int64_t pl_sb, int64_t pl_sg, int64_t pl_sp,
+                                      int64_t page_rows, int64_t *scanned) {
+    if (hq > MAX_HQ || D > MAX_D || D % LANES != 0 || j < 1 || j > MAX_J || j > m || archived < 1) return 1;
+    if (page_live && page_rows < 1) return 1;
+    Int8Scan c = {q,        codes,   side,    length, NULL, threshold, idx,     picked, NULL,     NULL,
+                  NULL,     NULL,    B,       G,      hq,   D,         m,       j,      archived, codes_sb,
+                  codes_sg, side_sb, side_sg, side_w, 1,    m,         scaling, slack,  page_live, pl_sb,
+                  pl_sg,    pl_sp,   page_rows, NULL};
+    c.chunks = scan_chunks(B, G, m, threads);
+    c.chunk_rows = chunk_rows_of(m, c.chunks);
+    int64_t items = B * G * c.chunks;
+    char *scratch = (char *)malloc(items * hq * (j * (sizeof(float) + sizeof(int64_t)) + sizeof(int64_t)) +
+                                   (B * G + items) * sizeof(int64_t));
+    if (!scratch) return 2;
+    c.at = (int64_t *)scratch;
+    c.filled = c.at + items * hq * j;
+    c.counts = c.filled + items * hq;
+    c.rows_read = c.counts + B * G;
+    c.top = (float *)(c.rows_read + items);
+    run_items(choose_item, &c, items, threads);
+    run_items(choose_group, &c, B * G, B * G * hq * j >= 4096 ? threads : 1);
+    add_counts(c.counts, B * G, count_out, counter);
+    if (scanned) {
+        int64_t rows = 0;
+        for (int64_t item = 0; item < items; item++) rows += c.rows_read[item];
+        *scanned += rows * (D + 2 * side_w);
+    }
+    free(scratch);
+    return 0;
+}
+
+/* kvzoo_int8_choose_pages without pruning (every live row scanned) */
 KV_EXPORT int kvzoo_int8_choose(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
                                 const float *threshold, int64_t *idx, uint8_t *picked, int64_t *count_out,
                                 int64_t *counter, int64_t B, int64_t G, int64_t hq, int64_t D, int64_t m, int64_t j,
                                 int64_t archived, int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg,
                                 int64_t side_w, float scaling, float slack, int64_t threads) {
-    if (hq > MAX_HQ || D > MAX_D || D % LANES != 0 || j < 1 || j > MAX_J || j > m || archived < 1) return 1;
-    Int8Scan c = {q,        codes,   side,    length, NULL, threshold, idx,     picked, NULL,     NULL,
-                  NULL,     NULL,    B,       G,      hq,   D,         m,       j,      archived, codes_sb,
-                  codes_sg, side_sb, side_sg, side_w, 1,    m,         scaling, slack};
-    c.chunks = scan_chunks(B, G, m, threads);
-    c.chunk_rows = chunk_rows_of(m, c.chunks);
-    int64_t items = B * G * c.chunks;
-    char *scratch = (char *)malloc(items * hq * (j * (sizeof(float) + sizeof(int64_t)) + sizeof(int64_t)) +
-                                   B * G * sizeof(int64_t));
-    if (!scratch) return 2;
-    c.at = (int64_t *)scratch;
-    c.filled = c.at + items * hq * j;
-    c.counts = c.filled + items * hq;
-    c.top = (float *)(c.counts + B * G);
-    run_items(choose_item, &c, items, threads);
-    run_items(choose_group, &c, B * G, B * G * hq * j >= 4096 ? threads : 1);
-    add_counts(c.counts, B * G, count_out, counter);
-    free(scratch);
+    return kvzoo_int8_choose_pages(q, codes, side, length, threshold, idx, picked, count_out, counter, B, G, hq, D, m,
+                                   j, archived, codes_sb, codes_sg, side_sb, side_sg, side_w, scaling, slack, threads,
+                                   NULL, 0, 0, 0, 0, NULL);
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+   pruning's page flags: the int8 page summaries' certified bound against the floor (kvzoo.kernels.index_scan's
+   int8_page_live_reference is the specification)
+   ------------------------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    const float *q;
+    const int8_t *codes;
+    const float *scale;
+    const uint8_t *empty;
+    const int64_t *length;
+    const float *threshold;
+    uint8_t *live; /* [B, G, P] */
+    int64_t G, hq, D, P, codes_sb, codes_sg, scale_sb, scale_sg, scale_sp, empty_sb, empty_sg, empty_sp;
+    float scaling, slack;
+} PageScan;
+
+static void page_live_group(void *ctx, int64_t bg) {
+    const PageScan *c = (const PageScan *)ctx;
+    static const uint16_t ones[16] = {0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00,
+                                      0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00, 0x3C00}; /* fp16 1.0 */
+    int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, D = c->D, W = 2 * D, P = c->P;
+    const float *qg = c->q + bg * hq * D, *thr = c->threshold + bg * hq;
+    const int8_t *cg = c->codes + b * c->codes_sb + g * c->codes_sg;
+    const float *sg = c->scale + b * c->scale_sb + g * c->scale_sg;
+    const uint8_t *eg = c->empty + b * c->empty_sb + g * c->empty_sg;
+    uint8_t *out = c->live + bg * P;
+    float *rows = (float *)malloc(hq * W * sizeof(float)); /* [max(q, 0), min(q, 0)]: the dot with [hi, lo] codes */
+    float slack[MAX_HQ], dots[MAX_HQ * 16];
+    if (!rows) { /* no room: every page live (nothing skipped is always certified) */
+        for (int64_t p = 0; p < P; p++) out[p] = 1;
+        return;
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        float l1 = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            float x = qg[h * D + d];
+            rows[h * W + d] = x > 0.0f ? x : 0.0f;
+            rows[h * W + D + d] = x < 0.0f ? x : 0.0f;
+            l1 += fabsf(x);
+        }
+        slack[h] = c->slack * l1;
+    }
+    int64_t pages = live_rows(c->length, b, P);
+    for (int64_t i = 0; i < pages; i += 16) {
+        int64_t count = pages - i < 16 ? pages - i : 16;
+        int8_block(rows, hq, W, cg + i * W, ones, 1, 1.0f, count, dots); /* the raw dots: scale 1, scaling 1 */
+        for (int64_t r = 0; r < count; r++) {
+            int64_t p = i + r;
+            float s = sg[p * c->scale_sp];
+            uint8_t alive = 0;
+            if (!eg[p * c->empty_sp]) {
+                if (!isfinite(s)) alive = 1; /* an infinite key: the bound is +inf */
+                for (int64_t h = 0; h < hq && !alive; h++) {
+                    float bound = ((dots[h * 16 + r] + slack[h]) * s) * c->scaling;
+                    alive = !(bound <= thr[h]); /* a NaN bound or threshold: live */
+                }
+            }
+            out[p] = alive;
+        }
+    }
+    for (int64_t p = pages; p < P; p++) out[p] = 0;
+    free(rows);
+}
+
+/* live[b, g, p] (0/1): page p of group (b, g) holds rows (not empty[.], p < length[b]) and its bound
+       ((dot([max(q_h, 0), min(q_h, 0)], codes[p]) + slack * ||q_h||_1) * scale[p]) * scaling
+   is not <= threshold[b, g, h] for some query row h -- Quest's bound on the int8 page summary (codes [B, G, P, 2 D]:
+   each page's [hi, lo] codes, rows contiguous; scale [B, G, P] fp32, +inf: every row bounded by +inf); slack covers
+   the dot's fp32 rounding in any summation order. q [B, G, hq, D] and threshold [B, G, hq] fp32 contiguous. */
+KV_EXPORT int kvzoo_int8_page_live(const float *q, const int8_t *codes, const float *scale, const uint8_t *empty,
+                                   const int64_t *length, const float *threshold, uint8_t *live, int64_t B, int64_t G,
+                                   int64_t hq, int64_t D, int64_t P, int64_t codes_sb, int64_t codes_sg,
+                                   int64_t scale_sb, int64_t scale_sg, int64_t scale_sp, int64_t empty_sb,
+                                   int64_t empty_sg, int64_t empty_sp, float scaling, float slack, int64_t threads) {
+    if (hq > MAX_HQ || 2 * D > MAX_D || D % LANES != 0) return 1;
+    PageScan c = {q,       codes,    scale,    empty,    length,   threshold, live,     G,       hq,
+                  D,       P,        codes_sb, codes_sg, scale_sb, scale_sg,  scale_sp, empty_sb, empty_sg,
+                  empty_sp, scaling, slack};
+    run_items(page_live_group, &c, B * G, threads);
     return 0;
 }

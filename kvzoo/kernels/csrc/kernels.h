@@ -20,6 +20,19 @@ int kvzoo_int8_choose(const float *q, const int8_t *codes, const uint16_t *side,
                       int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w,
                       float scaling, float slack, int64_t threads);
 
+int kvzoo_int8_choose_pages(const float *q, const int8_t *codes, const uint16_t *side, const int64_t *length,
+                            const float *threshold, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,
+                            int64_t B, int64_t G, int64_t hq, int64_t D, int64_t m, int64_t j, int64_t archived,
+                            int64_t codes_sb, int64_t codes_sg, int64_t side_sb, int64_t side_sg, int64_t side_w,
+                            float scaling, float slack, int64_t threads, const uint8_t *page_live, int64_t pl_sb,
+                            int64_t pl_sg, int64_t pl_sp, int64_t page_rows, int64_t *scanned);
+
+int kvzoo_int8_page_live(const float *q, const int8_t *codes, const float *scale, const uint8_t *empty,
+                         const int64_t *length, const float *threshold, uint8_t *live, int64_t B, int64_t G, int64_t hq,
+                         int64_t D, int64_t P, int64_t codes_sb, int64_t codes_sg, int64_t scale_sb, int64_t scale_sg,
+                         int64_t scale_sp, int64_t empty_sb, int64_t empty_sg, int64_t empty_sp, float scaling,
+                         float slack, int64_t threads);
+
 int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, int64_t basis_sg, const char *entries,
                         int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sm, const int64_t *length,
                         const float *floor, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,

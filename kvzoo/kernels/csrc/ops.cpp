@@ -82,12 +82,12 @@ void rows_contiguous(const char *op, const char *name, const Tensor &t) { /* the
              t.strides());
 }
 
-/* a fetched-rows counter the ops add to in place: an int64 tensor of one element, contiguous */
-int64_t *counter_of(const char *op, const Maybe &counter, bool meta) {
+/* a counter the ops add to in place (the fetched rows, the bytes scanned): an int64 tensor of one element, contiguous */
+int64_t *counter_of(const char *op, const Maybe &counter, bool meta, const char *name = "counter") {
     if (!counter) return nullptr;
     if (!meta) on_cpu(op, {&*counter});
-    KV_CHECK(counter->scalar_type() == at::kLong && counter->numel() == 1 && counter->is_contiguous(),
-             "counter must be a contiguous int64 tensor of one element, got ", counter->scalar_type(), " of shape ",
+    KV_CHECK(counter->scalar_type() == at::kLong && counter->numel() == 1 && counter->is_contiguous(), name,
+             " must be a contiguous int64 tensor of one element, got ", counter->scalar_type(), " of shape ",
              counter->sizes());
     return meta ? nullptr : counter->data_ptr<int64_t>();
 }
@@ -175,22 +175,81 @@ Tensor top_j_check(const char *op, const char *floor_name, const Tensor &floor, 
     return floor.to(at::kFloat).contiguous();
 }
 
+/* pruning's page flags: bool [B, G, p], a page for every row (p >= ceil(m / page_rows)); page_rows only with them */
+void page_live_check(const char *op, const Maybe &page_live, int64_t page_rows, int64_t B, int64_t G, int64_t m,
+                     bool meta) {
+    if (!page_live) {
+        KV_CHECK(page_rows == 0, "page_rows=", page_rows, " without page_live: pass both (pruning) or neither");
+        return;
+    }
+    if (!meta) on_cpu(op, {&*page_live});
+    KV_CHECK(page_rows >= 1, "page_rows must be >= 1 (archived rows a page flag covers), got ", page_rows);
+    dtype_is(op, "page_live", *page_live, at::kBool);
+    KV_CHECK(page_live->dim() == 3 && page_live->size(0) == B && page_live->size(1) == G &&
+                 page_live->size(2) >= (m + page_rows - 1) / page_rows,
+             "page_live must be [B=", B, ", G=", G, ", p >= ceil(m / page_rows) = ", (m + page_rows - 1) / page_rows,
+             "] (a flag for every page of m=", m, " rows), got ", page_live->sizes());
+}
+
 template <bool meta>
 Staged int8_choose(const Tensor &query, const Tensor &codes, const Tensor &side, const Maybe &length,
                    const Tensor &threshold, int64_t j, int64_t archived, double scaling, double slack,
-                   const Maybe &counter) {
+                   const Maybe &counter, const Maybe &page_live, int64_t page_rows, const Maybe &scanned) {
     const char *op = "int8_choose";
     Int8 c = int8_check(op, query, codes, side, length, meta);
     Tensor thr = top_j_check(op, "threshold", threshold, c.B, c.G, c.hq, c.m, j, archived, meta);
     int64_t *count_to = counter_of(op, counter, meta);
+    page_live_check(op, page_live, page_rows, c.B, c.G, c.m, meta);
+    int64_t *scanned_to = counter_of(op, scanned, meta, "scanned");
     Staged out = staged(c.B, c.G, c.hq * j, query);
     if (meta) return out;
     auto &[idx, picked, count] = out;
-    ran(op, kvzoo_int8_choose(c.q.data_ptr<float>(), codes.data_ptr<int8_t>(), (const uint16_t *)side.data_ptr(),
-                              ptr<int64_t>(c.length), thr.data_ptr<float>(), idx.data_ptr<int64_t>(),
-                              (uint8_t *)picked.data_ptr(), count.data_ptr<int64_t>(), count_to, c.B, c.G, c.hq, c.D,
-                              c.m, j, archived, codes.stride(0), codes.stride(1), side.stride(0), side.stride(1), c.w,
-                              (float)scaling, (float)slack, threads_for(c.B * c.G * c.m * (c.D + 2 * c.w))));
+    const uint8_t *live = page_live ? (const uint8_t *)page_live->data_ptr() : nullptr;
+    int64_t pl_sb = page_live ? page_live->stride(0) : 0, pl_sg = page_live ? page_live->stride(1) : 0,
+            pl_sp = page_live ? page_live->stride(2) : 0;
+    ran(op, kvzoo_int8_choose_pages(c.q.data_ptr<float>(), codes.data_ptr<int8_t>(), (const uint16_t *)side.data_ptr(),
+                                    ptr<int64_t>(c.length), thr.data_ptr<float>(), idx.data_ptr<int64_t>(),
+                                    (uint8_t *)picked.data_ptr(), count.data_ptr<int64_t>(), count_to, c.B, c.G, c.hq,
+                                    c.D, c.m, j, archived, codes.stride(0), codes.stride(1), side.stride(0),
+                                    side.stride(1), c.w, (float)scaling, (float)slack,
+                                    threads_for(c.B * c.G * c.m * (c.D + 2 * c.w)), live, pl_sb, pl_sg, pl_sp,
+                                    page_rows, scanned_to));
+    return out;
+}
+
+/* pruning's page flags over the int8 page summaries (csrc/int8_scan.cpp): bool [B, G, P] */
+template <bool meta>
+Tensor int8_page_live(const Tensor &query, const Tensor &codes, const Tensor &scale, const Tensor &empty_pages,
+                      const Maybe &length, const Tensor &threshold, double scaling, double slack) {
+    const char *op = "int8_page_live";
+    if (!meta) on_cpu(op, {&query, &codes, &scale, &empty_pages, &threshold, length ? &*length : nullptr});
+    KV_CHECK(query.dim() == 4 && codes.dim() == 4, "query must be [B, G, hq, D] and codes [B, G, P, 2 D], got ",
+             query.sizes(), " and ", codes.sizes());
+    int64_t B = query.size(0), G = query.size(1), hq = query.size(2), D = query.size(3), P = codes.size(2);
+    shape_is(op, "codes", codes, {B, G, P, 2 * D});
+    shape_is(op, "scale", scale, {B, G, P});
+    shape_is(op, "empty", empty_pages, {B, G, P});
+    shape_is(op, "threshold", threshold, {B, G, hq});
+    dtype_is(op, "query", query, at::kFloat);
+    dtype_is(op, "codes", codes, at::kChar);
+    dtype_is(op, "scale", scale, at::kFloat);
+    dtype_is(op, "empty", empty_pages, at::kBool);
+    KV_CHECK(at::isFloatingType(threshold.scalar_type()), "threshold must be a float tensor, got ",
+             threshold.scalar_type());
+    KV_CHECK(hq <= MAX_HQ && 2 * D <= MAX_D && D % LANES == 0, "query rows per group hq <= ", MAX_HQ,
+             " and 2 D <= ", MAX_D, " with D a multiple of ", LANES, ", got hq=", hq, ", D=", D);
+    KV_CHECK(codes.stride(3) == 1 && (P <= 1 || codes.stride(2) == 2 * D), "codes need each group's pages "
+             "contiguous, got strides ", codes.strides());
+    Maybe lengths = lengths_of(op, length, B);
+    Tensor out = make({B, G, P}, at::kBool, query);
+    if (meta) return out;
+    Tensor q = query.contiguous(), thr = threshold.to(at::kFloat).contiguous();
+    ran(op, kvzoo_int8_page_live(q.data_ptr<float>(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                 (const uint8_t *)empty_pages.data_ptr(), ptr<int64_t>(lengths), thr.data_ptr<float>(),
+                                 (uint8_t *)out.data_ptr(), B, G, hq, D, P, codes.stride(0), codes.stride(1),
+                                 scale.stride(0), scale.stride(1), scale.stride(2), empty_pages.stride(0),
+                                 empty_pages.stride(1), empty_pages.stride(2), (float)scaling, (float)slack,
+                                 threads_for(B * G * P * 2 * D)));
     return out;
 }
 
@@ -522,7 +581,10 @@ int64_t set_parallel_bytes(std::optional<int64_t> value) {
 KV_LIBRARY(KVZOO_NS, m) {
     m.def("int8_estimate(Tensor query, Tensor codes, Tensor side, Tensor? length, float scaling) -> Tensor");
     m.def("int8_choose(Tensor query, Tensor codes, Tensor side, Tensor? length, Tensor threshold, int j, int archived, "
-          "float scaling, float slack, Tensor(a!)? counter=None) -> (Tensor, Tensor, Tensor)");
+          "float scaling, float slack, Tensor(a!)? counter=None, Tensor? page_live=None, int page_rows=0, "
+          "Tensor(b!)? scanned=None) -> (Tensor, Tensor, Tensor)");
+    m.def("int8_page_live(Tensor query, Tensor codes, Tensor scale, Tensor empty, Tensor? length, Tensor threshold, "
+          "float scaling, float slack) -> Tensor");
     m.def("sketch_choose(Tensor query, Tensor basis, Tensor entries, Tensor? length, Tensor floor, int j, "
           "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None) "
           "-> (Tensor, Tensor, Tensor)");
@@ -543,6 +605,7 @@ KV_LIBRARY(KVZOO_NS, m) {
 KV_LIBRARY_IMPL(KVZOO_NS, CPU, m) {
     m.impl("int8_estimate", &int8_estimate<false>);
     m.impl("int8_choose", &int8_choose<false>);
+    m.impl("int8_page_live", &int8_page_live<false>);
     m.impl("sketch_choose", &sketch_choose<false>);
     m.impl("quest_choose", &quest_choose<false>);
     m.impl("quest_page_add", &quest_page_add<false>);
@@ -552,6 +615,7 @@ KV_LIBRARY_IMPL(KVZOO_NS, CPU, m) {
 KV_LIBRARY_IMPL(KVZOO_NS, Meta, m) {
     m.impl("int8_estimate", &int8_estimate<true>);
     m.impl("int8_choose", &int8_choose<true>);
+    m.impl("int8_page_live", &int8_page_live<true>);
     m.impl("sketch_choose", &sketch_choose<true>);
     m.impl("quest_choose", &quest_choose<true>);
     m.impl("quest_page_add", &quest_page_add<true>);
