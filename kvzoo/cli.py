@@ -4,9 +4,11 @@ gets its options built, from light modules: ``kvzoo --help``, ``--version`` and 
 
 from __future__ import annotations
 
+from kvzoo.allocator import prefer_mmap_threshold
 from kvzoo.openmp import prefer_passive
 
 OPENMP_NOTE = prefer_passive()  # before anything imports torch (OpenMP reads it when loaded)
+MALLOC_NOTE = prefer_mmap_threshold()  # before any model is loaded: freed blocks >= 4 MiB go back to the system
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -798,6 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser([command] if command else []).parse_args(argv)
     if getattr(args, "command", None) in ("run", "leaderboard"):  # the commands that run models say what they run with
         print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
+        print(f"kvzoo: {MALLOC_NOTE}", file=sys.stderr)
         from kvzoo.kernels.dispatch import mode
 
         try:
