@@ -254,11 +254,11 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
                      for field in ("peak_rss_mib", "peak_rss_over_model_mib")}
     return {"policy": policy, "ratio": ratio, "press": PRESSES[policy], "context_tokens": context_tokens,
             "rounds": rounds, "runs": runs, "ratios": ratios, "medians": medians, **by_arm_median,
-            "mmap_threshold": runs[0]["mmap_threshold"], "code": _code()}
+            "mmap_threshold": runs[0]["mmap_threshold"]}
 
 
 def _code() -> str:
-    """The commit measured (``+`` when tracked files differ from it)."""
+    """The commit measured (``+`` when tracked files differed from it at the start)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
 
@@ -350,10 +350,10 @@ def main() -> None:
         raise SystemExit(f"unknown arm(s) {unknown}; valid: {', '.join(ARMS)} (kvpress, the baseline, must be one)")
     print(f"uptime at start: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     print(f"allocator: {MALLOC_NOTE}")
-    results = []
+    code, results = _code(), []
     for n in (int(x) for x in args.context_tokens.split(",")):
-        results.append(side_by_side(n, args.rounds, args.max_new_tokens, arms, args.warmup_tokens, args.policy,
-                                    args.ratio))
+        results.append({**side_by_side(n, args.rounds, args.max_new_tokens, arms, args.warmup_tokens, args.policy,
+                                       args.ratio), "code": code})
         print("\n".join(["", *render(results[-1])]), flush=True)
         if args.json:  # appended as each length finishes: a long run's earlier lengths are not lost
             with open(args.json, "a") as f:
