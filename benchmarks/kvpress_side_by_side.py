@@ -28,7 +28,8 @@ the timed call's peak RSS (``peak_rss_mib``: everything resident -- model, libra
 is reset right before the call by ``kvzoo.allocator.mark_model``, so the load's and the warm-up's peaks are not
 counted), the same peak over the loaded model (``peak_rss_over_model_mib``: less the RSS right before the call, after
 the load and the warm-up: the weights and libraries left out, kvpress's imports -- ``datasets``, ``pandas``, ~90 MiB
--- among them; the call peaks in its prefill), and what the call added over the process's peak after the warm-up
+-- among them), the same for the prefill alone (``prefill_peak_rss_over_model_mib``: the peak when the prefill
+ended, compression included), and what the call added over the process's peak after the warm-up
 (``call_peak``, as earlier rows recorded it); tokens generated are counted, and the call's CPU time
 (``time.process_time``, every thread; OpenMP's idle threads sleep: ``OMP_WAIT_POLICY=PASSIVE`` unless set), which
 other processes on the machine disturb less than the wall time. glibc's mmap threshold is fixed at 4 MiB in every arm
@@ -55,7 +56,7 @@ import sys
 import tempfile
 import time
 
-from kvzoo.allocator import mark_model, mmap_threshold, peak_over_model, prefer_mmap_threshold
+from kvzoo.allocator import mark_model, mmap_threshold, peak_over_model, peak_rss_mib, prefer_mmap_threshold
 
 MALLOC_NOTE = prefer_mmap_threshold()  # every arm alike: exported to the processes this one starts
 
@@ -110,6 +111,7 @@ def _timed_first_forward(module, record: dict) -> None:
         if "prefill_s" not in record:
             t0, c0 = record["t0"]
             record["prefill_s"], record["prefill_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+            record["prefill_peak_rss_mib"] = peak_rss_mib()
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
@@ -144,6 +146,7 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
         t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         record["prefill_s"], record["prefill_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        record["prefill_peak_rss_mib"] = peak_rss_mib()
         return out
 
     if arm in ("kvzoo", "transformers"):
@@ -191,6 +194,7 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
         "question_tokens": question_ids.shape[1], "kept_rows_per_layer": sorted(set(kept)), "layers": len(kept),
         "tokens_generated": generated, "wall_s": wall, "cpu_s": cpu, "prefill_s": record.get("prefill_s"),
         "prefill_cpu_s": record.get("prefill_cpu_s"), **peak_over_model(model_rss),
+        "prefill_peak_rss_over_model_mib": record["prefill_peak_rss_mib"] - model_rss,
         "peak_rss_after_warmup_mib": warm_peak, "answer": answer.strip(),
         "needle_found": all(a in answer for a in prepared["answers"]), "threads": torch.get_num_threads(),
         "mmap_threshold": mmap_threshold(),
@@ -238,7 +242,9 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
                                         "peak": by_arm[arm]["peak_rss_mib"] / base["peak_rss_mib"],
                                         "call_peak": _call_peak(by_arm[arm]) / max(_call_peak(base), 1.0),
                                         "over_model": by_arm[arm]["peak_rss_over_model_mib"]
-                                        / max(base["peak_rss_over_model_mib"], 1.0)}
+                                        / max(base["peak_rss_over_model_mib"], 1.0),
+                                        "prefill_over_model": by_arm[arm]["prefill_peak_rss_over_model_mib"]
+                                        / max(base["prefill_peak_rss_over_model_mib"], 1.0)}
                      for arm in arms if arm not in ("kvpress", "transformers") and arm in by_arm}
         if "kvzoo" in by_arm and "transformers" in by_arm:  # the prefill (and compression) beside transformers'
             kz, tf = by_arm["kvzoo"], by_arm["transformers"]
@@ -251,7 +257,7 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
     medians = {key: {what: statistics.median(r[key][what] for r in ratios) for what in ratios[0][key]}
                for key in (ratios[0] if ratios else {})}
     by_arm_median = {field: {arm: statistics.median(row[field] for row in runs if row["arm"] == arm) for arm in arms}
-                     for field in ("peak_rss_mib", "peak_rss_over_model_mib")}
+                     for field in ("peak_rss_mib", "peak_rss_over_model_mib", "prefill_peak_rss_over_model_mib")}
     return {"policy": policy, "ratio": ratio, "press": PRESSES[policy], "context_tokens": context_tokens,
             "rounds": rounds, "runs": runs, "ratios": ratios, "medians": medians, **by_arm_median,
             "mmap_threshold": runs[0]["mmap_threshold"]}

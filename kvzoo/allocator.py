@@ -118,6 +118,11 @@ def mark_model() -> float:
     return _status_mib(_read_status(), "VmRSS")
 
 
+def peak_rss_mib() -> float:
+    """The process's peak RSS so far (``VmHWM``: since :func:`mark_model` where it could reset it), in MiB."""
+    return _status_mib(_read_status(), "VmHWM")
+
+
 def peak_over_model(model_rss_mib: float, status: str | None = None) -> dict[str, float | bool]:
     """The fields a prefill's row records, from the RSS :func:`mark_model` returned and ``/proc/self/status``
     (``status``: its text; read now when None): ``peak_rss_mib``, the peak RSS since the mark, everything resident
