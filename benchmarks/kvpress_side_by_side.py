@@ -264,11 +264,11 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
 
 
 def _code() -> str:
-    """The commit measured (``+`` when tracked files differed from it at the start)."""
+    """The commit measured (``+`` when kvzoo's or the benchmarks' tracked files differed from it at the start)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
 
-    return git("rev-parse", "--short", "HEAD").strip() + ("+" if git("status", "--porcelain", "-uno").strip() else "")
+    return git("rev-parse", "--short", "HEAD").strip() + ("+" if git("status", "--porcelain", "-uno", "--", "../kvzoo", ".").strip() else "")
 
 
 def _call_peak(row: dict) -> float:
