@@ -4,8 +4,10 @@ glibc's ``malloc`` serves a block above its *mmap threshold* with a mapping of i
 back to the operating system, and a smaller one from its heap, which keeps freed memory for reuse. The threshold
 starts at 128 KiB and is dynamic: each free of a mapped block raises it to that block's size (up to 32 MiB), so once a
 prefill's first layers have freed their activations, blocks of several MiB come from the heap, and what a layer frees
-stays resident while the next layer maps more. A prefill's peak RSS then counts memory nothing holds (issue 47:
-``MALLOC_MMAP_THRESHOLD_=4194304`` lowered the 16k SnapKV prefill's peak of both kvzoo and kvpress).
+stays resident while the next layer maps more. A prefill's peak RSS then counts memory nothing holds (measured in
+docs/results.md, "glibc's mmap threshold, with and without": at 4 MiB both transformers' and SnapKV's prefill peak
+lower; the price is a fresh mapping, its pages faulted in, for each such block: SnapKV's prefill there took about a
+tenth more CPU time).
 :func:`prefer_mmap_threshold` fixes the threshold at :data:`THRESHOLD` (4 MiB) for the running process --
 ``mallopt(M_MMAP_THRESHOLD, 4 MiB)``, which also turns the dynamic threshold off: that is the point -- and exports
 ``MALLOC_MMAP_THRESHOLD_`` so that the processes it starts (benchmark cells, Ray workers) have the same from their
