@@ -22,7 +22,8 @@ layers' windows, which no policy compresses; their ratio to the first arm's is t
 attention, bookkeeping) with their bytes, beside the machine's measured read bandwidth.
 
 OpenMP's idle threads spin by default, which makes many-small-op steps 4-12x slower at 2 threads beside another
-process; this script sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (and prints which).
+process; this script sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (and prints which), and, as the
+``kvzoo`` command does, glibc's mmap threshold at 4 MiB (``kvzoo.allocator``; ``KVZOO_MMAP_THRESHOLD=0``: glibc's own).
 An arm is ``transformers`` or a registered policy, ``@RATIO`` (default 8; ``full``: none), ``+capacity``
 (``TieredCache(..., capacity=N)``), and ``/key=value`` pieces that configure the policy's retriever.
 
@@ -47,6 +48,9 @@ import os
 OMP_NOTE = ("OMP_WAIT_POLICY=" + os.environ["OMP_WAIT_POLICY"] + " (from the environment)"
             if "OMP_WAIT_POLICY" in os.environ else "OMP_WAIT_POLICY=PASSIVE (set by this script; export it to override)")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from kvzoo.allocator import prefer_mmap_threshold  # noqa: E402
+
+MALLOC_NOTE = prefer_mmap_threshold()  # glibc's mmap threshold at 4 MiB, as the kvzoo command sets it
 
 import argparse  # noqa: E402
 import ast  # noqa: E402
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     arms = args.arms.split(",")
     torch.manual_seed(0)
-    print(f"# {OMP_NOTE}; torch {torch.__version__}; {platform.processor() or platform.machine()}")
+    print(f"# {OMP_NOTE}; {MALLOC_NOTE}; torch {torch.__version__}; {platform.processor() or platform.machine()}")
     torch.set_num_threads(2)
     model, _ = load_model(args.model)
     hybrid = len(set(getattr(model.config, "layer_types", None) or ())) > 1
@@ -450,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['weights_mib']:.0f}", f"{r['bound_mib_per_step'] / base['bound_mib_per_step']:.2f}"]
         print("| " + " | ".join(cells) + " |")
         rows.append({**r, "model": args.model, "context": args.context, "steps": args.steps, "torch": torch.__version__,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "profile": profiles.get(arm)})
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), "profile": profiles.get(arm)})
     for arm in arms:
         if "pages_skipped" in results[arm]:
             print(f"{arm}: the latest step skipped {100 * results[arm]['pages_skipped']:.1f} % of the int8 index's "

@@ -24,17 +24,23 @@ the kvpress arms run the pipeline's ``forward`` on them, which is its ``__call__
 loads the model, makes one warm-up call (the whole context unless ``--warmup-tokens``: a 256-token warm-up left
 the timed call paying first-touch costs unevenly between the arms), then times one whole call: the context's
 prefill and compression, the question, greedy decoding (``--max-new-tokens``, ending early at EOS). Peak memory is
-the process's ``ru_maxrss`` at its end (model, libraries and the call; the same accounting for every arm), and apart
-what the call added over the peak after the warm-up (``call_peak``: the libraries and weights left out, kvpress's
-imports -- ``datasets``, ``pandas``, ~90 MiB -- among them); tokens
-generated are counted, and the call's CPU time (``time.process_time``, every thread; OpenMP's idle threads sleep:
-``OMP_WAIT_POLICY=PASSIVE`` unless set), which other processes on the machine disturb less than the wall time. Per
-round: each arm's wall time, CPU time and peak, and the ratios kvzoo / kvpress and kvpress+kvzoo / kvpress; then
-their medians over the rounds. The load average (``os.getloadavg``) is recorded beside
-every process: on a shared machine, read the ratios, not the seconds.
+the timed call's peak RSS (``peak_rss_mib``: everything resident -- model, libraries and the call; the process's peak
+is reset right before the call by ``kvzoo.allocator.mark_model``, so the load's and the warm-up's peaks are not
+counted), the same peak over the loaded model (``peak_rss_over_model_mib``: less the RSS right before the call, after
+the load and the warm-up: the weights and libraries left out, kvpress's imports -- ``datasets``, ``pandas``, ~90 MiB
+-- among them), the same for the prefill alone (``prefill_peak_rss_over_model_mib``: the peak when the prefill
+ended, compression included), and what the call added over the process's peak after the warm-up
+(``call_peak``, as earlier rows recorded it); tokens generated are counted, and the call's CPU time
+(``time.process_time``, every thread; OpenMP's idle threads sleep: ``OMP_WAIT_POLICY=PASSIVE`` unless set), which
+other processes on the machine disturb less than the wall time. glibc's mmap threshold is fixed at 4 MiB in every arm
+alike (``kvzoo.allocator.prefer_mmap_threshold``, as the ``kvzoo`` command does; ``KVZOO_MMAP_THRESHOLD=0``: glibc's
+dynamic one), recorded as ``mmap_threshold``. Per round: each arm's wall time, CPU time and peak, and the ratios
+kvzoo / kvpress and kvpress+kvzoo / kvpress; then their medians over the rounds. The load average
+(``os.getloadavg``) is recorded beside every process: on a shared machine, read the ratios, not the seconds.
 
 Runs only in kvpress's environment: ``.venv-kvpress/bin/python benchmarks/kvpress_side_by_side.py``
-(``make venv-kvpress`` builds it). Issue 32's runs: ``--context-tokens 2000,8000,16000`` (snapkv), then
+(``make venv-kvpress`` builds it; with another kvpress environment, put this checkout first on ``PYTHONPATH``).
+Issue 32's runs: ``--context-tokens 2000,8000,16000`` (snapkv), then
 ``--policy chunkkv --context-tokens 8000`` and ``--policy vestige --context-tokens 8000``, each ``--rounds 3``.
 """
 
@@ -49,6 +55,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from kvzoo.allocator import mark_model, mmap_threshold, peak_over_model, peak_rss_mib, prefer_mmap_threshold
+
+MALLOC_NOTE = prefer_mmap_threshold()  # every arm alike: exported to the processes this one starts
 
 ARMS = ("kvpress", "kvzoo", "kvpress+kvzoo", "transformers")
 
@@ -101,6 +111,7 @@ def _timed_first_forward(module, record: dict) -> None:
         if "prefill_s" not in record:
             t0, c0 = record["t0"]
             record["prefill_s"], record["prefill_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+            record["prefill_peak_rss_mib"] = peak_rss_mib()
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
@@ -135,6 +146,7 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
         t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         record["prefill_s"], record["prefill_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        record["prefill_peak_rss_mib"] = peak_rss_mib()
         return out
 
     if arm in ("kvzoo", "transformers"):
@@ -172,6 +184,7 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
     with torch.no_grad():
         call(context_ids[:, :warmup_tokens], max_new_tokens)  # None: the whole context
         warm_peak = _peak_mib()
+        model_rss = mark_model()  # the peak counts from here: the load's and the warm-up's are not the call's
         record.clear()
         t0, c0 = time.perf_counter(), time.process_time()
         answer, kept, generated = call(context_ids, max_new_tokens)
@@ -180,9 +193,11 @@ def run_arm(arm: str, ids_path: str, max_new_tokens: int, warmup_tokens: int | N
         "arm": arm, "policy": policy, "ratio": ratio, "context_tokens": context_ids.shape[1],
         "question_tokens": question_ids.shape[1], "kept_rows_per_layer": sorted(set(kept)), "layers": len(kept),
         "tokens_generated": generated, "wall_s": wall, "cpu_s": cpu, "prefill_s": record.get("prefill_s"),
-        "prefill_cpu_s": record.get("prefill_cpu_s"), "peak_rss_mib": _peak_mib(),
+        "prefill_cpu_s": record.get("prefill_cpu_s"), **peak_over_model(model_rss),
+        "prefill_peak_rss_over_model_mib": record["prefill_peak_rss_mib"] - model_rss,
         "peak_rss_after_warmup_mib": warm_peak, "answer": answer.strip(),
         "needle_found": all(a in answer for a in prepared["answers"]), "threads": torch.get_num_threads(),
+        "mmap_threshold": mmap_threshold(),
     }
 
 
@@ -225,18 +240,35 @@ def side_by_side(context_tokens: int, rounds: int, max_new_tokens: int, arms: tu
         ratio_row = {f"{arm}/kvpress": {"wall": by_arm[arm]["wall_s"] / base["wall_s"],
                                         "cpu": by_arm[arm]["cpu_s"] / base["cpu_s"],
                                         "peak": by_arm[arm]["peak_rss_mib"] / base["peak_rss_mib"],
-                                        "call_peak": _call_peak(by_arm[arm]) / max(_call_peak(base), 1.0)}
+                                        "call_peak": _call_peak(by_arm[arm]) / max(_call_peak(base), 1.0),
+                                        "over_model": by_arm[arm]["peak_rss_over_model_mib"]
+                                        / max(base["peak_rss_over_model_mib"], 1.0),
+                                        "prefill_over_model": by_arm[arm]["prefill_peak_rss_over_model_mib"]
+                                        / max(base["prefill_peak_rss_over_model_mib"], 1.0)}
                      for arm in arms if arm not in ("kvpress", "transformers") and arm in by_arm}
         if "kvzoo" in by_arm and "transformers" in by_arm:  # the prefill (and compression) beside transformers'
             kz, tf = by_arm["kvzoo"], by_arm["transformers"]
             ratio_row["kvzoo/transformers prefill"] = {"wall": kz["prefill_s"] / tf["prefill_s"],
                                                        "cpu": kz["prefill_cpu_s"] / tf["prefill_cpu_s"],
-                                                       "peak": kz["peak_rss_mib"] / tf["peak_rss_mib"]}
+                                                       "peak": kz["peak_rss_mib"] / tf["peak_rss_mib"],
+                                                       "over_model": kz["peak_rss_over_model_mib"]
+                                                       / max(tf["peak_rss_over_model_mib"], 1.0)}
         ratios.append(ratio_row)
     medians = {key: {what: statistics.median(r[key][what] for r in ratios) for what in ratios[0][key]}
                for key in (ratios[0] if ratios else {})}
+    by_arm_median = {field: {arm: statistics.median(row[field] for row in runs if row["arm"] == arm) for arm in arms}
+                     for field in ("peak_rss_mib", "peak_rss_over_model_mib", "prefill_peak_rss_over_model_mib")}
     return {"policy": policy, "ratio": ratio, "press": PRESSES[policy], "context_tokens": context_tokens,
-            "rounds": rounds, "runs": runs, "ratios": ratios, "medians": medians}
+            "rounds": rounds, "runs": runs, "ratios": ratios, "medians": medians, **by_arm_median,
+            "mmap_threshold": runs[0]["mmap_threshold"]}
+
+
+def _code() -> str:
+    """The commit measured (``+`` when kvzoo's or the benchmarks' tracked files differed from it at the start)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
+
+    return git("rev-parse", "--short", "HEAD").strip() + ("+" if git("status", "--porcelain", "-uno", "--", "../kvzoo", ".").strip() else "")
 
 
 def _call_peak(row: dict) -> float:
@@ -246,7 +278,9 @@ def _call_peak(row: dict) -> float:
 
 
 def _call(ratio: dict) -> str:
-    return f" ({ratio['call_peak']:.2f}x)" if "call_peak" in ratio else ""
+    parts = ([f"own {ratio['call_peak']:.2f}x"] if "call_peak" in ratio else []) + (
+        [f"over the model {ratio['over_model']:.2f}x"] if "over_model" in ratio else [])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _prefill(row: dict) -> str:
@@ -260,15 +294,17 @@ def render(result: dict) -> list[str]:
     lines = [f"{result['policy']} {result['ratio']:g}x (kvpress: {result['press']}), SmolLM2-135M fp32, "
              f"{first['context_tokens']} context tokens + {first['question_tokens']} question tokens, "
              f"{first['threads']} threads; kept rows per layer {kept}",
-             "", "| round | " + " | ".join(f"{a}: wall s / prefill s / CPU s / peak MiB / tokens" for a in arms)
-             + " | " + " | ".join(f"{k}: wall, CPU, peak (the call's own)" for k in keys) + " | load (1 min) |",
+             "", "| round | " + " | ".join(f"{a}: wall s / prefill s / CPU s / peak MiB (over the model) / tokens"
+                                          for a in arms)
+             + " | " + " | ".join(f"{k}: wall, CPU, peak (the call's own, over the model)" for k in keys)
+             + " | load (1 min) |",
              "|---|" + "---|" * (len(arms) + len(keys) + 1)]
     for r, ratio in enumerate(result["ratios"]):
         cells = [next(row for row in runs if row["round"] == r and row["arm"] == a) for a in arms]
         load = [row["load_before"][0] for row in runs if row["round"] == r]
         lines.append(f"| {r + 1} | " + " | ".join(
-            f"{c['wall_s']:.1f} / {_prefill(c)} / {c['cpu_s']:.1f} / {c['peak_rss_mib']:.0f} / "
-            f"{c['tokens_generated']}" for c in cells)
+            f"{c['wall_s']:.1f} / {_prefill(c)} / {c['cpu_s']:.1f} / {c['peak_rss_mib']:.0f} "
+            f"({c['peak_rss_over_model_mib']:.0f}) / {c['tokens_generated']}" for c in cells)
             + " | " + " | ".join(f"{v['wall']:.2f}x, {v['cpu']:.2f}x, {v['peak']:.2f}x{_call(v)}" for v in ratio.values())
             + f" | {min(load):.1f}-{max(load):.1f} |")
 
@@ -278,7 +314,7 @@ def render(result: dict) -> list[str]:
 
     lines.append("| median | " + " | ".join(
         f"{median(a, 'wall_s'):.1f} / {median(a, 'prefill_s'):.1f} / {median(a, 'cpu_s'):.1f} / "
-        f"{median(a, 'peak_rss_mib'):.0f} / -" for a in arms) + " | "
+        f"{median(a, 'peak_rss_mib'):.0f} ({median(a, 'peak_rss_over_model_mib'):.0f}) / -" for a in arms) + " | "
         + " | ".join(f"**{v['wall']:.2f}x, {v['cpu']:.2f}x, {v['peak']:.2f}x{_call(v)}**" for v in result["medians"].values())
         + " | |")
     found = {a: sorted({row["needle_found"] for row in runs if row["arm"] == a}) for a in arms}
@@ -319,10 +355,11 @@ def main() -> None:
     if unknown or "kvpress" not in arms:
         raise SystemExit(f"unknown arm(s) {unknown}; valid: {', '.join(ARMS)} (kvpress, the baseline, must be one)")
     print(f"uptime at start: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    results = []
+    print(f"allocator: {MALLOC_NOTE}")
+    code, results = _code(), []
     for n in (int(x) for x in args.context_tokens.split(",")):
-        results.append(side_by_side(n, args.rounds, args.max_new_tokens, arms, args.warmup_tokens, args.policy,
-                                    args.ratio))
+        results.append({**side_by_side(n, args.rounds, args.max_new_tokens, arms, args.warmup_tokens, args.policy,
+                                       args.ratio), "code": code})
         print("\n".join(["", *render(results[-1])]), flush=True)
         if args.json:  # appended as each length finishes: a long run's earlier lengths are not lost
             with open(args.json, "a") as f:

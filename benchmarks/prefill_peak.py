@@ -17,9 +17,16 @@ cheaper prefill: a chunk attends only the rows kept so far):
 
 Per cell, in a fresh process (1 thread): the most K/V rows every layer's attended tier held at once
 (``CacheStats.peak_cache_rows``, per sequence and KV group, counted by the cache), the rows stored at the end (the
-tier and, where a retriever reads one, the archive), the process's peak RSS over its RSS right before the prefill
-(``ru_maxrss``: the model loaded and its weights touched by a 32-token forward, nothing prefilled), and the
-prefill's CPU time (a first call of this length: first-touch costs included, alike in every cell).
+tier and, where a retriever reads one, the archive), the prefill's peak RSS -- ``peak_rss_mib``, everything resident
+(weights, libraries, the prefill), and ``peak_rss_over_model_mib``, that less the RSS right before the prefill (the
+model loaded and its weights touched by a 32-token forward, nothing prefilled; ``kvzoo.allocator.mark_model`` resets
+the process's peak there, so the load's own peak is not counted) -- and the prefill's CPU time (a first call of this
+length: first-touch costs included, alike in every cell).
+
+glibc's mmap threshold is fixed at 4 MiB in every cell (``kvzoo.allocator.prefer_mmap_threshold``, as the ``kvzoo``
+command does: freed blocks of 4 MiB and more go back to the system instead of staying in the heap) unless the
+environment sets ``MALLOC_MMAP_THRESHOLD_``, or ``KVZOO_MMAP_THRESHOLD=0`` (glibc's dynamic threshold); the script
+prints which, and each row records it (``mmap_threshold``: bytes, null for glibc's dynamic one).
 
 ``--mla-vs-transformers``: tiny DeepSeek-V2's prefill (the real row geometry, random weights), kvzoo's default
 (compressed latent rows, each layer compressing inside the forward; ``full``, ``snapkv`` and ``vestige`` at ratio 8)
@@ -39,6 +46,10 @@ import resource
 import subprocess
 import sys
 import time
+
+from kvzoo.allocator import mark_model, mmap_threshold, peak_over_model, prefer_mmap_threshold
+
+MALLOC_NOTE = prefer_mmap_threshold()  # this process and the cells it starts (module text)
 
 POLICIES = ("full", "snapkv", "chunkkv", "h2o", "streaming_llm", "quest", "vestige")
 MODES = ("default", "after", "chunks")
@@ -70,7 +81,7 @@ def run_cell(policy: str, mode: str, tokens: int, ratio: float, chunk: int) -> d
         model(input_ids=ids[:, :32], use_cache=False, logits_to_keep=1)
         if policy == "transformers":
             cache = DynamicCache()
-            rss0, t = _rss_mib(), time.process_time()
+            rss0, t = mark_model(), time.process_time()
             model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             cpu = time.process_time() - t
             kept = stored = peak_rows = tokens * layers
@@ -79,7 +90,7 @@ def run_cell(policy: str, mode: str, tokens: int, ratio: float, chunk: int) -> d
             cache = TieredCache(model, registry.get(policy) if policy == "full" else registry.get(policy, ratio=ratio),
                                 context_length=tokens)
             step = {"default": prefill_chunk(cache, tokens), "after": tokens, "chunks": chunk}[mode]
-            rss0, t = _rss_mib(), time.process_time()
+            rss0, t = mark_model(), time.process_time()
             if mode == "after":
                 prefill(model, cache, ids, step)
                 cache.compress()
@@ -90,11 +101,10 @@ def run_cell(policy: str, mode: str, tokens: int, ratio: float, chunk: int) -> d
             peak_rows = stats.peak_cache_rows
             kept = sum(layer.store.n for layer in cache.tiered_layers)
             stored = kept + sum(layer.store.archive.n for layer in cache.tiered_layers)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return dict(policy=policy, mode=mode, tokens=tokens, ratio=None if policy in ("full", "transformers") else ratio,
                 chunk=step, layers=layers, peak_cache_rows=peak_rows, peak_layers=peak_rows / tokens,
-                kept_rows=kept, stored_rows=stored, peak_rss_over_start_mib=peak - rss0, prefill_cpu_s=cpu,
-                threads=torch.get_num_threads())
+                kept_rows=kept, stored_rows=stored, **peak_over_model(rss0), prefill_cpu_s=cpu,
+                threads=torch.get_num_threads(), mmap_threshold=mmap_threshold())
 
 
 def mla_cell(model_name: str, arm: str, tokens: int) -> dict:
@@ -197,8 +207,9 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     cells = [("transformers", "default")] + [(p, m) for p in policies for m in modes if p != "full" or m != "chunks"]
-    print("| policy | mode | chunk | peak rows (x one layer's prompt) | stored at the end | peak RSS over start MiB "
-          "| prefill CPU s |\n|---|---|---:|---:|---:|---:|---:|", flush=True)
+    print(f"# {MALLOC_NOTE}")
+    print("| policy | mode | chunk | peak rows (x one layer's prompt) | stored at the end | peak RSS MiB "
+          "| over the loaded model MiB | prefill CPU s |\n|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for policy, mode in cells:
         cell = dict(policy=policy, mode=mode, tokens=args.tokens, ratio=args.ratio, chunk=args.chunk)
         out = subprocess.run([sys.executable, __file__, "--cell", json.dumps(cell)], capture_output=True, text=True,
@@ -208,7 +219,8 @@ def main() -> None:
             continue
         row = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {policy} | {mode} | {row['chunk']} | {row['peak_cache_rows']} ({row['peak_layers']:.1f}) | "
-              f"{row['stored_rows']} | {row['peak_rss_over_start_mib']:.0f} | {row['prefill_cpu_s']:.1f} |",
+              f"{row['stored_rows']} | {row['peak_rss_mib']:.0f} | {row['peak_rss_over_model_mib']:.0f} | "
+              f"{row['prefill_cpu_s']:.1f} |",
               flush=True)
         if args.json:
             with open(args.json, "a") as f:

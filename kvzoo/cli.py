@@ -4,9 +4,11 @@ gets its options built, from light modules: ``kvzoo --help``, ``--version`` and 
 
 from __future__ import annotations
 
+from kvzoo.allocator import prefer_mmap_threshold
 from kvzoo.openmp import prefer_passive
 
 OPENMP_NOTE = prefer_passive()  # before anything imports torch (OpenMP reads it when loaded)
+MALLOC_NOTE = prefer_mmap_threshold()  # before any model is loaded: freed blocks >= 4 MiB go back to the system
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -914,6 +916,7 @@ def _start(args: argparse.Namespace) -> int:
         if refused:
             return _fail(args.command, refused)
         print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)
+        print(f"kvzoo: {MALLOC_NOTE}", file=sys.stderr)
         from kvzoo.kernels.dispatch import check_startup
 
         # run's model stays on the CPU, and so do the local executor's; another executor's workers may hold GPUs
