@@ -32,8 +32,8 @@ def _cli(args: list[str]) -> int:
 
 
 def _error_lines(err: str) -> list[str]:
-    """stderr without the OpenMP note every model-running command prints first."""
-    return [line for line in err.splitlines() if line.strip() and not line.startswith("kvzoo: OMP_")
+    """stderr without the OpenMP and allocator notes every model-running command prints first."""
+    return [line for line in err.splitlines() if line.strip() and not line.startswith(("kvzoo: OMP_", "kvzoo: MALLOC_"))
             and "OpenMP" not in line]
 
 
