@@ -258,7 +258,8 @@ def test_refused_ratio_is_skipped_and_a_failing_policy_is_an_error_not_a_crash(t
     skipped = next(r for r in rows if r["policy"] == "capped_ratio" and r["status"] == "skipped")
     assert "ratio must be <= 3" in skipped["error"]
     error = next(r for r in rows if r["policy"] == "broken" and r["status"] == "error")
-    assert error["error"] == "RuntimeError: selector exploded"
+    assert error["error"] == ("PluginError: policy 'broken' (tests.test_bench_runner.Broken): priority() raised "
+                              "RuntimeError: selector exploded")  # the plugin named (issue 44 item 11)
     table = report.leaderboard_table(rows).splitlines()
     assert table[3].startswith("| capped_ratio | ") and "| skipped |" in table[3]
     assert "| error |" in table[4]
