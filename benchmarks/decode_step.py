@@ -480,11 +480,16 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             row["read_gb_s"] = bw
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_rows(args.json, rows)
     return 0
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append ``rows`` to the JSON-lines file ``path`` (its folder made if missing)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

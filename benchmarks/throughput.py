@@ -49,7 +49,6 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -412,10 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "scaling" if args.scaling else "budget"
     rows = [{**r, "mode": mode, "rounds": args.rounds, **extra} for r in rows]
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        decode_step.append_rows(args.json, rows)
     return 0
 
 
