@@ -10,6 +10,7 @@ measures and its options:
 * ``chunkkv-reuse``: ChunkKV's compression step with and without layer-wise index reuse.
 * ``vestige-prune``: VestigeKV's int8 index pruned by page summaries on SmolLM2: pages skipped, bytes, the audit.
 * ``vestige-prune-needle``: the 2k needle grid with VestigeKV's int8 index pruned: the same answers?
+* ``prune-bounds``: which certified bound could prune VestigeKV's int8 scan on SmolLM2, and how far.
 
 Heavy imports (torch, kvzoo) happen inside each probe, so ``--help`` is instant.
 """
@@ -861,6 +862,156 @@ def vestige_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------------------------------- prune-bounds
+
+
+def _pca_tree_order(keys, page_rows: int):
+    """A permutation of ``keys [N, D]`` putting similar keys in the same page: split at the median of the principal
+    direction, recursively, down to ``page_rows`` (the best case a reordered archive could give a page summary)."""
+    import torch
+
+    groups = [torch.arange(keys.shape[0])]
+    while groups[0].numel() > page_rows:
+        split = []
+        for g in groups:
+            x = keys[g] - keys[g].mean(0)
+            order = (x @ torch.linalg.svd(x, full_matrices=False).Vh[0]).argsort()
+            half = g.numel() // 2
+            split += [g[order[:half]], g[order[half:]]]
+        groups = split
+    return torch.cat(groups)
+
+
+def prune_bounds(args: argparse.Namespace) -> int:
+    """Issue 47: which certified bound could prune VestigeKV's int8 scan on SmolLM2, and how far.
+
+        .venv/bin/python benchmarks/probe.py prune-bounds [--context 8192] [--steps 2] [--json FILE]
+
+    One dense prefill of ``--context`` tokens of essay text in transformers (``DynamicCache``), then ``--steps`` greedy
+    decode steps, each layer's query heads captured after RoPE. Every prompt row stands for an archived row (at 32x
+    all but 1/32 are). Per (layer, KV group, step), for each bound family, the share of what it leaves live (pages or
+    rows a scan must still read) against two thresholds: ``top-j`` (each head's exact ``j``-th best score: a pruned
+    scan that must fetch what the unpruned top-j rule fetches cannot skip a row above it), and ``floor`` (``s* - 8``,
+    ``s*`` the best row: the rule's floor, which the shipped pruning uses). A page or row is live when its bound
+    reaches the threshold for some query head of its group. The families (each >= every row's exact score): Quest's
+    page box (per-dim min/max over ``--page-rows`` rows) in archive order and in the best reordering found (a PCA
+    tree); a page ball (centre and radius); per row, the centred rank-``r`` projection plus ``||q_perp|| ||k_perp||``;
+    per row, the centred norm. ``implied index bytes``: the family's own bytes plus the int8 entries (``D + 6`` a row)
+    of the live rows, over the int8 index's bytes -- the goal is 0.4. ``perfect page``: pages none of whose rows
+    reaches the threshold (what an exact page bound would leave live).
+    """
+    import math
+
+    import torch
+    from transformers import DynamicCache
+
+    from kvzoo.haystacks import haystack_sentences
+    from kvzoo.models import load_model
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model("smollm2-135m")
+    sentences = haystack_sentences("essay", args.seed)
+    ids: list[int] = []
+    while len(ids) < args.context:
+        ids += tokenizer(next(sentences) + " ", add_special_tokens=False)["input_ids"]
+    prompt = torch.tensor([ids[: args.context]])
+    captured: dict[int, list] = {}
+
+    def capture(module, positional, kwargs):  # the decode step's query rows after RoPE
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        hidden = kwargs.get("hidden_states", positional[0] if positional else None)
+        cos, sin = kwargs["position_embeddings"]
+        q = module.q_proj(hidden).view(*hidden.shape[:2], -1, module.head_dim).transpose(1, 2)
+        captured.setdefault(module.layer_idx, []).append(apply_rotary_pos_emb(q, q, cos, sin)[0][0, :, -1].float())
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        for start in range(0, args.context, 1024):
+            out = model(input_ids=prompt[:, start : start + 1024], past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+        hooks = [layer.self_attn.register_forward_pre_hook(capture, with_kwargs=True) for layer in model.model.layers]
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(args.steps):
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        for h in hooks:
+            h.remove()
+    P, j = args.page_rows, args.j
+    live: dict[tuple[str, str], list[float]] = {}
+    own_bytes: dict[str, float] = {}
+    D = 0
+    for layer, queries in captured.items():
+        keys_all = cache.layers[layer].keys[0, :, : args.context].float()  # [G, N, D]
+        G, N, D = keys_all.shape
+        hq = queries[0].shape[0] // G
+        sc = 1 / math.sqrt(D)
+        n = N // P * P
+        for g in range(G):
+            keys = keys_all[g]
+            mu = keys.mean(0)
+            basis = torch.linalg.svd(keys - mu, full_matrices=False).Vh
+            tree = keys[_pca_tree_order(keys[:n], P)]
+            for q_all in queries:
+                q = q_all[g * hq : (g + 1) * hq]  # [hq, D]
+                scores = (q @ keys.T) * sc  # [hq, N]
+                bounds = {}
+                for name, k in (("page box, archive order", keys[:n]), ("page box, PCA-tree order", tree)):
+                    pages = k.view(-1, P, D)
+                    lo, hi = pages.amin(1), pages.amax(1)
+                    bounds[name] = (q.clamp(min=0) @ hi.T + q.clamp(max=0) @ lo.T) * sc
+                pages = keys[:n].view(-1, P, D)
+                centre = pages.mean(1)
+                radius = (pages - centre[:, None]).norm(dim=-1).amax(1)
+                bounds["page ball, archive order"] = (q @ centre.T + q.norm(dim=-1, keepdim=True) * radius) * sc
+                bounds["perfect page, archive order"] = scores[:, :n].view(hq, -1, P).amax(-1)
+                for r in (8, 16, 24):
+                    u = basis[:r]
+                    coords = (keys - mu) @ u.T
+                    rest = (keys - mu - coords @ u).norm(dim=-1)
+                    qu = q @ u.T
+                    q_rest = (q - qu @ u).norm(dim=-1, keepdim=True)
+                    bounds[f"row rank-{r} projection + residual"] = ((q @ mu)[:, None] + qu @ coords.T
+                                                                      + q_rest * rest) * sc
+                bounds["row centred norm"] = ((q @ mu)[:, None]
+                                              + q.norm(dim=-1, keepdim=True) * (keys - mu).norm(dim=-1)) * sc
+                for threshold_name, threshold in (("top-j", scores.topk(j, dim=-1).values[:, -1]),
+                                                  ("floor", scores.amax(-1) - 8)):
+                    for name, bound in bounds.items():  # live: the bound reaches some head's threshold
+                        share = (bound >= threshold[:, None]).any(0).float().mean().item()
+                        live.setdefault((name, threshold_name), []).append(share)
+    entry = D + 6  # an int8 entry: codes and three fp16 side columns
+    for r in (8, 16, 24):
+        own_bytes[f"row rank-{r} projection + residual"] = r + 4  # int8 coordinates, fp16 scale and residual norm
+    own_bytes.update({"page box, archive order": (2 * D + 5) / P, "page box, PCA-tree order": (2 * D + 5 + 4 * P) / P,
+                      "page ball, archive order": (D + 6) / P, "perfect page, archive order": 0.0,
+                      "row centred norm": 2})
+    rows = []
+    for (name, threshold_name), shares in live.items():
+        share = statistics.fmean(shares)
+        rows.append({"probe": "prune-bounds", "model": "smollm2-135m", "context": args.context, "steps": args.steps,
+                     "j": j, "page_rows": P, "bound": name, "threshold": threshold_name, "cases": len(shares),
+                     "live_share": share, "max_live_share": max(shares), "own_bytes_per_row": own_bytes[name],
+                     "implied_index_bytes": (own_bytes[name] + share * entry) / entry, "commit": git_commit()})
+    print("| bound | threshold | live (mean) | live (max) | implied index bytes vs int8 |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['bound']} | {r['threshold']} | {r['live_share']:.3f} | {r['max_live_share']:.3f} | "
+              f"{r['implied_index_bytes']:.2f} |")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+def _prune_bounds_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=2, help="decode steps whose queries are scored")
+    p.add_argument("--page-rows", type=int, default=16)
+    p.add_argument("-j", type=int, default=16, help="the top-j rule's j")
+    p.add_argument("--seed", type=int, default=0, help="the essay text's seed")
+    p.add_argument("--json", help="append one JSON line per (bound, threshold) here")
+
+
 class _PrunedPlugin:
     """A plugin registering ``vestige_pruned``: VestigeKV's retriever with the int8 index pruned (``prune=True``)."""
 
@@ -930,6 +1081,8 @@ PROBES = {  # name -> (one line, its options, what it runs)
                       _vestige_prune_args, vestige_prune),
     "vestige-prune-needle": ("the 2k needle grid with VestigeKV's int8 index pruned: the same answers?",
                              _vestige_prune_needle_args, vestige_prune_needle),
+    "prune-bounds": ("which certified bound could prune VestigeKV's int8 scan on SmolLM2, and how far",
+                     _prune_bounds_args, prune_bounds),
 }
 
 
