@@ -905,6 +905,7 @@ def prune_bounds(args: argparse.Namespace) -> int:
     import torch
     from transformers import DynamicCache
 
+    from kvzoo.bench.results import versions
     from kvzoo.haystacks import haystack_sentences
     from kvzoo.models import load_model
 
@@ -991,7 +992,8 @@ def prune_bounds(args: argparse.Namespace) -> int:
         rows.append({"probe": "prune-bounds", "model": "smollm2-135m", "context": args.context, "steps": args.steps,
                      "j": j, "page_rows": P, "bound": name, "threshold": threshold_name, "cases": len(shares),
                      "live_share": share, "max_live_share": max(shares), "own_bytes_per_row": own_bytes[name],
-                     "implied_index_bytes": (own_bytes[name] + share * entry) / entry, "commit": git_commit()})
+                     "implied_index_bytes": (own_bytes[name] + share * entry) / entry, "commit": git_commit(),
+                     "versions": versions()})
     print("| bound | threshold | live (mean) | live (max) | implied index bytes vs int8 |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['bound']} | {r['threshold']} | {r['live_share']:.3f} | {r['max_live_share']:.3f} | "
