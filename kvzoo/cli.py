@@ -1,5 +1,6 @@
 """The ``kvzoo`` command: ``list``, ``run``, ``leaderboard`` and ``plot`` (:data:`COMMANDS`). Only the subcommand given
-gets its options built, from light modules: ``kvzoo --help``, ``--version`` and ``list`` import no transformers.
+gets its options built, from light modules: ``kvzoo --help``, ``--version`` and ``list`` import neither torch nor
+transformers, and a misspelt policy, model or option is refused before torch is imported.
 """
 
 from __future__ import annotations
