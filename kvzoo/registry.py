@@ -135,6 +135,18 @@ class BuiltinPolicies:
                 for entry in read_manifest(self.manifest_path, "namespace")}
 
 
+def builtin_classes(kind: str) -> list[type]:
+    """The classes ``registry.toml`` lists as ``kind`` (``"policy"``, ``"executor"``, ...), imported and checked as the
+    built-in plugin registers them, without discovering any other plugin (nor importing the policies, for another
+    kind: the CLI's parser takes the executors' options from here without torch)."""
+    return BuiltinPolicies()._classes(kind)
+
+
+def plugins_registered() -> list[str]:
+    """The names of the plugins given to :func:`register_plugin` in this process (entry points not included)."""
+    return [name for _, name in _registered]
+
+
 # --- discovery: one path for every kind of thing a plugin provides -------------------------------
 
 

@@ -259,7 +259,7 @@ def plan(grid: Grid) -> list[Trial]:
         refused = [(name, why) for name in dict.fromkeys(names) if (why := _builds_nowhere(name, grid.ratios))]
         if refused:
             raise PolicyRefused(refused)
-    from kvzoo.models import check_model_name
+    from kvzoo.model_names import check_model_name
 
     for model in grid.models:
         check_model_name(model)
