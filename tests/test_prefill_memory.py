@@ -95,6 +95,24 @@ def test_a_layer_that_dropped_its_prefill_gives_the_pages_back_in_a_context_endi
     detach(model)
 
 
+def test_a_context_ending_forward_counts_the_rows_it_brought_when_it_dropped_fewer(monkeypatch):
+    # the layer's activations scale with the rows the forward brought, not with those dropped: a policy keeping most
+    # rows still has its layers' freed activations given back (docs: kvzoo/framework/memory.py)
+    import kvzoo.framework.runtime as runtime
+
+    freed = []
+    monkeypatch.setattr(runtime, "release_freed", lambda n: freed.append(n) or True)
+    model = _model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    cache = TieredCache(model, registry.get("snapkv", budget=72, window=8), context_length=PROMPT)
+    pipeline.prefill(model, cache, ids, ends_context=True)  # one forward: 80 rows brought, 8 dropped
+    layer = cache.tiered_layers[0]
+    batch, groups = layer.store.batch_groups
+    assert layer.store.n == 72
+    assert freed == [PROMPT * layer.store.row_bytes() * batch * groups] * len(cache.tiered_layers)
+    detach(model)
+
+
 def test_release_freed_can_be_turned_off_and_skips_small_frees(monkeypatch):
     trims = []
     monkeypatch.setattr(memory, "_malloc_trim", lambda: trims.append)

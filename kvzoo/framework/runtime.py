@@ -167,10 +167,20 @@ class Runtime:
         elif policy.schedule == "block" and policy.block_size and counts.since_event >= policy.block_size:
             self.fire(layer, "block")
         if self.ending:
-            # the rows just dropped (most of the layer's prefill): give their pages back before the next layer runs
-            release_freed(self.fire(layer, "context_end"))
+            # give back the pages this layer's forward freed before the next layer runs: the rows just dropped, and the
+            # activations of the layer's attention and feed-forward, which scale with the rows the forward brought
+            freed = self.fire(layer, "context_end")
+            release_freed(max(freed, self.brought(layer)))
             if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
                 self.ending = False
+
+    @staticmethod
+    def brought(layer: RuntimeLayer) -> int:
+        """Bytes of the rows the layer's latest forward appended (0 before its first rows)."""
+        if not layer.is_initialized:
+            return 0
+        batch, groups = layer.store.batch_groups
+        return layer.counts.new_rows * layer.store.row_bytes() * batch * groups
 
     def fire(self, layer: RuntimeLayer, event: Event) -> int:
         """Run the policy's selector for ``event`` and move the rows it does not keep; the bytes given back."""
