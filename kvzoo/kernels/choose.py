@@ -16,6 +16,7 @@ from kvzoo.kernels import cpu_native
 from kvzoo.kernels.dispatch import mode
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
+    _check_valid,
     count_picked,
     index_scan,
     index_scan_reduce,
@@ -53,10 +54,12 @@ def _one_device(op: str, first: torch.Tensor, **tensors: torch.Tensor | None) ->
 def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
                             j: int, archived: int, scaling: float, *, slack: float = SKETCH_SLACK,
                             rank_by: str = "estimate", length: torch.Tensor | None = None,
-                            counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            counter: torch.Tensor | None = None,
+                            valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sketch_choose` in PyTorch: the query rows (:func:`~kvzoo.kernels.index_scan.sketch_query`), one scan
     for the bounds and the estimates (the query rows without eta's and the slack columns), each query row's top ``j``
-    by the ranking score, kept where the bound is above ``floor``, then :func:`unique_candidates` and the count."""
+    by the ranking score, kept where the bound is above ``floor``, then :func:`unique_candidates` and the count. A
+    row flagged False in ``valid`` ranks ``-inf`` and is never kept."""
     _shape_is("sketch_choose", "query", query, None, None, None, None)
     _one_device("sketch_choose", query, basis=basis, entries=entries, floor=floor, length=length, counter=counter)
     B, G, hq, D = query.shape
@@ -65,6 +68,11 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
     if archived < 1:  # the sentinel of rows not picked, clamped to archived - 1: a row
         raise ValueError(f"sketch_choose: archived must be >= 1, got {archived}")
     dc, r = basis.shape[2], basis.shape[3]
+    m = entries.shape[2]
+    dead = None
+    if valid is not None:
+        _check_valid("sketch_choose", valid, B, G, m)
+        dead = ~valid[:, :, None, :m]  # [B, G, 1, m]
     heads = query.reshape(B, G * hq, 1, D)  # sketch_query groups the heads again: [B, G, hq, W]
     branch = heads[..., dc:] if D > dc else None
     qrows = sketch_query(heads[..., :dc], branch, basis, slack=slack)
@@ -77,10 +85,14 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
         in_span[..., W - (2 if branch is not None else 1):] = 0
         both = index_scan(torch.cat([qrows, in_span], dim=2), entries, scaling, length=length)  # one scan
         bounds, ranking = both[:, :, :hq], both[:, :, hq:]
+        if dead is not None:
+            bounds, ranking = bounds.masked_fill(dead, float("-inf")), ranking.masked_fill(dead, float("-inf"))
         rows = ranking.topk(j, dim=-1).indices  # [B, G, hq, j]
         ok = bounds.gather(-1, rows) > floor[..., None]
     else:
         bounds = index_scan(qrows, entries, scaling, length=length)
+        if dead is not None:
+            bounds = bounds.masked_fill(dead, float("-inf"))
         top, rows = bounds.topk(j, dim=-1)
         ok = top > floor[..., None]
     idx, picked = unique_candidates(rows.view(B, G, -1), ok.view(B, G, -1), archived)
@@ -89,8 +101,8 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
 
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor, j: int,
                   archived: int, scaling: float, *, slack: float = SKETCH_SLACK, rank_by: str = "estimate",
-                  length: torch.Tensor | None = None,
-                  counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  length: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over its sketch for grouped decode queries: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
     ``query [B, G, hq, D]`` fp32 (MLA: the absorbed content part first, then the rope branch), ``basis [B, G, dc,
@@ -98,14 +110,15 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
     buffer may be passed whole with ``length [B]``), ``floor [B, G, hq]`` (``s* - j_margin``), ``archived`` the
     staging's sentinel (:func:`unique_candidates`), ``slack`` ``SKETCH_SLACK`` (``SKETCH_SLACK_FP16`` for fp16
     entries), ``rank_by`` ``"estimate"`` (the bound less its Cauchy-Schwarz term and slack) or ``"bound"``. Per query
-    row its top ``j`` by the ranking (an earlier row first among equals), kept where its bound is above ``floor``."""
+    row its top ``j`` by the ranking (an earlier row first among equals), kept where its bound is above ``floor``.
+    ``valid [B, G, >= m]`` bool (None: every row is one): a row flagged False (padding) is never ranked nor kept."""
     if rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
-    if mode() == "auto" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter):
+    if mode() == "auto" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter, valid):
         return cpu_native.sketch_choose(query, basis, entries, length, floor, j, archived, scaling, slack,
-                                        rank_by == "bound", counter)
+                                        rank_by == "bound", counter, valid)
     return sketch_choose_reference(query, basis, entries, floor, j, archived, scaling, slack=slack, rank_by=rank_by,
-                                   length=length, counter=counter)
+                                   length=length, counter=counter, valid=valid)
 
 
 # --- Quest's pages --------------------------------------------------------------------------------------------------

@@ -335,29 +335,31 @@ MAX_W = 2 * MAX_D + 1  # the widest index entry the float scans take (a Quest pa
 
 
 def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
-                            j: int, counter: torch.Tensor | None = None) -> bool:
+                            j: int, counter: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> bool:
     """Whether :func:`sketch_choose` takes these tensors (CPU, the dtypes and strides the op takes, ``1 <= j <=
-    min(MAX_J, m)``, no autograd, the library built here; a wrong width is the op's error, not a fallback)."""
+    min(MAX_J, m)``, no autograd, the library built here; a wrong width is the op's error, not a fallback; ``valid``
+    None or on the CPU)."""
     if query.dim() != 4 or basis.dim() != 4 or entries.dim() != 4:
         return False
     return (_on_cpu((query, basis, entries, floor)) and query.dtype == torch.float32
             and basis.dtype == torch.float32 and floor.dtype == torch.float32
             and entries.dtype in (torch.float32, torch.float16) and 1 <= query.shape[2] <= MAX_HQ
             and query.shape[3] <= MAX_D and 1 <= j <= min(MAX_J, entries.shape[2]) and entries.stride(-1) == 1
-            and counter_ok(counter)
+            and counter_ok(counter) and (valid is None or valid.device.type == "cpu")
             and not (query.requires_grad or entries.requires_grad)
             and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
                   floor: torch.Tensor, j: int, archived: int, scaling: float, slack: float, rank_by_bound: bool,
-                  counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  counter: torch.Tensor | None = None,
+                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's sketch top-j rule in one call, the torch op ``kvzoo::sketch_choose`` (``csrc/sketch_choose.cpp``;
     specification :func:`kvzoo.kernels.choose.sketch_choose_reference`). The caller checked
     :func:`sketch_choose_supported`."""
     return (_LOADED[0] if _LOADED else library()).sketch_choose(query, basis, entries, length, floor, j, archived,
                                                                 float(scaling), float(slack), bool(rank_by_bound),
-                                                                counter)
+                                                                counter, valid)
 
 
 def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,

@@ -62,11 +62,14 @@ class PagedKeyIndex(Int8KeyIndex):
         K = rows.shape[-1]
         live = self.rows.length if self.rows.fixed else self.rows.n  # rows indexed
         staged = rows.clamp(max=self.rows.capacity - 1)
-        entries = self.rows.gather(staged.view(B, G, hq * K), ("codes", "side"))
+        names = ("codes", "side", "valid") if archive.padded else ("codes", "side")  # padding rows: never chosen
+        entries = self.rows.gather(staged.view(B, G, hq * K), names)
         bound, estimate = int8_row_bounds(self._grouped(query), entries["codes"].view(B, G, hq, K, D),
                                           entries["side"].view(B, G, hq, K, -1), scaling)
         page_of_row = top_bounds[..., None].expand(B, G, hq, top_bounds.shape[-1], size).flatten(-2)
         usable = (rows < live) & (page_of_row > float("-inf"))
+        if archive.padded:
+            usable &= entries["valid"].view(B, G, hq, K)
         estimate = estimate.masked_fill(~usable, float("-inf"))
         picked = estimate.topk(min(self.config.j, K), dim=-1).indices  # [B, G, hq, j]
         s_star = (best - self.config.j_margin).reshape(B, G, hq, 1)

@@ -38,7 +38,7 @@ int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, in
                         const float *floor, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,
                         int64_t B, int64_t G, int64_t hq, int64_t D, int64_t dc, int64_t r, int64_t m, int64_t W,
                         int64_t j, int64_t archived, int64_t rank_by_bound, float scaling, float slack,
-                        int64_t threads);
+                        int64_t threads, const uint8_t *valid, int64_t v_sb, int64_t v_sg, int64_t v_sm);
 
 int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sp,
                        const uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp, const int64_t *live,

@@ -287,9 +287,9 @@ void in_rows(const char *op, const char *name, const Tensor &position, int64_t N
 template <bool meta>
 Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &entries, const Maybe &length,
                      const Tensor &floor, int64_t j, int64_t archived, double scaling, double slack, bool rank_by_bound,
-                     const Maybe &counter) {
+                     const Maybe &counter, const Maybe &valid) {
     const char *op = "sketch_choose";
-    on_device(op, meta, {&query, &basis, &entries, &floor, opt(length), opt(counter)});
+    on_device(op, meta, {&query, &basis, &entries, &floor, opt(length), opt(counter), opt(valid)});
     KV_CHECK(query.dim() == 4 && basis.dim() == 4 && entries.dim() == 4, "query must be [B, G, hq, D], basis "
              "[B, G, dc, r] and entries [B, G, m, W], got ", query.sizes(), ", ", basis.sizes(), " and ",
              entries.sizes());
@@ -312,6 +312,12 @@ Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &ent
     Tensor thr = top_j_check(op, "floor", floor, B, G, hq, m, j, archived, meta);
     int64_t *count_to = counter_of(op, counter, meta);
     Maybe lengths = lengths_of(op, length, B);
+    if (valid) {
+        dtype_is(op, "valid", *valid, at::kBool);
+        KV_CHECK(valid->dim() == 3 && valid->size(0) == B && valid->size(1) == G && valid->size(2) >= m,
+                 "valid must be None or [B=", B, ", G=", G, ", >= m=", m, "] (False: a padding row), got ",
+                 valid->sizes());
+    }
     Staged out = staged(B, G, hq * j, query);
     if (meta) return out;
     auto &[idx, picked, count] = out;
@@ -321,7 +327,9 @@ Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &ent
                                 entries.stride(1), entries.stride(2), ptr<int64_t>(lengths), thr.data_ptr<float>(),
                                 idx.data_ptr<int64_t>(), (uint8_t *)picked.data_ptr(), count.data_ptr<int64_t>(),
                                 count_to, B, G, hq, D, dc, r, m, W, j, archived, rank_by_bound, (float)scaling,
-                                (float)slack, threads_for(B * G * m * W * entries.element_size())));
+                                (float)slack, threads_for(B * G * m * W * entries.element_size()),
+                                valid ? (const uint8_t *)valid->data_ptr() : nullptr, valid ? valid->stride(0) : 0,
+                                valid ? valid->stride(1) : 0, valid ? valid->stride(2) : 0));
     return out;
 }
 
@@ -586,7 +594,8 @@ KV_LIBRARY(KVZOO_NS, m) {
     m.def("int8_page_live(Tensor query, Tensor codes, Tensor scale, Tensor empty, Tensor? length, Tensor threshold, "
           "float scaling, float slack) -> Tensor");
     m.def("sketch_choose(Tensor query, Tensor basis, Tensor entries, Tensor? length, Tensor floor, int j, "
-          "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None) "
+          "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None, "
+          "Tensor? valid=None) "
           "-> (Tensor, Tensor, Tensor)");
     m.def("quest_choose(Tensor query, Tensor entries, Tensor empty, Tensor live, Tensor? positions, int pages, "
           "int size, int archived, bool per_head, float scaling, float slack, Tensor(a!)? counter=None, "
