@@ -130,12 +130,21 @@ def _page_rows(pages: torch.Tensor, size: int) -> torch.Tensor:
     return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
 
 
-def _no_page_at_minus_inf(top: torch.return_types.topk, slots: int) -> torch.Tensor:
-    """The top pages, those of bound ``-inf`` (an empty page: nothing to read) as page ``slots``, past the last: no
-    page -- sorted last, its rows past every page's, never valid nor counted. Which of several ``-inf`` pages ``topk``
-    took (it leaves ties in no stated order; the C op takes the earliest) changes nothing then; before, a padding page
-    inside ``live`` could be taken and its rows counted as fetched."""
-    return torch.where(top.values == float("-inf"), slots, top.indices)
+def _top_pages(bounds: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` greatest bounds of each row and their pages, as the C op takes them: a NaN bound ranked as ``+inf``
+    (first), an earlier page first among equal ranks (a stable sort: ``torch.topk`` leaves ties in no stated order and
+    ranks NaN above ``+inf``; a NaN or an infinity in the query makes such ties above ``-inf``)."""
+    ranked = torch.where(bounds.isnan(), float("inf"), bounds)
+    values, pages = ranked.sort(dim=-1, descending=True, stable=True)
+    return values[..., :n], pages[..., :n]
+
+
+def _no_page_at_minus_inf(top: tuple[torch.Tensor, torch.Tensor], slots: int) -> torch.Tensor:
+    """The top pages (:func:`_top_pages`), those of bound ``-inf`` (an empty page: nothing to read) as page ``slots``,
+    past the last: no page -- sorted last, its rows past every page's, never valid nor counted (before, a padding page
+    inside ``live`` could be taken and its rows counted as fetched)."""
+    values, pages = top
+    return torch.where(values == float("-inf"), slots, pages)
 
 
 def _quest_shapes(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
@@ -211,7 +220,7 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
                       dim=-1)  # page_query's rows
     if per_head:
         bounds = index_scan(qrows, entries, scaling).masked_fill(empty[:, :, None], float("-inf"))  # [B, G, hq, P]
-        top = _no_page_at_minus_inf(bounds.topk(pages, dim=-1), slots).sort(dim=-1).values  # each head's, ascending
+        top = _no_page_at_minus_inf(_top_pages(bounds, pages), slots).sort(dim=-1).values  # each head's, ascending
         rows = _page_rows(top, size)  # each head's rows, head after head
         valid = rows < live.clamp(max=slots * size)  # a page's row below live
         union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
@@ -222,7 +231,7 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
             counter.add_(count)
     else:
         group_max = index_scan_reduce(qrows, entries, scaling, None).masked_fill(empty, float("-inf"))  # [B, G, P]
-        rows = _page_rows(_no_page_at_minus_inf(group_max.topk(pages, dim=-1), slots), size)
+        rows = _page_rows(_no_page_at_minus_inf(_top_pages(group_max, pages), slots), size)
         rows, valid = unique_candidates(torch.minimum(rows, live - 1), rows < live.clamp(max=slots * size), archived)
         count = count_picked(valid, counter)
     return rows, None if positions is None else positions.gather(2, rows), valid, count
@@ -236,9 +245,8 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     """Quest's choice for grouped decode queries ``query [B, G, hq, D]`` (fp32): ``(rows, positions, valid) [B, G,
     K]`` and ``count``, from the page entries (:func:`quest_page_entries`), ``empty``, ``live`` (the rows indexed) and
     the archive list ``positions`` (or None). Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack),
-    ``-inf`` when empty; the top ``pages`` (NaN first; an earlier page first among equals in the C op, in
-    ``torch.topk``'s order in the reference: they differ only among equal bounds above ``-inf``, NaN or infinities in
-    the query or pages of one bound), a top page at ``-inf`` none (its rows never valid nor counted: an empty page is
+    ``-inf`` when empty; the top ``pages`` (NaN ranked as ``+inf``, an earlier page first among equal ranks, in
+    both), a top page at ``-inf`` none (its rows never valid nor counted: an empty page is
     never fetched). ``per_head``: ``K = hq x pages x size`` rows head after head, pages ascending (none last), clamped
     below ``live``, ``valid = row < live`` of a page; else the group's
     pages by the max over its heads, staged (:func:`unique_candidates`). ``own`` (``rule="eval"``): ``(keys, valid,
