@@ -124,10 +124,19 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
 # --- Quest's pages --------------------------------------------------------------------------------------------------
 
 
-def _page_rows(pages: torch.Tensor, size: int) -> torch.Tensor:
-    """Page indices ``[B, G, ..., n]`` -> their rows ``[B, G, ... x n x size]``, page after page."""
+def _page_rows(pages: torch.Tensor, size: int, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Page indices ``[B, G, ..., n]`` -> their rows ``[B, G, ... x n x size]``, page after page (less ``shift [B,
+    G]``, the virtual rows before each archive: negative rows are none)."""
     B, G = pages.shape[:2]
-    return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
+    rows = (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
+    return rows if shift is None else rows - shift[..., None]
+
+
+def _page_row_valid(rows: torch.Tensor, live: torch.Tensor, slots_rows: int, shift: torch.Tensor | None) -> torch.Tensor:
+    """A page's row is one below ``live`` (and, with shifts, not a virtual row before the archive)."""
+    if shift is None:
+        return rows < live.clamp(max=slots_rows)
+    return (rows >= 0) & (rows < live)
 
 
 def _top_pages(bounds: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +208,7 @@ def quest_page_entries(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -
 def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                            positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
                            per_head: bool = True, counter: torch.Tensor | None = None,
-                           own: tuple[torch.Tensor, ...] | None = None
+                           own: tuple[torch.Tensor, ...] | None = None, shift: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quest_choose` in PyTorch: with ``own``, one page slot more holding the current page's entry with the
     step's key; the page bounds (``page_query`` rows, :func:`~kvzoo.kernels.index_scan.index_scan`, or
@@ -209,30 +218,35 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
     _quest_shapes(query, entries, empty, live, positions, pages, size, archived, own)
     _one_device("quest_choose", query, counter=counter)
     B, G, hq, D = query.shape
+    if shift is not None:
+        _shape_is("quest_choose", "shift", shift, B, G)
+    at = live.view(1, 1) if shift is None else live + shift  # [B, G]: the next row's place (virtual rows counted)
     if own is not None:  # the current page with the step's key, in its slot; one slot more for a page it opens
-        lo, hi = _joined_bounds(*own, (live % size == 0).view(1, 1, 1))  # the summary is left as it is
+        lo, hi = _joined_bounds(*own, (at % size == 0)[..., None])  # the summary is left as it is
         entry, unused = quest_page_entries(lo[:, :, None], hi[:, :, None], entries.dtype)
-        page = torch.div(live, size, rounding_mode="floor").view(1)
-        entries = torch.cat([entries, torch.zeros_like(entry)], 2).index_copy_(2, page, entry)
-        empty = torch.cat([empty, torch.ones_like(unused)], 2).index_copy_(2, page, unused)
+        page = torch.div(at, size, rounding_mode="floor").expand(B, G)[..., None]  # [B, G, 1]
+        entries = torch.cat([entries, torch.zeros_like(entry)], 2).scatter_(
+            2, page[..., None].expand(B, G, 1, entries.shape[-1]), entry)
+        empty = torch.cat([empty, torch.ones_like(unused)], 2).scatter_(2, page, unused)
     slots = entries.shape[2]  # the summary's pages, and the own row's
     qrows = torch.cat([query.clamp(min=0), query.clamp(max=0), SKETCH_SLACK * query.abs().sum(-1, keepdim=True)],
                       dim=-1)  # page_query's rows
     if per_head:
         bounds = index_scan(qrows, entries, scaling).masked_fill(empty[:, :, None], float("-inf"))  # [B, G, hq, P]
         top = _no_page_at_minus_inf(_top_pages(bounds, pages), slots).sort(dim=-1).values  # each head's, ascending
-        rows = _page_rows(top, size)  # each head's rows, head after head
-        valid = rows < live.clamp(max=slots * size)  # a page's row below live
+        rows = _page_rows(top, size, shift)  # each head's rows, head after head
+        valid = _page_row_valid(rows, live, slots * size, shift)  # a page's row below live
         union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
         union.scatter_(2, torch.where(valid, rows, archived), True)
         count = union[..., :archived].sum()
-        rows = torch.minimum(rows, live - 1)
+        rows = torch.minimum(rows, live - 1).clamp(min=0)
         if counter is not None:
             counter.add_(count)
     else:
         group_max = index_scan_reduce(qrows, entries, scaling, None).masked_fill(empty, float("-inf"))  # [B, G, P]
-        rows = _page_rows(_no_page_at_minus_inf(_top_pages(group_max, pages), slots), size)
-        rows, valid = unique_candidates(torch.minimum(rows, live - 1), rows < live.clamp(max=slots * size), archived)
+        rows = _page_rows(_no_page_at_minus_inf(_top_pages(group_max, pages), slots), size, shift)
+        rows, valid = unique_candidates(torch.minimum(rows, live - 1).clamp(min=0),
+                                        _page_row_valid(rows, live, slots * size, shift), archived)
         count = count_picked(valid, counter)
     return rows, None if positions is None else positions.gather(2, rows), valid, count
 
@@ -240,7 +254,7 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
 def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
                  per_head: bool = True, counter: torch.Tensor | None = None,
-                 own: tuple[torch.Tensor, ...] | None = None
+                 own: tuple[torch.Tensor, ...] | None = None, shift: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Quest's choice for grouped decode queries ``query [B, G, hq, D]`` (fp32): ``(rows, positions, valid) [B, G,
     K]`` and ``count``, from the page entries (:func:`quest_page_entries`), ``empty``, ``live`` (the rows indexed) and
@@ -254,12 +268,16 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     (the summary is left as is). The values must hold ``live >= 1``, ``live // size <= P`` with ``own``, ``archived
     >= min(live, P' x size)`` (``P'``: the page slots read), ``positions`` of ``archived`` entries at least, the own
     row's position inside its storage: the C op checks them (a ValueError); the reference, which runs on a GPU too,
-    checks the shapes only (a host sync per step otherwise)."""
-    if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own):
+    checks the shapes only (a host sync per step otherwise). ``shift [B, G]`` (a padded batch's pages, from each
+    sequence's first real row: :class:`~kvzoo.retrievers.quest.PageSummary`): page ``p`` holds rows ``p x size -
+    shift`` on, the virtual ones before the archive never valid; the reference takes it (the C op's pages are
+    aligned at row 0)."""
+    if shift is None and mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live,
+                                                                                positions, counter, own):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
                                        scaling, SKETCH_SLACK, counter, own)
     return quest_choose_reference(query, entries, empty, live, positions, pages, size, archived, scaling,
-                                  per_head=per_head, counter=counter, own=own)
+                                  per_head=per_head, counter=counter, own=own, shift=shift)
 
 
 def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,

@@ -158,6 +158,11 @@ class Int8KeyIndex(EntryIndex):
         return self.config.prune
 
     @property
+    def page_shift(self) -> torch.Tensor | None:
+        """The page summary's shifts ``[B, G]`` (pages start at each sequence's first real row), or None."""
+        return None if self.summary is None else self.summary.shift
+
+    @property
     def pages(self):
         """The page summary's encoded pages (``codes``, ``scale``, ``empty``)."""
         return self.summary.pages
@@ -174,7 +179,8 @@ class Int8KeyIndex(EntryIndex):
         if self.summary is not None:
             D = rows["keys"].shape[-1]
             self.summary.add(rows["keys"], rows["valid"],
-                             {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)})
+                             {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)},
+                             padded=archive is not None and archive.padded)
 
     def _grouped(self, query: torch.Tensor) -> torch.Tensor:
         B, H, q_len, D = query.shape
@@ -216,7 +222,7 @@ class Int8KeyIndex(EntryIndex):
                                          scaling, length=rows.length.expand(B) if rows.fixed else None,
                                          counter=counter, page_live=page_live,
                                          page_rows=config.page_rows if page_live is not None else 0, scanned=scanned,
-                                         valid=self._valid(archive))
+                                         valid=self._valid(archive), page_shift=self.page_shift)
         return Choice(idx, picked, count=count, counted=counter is not None, index_bytes=scanned)
 
     def audit_step(self, query, best, scaling, exact, valid) -> dict[str, int]:
@@ -235,11 +241,11 @@ class Int8KeyIndex(EntryIndex):
         floor = (best - self.config.j_margin).reshape(B, G, hq, 1)
         scores = exact.reshape(B, G, hq, m).masked_fill(~valid[:, :, None], float("-inf"))
         page_live = self.page_live
-        skipped = valid & ~page_rows_live(page_live, size, m)  # [B, G, m]
-        pages = -(-m // size)
-        padded = scores.new_full((B, G, hq, pages * size), float("-inf"))
-        padded[..., :m] = scores
-        page_best = padded.view(B, G, hq, pages, size).amax(-1)  # [B, G, hq, pages]
+        skipped = valid & ~page_rows_live(page_live, size, m, self.page_shift)  # [B, G, m]
+        pages = page_live.shape[2]
+        page = self.summary.page_of(torch.arange(m, device=scores.device).expand(B, G, m)).clamp(max=pages - 1)
+        page_best = scores.new_full((B, G, hq, pages), float("-inf")).scatter_reduce_(
+            3, page[:, :, None].expand(B, G, hq, m), scores, "amax")  # [B, G, hq, pages]
         held = (page_best > float("-inf")).any(2)  # pages holding a valid row
         summary = self.pages
         bounds = int8_page_bounds(self._grouped(query), summary.reading("codes"), summary.reading("scale"),
