@@ -652,7 +652,8 @@ def test_quest_choose_random_cases_match_the_reference():
     step's own row or not: the op picks, flags, places and counts what the reference does (issue 44: it broke ties
     among empty pages toward a padding page inside ``live`` where ``torch.topk`` took a later one, and counted that
     page's rows); an empty page's rows are never valid. With NaN or an infinity in the query (equal bounds above
-    ``-inf``) the same: both rank NaN as ``+inf`` and take an earlier page first among equals."""
+    ``-inf``) the same: both rank NaN as ``+inf`` and take an earlier page first among equals. A third of the cases
+    have shifted pages (a padded batch's: page ``p`` holds rows ``p x size - shift`` on)."""
     for seed in range(400):
         g = _gen(seed)
 
@@ -683,14 +684,20 @@ def test_quest_choose_random_cases_match_the_reference():
             extra = (storage, torch.rand(b, groups, 9, generator=g) > 0.3, torch.randint(0, 9, (b, groups),
                      generator=g), earlier.amin(2), earlier.amax(2))
         pages = draw(1, P + (extra is not None))
+        shift = None  # a padded batch's pages (issue 44 item 2): virtual rows before each archive
+        if draw(0, 2) == 0:
+            shift = torch.randint(0, size, (b, groups), generator=g)
+            if extra is not None and (live + int(shift.max())) // size > P:
+                shift = None
         for per_head in (True, False):
             args = (query, entries, empty, torch.tensor([live]), positions, pages, size, M, 0.5)
             counter, ref_counter = torch.tensor(0), torch.tensor(0)
-            got = quest_choose(*args, per_head=per_head, own=extra, counter=counter)
-            want = quest_choose_reference(*args, per_head=per_head, own=extra, counter=ref_counter)
+            got = quest_choose(*args, per_head=per_head, own=extra, counter=counter, shift=shift)
+            want = quest_choose_reference(*args, per_head=per_head, own=extra, counter=ref_counter, shift=shift)
             # NaN or an infinity in the query: equal bounds above -inf, broken alike (an earlier page first)
             assert _same(got, want, close=False) and int(counter) == int(ref_counter), (seed, per_head, odd)
             for rows, _, ok, count in (got, want):
                 if extra is None:  # (the own row's page: its flag is the op's to compute)
-                    assert not empty.gather(2, (rows // size).clamp(max=P - 1))[ok].any(), (seed, per_head)
+                    page = rows // size if shift is None else (rows + shift[..., None]) // size
+                    assert not empty.gather(2, page.clamp(max=P - 1))[ok].any(), (seed, per_head)
                 assert (rows[ok] < live).all() and int(count) <= int(ok.sum()), (seed, per_head)

@@ -132,11 +132,15 @@ def _page_rows(pages: torch.Tensor, size: int, shift: torch.Tensor | None = None
     return rows if shift is None else rows - shift[..., None]
 
 
-def _page_row_valid(rows: torch.Tensor, live: torch.Tensor, slots_rows: int, shift: torch.Tensor | None) -> torch.Tensor:
-    """A page's row is one below ``live`` (and, with shifts, not a virtual row before the archive)."""
+def _page_row_valid(rows: torch.Tensor, live: torch.Tensor, pages: torch.Tensor, slots: int, size: int,
+                    shift: torch.Tensor | None) -> torch.Tensor:
+    """A row of a page (``pages``: the top pages, ``slots`` none) below ``live`` (with shifts: of a page, not a
+    virtual row before the archive)."""
     if shift is None:
-        return rows < live.clamp(max=slots_rows)
-    return (rows >= 0) & (rows < live)
+        return rows < live.clamp(max=slots * size)
+    B, G = pages.shape[:2]
+    of_a_page = (pages[..., None] < slots).expand(*pages.shape, size).reshape(B, G, -1)
+    return of_a_page & (rows >= 0) & (rows < live)
 
 
 def _top_pages(bounds: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +239,7 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
         bounds = index_scan(qrows, entries, scaling).masked_fill(empty[:, :, None], float("-inf"))  # [B, G, hq, P]
         top = _no_page_at_minus_inf(_top_pages(bounds, pages), slots).sort(dim=-1).values  # each head's, ascending
         rows = _page_rows(top, size, shift)  # each head's rows, head after head
-        valid = _page_row_valid(rows, live, slots * size, shift)  # a page's row below live
+        valid = _page_row_valid(rows, live, top, slots, size, shift)  # a page's row below live
         union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
         union.scatter_(2, torch.where(valid, rows, archived), True)
         count = union[..., :archived].sum()
@@ -244,9 +248,10 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
             counter.add_(count)
     else:
         group_max = index_scan_reduce(qrows, entries, scaling, None).masked_fill(empty, float("-inf"))  # [B, G, P]
-        rows = _page_rows(_no_page_at_minus_inf(_top_pages(group_max, pages), slots), size, shift)
+        top = _no_page_at_minus_inf(_top_pages(group_max, pages), slots)
+        rows = _page_rows(top, size, shift)
         rows, valid = unique_candidates(torch.minimum(rows, live - 1).clamp(min=0),
-                                        _page_row_valid(rows, live, slots * size, shift), archived)
+                                        _page_row_valid(rows, live, top, slots, size, shift), archived)
         count = count_picked(valid, counter)
     return rows, None if positions is None else positions.gather(2, rows), valid, count
 
@@ -270,12 +275,11 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     row's position inside its storage: the C op checks them (a ValueError); the reference, which runs on a GPU too,
     checks the shapes only (a host sync per step otherwise). ``shift [B, G]`` (a padded batch's pages, from each
     sequence's first real row: :class:`~kvzoo.retrievers.quest.PageSummary`): page ``p`` holds rows ``p x size -
-    shift`` on, the virtual ones before the archive never valid; the reference takes it (the C op's pages are
-    aligned at row 0)."""
-    if shift is None and mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live,
-                                                                                positions, counter, own):
+    shift`` on, the virtual ones before the archive never valid (``0 <= shift < size``: the C op checks it)."""
+    if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own,
+                                                              shift):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
-                                       scaling, SKETCH_SLACK, counter, own)
+                                       scaling, SKETCH_SLACK, counter, own, shift)
     return quest_choose_reference(query, entries, empty, live, positions, pages, size, archived, scaling,
                                   per_head=per_head, counter=counter, own=own, shift=shift)
 

@@ -364,10 +364,13 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
 
 def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                            positions: torch.Tensor | None, counter: torch.Tensor | None = None,
-                           own: tuple[torch.Tensor, ...] | None = None) -> bool:
+                           own: tuple[torch.Tensor, ...] | None = None, shift: torch.Tensor | None = None) -> bool:
     """Whether :func:`quest_choose` takes these tensors (CPU, the dtypes, strides and sizes the op takes, no autograd,
-    the library built here; ``own`` as :func:`kvzoo.kernels.choose.quest_choose` passes it)."""
+    the library built here; ``own`` as :func:`kvzoo.kernels.choose.quest_choose` passes it; ``shift`` int64 on the
+    CPU)."""
     if query.dim() != 4 or entries.dim() != 4:
+        return False
+    if shift is not None and not (shift.device.type == "cpu" and shift.dtype == torch.int64):
         return False
     if own is not None:
         keys, valid, position, open_min, open_max = own
@@ -389,15 +392,15 @@ def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: to
 
 def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, per_head: bool, scaling: float,
-                 slack: float, counter: torch.Tensor | None = None, own: tuple[torch.Tensor, ...] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                 slack: float, counter: torch.Tensor | None = None, own: tuple[torch.Tensor, ...] | None = None,
+                 shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Quest's choice in one call, the torch op ``kvzoo::quest_choose`` (``csrc/quest.cpp``; specification
     :func:`kvzoo.kernels.choose.quest_choose_reference`): ``positions`` out is None when the archive list is not
     given. The caller checked :func:`quest_choose_supported`."""
     own_keys, own_valid, own_position, open_min, open_max = (None,) * 5 if own is None else own
     rows, at, valid, count = (_LOADED[0] if _LOADED else library()).quest_choose(
         query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling), float(slack),
-        counter, own_keys, own_valid, own_position, open_min, open_max)
+        counter, own_keys, own_valid, own_position, open_min, open_max, shift)
     return rows, at if positions is not None else None, valid, count
 
 

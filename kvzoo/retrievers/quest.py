@@ -88,9 +88,9 @@ class QuestRetriever(Retriever):
 # may hold padding (a left-padded batch), each (sequence, group) keeps a ``shift`` of virtual rows before its archive,
 # set when its first real row is summarised so that this row opens a page; row ``r`` is then in page
 # ``(r + shift) // page_size`` and the padding ahead of it in pages of their own (empty). Without padding when the
-# summary is defined (its first rows) no shift is kept: every page starts at a multiple of ``page_size``, and Quest's
-# choice and one-row add take their C ops (a shifted summary takes the references); a fixed summary with shifts has one
-# page slot more.
+# summary is defined (its first rows) no shift is kept: every page starts at a multiple of ``page_size``. Quest's choice
+# takes the shifts (its C op too); a row a step joins a shifted summary through ``_add_one`` (torch ops: the one-row
+# C op's pages are aligned at row 0); a fixed summary with shifts has one page slot more.
 
 Encode = Callable[[torch.Tensor, torch.Tensor, torch.dtype], dict[str, torch.Tensor]]  # (lo, hi, keys' dtype)
 
@@ -359,8 +359,8 @@ class PageIndex(RetrievalState):
         pages = summary.pages
         if positions.shape[2] != 1 or not pages.buffers or (pages.fixed and summary.rows >= pages.capacity * size):
             return False
-        if summary.shift is not None:  # pages per sequence (padding): the summary's own add (the op's are aligned)
-            return False
+        if summary.shift is not None:  # pages per sequence (padding): the summary's own add (the op's are aligned
+            return False  # at row 0)
         if not pages.fixed and summary.rows % size == 0:  # the row opens a page: a slot for it (grown geometrically)
             pages.n = summary.live_pages
             pages.reserve(1)

@@ -48,7 +48,8 @@ int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64
                        int64_t archived, int64_t per_head, float scaling, float slack, int64_t threads,
                        const char *own_keys, int64_t k_sb, int64_t k_sg, int64_t k_sn, int64_t N,
                        const uint8_t *own_valid, int64_t v_sb, int64_t v_sg, int64_t v_sn, const int64_t *own_pos,
-                       int64_t o_sb, int64_t o_sg, const float *open_min, const float *open_max);
+                       int64_t o_sb, int64_t o_sg, const float *open_min, const float *open_max,
+                       const int64_t *shift, int64_t s_sb, int64_t s_sg);
 
 int kvzoo_quest_page_add(const char *keys, int64_t dtype, int64_t k_sb, int64_t k_sg, int64_t k_sn,
                          const uint8_t *valid, int64_t v_sb, int64_t v_sg, int64_t v_sn, const int64_t *position,
