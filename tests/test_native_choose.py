@@ -21,6 +21,7 @@ from kvzoo.kernels.choose import (
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
     SKETCH_SLACK_FP16,
+    fused_choose_applies,
     int8_choose,
     int8_choose_reference,
     int8_key_entries,
@@ -95,6 +96,70 @@ def test_sketch_choose_over_threads_matches_reference(threads, threads_at_any_si
         torch.set_num_threads(saved)
     want = sketch_choose_reference(query, basis, entries, floor, 16, 3000, 0.2, slack=slack)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1].any()
+
+
+def _padding_flags(B, G, m, seed):
+    """Row flags ``[B, G, m]``: a run of leading padding rows per sequence (left padding), and a few scattered."""
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.rand(B, G, m, generator=g) > 0.1
+    for b in range(B):
+        valid[b, :, : (b + 1) * m // 5] = False
+    return valid
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rank_by", ["estimate", "bound"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sketch_choose_never_picks_a_padding_row(dtype, rank_by, threads, threads_at_any_size):
+    """Issue 44 item 2: with row flags a padding row takes no top-j slot; the C op (runs of valid rows, on one thread
+    or several) chooses what the reference chooses, which is the choice over the valid rows alone."""
+    B, G, hq, dc, rows, spare, j = 2, 2, 4, 64, 300, 20, 16
+    query, basis, entries, floor, slack = _sketch(B, G, hq, dc, 0, 16, rows, spare, dtype, seed=5)
+    floor = floor - 10  # every top row is kept: the slots are what padding would take
+    valid = _padding_flags(B, G, rows + spare, seed=6)
+    length = torch.tensor([rows, rows // 2])
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = sketch_choose(query, basis, entries, floor, j, rows + spare, 0.3, slack=slack, rank_by=rank_by,
+                            length=length, valid=valid)
+    finally:
+        torch.set_num_threads(saved)
+    want = sketch_choose_reference(query, basis, entries, floor, j, rows + spare, 0.3, slack=slack, rank_by=rank_by,
+                                   length=length, valid=valid)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    idx, picked, count = got
+    assert int(picked.sum()) == int(count) > 0
+    assert valid.gather(2, idx)[picked].all()  # no padding row picked
+    unflagged = sketch_choose_reference(query, basis, entries, floor, j, rows + spare, 0.3, slack=slack,
+                                        rank_by=rank_by, length=length)
+    assert not valid.gather(2, unflagged[0])[unflagged[1]].all()  # without the flags, padding takes slots
+    with pytest.raises(ValueError, match="valid"):
+        sketch_choose(query, basis, entries, floor, j, rows + spare, 0.3, slack=slack, valid=valid[:, :, :10])
+
+
+@needs_compiler
+@pytest.mark.parametrize("prune", [False, True])
+def test_int8_choose_never_picks_a_padding_row(prune):
+    """Issue 44 item 2: ``valid`` leaves padding rows out of the int8 top-j rule as a dead page's rows (pages of one
+    row, joined to pruning's page flags); the C op and the reference agree."""
+    g = torch.Generator().manual_seed(8)
+    B, G, hq, D, m, j = 2, 2, 3, 64, 200, 16
+    codes, side = int8_key_entries(torch.randn(B, G, m, D, generator=g))
+    query = torch.randn(B, G, hq, D, generator=g)
+    threshold = torch.full((B, G, hq), -1e9)
+    valid = _padding_flags(B, G, m, seed=9)
+    page_live = torch.rand(B, G, -(-m // 8), generator=g) > 0.3 if prune else None
+    args = (query, codes, side, threshold, j, m, 0.125)
+    pruning = {"page_live": page_live, "page_rows": 8 if prune else 0}
+    got = int8_choose(*args, valid=valid, **pruning)
+    flags = valid if page_live is None else valid & page_live.repeat_interleave(8, dim=2)[:, :, :m]
+    assert fused_choose_applies(query, codes, side, j, page_live=flags)  # the C op ran
+    want = int8_choose_reference(*args, page_live=flags, page_rows=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    idx, picked, _ = got
+    assert picked.any() and flags.gather(2, idx)[picked].all()
 
 
 def test_sketch_choose_takes_the_reference_in_torch_mode(monkeypatch):

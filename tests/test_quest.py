@@ -251,3 +251,32 @@ def test_a_decode_steps_view_carries_its_own_row_where_the_policy_archives_it_ne
         keys, valid, position = own
         assert torch.equal(keys.gather(2, position[..., None, None].expand(-1, -1, 1, keys.shape[-1]))[:, :, 0],
                            layer.store.rows.get("keys")[:, :, -1]) and valid.gather(2, position[..., None]).all()
+
+
+@pytest.mark.parametrize("capacity", [None, 64])
+@pytest.mark.parametrize("blocks", [[(0, 40)], [(0, 7), (7, 20), (20, 21), (21, 22), (22, 40)], [(0, 13)] + [
+    (i, i + 1) for i in range(13, 40)]], ids=["one", "blocks", "rows"])
+def test_pages_of_a_padded_sequence_start_at_its_first_real_row(blocks, capacity):
+    """Issue 44 item 2: a sequence left-padded by 13 rows (not a multiple of the 8-row page) is summarised in the
+    same pages as alone -- its padding ahead in empty pages of their own -- whether its rows join in one block, in
+    blocks or one at a time (a fixed summary's one-row path): the page entries of its real rows are alone's, and a
+    batch companion without padding keeps pages at row 0."""
+    g = torch.Generator().manual_seed(3)
+    pad, size, real = 13, 8, 27
+    keys = torch.randn(2, 2, pad + real, 4, generator=g)
+    valid = torch.ones(2, 2, pad + real, dtype=torch.bool)
+    valid[0, :, :pad] = False  # sequence 0: left padding; sequence 1: none
+    alone, padded, companion = (PageIndex(QuestRetriever(page_size=size), capacity) for _ in range(3))
+    view = ArchiveView(keys[:1, :, :0], valid=valid[:1, :, :0])  # no padding
+    alone.index({"keys": keys[:1, :, pad:], "valid": valid[:1, :, pad:]}, view, view)
+    companion.index({"keys": keys[1:], "valid": valid[1:]}, view, view)
+    for a, b in blocks:
+        empty = ArchiveView(keys[:, :, :0], padded=True)
+        padded.index({"keys": keys[:, :, a:b], "valid": valid[:, :, a:b]}, empty, empty)
+    assert padded.page_shift.tolist() == [[3, 3], [0, 0]]  # 13 + 3 = 16: the first real row opens page 2
+    first, pages = (pad + 3) // size, -(-real // size)
+    entries, empty_pages = padded.pages.buffers["entries"], padded.pages.buffers["empty"]
+    assert torch.equal(entries[0, :, first : first + pages], alone.pages.get("entries")[0, :, :pages])
+    assert empty_pages[0, :, :first].all() and not empty_pages[0, :, first : first + pages].any()
+    n = companion.pages.get("entries").shape[2]
+    assert torch.equal(entries[1, :, :n], companion.pages.get("entries")[0])

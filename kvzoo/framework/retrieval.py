@@ -215,13 +215,18 @@ def _audit(query, scaling, index, mask, view, s_star=None) -> dict[str, float]:
         exact = exact_scores(q_tile, view.keys, scaling)  # [B,H,t,m]
         ok = view.valid[:, :, None, None, :].expand(B, G, hpg, t, m).reshape(B, H, t, m)
         out["audited_scores"] += int(ok.sum())
-        bounds = index.bounds(q_tile, scaling)[..., : -(-m // size)]  # a fixed index may hold spare entries
+        bounds = index.bounds(q_tile, scaling)
         best = exact.masked_fill(~ok, float("-inf"))
         if size > 1:  # per-page bounds: each must cover the best row of its page
+            rows = torch.arange(m, device=best.device)
+            shift = index.page_shift  # [B, G] or None: pages from each sequence's first real row
+            page = rows // size if shift is None else (rows + shift[..., None]) // size  # [m] or [B, G, m]
             pages = bounds.shape[-1]
-            padded = best.new_full((B, H, t, pages * size), float("-inf"))
-            padded[..., :m] = best
-            best = padded.view(B, H, t, pages, size).amax(-1)
+            page = page.clamp(max=pages - 1).expand(B, G, m)
+            page = page[:, :, None, None].expand(B, G, hpg, t, m).reshape(B, H, t, m)
+            best = best.new_full((B, H, t, pages), float("-inf")).scatter_reduce_(-1, page, best, "amax")
+        else:
+            bounds = bounds[..., :m]  # a fixed index may hold spare entries
         out["bound_violations"] += int((bounds < best).sum())
         top = min(index.audit_top, m)
         if top:

@@ -41,7 +41,9 @@ class ArchiveView:
     ``groups`` (``G``) are known without reading. A decode step's view also carries ``positions [B, G, m]`` (each
     row's storage position, -1 past the live ones), ``fetched`` (the layer's fetched-rows count, which a fused choice
     may add to in place) and, where the policy archives the step's own row next, ``own_row``: ``(keys [B, G, N, D],
-    valid [B, G, N], position [B, G])`` (Quest's eval rule scores the current page with it).
+    valid [B, G, N], position [B, G])`` (Quest's eval rule scores the current page with it). ``padded``: whether some
+    archived row may be padding (a layer's view says so from its storage; False, the default: every row is a real
+    one, and an index reads no row flags and keeps its pages aligned at row 0).
     """
 
     def __init__(self, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
@@ -49,13 +51,15 @@ class ArchiveView:
                  read: Callable[[str], torch.Tensor] | None = None, rows: int | None = None,
                  groups: int | None = None, positions: torch.Tensor | None = None,
                  fetched: torch.Tensor | None = None,
-                 own_row: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 own_row: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                 padded: bool = False) -> None:
         self._given = {"keys": keys, "slots": slots, "valid": valid}
         self._read = read
         self._own_row = own_row
         self.budget = budget
         self.positions = positions
         self.fetched = fetched
+        self.padded = padded
         self.rows = rows if rows is not None else (keys.shape[2] if keys is not None else None)
         self.groups = groups if groups is not None else (keys.shape[1] if keys is not None else None)
 
@@ -122,6 +126,8 @@ class RetrievalState(ABC):
     """One layer's index over its archive."""
 
     page_size: int = 1  # archived rows one entry covers (Quest's pages; 1 for per-row indexes)
+    # pages from each sequence's first real row: virtual rows before each archive, [B, G] (None: pages at row 0)
+    page_shift: torch.Tensor | None = None
     needs_best: bool = True  # choose() reads s*, the attended tier's best score per head and query
     audit_top: int = 0  # how many true top rows the audit's recall looks at
 

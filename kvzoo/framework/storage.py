@@ -90,10 +90,15 @@ class LayerStorage:
         self.rows = RowStore()  # the storage: "keys", "values" (GQA), "slots", "valid", "stat:<name>"
         self.tier = RowStore()  # with an archive, after the first eviction: "pos", the tier's positions in rows
         self.gathered = False  # the tier is the position list (else the storage's live rows)
-        self.archive = LayerArchive(runtime, counts, self.rows)  # the archived rows' positions and their index
+        # the archived rows' positions and their index (which reads whether some row may be padding)
+        self.archive = LayerArchive(runtime, counts, self.rows, padded=self.padded)
         self.budget: int | None = None  # the tier's rows, fixed at the first event
         self.all_valid = True  # no row appended is padding (a forward with a padding mask clears it: no host sync)
         self.device: torch.device | None = None
+
+    def padded(self) -> bool:
+        """Whether some row appended may be padding (a bound method: a deep copy's archive reads the copy's)."""
+        return not self.all_valid
 
     def define(self, key_states: torch.Tensor, value_states: torch.Tensor | None, reserve_rows: int | None) -> None:
         """Lay out the buffers for rows like ``key_states`` (``[B, G, q, D]``) and ``value_states`` (GQA)."""
@@ -340,8 +345,10 @@ class LayerArchive:
     ``"pos"``, in eviction order -- the order of the retriever's index entries), the retriever's index over them
     (``index``, None without a retriever), and their reads (gathered from the storage's ``rows``)."""
 
-    def __init__(self, runtime: StorageHost, counts: LayerCounters, rows: RowStore) -> None:
+    def __init__(self, runtime: StorageHost, counts: LayerCounters, rows: RowStore,
+                 padded: Callable[[], bool] | None = None) -> None:
         self.runtime = runtime
+        self.padded = padded or (lambda: True)  # whether some stored row may be padding (host state: no sync)
         self.counts = counts  # the layer's counters: a decode step's view carries its fetched-rows counter
         self.rows = rows  # the storage the positions point into
         self.positions = RowStore()  # with an archive: "pos", the archived rows' positions, in eviction order
@@ -398,7 +405,8 @@ class LayerArchive:
                 picked = picked & (positions >= 0)
             return picked
 
-        return ArchiveView(read=read, budget=budget, rows=rows, groups=self.rows.buffers["keys"].shape[1], **extra)
+        return ArchiveView(read=read, budget=budget, rows=rows, groups=self.rows.buffers["keys"].shape[1],
+                           padded=self.padded(), **extra)
 
     def get(self, name: str) -> torch.Tensor:
         """The archived rows of ``name`` ``[B, G, m, ...]`` in archive order (a copy); ``"values"`` on MLA rows is

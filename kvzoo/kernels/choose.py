@@ -16,6 +16,7 @@ from kvzoo.kernels import cpu_native
 from kvzoo.kernels.dispatch import mode
 from kvzoo.kernels.index_scan import (
     SKETCH_SLACK,
+    _check_valid,
     count_picked,
     index_scan,
     index_scan_reduce,
@@ -53,10 +54,12 @@ def _one_device(op: str, first: torch.Tensor, **tensors: torch.Tensor | None) ->
 def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
                             j: int, archived: int, scaling: float, *, slack: float = SKETCH_SLACK,
                             rank_by: str = "estimate", length: torch.Tensor | None = None,
-                            counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            counter: torch.Tensor | None = None,
+                            valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sketch_choose` in PyTorch: the query rows (:func:`~kvzoo.kernels.index_scan.sketch_query`), one scan
     for the bounds and the estimates (the query rows without eta's and the slack columns), each query row's top ``j``
-    by the ranking score, kept where the bound is above ``floor``, then :func:`unique_candidates` and the count."""
+    by the ranking score, kept where the bound is above ``floor``, then :func:`unique_candidates` and the count. A
+    row flagged False in ``valid`` ranks ``-inf`` and is never kept."""
     _shape_is("sketch_choose", "query", query, None, None, None, None)
     _one_device("sketch_choose", query, basis=basis, entries=entries, floor=floor, length=length, counter=counter)
     B, G, hq, D = query.shape
@@ -65,6 +68,11 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
     if archived < 1:  # the sentinel of rows not picked, clamped to archived - 1: a row
         raise ValueError(f"sketch_choose: archived must be >= 1, got {archived}")
     dc, r = basis.shape[2], basis.shape[3]
+    m = entries.shape[2]
+    dead = None
+    if valid is not None:
+        _check_valid("sketch_choose", valid, B, G, m)
+        dead = ~valid[:, :, None, :m]  # [B, G, 1, m]
     heads = query.reshape(B, G * hq, 1, D)  # sketch_query groups the heads again: [B, G, hq, W]
     branch = heads[..., dc:] if D > dc else None
     qrows = sketch_query(heads[..., :dc], branch, basis, slack=slack)
@@ -77,10 +85,14 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
         in_span[..., W - (2 if branch is not None else 1):] = 0
         both = index_scan(torch.cat([qrows, in_span], dim=2), entries, scaling, length=length)  # one scan
         bounds, ranking = both[:, :, :hq], both[:, :, hq:]
+        if dead is not None:
+            bounds, ranking = bounds.masked_fill(dead, float("-inf")), ranking.masked_fill(dead, float("-inf"))
         rows = ranking.topk(j, dim=-1).indices  # [B, G, hq, j]
         ok = bounds.gather(-1, rows) > floor[..., None]
     else:
         bounds = index_scan(qrows, entries, scaling, length=length)
+        if dead is not None:
+            bounds = bounds.masked_fill(dead, float("-inf"))
         top, rows = bounds.topk(j, dim=-1)
         ok = top > floor[..., None]
     idx, picked = unique_candidates(rows.view(B, G, -1), ok.view(B, G, -1), archived)
@@ -89,8 +101,8 @@ def sketch_choose_reference(query: torch.Tensor, basis: torch.Tensor, entries: t
 
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor, j: int,
                   archived: int, scaling: float, *, slack: float = SKETCH_SLACK, rank_by: str = "estimate",
-                  length: torch.Tensor | None = None,
-                  counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  length: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over its sketch for grouped decode queries: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
     ``query [B, G, hq, D]`` fp32 (MLA: the absorbed content part first, then the rope branch), ``basis [B, G, dc,
@@ -98,31 +110,54 @@ def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tenso
     buffer may be passed whole with ``length [B]``), ``floor [B, G, hq]`` (``s* - j_margin``), ``archived`` the
     staging's sentinel (:func:`unique_candidates`), ``slack`` ``SKETCH_SLACK`` (``SKETCH_SLACK_FP16`` for fp16
     entries), ``rank_by`` ``"estimate"`` (the bound less its Cauchy-Schwarz term and slack) or ``"bound"``. Per query
-    row its top ``j`` by the ranking (an earlier row first among equals), kept where its bound is above ``floor``."""
+    row its top ``j`` by the ranking (an earlier row first among equals), kept where its bound is above ``floor``.
+    ``valid [B, G, >= m]`` bool (None: every row is one): a row flagged False (padding) is never ranked nor kept."""
     if rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
-    if mode() == "auto" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter):
+    if mode() == "auto" and cpu_native.sketch_choose_supported(query, basis, entries, floor, j, counter, valid):
         return cpu_native.sketch_choose(query, basis, entries, length, floor, j, archived, scaling, slack,
-                                        rank_by == "bound", counter)
+                                        rank_by == "bound", counter, valid)
     return sketch_choose_reference(query, basis, entries, floor, j, archived, scaling, slack=slack, rank_by=rank_by,
-                                   length=length, counter=counter)
+                                   length=length, counter=counter, valid=valid)
 
 
 # --- Quest's pages --------------------------------------------------------------------------------------------------
 
 
-def _page_rows(pages: torch.Tensor, size: int) -> torch.Tensor:
-    """Page indices ``[B, G, ..., n]`` -> their rows ``[B, G, ... x n x size]``, page after page."""
+def _page_rows(pages: torch.Tensor, size: int, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Page indices ``[B, G, ..., n]`` -> their rows ``[B, G, ... x n x size]``, page after page (less ``shift [B,
+    G]``, the virtual rows before each archive: negative rows are none)."""
     B, G = pages.shape[:2]
-    return (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
+    rows = (pages[..., None] * size + torch.arange(size, device=pages.device)).view(B, G, -1)
+    return rows if shift is None else rows - shift[..., None]
 
 
-def _no_page_at_minus_inf(top: torch.return_types.topk, slots: int) -> torch.Tensor:
-    """The top pages, those of bound ``-inf`` (an empty page: nothing to read) as page ``slots``, past the last: no
-    page -- sorted last, its rows past every page's, never valid nor counted. Which of several ``-inf`` pages ``topk``
-    took (it leaves ties in no stated order; the C op takes the earliest) changes nothing then; before, a padding page
-    inside ``live`` could be taken and its rows counted as fetched."""
-    return torch.where(top.values == float("-inf"), slots, top.indices)
+def _page_row_valid(rows: torch.Tensor, live: torch.Tensor, pages: torch.Tensor, slots: int, size: int,
+                    shift: torch.Tensor | None) -> torch.Tensor:
+    """A row of a page (``pages``: the top pages, ``slots`` none) below ``live`` (with shifts: of a page, not a
+    virtual row before the archive)."""
+    if shift is None:
+        return rows < live.clamp(max=slots * size)
+    B, G = pages.shape[:2]
+    of_a_page = (pages[..., None] < slots).expand(*pages.shape, size).reshape(B, G, -1)
+    return of_a_page & (rows >= 0) & (rows < live)
+
+
+def _top_pages(bounds: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` greatest bounds of each row and their pages, as the C op takes them: a NaN bound ranked as ``+inf``
+    (first), an earlier page first among equal ranks (a stable sort: ``torch.topk`` leaves ties in no stated order and
+    ranks NaN above ``+inf``; a NaN or an infinity in the query makes such ties above ``-inf``)."""
+    ranked = torch.where(bounds.isnan(), float("inf"), bounds)
+    values, pages = ranked.sort(dim=-1, descending=True, stable=True)
+    return values[..., :n], pages[..., :n]
+
+
+def _no_page_at_minus_inf(top: tuple[torch.Tensor, torch.Tensor], slots: int) -> torch.Tensor:
+    """The top pages (:func:`_top_pages`), those of bound ``-inf`` (an empty page: nothing to read) as page ``slots``,
+    past the last: no page -- sorted last, its rows past every page's, never valid nor counted (before, a padding page
+    inside ``live`` could be taken and its rows counted as fetched)."""
+    values, pages = top
+    return torch.where(values == float("-inf"), slots, pages)
 
 
 def _quest_shapes(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
@@ -177,7 +212,7 @@ def quest_page_entries(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -
 def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                            positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
                            per_head: bool = True, counter: torch.Tensor | None = None,
-                           own: tuple[torch.Tensor, ...] | None = None
+                           own: tuple[torch.Tensor, ...] | None = None, shift: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """:func:`quest_choose` in PyTorch: with ``own``, one page slot more holding the current page's entry with the
     step's key; the page bounds (``page_query`` rows, :func:`~kvzoo.kernels.index_scan.index_scan`, or
@@ -187,30 +222,36 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
     _quest_shapes(query, entries, empty, live, positions, pages, size, archived, own)
     _one_device("quest_choose", query, counter=counter)
     B, G, hq, D = query.shape
+    if shift is not None:
+        _shape_is("quest_choose", "shift", shift, B, G)
+    at = live.view(1, 1) if shift is None else live + shift  # [B, G]: the next row's place (virtual rows counted)
     if own is not None:  # the current page with the step's key, in its slot; one slot more for a page it opens
-        lo, hi = _joined_bounds(*own, (live % size == 0).view(1, 1, 1))  # the summary is left as it is
+        lo, hi = _joined_bounds(*own, (at % size == 0)[..., None])  # the summary is left as it is
         entry, unused = quest_page_entries(lo[:, :, None], hi[:, :, None], entries.dtype)
-        page = torch.div(live, size, rounding_mode="floor").view(1)
-        entries = torch.cat([entries, torch.zeros_like(entry)], 2).index_copy_(2, page, entry)
-        empty = torch.cat([empty, torch.ones_like(unused)], 2).index_copy_(2, page, unused)
+        page = torch.div(at, size, rounding_mode="floor").expand(B, G)[..., None]  # [B, G, 1]
+        entries = torch.cat([entries, torch.zeros_like(entry)], 2).scatter_(
+            2, page[..., None].expand(B, G, 1, entries.shape[-1]), entry)
+        empty = torch.cat([empty, torch.ones_like(unused)], 2).scatter_(2, page, unused)
     slots = entries.shape[2]  # the summary's pages, and the own row's
     qrows = torch.cat([query.clamp(min=0), query.clamp(max=0), SKETCH_SLACK * query.abs().sum(-1, keepdim=True)],
                       dim=-1)  # page_query's rows
     if per_head:
         bounds = index_scan(qrows, entries, scaling).masked_fill(empty[:, :, None], float("-inf"))  # [B, G, hq, P]
-        top = _no_page_at_minus_inf(bounds.topk(pages, dim=-1), slots).sort(dim=-1).values  # each head's, ascending
-        rows = _page_rows(top, size)  # each head's rows, head after head
-        valid = rows < live.clamp(max=slots * size)  # a page's row below live
+        top = _no_page_at_minus_inf(_top_pages(bounds, pages), slots).sort(dim=-1).values  # each head's, ascending
+        rows = _page_rows(top, size, shift)  # each head's rows, head after head
+        valid = _page_row_valid(rows, live, top, slots, size, shift)  # a page's row below live
         union = torch.zeros(B, G, archived + 1, dtype=torch.bool, device=rows.device)
         union.scatter_(2, torch.where(valid, rows, archived), True)
         count = union[..., :archived].sum()
-        rows = torch.minimum(rows, live - 1)
+        rows = torch.minimum(rows, live - 1).clamp(min=0)
         if counter is not None:
             counter.add_(count)
     else:
         group_max = index_scan_reduce(qrows, entries, scaling, None).masked_fill(empty, float("-inf"))  # [B, G, P]
-        rows = _page_rows(_no_page_at_minus_inf(group_max.topk(pages, dim=-1), slots), size)
-        rows, valid = unique_candidates(torch.minimum(rows, live - 1), rows < live.clamp(max=slots * size), archived)
+        top = _no_page_at_minus_inf(_top_pages(group_max, pages), slots)
+        rows = _page_rows(top, size, shift)
+        rows, valid = unique_candidates(torch.minimum(rows, live - 1).clamp(min=0),
+                                        _page_row_valid(rows, live, top, slots, size, shift), archived)
         count = count_picked(valid, counter)
     return rows, None if positions is None else positions.gather(2, rows), valid, count
 
@@ -218,14 +259,13 @@ def quest_choose_reference(query: torch.Tensor, entries: torch.Tensor, empty: to
 def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, scaling: float, *,
                  per_head: bool = True, counter: torch.Tensor | None = None,
-                 own: tuple[torch.Tensor, ...] | None = None
+                 own: tuple[torch.Tensor, ...] | None = None, shift: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Quest's choice for grouped decode queries ``query [B, G, hq, D]`` (fp32): ``(rows, positions, valid) [B, G,
     K]`` and ``count``, from the page entries (:func:`quest_page_entries`), ``empty``, ``live`` (the rows indexed) and
     the archive list ``positions`` (or None). Each page's bound ``scale sum_i max(q_i min_i, q_i max_i)`` (+ slack),
-    ``-inf`` when empty; the top ``pages`` (NaN first; an earlier page first among equals in the C op, in
-    ``torch.topk``'s order in the reference: they differ only among equal bounds above ``-inf``, NaN or infinities in
-    the query or pages of one bound), a top page at ``-inf`` none (its rows never valid nor counted: an empty page is
+    ``-inf`` when empty; the top ``pages`` (NaN ranked as ``+inf``, an earlier page first among equal ranks, in
+    both), a top page at ``-inf`` none (its rows never valid nor counted: an empty page is
     never fetched). ``per_head``: ``K = hq x pages x size`` rows head after head, pages ascending (none last), clamped
     below ``live``, ``valid = row < live`` of a page; else the group's
     pages by the max over its heads, staged (:func:`unique_candidates`). ``own`` (``rule="eval"``): ``(keys, valid,
@@ -233,12 +273,15 @@ def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor
     (the summary is left as is). The values must hold ``live >= 1``, ``live // size <= P`` with ``own``, ``archived
     >= min(live, P' x size)`` (``P'``: the page slots read), ``positions`` of ``archived`` entries at least, the own
     row's position inside its storage: the C op checks them (a ValueError); the reference, which runs on a GPU too,
-    checks the shapes only (a host sync per step otherwise)."""
-    if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own):
+    checks the shapes only (a host sync per step otherwise). ``shift [B, G]`` (a padded batch's pages, from each
+    sequence's first real row: :class:`~kvzoo.retrievers.quest.PageSummary`): page ``p`` holds rows ``p x size -
+    shift`` on, the virtual ones before the archive never valid (``0 <= shift < size``: the C op checks it)."""
+    if mode() == "auto" and cpu_native.quest_choose_supported(query, entries, empty, live, positions, counter, own,
+                                                              shift):
         return cpu_native.quest_choose(query, entries, empty, live, positions, pages, size, archived, per_head,
-                                       scaling, SKETCH_SLACK, counter, own)
+                                       scaling, SKETCH_SLACK, counter, own, shift)
     return quest_choose_reference(query, entries, empty, live, positions, pages, size, archived, scaling,
-                                  per_head=per_head, counter=counter, own=own)
+                                  per_head=per_head, counter=counter, own=own, shift=shift)
 
 
 def quest_page_add_reference(keys: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,

@@ -335,37 +335,42 @@ MAX_W = 2 * MAX_D + 1  # the widest index entry the float scans take (a Quest pa
 
 
 def sketch_choose_supported(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, floor: torch.Tensor,
-                            j: int, counter: torch.Tensor | None = None) -> bool:
+                            j: int, counter: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> bool:
     """Whether :func:`sketch_choose` takes these tensors (CPU, the dtypes and strides the op takes, ``1 <= j <=
-    min(MAX_J, m)``, no autograd, the library built here; a wrong width is the op's error, not a fallback)."""
+    min(MAX_J, m)``, no autograd, the library built here; a wrong width is the op's error, not a fallback; ``valid``
+    None or on the CPU)."""
     if query.dim() != 4 or basis.dim() != 4 or entries.dim() != 4:
         return False
     return (_on_cpu((query, basis, entries, floor)) and query.dtype == torch.float32
             and basis.dtype == torch.float32 and floor.dtype == torch.float32
             and entries.dtype in (torch.float32, torch.float16) and 1 <= query.shape[2] <= MAX_HQ
             and query.shape[3] <= MAX_D and 1 <= j <= min(MAX_J, entries.shape[2]) and entries.stride(-1) == 1
-            and counter_ok(counter)
+            and counter_ok(counter) and (valid is None or valid.device.type == "cpu")
             and not (query.requires_grad or entries.requires_grad)
             and (_LOADED[0] is not None if _LOADED else available()))
 
 
 def sketch_choose(query: torch.Tensor, basis: torch.Tensor, entries: torch.Tensor, length: torch.Tensor | None,
                   floor: torch.Tensor, j: int, archived: int, scaling: float, slack: float, rank_by_bound: bool,
-                  counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  counter: torch.Tensor | None = None,
+                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's sketch top-j rule in one call, the torch op ``kvzoo::sketch_choose`` (``csrc/sketch_choose.cpp``;
     specification :func:`kvzoo.kernels.choose.sketch_choose_reference`). The caller checked
     :func:`sketch_choose_supported`."""
     return (_LOADED[0] if _LOADED else library()).sketch_choose(query, basis, entries, length, floor, j, archived,
                                                                 float(scaling), float(slack), bool(rank_by_bound),
-                                                                counter)
+                                                                counter, valid)
 
 
 def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                            positions: torch.Tensor | None, counter: torch.Tensor | None = None,
-                           own: tuple[torch.Tensor, ...] | None = None) -> bool:
+                           own: tuple[torch.Tensor, ...] | None = None, shift: torch.Tensor | None = None) -> bool:
     """Whether :func:`quest_choose` takes these tensors (CPU, the dtypes, strides and sizes the op takes, no autograd,
-    the library built here; ``own`` as :func:`kvzoo.kernels.choose.quest_choose` passes it)."""
+    the library built here; ``own`` as :func:`kvzoo.kernels.choose.quest_choose` passes it; ``shift`` int64 on the
+    CPU)."""
     if query.dim() != 4 or entries.dim() != 4:
+        return False
+    if shift is not None and not (shift.device.type == "cpu" and shift.dtype == torch.int64):
         return False
     if own is not None:
         keys, valid, position, open_min, open_max = own
@@ -387,15 +392,15 @@ def quest_choose_supported(query: torch.Tensor, entries: torch.Tensor, empty: to
 
 def quest_choose(query: torch.Tensor, entries: torch.Tensor, empty: torch.Tensor, live: torch.Tensor,
                  positions: torch.Tensor | None, pages: int, size: int, archived: int, per_head: bool, scaling: float,
-                 slack: float, counter: torch.Tensor | None = None, own: tuple[torch.Tensor, ...] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                 slack: float, counter: torch.Tensor | None = None, own: tuple[torch.Tensor, ...] | None = None,
+                 shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Quest's choice in one call, the torch op ``kvzoo::quest_choose`` (``csrc/quest.cpp``; specification
     :func:`kvzoo.kernels.choose.quest_choose_reference`): ``positions`` out is None when the archive list is not
     given. The caller checked :func:`quest_choose_supported`."""
     own_keys, own_valid, own_position, open_min, open_max = (None,) * 5 if own is None else own
     rows, at, valid, count = (_LOADED[0] if _LOADED else library()).quest_choose(
         query, entries, empty, live, positions, pages, size, archived, bool(per_head), float(scaling), float(slack),
-        counter, own_keys, own_valid, own_position, open_min, open_max)
+        counter, own_keys, own_valid, own_position, open_min, open_max, shift)
     return rows, at if positions is not None else None, valid, count
 
 

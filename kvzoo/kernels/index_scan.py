@@ -276,10 +276,24 @@ def count_picked(picked: torch.Tensor, counter: torch.Tensor | None) -> torch.Te
     return count
 
 
-def page_rows_live(page_live: torch.Tensor, page_rows: int, m: int) -> torch.Tensor:
-    """Bool ``[B, G, m]``: row ``i``'s page (``i // page_rows``) is live in ``page_live [B, G, p]``."""
-    page = torch.div(torch.arange(m, device=page_live.device), page_rows, rounding_mode="floor")
-    return page_live.index_select(2, page)
+def page_rows_live(page_live: torch.Tensor, page_rows: int, m: int,
+                   shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool ``[B, G, m]``: row ``i``'s page (``i // page_rows``; with ``shift [B, G]``, ``(i + shift) // page_rows``:
+    pages from each sequence's first real row) is live in ``page_live [B, G, p]``."""
+    rows = torch.arange(m, device=page_live.device)
+    if shift is None:
+        return page_live.index_select(2, torch.div(rows, page_rows, rounding_mode="floor"))
+    page = torch.div(rows + shift[..., None], page_rows, rounding_mode="floor").clamp(max=page_live.shape[2] - 1)
+    return page_live.gather(2, page)
+
+
+def _check_valid(op: str, valid: torch.Tensor, B: int, G: int, m: int) -> None:
+    """A scan's row flags: a bool tensor ``[B, G, >= m]`` (a fixed index's whole buffer) on the entries' device."""
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.dim() != 3 \
+            or tuple(valid.shape[:2]) != (B, G) or valid.shape[2] < m:
+        got = f"{valid.dtype} {tuple(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
+        raise ValueError(f"{op}: valid must be None or a bool tensor [B={B}, G={G}, >= m={m}] (False: a padding "
+                         f"row, never chosen), got {got}")
 
 
 def _check_pages(codes: torch.Tensor, page_live: torch.Tensor | None, page_rows: int) -> None:
@@ -347,7 +361,8 @@ def fused_choose_applies(query: torch.Tensor, codes: torch.Tensor, side: torch.T
 def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, threshold: torch.Tensor, j: int,
                 archived: int, scaling: float, *, length: torch.Tensor | None = None,
                 counter: torch.Tensor | None = None, page_live: torch.Tensor | None = None, page_rows: int = 0,
-                scanned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                scanned: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                page_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VestigeKV's top-j rule over int8 key entries, staged and counted: ``(idx, picked) [B, G, hq * j]``, ``count``.
 
     Per query row its top ``j`` rows by :func:`int8_key_estimate`, each kept where its certified bound
@@ -360,9 +375,25 @@ def int8_choose(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, th
     page_rows)``): the rows of a page flagged False are left out (the C loop never reads their codes), so the choice is
     the rule's over the live pages' rows (:func:`int8_page_live` flags the pages that may hold a row above the
     threshold). ``scanned`` (int64, one element): ``+=`` the bytes of the entries the C loop reads, ``D + 2 w`` a row
-    (the live pages' rows below ``length``; the reference counts the same, though it reads every row)."""
+    (the live pages' rows below ``length``; the reference counts the same, though it reads every row).
+
+    ``valid [B, G, >= m]`` bool (None: every row is one): a row flagged False (padding) is left out as a dead page's
+    rows are -- never read, never ranked, never kept -- the flags taken as pages of one row (with ``page_live``, its
+    pages' flags spread over their rows and joined to them; ``page_shift [B, G]``: pages from each sequence's first
+    real row, :func:`page_rows_live`)."""
     from kvzoo.kernels import cpu_native
 
+    if page_shift is not None and valid is None:
+        raise ValueError("int8_choose: page_shift (pages from each sequence's first real row) comes with valid (the "
+                         "padding it skips): pass both or neither")
+    if valid is not None:
+        m = codes.shape[2]
+        _check_valid("int8_choose", valid, codes.shape[0], codes.shape[1], m)
+        rows_live = valid[:, :, :m]
+        if page_live is not None:
+            _check_pages(codes, page_live, page_rows)
+            rows_live = rows_live & page_rows_live(page_live, page_rows, m, page_shift)
+        page_live, page_rows = rows_live, 1
     if fused_choose_applies(query, codes, side, j, counter, page_live, scanned):
         return cpu_native.int8_choose(query, codes, side, threshold, j, archived, scaling, SKETCH_SLACK, length,
                                       counter, page_live, page_rows, scanned)

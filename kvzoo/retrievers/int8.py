@@ -46,8 +46,9 @@ class EntryIndex(RetrievalState):
     @property
     def entry_bytes(self) -> int:
         total = 0
-        for b in self.rows.buffers.values():  # a loop, not a generator: read per layer per step
-            total += b.shape[-1] * b.element_size()
+        for name, b in self.rows.buffers.items():  # a loop, not a generator: read per layer per step
+            if name != "valid":  # the row's flag (read only when some row is padding)
+                total += b.shape[-1] * b.element_size()
         return total
 
     @property
@@ -58,18 +59,37 @@ class EntryIndex(RetrievalState):
         """Every entry once."""
         return self.rows.n, self.rows.n * self.entry_bytes
 
-    def _append(self, entries: dict[str, torch.Tensor]) -> None:
+    def _append(self, entries: dict[str, torch.Tensor], valid: torch.Tensor) -> None:
+        """Entries ``[B, G, k, ...]`` of rows joining the archive, and the rows' ``valid [B, G, k]`` (False: padding,
+        kept beside the entries so that a scan of a padded batch leaves those rows out)."""
         if not self.rows.buffers:  # with a fixed capacity: preallocated for every row, scanned with its length
             first = next(iter(entries.values()))
             B, G = first.shape[:2]
             capacity = self.geometry.capacity
-            self.rows.define(B, G, {k: ((v.shape[-1],), v.dtype) for k, v in entries.items()}, first.device,
-                             capacity=capacity or 0, fixed=capacity is not None)
-        self.rows.append(entries)
+            fields = {k: ((v.shape[-1],), v.dtype) for k, v in entries.items()}
+            self.rows.define(B, G, {**fields, "valid": ((), torch.bool)}, first.device, capacity=capacity or 0,
+                             fixed=capacity is not None)
+        self.rows.append({**entries, "valid": valid})
 
     def _length(self, batch: int) -> torch.Tensor | None:
         """The live entries per sequence, ``[batch]``, when a scan reads a fixed index's whole buffers (else None)."""
         return self.rows.length.expand(batch) if self.rows.fixed else None
+
+    def _valid(self, archive: ArchiveView) -> torch.Tensor | None:
+        """The entries' rows' validity ``[B, G, m]`` as the scans read the entries (a fixed index: the whole buffer,
+        False past the live rows), or None when no archived row is padding (``archive.padded``: the common path
+        reads no flag). A padding row never takes a top-j slot, whatever its entry scores."""
+        return self.rows.reading("valid") if archive.padded else None
+
+    @staticmethod
+    def _leave_out(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """``scores [B, H, q, m]`` with the padding rows' (``valid [B, G, m]`` False) set to ``-inf``."""
+        if valid is None:
+            return scores
+        B, H, q_len, m = scores.shape
+        G = valid.shape[1]
+        out = scores.view(B, G, (H // G) * q_len, m).masked_fill(~valid[:, :, None, :m], float("-inf"))
+        return out.view(B, H, q_len, m)
 
     @abstractmethod
     def bounds_and_estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,13 +107,16 @@ class EntryIndex(RetrievalState):
 
     def choose(self, query: torch.Tensor, best: torch.Tensor, scaling: float, archive: ArchiveView) -> Choice:
         config = self.config
+        valid = self._valid(archive)
         if config.certified:  # every row within tau of s*, for some head and query of the group
-            return Choice(None, self.within(query, best - config.tau, scaling))
+            chosen = self.within(query, best - config.tau, scaling)
+            return Choice(None, chosen if valid is None else chosen & valid[..., : chosen.shape[-1]])
         # each head's top j rows by estimate (or by bound), kept where their bound > s* - j_margin
         if config.rank_by == "estimate":
             bounds, ranking = self.bounds_and_estimates(query, scaling)
+            bounds, ranking = self._leave_out(bounds, valid), self._leave_out(ranking, valid)
         else:
-            bounds = ranking = self.bounds(query, scaling)
+            bounds = ranking = self._leave_out(self.bounds(query, scaling), valid)
         m = bounds.shape[-1]
         rows = ranking.topk(min(config.j, m), dim=-1).indices  # [B, H, q, j]
         ok = bounds.gather(-1, rows) > best[..., None] - config.j_margin
@@ -135,6 +158,11 @@ class Int8KeyIndex(EntryIndex):
         return self.config.prune
 
     @property
+    def page_shift(self) -> torch.Tensor | None:
+        """The page summary's shifts ``[B, G]`` (pages start at each sequence's first real row), or None."""
+        return None if self.summary is None else self.summary.shift
+
+    @property
     def pages(self):
         """The page summary's encoded pages (``codes``, ``scale``, ``empty``)."""
         return self.summary.pages
@@ -147,11 +175,12 @@ class Int8KeyIndex(EntryIndex):
 
     def index(self, rows, tier, archive) -> None:
         codes, side = int8_key_entries(rows["keys"])  # no basis: each row's own code, scale and error
-        self._append({"codes": codes, "side": side})
+        self._append({"codes": codes, "side": side}, rows["valid"])
         if self.summary is not None:
             D = rows["keys"].shape[-1]
             self.summary.add(rows["keys"], rows["valid"],
-                             {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)})
+                             {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)},
+                             padded=archive is not None and archive.padded)
 
     def _grouped(self, query: torch.Tensor) -> torch.Tensor:
         B, H, q_len, D = query.shape
@@ -192,7 +221,8 @@ class Int8KeyIndex(EntryIndex):
         idx, picked, count = int8_choose(q, codes, rows.reading("side"), floor, min(config.j, m), archive.rows or m,
                                          scaling, length=rows.length.expand(B) if rows.fixed else None,
                                          counter=counter, page_live=page_live,
-                                         page_rows=config.page_rows if page_live is not None else 0, scanned=scanned)
+                                         page_rows=config.page_rows if page_live is not None else 0, scanned=scanned,
+                                         valid=self._valid(archive), page_shift=self.page_shift)
         return Choice(idx, picked, count=count, counted=counter is not None, index_bytes=scanned)
 
     def audit_step(self, query, best, scaling, exact, valid) -> dict[str, int]:
@@ -211,11 +241,11 @@ class Int8KeyIndex(EntryIndex):
         floor = (best - self.config.j_margin).reshape(B, G, hq, 1)
         scores = exact.reshape(B, G, hq, m).masked_fill(~valid[:, :, None], float("-inf"))
         page_live = self.page_live
-        skipped = valid & ~page_rows_live(page_live, size, m)  # [B, G, m]
-        pages = -(-m // size)
-        padded = scores.new_full((B, G, hq, pages * size), float("-inf"))
-        padded[..., :m] = scores
-        page_best = padded.view(B, G, hq, pages, size).amax(-1)  # [B, G, hq, pages]
+        skipped = valid & ~page_rows_live(page_live, size, m, self.page_shift)  # [B, G, m]
+        pages = page_live.shape[2]
+        page = self.summary.page_of(torch.arange(m, device=scores.device).expand(B, G, m)).clamp(max=pages - 1)
+        page_best = scores.new_full((B, G, hq, pages), float("-inf")).scatter_reduce_(
+            3, page[:, :, None].expand(B, G, hq, m), scores, "amax")  # [B, G, hq, pages]
         held = (page_best > float("-inf")).any(2)  # pages holding a valid row
         summary = self.pages
         bounds = int8_page_bounds(self._grouped(query), summary.reading("codes"), summary.reading("scale"),

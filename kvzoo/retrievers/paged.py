@@ -59,14 +59,19 @@ class PagedKeyIndex(Int8KeyIndex):
         page_bounds = self._page_bounds(query, scaling)  # [B, G, hq, p]
         top_bounds, pages = page_bounds.topk(min(self.config.fine_pages, page_bounds.shape[-1]), dim=-1)
         rows = (pages[..., None] * size + torch.arange(size, device=query.device)).flatten(-2)  # [B, G, hq, K]
+        if self.page_shift is not None:  # pages from each sequence's first real row
+            rows = rows - self.page_shift[:, :, None, None]
         K = rows.shape[-1]
         live = self.rows.length if self.rows.fixed else self.rows.n  # rows indexed
-        staged = rows.clamp(max=self.rows.capacity - 1)
-        entries = self.rows.gather(staged.view(B, G, hq * K), ("codes", "side"))
+        staged = rows.clamp(min=0, max=self.rows.capacity - 1)
+        names = ("codes", "side", "valid") if archive.padded else ("codes", "side")  # padding rows: never chosen
+        entries = self.rows.gather(staged.view(B, G, hq * K), names)
         bound, estimate = int8_row_bounds(self._grouped(query), entries["codes"].view(B, G, hq, K, D),
                                           entries["side"].view(B, G, hq, K, -1), scaling)
         page_of_row = top_bounds[..., None].expand(B, G, hq, top_bounds.shape[-1], size).flatten(-2)
-        usable = (rows < live) & (page_of_row > float("-inf"))
+        usable = (rows < live) & (rows >= 0) & (page_of_row > float("-inf"))
+        if archive.padded:
+            usable &= entries["valid"].view(B, G, hq, K)
         estimate = estimate.masked_fill(~usable, float("-inf"))
         picked = estimate.topk(min(self.config.j, K), dim=-1).indices  # [B, G, hq, j]
         s_star = (best - self.config.j_margin).reshape(B, G, hq, 1)

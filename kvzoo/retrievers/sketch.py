@@ -68,8 +68,8 @@ class SketchIndex(EntryIndex):
             self._fit(tier.keys, tier.valid)  # the closing block: the tier before the rows leave
             if self.config.refit and self.rows.n:  # rebuild the index of earlier rows under the new basis
                 self.rows = type(self.rows)()
-                self._append(self._entries(archive.keys))
-        self._append(self._entries(rows["keys"]))
+                self._append(self._entries(archive.keys), archive.valid)
+        self._append(self._entries(rows["keys"]), rows["valid"])
 
     def _query_rows(self, query: torch.Tensor) -> torch.Tensor:
         """The sketch's query rows ``[B, G, hpg * q, W]`` (a group's heads, then queries)."""
@@ -112,7 +112,8 @@ class SketchIndex(EntryIndex):
         counter = archive.fetched
         idx, picked, count = sketch_choose(query.float().reshape(B, G, H // G, D), self.basis, entries, floor,
                                            min(config.j, m), archive.rows or m, scaling, slack=self._slack,
-                                           rank_by=config.rank_by, length=self._length(B), counter=counter)
+                                           rank_by=config.rank_by, length=self._length(B), counter=counter,
+                                           valid=self._valid(archive))
         return Choice(idx, picked, count=count, counted=counter is not None)
 
     def within(self, query: torch.Tensor, threshold: torch.Tensor, scaling: float) -> torch.Tensor:

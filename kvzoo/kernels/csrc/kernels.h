@@ -38,7 +38,7 @@ int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, in
                         const float *floor, int64_t *idx, uint8_t *picked, int64_t *count_out, int64_t *counter,
                         int64_t B, int64_t G, int64_t hq, int64_t D, int64_t dc, int64_t r, int64_t m, int64_t W,
                         int64_t j, int64_t archived, int64_t rank_by_bound, float scaling, float slack,
-                        int64_t threads);
+                        int64_t threads, const uint8_t *valid, int64_t v_sb, int64_t v_sg, int64_t v_sm);
 
 int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sp,
                        const uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp, const int64_t *live,
@@ -48,7 +48,8 @@ int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64
                        int64_t archived, int64_t per_head, float scaling, float slack, int64_t threads,
                        const char *own_keys, int64_t k_sb, int64_t k_sg, int64_t k_sn, int64_t N,
                        const uint8_t *own_valid, int64_t v_sb, int64_t v_sg, int64_t v_sn, const int64_t *own_pos,
-                       int64_t o_sb, int64_t o_sg, const float *open_min, const float *open_max);
+                       int64_t o_sb, int64_t o_sg, const float *open_min, const float *open_max,
+                       const int64_t *shift, int64_t s_sb, int64_t s_sg);
 
 int kvzoo_quest_page_add(const char *keys, int64_t dtype, int64_t k_sb, int64_t k_sg, int64_t k_sn,
                          const uint8_t *valid, int64_t v_sb, int64_t v_sg, int64_t v_sn, const int64_t *position,

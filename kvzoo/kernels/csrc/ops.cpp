@@ -287,9 +287,9 @@ void in_rows(const char *op, const char *name, const Tensor &position, int64_t N
 template <bool meta>
 Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &entries, const Maybe &length,
                      const Tensor &floor, int64_t j, int64_t archived, double scaling, double slack, bool rank_by_bound,
-                     const Maybe &counter) {
+                     const Maybe &counter, const Maybe &valid) {
     const char *op = "sketch_choose";
-    on_device(op, meta, {&query, &basis, &entries, &floor, opt(length), opt(counter)});
+    on_device(op, meta, {&query, &basis, &entries, &floor, opt(length), opt(counter), opt(valid)});
     KV_CHECK(query.dim() == 4 && basis.dim() == 4 && entries.dim() == 4, "query must be [B, G, hq, D], basis "
              "[B, G, dc, r] and entries [B, G, m, W], got ", query.sizes(), ", ", basis.sizes(), " and ",
              entries.sizes());
@@ -312,6 +312,12 @@ Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &ent
     Tensor thr = top_j_check(op, "floor", floor, B, G, hq, m, j, archived, meta);
     int64_t *count_to = counter_of(op, counter, meta);
     Maybe lengths = lengths_of(op, length, B);
+    if (valid) {
+        dtype_is(op, "valid", *valid, at::kBool);
+        KV_CHECK(valid->dim() == 3 && valid->size(0) == B && valid->size(1) == G && valid->size(2) >= m,
+                 "valid must be None or [B=", B, ", G=", G, ", >= m=", m, "] (False: a padding row), got ",
+                 valid->sizes());
+    }
     Staged out = staged(B, G, hq * j, query);
     if (meta) return out;
     auto &[idx, picked, count] = out;
@@ -321,7 +327,9 @@ Staged sketch_choose(const Tensor &query, const Tensor &basis, const Tensor &ent
                                 entries.stride(1), entries.stride(2), ptr<int64_t>(lengths), thr.data_ptr<float>(),
                                 idx.data_ptr<int64_t>(), (uint8_t *)picked.data_ptr(), count.data_ptr<int64_t>(),
                                 count_to, B, G, hq, D, dc, r, m, W, j, archived, rank_by_bound, (float)scaling,
-                                (float)slack, threads_for(B * G * m * W * entries.element_size())));
+                                (float)slack, threads_for(B * G * m * W * entries.element_size()),
+                                valid ? (const uint8_t *)valid->data_ptr() : nullptr, valid ? valid->stride(0) : 0,
+                                valid ? valid->stride(1) : 0, valid ? valid->stride(2) : 0));
     return out;
 }
 
@@ -335,10 +343,11 @@ template <bool meta>
 Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &empty_pages, const Tensor &live,
                     const Maybe &positions, int64_t pages, int64_t size, int64_t archived, bool per_head,
                     double scaling, double slack, const Maybe &counter, const Maybe &own_keys,
-                    const Maybe &own_valid, const Maybe &own_position, const Maybe &open_min, const Maybe &open_max) {
+                    const Maybe &own_valid, const Maybe &own_position, const Maybe &open_min, const Maybe &open_max,
+                    const Maybe &shift) {
     const char *op = "quest_choose";
     on_device(op, meta, {&query, &entries, &empty_pages, &live, opt(positions), opt(counter), opt(own_keys),
-                         opt(own_valid), opt(own_position), opt(open_min), opt(open_max)});
+                         opt(own_valid), opt(own_position), opt(open_min), opt(open_max), opt(shift)});
     KV_CHECK(query.dim() == 4 && entries.dim() == 4, "query must be [B, G, hq, D] and entries [B, G, P, 2 D + 1], got ",
              query.sizes(), " and ", entries.sizes());
     int64_t B = query.size(0), G = query.size(1), hq = query.size(2), D = query.size(3), P = entries.size(2),
@@ -381,12 +390,25 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
                  B, ", G=", G, ", M], got ", positions->sizes());
         dtype_is(op, "positions", *positions, at::kLong);
     }
+    if (shift) {
+        shape_is(op, "shift", *shift, {B, G});
+        dtype_is(op, "shift", *shift, at::kLong);
+    }
     int64_t *count_to = counter_of(op, counter, meta);
     if (!meta) { /* the values the loop indexes by */
-        int64_t rows = *live.data_ptr<int64_t>(), slots = P + own;
+        int64_t rows = *live.data_ptr<int64_t>(), slots = P + own, most = 0;
         KV_CHECK(rows >= 1, "live (the rows indexed) must be >= 1, got ", rows);
-        KV_CHECK(!own || rows / size <= P, "live // size (the page the own row joins) must be <= P=", P,
-                 " (the summary's last slot or one past it), got live=", rows, ", size=", size);
+        if (shift) /* the virtual rows before each archive: fewer than a page */
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t g = 0; g < G; g++) {
+                    int64_t s = shift->data_ptr<int64_t>()[b * shift->stride(0) + g * shift->stride(1)];
+                    KV_CHECK(0 <= s && s < size, "shift must be in [0, size=", size, ") (virtual rows before an "
+                             "archive), got ", s, " at [", b, ", ", g, "]");
+                    most = s > most ? s : most;
+                }
+        KV_CHECK(!own || (rows + most) / size <= P, "(live + shift) // size (the page the own row joins) must be "
+                 "<= P=", P, " (the summary's last slot or one past it), got live=", rows, ", shift up to ", most,
+                 ", size=", size);
         int64_t reach = rows < slots * size ? rows : slots * size; /* the rows the pages can give */
         KV_CHECK(archived >= reach, "archived must count every row the pages can give, min(live, ", slots, " slots x ",
                  size, ") = ", reach, ", got ", archived);
@@ -418,7 +440,8 @@ Chosen quest_choose(const Tensor &query, const Tensor &entries, const Tensor &em
                 archived, per_head, (float)scaling, (float)slack,
                 threads_for(B * G * P * W * entries.element_size()), ptr<const char>(own_keys), ks[0], ks[1], ks[2],
                 N, ptr<const uint8_t>(own_valid), vs[0], vs[1], vs[2], ptr<const int64_t>(own_position), os[0], os[1],
-                ptr<const float>(omin), ptr<const float>(omax)));
+                ptr<const float>(omin), ptr<const float>(omax), ptr<const int64_t>(shift), shift ? shift->stride(0) : 0,
+                shift ? shift->stride(1) : 0));
     return out;
 }
 
@@ -586,12 +609,13 @@ KV_LIBRARY(KVZOO_NS, m) {
     m.def("int8_page_live(Tensor query, Tensor codes, Tensor scale, Tensor empty, Tensor? length, Tensor threshold, "
           "float scaling, float slack) -> Tensor");
     m.def("sketch_choose(Tensor query, Tensor basis, Tensor entries, Tensor? length, Tensor floor, int j, "
-          "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None) "
+          "int archived, float scaling, float slack, bool rank_by_bound, Tensor(a!)? counter=None, "
+          "Tensor? valid=None) "
           "-> (Tensor, Tensor, Tensor)");
     m.def("quest_choose(Tensor query, Tensor entries, Tensor empty, Tensor live, Tensor? positions, int pages, "
           "int size, int archived, bool per_head, float scaling, float slack, Tensor(a!)? counter=None, "
           "Tensor? own_keys=None, Tensor? own_valid=None, Tensor? own_position=None, Tensor? open_min=None, "
-          "Tensor? open_max=None) -> (Tensor, Tensor, Tensor, Tensor)");
+          "Tensor? open_max=None, Tensor? shift=None) -> (Tensor, Tensor, Tensor, Tensor)");
     m.def("quest_page_add(Tensor keys, Tensor valid, Tensor position, Tensor(a!) open_min, Tensor(b!) open_max, "
           "Tensor(c!) entries, Tensor(d!) empty, Tensor(e!) count, Tensor(f!) length, int size) -> ()");
     m.def("decode_attend(Tensor query, Tensor keys, Tensor? values, int value_width, Tensor? indices, "

@@ -37,7 +37,14 @@ typedef struct {
     const int64_t *own_pos;
     const float *open_min, *open_max;
     int64_t N, k_sb, k_sg, k_sn, v_sb, v_sg, v_sn, o_sb, o_sg;
+    const int64_t *shift; /* [B, G] (strides s_sb, s_sg) or NULL: virtual rows before each archive (pages from each
+                             sequence's first real row: page p holds rows p * size - shift on) */
+    int64_t s_sb, s_sg;
 } QuestScan;
+
+static inline int64_t shift_of(const QuestScan *c, int64_t b, int64_t g) {
+    return c->shift ? c->shift[b * c->s_sb + g * c->s_sg] : 0;
+}
 
 /* The current page's entry [max, min, max |k|] in the entries' dtype with the step's own key in it (the key alone when
    it opens the page, *live % size == 0; a padding row, or a position outside [0, N), joins nothing): written into
@@ -45,7 +52,7 @@ typedef struct {
 static int own_page_entry(const QuestScan *c, int64_t b, int64_t g, char *entry) {
     int64_t D = (c->W - 1) / 2, bg = b * c->G + g, pos = c->own_pos[b * c->o_sb + g * c->o_sg];
     int ok = pos >= 0 && pos < c->N && c->own_valid[b * c->v_sb + g * c->v_sg + pos * c->v_sn];
-    int opens = c->live % c->size == 0, lo_inf = 1, hi_inf = 1;
+    int opens = (c->live + shift_of(c, b, g)) % c->size == 0, lo_inf = 1, hi_inf = 1;
     const char *key = c->own_keys + (b * c->k_sb + g * c->k_sg + (ok ? pos : 0) * c->k_sn) * c->es;
     const float *lo0 = c->open_min + bg * D, *hi0 = c->open_max + bg * D;
     float magnitude = -INFINITY;
@@ -71,7 +78,7 @@ static inline int64_t archive_position(const QuestScan *c, int64_t b, int64_t g,
 static void quest_item(void *ctx, int64_t bg) {
     const QuestScan *c = (const QuestScan *)ctx;
     int64_t b = bg / c->G, g = bg % c->G, hq = c->hq, n = c->n, P = c->P, Pc = c->Pc, size = c->size;
-    int64_t live = c->live, lists = c->per_head ? hq : 1;
+    int64_t live = c->live, lists = c->per_head ? hq : 1, s = shift_of(c, b, g);
     char *mine = c->scratch + bg * c->item_bytes; /* pages [lists][n], sort room [n], filled [lists], candidates
                                                       [n * size], top values [lists][n], the own page's entry [W],
                                                       chosen [Pc] */
@@ -86,7 +93,7 @@ static void quest_item(void *ctx, int64_t bg) {
     const char *rows[16];
     int64_t slot[16];
     /* the current page (live / size) scored with the step's own key; one slot past P for a page it opens there */
-    int64_t own_page = c->own_keys ? live / size : -1;
+    int64_t own_page = c->own_keys ? (live + s) / size : -1;
     int own_empty = c->own_keys ? own_page_entry(c, b, g, own_entry) : 1;
     for (int64_t l = 0; l < lists; l++) filled[l] = 0;
     memset(chosen, 0, Pc);
@@ -138,25 +145,27 @@ static void quest_item(void *ctx, int64_t bg) {
                 int64_t page = pages[h * n + k];
                 if (page < Pc) chosen[page] = 1;
                 for (int64_t o = 0; o < size; o++) {
-                    int64_t at = (h * n + k) * size + o, row = page * size + o;
-                    int64_t clamped = row < live ? row : live - 1;
+                    int64_t at = (h * n + k) * size + o, row = page * size + o - s;
+                    int64_t clamped = row < 0 ? 0 : (row < live ? row : live - 1);
                     rows_out[at] = clamped;
-                    valid_out[at] = page < Pc && row < live;
+                    valid_out[at] = page < Pc && row >= 0 && row < live;
                     if (pos_out) pos_out[at] = archive_position(c, b, g, clamped);
                 }
             }
         int64_t count = 0;
         for (int64_t page = 0; page < Pc; page++)
-            if (chosen[page]) {
-                int64_t in = live - page * size;
-                count += in < 0 ? 0 : (in > size ? size : in);
+            if (chosen[page]) { /* its rows [page * size - s, + size) inside [0, live) */
+                int64_t first = page * size - s, last = first + size;
+                first = first < 0 ? 0 : first;
+                last = last < live ? last : live;
+                count += last > first ? last - first : 0;
             }
         c->counts[bg] = count;
     } else { /* one page set for the group: its rows staged as unique_candidates stages them (already in order) */
         for (int64_t k = 0; k < n; k++)
             for (int64_t o = 0; o < size; o++) {
-                int64_t row = pages[k] * size + o;
-                cand[k * size + o] = pages[k] < Pc && row < live ? row : c->archived;
+                int64_t row = pages[k] * size + o - s;
+                cand[k * size + o] = pages[k] < Pc && row >= 0 && row < live ? row : c->archived;
             }
         c->counts[bg] = stage_union(cand, K, c->archived, rows_out, valid_out);
         if (pos_out)
@@ -182,7 +191,9 @@ static void quest_item(void *ctx, int64_t bg) {
    `dtype` (strides k_*; rows contiguous), valid [B, G, N] (strides v_*), its position [B, G] (strides o_*), the
    summary's open page's running min/max open_min, open_max [B, G, D] fp32 contiguous: page *live / size is scored
    by its min/max joined with that key (own_page_entry), read from P + 1 page slots (the last one a page the key
-   opens past P, else empty); n <= P + 1. */
+   opens past P, else empty); n <= P + 1.
+   shift (or NULL): [B, G] virtual rows before each archive (strides s_sb, s_sg; 0 <= shift < size): page p of group
+   (b, g) holds rows p * size - shift on (the negative ones none), the own row's page is (*live + shift) / size. */
 KV_EXPORT int kvzoo_quest_choose(const float *q, const char *entries, int64_t dtype, int64_t e_sb, int64_t e_sg,
                                  int64_t e_sp, const uint8_t *empty, int64_t em_sb, int64_t em_sg, int64_t em_sp,
                                  const int64_t *live, const int64_t *positions, int64_t p_sb, int64_t p_sg,
@@ -192,7 +203,8 @@ KV_EXPORT int kvzoo_quest_choose(const float *q, const char *entries, int64_t dt
                                  float slack, int64_t threads, const char *own_keys, int64_t k_sb, int64_t k_sg,
                                  int64_t k_sn, int64_t N, const uint8_t *own_valid, int64_t v_sb, int64_t v_sg,
                                  int64_t v_sn, const int64_t *own_pos, int64_t o_sb, int64_t o_sg,
-                                 const float *open_min, const float *open_max) {
+                                 const float *open_min, const float *open_max, const int64_t *shift, int64_t s_sb,
+                                 int64_t s_sg) {
     int64_t W = 2 * D + 1, Pc = P + (own_keys ? 1 : 0);
     if (hq < 1 || hq > MAX_HQ || D < 1 || W > MAX_W || n < 1 || n > Pc || size < 1 || archived < 1 || dtype < F32 ||
         dtype > F16 || (own_keys && (!own_valid || !own_pos || !open_min || !open_max)))
@@ -204,6 +216,9 @@ KV_EXPORT int kvzoo_quest_choose(const float *q, const char *entries, int64_t dt
     c.own_pos = own_pos;
     c.open_min = open_min;
     c.open_max = open_max;
+    c.shift = shift;
+    c.s_sb = s_sb;
+    c.s_sg = s_sg;
     c.N = N;
     c.k_sb = k_sb;
     c.k_sg = k_sg;

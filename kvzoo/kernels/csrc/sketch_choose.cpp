@@ -19,6 +19,8 @@ typedef struct {
     int64_t B, G, hq, W, Wp, m, j, archived, e_sb, e_sg, e_sm, es, chunks, chunk_rows;
     int dtype;
     float scaling;
+    const uint8_t *valid; /* [B, G, m] row flags (strides v_sb, v_sg, v_sm), or NULL: every row is one */
+    int64_t v_sb, v_sg, v_sm;
 } SketchScan;
 
 static void sketch_item(void *ctx, int64_t item) {
@@ -32,18 +34,31 @@ static void sketch_item(void *ctx, int64_t item) {
     int64_t *at = c->at + item * hq * j, *filled = c->filled + item * hq;
     float sc[MAX_HQ * TILE];
     const char *rows[16];
+    const uint8_t *ok = c->valid ? c->valid + b * c->v_sb + g * c->v_sg : NULL;
     for (int64_t h = 0; h < hq; h++) filled[h] = 0;
-    for (int64_t i = r0; i < r1; i += 16) {
-        int64_t count = r1 - i < 16 ? r1 - i : 16;
-        for (int64_t k = 0; k < count; k++) rows[k] = eg + (i + k) * step;
-        if (i + 80 <= r1)
-            for (int64_t k = 64; k < 80; k++) prefetch_row(eg + (i + k) * step, c->W * c->es);
-        index_scores(q, c->Wp, rows, count, c->W, c->dtype, hq, c->scaling, sc);
-        for (int64_t h = 0; h < hq; h++) {
-            float *v = sc + h * TILE;
-            for (int64_t k = 0; k < count; k++) v[k] = ranked(v[k]);
-            top_block(top + h * j, at + h * j, filled + h, j, v, count, i);
+    for (int64_t s = r0; s < r1;) {
+        int64_t e = r1; /* a run of rows [s, e): with row flags, consecutive valid rows (padding is never read) */
+        if (ok) {
+            if (!ok[s * c->v_sm]) {
+                s++;
+                continue;
+            }
+            e = s + 1;
+            while (e < r1 && ok[e * c->v_sm]) e++;
         }
+        for (int64_t i = s; i < e; i += 16) {
+            int64_t count = e - i < 16 ? e - i : 16;
+            for (int64_t k = 0; k < count; k++) rows[k] = eg + (i + k) * step;
+            if (i + 80 <= e)
+                for (int64_t k = 64; k < 80; k++) prefetch_row(eg + (i + k) * step, c->W * c->es);
+            index_scores(q, c->Wp, rows, count, c->W, c->dtype, hq, c->scaling, sc);
+            for (int64_t h = 0; h < hq; h++) {
+                float *v = sc + h * TILE;
+                for (int64_t k = 0; k < count; k++) v[k] = ranked(v[k]);
+                top_block(top + h * j, at + h * j, filled + h, j, v, count, i);
+            }
+        }
+        s = e;
     }
 }
 
@@ -177,13 +192,15 @@ static void sketch_query_rows(const float *KV_RESTRICT q, const float *KV_RESTRI
    the estimate scaling * (Q . E without eta's and the slack columns) of every row (rank_by_bound: the bound scaling *
    Q . E), its top j (an earlier row first among equal values, NaN first), each kept when its bound scaling * Q . E
    is above the floor; the group's candidates staged (stage_union) into idx, picked [B, G, hq * j]; *count_out the
-   rows picked, also added to *counter when given. */
+   rows picked, also added to *counter when given. valid (or NULL): row i of group (b, g) is left out -- never
+   read, never ranked -- where valid[b * v_sb + g * v_sg + i * v_sm] is 0 (a padding row). */
 KV_EXPORT int kvzoo_sketch_choose(const float *q, const float *basis, int64_t basis_sb, int64_t basis_sg,
                                   const char *entries, int64_t dtype, int64_t e_sb, int64_t e_sg, int64_t e_sm,
                                   const int64_t *length, const float *floor, int64_t *idx, uint8_t *picked,
                                   int64_t *count_out, int64_t *counter, int64_t B, int64_t G, int64_t hq, int64_t D,
                                   int64_t dc, int64_t r, int64_t m, int64_t W, int64_t j, int64_t archived,
-                                  int64_t rank_by_bound, float scaling, float slack, int64_t threads) {
+                                  int64_t rank_by_bound, float scaling, float slack, int64_t threads,
+                                  const uint8_t *valid, int64_t v_sb, int64_t v_sg, int64_t v_sm) {
     int64_t dr = D - dc;
     if (hq < 1 || hq > MAX_HQ || D > MAX_D || dc < 1 || dr < 0 || r < 1 || r > dc || j < 1 || j > MAX_J || j > m ||
         archived < 1 || W != r + 1 + (dr ? dr + 2 : 1) || (dtype != F32 && dtype != F16))
@@ -209,6 +226,10 @@ KV_EXPORT int kvzoo_sketch_choose(const float *q, const float *basis, int64_t ba
     c.idx = idx;
     c.picked = picked;
     c.scaling = scaling;
+    c.valid = valid;
+    c.v_sb = v_sb;
+    c.v_sg = v_sg;
+    c.v_sm = v_sm;
     c.chunks = scan_chunks(B, G, m, threads);
     c.chunk_rows = chunk_rows_of(m, c.chunks);
     int64_t items = B * G * c.chunks, rows_q = B * G * hq * c.Wp;
