@@ -40,6 +40,11 @@ def _tie_offset(k: int, members: int) -> float:
 
 
 def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position: str = "after") -> Path:
+    """:func:`needle_heatmap_figure` as a PNG at ``path``."""
+    return _save(needle_heatmap_figure(rows, position=position), path)
+
+
+def needle_heatmap_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") -> Any:
     """One panel per (ratio, policy): mean score by needle depth (rows) and context length (columns), for one task on
     one haystack (``niah_single`` on its most-run haystack) so every cell averages the same kind of trial."""
     plt = _pyplot()
@@ -82,10 +87,29 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], path: str | Path, *, position
                 ax.set_xlabel("context tokens", fontsize=7)
             if j == 0:
                 ax.set_ylabel("needle depth", fontsize=7)
-    fig.suptitle(f"{task} score on {haystack} text, question {position} compression", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="score")
-    return _save(fig, path)
+    _fit_suptitle(fig, f"{task} score on {haystack} text, question {position} compression", fontsize=9)
+    return fig
+
+
+def _fit_suptitle(fig: Any, text: str, **style: Any) -> Any:
+    """``fig.suptitle(text)``, broken at its commas and then at spaces onto as few lines as fit the figure's width: a
+    heatmap of one or two policies is about 3 in wide, and its one-line title was cut off at both sides."""
+    import textwrap
+
+    title = fig.suptitle(text, **style)
+    renderer = fig.canvas.get_renderer()
+    width = fig.bbox.width * 0.96
+    clauses = text.replace(", ", ",\n").split("\n")
+    tries = ["\n".join(clauses)] + ["\n".join(line for clause in clauses
+                                             for line in textwrap.wrap(clause, chars, break_long_words=False))
+                                   for chars in range(max(map(len, clauses)) - 1, 0, -1)]
+    for wrapped in tries:
+        if title.get_window_extent(renderer).width <= width:
+            break
+        title.set_text(wrapped)
+    return title
 
 
 # Each policy its own marker, so lines that coincide still show which policies they are; the star is the reference's.
@@ -109,25 +133,113 @@ def policy_styles(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, str]]:
     return styles
 
 
+# Where a label may go, in points from its marker's centre: beside it (right first), then further out; a label that
+# finds no place beside its own marker (nearer it than any other, clear of markers, labels and lines) goes further
+# out with a leader line to its marker.
+_DIRECTIONS = ((1, 0), (1, 1), (1, -1), (0, 1), (0, -1), (-1, 0), (-1, 1), (-1, -1))
+_BESIDE = (5.0, 9.0)
+_LEADER = (16.0, 24.0, 34.0, 46.0)
+
+
+def _marker_boxes(ax: Any) -> list[tuple[Any, Any]]:
+    """Each marker drawn in ``ax``: its centre (display units) and its box."""
+    from matplotlib.transforms import Bbox
+
+    scale = ax.figure.dpi / 72
+    found = []
+    for line in ax.get_lines():
+        if line.get_marker() in (None, "None", "", " ") or not line.get_visible():
+            continue
+        half = line.get_markersize() * scale / 2
+        xy = line.get_transform().transform(line.get_xydata())
+        found += [((x, y), Bbox.from_extents(x - half, y - half, x + half, y + half)) for x, y in xy]
+    return found
+
+
+def _label_box(point: tuple[float, float], offset: tuple[float, float], size: tuple[float, float],
+               scale: float) -> Any:
+    """The box of a ``size`` (display units) label whose anchor is ``offset`` points from ``point`` (display units),
+    aligned away from the point (see :func:`_alignment`)."""
+    from matplotlib.transforms import Bbox
+
+    (w, h), (dx, dy) = size, offset
+    x, y = point[0] + dx * scale, point[1] + dy * scale
+    ha, va = _alignment(offset)
+    x0 = {"left": x, "right": x - w, "center": x - w / 2}[ha]
+    y0 = {"bottom": y, "top": y - h, "center": y - h / 2}[va]
+    return Bbox.from_bounds(x0, y0, w, h)
+
+
+def _alignment(offset: tuple[float, float]) -> tuple[str, str]:
+    dx, dy = offset
+    return ("left" if dx > 0 else "right" if dx < 0 else "center"), ("bottom" if dy > 0 else "top" if dy < 0 else "center")
+
+
+def _distance(box: Any, point: tuple[float, float]) -> float:
+    """From the centre of ``box`` to ``point`` (display units)."""
+    return float(((box.x0 + box.x1) / 2 - point[0]) ** 2 + ((box.y0 + box.y1) / 2 - point[1]) ** 2) ** 0.5
+
+
 def _place_labels(fig: Any, labels: list[tuple[Any, str, tuple[float, float], dict[str, Any]]]) -> None:
-    """Annotate each ``(axes, text, (x, y) in data units, text style)`` beside its point, at the first of a few offsets
-    where it overlaps no label placed before it (else the first offset): ratio labels of nearby points used to be
-    drawn over each other. The layout is fixed first, so what is measured is what is saved."""
+    """Annotate each ``(axes, text, (x, y) in data units, text style)`` beside its marker where it is unambiguous:
+    nearer its own marker than any other, over no marker, label or line, inside the axes; where no offset beside it
+    is all that, further out with a leader line to it; else at the offset that breaks the fewest of these. Labels
+    used to be drawn over each other, and beside another policy's marker where markers crowd. The layout is fixed
+    first, so what is measured is what is saved."""
     if not labels:
         return
+    import math
+
+    from matplotlib.path import Path
+
     fig.canvas.draw()
     fig.set_layout_engine("none")
     renderer = fig.canvas.get_renderer()
-    offsets = ((4, 4), (4, -10), (-16, 4), (-16, -10), (8, -3), (4, 12), (4, -18), (-24, -3), (12, 12), (12, -18))
-    placed: list[Any] = []
+    scale = fig.dpi / 72
+    markers = {ax: _marker_boxes(ax) for ax in {ax for ax, *_ in labels}}
+    paths = {ax: [line.get_transform().transform_path(line.get_path()) for line in ax.get_lines()
+                  if line.get_linestyle() not in ("None", "none", "", " ") and line.get_visible()] for ax in markers}
+    placed: dict[Any, list[Any]] = {ax: [] for ax in markers}
     for ax, text, xy, style in labels:
-        for k, offset in enumerate(offsets):
-            note = ax.annotate(text, xy, xytext=offset, textcoords="offset points", **style)
-            box = note.get_window_extent(renderer).padded(1)
-            if not any(box.overlaps(other) for other in placed) or k == len(offsets) - 1:
-                placed.append(box)
-                break
-            note.remove()
+        point = tuple(ax.transData.transform(xy))
+        probe = ax.text(0, 0, text, **style)
+        extent = probe.get_window_extent(renderer)
+        probe.remove()
+        size = (extent.width, extent.height)
+        area = ax.get_window_extent(renderer)
+        others = [centre for centre, _ in markers[ax] if math.dist(centre, point) > 0.5]
+
+        def cost(box: Any, leader: bool, ax: Any = ax, point: tuple = point, area: Any = area,
+                 others: list = others) -> float:
+            padded = box.padded(1.5)
+            broken = 1000 * sum(padded.overlaps(other) for other in placed[ax])
+            broken += 100 * sum(padded.overlaps(marker) for _, marker in markers[ax])
+            broken += 30 * sum(path.intersects_bbox(padded, filled=False) for path in paths[ax])
+            broken += 200 * (not (area.x0 <= box.x0 and box.x1 <= area.x1 and area.y0 <= box.y0 and box.y1 <= area.y1))
+            if leader:  # a leader line says whose label it is, if it passes over no other marker
+                centre = ((box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2)
+                segment = Path([point, centre])
+                broken += 100 * sum(segment.intersects_bbox(marker, filled=False) for c, marker in markers[ax]
+                                    if math.dist(c, point) > 0.5)
+            else:  # beside, only nearness does
+                broken += 300 * any(_distance(box, centre) <= _distance(box, point) for centre in others)
+            return broken
+
+        tries = [(cost(_label_box(point, (r * dx, r * dy), size, scale), False), (r * dx, r * dy), False)
+                 for r in _BESIDE for dx, dy in _DIRECTIONS]
+        best = min(tries, key=lambda t: t[0])
+        if best[0] > 0:
+            leaders = [(cost(_label_box(point, (r * dx, r * dy), size, scale), True) + 1, (r * dx, r * dy), True)
+                       for r in _LEADER for dx, dy in _DIRECTIONS]
+            best = min([best, *leaders], key=lambda t: t[0])
+        _, offset, leader = best
+        ha, va = _alignment(offset)
+        arrow = {"arrowprops": {"arrowstyle": "-", "color": style.get("color", "black"), "linewidth": 0.6,
+                                "shrinkA": 1, "shrinkB": 4}} if leader else {}
+        ax.annotate(text, xy, xytext=offset, textcoords="offset points", ha=ha, va=va, **style, **arrow)
+        placed[ax].append(_label_box(point, offset, size, scale))
+
+
 # Points of equal value at one ratio are spread vertically by at most this much in all (axis units: scores
 # and rates are in [0, 1]); the labels at the lines' right ends name every policy of a group that ties there.
 TIE_SPREAD = 0.08
@@ -158,7 +270,7 @@ def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "af
     ratios = ratio_order(ok)
     policies = policy_order(ok)
     styles = policy_styles(rows)
-    fig, (ax_score, ax_intact) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax_score, ax_intact) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
     spread_any = False
     for ax, key in ((ax_score, "score"), (ax_intact, "intact")):
         means: dict[str, dict[float, float]] = {}
@@ -186,8 +298,10 @@ def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "af
             for value, members in ends.items():
                 if len(members) > 1:
                     names = [", ".join(members[k:k + 2]) for k in range(0, len(members), 2)]
-                    ax.annotate(f"{value:.2f}: " + ",\n".join(names), (last, value), xytext=(8, 0),
-                                textcoords="offset points", va="center", fontsize=7, annotation_clip=False)
+                    # just outside the axes, so that no line (the reference's dashed one spans the axes) runs under it
+                    ax.annotate(f"{value:.2f}: " + ",\n".join(names), (1.0, value), xytext=(4, 0),
+                                xycoords=ax.get_yaxis_transform(), textcoords="offset points", va="center",
+                                fontsize=7, annotation_clip=False)
     for ax, label in ((ax_score, "string-match score"), (ax_intact, "needle intact rate (ΔNLL < 1 nat)")):
         ax.set_xscale("log", base=2)
         if ratios:
@@ -196,9 +310,10 @@ def score_vs_ratio_figure(rows: Sequence[dict[str, Any]], *, position: str = "af
         ax.set_xlabel("compression ratio")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    ax_score.legend(fontsize=8, title=f"equal points offset ±{TIE_SPREAD / 2:g}" if spread_any else None, title_fontsize=7)
+    # outside both panels, as on the frontier: inside, it covered the lines that cross the middle of the score panel
+    fig.legend(handles=ax_score.get_lines(), loc="outside right upper", fontsize=8, title_fontsize=7,
+               title=f"equal points offset ±{TIE_SPREAD / 2:g}" if spread_any else None)
     fig.suptitle(f"question {position} compression", fontsize=9)
-    fig.tight_layout()
     return fig
 
 
@@ -224,6 +339,35 @@ def _mean_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
     return _mean(values) if values else None
 
 
+# Points of one value whose bytes read differ by less than this fraction are drawn as one: their markers would cover
+# each other on the log axis (chunkkv and snapkv at 4x read 24.18 and 24.24 MiB).
+COINCIDENT = 0.04
+
+
+def _coincident(points: dict[str, list[dict[str, Any]]], key: str) -> dict[tuple[str, Any], list[str]]:
+    """``(policy, ratio)`` -> the policies whose point has the same ``key`` value and bytes read within
+    :data:`COINCIDENT` of it (a chain of such points is one group), in policy order."""
+    import math
+
+    found = sorted(((round(p[key], 9), math.log(p["mib_per_token"]) if p["mib_per_token"] > 0 else -math.inf,
+                     policy, p["ratio"]) for policy, pts in points.items() for p in pts if p[key] is not None),
+                   key=lambda t: (t[0], t[1]))
+    groups: list[list[tuple[Any, ...]]] = []
+    for point in found:
+        last = groups[-1][-1] if groups else None
+        if last is not None and last[0] == point[0] and point[1] - last[1] < math.log1p(COINCIDENT):
+            groups[-1].append(point)
+        else:
+            groups.append([point])
+    order = {policy: k for k, policy in enumerate(points)}
+    ties: dict[tuple[str, Any], list[str]] = {}
+    for group in groups:
+        members = sorted((policy for *_, policy, _ in group), key=order.__getitem__)
+        for *_, policy, ratio in group:
+            ties[(policy, ratio)] = members
+    return ties
+
+
 def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") -> Any:
     """The quality-cost frontier: mean score (left) and needle intact rate (right) against the KV-path bytes read per
     generated token (log scale), a policy's ratios joined and labelled, the legend outside both panels."""
@@ -242,11 +386,7 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
                            (axes[1], "intact", "needle intact rate (ΔNLL < 1 nat)")):
         # policies that land on the same point (same bytes, same value: streaming_llm and h2o read alike) are
         # offset vertically by up to TIE_SPREAD / 2, so that no marker hides another
-        ties: dict[tuple[float, float], list[str]] = {}
-        for policy, pts in points.items():
-            for p in pts:
-                if p[key] is not None:
-                    ties.setdefault((round(p["mib_per_token"], 2), round(p[key], 9)), []).append(policy)
+        ties = _coincident(points, key)
         for policy, pts in points.items():
             pts = [p for p in pts if p[key] is not None]
             if not pts:
@@ -256,7 +396,7 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, position: str = "after") 
                      "linestyle": "none" if reference else "-", "linewidth": 1, "alpha": 0.9}
             xs, ys = [p["mib_per_token"] for p in pts], []
             for p in pts:
-                members = ties[(round(p["mib_per_token"], 2), round(p[key], 9))]
+                members = ties[(policy, p["ratio"])]
                 spread_any = spread_any or len(members) > 1
                 ys.append(p[key] + _tie_offset(members.index(policy), len(members)))
             (line,) = ax.plot(xs, ys, label=policy if reference else f"{policy}", **style)
