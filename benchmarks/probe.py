@@ -790,6 +790,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
     import torch
 
     from kvzoo import TieredCache, registry
+    from kvzoo.bench.results import versions
     from kvzoo.haystacks import haystack_sentences
     from kvzoo.models import load_model
     from kvzoo.retrievers.vestige import VestigeRetriever
@@ -818,7 +819,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
         for ratio in args.ratios:
             out: dict[str, Any] = {"probe": "vestige-prune", "model": "smollm2-135m", "context": args.context,
                                    "ratio": ratio, "page_rows": args.page_rows, "steps": args.steps,
-                                   "seed": args.seed, "commit": commit}
+                                   "seed": args.seed, "commit": commit, "versions": versions()}
             for prune in (False, True):
                 retriever = VestigeRetriever(index="int8", prune=prune, **({"page_rows": args.page_rows} if prune else {}))
                 shared.runtime.audit = prune  # the arm's retrieval audits (transplant takes the source's setting)

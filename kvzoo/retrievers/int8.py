@@ -143,12 +143,15 @@ class Int8KeyIndex(EntryIndex):
     """One entry per archived row: ``codes [D]`` int8 and ``side [scale, err, norm]`` fp16, in archive order.
 
     ``prune=True`` (:class:`~kvzoo.retrievers.vestige.VestigeRetriever`): also a page summary, per ``page_rows``
-    archived rows (in archive order) the min and max of their exact keys as int8 codes (Quest's page, ``2 D + 5``
-    bytes with its empty flag; the open last page rewritten as rows join it). A decode step's top-j rule first scans
-    the pages: one whose certified bound is ``<= s* - j_margin`` for every head of its group holds no row scoring above
-    ``s* - j_margin`` (the rule's floor), and its rows' int8 entries are not read
-    (:func:`~kvzoo.kernels.index_scan.int8_page_live`, then :func:`~kvzoo.kernels.index_scan.int8_choose` with the
-    page flags); the step's choice then reports the bytes it read, counted on the device."""
+    archived rows (in archive order) the min and max of their exact keys and their int8 reconstructions as int8 codes
+    (Quest's page, ``2 D + 5`` bytes with its empty flag; the open last page rewritten as rows join it). A decode
+    step's top-j rule first scans the pages: one whose certified bound is ``<=`` the floor for every head of its group
+    holds no row the rule keeps above it, and its rows' int8 entries are not read
+    (:func:`~kvzoo.kernels.index_scan.int8_choose` with the page flags); the step's choice then reports the bytes it
+    read, counted on the device. The floor is ``s* - j_margin`` raised to each head's ``j``-th best estimate over the
+    rows of its top pages (:func:`~kvzoo.kernels.index_scan.int8_topj_floor`: no row below it ranks in the head's top
+    ``j``) where those rows are few beside the index (:func:`~kvzoo.kernels.index_scan.topj_pages`), else ``s* -
+    j_margin`` alone (:func:`~kvzoo.kernels.index_scan.int8_page_live`)."""
 
     def __init__(self, config, geometry) -> None:
         super().__init__(config, geometry)
