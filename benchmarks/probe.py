@@ -770,6 +770,22 @@ def _chunkkv_reuse_args(p: argparse.ArgumentParser) -> None:
 # -------------------------------------------------------------------------------------------------------- vestige-prune
 
 
+def _smollm2_essay(context: int, seed: int):
+    """SmolLM2-135M (torch seeded 0) and ``context`` tokens of essay text from ``seed``, ``[1, context]``."""
+    import torch
+
+    from kvzoo.haystacks import haystack_sentences
+    from kvzoo.models import load_model
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model("smollm2-135m")
+    sentences = haystack_sentences("essay", seed)
+    ids: list[int] = []
+    while len(ids) < context:
+        ids += tokenizer(next(sentences) + " ", add_special_tokens=False)["input_ids"]
+    return model, torch.tensor([ids[:context]])
+
+
 def vestige_prune(args: argparse.Namespace) -> int:
     """Issue 47: VestigeKV's int8 index pruned by its page summary (``prune=True``) on SmolLM2's real rows, audited.
 
@@ -791,17 +807,9 @@ def vestige_prune(args: argparse.Namespace) -> int:
 
     from kvzoo import TieredCache, registry
     from kvzoo.bench.results import versions
-    from kvzoo.haystacks import haystack_sentences
-    from kvzoo.models import load_model
     from kvzoo.retrievers.vestige import VestigeRetriever
 
-    torch.manual_seed(0)
-    model, tokenizer = load_model("smollm2-135m")
-    sentences = haystack_sentences("essay", args.seed)
-    ids: list[int] = []
-    while len(ids) < args.context:
-        ids += tokenizer(next(sentences) + " ", add_special_tokens=False)["input_ids"]
-    prompt = torch.tensor([ids[: args.context]])
+    model, prompt = _smollm2_essay(args.context, args.seed)
     tail = 64
     head = args.context - tail
     commit = git_commit()  # the code this process runs (HEAD may move while it does)
@@ -910,16 +918,8 @@ def prune_bounds(args: argparse.Namespace) -> int:
     from transformers import DynamicCache
 
     from kvzoo.bench.results import versions
-    from kvzoo.haystacks import haystack_sentences
-    from kvzoo.models import load_model
 
-    torch.manual_seed(0)
-    model, tokenizer = load_model("smollm2-135m")
-    sentences = haystack_sentences("essay", args.seed)
-    ids: list[int] = []
-    while len(ids) < args.context:
-        ids += tokenizer(next(sentences) + " ", add_special_tokens=False)["input_ids"]
-    prompt = torch.tensor([ids[: args.context]])
+    model, prompt = _smollm2_essay(args.context, args.seed)
     captured: dict[int, list] = {}
 
     def capture(module, positional, kwargs):  # the decode step's query rows after RoPE
