@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvzoo.framework.policy import SinksAndRecentPolicy, require_int
+from kvzoo.framework.policy import RowsView, SinksAndRecentPolicy, require_int
 from kvzoo.retrievers.quest import check_paging
 
 
@@ -32,8 +32,9 @@ class Quest(SinksAndRecentPolicy):
 
     Both read multi-token forwards (prefill, a question, a teacher-forced answer) densely, as the reference does, and
     the first ``dense_layers`` layers always densely. Known deviations: under ``rule="eval"`` every head reads the
-    step's own row; on MLA rows the "key" is the 576-dim latent row and the query the absorbed query; a padded batch's
-    pages count padding slots; the bound carries a float slack (``kernels/index_scan.py``) so that fp32 rounding never
+    step's own row; on MLA rows the "key" is the 576-dim latent row and the query the absorbed query; in a left-padded
+    batch pages start at each sequence's first real row, and ``rule="kernel"`` (whose pages leave at events the batch
+    shares) refuses padding that is not a multiple of ``page_size``; the bound carries a float slack (``kernels/index_scan.py``) so that fp32 rounding never
     undercuts an exact score.
 
     The ``"quest"`` retriever (``kvzoo/retrievers/quest.py``) takes ``page_size``, ``gqa`` and ``rule`` from here.
@@ -74,6 +75,24 @@ class Quest(SinksAndRecentPolicy):
             current = (seen - sinks) % self.page_size if seen else resident - sinks
             attended = sinks + current
         return attended if resident > attended else None
+
+    def priority(self, rows: RowsView, keep: int):
+        """The sinks and the current page (:class:`SinksAndRecentPolicy`). ``rule="kernel"`` in a left-padded batch:
+        its pages are the batch's slot multiples and a completed page leaves at an event the batch shares, so a
+        sequence whose padding is not a whole number of pages would read other pages than alone -- refused, naming
+        what works (checked at events, on the host, only where the layer holds padding)."""
+        if self.rule == "kernel" and not rows.all_valid:
+            padding = (~rows.valid[:, 0]).sum(-1).tolist()  # left padding per sequence (the rows' first group)
+            odd = [(b, p) for b, p in enumerate(padding) if p % self.page_size]
+            if odd:
+                b, p = odd[0]
+                raise ValueError(
+                    f"quest(rule='kernel') pages a batch at its shared slots (multiples of page_size={self.page_size}) "
+                    f"and archives a page when the batch's slot count completes it: sequence {b}'s left padding of {p} "
+                    f"rows is not a multiple of {self.page_size}, so it would read other pages than alone. Give each "
+                    f"sequence a left padding that is a multiple of {self.page_size}, decode it alone, or use "
+                    "rule='eval' (the default), whose pages start at each sequence's first real token")
+        return super().priority(rows, keep)
 
     @property
     def own_row_archived_next(self) -> bool:  # type: ignore[override]

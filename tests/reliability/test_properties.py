@@ -225,10 +225,9 @@ GQA_ONLY = ("int8", "paged", "pruned")  # an int8 entry is a GQA key: the MLA fa
 GQA_MODELS = tuple(f for f in MODELS if f in ("llama", "gemma3"))
 PADDED_CASES = [(name, kind) for name in POLICIES for kind in RETRIEVERS]
 # Quest's kernel rule attends the current page and archives it when it completes: an event for the whole batch at
-# slots that are multiples of page_size, which padding that is not a multiple of a page moves for the padded sequence
-# (a batch has no per-sequence events). Its retriever's pages start at each sequence's first real row (PageSummary).
-KERNEL_RULE_EVENTS = pytest.mark.xfail(reason="Quest's kernel rule archives whole pages at batch-wide events: "
-                                              "unaligned padding moves them (issue 44 item 2: open)", strict=True)
+# slots that are multiples of page_size, which padding that is not a multiple of a page would move for the padded
+# sequence (a batch has no per-sequence events): such a batch is refused, naming what works.
+KERNEL_RULE_REFUSED = "is not a multiple of 8, so it would read other pages than alone"
 
 
 def _family_of(case: int, kind: str) -> str:
@@ -240,8 +239,7 @@ def _family_of(case: int, kind: str) -> str:
 def _padded_params():
     for name, kind in PADDED_CASES:
         for pad in (16, 13):
-            marks = [KERNEL_RULE_EVENTS] if pad % PAGE and name == "quest(rule=kernel)" else []
-            yield pytest.param(name, kind, pad, id=f"{name}-{kind}-pad{pad}", marks=marks)
+            yield pytest.param(name, kind, pad, id=f"{name}-{kind}-pad{pad}")
 
 
 @pytest.mark.parametrize("name,kind,pad", list(_padded_params()))
@@ -289,5 +287,9 @@ def test_a_sequence_decodes_the_same_alone_and_left_padded(name, kind, pad):
     ids, mask = torch.zeros(2, 30 + pad, dtype=torch.long), torch.zeros(2, 30 + pad, dtype=torch.long)
     ids[0, pad:], mask[0, pad:] = sequence, 1
     ids[1], mask[1] = companion, 1
+    if pad % PAGE and name == "quest(rule=kernel)":
+        with pytest.raises(ValueError, match=KERNEL_RULE_REFUSED):
+            decode(ids, mask)
+        return
     padded, padded_logits = decode(ids, mask)
     assert_same_greedy(alone[0], padded[0], alone_logits[0], padded_logits[0])
