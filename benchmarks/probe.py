@@ -795,11 +795,10 @@ def vestige_prune(args: argparse.Namespace) -> int:
     benchmarks/decode_step.py does), then per ratio two arms from the same rows: VestigeKV with the int8 index as it
     is, and with ``prune=True`` under the audit (every archived row scored exactly each step). ``--steps`` greedy
     decode steps each. Per ratio: the index MiB a step read (the last step, all layers) without and with pruning,
-    the rows fetched, and the audit's figures over the steps: ``pruning_violations`` (a skipped row in a head's top j
-    by estimate scoring above s* - j_margin: must be 0) of ``pruning_audited`` (row, head) pairs,
-    ``page_bound_violations`` (a page bound below its page's best exact score or estimate: must be 0), the pages
-    holding a row, those skipped, and those a perfect page bound could skip (``pages_prunable``: every row <= s* -
-    j_margin for every head; ``pages_prunable_top_j``: no row of a head's top j above it).
+    the rows fetched, and the audit's figures over the steps: ``pruning_violations`` (a skipped row scoring above
+    s* - j_margin, for some head: must be 0) of ``pruning_audited`` (row, head) pairs, ``page_bound_violations`` (a
+    page bound below its page's best exact score: must be 0), the pages holding a row, those skipped, and those a
+    perfect page bound could skip (``pages_prunable``: every row <= s* - j_margin for every head).
     """
     import dataclasses
 
@@ -814,8 +813,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
     head = args.context - tail
     commit = git_commit()  # the code this process runs (HEAD may move while it does)
     figures = ("pruning_violations", "pruning_audited", "page_bound_violations", "page_bounds_audited", "pages",
-               "pages_skipped", "pages_prunable", "pages_prunable_top_j", "rows_skipped", "rows_above_floor",
-               "rows_skipped_above_floor", "rows_audited")
+               "pages_skipped", "pages_prunable", "rows_skipped", "rows_above_floor", "rows_audited")
     rows = []
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -852,7 +850,6 @@ def vestige_prune(args: argparse.Namespace) -> int:
                 del cache
             out["pages_skipped_fraction"] = out["pages_skipped"] / max(1, out["pages"])
             out["pages_prunable_fraction"] = out["pages_prunable"] / max(1, out["pages"])
-            out["pages_prunable_top_j_fraction"] = out["pages_prunable_top_j"] / max(1, out["pages"])
             out["index_bytes_ratio"] = out["pruned_index_mib_per_step"] / out["int8_index_mib_per_step"]
             if out.get("rows_audited"):
                 out["rows_above_floor_fraction"] = out["rows_above_floor"] / out["rows_audited"]

@@ -23,15 +23,11 @@ from kvzoo.kernels.index_scan import (
     int8_choose,
     int8_choose_reference,
     int8_key_entries,
-    int8_key_estimate,
     int8_key_estimate_reference,
     int8_page_bounds,
-    int8_page_entries,
     int8_page_live,
     int8_page_live_reference,
-    int8_topj_floor,
     page_rows_live,
-    topj_pages,
 )
 from kvzoo.models import tiny_llama
 from kvzoo.retrievers.int8 import Int8KeyIndex
@@ -424,95 +420,3 @@ def test_a_pruned_decode_step_skips_pages_certifiably_and_counts_what_it_read(ca
     whole = B * G * (index.summary.entries() * index.page_bytes + index.rows.n * index.entry_bytes)
     assert all(0 < s for s in steps) and steps[-1] < len(layers) * whole  # some entries were not read
     assert plain_steps[-1] == len(layers) * B * G * index.rows.n * index.entry_bytes  # unpruned: every entry
-
-
-# --- the top-j floor ------------------------------------------------------------------------------------------------
-
-
-def _topj_case(seed: int, clustered: bool, B: int = 2, G: int = 2, hq: int = 3, pages: int = 48, size: int = 4,
-               D: int = 16):
-    """Keys in pages (``clustered``: near-identical keys per page around page centres of varied norm), their int8
-    entries, a page summary covering keys and reconstructions, queries and the page bounds."""
-    g = torch.Generator().manual_seed(seed)
-    if clustered:
-        centres = torch.randn(B, G, pages, 1, D, generator=g) * torch.rand(B, G, pages, 1, 1, generator=g) * 4
-        keys = centres + 0.02 * torch.randn(B, G, pages, size, D, generator=g)
-    else:
-        keys = torch.randn(B, G, pages, size, D, generator=g)
-    keys = keys.reshape(B, G, pages * size, D)
-    codes, side = int8_key_entries(keys)
-    rebuilt = codes.float() * side[..., :1].float()
-    lo = torch.minimum(keys, rebuilt).view(B, G, pages, size, D).amin(3)
-    hi = torch.maximum(keys, rebuilt).view(B, G, pages, size, D).amax(3)
-    page_codes, page_scale = int8_page_entries(lo, hi)
-    query = torch.randn(B, G, hq, D, generator=g) * 2
-    return keys, codes, side, query, int8_page_bounds(query, page_codes, page_scale, 0.25)
-
-
-@pytest.mark.parametrize("clustered", [False, True])
-@pytest.mark.parametrize("seed", range(6))
-def test_the_top_j_floor_never_rises_above_a_page_holding_a_top_j_row(seed, clustered):
-    """``int8_topj_floor``: for every query row, every page holding one of its top ``j`` rows by estimate (the C
-    scan's estimates and the reference's) has its bound above the raised floor, so a pruned step skipping the pages
-    below it for every head still ranks those rows; the floor is never below the threshold given; and on clustered
-    keys (pages of near-identical rows) it lets most pages go where the floor alone lets none."""
-    keys, codes, side, query, bounds = _topj_case(seed, clustered)
-    B, G, hq, p = bounds.shape
-    size, j = 4, 6
-    low = torch.full((B, G, hq), -1e6)
-    floor = int8_topj_floor(query, codes, side, bounds, low, j, size, topj_pages(j, size, hq, 10**6), 0.25)
-    assert (floor >= low).all()
-    for estimate in (int8_key_estimate(query, codes, side, 0.25), int8_key_estimate_reference(query, codes, side, 0.25)):
-        top_pages = estimate.topk(j, dim=-1).indices // size  # [B, G, hq, j]
-        assert (bounds.gather(-1, top_pages) > floor[..., None]).all()
-    dead = (bounds <= floor[..., None]).all(2)
-    if clustered:
-        assert dead.float().mean() > 0.5, dead.float().mean()
-    assert not (bounds <= low[..., None]).all(2).any()  # the floor alone: no page goes
-
-
-def test_the_top_j_floor_reads_only_real_rows_and_pages_from_each_sequences_first_row():
-    """Padding rows (``valid`` False) never set the floor, whatever their estimates, and with page shifts the rows a
-    page holds are ``page * size - shift ...``: a floor from shifted pages equals the floor from the same rows
-    unshifted; with every row padding, the floor is the threshold."""
-    keys, codes, side, query, bounds = _topj_case(1, True)
-    B, G, hq, p = bounds.shape
-    low = torch.full((B, G, hq), -1e6)
-    valid = torch.zeros(B, G, codes.shape[2], dtype=torch.bool)
-    assert torch.equal(int8_topj_floor(query, codes, side, bounds, low, 4, 4, 8, 0.25, valid=valid), low)
-    huge = codes.clone()
-    huge[:, :, :4] = 127  # a padding page whose rows would top every estimate
-    valid[:] = True
-    valid[:, :, :4] = False
-    padded = int8_topj_floor(query, huge, side, bounds, low, 4, 4, 8, 0.25, valid=valid)
-    real = int8_topj_floor(query, codes, side, bounds, low, 4, 4, 8, 0.25, valid=valid)
-    assert torch.equal(padded, real)
-    shift = torch.full((B, G), 4, dtype=torch.long)  # the same rows one page later: row i in page (i + 4) // 4
-    shifted_bounds = torch.cat([bounds.new_full((B, G, hq, 1), float("-inf")), bounds], dim=-1)
-    assert torch.allclose(int8_topj_floor(query, codes, side, shifted_bounds, low, 4, 4, 8, 0.25, shift=shift),
-                          int8_topj_floor(query, codes, side, bounds, low, 4, 4, 8, 0.25))
-
-
-def test_a_pruned_decode_step_with_the_top_j_floor_keeps_what_the_rule_keeps():
-    """Tiny Llama, VestigeKV with the int8 index pruned and the default floor (``s* - 8``) over an archive large enough
-    for the top-j floor (its rows read and counted): the audit finds no skipped row of a head's top ``j`` above the
-    floor and no page bound below its rows' scores or estimates, and the greedy tokens are the unpruned index's."""
-    model = tiny_llama()[0]
-    ids = torch.randint(3, model.config.vocab_size, (1, 700), generator=torch.Generator().manual_seed(0))
-    runs = {}
-    for prune in (False, True):
-        retriever = registry.build_retriever("vestige", index="int8", prune=prune, **({"page_rows": 4} if prune else {}))
-        cache = TieredCache(model, registry.get("vestige", budget=32, retriever=retriever), audit=True)
-        logits = []
-        with torch.no_grad():
-            token = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            cache.compress()
-            for _ in range(6):
-                out = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
-                logits.append(out[0])
-                token = out.argmax(-1, keepdim=True)
-        runs[prune] = (torch.stack(logits), cache.stats().totals)
-    (plain, _), (pruned_logits, pruned) = runs[False], runs[True]
-    assert_same_greedy(plain.argmax(-1), pruned_logits.argmax(-1), plain, pruned_logits)
-    assert pruned["pruning_violations"] == 0 and pruned["page_bound_violations"] == 0
-    assert pruned["pruning_audited"] > 10_000 and pruned["pages_prunable_top_j"] > pruned["pages_prunable"]

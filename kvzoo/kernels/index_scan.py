@@ -510,51 +510,6 @@ def int8_page_live_reference(query: torch.Tensor, codes: torch.Tensor, scale: to
     return dead.logical_not_()
 
 
-def topj_pages(j: int, page_rows: int, hq: int, m: int) -> int:
-    """Pages per query row whose rows :func:`int8_topj_floor` reads: ``ceil(2 j / page_rows)``, or 0 (no top-j floor)
-    where those rows would be over a quarter of the ``m`` entries (then they cost about what they let a scan skip)."""
-    n = -(-2 * j // page_rows)
-    return n if 4 * hq * n * page_rows <= m else 0
-
-
-def int8_topj_floor(query: torch.Tensor, codes: torch.Tensor, side: torch.Tensor, page_bounds: torch.Tensor,
-                    threshold: torch.Tensor, j: int, page_rows: int, pages_read: int, scaling: float, *,
-                    length: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                    shift: torch.Tensor | None = None) -> torch.Tensor:
-    """The top-j rule's page threshold, ``[B, G, hq]``: ``max(threshold, theta)``, ``theta`` at most each query row's
-    ``j``-th best estimate (:func:`int8_key_estimate`) over the rows the rule ranks (below ``length``, ``valid``).
-    A page whose bound on its rows' estimates (``page_bounds [B, G, hq, p]``: :func:`int8_page_bounds` on a summary
-    covering the rows' int8 reconstructions as well as their keys) is below ``theta`` holds no row of that query
-    row's top ``j``; one below ``threshold``, no row scoring above it: the rule keeps no row of a page whose bound is
-    below the result for every query row of its group, so a scan skipping those pages chooses what the whole scan
-    chooses. ``theta``: the ``j``-th best estimate over the rows of each query row's ``pages_read`` pages of highest
-    bound (a subset's ``j``-th best is at most the whole's), lowered by twice the page bound's fp32 slack on those
-    rows (the C scan's sums and these round differently); ``-inf`` where they hold fewer than ``j`` rows. Row ``i``
-    is in page ``(i + shift) // page_rows`` (``shift [B, G]``: pages from each sequence's first real row)."""
-    B, G, hq, p = page_bounds.shape
-    m, D = codes.shape[2], codes.shape[3]
-    n = min(pages_read, p)
-    K = n * page_rows
-    if n < 1 or K < j:
-        return threshold.float()
-    pages = page_bounds.topk(n, dim=-1).indices  # [B, G, hq, n]
-    rows = (pages[..., None] * page_rows + torch.arange(page_rows, device=pages.device)).view(B, G, hq, K)
-    if shift is not None:
-        rows = rows - shift[:, :, None, None]
-    inside = (rows >= 0) & (rows < (length.view(B, 1, 1, 1).clamp(max=m) if length is not None else m))
-    rows = rows.clamp_(0, m - 1)
-    if valid is not None:
-        inside &= valid[:, :, None, :m].expand(B, G, hq, m).gather(3, rows)
-    w = side.shape[-1]
-    picked_codes = codes[:, :, None].expand(B, G, hq, m, D).gather(3, rows[..., None].expand(B, G, hq, K, D))
-    picked_side = side[:, :, None].expand(B, G, hq, m, w).gather(3, rows[..., None].expand(B, G, hq, K, w))
-    estimate = int8_row_bounds(query, picked_codes, picked_side, scaling)[1].masked_fill_(~inside, float("-inf"))
-    theta = estimate.topk(j, dim=-1).values[..., -1]  # [B, G, hq]
-    scale = picked_side[..., 0].float().masked_fill(~inside, 0.0).amax(-1)  # the rows theta came from
-    theta = theta - 2 * PAGE_SLACK * 128 * scaling * query.float().abs().sum(-1) * scale
-    return torch.maximum(threshold.float(), theta.nan_to_num_(nan=float("-inf")))
-
-
 def page_entries(page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
     """Index rows ``E = [max, min, max_i max(|min_i|, |max_i|)]`` ``[B, G, p, 2 D + 1]`` in the input dtype (each
     one of the page's key values: exact)."""

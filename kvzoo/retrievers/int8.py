@@ -25,9 +25,7 @@ from kvzoo.kernels.index_scan import (
     int8_page_bounds,
     int8_page_entries,
     int8_page_live,
-    int8_topj_floor,
     page_rows_live,
-    topj_pages,
     unique_candidates,
 )
 from kvzoo.retrievers.quest import PageSummary
@@ -143,15 +141,12 @@ class Int8KeyIndex(EntryIndex):
     """One entry per archived row: ``codes [D]`` int8 and ``side [scale, err, norm]`` fp16, in archive order.
 
     ``prune=True`` (:class:`~kvzoo.retrievers.vestige.VestigeRetriever`): also a page summary, per ``page_rows``
-    archived rows (in archive order) the min and max of their exact keys and their int8 reconstructions as int8 codes
-    (Quest's page, ``2 D + 5`` bytes with its empty flag; the open last page rewritten as rows join it). A decode
-    step's top-j rule first scans the pages: one whose certified bound is ``<=`` the floor for every head of its group
-    holds no row the rule keeps above it, and its rows' int8 entries are not read
-    (:func:`~kvzoo.kernels.index_scan.int8_choose` with the page flags); the step's choice then reports the bytes it
-    read, counted on the device. The floor is ``s* - j_margin`` raised to each head's ``j``-th best estimate over the
-    rows of its top pages (:func:`~kvzoo.kernels.index_scan.int8_topj_floor`: no row below it ranks in the head's top
-    ``j``) where those rows are few beside the index (:func:`~kvzoo.kernels.index_scan.topj_pages`), else ``s* -
-    j_margin`` alone (:func:`~kvzoo.kernels.index_scan.int8_page_live`)."""
+    archived rows (in archive order) the min and max of their exact keys as int8 codes (Quest's page, ``2 D + 5``
+    bytes with its empty flag; the open last page rewritten as rows join it). A decode step's top-j rule first scans
+    the pages: one whose certified bound is ``<= s* - j_margin`` for every head of its group holds no row scoring above
+    ``s* - j_margin`` (the rule's floor), and its rows' int8 entries are not read
+    (:func:`~kvzoo.kernels.index_scan.int8_page_live`, then :func:`~kvzoo.kernels.index_scan.int8_choose` with the
+    page flags); the step's choice then reports the bytes it read, counted on the device."""
 
     def __init__(self, config, geometry) -> None:
         super().__init__(config, geometry)
@@ -183,9 +178,9 @@ class Int8KeyIndex(EntryIndex):
         self._append({"codes": codes, "side": side}, rows["valid"])
         if self.summary is not None:
             D = rows["keys"].shape[-1]
-            self.summary.add(rows["keys"], rows["valid"],  # each page covers its rows' keys and reconstructions
+            self.summary.add(rows["keys"], rows["valid"],
                              {"codes": ((2 * D,), torch.int8), "scale": ((), torch.float32)},
-                             padded=archive is not None and archive.padded, also=codes.float() * side[..., :1].float())
+                             padded=archive is not None and archive.padded)
 
     def _grouped(self, query: torch.Tensor) -> torch.Tensor:
         B, H, q_len, D = query.shape
@@ -216,26 +211,12 @@ class Int8KeyIndex(EntryIndex):
         page_live = scanned = None
         if self.summary is not None and self.pages.buffers:
             pages = self.pages
-            page_length = pages.length.expand(B) if pages.fixed else None
-            size = config.page_rows
-            # what the step reads, on the device: every page summary scanned (a fixed index: every slot), the rows
-            # the top-j floor reads, then the live pages' entries (the op adds them)
-            read = B * G * self.summary.entries() * self.page_bytes
-            first = topj_pages(min(config.j, m), size, H // G, rows.n)
-            if first:  # the floor raised to each head's j-th best estimate (int8_topj_floor), the page flags here
-                bounds = int8_page_bounds(q, pages.reading("codes"), pages.reading("scale"), scaling,
-                                          length=page_length)
-                page_floor = int8_topj_floor(q, codes, rows.reading("side"), bounds, floor, min(config.j, m), size,
-                                             first, scaling, length=rows.length.expand(B) if rows.fixed else None,
-                                             valid=self._valid(archive), shift=self.page_shift)
-                # a page is dead when every head's bound is at most its floor (pages past the live ones: -inf), or
-                # when it holds no row; a NaN leaves it live
-                page_live = ((bounds <= page_floor[..., None]).all(2) | pages.reading("empty")).logical_not_()
-                read += B * H * first * size * (D + 2 * rows.reading("side").shape[-1])
-            else:
-                page_live = int8_page_live(q, pages.reading("codes"), pages.reading("scale"), pages.reading("empty"),
-                                           floor, scaling, length=page_length)
-            scanned = torch.full((), read, dtype=torch.long, device=q.device)
+            page_live = int8_page_live(q, pages.reading("codes"), pages.reading("scale"), pages.reading("empty"), floor,
+                                       scaling, length=pages.length.expand(B) if pages.fixed else None)
+            # what the step reads, on the device: every page summary scanned (a fixed index: every slot), then the
+            # live pages' entries (the op adds them)
+            scanned = torch.full((), B * G * self.summary.entries() * self.page_bytes, dtype=torch.long,
+                                 device=q.device)
         self.page_live = page_live  # this step's (the audit reads them)
         idx, picked, count = int8_choose(q, codes, rows.reading("side"), floor, min(config.j, m), archive.rows or m,
                                          scaling, length=rows.length.expand(B) if rows.fixed else None,
@@ -245,17 +226,13 @@ class Int8KeyIndex(EntryIndex):
         return Choice(idx, picked, count=count, counted=counter is not None, index_bytes=scanned)
 
     def audit_step(self, query, best, scaling, exact, valid) -> dict[str, int]:
-        """Pruning's certificate, checked on a decode step's exact scores and the unpruned scan's estimates:
-        ``pruning_violations``, the (row, head) pairs of a skipped row that is in the head's top ``j`` by estimate
-        over every row and scores above ``s* - j_margin`` (must be 0: the pruned step keeps every row the unpruned one
-        keeps that scores above the floor) of ``pruning_audited`` (every valid row, every head);
-        ``page_bound_violations``, the (page, head) pairs whose bound is below the page's best exact score or best
-        estimate (must be 0) of ``page_bounds_audited``; ``pages`` (holding a valid row), ``pages_skipped`` and
-        ``pages_prunable`` (those whose best row scores ``<= s* - j_margin`` for every head: what a perfect page bound
-        could skip by the floor alone), ``pages_prunable_top_j`` (those holding no row of any head's top ``j`` above
-        the floor: what a perfect page bound could skip with the top-j floor); ``rows_skipped`` (valid rows per group), ``rows_above_floor`` (valid rows per
-        group scoring above the floor for some head) and ``rows_skipped_above_floor`` (skipped ones: rows the top-j
-        floor let go, ranked below every head's ``j``) of ``rows_audited``."""
+        """Pruning's certificate, checked on a decode step's exact scores: ``pruning_violations``, the (row, head)
+        pairs of a skipped row scoring above ``s* - j_margin`` (must be 0) of ``pruning_audited`` (every valid row,
+        every head); ``page_bound_violations``, the (page, head) pairs whose bound is below the page's best exact
+        score (must be 0) of ``page_bounds_audited``; ``pages`` (holding a valid row), ``pages_skipped`` and
+        ``pages_prunable`` (those whose best row scores ``<= s* - j_margin`` for every head: the most any certified
+        page bound could skip); ``rows_skipped`` (valid rows per group) and ``rows_above_floor`` (valid rows per group
+        scoring above the floor for some head: what no certified pruning may skip) of ``rows_audited``."""
         if self.page_live is None:
             return {}
         B, G, m = valid.shape
@@ -270,27 +247,16 @@ class Int8KeyIndex(EntryIndex):
         page_best = scores.new_full((B, G, hq, pages), float("-inf")).scatter_reduce_(
             3, page[:, :, None].expand(B, G, hq, m), scores, "amax")  # [B, G, hq, pages]
         held = (page_best > float("-inf")).any(2)  # pages holding a valid row
-        estimate = self.bounds_and_estimates(query, scaling)[1].reshape(B, G, hq, -1)[..., :m]  # the unpruned scan's
-        estimate = estimate.masked_fill(~valid[:, :, None], float("-inf"))
-        page_estimate = scores.new_full((B, G, hq, pages), float("-inf")).scatter_reduce_(
-            3, page[:, :, None].expand(B, G, hq, m), estimate, "amax")
-        top = torch.zeros_like(scores, dtype=torch.bool).scatter_(3, estimate.topk(min(self.config.j, m), -1).indices,
-                                                                  True)  # each head's top j over every row
-        above = scores > floor
-        kept_pages = torch.zeros(B, G, pages, dtype=torch.bool, device=scores.device).scatter_reduce_(
-            2, page, (top & above).any(2), "amax")  # pages holding a row the rule keeps above the floor
         summary = self.pages
         bounds = int8_page_bounds(self._grouped(query), summary.reading("codes"), summary.reading("scale"),
                                   scaling)[..., :pages]  # [B, G, hq, pages]
-        return {"pruning_violations": int((skipped[:, :, None] & top & above).sum()),
+        return {"pruning_violations": int((skipped[:, :, None] & (scores > floor)).sum()),
                 "pruning_audited": int(valid.sum()) * hq, "rows_skipped": int(skipped.sum()),
-                "rows_above_floor": int(above.any(2).sum()), "rows_audited": int(valid.sum()),
-                "rows_skipped_above_floor": int((skipped & above.any(2)).sum()),
-                "page_bound_violations": int((held[:, :, None] & ((bounds < page_best) | (bounds < page_estimate))).sum()),
+                "rows_above_floor": int((scores > floor).any(2).sum()), "rows_audited": int(valid.sum()),
+                "page_bound_violations": int((held[:, :, None] & (bounds < page_best)).sum()),
                 "page_bounds_audited": int(held.sum()) * hq, "pages": int(held.sum()),
                 "pages_skipped": int((held & ~page_live[..., :pages]).sum()),
-                "pages_prunable": int((held & (page_best <= floor).all(2)).sum()),
-                "pages_prunable_top_j": int((held & ~kept_pages).sum())}
+                "pages_prunable": int((held & (page_best <= floor).all(2)).sum())}
 
     def select_batch(self, index: torch.Tensor) -> None:
         super().select_batch(index)

@@ -160,23 +160,19 @@ class PageSummary:
         self.started |= first < k
 
     def add(self, keys: torch.Tensor, valid: torch.Tensor,
-            fields: dict[str, tuple[tuple[int, ...], torch.dtype]], padded: bool = False,
-            also: torch.Tensor | None = None) -> None:
+            fields: dict[str, tuple[tuple[int, ...], torch.dtype]], padded: bool = False) -> None:
         """Summarise archived rows ``keys [B, G, k, D]`` (``valid`` False: padding, which never widens a page) as
         they join the end of the archive. ``fields`` (the encoded buffers' shapes and dtypes) define the summary
         on its first call. ``padded``: the storage may hold padding (pages then start at each sequence's first real
-        row: the comment above). ``also`` (``keys``' shape): a second value per row that each page's min/max covers
-        too (the int8 index's reconstructions: its pages then bound their estimates as well as the exact scores)."""
+        row: the comment above)."""
         B, G, k, D = keys.shape
         if k == 0:
             return
         if not self.pages.buffers:  # shifts only from a padded first add: rows summarised unpadded were all real
             self._define(keys, fields, padded)  # (every sequence started at row 0, its shift 0 for good)
         x = keys.float()
-        lo = x if also is None else torch.minimum(x, also.float())
-        hi = x if also is None else torch.maximum(x, also.float())
-        lo = lo.masked_fill(~valid[..., None], float("inf"))
-        hi = hi.masked_fill(~valid[..., None], float("-inf"))
+        lo = x.masked_fill(~valid[..., None], float("inf"))
+        hi = x.masked_fill(~valid[..., None], float("-inf"))
         size = self.page_size
         room = self.capacity if self.shift is not None else self.pages.capacity * size
         if k == 1 and self.pages.fixed and self.rows < room:

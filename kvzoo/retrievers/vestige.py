@@ -36,9 +36,9 @@ class VestigeRetriever(Retriever):
     (Lemma 3). ``index`` picks the kind (``"auto"``: int8 on GQA rows, the sketch on MLA rows): ``"sketch"``
     (``sketch.py``), ``"int8"`` (``int8.py``) or ``"paged"`` (``paged.py``: a fifth of int8's bytes, half its recall on
     SmolLM2 -- an option for the bytes, not the default). ``prune=True`` (int8, top-j by estimate): page summaries
-    scanned first, and the entries of a page certified to hold no row the rule keeps above ``s* - j_margin`` not read
-    (``int8.py``); off by default: on SmolLM2 its min/max bound skipped under 1 % of the pages at 8k and 17-18 % at
-    32k, and the summaries cost about what that saves (docs/fidelity.md).
+    scanned first, and the entries of a page certified below ``s* - j_margin`` for every head of its group not read
+    (``int8.py``); off by default: on SmolLM2 its min/max bound skipped under 1 % of the pages and the summaries cost
+    more bytes than that saves (docs/fidelity.md).
     """
 
     rank: int | None = None  # None: 64 on MLA rows, head_dim // 4 on GQA rows
@@ -52,8 +52,8 @@ class VestigeRetriever(Retriever):
     j_margin: float = 8.0  # top-j mode keeps a candidate whose bound > s* - j_margin (0: beats s*, the earlier rule)
     page_rows: int = 16  # index="paged" (or "int8" with prune=True): archived rows one page summary covers
     fine_pages: int = 4  # index="paged": pages per query head whose rows' int8 entries a step scans
-    # index="int8": scan page summaries first and skip the int8 entries of pages certified to hold no row the rule
-    # keeps (off: on SmolLM2 the min/max bound skips too few pages to pay for the summaries; docs/fidelity.md)
+    # index="int8": scan page summaries first and skip the int8 entries of pages certified below s* - j_margin for
+    # every head of the group (off: on SmolLM2 the min/max bound skipped no page; docs/fidelity.md)
     prune: bool = False
 
     name: ClassVar[str] = "vestige"
