@@ -79,10 +79,10 @@ def test_a_bad_feed_forward_rows_is_refused(bad):
 
 
 def test_a_layer_that_dropped_its_prefill_gives_the_pages_back_in_a_context_ending_forward(monkeypatch):
-    import kvzoo.framework.runtime as runtime
+    import kvzoo.framework.attention as attention
 
     freed = []
-    monkeypatch.setattr(runtime, "release_freed", lambda n: freed.append(n) or True)
+    monkeypatch.setattr(attention, "release_freed", lambda n: freed.append(n) or True)
     model = _model("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     cache = TieredCache(model, registry.get("snapkv", budget=24, window=8), context_length=PROMPT)
@@ -98,10 +98,10 @@ def test_a_layer_that_dropped_its_prefill_gives_the_pages_back_in_a_context_endi
 def test_a_context_ending_forward_counts_the_rows_it_brought_when_it_dropped_fewer(monkeypatch):
     # the layer's activations scale with the rows the forward brought, not with those dropped: a policy keeping most
     # rows still has its layers' freed activations given back (docs: kvzoo/framework/memory.py)
-    import kvzoo.framework.runtime as runtime
+    import kvzoo.framework.attention as attention
 
     freed = []
-    monkeypatch.setattr(runtime, "release_freed", lambda n: freed.append(n) or True)
+    monkeypatch.setattr(attention, "release_freed", lambda n: freed.append(n) or True)
     model = _model("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     cache = TieredCache(model, registry.get("snapkv", budget=72, window=8), context_length=PROMPT)

@@ -20,11 +20,22 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvzoo.framework.layer import ACTIVE_LAYER, KVLayer
+from kvzoo.framework.memory import release_freed
 from kvzoo.framework.policy import sinks_and_recent
 from kvzoo.kernels.attention import attention_reference, attention_sdpa
 from kvzoo.kernels.decode_attention import attend
 
 ATTN_NAME = "kvzoo"
+
+
+def after_forward(layer: KVLayer) -> None:
+    """The runtime's schedule after the layer's attention (:meth:`Runtime.after_forward`); when the forward ended the
+    context, the heap's free pages go back before the next layer runs if the rows the layer dropped, or the rows the
+    forward brought it (its attention's and feed-forward's activations scale with them), reach the threshold of
+    :func:`~kvzoo.framework.memory.release_freed`."""
+    freed = layer.runtime.after_forward(layer)
+    if freed is not None:
+        release_freed(max(freed, layer.store.brought_bytes()))
 
 
 def padding_mask(
@@ -267,7 +278,7 @@ def tiered_attention(layer: KVLayer, query: torch.Tensor, attention_mask: torch.
         out = decode_step(layer, query, scaling)
     else:
         out = _multi(layer, query, _multi_rows(layer, lambda: query, scaling), scaling, sdpa=True)
-    rt.after_forward(layer)
+    after_forward(layer)
     return out
 
 
@@ -344,7 +355,7 @@ def mla_attention(layer: KVLayer, mq: MLAQuery, attention_mask: torch.Tensor | N
         valid = rows.valid.expand(B, H, -1)
         per_head = MultiTokenRows(keys, values, slots, valid, rows.tier, rows.plain_causal)
         out = _multi(layer, query, per_head, mq.scaling, sdpa=True)
-    rt.after_forward(layer)
+    after_forward(layer)
     return out
 
 

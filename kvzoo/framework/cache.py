@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvzoo.framework.adapters import ADAPTER, adapter_for
-from kvzoo.framework.attention import attach
+from kvzoo.framework.attention import after_forward, attach
 from kvzoo.framework.forks import (
     clone,
     compressed,
@@ -322,7 +322,7 @@ class TieredCache(Cache):
             runtime = clone.runtime
             runtime.ending = ends_context
             for layer in clone.tiered_layers:  # what each layer's attention would have fired, in the forward's order
-                runtime.after_forward(layer)
+                after_forward(layer)
             runtime.ending = False
         return clone
 

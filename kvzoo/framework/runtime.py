@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvzoo.framework.layer import RuntimeLayer
-from kvzoo.framework.memory import release_freed
 from kvzoo.framework.plugins import plugin_failed
 from kvzoo.framework.policy import FRAMEWORK_VICTIMS, Event, Observation, Policy, check_schedule
 from kvzoo.framework.retrieval import Retrieval
@@ -157,30 +156,23 @@ class Runtime:
             steps += 1
         return steps
 
-    def after_forward(self, layer: RuntimeLayer) -> None:
+    def after_forward(self, layer: RuntimeLayer) -> int | None:
         """Fire this forward's scheduled event for the layer, if the policy has one; and, when the forward ends the
         context (:meth:`TieredCache.context_end`), the ``context_end`` event right after, before the next layer runs
-        (so only one layer holds its whole prefill at a time)."""
+        (so only one layer holds its whole prefill at a time). Returns the bytes that event gave back (None: the
+        forward did not end the context), for the caller to give the heap's free pages back
+        (:func:`kvzoo.framework.attention.after_forward`)."""
         policy, counts = self.policy, layer.counts
         if policy.schedule == "step":
             self.fire(layer, "step")
         elif policy.schedule == "block" and policy.block_size and counts.since_event >= policy.block_size:
             self.fire(layer, "block")
-        if self.ending:
-            # give back the pages this layer's forward freed before the next layer runs: the rows just dropped, and the
-            # activations of the layer's attention and feed-forward, which scale with the rows the forward brought
-            freed = self.fire(layer, "context_end")
-            release_freed(max(freed, self.brought(layer)))
-            if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
-                self.ending = False
-
-    @staticmethod
-    def brought(layer: RuntimeLayer) -> int:
-        """Bytes of the rows the layer's latest forward appended (0 before its first rows)."""
-        if not layer.is_initialized:
-            return 0
-        batch, groups = layer.store.batch_groups
-        return layer.counts.new_rows * layer.store.row_bytes() * batch * groups
+        if not self.ending:
+            return None
+        freed = self.fire(layer, "context_end")
+        if layer.rank == self.num_layers - 1:  # the forward's last layer: the context has ended
+            self.ending = False
+        return freed
 
     def fire(self, layer: RuntimeLayer, event: Event) -> int:
         """Run the policy's selector for ``event`` and move the rows it does not keep; the bytes given back."""

@@ -90,15 +90,12 @@ class LayerStorage:
         self.rows = RowStore()  # the storage: "keys", "values" (GQA), "slots", "valid", "stat:<name>"
         self.tier = RowStore()  # with an archive, after the first eviction: "pos", the tier's positions in rows
         self.gathered = False  # the tier is the position list (else the storage's live rows)
-        # the archived rows' positions and their index (which reads whether some row may be padding)
-        self.archive = LayerArchive(runtime, counts, self.rows, padded=self.padded)
+        # the archived rows' positions and their index (told when some row may be padding: no reference back here,
+        # so the storage and its archive are freed when their last reference goes, not by the garbage collector)
+        self.archive = LayerArchive(runtime, counts, self.rows, padded=False)
         self.budget: int | None = None  # the tier's rows, fixed at the first event
         self.all_valid = True  # no row appended is padding (a forward with a padding mask clears it: no host sync)
         self.device: torch.device | None = None
-
-    def padded(self) -> bool:
-        """Whether some row appended may be padding (a bound method: a deep copy's archive reads the copy's)."""
-        return not self.all_valid
 
     def define(self, key_states: torch.Tensor, value_states: torch.Tensor | None, reserve_rows: int | None) -> None:
         """Lay out the buffers for rows like ``key_states`` (``[B, G, q, D]``) and ``value_states`` (GQA)."""
@@ -156,6 +153,13 @@ class LayerStorage:
         return self.retains and (self.rows.n + appended > self.rows.capacity
                                  or archived > 0 and archive.n + archived > archive.capacity)
 
+    def brought_bytes(self) -> int:
+        """Bytes of the rows the layer's latest forward appended (0 before its first rows)."""
+        if not self.rows.buffers:
+            return 0
+        batch, groups = self.batch_groups
+        return self.counts.new_rows * self.row_bytes() * batch * groups
+
     def fit(self, rows: int) -> None:
         """A fixed capacity's tier storage sized to ``rows`` (with an archive: the tier's position list, once there is one)."""
         if self.retains and not self.gathered:
@@ -206,13 +210,18 @@ class LayerStorage:
             B, G = valid.shape[:2]
             new = padding_mask[:, -1:].to(torch.bool)  # [B, 1]
             valid.scatter_(2, self.rows.last_index(), new[:, None, :].expand(B, G, 1))
-            self.all_valid = False
+            self.mark_padded()
             return
         n, seen = self.rows.n, self.counts.seen
         new = padding_mask[:, seen - q : seen].to(torch.bool)  # [B, q]
         self.rows.get("valid")[:, :, n - q : n] = new[:, None, :]
         if not bool(new.all()):
-            self.all_valid = False
+            self.mark_padded()
+
+    def mark_padded(self) -> None:
+        """Some row appended may be padding: the attention masks it and the archive's scans read the rows' flags."""
+        self.all_valid = False
+        self.archive.padded = True
 
     # --- the attended tier -----------------------------------------------------------------------------
     def get(self, name: str) -> torch.Tensor:
@@ -346,9 +355,9 @@ class LayerArchive:
     (``index``, None without a retriever), and their reads (gathered from the storage's ``rows``)."""
 
     def __init__(self, runtime: StorageHost, counts: LayerCounters, rows: RowStore,
-                 padded: Callable[[], bool] | None = None) -> None:
+                 padded: bool = True) -> None:
         self.runtime = runtime
-        self.padded = padded or (lambda: True)  # whether some stored row may be padding (host state: no sync)
+        self.padded = padded  # whether some stored row may be padding (host state, kept by the storage: no sync)
         self.counts = counts  # the layer's counters: a decode step's view carries its fetched-rows counter
         self.rows = rows  # the storage the positions point into
         self.positions = RowStore()  # with an archive: "pos", the archived rows' positions, in eviction order
@@ -406,7 +415,7 @@ class LayerArchive:
             return picked
 
         return ArchiveView(read=read, budget=budget, rows=rows, groups=self.rows.buffers["keys"].shape[1],
-                           padded=self.padded(), **extra)
+                           padded=self.padded, **extra)
 
     def get(self, name: str) -> torch.Tensor:
         """The archived rows of ``name`` ``[B, G, m, ...]`` in archive order (a copy); ``"values"`` on MLA rows is
