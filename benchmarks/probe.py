@@ -42,6 +42,13 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _append_rows(path: str, rows: list[dict[str, Any]]) -> None:
+    """Append ``rows`` to the JSON-lines file ``path``, one line each."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def vestige_with(ratio: float, retriever: dict | None):
     """``vestige`` at ``ratio`` with its retriever built from these parameters (None: eviction alone)."""
     from kvzoo import registry
@@ -250,8 +257,7 @@ def vestige_dce(args: argparse.Namespace) -> int:
                 print(f"  {ratio:g}x {arm}: ΔCE {result.delta:+.3f}, fetched/step {fetched / steps:.0f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
                 if args.json:
-                    with open(args.json, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    _append_rows(args.json, [row])
     dce_summary(rows, args.summary)
     return 0
 
@@ -865,9 +871,7 @@ def vestige_prune(args: argparse.Namespace) -> int:
               f"{r['page_bound_violations']} / {r['page_bounds_audited']} | {r['int8_index_mib_per_step']:.1f} | "
               f"{r['pruned_index_mib_per_step']:.1f} | {r['index_bytes_ratio']:.2f} |")
     if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _append_rows(args.json, rows)
     return 0
 
 
@@ -1000,9 +1004,7 @@ def prune_bounds(args: argparse.Namespace) -> int:
         print(f"| {r['bound']} | {r['threshold']} | {r['live_share']:.3f} | {r['max_live_share']:.3f} | "
               f"{r['implied_index_bytes']:.2f} |")
     if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _append_rows(args.json, rows)
     return 0
 
 

@@ -78,38 +78,43 @@ def test_a_bad_feed_forward_rows_is_refused(bad):
         pipeline.prefill(model, cache, torch.tensor([[5, 6, 7]]), feed_forward_rows=bad)
 
 
-def test_a_layer_that_dropped_its_prefill_gives_the_pages_back_in_a_context_ending_forward(monkeypatch):
+@pytest.fixture
+def freed(monkeypatch):
+    """The bytes each context-ending layer hands to ``release_freed`` (which then gives nothing back)."""
     import kvzoo.framework.attention as attention
 
-    freed = []
-    monkeypatch.setattr(attention, "release_freed", lambda n: freed.append(n) or True)
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "release_freed", lambda n: calls.append(n) or True)
+    return calls
+
+
+def _rows_bytes(layer, rows: int) -> int:
+    """Bytes of ``rows`` rows of every (sequence, group) of ``layer``."""
+    batch, groups = layer.store.batch_groups
+    return rows * layer.store.row_bytes() * batch * groups
+
+
+def test_a_layer_that_dropped_its_prefill_gives_the_pages_back_in_a_context_ending_forward(freed):
     model = _model("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     cache = TieredCache(model, registry.get("snapkv", budget=24, window=8), context_length=PROMPT)
     pipeline.prefill(model, cache, ids[:, :40])  # not the context's end: nothing compressed, nothing given back
     assert freed == []
     pipeline.prefill(model, cache, ids[:, 40:], ends_context=True)
-    layer = cache.tiered_layers[0]
-    batch, groups = layer.store.batch_groups
-    assert freed == [(PROMPT - 24) * layer.store.row_bytes() * batch * groups] * len(cache.tiered_layers)
+    assert freed == [_rows_bytes(cache.tiered_layers[0], PROMPT - 24)] * len(cache.tiered_layers)
     detach(model)
 
 
-def test_a_context_ending_forward_counts_the_rows_it_brought_when_it_dropped_fewer(monkeypatch):
+def test_a_context_ending_forward_counts_the_rows_it_brought_when_it_dropped_fewer(freed):
     # the layer's activations scale with the rows the forward brought, not with those dropped: a policy keeping most
     # rows still has its layers' freed activations given back (docs: kvzoo/framework/memory.py)
-    import kvzoo.framework.attention as attention
-
-    freed = []
-    monkeypatch.setattr(attention, "release_freed", lambda n: freed.append(n) or True)
     model = _model("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     cache = TieredCache(model, registry.get("snapkv", budget=72, window=8), context_length=PROMPT)
     pipeline.prefill(model, cache, ids, ends_context=True)  # one forward: 80 rows brought, 8 dropped
     layer = cache.tiered_layers[0]
-    batch, groups = layer.store.batch_groups
     assert layer.store.n == 72
-    assert freed == [PROMPT * layer.store.row_bytes() * batch * groups] * len(cache.tiered_layers)
+    assert freed == [_rows_bytes(layer, PROMPT)] * len(cache.tiered_layers)
     detach(model)
 
 
